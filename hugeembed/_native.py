@@ -1,0 +1,117 @@
+"""Loads hugeembed's native CPU kernels (csrc/*.cpp, built by ``pip install``).
+
+The kernels are plain C functions over raw pointers called through ctypes, which
+releases the GIL for the duration of each call.  Every wrapper checks dtype,
+device, contiguity and length before handing a pointer over: a kernel never sees
+a buffer it could overrun.
+
+The library is loaded on first use, not at import, so that ``import hugeembed``
+works (and the torch code paths run) even where it was not built; a CPU fast path
+that needs it then raises an ``ImportError`` saying how to build it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["lib", "available", "fn", "ptr", "check", "nthreads", "I64", "I32", "F32", "F64", "PTR"]
+
+I64 = ctypes.c_int64
+I32 = ctypes.c_int32
+F32 = ctypes.c_float
+F64 = ctypes.c_double
+PTR = ctypes.c_void_p
+
+_DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
+# Must equal he_abi_version() in csrc/abi.cpp.
+ABI_VERSION = 1
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_kernels{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+        return None
+    path = _library_path()
+    if path is None:
+        return None
+    loaded = ctypes.CDLL(str(path))
+    version = loaded.he_abi_version
+    version.restype = I64
+    if version() != ABI_VERSION:
+        raise ImportError(
+            f"hugeembed's native kernels at {path} are stale (ABI {version()}, expected "
+            f"{ABI_VERSION}); rebuild them with `pip install -e .`"
+        )
+    return loaded
+
+
+def available() -> bool:
+    """True when the native kernels are built and not disabled by HUGEEMBED_DISABLE_NATIVE=1."""
+    return _load() is not None
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded kernel library; raises ImportError naming the fix when it is missing."""
+    loaded = _load()
+    if loaded is None:
+        if os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+            raise ImportError(f"hugeembed native kernels are disabled by {_DISABLE_ENV}")
+        raise ImportError(
+            "hugeembed's native CPU kernels (hugeembed/_kernels*.so) are not built. "
+            "Install the package with `pip install -e .` (needs a C++17 compiler), "
+            "or set HUGEEMBED_DISABLE_NATIVE=1 to run the plain-PyTorch code paths."
+        )
+    return loaded
+
+
+_declared: dict[str, ctypes._CFuncPtr] = {}
+
+
+def fn(name: str, *argtypes, restype=I64):
+    """The kernel `name` with its ctypes signature declared (cached)."""
+    f = _declared.get(name)
+    if f is None:
+        f = getattr(lib(), name)
+        f.argtypes = list(argtypes)
+        f.restype = restype
+        _declared[name] = f
+    return f
+
+
+def check(t: torch.Tensor, dtype: torch.dtype, what: str, numel: int | None = None) -> torch.Tensor:
+    """Returns `t` if it is a contiguous CPU tensor of `dtype` (and `numel` elements)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: native kernel needs a CPU tensor, got device {t.device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: expected a contiguous tensor")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{what}: expected {numel} elements, got {t.numel()}")
+    return t
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """Raw data pointer of a tensor (None for None or an empty tensor)."""
+    if t is None or t.numel() == 0:
+        return None
+    return t.data_ptr()
+
+
+def nthreads() -> int:
+    return max(1, torch.get_num_threads())

@@ -1,0 +1,51 @@
+"""The ``hugeembed`` command line: one module per command, each with add_parser() and run().
+
+Errors a user can fix (bad flags, missing files, unreadable data, invalid configs)
+print one line on stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+# command name -> module under hugeembed.cli
+COMMANDS: dict[str, str] = {}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage + message)
+        self.exit(2, f"hugeembed: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hugeembed", description="Train recommendation models with huge sparse embedding tables.")
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"hugeembed {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module in COMMANDS.items():
+        importlib.import_module(f".{module}", __name__).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import HugeEmbedError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f".{COMMANDS[args.command]}", __name__)
+    try:
+        return int(module.run(args) or 0)
+    except (HugeEmbedError, OSError, ValueError) as e:
+        print(f"hugeembed {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hugeembed {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,3 @@
+"""(under construction: see the issues)"""
+
+__all__: list[str] = []

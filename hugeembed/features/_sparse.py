@@ -1,0 +1,360 @@
+"""SparseFeatures: the one jagged layout of sparse ids that every part of hugeembed takes.
+
+Layout (feature-major, the same as TorchRec's KeyedJaggedTensor), for F features
+over a batch of B samples::
+
+    keys     = ("user", "item")                    F = 2, B = 3
+    bags       user: [1, 5] [ ] [7]   item: [2] [2, 3, 9] [4]
+    values   = [1, 5, 7, 2, 2, 3, 9, 4]             int64 [N]
+    lengths  = [2, 0, 1, 1, 3, 1]                   [F*B], bag f*B + b
+    offsets  = [0, 2, 2, 3, 4, 7, 8]                [F*B + 1], int32 or int64
+    weights  = None or float [N] (one weight per id)
+
+The constructor is cheap (shape checks only, no pass over the data and no device
+sync); call :meth:`validate` on untrusted input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["SparseFeatures", "JaggedFeature"]
+
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class JaggedFeature:
+    """The ids of one feature over a batch: ``values[offsets[b]:offsets[b+1]]`` is sample b.
+
+    Args:
+        values: int64 ``[n]`` ids.
+        offsets: ``[B + 1]`` int32/int64, ``offsets[0] == 0``, ``offsets[-1] == n``.
+        weights: optional float ``[n]``, one weight per id.
+        name: the feature's name (used in error messages).
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None = None
+    name: str = "feature"
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def to_features(self) -> "SparseFeatures":
+        return SparseFeatures([self.name], self.values, offsets=self.offsets, weights=self.weights)
+
+
+class SparseFeatures:
+    """A batch of named sparse features in one jagged, feature-major layout.
+
+    Args:
+        keys: feature names, unique, in the order their bags appear in `values`.
+        values: int64 ``[N]`` ids of all features, feature-major then sample-major.
+        offsets: ``[F*B + 1]`` int32/int64 start of each bag (give this or `lengths`).
+        lengths: ``[F*B]`` number of ids in each bag (give this or `offsets`).
+        weights: optional float ``[N]`` per-id weights.
+        batch_size: B; needed only when there are no features.
+
+    Example::
+
+        >>> sf = SparseFeatures.from_lists({"user": [[1, 5], [], [7]], "item": [[2], [2, 3, 9], [4]]})
+        >>> sf.batch_size, sf.keys(), sf.lengths().tolist()
+        (3, ('user', 'item'), [2, 0, 1, 1, 3, 1])
+    """
+
+    __slots__ = ("_keys", "_index", "_values", "_offsets", "_weights", "_batch_size")
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        *,
+        offsets: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        keys = tuple(keys)
+        index = {k: i for i, k in enumerate(keys)}
+        if len(index) != len(keys):
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            raise InputError(f"SparseFeatures: duplicate feature names {dup}")
+        if (offsets is None) == (lengths is None):
+            raise InputError("SparseFeatures: give exactly one of offsets= or lengths=")
+        if not isinstance(values, torch.Tensor) or values.dim() != 1:
+            raise InputError("SparseFeatures: values must be a 1-D tensor of ids")
+        if offsets is None:
+            assert lengths is not None
+            if lengths.dim() != 1:
+                raise InputError("SparseFeatures: lengths must be a 1-D tensor")
+            offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+        if offsets.dim() != 1 or offsets.numel() < 1:
+            raise InputError("SparseFeatures: offsets must be a 1-D tensor with at least one element")
+        num_bags = offsets.numel() - 1
+        if keys:
+            if num_bags % len(keys) != 0:
+                raise InputError(
+                    f"SparseFeatures: {num_bags} bags do not split evenly over {len(keys)} features"
+                )
+            derived = num_bags // len(keys)
+            if batch_size is not None and batch_size != derived:
+                raise InputError(
+                    f"SparseFeatures: batch_size={batch_size} but offsets describe {derived} samples"
+                )
+            batch_size = derived
+        elif batch_size is None:
+            batch_size = 0
+        if batch_size < 0:
+            raise InputError(f"SparseFeatures: batch_size must be >= 0, got {batch_size}")
+        if weights is not None and (weights.dim() != 1 or weights.numel() != values.numel()):
+            raise InputError(
+                f"SparseFeatures: weights must be 1-D with one weight per id ({values.numel()}), "
+                f"got shape {tuple(weights.shape)}"
+            )
+        self._keys = keys
+        self._index = index
+        self._values = values
+        self._offsets = offsets
+        self._weights = weights
+        self._batch_size = int(batch_size)
+
+    # -- accessors ---------------------------------------------------------------------
+
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def lengths(self) -> torch.Tensor:
+        return self._offsets[1:] - self._offsets[:-1]
+
+    def weights(self) -> torch.Tensor:
+        """Per-id weights; raises if this batch has none (see :meth:`weights_or_none`)."""
+        if self._weights is None:
+            raise InputError("SparseFeatures: this batch has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def num_features(self) -> int:
+        return len(self._keys)
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def index_of(self, key: str) -> int:
+        """Position of feature `key`; raises KeyError listing the known features."""
+        try:
+            return self._index[key]
+        except KeyError:
+            raise KeyError(f"no feature {key!r} in this batch; features: {list(self._keys)}") from None
+
+    def feature(self, key: str) -> JaggedFeature:
+        """The ids of one feature, with offsets rebased to start at 0."""
+        f = self.index_of(key)
+        b = self._batch_size
+        offs = self._offsets[f * b : (f + 1) * b + 1]
+        start, end = (int(x) for x in (offs[0], offs[-1])) if offs.numel() else (0, 0)
+        w = None if self._weights is None else self._weights[start:end]
+        return JaggedFeature(self._values[start:end], offs - start, w, name=key)
+
+    __getitem__ = feature
+
+    def lengths_per_feature(self) -> torch.Tensor:
+        """Lengths as ``[F, B]``."""
+        return self.lengths().view(len(self._keys), self._batch_size)
+
+    # -- device and memory -----------------------------------------------------------
+
+    def _map(self, fn) -> "SparseFeatures":
+        return SparseFeatures(
+            self._keys,
+            fn(self._values),
+            offsets=fn(self._offsets),
+            weights=None if self._weights is None else fn(self._weights),
+            batch_size=self._batch_size,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
+        device = torch.device(device)
+        if self._values.device == device:
+            return self
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "SparseFeatures":
+        """A copy in page-locked host memory, for fast asynchronous host-to-GPU copies."""
+        return self._map(lambda t: t.pin_memory())
+
+    def is_pinned(self) -> bool:
+        return self._values.is_pinned()
+
+    # -- reshaping -------------------------------------------------------------------
+
+    def select(self, keys: Sequence[str]) -> "SparseFeatures":
+        """The features named in `keys`, in that order."""
+        return self.permute([self.index_of(k) for k in keys])
+
+    def permute(self, order: Sequence[int]) -> "SparseFeatures":
+        """Features reordered (or subset) by position: feature i of the result is ``order[i]``."""
+        order = list(order)
+        for i in order:
+            if not 0 <= i < len(self._keys):
+                raise IndexError(f"feature position {i} out of range for {len(self._keys)} features")
+        b = self._batch_size
+        offsets = self._offsets.to(torch.int64)
+        lengths = self.lengths_per_feature().to(torch.int64) if self._keys else offsets[:0].view(0, b)
+        starts = offsets[:-1].view(len(self._keys), b)[:, :1].reshape(-1) if self._keys else offsets[:0]
+        totals = lengths.sum(dim=1)
+        sel = torch.tensor(order, dtype=torch.int64, device=offsets.device)
+        new_lengths = lengths.index_select(0, sel).reshape(-1)
+        # gather positions of the selected features' ids, one contiguous range each
+        sel_starts, sel_totals = starts.index_select(0, sel), totals.index_select(0, sel)
+        pos = _ranges(sel_starts, sel_totals)
+        values = self._values.index_select(0, pos)
+        weights = None if self._weights is None else self._weights.index_select(0, pos)
+        new_offsets = torch.zeros(new_lengths.numel() + 1, dtype=self._offsets.dtype, device=offsets.device)
+        torch.cumsum(new_lengths, 0, out=new_offsets[1:])
+        return SparseFeatures(
+            [self._keys[i] for i in order], values, offsets=new_offsets, weights=weights, batch_size=b
+        )
+
+    def split(self, batch_sizes: Sequence[int] | int) -> list["SparseFeatures"]:
+        """Splits the batch along samples: ``split([2, 3])`` gives batches of 2 and 3 samples.
+
+        An int splits into equal chunks of that size (the last may be smaller).
+        """
+        b = self._batch_size
+        if isinstance(batch_sizes, int):
+            if batch_sizes <= 0:
+                raise ValueError(f"split size must be > 0, got {batch_sizes}")
+            batch_sizes = [min(batch_sizes, b - s) for s in range(0, b, batch_sizes)] or [0]
+        sizes = list(batch_sizes)
+        if any(s < 0 for s in sizes) or sum(sizes) != b:
+            raise ValueError(f"split sizes {sizes} must be >= 0 and sum to the batch size {b}")
+        f = len(self._keys)
+        offsets = self._offsets.to(torch.int64)
+        lengths = self.lengths_per_feature().to(torch.int64) if f else None
+        out: list[SparseFeatures] = []
+        start = 0
+        for size in sizes:
+            if f == 0:
+                out.append(SparseFeatures((), self._values[:0], offsets=self._offsets[:1], batch_size=size))
+                continue
+            assert lengths is not None
+            sub_lengths = lengths[:, start : start + size]
+            bag_starts = offsets[:-1].view(f, b)[:, start] if size else offsets[:f]
+            pos = _ranges(bag_starts, sub_lengths.sum(dim=1))
+            new_offsets = torch.zeros(f * size + 1, dtype=self._offsets.dtype, device=offsets.device)
+            torch.cumsum(sub_lengths.reshape(-1), 0, out=new_offsets[1:])
+            out.append(
+                SparseFeatures(
+                    self._keys,
+                    self._values.index_select(0, pos),
+                    offsets=new_offsets,
+                    weights=None if self._weights is None else self._weights.index_select(0, pos),
+                    batch_size=size,
+                )
+            )
+            start += size
+        return out
+
+    @staticmethod
+    def concat_batches(batches: Sequence["SparseFeatures"]) -> "SparseFeatures":
+        """Joins batches with the same features along samples (the inverse of :meth:`split`)."""
+        if not batches:
+            raise ValueError("concat_batches needs at least one batch")
+        keys = batches[0].keys()
+        for i, sf in enumerate(batches):
+            if sf.keys() != keys:
+                raise InputError(f"concat_batches: batch {i} has features {sf.keys()}, expected {keys}")
+        has_w = [sf.weights_or_none() is not None for sf in batches]
+        if any(has_w) and not all(has_w):
+            raise InputError("concat_batches: either every batch has weights or none has")
+        f = len(keys)
+        if f == 0:
+            return SparseFeatures((), batches[0].values()[:0], offsets=batches[0].offsets()[:1],
+                                  batch_size=sum(sf.batch_size for sf in batches))
+        # regroup to feature-major: for each feature, the bags of every batch in turn
+        lengths = torch.cat([sf.lengths_per_feature().to(torch.int64) for sf in batches], dim=1)
+        order = []
+        for fi in range(f):
+            for sf in batches:
+                order.append(sf.feature(keys[fi]))
+        values = torch.cat([j.values for j in order])
+        weights = torch.cat([j.weights for j in order]) if all(has_w) else None
+        return SparseFeatures(keys, values, lengths=lengths.reshape(-1), weights=weights)
+
+    # -- checking ----------------------------------------------------------------------
+
+    def validate(self) -> "SparseFeatures":
+        """Checks dtypes, offsets and weights; raises InputError naming the feature and value.
+
+        Returns self so it can be chained: ``sf = SparseFeatures(...).validate()``.
+        """
+        from ._validate import validate_features
+
+        validate_features(self)
+        return self
+
+    def bag_location(self, bag: int) -> tuple[str, int]:
+        """(feature name, sample index) of flat bag number `bag`."""
+        b = max(self._batch_size, 1)
+        return self._keys[bag // b], bag % b
+
+    def id_location(self, position: int) -> tuple[str, int]:
+        """(feature name, sample index) of the id at flat position `position` in values."""
+        offsets = self._offsets.to(torch.int64).cpu()
+        bag = int(torch.searchsorted(offsets, torch.tensor([position]), right=True)[0]) - 1
+        return self.bag_location(bag)
+
+    def __repr__(self) -> str:
+        w = "" if self._weights is None else f", weights={self._weights.dtype}"
+        return (
+            f"SparseFeatures(keys={list(self._keys)}, batch_size={self._batch_size}, "
+            f"num_ids={self._values.numel()}, device={self.device}{w})"
+        )
+
+
+def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(starts[i], starts[i] + sizes[i]) for each i (vectorised)."""
+    starts = starts.to(torch.int64)
+    sizes = sizes.to(torch.int64)
+    total = int(sizes.sum()) if sizes.numel() else 0
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=starts.device)
+    seg_first = torch.cumsum(sizes, 0) - sizes  # position in output where each range begins
+    idx = torch.arange(total, dtype=torch.int64, device=starts.device)
+    owner = torch.repeat_interleave(torch.arange(sizes.numel(), device=starts.device), sizes)
+    return idx - seg_first[owner] + starts[owner]
