@@ -12,50 +12,30 @@ over a batch of B samples::
 
 The constructor is cheap (shape checks only, no pass over the data and no device
 sync); call :meth:`validate` on untrusted input.
+
+Converters (classmethod ``from_X`` / method ``to_X``), see ``_convert.py`` and ``_interop.py``:
+``dense_padded`` (HugeCTR ``[B, slots, max_nnz]`` with -1 padding), ``coo`` (HugeCTR fprop,
+TF SparseTensor), ``csr``, ``sparse_coo_tensors`` (torch), ``lists``, ``dict``, ``torchrec``.
+They check their input as they read it and build int64 ids and int64 offsets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
 from ..errors import InputError
+from ._convert import TensorConverters
+from ._interop import PythonConverters
+from ._jagged import JaggedFeature
 
 __all__ = ["SparseFeatures", "JaggedFeature"]
 
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
-class JaggedFeature:
-    """The ids of one feature over a batch: ``values[offsets[b]:offsets[b+1]]`` is sample b.
-
-    Args:
-        values: int64 ``[n]`` ids.
-        offsets: ``[B + 1]`` int32/int64, ``offsets[0] == 0``, ``offsets[-1] == n``.
-        weights: optional float ``[n]``, one weight per id.
-        name: the feature's name (used in error messages).
-    """
-
-    values: torch.Tensor
-    offsets: torch.Tensor
-    weights: torch.Tensor | None = None
-    name: str = "feature"
-
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.numel() - 1
-
-    def lengths(self) -> torch.Tensor:
-        return self.offsets[1:] - self.offsets[:-1]
-
-    def to_features(self) -> "SparseFeatures":
-        return SparseFeatures([self.name], self.values, offsets=self.offsets, weights=self.weights)
-
-
-class SparseFeatures:
+class SparseFeatures(TensorConverters, PythonConverters):
     """A batch of named sparse features in one jagged, feature-major layout.
 
     Args:
@@ -94,8 +74,11 @@ class SparseFeatures:
             raise InputError("SparseFeatures: give exactly one of offsets= or lengths=")
         if not isinstance(values, torch.Tensor) or values.dim() != 1:
             raise InputError("SparseFeatures: values must be a 1-D tensor of ids")
+        for name, t in (("offsets", offsets), ("lengths", lengths), ("weights", weights)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise InputError(f"SparseFeatures: {name} must be a tensor, got {type(t).__name__}")
         if offsets is None:
-            assert lengths is not None
+            assert lengths is not None  # guaranteed by the exactly-one check above
             if lengths.dim() != 1:
                 raise InputError("SparseFeatures: lengths must be a 1-D tensor")
             offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
@@ -114,6 +97,8 @@ class SparseFeatures:
                     f"SparseFeatures: batch_size={batch_size} but offsets describe {derived} samples"
                 )
             batch_size = derived
+        elif num_bags:
+            raise InputError(f"SparseFeatures: no features, but offsets describe {num_bags} bags")
         elif batch_size is None:
             batch_size = 0
         if batch_size < 0:
@@ -234,9 +219,12 @@ class SparseFeatures:
                 raise IndexError(f"feature position {i} out of range for {len(self._keys)} features")
         b = self._batch_size
         offsets = self._offsets.to(torch.int64)
-        lengths = self.lengths_per_feature().to(torch.int64) if self._keys else offsets[:0].view(0, b)
-        starts = offsets[:-1].view(len(self._keys), b)[:, :1].reshape(-1) if self._keys else offsets[:0]
-        totals = lengths.sum(dim=1)
+        lengths = self.lengths_per_feature().to(torch.int64)
+        # feature f's ids sit in values[offsets[f*B] : offsets[(f+1)*B]]; with B == 0 both are
+        # offsets[0] (slicing offsets[:-1].view(F, B)[:, 0] would find no column there)
+        first_bag = torch.arange(len(self._keys) + 1, dtype=torch.int64, device=offsets.device) * b
+        bounds = offsets.index_select(0, first_bag)
+        starts, totals = bounds[:-1], bounds[1:] - bounds[:-1]
         sel = torch.tensor(order, dtype=torch.int64, device=offsets.device)
         new_lengths = lengths.index_select(0, sel).reshape(-1)
         # gather positions of the selected features' ids, one contiguous range each
