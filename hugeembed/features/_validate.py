@@ -12,19 +12,30 @@ _OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
 def validate_features(sf) -> None:
-    """Raises InputError (a ValueError) naming the feature, sample and value at fault."""
+    """Raises InputError (a ValueError) naming the feature, sample and value at fault.
+
+    Checks, in order: id and offset dtypes, one device for values/offsets/weights, offsets
+    starting at 0 and never decreasing, the last offset equal to the number of ids, and
+    weights that are floating point and finite. Ids and offsets are shared by every
+    feature, so a dtype or device error names them all.
+    """
     values, offsets, weights = sf.values(), sf.offsets(), sf.weights_or_none()
-    keys = sf.keys()
+    keys = list(sf.keys())
+    where = f"SparseFeatures {keys}"
     if values.dtype != torch.int64:
-        raise InputError(f"SparseFeatures {list(keys)}: ids must be int64, got {values.dtype}")
+        raise InputError(f"{where}: ids must be int64, got {values.dtype} (convert with values.long())")
     if offsets.dtype not in _OFFSET_DTYPES:
-        raise InputError(f"SparseFeatures {list(keys)}: offsets must be int32 or int64, got {offsets.dtype}")
-    devices = {t.device for t in (values, offsets, weights) if t is not None}
-    if len(devices) > 1:
-        raise InputError(f"SparseFeatures {list(keys)}: values, offsets and weights are on different devices {devices}")
+        raise InputError(f"{where}: offsets must be int32 or int64, got {offsets.dtype}")
+    placed = {"values": values.device, "offsets": offsets.device}
+    if weights is not None:
+        placed["weights"] = weights.device
+    if len(set(placed.values())) > 1:
+        got = ", ".join(f"{name} on {dev}" for name, dev in placed.items())
+        raise InputError(f"{where}: tensors are on different devices ({got}); move them to one device")
     first = int(offsets[0])
     if first != 0:
-        raise InputError(f"SparseFeatures {list(keys)}: offsets must start at 0, got {first}")
+        owner = f"feature {keys[0]!r} sample 0" if keys and sf.batch_size else where
+        raise InputError(f"{owner}: offsets must start at 0, got {first}")
     diffs = offsets[1:] - offsets[:-1]
     if diffs.numel() and bool((diffs < 0).any()):
         bag = int(torch.nonzero(diffs < 0)[0, 0])
@@ -35,12 +46,13 @@ def validate_features(sf) -> None:
         )
     last = int(offsets[-1])
     if last != values.numel():
+        owner = f"feature {keys[-1]!r}" if keys and sf.batch_size else where
         raise InputError(
-            f"SparseFeatures {list(keys)}: lengths sum to {last} but there are {values.numel()} ids"
+            f"{owner}: lengths sum to {last} (the last offset) but there are {values.numel()} ids"
         )
     if weights is not None:
         if not weights.dtype.is_floating_point:
-            raise InputError(f"SparseFeatures {list(keys)}: weights must be floating point, got {weights.dtype}")
+            raise InputError(f"{where}: weights must be floating point, got {weights.dtype}")
         bad = ~torch.isfinite(weights)
         if bool(bad.any()):
             pos = int(torch.nonzero(bad)[0, 0])
