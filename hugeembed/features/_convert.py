@@ -251,7 +251,7 @@ class TensorConverters:
                 if batch_size is None:
                     batch_size, ref = shape[0], f"feature {name!r}"
                 elif shape[0] != batch_size:
-                    raise InputError(f"{what}: dense_shape gives batch size {shape[0]}, but {ref} has {batch_size}")
+                    raise InputError(f"{what} has batch size {shape[0]}, but {ref} has {batch_size}")
             parsed.append((name, what, rows, cols, ids, shape, w))
         if batch_size is None:  # no dense_shape anywhere: the largest row decides
             batch_size = max([int(p[2].max()) + 1 for p in parsed if p[2].numel()] + [0])
