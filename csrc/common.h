@@ -90,38 +90,41 @@ inline uint64_t next_pow2(uint64_t x) {
 // A batch-local open-addressing map from int64 key to a dense index 0..n-1 in
 // first-seen order.  Used to deduplicate the ids of one batch (DeepRec's
 // "UniqueWithCounts").  Any int64 is a valid key: emptiness is kept in the
-// index array (-1), never encoded in the key.
+// index array (-1), never encoded in the key.  Owned by a long-lived context and
+// reused across batches so its memory is not faulted in afresh every step.
 struct LocalDedup {
-  std::vector<int64_t> keys;   // slot -> key
-  std::vector<int32_t> index;  // slot -> dense index, -1 = empty
+  std::vector<int64_t> keys;   // bucket -> key
+  std::vector<int32_t> index;  // bucket -> dense index, -1 = empty
   uint64_t mask = 0;
   int32_t count = 0;
 
   void reset(int64_t expected) {
-    uint64_t cap = next_pow2(std::max<int64_t>(16, expected * 2));
-    if (cap != keys.size()) {
+    uint64_t cap = next_pow2((uint64_t)std::max<int64_t>(16, expected * 2));
+    if (cap > keys.size()) {
       keys.assign(cap, 0);
       index.assign(cap, -1);
     } else {
-      std::fill(index.begin(), index.end(), -1);
+      std::fill(index.begin(), index.begin() + cap, -1);
     }
     mask = cap - 1;
     count = 0;
   }
 
-  // Returns the dense index of `key`, inserting it (and appending it to
-  // `unique`) when first seen.
-  inline int32_t find_or_add(int64_t key, std::vector<int64_t>& unique) {
+  // Returns the dense index of `key`; `is_new` tells whether it was first seen now.
+  inline int32_t find_or_add(int64_t key, bool& is_new) {
     uint64_t pos = mix64((uint64_t)key) & mask;
     while (true) {
       int32_t idx = index[pos];
       if (idx < 0) {
         index[pos] = count;
         keys[pos] = key;
-        unique.push_back(key);
+        is_new = true;
         return count++;
       }
-      if (keys[pos] == key) return idx;
+      if (keys[pos] == key) {
+        is_new = false;
+        return idx;
+      }
       pos = (pos + 1) & mask;
     }
   }

@@ -1,0 +1,398 @@
+// Fused multi-table embedding lookup: the CPU kernels behind hugeembed.functional.
+//
+// One lookup over F "plan features" (each reads one input feature of a
+// SparseFeatures batch and one table) runs as
+//   1. he_lookup_count   clean: per bag, count the ids that survive TF's rules
+//                        (id < 0 dropped, weight <= 0 dropped, out-of-range ids of
+//                        static tables -> error / prune / default_id) plus the
+//                        default_id filling an empty pooled bag;
+//   2. he_lookup_dedup   dedup: per table, unique keys in first-seen order, their
+//                        occurrence counts, and each kept id's index into them;
+//   (the caller maps unique keys to row slots: identity for static tables,
+//    find-or-insert for hash tables)
+//   3. he_lookup_pool    pool: per dim group, gather rows by slot, clip to max_norm,
+//                        weight, and reduce each bag with its combiner straight
+//                        into the output [B, F_g, D] (or any strided layout);
+//      he_lookup_unpooled  the same without reduction, one row per id;
+//   4. he_lookup_backward  per table, the gradient of each unique row: the
+//                        weighted segment sum of the output gradient, then the
+//                        Jacobian of max_norm clipping.  Never a dense gradient.
+// The torch twin of each stage is hugeembed/functional/_reference.py; the tests
+// check both against a NumPy oracle of TF's documented semantics.
+#include <cmath>
+#include <mutex>
+
+#include "common.h"
+
+namespace {
+
+enum Combiner : int8_t { kSum = 0, kMean = 1, kSqrtn = 2, kNone = 3 };
+enum OutOfRange : int8_t { kError = 0, kPrune = 1, kDefault = 2 };
+enum Verdict { kDrop, kKeep, kMapDefault, kBadId, kBadWeight };
+
+// Error codes reported in err[0]; err[1] = plan feature, err[2] = position of the
+// id in `values`, err[3] = the id.
+constexpr int64_t kErrOutOfRange = 1;
+constexpr int64_t kErrWeight = 2;
+constexpr int64_t kErrOffsets = 3;  // err[2] = sample, err[3] = offsets[bag]
+
+struct Plan {
+  int64_t B, F;
+  const int64_t* src;        // [F] input feature read by each plan feature
+  const int64_t* table;      // [F] table of each plan feature
+  const int64_t* num_rows;   // [T] rows of static tables, -1 for dynamic
+  const int8_t* prune_neg;   // [F] drop ids < 0
+  const int8_t* oor;         // [F] OutOfRange policy
+  const int8_t* has_default; // [F]
+  const int64_t* default_id; // [F]
+  const int8_t* combiner;    // [F]
+};
+
+inline Verdict classify(const Plan& p, int64_t f, int64_t id, const float* w, int64_t i) {
+  if (w) {
+    float x = w[i];
+    if (!std::isfinite(x)) return kBadWeight;
+    if (!(x > 0.0f)) return kDrop;
+  }
+  if (id < 0 && p.prune_neg[f]) return kDrop;
+  int64_t n = p.num_rows[p.table[f]];
+  if (n >= 0 && (id < 0 || id >= n)) {
+    switch (p.oor[f]) {
+      case kPrune: return kDrop;
+      case kDefault: return kMapDefault;
+      default: return kBadId;
+    }
+  }
+  return kKeep;
+}
+
+inline bool fills_empty(const Plan& p, int64_t f) {
+  return p.has_default[f] && p.combiner[f] != kNone;
+}
+
+// First error by (feature, position), whichever thread finds it.
+struct ErrorSlot {
+  std::mutex mu;
+  int64_t* err;
+  void report(int64_t code, int64_t f, int64_t pos, int64_t id) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (err[0] == 0 || f < err[1] || (f == err[1] && pos < err[2])) {
+      err[0] = code;
+      err[1] = f;
+      err[2] = pos;
+      err[3] = id;
+    }
+  }
+};
+
+struct LookupContext {
+  std::mutex mu;  // one lookup at a time per context: the scratch is shared
+  std::vector<he::LocalDedup> dedup;
+};
+
+}  // namespace
+
+HE_API void* he_lookup_ctx_new() { return new LookupContext(); }
+HE_API void he_lookup_ctx_free(void* ctx) { delete static_cast<LookupContext*>(ctx); }
+
+// Stage 1.  out_lengths[f*B + b] = ids of bag (f, b) kept after cleaning.
+// Returns 0, or an error code with err[0..3] filled.
+HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const int64_t* offsets,
+                               const float* weights, int64_t B, int64_t F, const int64_t* src, const int64_t* table,
+                               const int64_t* num_rows, const int8_t* prune_neg, const int8_t* oor,
+                               const int8_t* has_default, const int64_t* default_id,
+                               const int8_t* combiner, int64_t* out_lengths, int64_t* err,
+                               int nthreads) {
+  Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
+  ErrorSlot errs{{}, err};
+  err[0] = 0;
+  he::parallel_for(F * B, nthreads, 4096, [&](int64_t begin, int64_t end, int) {
+    for (int64_t bag = begin; bag < end; ++bag) {
+      int64_t f = bag / B, b = bag % B;
+      int64_t in_bag = src[f] * B + b;
+      int64_t kept = 0;
+      // Bounds first: later stages index values[] by these offsets.
+      if (offsets[in_bag] < 0 || offsets[in_bag + 1] < offsets[in_bag] || offsets[in_bag + 1] > n_values) {
+        errs.report(kErrOffsets, f, b, offsets[in_bag + 1]);
+        out_lengths[bag] = 0;
+        continue;
+      }
+      for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i) {
+        Verdict v = classify(p, f, values[i], weights, i);
+        if (v == kKeep || v == kMapDefault) {
+          ++kept;
+        } else if (v == kBadId) {
+          errs.report(kErrOutOfRange, f, i, values[i]);
+        } else if (v == kBadWeight) {
+          errs.report(kErrWeight, f, i, values[i]);
+        }
+      }
+      if (kept == 0 && fills_empty(p, f)) kept = 1;
+      out_lengths[bag] = kept;
+    }
+  });
+  return err[0];
+}
+
+// Stage 2.  Writes, for each kept id at output position j (bags laid out by
+// out_offsets), inverse[j] = unique_base[t] + its index among table t's unique
+// keys and out_weights[j]; unique_keys/unique_counts[unique_base[t] + u] for
+// each table; unique_count[t] = number of unique keys of table t.
+// table_feat_ptr/table_feats list the plan features of each table (CSR).
+HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64_t* offsets,
+                               const float* weights, int64_t B, int64_t F, int64_t T,
+                               const int64_t* src, const int64_t* table, const int64_t* num_rows,
+                               const int8_t* prune_neg, const int8_t* oor,
+                               const int8_t* has_default, const int64_t* default_id,
+                               const int8_t* combiner, const int64_t* table_feat_ptr,
+                               const int64_t* table_feats, const int64_t* out_offsets,
+                               const int64_t* unique_base, int32_t* inverse, float* out_weights,
+                               int64_t* unique_keys, int32_t* unique_counts,
+                               int64_t* unique_count, int nthreads) {
+  auto* ctx = static_cast<LookupContext*>(ctx_ptr);
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
+  int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, T));
+  if ((int)ctx->dedup.size() < threads) ctx->dedup.resize(threads);
+  he::parallel_items(T, threads, [&](int64_t t, int tid) {
+    he::LocalDedup& d = ctx->dedup[tid];
+    int64_t n_ids = 0;
+    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+      int64_t f = table_feats[k];
+      n_ids += out_offsets[(f + 1) * B] - out_offsets[f * B];
+    }
+    d.reset(n_ids);
+    const int64_t base = unique_base[t];
+    int64_t* ukeys = unique_keys + base;
+    int32_t* ucounts = unique_counts + base;
+    auto add = [&](int64_t key) -> int32_t {
+      bool is_new;
+      int32_t u = d.find_or_add(key, is_new);
+      if (is_new) {
+        ukeys[u] = key;
+        ucounts[u] = 1;
+      } else {
+        ++ucounts[u];
+      }
+      return (int32_t)(base + u);
+    };
+    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+      int64_t f = table_feats[k];
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t in_bag = src[f] * B + b;
+        int64_t j = out_offsets[f * B + b];
+        for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i) {
+          Verdict v = classify(p, f, values[i], weights, i);
+          if (v != kKeep && v != kMapDefault) continue;  // errors were raised by stage 1
+          inverse[j] = add(v == kKeep ? values[i] : default_id[f]);
+          if (out_weights) out_weights[j] = weights[i];
+          ++j;
+        }
+        if (j == out_offsets[f * B + b] && fills_empty(p, f)) {
+          inverse[j] = add(default_id[f]);
+          if (out_weights) out_weights[j] = 1.0f;
+        }
+      }
+    }
+    unique_count[t] = d.count;
+  });
+  return 0;
+}
+
+namespace {
+
+// TF's clip_by_norm, elementwise exactly as TF computes it:
+//   out = (x * c) / max(||x||, c)
+// applied only when the table has a max_norm (c > 0).
+struct Clip {
+  float c = 0.0f;
+  float denom = 1.0f;
+  bool active = false;
+  inline void setup(float max_norm, const float* row, int64_t D) {
+    active = max_norm > 0.0f;
+    if (!active) return;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < D; ++d) ss += row[d] * row[d];
+    float norm = ss > 0.0f ? std::sqrt(ss) : 0.0f;
+    c = max_norm;
+    denom = std::max(norm, max_norm);
+  }
+  inline float operator()(float x) const { return active ? (x * c) / denom : x; }
+};
+
+struct PoolArgs {
+  int64_t B;
+  const int64_t* out_offsets;  // [F*B + 1]
+  const int32_t* inverse;
+  const float* weights;        // nullable
+  const int64_t* slots;        // global unique index -> row slot (-1: zero row)
+  const int64_t* table;
+  const int64_t* storage;      // [T] base addresses of float32 row storage
+  const int64_t* row_stride;   // [T] W
+  const float* max_norm;       // [T] 0 = none
+  const int8_t* combiner;      // [F]
+};
+
+inline const float* row_of(const PoolArgs& a, int64_t t, int64_t slot) {
+  return reinterpret_cast<const float*>(a.storage[t]) + slot * a.row_stride[t];
+}
+
+}  // namespace
+
+// Stage 3.  Pools the plan features `feats` (all of dim D) into out: feature
+// feats[k], sample b goes to out + b*out_row_stride + out_col[k].
+HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
+                           const int64_t* out_offsets, const int32_t* inverse,
+                           const float* weights, const int64_t* slots, const int64_t* table,
+                           const int64_t* storage, const int64_t* row_stride,
+                           const float* max_norm, const int8_t* combiner, int64_t D, float* out,
+                           int64_t out_row_stride, const int64_t* out_col, int nthreads) {
+  PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
+  he::parallel_for(B, nthreads, 64, [&](int64_t b0, int64_t b1, int) {
+    std::vector<float> acc(D);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t k = 0; k < n_feats; ++k) {
+        int64_t f = feats[k], t = table[f];
+        int64_t bag = f * B + b;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float wsum = 0.0f, w2sum = 0.0f;
+        Clip clip;
+        for (int64_t j = out_offsets[bag]; j < out_offsets[bag + 1]; ++j) {
+          float w = weights ? weights[j] : 1.0f;
+          wsum += w;
+          w2sum += w * w;
+          int64_t s = slots[inverse[j]];
+          if (s < 0) continue;  // unknown / not admitted id: a zero row, still counted
+          const float* row = row_of(a, t, s);
+          clip.setup(max_norm[t], row, D);
+          if (clip.active) {
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * clip(row[d]);
+          } else if (weights) {
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * row[d];
+          } else {
+            for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
+          }
+        }
+        float* o = out + b * out_row_stride + out_col[k];
+        int8_t c = combiner[f];
+        if (c == kMean && wsum > 0.0f) {
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
+        } else if (c == kSqrtn && w2sum > 0.0f) {
+          float s = std::sqrt(w2sum);
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / s;
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+        }
+      }
+    }
+  });
+}
+
+// Unpooled (sequence) features: one output row per kept id, weighted and clipped.
+// Feature feats[k]'s rows start at out + out_row0[k]*D (row-major, D columns).
+HE_API void he_lookup_unpooled(int64_t B, int64_t n_feats, const int64_t* feats,
+                               const int64_t* out_offsets, const int32_t* inverse,
+                               const float* weights, const int64_t* slots, const int64_t* table,
+                               const int64_t* storage, const int64_t* row_stride,
+                               const float* max_norm, const int8_t* combiner, int64_t D,
+                               float* out, const int64_t* out_row0, int nthreads) {
+  PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
+  for (int64_t k = 0; k < n_feats; ++k) {
+    int64_t f = feats[k], t = table[f];
+    int64_t first = out_offsets[f * B], n = out_offsets[(f + 1) * B] - first;
+    float* o = out + out_row0[k] * D;
+    he::parallel_for(n, nthreads, 4096, [&](int64_t i0, int64_t i1, int) {
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t j = first + i;
+        float w = weights ? weights[j] : 1.0f;
+        int64_t s = slots[inverse[j]];
+        float* dst = o + i * D;
+        if (s < 0) {
+          std::fill(dst, dst + D, 0.0f);
+          continue;
+        }
+        const float* row = row_of(a, t, s);
+        Clip clip;
+        clip.setup(max_norm[t], row, D);
+        for (int64_t d = 0; d < D; ++d) dst[d] = w * clip(row[d]);
+      }
+    });
+  }
+}
+
+// Stage 4.  For each table t, grad rows of its unique keys:
+//   gbuf[gbase[t] + u*D_t + d] = sum over uses j of u: coef_j * grad_out(j)[d]
+// with coef_j = w_j (sum), w_j / sum_w (mean), w_j / sqrt(sum_w2) (sqrtn); then,
+// for tables with max_norm, the transpose Jacobian of TF's clip_by_norm.
+// grad_ptr[f] is the address of feature f's gradient for sample 0 (pooled) or id
+// 0 (unpooled); grad_stride[f] the distance between samples (or ids).
+HE_API void he_lookup_backward(int64_t B, int64_t F, int64_t T, const int64_t* table_feat_ptr,
+                               const int64_t* table_feats, const int64_t* out_offsets,
+                               const int32_t* inverse, const float* weights, const int64_t* slots,
+                               const int64_t* storage, const int64_t* row_stride,
+                               const float* max_norm, const int8_t* combiner,
+                               const int64_t* unique_base, const int64_t* unique_count,
+                               const int64_t* dims, const int64_t* grad_ptr,
+                               const int64_t* grad_stride, float* gbuf, const int64_t* gbase,
+                               int nthreads) {
+  he::parallel_items(T, nthreads, [&](int64_t t, int) {
+    const int64_t D = dims[t], base = unique_base[t], U = unique_count[t];
+    float* g = gbuf + gbase[t];
+    std::fill(g, g + U * D, 0.0f);
+    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+      int64_t f = table_feats[k];
+      const float* gf = reinterpret_cast<const float*>(grad_ptr[f]);
+      const int64_t gs = grad_stride[f];
+      if (combiner[f] == kNone) {
+        int64_t first = out_offsets[f * B];
+        for (int64_t j = first; j < out_offsets[(f + 1) * B]; ++j) {
+          float w = weights ? weights[j] : 1.0f;
+          const float* go = gf + (j - first) * gs;
+          float* dst = g + (int64_t)(inverse[j] - base) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] += w * go[d];
+        }
+        continue;
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t j0 = out_offsets[f * B + b], j1 = out_offsets[f * B + b + 1];
+        if (j0 == j1) continue;
+        float wsum = 0.0f, w2sum = 0.0f;
+        if (weights) {
+          for (int64_t j = j0; j < j1; ++j) {
+            wsum += weights[j];
+            w2sum += weights[j] * weights[j];
+          }
+        } else {
+          wsum = w2sum = (float)(j1 - j0);
+        }
+        float denom = combiner[f] == kMean ? wsum : combiner[f] == kSqrtn ? std::sqrt(w2sum) : 1.0f;
+        const float* go = gf + b * gs;
+        for (int64_t j = j0; j < j1; ++j) {
+          float coef = (weights ? weights[j] : 1.0f) / denom;
+          float* dst = g + (int64_t)(inverse[j] - base) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] += coef * go[d];
+        }
+      }
+    }
+    if (max_norm[t] > 0.0f) {
+      const float c = max_norm[t];
+      for (int64_t u = 0; u < U; ++u) {
+        int64_t s = slots[base + u];
+        if (s < 0) continue;
+        const float* x = reinterpret_cast<const float*>(storage[t]) + s * row_stride[t];
+        float* gu = g + u * D;
+        float ss = 0.0f;
+        for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+        float n = ss > 0.0f ? std::sqrt(ss) : 0.0f;
+        if (n >= c && n > 0.0f) {
+          // d/dx (x c / n) = (c/n) (I - x x^T / n^2), symmetric.
+          float xg = 0.0f;
+          for (int64_t d = 0; d < D; ++d) xg += x[d] * gu[d];
+          float a = c / n, bcoef = xg / (n * n);
+          for (int64_t d = 0; d < D; ++d) gu[d] = a * (gu[d] - x[d] * bcoef);
+        }
+        // n < c: out = x c / c, whose derivative is exactly the identity.
+      }
+    }
+  });
+}

@@ -1,0 +1,233 @@
+"""Fused multi-table lookup with TF semantics and row-sparse autograd.
+
+Stages (DESIGN.md): clean + dedup (``prepare``), fetch (slots: identity for static
+tables, a store for dynamic ones), pool, and in backward the per-unique-row
+gradient handed to a hook (an optimizer applied in place) or returned as a sparse
+gradient.  Native kernels on CPU float32, the torch twin everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .. import _native
+from ..errors import ConfigError, InputError
+from ._native_stages import (NativeScratch, backward_native, can_use_native, can_use_native_storages, pool_native,
+                             prepare_native, unpooled_native, unpooled_rows)
+from ._outputs import JaggedEmbeddings, PooledEmbeddings
+from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
+from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch
+
+__all__ = ["FusedEmbeddingLookup", "RowGradHook"]
+
+RowGradHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+"""Called in backward once per table with rows touched: ``hook(table_index, slots [U], grad [U, D])``.
+
+`slots` are unique row slots (for static tables, the row ids) and `grad` the exact sum
+of the gradients of every use of each row.  An optimizer applies its update here, in place.
+"""
+
+_BACKENDS = ("auto", "native", "torch")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # half-precision tables accumulate in float32 (as FBGEMM does), then cast back
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class FusedEmbeddingLookup:
+    """One fused lookup over many features and tables, built once and called per batch.
+
+    Args:
+        tables: the tables (:class:`TableSpec`), in order.
+        features: the outputs (:class:`FeatureSpec`), in order.
+        backend: ``"auto"`` (native kernels on CPU float32, torch otherwise),
+            ``"native"`` (raise if they cannot run) or ``"torch"``.
+
+    Example (static tables, plain tensors)::
+
+        lookup = FusedEmbeddingLookup(
+            [TableSpec("users", dim=16, num_rows=1000), TableSpec("items", dim=16, num_rows=500)],
+            [FeatureSpec("user", "users", combiner="sum"), FeatureSpec("item", "items")])
+        out = lookup([user_weight, item_weight], batch)        # PooledEmbeddings
+        out.stacked()                                          # [B, 2, 16]
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *, backend: str = "auto") -> None:
+        if backend not in _BACKENDS:
+            raise ConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        self.plan = LookupPlan(tables, features)
+        self.backend = backend
+        self._scratch: NativeScratch | None = None
+        self._where: dict[str, tuple[int, int]] = {}
+        for g, group in enumerate(self.plan.groups):
+            for k, f in enumerate(group.pooled):
+                self._where[self.plan.features[f].name] = (g, k)
+
+    # -- stages ------------------------------------------------------------------------
+
+    def _native_ok(self, sf, storages) -> bool:
+        if self.backend == "torch":
+            return False
+        ok = can_use_native(sf, storages)
+        if self.backend == "native" and not ok:
+            if not _native.available():
+                _native.lib()  # raises ImportError saying how to build the kernels
+            raise InputError("backend='native' needs CPU float32 tables and float32 (or no) weights")
+        return ok
+
+    def prepare(self, sf, storages: Sequence[torch.Tensor] = ()) -> Prepared:
+        """Clean + dedup a batch: unique keys per table and each id's index into them."""
+        self.plan.check_batch(sf)
+        if self._native_ok(sf, storages):
+            if self._scratch is None:
+                self._scratch = NativeScratch()
+            return prepare_native(self.plan, sf, self._scratch)
+        return prepare_torch(self.plan, sf)
+
+    def static_slots(self, prep: Prepared) -> torch.Tensor:
+        """Slots of static tables: the ids themselves (already range-checked by prepare)."""
+        return prep.unique_keys
+
+    def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
+               params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None) -> PooledEmbeddings:
+        """Pools the prepared batch from the row storages, with autograd.
+
+        Args:
+            prep: from :meth:`prepare`.
+            storages: per table, ``[R_t, W_t]`` rows (weight in the first D_t columns).
+            slots: int64 ``[prep.capacity]``: row slot of each unique key (-1: reads zeros).
+            params: tensors autograd should track (the static weights for sparse
+                gradients, or any one tensor that requires grad when a hook is given).
+            row_grad_hook: if given, called in backward per table with
+                ``(table_index, slots, grad_rows)`` and no gradient is returned for params;
+                otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
+        """
+        if len(storages) != self.plan.num_tables:
+            raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
+        for spec, s in zip(self.plan.tables, storages):
+            if s.dim() != 2 or s.size(1) < spec.dim:
+                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
+            if spec.num_rows is not None and s.size(0) < spec.num_rows:
+                raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
+        if row_grad_hook is None and params:
+            if len(params) != self.plan.num_tables:
+                raise ConfigError("without a row_grad_hook, params must be the table weights, one per table")
+            for spec, p in zip(self.plan.tables, params):
+                if p.dim() != 2 or p.size(1) != spec.dim:
+                    raise ConfigError(f"table {spec.name!r}: sparse gradients need a [rows, {spec.dim}] weight")
+        if prep.weights is not None and prep.weights.requires_grad:
+            raise NotImplementedError("gradients with respect to per-id weights are not implemented")
+        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
+        outs = _LookupFunction.apply(run, *params)
+        return run.wrap(outs)
+
+    def __call__(self, weights: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], sf, *,
+                 row_grad_hook: RowGradHook | None = None) -> PooledEmbeddings:
+        """Lookup over static tables given as plain weight tensors ``[num_rows, D]``."""
+        if isinstance(weights, Mapping):
+            missing = [t.name for t in self.plan.tables if t.name not in weights]
+            if missing:
+                raise ConfigError(f"no weight given for tables {missing}")
+            weights = [weights[t.name] for t in self.plan.tables]
+        weights = list(weights)
+        for spec in self.plan.tables:
+            if spec.num_rows is None:
+                raise ConfigError(f"table {spec.name!r} is dynamic: look it up through an EmbeddingCollection")
+        prep = self.prepare(sf, weights)
+        return self.lookup(prep, weights, self.static_slots(prep), params=weights, row_grad_hook=row_grad_hook)
+
+
+class _LookupRun:
+    """State of one lookup between forward and backward."""
+
+    def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook) -> None:
+        self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
+        self.params, self.hook = params, hook
+        self.native = prep.native and _storages_native_ok(storages)
+        self.dtypes = []
+        for group in owner.plan.groups:
+            ts = {owner.plan.feature_table[f] for f in group.pooled + group.unpooled}
+            dt = storages[min(ts)].dtype
+            for t in ts:
+                dt = torch.promote_types(dt, storages[t].dtype)
+            self.dtypes.append(dt)
+
+    def forward(self) -> list[torch.Tensor]:
+        plan, prep = self.owner.plan, self.prep
+        outs = []
+        for g, group in enumerate(plan.groups):
+            cdt = _compute_dtype(self.dtypes[g])
+            if group.pooled:
+                o = (pool_native(plan, prep, self.storages, self.slots, group) if self.native
+                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt))
+                outs.append(o.to(self.dtypes[g]))
+            if group.unpooled:
+                o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native
+                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt))
+                outs.append(o.to(self.dtypes[g]))
+        return outs
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        plan, prep = self.owner.plan, self.prep
+        pooled, unpooled = [], []
+        it = iter(grads)
+        for g, group in enumerate(plan.groups):
+            cdt = _compute_dtype(self.dtypes[g])
+            pooled.append(next(it).to(cdt) if group.pooled else None)
+            unpooled.append(next(it).to(cdt) if group.unpooled else None)
+        if self.native:
+            table_grads = backward_native(plan, prep, self.storages, self.slots, pooled, unpooled)
+        else:
+            table_grads = backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled)
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        for t, grad in enumerate(table_grads):
+            b, n = prep.unique_base[t], prep.unique_count[t]
+            slots = self.slots[b : b + n]
+            known = slots >= 0
+            if n and not bool(known.all()):
+                slots, grad = slots[known], grad[known]
+            if self.hook is not None:
+                if slots.numel():
+                    self.hook(t, slots, grad)
+            elif self.params and slots.numel():  # a table no id reached gets no gradient at all
+                p = self.params[t]
+                out[t] = torch.sparse_coo_tensor(slots.unsqueeze(0), grad.to(p.dtype), p.shape, check_invariants=False)
+        return out
+
+    def wrap(self, outs) -> PooledEmbeddings:
+        plan, prep = self.owner.plan, self.prep
+        it = iter(outs)
+        groups, unpooled = [], {}
+        for group in plan.groups:
+            if group.pooled:
+                groups.append(next(it))
+            else:
+                groups.append(torch.zeros(prep.batch_size, 0, group.dim, device=prep.offsets.device))
+            if group.unpooled:
+                rows = next(it)
+                start = 0
+                for f, n in zip(group.unpooled, unpooled_rows(prep, group)):
+                    B = prep.batch_size
+                    offs = prep.offsets[f * B : (f + 1) * B + 1]
+                    unpooled[plan.features[f].name] = JaggedEmbeddings(rows[start : start + n], offs - offs[0])
+                    start += n
+        return PooledEmbeddings(plan.pooled_names(), groups, self.owner._where, unpooled)
+
+
+def _storages_native_ok(storages) -> bool:
+    return _native.available() and can_use_native_storages(storages)
+
+
+class _LookupFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _LookupRun, *params):  # type: ignore[override]
+        ctx.run = run
+        return tuple(run.forward())
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        run = ctx.run
+        return (None, *run.backward(grads))

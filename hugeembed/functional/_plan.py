@@ -1,0 +1,269 @@
+"""Lookup specs and the plan of a fused lookup (which feature reads which table, dim groups).
+
+A plan is built once from table and feature specs and reused for every batch: it
+holds the small index arrays the kernels read, so a lookup does no per-feature
+Python work beyond dispatching one kernel per stage (and one pool per dim group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..types import Combiner, OutOfRange
+
+__all__ = ["TableSpec", "FeatureSpec", "LookupPlan", "DimGroup", "Prepared"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding table as the lookup sees it.
+
+    Args:
+        name: table name (appears in error messages).
+        dim: embedding dimension D (> 0).
+        num_rows: rows of a static table (ids must be in ``[0, num_rows)``), or None
+            for a dynamic (hash) table that accepts any int64 key.
+        max_norm: if set, each looked-up row is clipped to this L2 norm before
+            combining, exactly as TF's ``clip_by_norm``; the gradient flows through
+            the clip.  A table-level setting: every feature reading the table uses it.
+    """
+
+    name: str
+    dim: int
+    num_rows: int | None = None
+    max_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"table name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.dim, int) or self.dim <= 0:
+            raise ConfigError(f"table {self.name!r}: dim must be a positive int, got {self.dim!r}")
+        if self.num_rows is not None and (not isinstance(self.num_rows, int) or self.num_rows < 0):
+            raise ConfigError(f"table {self.name!r}: num_rows must be an int >= 0 or None, got {self.num_rows!r}")
+        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ConfigError(f"table {self.name!r}: max_norm must be a positive finite number, got {self.max_norm!r}")
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One output of a fused lookup: an input feature looked up in a table.
+
+    Args:
+        name: output name (also the input feature's name unless `source` is given).
+        table: name of the table it reads.
+        source: input feature name in the SparseFeatures batch (default: `name`);
+            lets one input feature feed several tables (e.g. wide and deep).
+        combiner: ``"sum" | "mean" | "sqrtn"`` pool a bag into one vector,
+            ``"none"`` returns one vector per id (sequence features).
+        default_id: row looked up, with weight 1, for a bag left empty after
+            cleaning (TF's ``default_id``); None gives a zero vector.
+        out_of_range: what an id >= num_rows of a static table does:
+            ``"error"`` (InputError naming feature, table, id, size), ``"prune"``
+            (dropped like ids < 0), ``"default"`` (replaced by `default_id`).
+        prune_negative: drop ids < 0 (TF semantics, HugeCTR's -1 padding).  Set
+            False for dynamic tables that use the full int64 key range.
+    """
+
+    name: str
+    table: str
+    source: str | None = None
+    combiner: Combiner | str = Combiner.MEAN
+    default_id: int | None = None
+    out_of_range: OutOfRange | str = OutOfRange.ERROR
+    prune_negative: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"feature name must be a non-empty string, got {self.name!r}")
+        try:
+            object.__setattr__(self, "combiner", Combiner.parse(self.combiner, f"feature {self.name!r}"))
+            object.__setattr__(self, "out_of_range", OutOfRange.parse(self.out_of_range, f"feature {self.name!r}"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.out_of_range is OutOfRange.DEFAULT and self.default_id is None:
+            raise ConfigError(f"feature {self.name!r}: out_of_range='default' needs a default_id")
+        if self.default_id is not None and not isinstance(self.default_id, int):
+            raise ConfigError(f"feature {self.name!r}: default_id must be an int, got {self.default_id!r}")
+
+    @property
+    def source_name(self) -> str:
+        return self.source if self.source is not None else self.name
+
+
+@dataclass(frozen=True)
+class DimGroup:
+    """Features of one embedding dim: pooled ones share one output [B, F_g, D]."""
+
+    dim: int
+    pooled: tuple[int, ...]  # plan feature indices, plan order
+    unpooled: tuple[int, ...]
+
+
+@dataclass
+class Prepared:
+    """A batch after clean + dedup: what the fetch and pool stages consume.
+
+    ``inverse[j]`` is the global unique index of kept id j; table t's unique keys
+    are ``unique_keys[unique_base[t] : unique_base[t] + unique_count[t]]``.
+    Slots are looked up per table and written to a global slots array of
+    ``capacity`` entries at the same positions.
+    """
+
+    batch_size: int
+    offsets: torch.Tensor  # int64 [F*B + 1], cleaned bags in plan order
+    inverse: torch.Tensor  # int32 (native) or int64 (torch) [N_kept]
+    weights: torch.Tensor | None  # [N_kept]
+    unique_keys: torch.Tensor  # int64 [capacity]
+    unique_counts: torch.Tensor  # int32/int64 [capacity]
+    unique_base: list[int]
+    unique_count: list[int]
+    capacity: int
+    native: bool
+    extra: dict = field(default_factory=dict)
+
+    def keys_of(self, t: int) -> torch.Tensor:
+        b = self.unique_base[t]
+        return self.unique_keys[b : b + self.unique_count[t]]
+
+    def counts_of(self, t: int) -> torch.Tensor:
+        b = self.unique_base[t]
+        return self.unique_counts[b : b + self.unique_count[t]]
+
+
+class LookupPlan:
+    """Tables and features of a fused lookup, validated and indexed for the kernels.
+
+    Args:
+        tables: the tables, in order (table index = position).
+        features: the outputs, in order.
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec]) -> None:
+        self.tables = tuple(tables)
+        self.features = tuple(features)
+        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
+        if len(self.table_index) != len(self.tables):
+            raise ConfigError(f"duplicate table names in {[t.name for t in self.tables]}")
+        names = [f.name for f in self.features]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError(f"duplicate feature output names {dup}: give each a distinct name (use source=)")
+        for f in self.features:
+            if f.table not in self.table_index:
+                raise ConfigError(f"feature {f.name!r} reads unknown table {f.table!r}; tables: {list(self.table_index)}")
+            t = self.tables[self.table_index[f.table]]
+            if f.default_id is not None and t.num_rows is not None and not 0 <= f.default_id < t.num_rows:
+                raise ConfigError(
+                    f"feature {f.name!r}: default_id {f.default_id} is outside table {t.name!r} of {t.num_rows} rows"
+                )
+        self.feature_index = {f.name: i for i, f in enumerate(self.features)}
+        self.feature_table = [self.table_index[f.table] for f in self.features]
+        # dim groups, in order of first appearance
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for i, f in enumerate(self.features):
+            d = self.tables[self.feature_table[i]].dim
+            pooled, unpooled = groups.setdefault(d, ([], []))
+            (unpooled if f.combiner is Combiner.NONE else pooled).append(i)
+        self.groups = tuple(DimGroup(d, tuple(p), tuple(u)) for d, (p, u) in groups.items())
+        # features of each table, CSR
+        by_table: list[list[int]] = [[] for _ in self.tables]
+        for i, t in enumerate(self.feature_table):
+            by_table[t].append(i)
+        self.table_features = tuple(tuple(x) for x in by_table)
+        self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+
+    @property
+    def num_features(self) -> int:
+        return len(self.features)
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    def pooled_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features if f.combiner is not Combiner.NONE)
+
+    def arrays(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Per-feature and per-table index arrays on `device` (cached)."""
+        device = torch.device(device)
+        cached = self._arrays.get(device)
+        if cached is not None:
+            return cached
+        feats, tabs = self.features, self.tables
+        i64 = dict(dtype=torch.int64, device=device)
+        i8 = dict(dtype=torch.int8, device=device)
+        combiner_code = {Combiner.SUM: 0, Combiner.MEAN: 1, Combiner.SQRTN: 2, Combiner.NONE: 3}
+        oor_code = {OutOfRange.ERROR: 0, OutOfRange.PRUNE: 1, OutOfRange.DEFAULT: 2}
+        order = [i for fs in self.table_features for i in fs]
+        ptr = [0]
+        for fs in self.table_features:
+            ptr.append(ptr[-1] + len(fs))
+        a = {
+            "table": torch.tensor(self.feature_table, **i64),
+            "num_rows": torch.tensor([-1 if t.num_rows is None else t.num_rows for t in tabs], **i64),
+            "prune_neg": torch.tensor([int(f.prune_negative) for f in feats], **i8),
+            "oor": torch.tensor([oor_code[f.out_of_range] for f in feats], **i8),
+            "has_default": torch.tensor([int(f.default_id is not None) for f in feats], **i8),
+            "default_id": torch.tensor([f.default_id or 0 for f in feats], **i64),
+            "combiner": torch.tensor([combiner_code[f.combiner] for f in feats], **i8),
+            "max_norm": torch.tensor([t.max_norm or 0.0 for t in tabs], dtype=torch.float32, device=device),
+            "dims": torch.tensor([t.dim for t in tabs], **i64),
+            "table_feat_ptr": torch.tensor(ptr, **i64),
+            "table_feats": torch.tensor(order, dtype=torch.int64, device=device),
+        }
+        self._arrays[device] = a
+        return a
+
+    def source_indices(self, keys: tuple[str, ...]) -> torch.Tensor:
+        """For each plan feature, the position of its input feature in a batch with `keys`."""
+        cached = self._source_cache.get(keys)
+        if cached is None:
+            pos = {k: i for i, k in enumerate(keys)}
+            missing = [f.source_name for f in self.features if f.source_name not in pos]
+            if missing:
+                raise InputError(f"batch lacks features {missing} needed by the lookup; batch has {list(keys)}")
+            cached = torch.tensor([pos[f.source_name] for f in self.features], dtype=torch.int64)
+            self._source_cache[keys] = cached
+        return cached
+
+    def check_batch(self, sf) -> None:
+        """O(1) checks of a batch's dtypes and devices (the data checks run inside the stages)."""
+        from ..features import SparseFeatures
+
+        if not isinstance(sf, SparseFeatures):
+            raise InputError(f"lookup needs a SparseFeatures batch, got {type(sf).__name__}")
+        keys = list(sf.keys())
+        if sf.values().dtype != torch.int64:
+            raise InputError(f"features {keys}: ids must be int64, got {sf.values().dtype}")
+        if sf.offsets().dtype not in (torch.int32, torch.int64):
+            raise InputError(f"features {keys}: offsets must be int32 or int64, got {sf.offsets().dtype}")
+        w = sf.weights_or_none()
+        if w is not None and not w.dtype.is_floating_point:
+            raise InputError(f"features {keys}: weights must be floating point, got {w.dtype}")
+        if sf.offsets().device != sf.values().device or (w is not None and w.device != sf.values().device):
+            raise InputError(f"features {keys}: ids, offsets and weights must be on one device")
+
+    def describe_id_error(self, code: int, feature: int, position: int, value: int, sf) -> str:
+        """Message for an error reported by the clean stage."""
+        f = self.features[feature]
+        t = self.tables[self.feature_table[feature]]
+        if code == 3:
+            return (
+                f"feature {f.source_name!r}: offsets of sample {position} are not non-decreasing within "
+                f"[0, {sf.values().numel()}] (next offset {value}); call SparseFeatures.validate() for details"
+            )
+        _, sample = sf.id_location(position)
+        if code == 1:
+            label = f"feature {f.source_name!r}" + (f" (output {f.name!r})" if f.name != f.source_name else "")
+            return (
+                f"{label}: id {value} at sample {sample} is out of range "
+                f"for table {t.name!r} of {t.num_rows} rows; pass out_of_range='prune' or 'default' to accept it"
+            )
+        w = sf.weights()[position]
+        return f"feature {f.source_name!r}: weight {float(w)} of id {value} at sample {sample} is not finite"

@@ -1,0 +1,239 @@
+"""The plain-PyTorch twin of the lookup stages: any device, any float dtype.
+
+Same contract as _native_stages.py (it runs on CUDA and for dtypes the kernels do
+not take), written with vectorised torch ops: the number of ops does not grow
+with the number of features (one segment reduction per dim group), only the
+per-table row gathers are a loop over tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from ._plan import DimGroup, LookupPlan, Prepared
+
+__all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "clip_rows", "clip_rows_backward"]
+
+_SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
+
+
+def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(starts[i], starts[i] + sizes[i])."""
+    total = int(sizes.sum()) if sizes.numel() else 0
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=starts.device)
+    owner = torch.repeat_interleave(torch.arange(sizes.numel(), device=starts.device), sizes)
+    first = torch.cumsum(sizes, 0) - sizes
+    return torch.arange(total, device=starts.device) - first[owner] + starts[owner]
+
+
+def prepare_torch(plan: LookupPlan, sf) -> Prepared:
+    dev = sf.device
+    a = plan.arrays(dev)
+    B, F, T = sf.batch_size, plan.num_features, plan.num_tables
+    values = sf.values()
+    if values.dtype != torch.int64:
+        raise InputError(f"SparseFeatures {list(sf.keys())}: ids must be int64, got {values.dtype}")
+    offsets = sf.offsets().to(torch.int64)
+    weights = sf.weights_or_none()
+    src = plan.source_indices(sf.keys()).to(dev)
+    in_lengths = offsets[1:] - offsets[:-1]
+    bad_bags = (in_lengths < 0) | (offsets[1:] > values.numel()) | (offsets[:-1] < 0)
+    if bool(bad_bags.any()):
+        bag0 = int(torch.nonzero(bad_bags)[0, 0])
+        fi = plan.source_indices(sf.keys()).tolist()
+        src_f = bag0 // max(B, 1)
+        f = fi.index(src_f) if src_f in fi else 0
+        raise InputError(plan.describe_id_error(3, f, bag0 % max(B, 1), int(offsets[bag0 + 1]), sf))
+    bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
+    lens = in_lengths[bag_src]
+    pos = _ranges(offsets[:-1][bag_src], lens)
+    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lens)
+    v = values[pos]
+    f_of = torch.div(bag, B, rounding_mode="floor") if B else bag
+    t_of = a["table"][f_of]
+    keep = torch.ones_like(v, dtype=torch.bool)
+    w = None
+    if weights is not None:
+        w = weights[pos]
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            j = int(torch.nonzero(bad)[0, 0])
+            raise InputError(plan.describe_id_error(2, int(f_of[j]), int(pos[j]), int(v[j]), sf))
+        keep &= w > 0
+    keep &= ~((v < 0) & a["prune_neg"][f_of].bool())
+    nr = a["num_rows"][t_of]
+    oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
+    pol = a["oor"][f_of]
+    err = oob & (pol == 0)
+    if bool(err.any()):
+        bad_f, bad_pos = f_of[err], pos[err]
+        j = int(torch.argmin(bad_f * (values.numel() + 1) + bad_pos))  # first by (feature, position)
+        raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
+    keep &= ~(oob & (pol == 1))
+    v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
+    v, bag = v[keep], bag[keep]
+    if w is not None:
+        w = w[keep]
+    lengths = torch.bincount(bag, minlength=F * B) if F * B else torch.zeros(0, dtype=torch.int64, device=dev)
+    # empty pooled bags with a default_id get that id, weight 1
+    bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
+    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
+    if bool(fill.any()):
+        fill_bags = torch.nonzero(fill).flatten()
+        v = torch.cat([v, a["default_id"][fill_bags // B]])
+        if w is not None:
+            w = torch.cat([w, torch.ones(fill_bags.numel(), dtype=w.dtype, device=dev)])
+        bag = torch.cat([bag, fill_bags])
+        order = torch.argsort(bag, stable=True)
+        v, bag = v[order], bag[order]
+        if w is not None:
+            w = w[order]
+        lengths = lengths + fill.to(lengths.dtype)
+    out_offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lengths, 0, out=out_offsets[1:])
+    # dedup per table: sort by (table, id), unique runs
+    t_kept = a["table"][bag // max(B, 1)] if bag.numel() else bag
+    o1 = torch.argsort(v, stable=True)
+    o2 = torch.argsort(t_kept[o1], stable=True)
+    perm = o1[o2]
+    vs, ts = v[perm], t_kept[perm]
+    new = torch.ones_like(vs, dtype=torch.bool)
+    if vs.numel() > 1:
+        new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
+    uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
+    inverse = torch.empty_like(uid_sorted)
+    inverse[perm] = uid_sorted
+    unique_keys = vs[new]
+    unique_tables = ts[new]
+    n_unique = unique_keys.numel()
+    unique_counts = torch.bincount(uid_sorted, minlength=n_unique) if n_unique else uid_sorted[:0]
+    per_table = torch.bincount(unique_tables, minlength=T).tolist() if T else []
+    base, acc = [], 0
+    for n in per_table:
+        base.append(acc)
+        acc += n
+    return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False)
+
+
+def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """TF's clip_by_norm per row: ``rows * c / max(||row||, c)``."""
+    if not max_norm:
+        return rows
+    norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
+    c = torch.tensor(max_norm, dtype=rows.dtype, device=rows.device)
+    return (rows * c) / torch.maximum(norm, c)
+
+
+def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """Transpose Jacobian of clip_rows at `rows` applied to `grad` (row-wise)."""
+    if not max_norm:
+        return grad
+    norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
+    clipped = (norm >= max_norm) & (norm > 0)
+    safe = torch.where(clipped, norm, torch.ones_like(norm))
+    xg = (rows * grad).sum(dim=1, keepdim=True)
+    projected = (max_norm / safe) * (grad - rows * (xg / (safe * safe)))
+    return torch.where(clipped, projected, grad)
+
+
+def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype) -> torch.Tensor:
+    """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped."""
+    dev = prep.offsets.device
+    emb = torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
+    for t, spec in enumerate(plan.tables):
+        n = prep.unique_count[t]
+        if spec.dim != dim or n == 0:
+            continue
+        b = prep.unique_base[t]
+        s = slots[b : b + n]
+        rows = storages[t].index_select(0, s.clamp(min=0))[:, :dim].to(dtype)
+        rows = rows * (s >= 0).unsqueeze(1).to(dtype)
+        emb[b : b + n] = clip_rows(rows, spec.max_norm)
+    return emb
+
+
+def _group_ids(prep: Prepared, feats: tuple[int, ...]):
+    """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
+    dev = prep.offsets.device
+    B = prep.batch_size
+    f = torch.tensor(feats, dtype=torch.int64, device=dev)
+    starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
+    pos = _ranges(starts, ends - starts)
+    owner = torch.repeat_interleave(torch.arange(len(feats), device=dev), ends - starts)
+    bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
+    sample = bag - f[owner] * B
+    return pos, owner, sample
+
+
+def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, owner, sample, dtype):
+    """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags)."""
+    dev = prep.offsets.device
+    nbag = prep.batch_size * len(group.pooled)
+    out_bag = sample * len(group.pooled) + owner
+    w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
+    wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
+    w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
+    comb = plan.arrays(dev)["combiner"][torch.tensor(group.pooled, dtype=torch.int64, device=dev)]
+    comb = comb.repeat(prep.batch_size)
+    denom = torch.where(comb == _MEAN, wsum, torch.where(comb == _SQRTN, torch.sqrt(w2sum), torch.ones_like(wsum)))
+    return torch.where(wsum > 0, denom, torch.ones_like(denom)), w, out_bag
+
+
+def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
+    B, D, n = prep.batch_size, group.dim, len(group.pooled)
+    dev = prep.offsets.device
+    if n == 0 or B == 0:
+        return torch.zeros(B, n, D, dtype=dtype, device=dev)
+    emb = _unique_rows(plan, prep, storages, slots, D, dtype)
+    pos, owner, sample = _group_ids(prep, group.pooled)
+    denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
+    contrib = emb[prep.inverse[pos].long()] * w.unsqueeze(1)
+    out = torch.zeros(B * n, D, dtype=dtype, device=dev).index_add_(0, out_bag, contrib)
+    return (out / denom.unsqueeze(1)).view(B, n, D)
+
+
+def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
+    dev = prep.offsets.device
+    if not group.unpooled:
+        return torch.zeros(0, group.dim, dtype=dtype, device=dev)
+    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype)
+    pos, _, _ = _group_ids(prep, group.unpooled)
+    rows = emb[prep.inverse[pos].long()]
+    if prep.weights is not None:
+        rows = rows * prep.weights[pos].to(dtype).unsqueeze(1)
+    return rows
+
+
+def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads):
+    """Per table, gradient rows [U_t, D_t] of its unique keys (same contract as backward_native)."""
+    dev = prep.offsets.device
+    grads_by_dim: dict[int, torch.Tensor] = {}
+    for g, group in enumerate(plan.groups):
+        D = group.dim
+        dtype = (pooled_grads[g] if group.pooled else unpooled_grads[g]).dtype
+        acc = torch.zeros(prep.capacity, D, dtype=dtype, device=dev)
+        if group.pooled and prep.batch_size:
+            pos, owner, sample = _group_ids(prep, group.pooled)
+            denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
+            coef = w / denom[out_bag]
+            go = pooled_grads[g].reshape(-1, D)[out_bag]
+            acc.index_add_(0, prep.inverse[pos].long(), go * coef.unsqueeze(1))
+        if group.unpooled:
+            pos, _, _ = _group_ids(prep, group.unpooled)
+            go = unpooled_grads[g]
+            if prep.weights is not None:
+                go = go * prep.weights[pos].to(dtype).unsqueeze(1)
+            acc.index_add_(0, prep.inverse[pos].long(), go)
+        grads_by_dim[D] = acc if D not in grads_by_dim else grads_by_dim[D] + acc
+    out = []
+    for t, spec in enumerate(plan.tables):
+        b, n = prep.unique_base[t], prep.unique_count[t]
+        g = grads_by_dim[spec.dim][b : b + n] if spec.dim in grads_by_dim else torch.zeros(n, spec.dim, device=dev)
+        if spec.max_norm and n:
+            s = slots[b : b + n]
+            rows = storages[t].index_select(0, s.clamp(min=0))[:, : spec.dim].to(g.dtype)
+            g = clip_rows_backward(rows, g, spec.max_norm)
+        out.append(g)
+    return out

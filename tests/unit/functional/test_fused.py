@@ -1,0 +1,161 @@
+"""Fused multi-table lookup: many features, shared tables, mixed dims, op count, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hugeembed import ConfigError, InputError
+from hugeembed.features import SparseFeatures
+from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec, fused_embedding_lookup
+
+from .tf_oracle import safe_lookup, unpooled_lookup
+
+BACKENDS = ["native", "torch"]
+
+
+def make_batch(bags_per_feature: dict[str, list[list[int]]], weights: dict[str, list[list[float]]] | None = None):
+    keys = list(bags_per_feature)
+    values, lengths, ws = [], [], []
+    for k in keys:
+        for b, bag in enumerate(bags_per_feature[k]):
+            values += bag
+            lengths.append(len(bag))
+            if weights is not None:
+                ws += weights[k][b]
+    w = torch.tensor(ws, dtype=torch.float32) if weights is not None else None
+    return SparseFeatures(keys, torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths, dtype=torch.int64),
+                          weights=w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(data=st.data())
+def test_many_features_many_tables_match_per_feature_oracle(backend, data):
+    B = data.draw(st.integers(0, 5))
+    tables = {"a": torch.randn(9, 4), "b": torch.randn(5, 8), "c": torch.randn(7, 4)}
+    bag = lambda rows: st.lists(st.integers(-1, rows - 1), max_size=4)
+    feats = {
+        "f1": data.draw(st.lists(bag(9), min_size=B, max_size=B)),
+        "f2": data.draw(st.lists(bag(5), min_size=B, max_size=B)),
+        "f3": data.draw(st.lists(bag(9), min_size=B, max_size=B)),  # shares table a with f1
+        "seq": data.draw(st.lists(bag(7), min_size=B, max_size=B)),
+    }
+    specs = [
+        FeatureSpec("f1", "a", combiner="sum"),
+        FeatureSpec("f2", "b", combiner="sqrtn", default_id=2),
+        FeatureSpec("f3", "a", combiner="mean"),
+        FeatureSpec("seq", "c", combiner="none"),
+        FeatureSpec("f1_again", "c", source="f1", combiner="mean"),  # one input feature, two tables
+    ]
+    max_norm = {"a": 1.0}
+    # f1_again reads table c (7 rows) with ids up to 8: prune those
+    specs[4] = FeatureSpec("f1_again", "c", source="f1", combiner="mean", out_of_range="prune")
+    sf = make_batch(feats)
+    out = fused_embedding_lookup(tables, sf, specs, max_norm=max_norm, backend=backend)
+    assert out.keys() == ("f1", "f2", "f3", "f1_again")
+    one = lambda rows: [[(i, 1.0) for i in b] for b in rows]
+    np_t = {k: v.double().numpy() for k, v in tables.items()}
+    expect = {
+        "f1": safe_lookup(np_t["a"], one(feats["f1"]), "sum", None, 1.0),
+        "f2": safe_lookup(np_t["b"], one(feats["f2"]), "sqrtn", 2, None),
+        "f3": safe_lookup(np_t["a"], one(feats["f3"]), "mean", None, 1.0),
+        "f1_again": safe_lookup(np_t["c"], one(feats["f1"]), "mean", None, None, out_of_range="prune"),
+    }
+    for name, ref in expect.items():
+        torch.testing.assert_close(out[name].double(), torch.from_numpy(ref).reshape(B, ref.shape[1]), rtol=1e-5,
+                                   atol=1e-5)
+    seq = unpooled_lookup(np_t["c"], one(feats["seq"]))
+    assert out.unpooled["seq"].lengths().tolist() == [len(r) for r in seq]
+    # concat is plan order; groups are per dim
+    assert out.concat().shape == (B, 4 + 8 + 4 + 4)
+    torch.testing.assert_close(out.concat()[:, 4:12], out["f2"])
+    assert [g.shape[1:] for g in out.groups()] == [(3, 4), (1, 8)]
+
+
+def test_stacked_is_a_view_for_dlrm():
+    tables = {f"t{i}": torch.randn(10, 8) for i in range(3)}
+    specs = [FeatureSpec(f"f{i}", f"t{i}", combiner="sum") for i in range(3)]
+    sf = make_batch({f"f{i}": [[1], [2]] for i in range(3)})
+    out = fused_embedding_lookup(tables, sf, specs)
+    st_ = out.stacked()
+    assert st_.shape == (2, 3, 8) and st_.is_contiguous()
+    assert out.concat().data_ptr() == st_.data_ptr()  # no copy
+
+
+def test_batch_may_hold_extra_features_in_any_order():
+    tables = {"t": torch.randn(10, 4)}
+    sf = make_batch({"other": [[1], [2]], "f": [[3], [4, 5]]})
+    out = fused_embedding_lookup(tables, sf, [FeatureSpec("f", "t", combiner="sum")])
+    torch.testing.assert_close(out["f"], torch.stack([tables["t"][3], tables["t"][4] + tables["t"][5]]))
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_op_count_does_not_grow_with_features_sharing_a_dim(backend):
+    def ops(n_features: int) -> int:
+        tables = [TableSpec("t", 8, num_rows=100)]
+        specs = [FeatureSpec(f"f{i}", "t", combiner="sum") for i in range(n_features)]
+        lookup = FusedEmbeddingLookup(tables, specs, backend=backend)
+        W = torch.randn(100, 8, requires_grad=True)
+        sf = make_batch({f"f{i}": [[i, i + 1], [i + 2]] for i in range(n_features)})
+        lookup([W], sf)  # warm caches of the plan
+        with _CountOps() as counter:
+            out = lookup([W], sf)
+            out.concat().sum().backward()
+        return counter.count
+
+    assert ops(2) == ops(20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_are_clear_errors(backend):
+    W = torch.randn(6, 4)
+    lookup = FusedEmbeddingLookup([TableSpec("users", 4, num_rows=6)], [FeatureSpec("user", "users")], backend=backend)
+    ok = make_batch({"user": [[1], [2]]})
+    with pytest.raises(InputError, match="ids must be int64"):
+        lookup([W], SparseFeatures(["user"], ok.values().int(), offsets=ok.offsets()))
+    with pytest.raises(InputError, match="offsets must be int32 or int64"):
+        lookup([W], SparseFeatures(["user"], ok.values(), offsets=ok.offsets().float()))
+    with pytest.raises(InputError, match="feature 'user': offsets of sample 0"):
+        lookup([W], SparseFeatures(["user"], ok.values(), offsets=torch.tensor([0, 5, 2])))
+    with pytest.raises(InputError, match=r"feature 'user': weight nan of id 2 at sample 1 is not finite"):
+        lookup([W], SparseFeatures(["user"], ok.values(), offsets=ok.offsets(), weights=torch.tensor([1.0, float("nan")])))
+    with pytest.raises(InputError, match="weights must be floating point"):
+        lookup([W], SparseFeatures(["user"], ok.values(), offsets=ok.offsets(), weights=torch.tensor([1, 2])))
+    with pytest.raises(InputError, match=r"batch lacks features \['user'\]"):
+        lookup([W], make_batch({"item": [[1]]}))
+    with pytest.raises(InputError, match="table 'users': has 3 rows, spec says 6"):
+        lookup([W[:3]], ok)
+    with pytest.raises(InputError, match=r"id 7 at sample 1 is out of range for table 'users' of 6 rows"):
+        lookup([W], make_batch({"user": [[1], [0, 7]]}))
+
+
+def test_bad_configs_are_clear_errors():
+    with pytest.raises(ConfigError, match="table 'x': dim must be a positive int, got -4"):
+        TableSpec("x", -4, num_rows=3)
+    with pytest.raises(ConfigError, match="num_rows must be an int >= 0"):
+        TableSpec("x", 4, num_rows=-1)
+    with pytest.raises(ConfigError, match="max_norm must be a positive finite number"):
+        TableSpec("x", 4, max_norm=0.0)
+    with pytest.raises(ConfigError, match="unknown Combiner 'avg'"):
+        FeatureSpec("f", "x", combiner="avg")
+    with pytest.raises(ConfigError, match="out_of_range='default' needs a default_id"):
+        FeatureSpec("f", "x", out_of_range="default")
+    with pytest.raises(ConfigError, match="reads unknown table 'y'"):
+        FusedEmbeddingLookup([TableSpec("x", 4, num_rows=3)], [FeatureSpec("f", "y")])
+    with pytest.raises(ConfigError, match="default_id 5 is outside table 'x' of 3 rows"):
+        FusedEmbeddingLookup([TableSpec("x", 4, num_rows=3)], [FeatureSpec("f", "x", default_id=5)])
+    with pytest.raises(ConfigError, match="duplicate feature output names"):
+        FusedEmbeddingLookup([TableSpec("x", 4, num_rows=3)], [FeatureSpec("f", "x"), FeatureSpec("f", "x")])

@@ -1,0 +1,172 @@
+"""safe_embedding_lookup_sparse against the NumPy oracle of TF's semantics and embedding_bag."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from hugeembed import InputError
+from hugeembed.functional import embedding_lookup_unpooled, safe_embedding_lookup_sparse
+
+from .tf_oracle import OracleIdError, safe_lookup, unpooled_lookup
+
+BACKENDS = ["native", "torch"]
+
+
+def to_tensors(bags, with_weights, offsets_dtype=torch.int64):
+    values = [i for bag in bags for i, _ in bag]
+    weights = [w for bag in bags for _, w in bag]
+    offsets = np.cumsum([0] + [len(b) for b in bags])
+    v = torch.tensor(values, dtype=torch.int64)
+    o = torch.tensor(offsets, dtype=offsets_dtype)
+    w = torch.tensor(weights, dtype=torch.float32) if with_weights else None
+    return v, o, w
+
+
+@st.composite
+def batches(draw, max_rows=12):
+    rows = draw(st.integers(1, max_rows))
+    with_weights = draw(st.booleans())
+    weight = st.sampled_from([0.0, -1.0, 0.5, 1.0, 2.0, 3.25]) if with_weights else st.just(1.0)
+    bag = st.lists(st.tuples(st.integers(-2, rows - 1), weight), max_size=5)
+    bags = draw(st.lists(bag, max_size=7))
+    return rows, bags, with_weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=batches(), combiner=st.sampled_from(["sum", "mean", "sqrtn"]), use_default=st.booleans(),
+       max_norm=st.sampled_from([None, 0.5, 2.0]), dim=st.sampled_from([1, 3, 8]),
+       offsets_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_matches_tf_oracle(backend, case, combiner, use_default, max_norm, dim, offsets_dtype):
+    rows, bags, with_weights = case
+    table = torch.randn(rows, dim, dtype=torch.float64)
+    default_id = rows - 1 if use_default else None
+    expected = safe_lookup(table.numpy(), bags, combiner, default_id, max_norm)
+    v, o, w = to_tensors(bags, with_weights, offsets_dtype)
+    got = safe_embedding_lookup_sparse(table.float(), (v, o, w), combiner=combiner, default_id=default_id,
+                                       max_norm=max_norm, backend=backend)
+    assert got.shape == (len(bags), dim)
+    torch.testing.assert_close(got.double(), torch.from_numpy(expected), rtol=1e-5, atol=1e-5)
+
+
+@given(case=batches(), combiner=st.sampled_from(["sum", "mean", "sqrtn"]), max_norm=st.sampled_from([None, 1.0]))
+def test_float64_tables_exact_to_oracle(case, combiner, max_norm):
+    rows, bags, with_weights = case
+    table = torch.randn(rows, 4, dtype=torch.float64)
+    v, o, w = to_tensors(bags, with_weights)
+    w = None if w is None else w.double()
+    got = safe_embedding_lookup_sparse(table, (v, o, w), combiner=combiner, max_norm=max_norm)
+    assert got.dtype == torch.float64
+    expected = safe_lookup(table.numpy(), bags, combiner, None, max_norm)
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_half_precision_tables(dtype, combiner):
+    bags = [[(1, 1.0), (2, 1.0)], [], [(3, 1.0), (3, 1.0), (0, 1.0)]]
+    table = torch.randn(5, 8).to(dtype)
+    v, o, _ = to_tensors(bags, False)
+    got = safe_embedding_lookup_sparse(table, (v, o), combiner=combiner)
+    assert got.dtype == dtype
+    expected = safe_lookup(table.double().numpy(), bags, combiner)
+    torch.testing.assert_close(got.double(), torch.from_numpy(expected), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@given(case=batches())
+def test_matches_embedding_bag_where_semantics_coincide(backend, mode, case):
+    """No negative ids, no default, positive weights only with sum: embedding_bag is the same op."""
+    rows, bags, _ = case
+    bags = [[(abs(i), 1.0) for i, _ in bag] for bag in bags]
+    table = torch.randn(rows + 2, 5)
+    v, o, _ = to_tensors(bags, False)
+    got = safe_embedding_lookup_sparse(table, (v, o), combiner=mode, backend=backend)
+    ref = F.embedding_bag(v, table, o[:-1], mode=mode) if bags else torch.zeros(0, 5)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weighted_sum_matches_embedding_bag_per_sample_weights(backend):
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 7, generator=g)
+    v = torch.randint(0, 50, (40,), generator=g)
+    o = torch.tensor([0, 3, 3, 10, 25, 40])
+    w = torch.rand(40, generator=g) + 0.1
+    got = safe_embedding_lookup_sparse(table, (v, o, w), combiner="sum", backend=backend)
+    ref = F.embedding_bag(v, table, o[:-1], mode="sum", per_sample_weights=w)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_empty_batch_and_zero_batch(backend):
+    table = torch.randn(4, 3)
+    v = torch.zeros(0, dtype=torch.int64)
+    got = safe_embedding_lookup_sparse(table, (v, torch.zeros(4, dtype=torch.int64)), backend=backend)
+    assert torch.equal(got, torch.zeros(3, 3))
+    got = safe_embedding_lookup_sparse(table, (v, torch.zeros(4, dtype=torch.int64)), default_id=2, backend=backend)
+    torch.testing.assert_close(got, table[2].expand(3, 3))
+    got = safe_embedding_lookup_sparse(table, (v, torch.zeros(1, dtype=torch.int64)), backend=backend)
+    assert got.shape == (0, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["prune", "default"])
+def test_out_of_range_policies(backend, policy):
+    rows = 6
+    bags = [[(2, 1.0), (9, 1.0)], [(17, 1.0)], [(5, 1.0), (-1, 1.0)]]
+    table = torch.randn(rows, 4, dtype=torch.float64)
+    v, o, _ = to_tensors(bags, False)
+    got = safe_embedding_lookup_sparse(table.float(), (v, o), combiner="sum", default_id=0, out_of_range=policy,
+                                       backend=backend)
+    expected = safe_lookup(table.numpy(), bags, "sum", 0, None, out_of_range=policy)
+    torch.testing.assert_close(got.double(), torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_is_an_error_naming_feature_table_id_and_size(backend):
+    table = torch.randn(6, 4)
+    v, o, _ = to_tensors([[(1, 1.0)], [(2, 1.0), (6, 1.0)]], False)
+    with pytest.raises(InputError, match=r"feature 'user'.*id 6 at sample 1.*table 'users' of 6 rows"):
+        safe_embedding_lookup_sparse(table, (v, o), name="user", table="users", backend=backend)
+    with pytest.raises(OracleIdError):  # the oracle agrees it is an error
+        safe_lookup(table.double().numpy(), [[(1, 1.0)], [(2, 1.0), (6, 1.0)]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_ids_kept_when_not_pruned_are_out_of_range(backend):
+    table = torch.randn(6, 4)
+    v, o, _ = to_tensors([[(-3, 1.0)]], False)
+    with pytest.raises(InputError, match="id -3"):
+        safe_embedding_lookup_sparse(table, (v, o), prune_negative=False, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=batches(), max_norm=st.sampled_from([None, 1.0]))
+def test_unpooled_matches_oracle(backend, case, max_norm):
+    rows, bags, with_weights = case
+    table = torch.randn(rows, 3, dtype=torch.float64)
+    v, o, w = to_tensors(bags, with_weights)
+    got = embedding_lookup_unpooled(table.float(), (v, o, w), max_norm=max_norm, backend=backend)
+    expected = unpooled_lookup(table.numpy(), bags, max_norm)
+    assert got.lengths().tolist() == [len(x) for x in expected]
+    flat = [r for rows_ in expected for r in rows_]
+    ref = torch.tensor(np.array(flat), dtype=torch.float64) if flat else torch.zeros(0, 3, dtype=torch.float64)
+    torch.testing.assert_close(got.values.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA parity needs a GPU")
+def test_cuda_matches_cpu():
+    device = torch.device("cuda")
+    table = torch.randn(100, 16)
+    v = torch.randint(-1, 100, (500,))
+    o = torch.arange(0, 501, 5)
+    w = torch.rand(500)
+    cpu = safe_embedding_lookup_sparse(table, (v, o, w), combiner="sqrtn", max_norm=1.0, default_id=3)
+    gpu = safe_embedding_lookup_sparse(table.to(device), (v.to(device), o.to(device), w.to(device)),
+                                       combiner="sqrtn", max_norm=1.0, default_id=3)
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)
