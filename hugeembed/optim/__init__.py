@@ -1,3 +1,25 @@
-"""(under construction: see the issues)"""
+"""Sparse optimizers: rules applied in place to the touched rows of an embedding table.
 
-__all__: list[str] = []
+Each rule is a frozen config (:class:`SparseOptimizer`) with ``state_width(D)``,
+``init_state(state)`` and ``apply(storage, slots, grad, lr=, step=)`` over a table
+whose rows hold the weight and the optimizer state side by side.  See docs/optim.md
+for every update formula and the reference it matches.
+"""
+
+from ._adagrad import Adagrad, RowWiseAdagrad
+from ._adam import Adam
+from ._base import SparseOptimizer
+from ._ftrl import FTRL
+from ._registry import make_optimizer
+from ._sgd import SGD, MomentumSGD
+
+__all__ = [
+    "SparseOptimizer",
+    "SGD",
+    "MomentumSGD",
+    "Adagrad",
+    "RowWiseAdagrad",
+    "Adam",
+    "FTRL",
+    "make_optimizer",
+]

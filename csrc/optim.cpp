@@ -1,0 +1,346 @@
+// Sparse optimizer rules of hugeembed.optim, applied in place to the touched rows
+// of one table.
+//
+// Row layout (one table = one row-major float32 buffer `storage[R, W]`): columns
+// [0, D) hold the weight, columns [D, D + S) the optimizer state of the row
+// (OneEmbedding's size_factor); columns past D + S belong to someone else and are
+// never touched.  `slots[U]` are unique row numbers, `grad[U, D]` the summed
+// gradient of each touched row.  Rows are unique, so the threads of
+// he::parallel_for never write the same row.
+//
+// Every kernel computes in float32 with the SAME sequence of IEEE operations as
+// its plain-PyTorch twin in hugeembed/optim/_*.py (one rounding per +, -, *, /,
+// sqrt; hyperparameters rounded once from double to float), so the two agree
+// to the last bit.  Reductions over a row (row-wise Adagrad) and powers of
+// beta (Adam) are computed in double and rounded once, so a different
+// summation order or pow implementation in torch changes the float result only
+// in a vanishingly rare tie.  The build uses no -ffast-math and ISO C++17 (so
+// GCC does not contract a*b+c into an FMA).
+//
+// Every kernel first checks all slots (0 <= slot < R) before writing anything:
+// on a bad slot it returns 1 with err[0] = position, err[1] = slot, and the table
+// is unchanged.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common.h"
+
+namespace {
+
+int64_t check_slots(const int64_t* slots, int64_t U, int64_t R, int64_t* err) {
+  for (int64_t i = 0; i < U; ++i) {
+    int64_t s = slots[i];
+    if (s < 0 || s >= R) {
+      err[0] = i;
+      err[1] = s;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// Rows per thread so that a thread gets at least ~32k element updates: below
+// that, spawning a thread costs more than it saves.
+int64_t rows_per_thread(int64_t D, int64_t cost = 1) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D * cost));
+}
+
+// Integer counters (Adam's per-row step, last-updated step) live in a float
+// column as the bit pattern of an int32: exact up to 2^31 - 1, unlike a float
+// value (exact only to 2^24).  memcpy avoids type-punning undefined behaviour.
+inline int64_t load_counter(const float* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store_counter(float* p, int64_t v) {
+  int32_t x = (int32_t)v;
+  std::memcpy(p, &x, sizeof x);
+}
+
+}  // namespace
+
+// SGD: g' = g + wd * w (when wd != 0);  w = w - g' * lr.      (torch.optim.SGD)
+HE_API int64_t he_optim_sgd(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                            const float* grad, float lr, float weight_decay, int nthreads, int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      const float* g = grad + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float gd = g[d];
+        if (weight_decay != 0.f) gd = gd + w[d] * weight_decay;
+        w[d] = w[d] - gd * lr;
+      }
+    }
+  });
+  return 0;
+}
+
+// Momentum SGD with dampening 0 (torch.optim.SGD), state buf at [D, 2D):
+//   g' = g + wd * w;  buf = buf * mu + g';  u = nesterov ? g' + buf * mu : buf;  w = w - u * lr.
+HE_API int64_t he_optim_momentum(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                                 const float* grad, float lr, float momentum, float weight_decay, int nesterov,
+                                 int nthreads, int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      float* buf = w + D;
+      const float* g = grad + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float gd = g[d];
+        if (weight_decay != 0.f) gd = gd + w[d] * weight_decay;
+        float nb = buf[d] * momentum + gd;
+        buf[d] = nb;
+        float u = nesterov ? gd + nb * momentum : nb;
+        w[d] = w[d] - u * lr;
+      }
+    }
+  });
+  return 0;
+}
+
+// Adagrad (torch.optim.Adagrad), state sum at [D, 2D); clr = lr / (1 + (step-1) * lr_decay)
+// is computed by the caller:  g' = g + wd * w;  sum = sum + g' * g';  w = w - (g' * clr) / (sqrt(sum) + eps).
+HE_API int64_t he_optim_adagrad(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                                const float* grad, float clr, float eps, float weight_decay, int nthreads,
+                                int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      float* sum = w + D;
+      const float* g = grad + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float gd = g[d];
+        if (weight_decay != 0.f) gd = gd + w[d] * weight_decay;
+        float s = sum[d] + gd * gd;
+        sum[d] = s;
+        float std_ = std::sqrt(s) + eps;
+        w[d] = w[d] - (gd * clr) / std_;
+      }
+    }
+  });
+  return 0;
+}
+
+// FBGEMM EXACT_ROWWISE_ADAGRAD (weight_decay_mode L2), one accumulator at column D:
+//   g' = g + wd * w;  acc = acc + mean_d(g'^2)  (sum in double, rounded once);
+//   mult = lr / (sqrt(acc) + eps);  w = w * (1 - mult * wd) - g * mult.
+HE_API int64_t he_optim_rowwise_adagrad(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots,
+                                        int64_t U, const float* grad, float lr, float eps, float weight_decay,
+                                        int nthreads, int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      const float* g = grad + i * D;
+      double sq = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        float gd = g[d];
+        if (weight_decay != 0.f) gd = gd + w[d] * weight_decay;
+        sq += (double)gd * (double)gd;
+      }
+      float mean = (float)(sq / (double)D);
+      float acc = w[D] + mean;
+      w[D] = acc;
+      float mult = lr / (std::sqrt(acc) + eps);
+      if (weight_decay != 0.f) {
+        float corr = 1.f - mult * weight_decay;
+        for (int64_t d = 0; d < D; ++d) w[d] = w[d] * corr - g[d] * mult;
+      } else {
+        for (int64_t d = 0; d < D; ++d) w[d] = w[d] - g[d] * mult;
+      }
+    }
+  });
+  return 0;
+}
+
+namespace {
+
+struct AdamArgs {
+  double lr, beta1, beta2, eps, weight_decay;
+  int decoupled, eps_tf, mode;  // mode: 0 lazy + global_step, 1 lazy + per_row, 2 global
+  float tol;                    // catch-up stops when the tail is below tol * |w|
+  float bound_a, bound_b;       // tail factors 1 / (eps (1 - b1)) and 1 / (1 - b1 / sqrt(b2))
+};
+
+// Step size and denominator scale of Adam at step t from beta1^t, beta2^t:
+//   torch: w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   tf:    w -= (lr * sqrt(bc2) / bc1) * m / (sqrt(v) / 1 + eps)       (x / 1 == x exactly)
+inline void adam_scalars(const AdamArgs& a, double p1, double p2, float* step_scale, float* dscale) {
+  double bc1 = 1.0 - p1, bc2 = 1.0 - p2;
+  if (a.eps_tf) {
+    *step_scale = (float)(a.lr * std::sqrt(bc2) / bc1);
+    *dscale = 1.f;
+  } else {
+    *step_scale = (float)(a.lr / bc1);
+    *dscale = (float)std::sqrt(bc2);
+  }
+}
+
+// Global Adam's catch-up of one row: the steps L+1 .. L+gap had a zero gradient in
+// the dense oracle.  Runs them one by one, exactly, until the contribution of all
+// remaining ones is provably below tol * |w| for every element of the row:
+//   |dw_{s+j}| <= S |m| b1^j / max(eps, b2^(j/2) sqrt(v)),  S = lr / (1 - b1^s) >= later step sizes,
+//   sum_j <= S |m| min(1 / (eps (1 - b1)), 1 / (sqrt(v) (1 - b1/sqrt(b2)))).
+// The moments (and decoupled decay) of the skipped remainder are then applied in
+// closed form: m *= b1^rem, v *= b2^rem, w *= (1 - lr wd)^rem.
+void adam_catch_up(const AdamArgs& a, float* w, float* m, float* v, int64_t D, int64_t L, int64_t gap) {
+  const float b1f = (float)a.beta1, b2f = (float)a.beta2, epsf = (float)a.eps;
+  const bool decay = a.decoupled && a.weight_decay != 0.0;
+  const double c = 1.0 - a.lr * a.weight_decay;
+  const float cf = (float)c;
+  const float cg = decay ? (float)std::pow(c, (double)gap) : 1.f;
+  double p1 = std::pow(a.beta1, (double)(L + 1)), p2 = std::pow(a.beta2, (double)(L + 1));
+  int64_t k = 0;
+  while (k < gap) {
+    float step_scale, dscale;
+    adam_scalars(a, p1, p2, &step_scale, &dscale);
+    const float S = (float)(a.lr / (1.0 - p1));
+    bool done = true;
+    for (int64_t d = 0; d < D; ++d) {
+      float wd_ = w[d];
+      if (decay) wd_ = wd_ * cf;
+      float md = m[d] * b1f;
+      float vd = v[d] * b2f;
+      float sq = std::sqrt(vd);
+      wd_ = wd_ - (md / (sq / dscale + epsf)) * step_scale;
+      m[d] = md;
+      v[d] = vd;
+      w[d] = wd_;
+      if (md != 0.f) {
+        float am = std::fabs(md) * S;
+        float t1 = am * a.bound_a, t2 = (am * a.bound_b) / sq;
+        float bound = t1 < t2 ? t1 : t2;
+        if (!(bound <= a.tol * std::fabs(wd_) * cg)) done = false;
+      }
+    }
+    ++k;
+    p1 *= a.beta1;
+    p2 *= a.beta2;
+    if (done) break;
+  }
+  int64_t rem = gap - k;
+  if (rem > 0) {
+    float f1 = (float)std::pow(a.beta1, (double)rem), f2 = (float)std::pow(a.beta2, (double)rem);
+    float fc = decay ? (float)std::pow(c, (double)rem) : 1.f;
+    for (int64_t d = 0; d < D; ++d) {
+      m[d] = m[d] * f1;
+      v[d] = v[d] * f2;
+      if (decay) w[d] = w[d] * fc;
+    }
+  }
+}
+
+}  // namespace
+
+// Adam, state [m (D) | v (D) | counter (1, modes 1 and 2)] at column D.
+//   mode 0 (lazy, global_step): bias correction with t = step.
+//   mode 1 (lazy, per_row): counter = the row's own step count, incremented here.
+//   mode 2 (global): counter = the step the row was last brought up to date;
+//     first the skipped steps are caught up (adam_catch_up), then step t.
+// has_grad = 0 (mode 2 only) brings the rows up to date as of `step` without a new step.
+// One step (decoupled: w = w * (1 - lr wd) first; L2: g' = g + wd * w):
+//   m = m * b1 + g' * (1 - b1);  v = v * b2 + (g' * g') * (1 - b2);
+//   w = w - (m / (sqrt(v) / dscale + eps)) * step_scale.
+HE_API int64_t he_optim_adam(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                             const float* grad, double lr, double beta1, double beta2, double eps,
+                             double weight_decay, int decoupled, int eps_tf, int mode, int has_grad, int64_t step,
+                             float tol, int nthreads, int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  AdamArgs a{lr, beta1, beta2, eps, weight_decay, decoupled, eps_tf, mode, tol, 0.f, 0.f};
+  a.bound_a = (float)(1.0 / (eps * (1.0 - beta1)));
+  double r = beta2 > 0.0 ? beta1 / std::sqrt(beta2) : std::numeric_limits<double>::infinity();
+  a.bound_b = r < 1.0 ? (float)(1.0 / (1.0 - r)) : std::numeric_limits<float>::infinity();
+  const float b1f = (float)beta1, b2f = (float)beta2, epsf = (float)eps;
+  const float omb1 = (float)(1.0 - beta1), omb2 = (float)(1.0 - beta2);
+  const float wdf = (float)weight_decay, cf = (float)(1.0 - lr * weight_decay);
+  const bool l2 = !decoupled && weight_decay != 0.0, decay = decoupled && weight_decay != 0.0;
+  float g_step_scale = 0.f, g_dscale = 1.f;
+  adam_scalars(a, std::pow(beta1, (double)step), std::pow(beta2, (double)step), &g_step_scale, &g_dscale);
+  int64_t cost = mode == 2 ? 16 : 2;
+  he::parallel_for(U, nthreads, rows_per_thread(D, cost), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      float* m = w + D;
+      float* v = w + 2 * D;
+      float* counter = w + 3 * D;
+      float step_scale = g_step_scale, dscale = g_dscale;
+      if (mode == 2) {
+        int64_t last = load_counter(counter);
+        int64_t gap = (has_grad ? step - 1 : step) - last;
+        if (gap > 0) adam_catch_up(a, w, m, v, D, last, gap);
+        if (!has_grad) {
+          if (gap > 0) store_counter(counter, step);
+          continue;
+        }
+        store_counter(counter, step);
+      } else if (mode == 1) {
+        int64_t t = load_counter(counter) + 1;
+        store_counter(counter, t);
+        adam_scalars(a, std::pow(beta1, (double)t), std::pow(beta2, (double)t), &step_scale, &dscale);
+      }
+      const float* g = grad + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float wd_ = w[d];
+        if (decay) wd_ = wd_ * cf;
+        float gd = g[d];
+        if (l2) gd = gd + wd_ * wdf;
+        float md = m[d] * b1f + gd * omb1;
+        float vd = v[d] * b2f + (gd * gd) * omb2;
+        m[d] = md;
+        v[d] = vd;
+        w[d] = wd_ - (md / (std::sqrt(vd) / dscale + epsf)) * step_scale;
+      }
+    }
+  });
+  return 0;
+}
+
+// FTRL-Proximal exactly as TensorFlow's (Sparse)ApplyFtrlV2 CPU kernel
+// (multiply_linear_by_lr = false), state [n (D) | z (D)] at column D.  l2 here is
+// already adjusted for beta by the caller: l2 + beta / (2 lr).
+//   gs = g + (2 l2_shrinkage) * w;  n' = n + g * g;  p(x) = x^(-lr_power) (sqrt when -0.5, in double);
+//   z = z + (gs - ((p(n') - p(n)) / lr) * w);
+//   w = (clamp(z, -l1, l1) - z) / (p(n') / lr + 2 l2);  n = n'.
+HE_API int64_t he_optim_ftrl(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                             const float* grad, float lr, double lr_power, float l1, float two_l2,
+                             float two_l2_shrinkage, int nthreads, int64_t* err) {
+  if (check_slots(slots, U, R, err)) return 1;
+  const bool half = lr_power == -0.5;
+  he::parallel_for(U, nthreads, rows_per_thread(D, 4), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      float* w = storage + slots[i] * W;
+      float* n = w + D;
+      float* z = w + 2 * D;
+      const float* g = grad + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float gd = g[d];
+        float wd_ = w[d];
+        float gs = two_l2_shrinkage != 0.f ? gd + wd_ * two_l2_shrinkage : gd;
+        float n_old = n[d];
+        float n_new = n_old + gd * gd;
+        float p_new, p_old;
+        if (half) {
+          p_new = std::sqrt(n_new);
+          p_old = std::sqrt(n_old);
+        } else {
+          p_new = (float)std::pow((double)n_new, -lr_power);
+          p_old = (float)std::pow((double)n_old, -lr_power);
+        }
+        float sigma = (p_new - p_old) / lr;
+        float zd = z[d] + (gs - sigma * wd_);
+        float quad = p_new / lr + two_l2;
+        float zc = std::min(std::max(zd, -l1), l1);
+        w[d] = (zc - zd) / quad;
+        z[d] = zd;
+        n[d] = n_new;
+      }
+    }
+  });
+  return 0;
+}

@@ -1,0 +1,318 @@
+"""The SparseOptimizer contract: an in-place rule over the touched rows of one table.
+
+A table's rows live in one 2-D tensor ``storage [R, W]``; each row holds its
+weight and, beside it, its optimizer state (OneEmbedding's ``size_factor``)::
+
+    storage[r] = | w_0 ... w_{D-1} | state_0 ... state_{S-1} | (unused) |
+                   0             D-1 D                   D+S-1  D+S .. W-1
+
+An optimizer is a frozen, validated config plus two implementations of
+:meth:`SparseOptimizer.apply`: a native C++ kernel (contiguous CPU float32
+storage and float32 gradient) and a plain-PyTorch twin (any device; float32,
+float64, and bfloat16/float16 storage computed in float32).  Both perform the
+same sequence of float operations, so they agree to the last bit in practice.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from .. import _native
+from ..errors import ConfigError, InputError
+
+__all__ = ["SparseOptimizer"]
+
+# Storage dtypes the twin computes in float32 (weights rounded back on store).
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Integer views of a float storage column, used for exact integer counters.
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def check_real(owner: str, field: str, value: Any, *, ge: float | None = None, gt: float | None = None,
+               lt: float | None = None, le: float | None = None) -> float:
+    """`value` as a finite float within the given bounds, else a ConfigError naming owner and field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{owner}: {field} must be a real number, got {value!r}")
+    v = float(value)
+    bad = not math.isfinite(v)
+    bounds = []
+    if ge is not None:
+        bad |= not v >= ge
+        bounds.append(f">= {ge}")
+    if gt is not None:
+        bad |= not v > gt
+        bounds.append(f"> {gt}")
+    if lt is not None:
+        bad |= not v < lt
+        bounds.append(f"< {lt}")
+    if le is not None:
+        bad |= not v <= le
+        bounds.append(f"<= {le}")
+    if bad:
+        rule = " and ".join(["finite", *bounds])
+        raise ConfigError(f"{owner}: {field} must be {rule}, got {value!r}")
+    return v
+
+
+def check_bool(owner: str, field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}: {field} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(owner: str, field: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{owner}: {field} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def compute_dtype(storage: torch.Tensor) -> torch.dtype:
+    """The dtype the twin computes in: the storage's own, or float32 for 16-bit storage."""
+    return torch.float32 if storage.dtype in _LOW_PRECISION else storage.dtype
+
+
+def int_view_dtype(storage: torch.Tensor, owner: str) -> torch.dtype:
+    """The integer dtype whose bit pattern holds a counter in one column of `storage`."""
+    dt = _INT_VIEW.get(storage.dtype)
+    if dt is None:
+        raise InputError(
+            f"{owner}: integer counters need float32 or float64 storage (stored as the bits of an "
+            f"int32/int64), got {storage.dtype}; use mode='lazy' with bias_correction='global_step', "
+            f"which keeps no counter"
+        )
+    return dt
+
+
+@dataclass(frozen=True)
+class SparseOptimizer(abc.ABC):
+    """Base of every sparse optimizer rule: a frozen config plus an in-place update.
+
+    Args:
+        lr: the initial learning rate (the runtime one is passed to :meth:`apply`, so a
+            schedule can change it between steps).
+
+    Example::
+
+        >>> import torch
+        >>> from hugeembed.optim import Adagrad
+        >>> opt = Adagrad(lr=0.1)
+        >>> D = 4; storage = torch.zeros(10, D + opt.state_width(D))
+        >>> opt.init_state(storage[:, D:])
+        >>> opt.apply(storage, torch.tensor([2, 7]), torch.ones(2, D), lr=0.1, step=1)
+        >>> storage[2, :D]
+        tensor([-0.1000, -0.1000, -0.1000, -0.1000])
+    """
+
+    lr: float
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self._set("lr", check_real(self._owner, "lr", self.lr, ge=0.0))
+
+    # ------------------------------------------------------------------ config
+    @property
+    def _owner(self) -> str:
+        return type(self).__name__
+
+    def _set(self, field: str, value: Any) -> None:
+        # Normalises a validated field (int -> float, list -> tuple) on a frozen instance.
+        object.__setattr__(self, field, value)
+
+    @abc.abstractmethod
+    def state_width(self, dim: int) -> int:
+        """S: the number of state columns each row of dimension `dim` needs."""
+
+    def init_state(self, state: torch.Tensor) -> None:
+        """Fills the state ``[n, S]`` of freshly created rows in place (zeros by default)."""
+        self._check_state(state)
+        state.zero_()
+
+    def _check_state(self, state: torch.Tensor) -> int:
+        """Validates a state block and returns the row dimension D it belongs to."""
+        if state.dim() != 2:
+            raise InputError(f"{self._owner}.init_state: state must be 2-D [n, S], got shape {tuple(state.shape)}")
+        width = state.shape[1]
+        for dim in self._dims_for_width(width):
+            if self.state_width(dim) == width:
+                return dim
+        raise InputError(f"{self._owner}.init_state: {width} state columns fit no row dimension for this rule")
+
+    def _dims_for_width(self, width: int) -> range:
+        return range(1, max(2, width + 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data that :meth:`from_dict` turns back into an equal optimizer."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SparseOptimizer":
+        """The optimizer `data` (from :meth:`to_dict`) describes; unknown keys are a ConfigError."""
+        from ._registry import RULES  # the registry imports every rule, which import this module
+
+        if not isinstance(data, Mapping) or "name" not in data:
+            raise ConfigError(f"optimizer config must be a mapping with a 'name', got {data!r}")
+        name = data["name"]
+        rule = RULES.get(name) if isinstance(name, str) else None
+        if rule is None:
+            raise ConfigError(f"optimizer config: unknown name {name!r}; choices: {', '.join(sorted(RULES))}")
+        if cls is not SparseOptimizer and rule is not cls:
+            raise ConfigError(f"{cls.__name__}.from_dict: config is for {name!r}, not {cls.name!r}")
+        fields = {f.name for f in dataclasses.fields(rule)}
+        unknown = sorted(set(data) - fields - {"name"})
+        if unknown:
+            raise ConfigError(f"{rule.__name__}: unknown config keys {unknown}; known: {sorted(fields)}")
+        kwargs = {k: v for k, v in data.items() if k != "name"}
+        try:
+            return rule(**kwargs)
+        except TypeError as e:  # a required field is missing
+            raise ConfigError(f"{rule.__name__}: {e}") from None
+
+    # ------------------------------------------------------------------ update
+    def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
+        """Updates rows `slots` of `storage` (weight and state) in place.
+
+        Args:
+            storage: ``[R, W]`` float table, ``W >= D + state_width(D)``.
+            slots: int64 ``[U]`` unique row numbers in ``[0, R)``, on storage's device.
+            grad: ``[U, D]`` gradient of each touched row (duplicate ids already summed).
+            lr: the learning rate of this step (a schedule's current value).
+            step: 1-based count of optimizer applications on this table (the global step).
+
+        Uses the native kernel when storage is a contiguous CPU float32 tensor, grad is
+        float32 and the kernels are built; otherwise the plain-PyTorch twin.  Slots are
+        assumed unique (the dedup stage guarantees it); duplicates are not detected and
+        give an unspecified (but memory-safe) result.
+        """
+        slots, grad, lr, step = self._check_apply(storage, slots, grad, lr, step)
+        if slots.numel() == 0:
+            return
+        if self._native_ok(storage, grad):
+            self._apply_native(storage, slots.contiguous(), grad.contiguous(), lr, step)
+        else:
+            check_slots_torch(slots, storage.shape[0])
+            self._apply_torch(storage, slots, grad, lr, step)
+
+    def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int) -> None:
+        """Brings rows `slots` up to date as of `step` (after a snapshot or before an eval).
+
+        Only rules that move untouched rows (global Adam) have anything to do; for
+        every other rule an untouched row is already exact, and this only validates.
+        """
+        self._check_catch_up(storage, slots, step)
+
+    @abc.abstractmethod
+    def _apply_native(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, lr: float,
+                      step: int) -> None: ...
+
+    @abc.abstractmethod
+    def _apply_torch(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, lr: float,
+                     step: int) -> None: ...
+
+    @staticmethod
+    def _native_ok(storage: torch.Tensor, grad: torch.Tensor) -> bool:
+        return (
+            storage.device.type == "cpu"
+            and storage.dtype == torch.float32
+            and storage.is_contiguous()
+            and grad.device.type == "cpu"
+            and grad.dtype == torch.float32
+            and _native.available()
+        )
+
+    def _check_storage(self, storage: torch.Tensor, where: str) -> None:
+        if not isinstance(storage, torch.Tensor) or storage.dim() != 2:
+            raise InputError(f"{self._owner}.{where}: storage must be a 2-D tensor [R, W], got "
+                             f"{getattr(storage, 'shape', type(storage).__name__)}")
+        if not storage.dtype.is_floating_point:
+            raise InputError(f"{self._owner}.{where}: storage must be a float tensor, got {storage.dtype}")
+
+    def _check_slots_tensor(self, storage: torch.Tensor, slots: torch.Tensor, where: str) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+            raise InputError(f"{self._owner}.{where}: slots must be a 1-D integer tensor, got "
+                             f"{getattr(slots, 'shape', type(slots).__name__)}")
+        if slots.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"{self._owner}.{where}: slots must be int64 (or int32), got {slots.dtype}")
+        if slots.device != storage.device:
+            raise InputError(f"{self._owner}.{where}: slots are on {slots.device}, storage on {storage.device}")
+        return slots.long()
+
+    def _check_step(self, step: Any, where: str) -> int:
+        try:
+            s = operator.index(step)
+        except TypeError:
+            raise InputError(f"{self._owner}.{where}: step must be an integer, got {step!r}") from None
+        if s < 1:
+            raise InputError(f"{self._owner}.{where}: step must be >= 1 (1-based), got {s}")
+        return s
+
+    def _check_apply(self, storage, slots, grad, lr, step):
+        self._check_storage(storage, "apply")
+        slots = self._check_slots_tensor(storage, slots, "apply")
+        if not isinstance(grad, torch.Tensor) or grad.dim() != 2 or grad.shape[0] != slots.shape[0]:
+            raise InputError(f"{self._owner}.apply: grad must be [U, D] with U = {slots.shape[0]} slots, got "
+                             f"{getattr(grad, 'shape', type(grad).__name__)}")
+        if not grad.dtype.is_floating_point or grad.device != storage.device:
+            raise InputError(f"{self._owner}.apply: grad must be a float tensor on {storage.device}, got "
+                             f"{grad.dtype} on {grad.device}")
+        dim = grad.shape[1]
+        need = dim + self.state_width(dim)
+        if dim < 1 or storage.shape[1] < need:
+            raise InputError(f"{self._owner}.apply: rows of dimension {dim} need {need} columns "
+                             f"(D + state {self.state_width(dim)}), storage has {storage.shape[1]}")
+        lr = check_real(self._owner, "lr (runtime)", lr, ge=0.0)
+        return slots, grad, lr, self._check_step(step, "apply")
+
+    def _check_catch_up(self, storage, slots, step) -> tuple[torch.Tensor, int]:
+        self._check_storage(storage, "catch_up")
+        slots = self._check_slots_tensor(storage, slots, "catch_up")
+        return slots, self._check_step(step, "catch_up")
+
+
+def check_slots_torch(slots: torch.Tensor, rows: int) -> None:
+    """IndexError naming the first slot outside ``[0, rows)`` (the native kernels check the same)."""
+    if slots.numel() == 0:
+        return
+    bad = (slots < 0) | (slots >= rows)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise IndexError(f"slot {int(slots[pos])} at position {pos} is out of range for a table of {rows} rows")
+
+
+def gather_rows(storage: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows ``storage[slots, :width]`` as a new tensor in the twin's compute dtype."""
+    return storage[slots, :width].to(compute_dtype(storage))
+
+
+def scatter_rows(storage: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes `rows` back into ``storage[slots, :rows.shape[1]]`` (rounding to storage's dtype)."""
+    storage[slots, : rows.shape[1]] = rows.to(storage.dtype)
+
+
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded square root, as the kernels' ``std::sqrt``.
+
+    torch's vectorised CPU sqrt (Sleef on AVX2/AVX512) is accurate to ~0.5 ulp but not
+    correctly rounded: on an AVX512 machine about 17% of float32 results differ from
+    IEEE sqrt by one ulp.  A float32 square root computed in float64 (error below 2^-52
+    relative) and rounded once IS correctly rounded: sqrt of a float32 is never within
+    2^-50 (relative) of a float32 rounding midpoint.
+    """
+    if t.dtype == torch.float32 and t.device.type == "cpu":
+        return t.double().sqrt_().float()
+    return t.sqrt()
+
+
+def rdiv(x: float, t: torch.Tensor) -> torch.Tensor:
+    """``x / t`` element-wise by true division (Python's ``x / t`` computes ``t.reciprocal() * x``)."""
+    return torch.full_like(t, x).div_(t)
