@@ -258,7 +258,8 @@ class SparseFeatures(TensorConverters, PythonConverters):
         start = 0
         for size in sizes:
             if f == 0:
-                out.append(SparseFeatures((), self._values[:0], offsets=self._offsets[:1], batch_size=size))
+                w = None if self._weights is None else self._weights[:0]
+                out.append(SparseFeatures((), self._values[:0], offsets=self._offsets[:1], weights=w, batch_size=size))
                 continue
             assert lengths is not None
             sub_lengths = lengths[:, start : start + size]
@@ -292,7 +293,8 @@ class SparseFeatures(TensorConverters, PythonConverters):
             raise InputError("concat_batches: either every batch has weights or none has")
         f = len(keys)
         if f == 0:
-            return SparseFeatures((), batches[0].values()[:0], offsets=batches[0].offsets()[:1],
+            w = batches[0].weights()[:0] if all(has_w) else None
+            return SparseFeatures((), batches[0].values()[:0], offsets=batches[0].offsets()[:1], weights=w,
                                   batch_size=sum(sf.batch_size for sf in batches))
         # regroup to feature-major: for each feature, the bags of every batch in turn
         lengths = torch.cat([sf.lengths_per_feature().to(torch.int64) for sf in batches], dim=1)

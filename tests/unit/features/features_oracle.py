@@ -81,7 +81,8 @@ def batches(draw, max_features=4, max_batch=5, max_len=4, with_weights=None, ids
     id_st = ids if ids is not None else st.integers(0, 2**62)
     # float32-exact weights so that comparisons can be exact
     w_st = st.integers(-64, 64).map(lambda x: x / 8)
-    has_w = draw(st.booleans()) if with_weights is None else with_weights
+    # with no features "has weights" means nothing: SparseFeatures' converters give None then
+    has_w = f > 0 and (draw(st.booleans()) if with_weights is None else with_weights)
     out, wout = {}, {}
     for k in keys:
         rows = [draw(st.lists(id_st, max_size=max_len)) for _ in range(b)]

@@ -126,6 +126,15 @@ def test_no_features_keeps_its_batch_size():
     assert SparseFeatures.concat_batches(sf.split(2)).batch_size == 4
 
 
+def test_no_features_with_weights_keeps_them_through_split_and_concat():
+    # regression: split and concat_batches dropped the (empty) weights of a batch without features
+    sf = SparseFeatures([], torch.zeros(0, dtype=torch.int64), offsets=torch.zeros(1, dtype=torch.int64),
+                        weights=torch.zeros(0), batch_size=3)
+    parts = sf.split([1, 2])
+    assert all(p.weights_or_none() is not None for p in parts)
+    assert SparseFeatures.concat_batches(parts).weights().numel() == 0
+
+
 def test_to_same_device_is_identity_and_meta_moves(device):
     sf = build(DOC, DOC_W, device=device)
     assert sf.to(device) is sf
