@@ -1,3 +1,35 @@
-"""(under construction: see the issues)"""
+"""Key -> row storage of embedding tables.
 
-__all__: list[str] = []
+``RowStore`` is the protocol the nn layer calls; three stores implement it:
+
+* ``HashStore``  -- dynamic table: rows created on first sight of any int64 key,
+  admission after k hits, ttl / LFU / LRU eviction, capacity; native C++ on CPU,
+  vectorised torch ops on GPU (one shared memory layout).
+* ``ArrayStore`` -- static table, key = row index in [0, num_rows).
+* ``DictStore``  -- plain-dict oracle of HashStore used by tests.
+
+Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
+``TruncatedNormal``, ``Constant``, ``Zeros``, ``FromCallable``.  See docs/store.md.
+"""
+
+from ._array import ArrayStore
+from ._dict import DictStore
+from ._hash import HashStore
+from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
+from ._protocol import EvictionPolicy, RowStore, StoreExport
+
+__all__ = [
+    "RowStore",
+    "StoreExport",
+    "EvictionPolicy",
+    "HashStore",
+    "ArrayStore",
+    "DictStore",
+    "Initializer",
+    "Uniform",
+    "Normal",
+    "TruncatedNormal",
+    "Constant",
+    "Zeros",
+    "FromCallable",
+]

@@ -1,0 +1,56 @@
+"""Host allocations for big store arrays, backed by 2 MiB pages where the kernel allows.
+
+Random row and bucket accesses are TLB-bound on 4 KiB pages (BASELINES.md: a
+random gather runs 1.4-2x faster with ``madvise(MADV_HUGEPAGE)``).  THP is in
+"madvise" mode on our machines, so a buffer only gets huge pages if we ask before
+first touching it: allocate a little more than needed, align to 2 MiB, madvise,
+then hand out a view.  Everything else (CUDA, small arrays) is a plain torch.empty.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import sys
+
+import torch
+
+__all__ = ["empty", "HUGE_PAGES"]
+
+_HUGE = 2 << 20
+_MIN_BYTES = 8 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+# Module switch (bench/tables.py flips it to measure the difference).
+HUGE_PAGES = True
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        f = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.empty(shape) whose memory (when large and on CPU) is asked to live on huge pages."""
+    device = torch.device(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    advise = _madvise()
+    if device.type != "cpu" or not HUGE_PAGES or nbytes < _MIN_BYTES or advise is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % _HUGE
+    out = raw[offset : offset + nbytes].view(dtype).view(shape)
+    # A refusal (no THP support) only costs speed: the memory is valid either way.
+    advise(out.data_ptr(), nbytes - nbytes % _HUGE, _MADV_HUGEPAGE)
+    return out

@@ -1,0 +1,141 @@
+"""ArrayStore: a static table of `num_rows` rows where key k lives at slot k.
+
+The classic ``nn.Embedding`` layout (TorchRec / FBGEMM tables), with the same
+RowStore interface as the dynamic HashStore so the nn layer treats both alike.
+Rows are initialised with the table's initializer at key = row index, so a
+HashStore trained on ids in [0, n) holds exactly the rows of an ArrayStore(n)::
+
+    keys   [3, 0, 7]  ->  slots [3, 0, 7]       key 12 with num_rows=10 -> InputError
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError, InputError
+from . import _alloc
+from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
+from ._init import Initializer, default_initializer, init_rows_native
+from ._protocol import StoreExport
+
+__all__ = ["ArrayStore"]
+
+_INIT_CHUNK = 1 << 20
+
+
+class ArrayStore:
+    """Static key -> row store: keys must lie in [0, num_rows).
+
+    Args:
+        name: table name (in every error message).
+        num_rows: rows of the table, all allocated and initialised now.
+        dim, state_width, initializer, init_state, dtype, device, seed: as for HashStore.
+
+    Example::
+
+        >>> store = ArrayStore("country", num_rows=250, dim=4)
+        >>> store.gather(store.find_or_insert(torch.tensor([3, 7]), step=0)).shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *,
+                 initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0):
+        if initializer is None and isinstance(dim, int) and dim > 0:
+            initializer = default_initializer(dim)
+        check_table_config(name, dim, state_width, dtype, initializer)
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
+            raise ConfigError(f"table '{name}': num_rows must be a positive int, got {num_rows!r}")
+        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
+        self.num_rows, self.dtype, self.device = num_rows, dtype, torch.device(device)
+        self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
+        self._storage = _alloc.empty((num_rows, self.width), dtype, self.device)
+        self._meta = torch.zeros(num_rows, 2, dtype=torch.int64, device=self.device)
+        for start in range(0, num_rows, _INIT_CHUNK):
+            end = min(num_rows, start + _INIT_CHUNK)
+            keys = torch.arange(start, end, device=self.device)
+            block = self._storage[start:end]
+            if not init_rows_native(initializer, keys, dim, self.seed, block, None):
+                block[:, :dim] = initializer.generate(keys, dim, self.seed).to(dtype)
+            if state_width:
+                state = torch.zeros(end - start, state_width, dtype=dtype, device=self.device)
+                if init_state is not None:
+                    init_state(state)
+                block[:, dim:] = state
+
+    def _check_range(self, keys: torch.Tensor) -> None:
+        bad = (keys < 0) | (keys >= self.num_rows)
+        if keys.numel() and bool(bad.any()):
+            key = int(keys[bad][0])
+            raise InputError(f"table '{self.name}': key {key} is outside [0, {self.num_rows}) "
+                             f"(num_rows={self.num_rows} of this static table)")
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def storage(self) -> torch.Tensor:
+        return self._storage
+
+    def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        step = check_step(self.name, step)
+        counts = as_counts(self.name, counts, keys.numel(), self.device)
+        self._check_range(keys)
+        c = counts if counts is not None else torch.ones_like(keys)
+        self._meta[:, 0].index_add_(0, keys, c)
+        self._meta[keys, 1] = step
+        return keys.clone()
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        self._check_range(keys)
+        return keys.clone()
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return gather_rows(self._storage, as_slots(self.name, slots, self.num_rows, self.device))
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        scatter_rows(self.name, self._storage, as_slots(self.name, slots, self.num_rows, self.device), rows)
+
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
+              protect: torch.Tensor | None = None) -> int:
+        raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
+                          "and cannot evict; use a HashStore for ttl / max_rows eviction")
+
+    def export(self) -> StoreExport:
+        e = torch.empty(0, dtype=torch.int64, device=self.device)
+        return StoreExport(torch.arange(self.num_rows, device=self.device), self._storage.clone(),
+                           self._meta[:, 0].clone(), self._meta[:, 1].clone(), e, e.clone(), e.clone())
+
+    def import_(self, export: StoreExport) -> None:
+        exp = export.to(self.device)
+        if exp.width != self.width:
+            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
+                             f"{self.width} (dim {self.dim} + state {self.state_width})")
+        if exp.pending_keys.numel():
+            raise InputError(f"table '{self.name}': a static table admits every key; the import has "
+                             f"{exp.pending_keys.numel()} pending keys")
+        self._check_range(exp.keys)
+        self._storage[exp.keys] = exp.rows.to(self.dtype)
+        self._meta[exp.keys, 0] = exp.counts
+        self._meta[exp.keys, 1] = exp.last_step
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._storage, self._meta))
+
+    def index_overhead_bytes(self) -> int:
+        """Bytes beyond weights + state: the per-row (count, last step) metadata."""
+        return self._meta.numel() * self._meta.element_size()
+
+    def to(self, device: torch.device | str) -> "ArrayStore":
+        out = ArrayStore.__new__(ArrayStore)
+        out.__dict__.update(self.__dict__)
+        out.device = torch.device(device)
+        out._storage = _alloc.empty(tuple(self._storage.shape), self.dtype, out.device)
+        out._storage.copy_(self._storage)
+        out._meta = self._meta.to(out.device, copy=True)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ArrayStore(name={self.name!r}, num_rows={self.num_rows}, dim={self.dim}, "
+                f"state_width={self.state_width}, device={self.device})")

@@ -1,0 +1,53 @@
+"""Choosing eviction victims (shared by every backend of HashStore).
+
+Order of removal, from the contract:
+  1. ttl: rows (and pending keys) with ``step - last_step > ttl``;
+  2. max_rows: while more than `max_rows` rows remain, the least valuable
+     unprotected row goes: "lfu" = ascending (count, last_step, key),
+     "lru" = ascending (last_step, count, key).
+Protected slots (the current batch) never go.  The choice is made with a linear
+time k-smallest selection (_common.lowest_k), not a sort of the whole table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ._common import check_step, lowest_k, protect_mask
+
+__all__ = ["select_victims", "check_evict_args"]
+
+
+def check_evict_args(name: str, step, ttl, max_rows, policy) -> int:
+    step = check_step(name, step)
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0):
+        raise ConfigError(f"table '{name}': ttl must be an int >= 0 or None, got {ttl!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
+        raise ConfigError(f"table '{name}': max_rows must be an int >= 0 or None, got {max_rows!r}")
+    if policy not in ("lfu", "lru"):
+        raise ConfigError(f"table '{name}': eviction policy must be 'lfu' or 'lru', got {policy!r}")
+    return step
+
+
+def select_victims(name: str, step: int, ttl: int | None, max_rows: int | None, policy: str,
+                   protect: torch.Tensor | None, row_keys: torch.Tensor, row_slots: torch.Tensor,
+                   meta: torch.Tensor, pend_keys: torch.Tensor, pend_ids: torch.Tensor, pmeta: torch.Tensor):
+    """Returns (row keys, row slots, pending keys, pending ids) to remove."""
+    step = check_evict_args(name, step, ttl, max_rows, policy)
+    dev = row_keys.device
+    prot = protect_mask(name, protect, meta.shape[0], dev)[row_slots]
+    count, last = meta[row_slots, 0], meta[row_slots, 1]
+    gone = torch.zeros(row_keys.numel(), dtype=torch.bool, device=dev)
+    pgone = torch.zeros(pend_keys.numel(), dtype=torch.bool, device=dev)
+    if ttl is not None:
+        gone |= ((step - last) > ttl) & ~prot
+        pgone |= (step - pmeta[pend_ids, 1]) > ttl
+    if max_rows is not None:
+        excess = int((~gone).sum()) - max_rows
+        if excess > 0:
+            cand = (~gone & ~prot).nonzero().squeeze(1)
+            cols = [count, last] if policy == "lfu" else [last, count]
+            cols = [c[cand] for c in cols] + [row_keys[cand]]
+            gone[cand[lowest_k(cols, min(excess, cand.numel()))]] = True
+    return row_keys[gone], row_slots[gone], pend_keys[pgone], pend_ids[pgone]

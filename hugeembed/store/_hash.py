@@ -1,0 +1,415 @@
+"""HashStore: the dynamic key -> row store (DeepRec's EmbeddingVariable, TensorNet's
+SparseTable, OneEmbedding's key-value store).
+
+Rows are created on first sight of a key (or after ``admit_min_count`` hits), live
+in one growable ``[R, W]`` storage tensor, and can be evicted by age (ttl) or by
+frequency / recency when the table is over a row budget.  The key -> row index is
+an open-addressing table with linear probing (layout: csrc/store_table.h), driven
+by C++ kernels on CPU and by vectorised torch ops elsewhere (see _hash_torch.py)::
+
+    keys [17, -3, 99]  --mix64 & (B-1)-->  homes [5, 1, 5]
+    buckets  0   1    2   3   4   5    6    7 ...
+    bkeys    .   -3   .   .   .   17   99   .        (99 probed on from 5 to 6)
+    bcodes   .   2    .   .   .   0    1    .        -> storage rows 2, 0, 1
+
+Example::
+
+    >>> store = HashStore("user_id", dim=8, state_width=1)
+    >>> slots = store.find_or_insert(torch.tensor([17, -3, 99]), step=0)
+    >>> rows = store.gather(slots)                         # [3, 9] weights + state
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _native
+from ..errors import CapacityError, ConfigError, InputError, StoreError
+from . import _alloc
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
+                      scatter_rows)
+from ._evict import select_victims
+from ._hash_torch import EMPTY, TorchOps, entries
+from ._init import Initializer, default_initializer
+from ._native_store import NativeOps
+from ._protocol import StoreExport
+
+__all__ = ["HashStore", "MAX_LOAD", "AUTO_EVICT_SLACK"]
+
+# Grow the buckets (x2) when they would be fuller than this.  bench/tables.py
+# --sweep-load measured find-or-insert at 0.5 / 0.75 / 0.85 (docs/store.md).
+MAX_LOAD = 0.75
+# on_full="evict" frees this fraction of the capacity beyond what the batch
+# needs, so that a full table scans for victims once per capacity/64 new rows
+# rather than on every batch.
+AUTO_EVICT_SLACK = 64
+_ROW_GROWTH = 1.5
+_MIN_BUCKETS = 64
+_MIN_ROWS = 64
+_MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
+_ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "pend_hwm": 3, "num_pfree": 4, "side_used": 5, "side_code": 6,
+       "rows": 7, "pending": 8}
+
+
+def _pick_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        native_ok = device.type == "cpu" and _native.available()
+        return "native" if native_ok else "torch"
+    if backend not in ("native", "torch"):
+        raise ConfigError(f"backend must be 'native', 'torch' or None, got {backend!r}")
+    if backend == "native" and device.type != "cpu":
+        raise ConfigError(f"the native backend runs on CPU only; the table is on {device}")
+    if backend == "native" and not _native.available():
+        raise ConfigError("the native backend is not available (kernels not built or HUGEEMBED_DISABLE_NATIVE=1)")
+    return backend
+
+
+class HashStore:
+    """Dynamic key -> row store; any int64 is a valid key.
+
+    Args:
+        name: table name (in every error message).
+        dim: D, embedding width.
+        state_width: S, optimizer-state columns stored after the weights of each row.
+        initializer: initial weights per (seed, key, column); default TruncatedNormal(0, 1/sqrt(D)).
+        init_state: callable filling a fresh [n, S] state tensor in place (zeros if None).
+        dtype, device: of the row storage.
+        capacity: at most this many rows (None: unbounded); allocates nothing up front.
+        on_full: "evict" (run eviction_policy, sparing the keys of the current call) or "error"
+            (CapacityError) when an insert would exceed capacity.
+        eviction_policy: "lfu" or "lru", for on_full="evict".
+        admit_min_count: a key gets a trainable row once it was seen this many times
+            (DeepRec's counter filter); before that find_or_insert returns -1 for it.
+        seed: initializer seed.
+        initial_rows: reserve room for this many rows (a hint; saves rehashes).
+        backend: "native" (C++, CPU), "torch" (any device) or None (native when possible).
+    """
+
+    def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
+                 init_state=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
+                 admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0, backend: str | None = None):
+        initializer = default_initializer(dim) if initializer is None and isinstance(dim, int) and dim > 0 \
+            else initializer
+        check_table_config(name, dim, state_width, dtype, initializer)
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1 or capacity > _MAX_SLOTS):
+            raise ConfigError(f"table '{name}': capacity must be an int in [1, {_MAX_SLOTS}] or None, got {capacity!r}")
+        if on_full not in ("evict", "error"):
+            raise ConfigError(f"table '{name}': on_full must be 'evict' or 'error', got {on_full!r}")
+        if eviction_policy not in ("lfu", "lru"):
+            raise ConfigError(f"table '{name}': eviction_policy must be 'lfu' or 'lru', got {eviction_policy!r}")
+        if not isinstance(admit_min_count, int) or admit_min_count < 1:
+            raise ConfigError(f"table '{name}': admit_min_count must be an int >= 1, got {admit_min_count!r}")
+        if not isinstance(initial_rows, int) or initial_rows < 0:
+            raise ConfigError(f"table '{name}': initial_rows must be an int >= 0, got {initial_rows!r}")
+        if init_state is not None and not callable(init_state):
+            raise ConfigError(f"table '{name}': init_state must be callable or None")
+        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
+        self.dtype, self.device = dtype, torch.device(device)
+        self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
+        self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
+        self.admit_min_count = admit_min_count
+        self._set_backend(_pick_backend(backend, self.device))
+        dev = self.device
+        self._st = torch.zeros(len(_ST), dtype=torch.int64)
+        self._bkeys = torch.full((_MIN_BUCKETS,), EMPTY, dtype=torch.int64, device=dev)
+        self._bcodes = torch.full((_MIN_BUCKETS,), -1, dtype=torch.int32, device=dev)
+        self._storage = torch.empty(0, self.width, dtype=dtype, device=dev)
+        self._meta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
+        self._pmeta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
+        self._free = torch.zeros(0, dtype=torch.int32, device=dev)
+        self._pfree = torch.zeros(0, dtype=torch.int32, device=dev)
+        if initial_rows:
+            self._reserve(min(initial_rows, capacity or initial_rows))
+
+    # ----------------------------------------------------------------- scalars
+    def _st_get(self, key: str) -> int:
+        return int(self._st[_ST[key]])
+
+    def _st_set(self, key: str, value: int) -> None:
+        self._st[_ST[key]] = value
+
+    def _st_add(self, key: str, delta: int) -> None:
+        self._st[_ST[key]] += delta
+
+    def _max_entries(self) -> int:
+        return int(self._bkeys.numel() * MAX_LOAD)
+
+    def _side_fix(self, keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Codes of keys equal to the empty-bucket sentinel come from the side entry."""
+        side = keys == EMPTY
+        if bool(side.any()):
+            codes[side] = self._st_get("side_code") if self._st_get("side_used") else -1
+        return codes
+
+    # ------------------------------------------------------------------ growth
+    def _reserve(self, n: int) -> None:
+        """Makes room for `n` more keys in the worst case (all new, all admitted)."""
+        need = self._st_get("entries") + n
+        nb = self._bkeys.numel()
+        while need > int(nb * MAX_LOAD):
+            nb *= 2
+        if nb != self._bkeys.numel():
+            self._rehash(nb)
+        hwm = self._st_get("row_hwm") + max(0, n - self._st_get("num_free"))
+        if self.capacity is not None:
+            hwm = min(hwm, self.capacity)
+        if hwm > _MAX_SLOTS:
+            raise CapacityError(f"table '{self.name}': {hwm} rows exceed the {_MAX_SLOTS} row slots of one store")
+        if hwm > self._meta.shape[0]:
+            new = max(hwm, int(self._meta.shape[0] * _ROW_GROWTH), _MIN_ROWS)
+            self._grow_rows(min(new, self.capacity or new))
+        if self.admit_min_count > 1:
+            self._reserve_pending(n)
+
+    def _reserve_pending(self, n: int) -> None:
+        phwm = self._st_get("pend_hwm") + max(0, n - self._st_get("num_pfree"))
+        if phwm > self._pmeta.shape[0]:
+            self._grow_pending(max(phwm, int(self._pmeta.shape[0] * _ROW_GROWTH), _MIN_ROWS))
+
+    def _rehash(self, nbuckets: int) -> None:
+        new_keys = _alloc.empty((nbuckets,), torch.int64, self.device)
+        new_codes = _alloc.empty((nbuckets,), torch.int32, self.device)
+        self._ops.rehash(self, nbuckets, new_keys, new_codes)
+        self._bkeys, self._bcodes = new_keys, new_codes
+
+    def _grow_rows(self, rows: int) -> None:
+        used = self._st_get("row_hwm")
+        storage = _alloc.empty((rows, self.width), self.dtype, self.device)
+        storage[:used] = self._storage[:used]
+        meta = _alloc.empty((rows, 2), torch.int64, self.device)
+        meta[:used] = self._meta[:used]
+        meta[used:] = 0
+        self._storage, self._meta = storage, meta
+
+    def _grow_pending(self, n: int) -> None:
+        used = self._st_get("pend_hwm")
+        pmeta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
+        pmeta[:used] = self._pmeta[:used]
+        pfree = torch.zeros(n, dtype=torch.int32, device=self.device)
+        k = self._st_get("num_pfree")
+        pfree[:k] = self._pfree[:k]
+        self._pmeta, self._pfree = pmeta, pfree
+
+    # ------------------------------------------------------- slot bookkeeping
+    def _take_rows(self, m: int) -> torch.Tensor:
+        """`m` row slots: free ones smallest first, then fresh ones (rows reserved)."""
+        nf, hwm = self._st_get("num_free"), self._st_get("row_hwm")
+        take = min(m, nf)
+        slots = torch.cat([self._free[nf - take : nf].flip(0).to(torch.int64),
+                           torch.arange(hwm, hwm + m - take, device=self.device)])
+        self._st_set("num_free", nf - take)
+        self._st_set("row_hwm", hwm + m - take)
+        return slots
+
+    def _take_pending(self, m: int) -> torch.Tensor:
+        nf, hwm = self._st_get("num_pfree"), self._st_get("pend_hwm")
+        take = min(m, nf)
+        ids = torch.cat([self._pfree[nf - take : nf].flip(0).to(torch.int64),
+                         torch.arange(hwm, hwm + m - take, device=self.device)])
+        self._st_set("num_pfree", nf - take)
+        self._st_set("pend_hwm", hwm + m - take)
+        return ids
+
+    def _push_pending(self, ids: torch.Tensor) -> None:
+        k = self._st_get("num_pfree")
+        self._pfree[k : k + ids.numel()] = ids.to(torch.int32)
+        self._st_set("num_pfree", k + ids.numel())
+
+    def _free_rows(self, slots: torch.Tensor) -> None:
+        nf = self._st_get("num_free")
+        free = torch.cat([self._free[:nf], slots.to(torch.int32)]).sort(descending=True).values
+        self._free = free
+        self._st_set("num_free", free.numel())
+        self._meta[slots] = 0
+
+    # -------------------------------------------------------------- protocol
+    def __len__(self) -> int:
+        return self._st_get("rows")
+
+    @property
+    def num_pending(self) -> int:
+        """Keys seen but not admitted yet."""
+        return self._st_get("pending")
+
+    @property
+    def backend(self) -> str:
+        return self._ops.name
+
+    def use_backend(self, backend: str) -> "HashStore":
+        """Switches between the native and torch code paths; the layout is shared, nothing is copied."""
+        self._set_backend(_pick_backend(backend, self.device))
+        return self
+
+    def _set_backend(self, backend: str) -> None:
+        self._ops = NativeOps() if backend == "native" else TorchOps()
+
+    def storage(self) -> torch.Tensor:
+        return self._storage
+
+    def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        step = check_step(self.name, step)
+        counts = as_counts(self.name, counts, keys.numel(), self.device)
+        if keys.numel() == 0:
+            return keys.clone()
+        self._reserve(keys.numel())
+        limit = self.capacity if self.capacity is not None else _MAX_SLOTS
+        for attempt in range(2):
+            rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
+            if rc == 0:
+                init_rows(self._storage, new_slots, new_keys, self.dim, self.state_width, self.initializer,
+                          self.init_state, self.seed)
+                return out
+            if rc == 3:
+                raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
+                                 "keys must be unique (deduplicate the batch first)")
+            if rc != 2:
+                raise StoreError(f"table '{self.name}': find_or_insert kernel failed with code {rc} (internal error)")
+            self._make_room(step, need[1], out, attempt)
+        raise StoreError(f"table '{self.name}': eviction did not make room (internal error)")
+
+    def _make_room(self, step: int, needed: int, codes: torch.Tensor, attempt: int) -> None:
+        cap, live = self.capacity, len(self)
+        msg = f"table '{self.name}': capacity {cap} rows reached ({live} live); this batch needs {needed} new rows"
+        if self.on_full == "error" or needed > cap or attempt > 0:
+            raise CapacityError(msg + (" and on_full='error'" if self.on_full == "error" else ""))
+        target = max(0, cap - needed - cap // AUTO_EVICT_SLACK)
+        self.evict(step, max_rows=target, policy=self.eviction_policy, protect=codes[codes >= 0])
+        if len(self) + needed > cap:
+            raise CapacityError(msg + f"; only {cap - len(self)} could be freed without evicting keys of this batch")
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        if keys.numel() == 0:
+            return keys.clone()
+        codes = self._ops.find(self, keys)
+        return codes.clamp_(min=-1)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        scatter_rows(self.name, self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device), rows)
+
+    # ------------------------------------------------------------- eviction
+    def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, codes = entries(self._bkeys, self._bcodes)
+        if self._st_get("side_used"):
+            keys = torch.cat([keys, torch.tensor([EMPTY], device=self.device)])
+            codes = torch.cat([codes, torch.tensor([self._st_get("side_code")], device=self.device)])
+        return keys, codes
+
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
+              protect: torch.Tensor | None = None) -> int:
+        """Removes rows unseen for more than `ttl` steps, then the least valuable ones down to
+        `max_rows` (policy "lfu" or "lru"), never the slots in `protect`.  Returns rows removed.
+
+        Pending (not admitted) keys unseen for more than `ttl` steps are dropped too.
+        Freed slots are reused by later inserts, smallest first.
+        """
+        keys, codes = self._entries()
+        rows = codes >= 0
+        v = select_victims(self.name, step, ttl, max_rows, policy, protect, keys[rows], codes[rows],
+                           self._meta, keys[~rows], -2 - codes[~rows], self._pmeta)
+        row_keys, row_slots, pend_keys, pend_ids = v
+        gone = torch.cat([row_keys, pend_keys])
+        if gone.numel():
+            self._ops.erase(self, gone)
+            self._free_rows(row_slots)
+            self._pmeta[pend_ids] = 0
+            self._push_pending(pend_ids)
+            self._st_add("rows", -row_slots.numel())
+            self._st_add("pending", -pend_ids.numel())
+        return row_slots.numel()
+
+    # ------------------------------------------------------- export / import
+    def export(self) -> StoreExport:
+        keys, codes = self._entries()
+        rows = codes >= 0
+        rk, rs = keys[rows], codes[rows]
+        order = rk.argsort()
+        rk, rs = rk[order], rs[order]
+        pk, pid = keys[~rows], -2 - codes[~rows]
+        porder = pk.argsort()
+        pk, pid = pk[porder], pid[porder]
+        meta, pmeta = self._meta[rs], self._pmeta[pid]
+        return StoreExport(rk, self._storage[rs].clone(), meta[:, 0].clone(), meta[:, 1].clone(), pk,
+                           pmeta[:, 0].clone(), pmeta[:, 1].clone())
+
+    def import_(self, export: StoreExport) -> None:
+        """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
+        exp = export.to(self.device)
+        if exp.width != self.width:
+            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
+                             f"{self.width} (dim {self.dim} + state {self.state_width})")
+        allk = torch.cat([exp.keys, exp.pending_keys])
+        if allk.numel() > 1 and bool((allk.sort().values.diff() == 0).any()):
+            raise InputError(f"table '{self.name}': import holds a key twice")
+        if allk.numel() == 0:
+            return
+        present = self._ops.find(self, allk)
+        n = exp.keys.numel()
+        after = len(self) - int((present >= 0).sum()) + n
+        if self.capacity is not None and after > self.capacity:
+            raise CapacityError(f"table '{self.name}': import needs {after} rows, capacity is {self.capacity}")
+        old = present != -1
+        if bool(old.any()):
+            ok, oc = allk[old], present[old]
+            self._ops.erase(self, ok)
+            self._free_rows(oc[oc >= 0])
+            pids = -2 - oc[oc < 0]
+            self._push_pending(pids)
+            self._st_add("rows", -int((oc >= 0).sum()))
+            self._st_add("pending", -pids.numel())
+        self._reserve(allk.numel())
+        slots = self._take_rows(n)
+        self._reserve_pending(exp.pending_keys.numel())
+        pids = self._take_pending(exp.pending_keys.numel())
+        self._ops.insert(self, allk, torch.cat([slots, -2 - pids]))
+        self._storage[slots] = exp.rows.to(self.dtype)
+        self._meta[slots, 0], self._meta[slots, 1] = exp.counts, exp.last_step
+        self._pmeta[pids, 0], self._pmeta[pids, 1] = exp.pending_counts, exp.pending_last_step
+        self._st_add("rows", n)
+        self._st_add("pending", pids.numel())
+
+    # --------------------------------------------------------------- memory
+    def _arrays(self) -> dict[str, torch.Tensor]:
+        return {"storage": self._storage, "bucket_keys": self._bkeys, "bucket_codes": self._bcodes,
+                "row_meta": self._meta, "pending_meta": self._pmeta, "free_rows": self._free,
+                "free_pending": self._pfree, "scalars": self._st}
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held by each array (storage includes rows allocated ahead of use)."""
+        return {k: v.numel() * v.element_size() for k, v in self._arrays().items()}
+
+    def memory_bytes(self) -> int:
+        return sum(self.memory_breakdown().values())
+
+    def index_overhead_bytes(self) -> int:
+        """Bytes beyond the weights + state of the live rows (index, metadata, spare rows)."""
+        return self.memory_bytes() - len(self) * self.width * self._storage.element_size()
+
+    def to(self, device: torch.device | str) -> "HashStore":
+        """A copy of this store on `device` (native backend on CPU when available)."""
+        device = torch.device(device)
+        out = HashStore.__new__(HashStore)
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
+        out.device = device
+        for k, v in self._arrays().items():
+            attr = {"storage": "_storage", "bucket_keys": "_bkeys", "bucket_codes": "_bcodes", "row_meta": "_meta",
+                    "pending_meta": "_pmeta", "free_rows": "_free", "free_pending": "_pfree", "scalars": "_st"}[k]
+            if k == "scalars":
+                setattr(out, attr, v.clone())
+            else:
+                t = _alloc.empty(tuple(v.shape), v.dtype, device)
+                t.copy_(v)
+                setattr(out, attr, t)
+        out._set_backend(_pick_backend(None, device))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"HashStore(name={self.name!r}, dim={self.dim}, state_width={self.state_width}, rows={len(self)}, "
+                f"pending={self.num_pending}, buckets={self._bkeys.numel()}, backend={self.backend!r}, "
+                f"device={self.device})")
+
