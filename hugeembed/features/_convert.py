@@ -361,6 +361,8 @@ class TensorConverters:
         Returns:
             ``{name: tensor}``, or ``({name: ids}, {name: weights})`` with `with_weights`.
         """
+        if max_len is not None and max_len < 0:
+            raise InputError(f"to_sparse_coo_tensors: max_len must be >= 0, got {max_len}")
         ids_out, w_out = {}, {}
         if with_weights:
             self.weights()  # raises if this batch has none

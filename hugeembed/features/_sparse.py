@@ -193,8 +193,9 @@ class SparseFeatures(TensorConverters, PythonConverters):
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
+        """This batch on `device`; returns self (no copy) when every tensor is already there."""
         device = torch.device(device)
-        if self._values.device == device:
+        if all(_is_on(t, device) for t in (self._values, self._offsets, self._weights) if t is not None):
             return self
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -335,6 +336,16 @@ class SparseFeatures(TensorConverters, PythonConverters):
             f"SparseFeatures(keys={list(self._keys)}, batch_size={self._batch_size}, "
             f"num_ids={self._values.numel()}, device={self.device}{w})"
         )
+
+
+def _is_on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device`, where a bare "cuda" means the current CUDA device."""
+    if t.device == device:
+        return True
+    if device.index is not None or t.device.type != device.type:
+        return False
+    # torch.device("cuda") != torch.device("cuda:0") although a tensor moved there lands on cuda:0
+    return device.type != "cuda" or t.device.index == torch.cuda.current_device()
 
 
 def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,8 @@ def test_to_sparse_coo_tensors(device):
     assert lists_of(back) == lists_of(sf) and weight_lists_of(back) == weight_lists_of(sf)
     with pytest.raises(InputError, match="feature 'a' sample 0 has 2 ids, more than max_len=1"):
         sf.to_sparse_coo_tensors(max_len=1)
+    with pytest.raises(InputError, match="max_len must be >= 0, got -1"):
+        sf.to_sparse_coo_tensors(max_len=-1)
 
 
 def test_empty_batch_of_sparse_tensors():

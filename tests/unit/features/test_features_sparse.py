@@ -143,6 +143,15 @@ def test_to_same_device_is_identity_and_meta_moves(device):
     assert meta.weights().device.type == "meta" and meta.batch_size == 3
 
 
+def test_to_moves_every_tensor_not_only_values():
+    # regression: to() looked at the values' device only and kept offsets elsewhere
+    sf = SparseFeatures(["a"], torch.zeros(2, dtype=torch.int64, device="meta"), offsets=torch.tensor([0, 2]),
+                        weights=torch.ones(2))
+    moved = sf.to("meta")
+    assert moved is not sf
+    assert {t.device.type for t in (moved.values(), moved.offsets(), moved.weights())} == {"meta"}
+
+
 def test_jagged_feature_round_trip():
     jf = JaggedFeature(torch.tensor([1, 5, 7]), torch.tensor([0, 2, 2, 3]), name="user")
     assert jf.batch_size == 3 and jf.lengths().tolist() == [2, 0, 1]
