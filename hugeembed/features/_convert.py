@@ -7,7 +7,7 @@ int64 offsets; converters *out of* it return int64 ids.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -50,11 +50,12 @@ def _check_below(t: torch.Tensor, hi: int | None, what: str, label: str) -> None
 
 
 def _sort_into_bags(bags: torch.Tensor, cols: torch.Tensor | None, values: torch.Tensor,
-                    weights: torch.Tensor | None, num_bags: int, what: str):
+                    weights: torch.Tensor | None, num_bags: int, what: str, where: Callable[[int], str]):
     """Sorts ids by bag (and column); returns (values, weights, lengths [num_bags]).
 
     Without columns the sort is stable, so ids in one bag keep their input order. With
-    columns, ids are ordered by column inside a bag, and a repeated (bag, column) is an error.
+    columns, ids are ordered by column inside a bag, and a repeated (bag, column) is an error
+    (`where` turns a bag number into words for that message).
     """
     if cols is None:
         order = torch.sort(bags, stable=True).indices
@@ -64,23 +65,25 @@ def _sort_into_bags(bags: torch.Tensor, cols: torch.Tensor | None, values: torch
         b, c = bags[order], cols[order]
         dup = first_true((b[1:] == b[:-1]) & (c[1:] == c[:-1]))
         if dup is not None:
-            raise InputError(f"{what}: two ids at the same position (column {int(c[dup])}); one id per position")
+            raise InputError(
+                f"{what}: two ids at the same position ({where(int(b[dup]))}, column {int(c[dup])}); "
+                "one id per position"
+            )
     sorted_bags = bags[order]
     edges = torch.arange(num_bags + 1, dtype=torch.int64, device=bags.device)
     bounds = torch.searchsorted(sorted_bags, edges)
     return values[order], None if weights is None else weights[order], bounds[1:] - bounds[:-1]
 
 
-def _check_width(lengths: torch.Tensor, width: int | None, what: str, batch_size: int) -> None:
+def _sample(bag: int) -> str:
+    return f"sample {bag}"
+
+
+def _check_width(lengths: torch.Tensor, width: int | None, what: str, where: Callable[[int], str]) -> None:
     """Every bag fits in `width` ids (the second dim of a dense_shape)."""
-    if width is None:
-        return
-    bad = first_true(lengths > width)
+    bad = first_true(lengths > width) if width is not None else None
     if bad is not None:
-        raise InputError(
-            f"{what}: sample {bad % max(batch_size, 1)} has {int(lengths[bad])} ids, "
-            f"more than dense_shape[1]={width}"
-        )
+        raise InputError(f"{what}: {where(bad)} has {int(lengths[bad])} ids, more than dense_shape[1]={width}")
 
 
 class TensorConverters:
@@ -261,8 +264,8 @@ class TensorConverters:
             _check_below(rows, batch_size, what, "row index")
             if cols is not None:
                 _check_below(cols, width, what, "column index")
-            vals, w, lengths = _sort_into_bags(rows, cols, ids, w, batch_size, what)
-            _check_width(lengths, width, what, batch_size)
+            vals, w, lengths = _sort_into_bags(rows, cols, ids, w, batch_size, what, _sample)
+            _check_width(lengths, width, what, _sample)
             parts.append(Part(name, vals, lengths, w))
         return assemble(cls, parts, caller, batch_size)
 
@@ -294,13 +297,11 @@ class TensorConverters:
         if cols is not None:
             _check_below(cols, width, what, "column index")
         bags = (rows % slots) * batch_size + rows // slots  # feature-major bag number
-        vals, w, lengths = _sort_into_bags(bags, cols, ids, w, slots * batch_size, what)
-        bad = first_true(lengths > width) if width is not None else None
-        if bad is not None:
-            raise InputError(
-                f"{what}: feature {keys[bad // batch_size]!r} sample {bad % batch_size} has "
-                f"{int(lengths[bad])} ids, more than dense_shape[1]={width}"
-            )
+        def where(bag: int) -> str:
+            return f"feature {keys[bag // batch_size]!r} sample {bag % batch_size}"
+
+        vals, w, lengths = _sort_into_bags(bags, cols, ids, w, slots * batch_size, what, where)
+        _check_width(lengths, width, what, where)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         return cls(keys, vals, offsets=offsets, weights=w, batch_size=batch_size)

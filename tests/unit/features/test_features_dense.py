@@ -147,7 +147,7 @@ def test_from_sparse_coo_tensors_errors():
     with pytest.raises(InputError, match="feature 'a': ids must be integers .* got torch.float32"):
         SparseFeatures.from_sparse_coo_tensors({"a": sparse([[0, 0]], [1.0], (2, 2))})
     dup = sparse([[0, 1], [0, 1]], [1, 2], (2, 2))
-    with pytest.raises(InputError, match=r"feature 'a': two ids at the same position \(column 1\)"):
+    with pytest.raises(InputError, match=r"feature 'a': two ids at the same position \(sample 0, column 1\)"):
         SparseFeatures.from_sparse_coo_tensors({"a": dup})
     with pytest.raises(InputError, match="feature 'b' has batch size 3, but feature 'a' has 2"):
         SparseFeatures.from_sparse_coo_tensors({"a": good, "b": sparse([[0, 0]], [1], (3, 2))})
