@@ -7,83 +7,18 @@ int64 offsets; converters *out of* it return int64 ids.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from ..errors import InputError
-from ._inputs import INT_DTYPES, Part, as_ids, as_index, as_tensor, as_weights, assemble, bag_positions, first_true, names
+from ._coo import check_below, check_width, coo_indices, parse_shape, sample_words, sort_into_bags, sparse_parts
+from ._inputs import INT_DTYPES, Part, as_ids, as_tensor, as_weights, assemble, bag_positions, first_true, names
 
 if TYPE_CHECKING:
     from ._sparse import SparseFeatures
 
 __all__ = ["TensorConverters"]
-
-
-def _shape(dense_shape: Any, what: str) -> tuple[int, ...] | None:
-    if dense_shape is None:
-        return None
-    shape = tuple(int(s) for s in (dense_shape.tolist() if isinstance(dense_shape, torch.Tensor) else dense_shape))
-    if len(shape) not in (1, 2) or any(s < 0 for s in shape):
-        raise InputError(f"{what}: dense_shape must be [B] or [B, max_nnz] with sizes >= 0, got {list(shape)}")
-    return shape
-
-
-def _coo_indices(indices: Any, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Row indices ``[n]`` or TF-style ``[n, 2]`` (row, column) as int64 rows and columns."""
-    idx = as_index(indices, what, "row indices")
-    if idx.dim() == 1:
-        return idx, None
-    if idx.dim() == 2 and idx.shape[1] == 2:
-        return idx[:, 0], idx[:, 1]
-    raise InputError(
-        f"{what}: row indices must be [n] or TF-style [n, 2] (row, column), got shape {tuple(idx.shape)}"
-        + ("; transpose a [2, n] tensor with .t()" if idx.dim() == 2 and idx.shape[0] == 2 else "")
-    )
-
-
-def _check_below(t: torch.Tensor, hi: int | None, what: str, label: str) -> None:
-    bad = first_true((t < 0) | (t >= hi) if hi is not None else t < 0)
-    if bad is not None:
-        bound = f"[0, {hi})" if hi is not None else ">= 0"
-        raise InputError(f"{what}: {label} {int(t[bad])} (id number {bad}) is outside {bound}")
-
-
-def _sort_into_bags(bags: torch.Tensor, cols: torch.Tensor | None, values: torch.Tensor,
-                    weights: torch.Tensor | None, num_bags: int, what: str, where: Callable[[int], str]):
-    """Sorts ids by bag (and column); returns (values, weights, lengths [num_bags]).
-
-    Without columns the sort is stable, so ids in one bag keep their input order. With
-    columns, ids are ordered by column inside a bag, and a repeated (bag, column) is an error
-    (`where` turns a bag number into words for that message).
-    """
-    if cols is None:
-        order = torch.sort(bags, stable=True).indices
-    else:
-        by_col = torch.sort(cols, stable=True).indices
-        order = by_col[torch.sort(bags[by_col], stable=True).indices]
-        b, c = bags[order], cols[order]
-        dup = first_true((b[1:] == b[:-1]) & (c[1:] == c[:-1]))
-        if dup is not None:
-            raise InputError(
-                f"{what}: two ids at the same position ({where(int(b[dup]))}, column {int(c[dup])}); "
-                "one id per position"
-            )
-    sorted_bags = bags[order]
-    edges = torch.arange(num_bags + 1, dtype=torch.int64, device=bags.device)
-    bounds = torch.searchsorted(sorted_bags, edges)
-    return values[order], None if weights is None else weights[order], bounds[1:] - bounds[:-1]
-
-
-def _sample(bag: int) -> str:
-    return f"sample {bag}"
-
-
-def _check_width(lengths: torch.Tensor, width: int | None, what: str, where: Callable[[int], str]) -> None:
-    """Every bag fits in `width` ids (the second dim of a dense_shape)."""
-    bad = first_true(lengths > width) if width is not None else None
-    if bad is not None:
-        raise InputError(f"{what}: {where(bad)} has {int(lengths[bad])} ids, more than dense_shape[1]={width}")
 
 
 class TensorConverters:
@@ -214,7 +149,8 @@ class TensorConverters:
         ``[n, 2]`` indices they are ordered by column, and a repeated position is an error.
 
         Args:
-            rows: integer ``[n]`` or ``[n, 2]``; each row in ``[0, B)``.
+            keys: a dict of features, one feature name, or the names of the slots.
+            row_indices: integer ``[n]`` or ``[n, 2]``; each row in ``[0, B)``.
             values: integer ``[n]`` ids.
             dense_shape: ``[B]`` or ``[B, max_nnz]``; B is taken from it, else from
                 `batch_size`, else from the largest row (trailing empty samples need one of those).
@@ -227,6 +163,8 @@ class TensorConverters:
             >>> SparseFeatures.from_coo("user", [2, 0, 0], [7, 1, 5], [3]).values().tolist()
             [1, 5, 7]
         """
+        if batch_size is not None and batch_size < 0:
+            raise InputError(f"from_coo: batch_size must be >= 0, got {batch_size}")
         if isinstance(keys, Mapping):
             if row_indices is not None or values is not None or dense_shape is not None or weights is not None:
                 raise InputError("from_coo: with a dict of features, give rows and values inside the dict")
@@ -244,11 +182,11 @@ class TensorConverters:
             what = f"{caller}: feature {name!r}"
             if not isinstance(item, (tuple, list)) or not 2 <= len(item) <= 4:
                 raise InputError(f"{what}: expected (rows, values[, dense_shape[, weights]]), got {type(item).__name__}")
-            rows, cols = _coo_indices(item[0], what)
+            rows, cols = coo_indices(item[0], what)
             ids = as_ids(item[1], what)
             if ids.numel() != rows.numel() or ids.device != rows.device:
                 raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
-            shape = _shape(item[2] if len(item) > 2 else None, what)
+            shape = parse_shape(item[2] if len(item) > 2 else None, what)
             w = as_weights(item[3], ids, what) if len(item) > 3 and item[3] is not None else None
             if shape is not None:
                 if batch_size is None:
@@ -261,11 +199,11 @@ class TensorConverters:
         parts = []
         for name, what, rows, cols, ids, shape, w in parsed:
             width = shape[1] if shape is not None and len(shape) == 2 else None
-            _check_below(rows, batch_size, what, "row index")
+            check_below(rows, batch_size, what, "row index")
             if cols is not None:
-                _check_below(cols, width, what, "column index")
-            vals, w, lengths = _sort_into_bags(rows, cols, ids, w, batch_size, what, _sample)
-            _check_width(lengths, width, what, _sample)
+                check_below(cols, width, what, "column index")
+            vals, w, lengths = sort_into_bags(rows, cols, ids, w, batch_size, what, sample_words)
+            check_width(lengths, width, what, sample_words)
             parts.append(Part(name, vals, lengths, w))
         return assemble(cls, parts, caller, batch_size)
 
@@ -278,12 +216,12 @@ class TensorConverters:
         if not keys:
             raise InputError(f"{what}: give at least one feature name")
         slots = len(keys)
-        rows, cols = _coo_indices(row_indices, what)
+        rows, cols = coo_indices(row_indices, what)
         ids = as_ids(values, what)
         if ids.numel() != rows.numel() or ids.device != rows.device:
             raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
         w = None if weights is None else as_weights(weights, ids, what)
-        shape = _shape(dense_shape, what)
+        shape = parse_shape(dense_shape, what)
         if shape is not None:
             if shape[0] % slots:
                 raise InputError(f"{what}: dense_shape[0]={shape[0]} rows do not split into {slots} slots")
@@ -293,15 +231,16 @@ class TensorConverters:
         elif batch_size is None:
             batch_size = int(rows.max()) // slots + 1 if rows.numel() else 0
         width = shape[1] if shape is not None and len(shape) == 2 else None
-        _check_below(rows, batch_size * slots, what, "row index")
+        check_below(rows, batch_size * slots, what, "row index")
         if cols is not None:
-            _check_below(cols, width, what, "column index")
+            check_below(cols, width, what, "column index")
         bags = (rows % slots) * batch_size + rows // slots  # feature-major bag number
+
         def where(bag: int) -> str:
             return f"feature {keys[bag // batch_size]!r} sample {bag % batch_size}"
 
-        vals, w, lengths = _sort_into_bags(bags, cols, ids, w, slots * batch_size, what, where)
-        _check_width(lengths, width, what, where)
+        vals, w, lengths = sort_into_bags(bags, cols, ids, w, slots * batch_size, what, where)
+        check_width(lengths, width, what, where)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         return cls(keys, vals, offsets=offsets, weights=w, batch_size=batch_size)
@@ -341,12 +280,12 @@ class TensorConverters:
         items = {}
         for name, t in tensors.items():
             what = f"from_sparse_coo_tensors: feature {name!r}"
-            idx, vals = _sparse_parts(t, what)
+            idx, vals = sparse_parts(t, what)
             w = None
             if weights:
                 if name not in weights:
                     raise InputError(f"{what}: has no weights, but other features do")
-                widx, w = _sparse_parts(weights[name], f"{what} weights", ids=False)
+                widx, w = sparse_parts(weights[name], f"{what} weights", ids=False)
                 if widx.shape != idx.shape or not torch.equal(widx, idx):
                     raise InputError(f"{what}: weights must have the same indices as the ids")
             items[name] = (idx.t(), vals, tuple(t.shape), w)
@@ -388,18 +327,3 @@ class TensorConverters:
                 w_out[key] = torch.sparse_coo_tensor(idx, jf.weights, shape, is_coalesced=True,
                                                      check_invariants=False)
         return (ids_out, w_out) if with_weights else ids_out
-
-
-def _sparse_parts(t: Any, what: str, ids: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices ``[2, nnz]`` and values of a 2-D sparse COO tensor (coalesced or not)."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
-        kind = t.layout if isinstance(t, torch.Tensor) else type(t).__name__
-        raise InputError(f"{what}: expected a torch.sparse_coo_tensor, got {kind}")
-    if t.sparse_dim() != 2 or t.dense_dim() != 0:
-        raise InputError(f"{what}: expected a 2-D sparse tensor [B, max_len], got shape {tuple(t.shape)}")
-    vals = t._values()  # _values/_indices also work on uncoalesced tensors
-    if ids and vals.dtype not in INT_DTYPES:
-        raise InputError(f"{what}: ids must be integers (int32 or int64), got {vals.dtype}")
-    if not ids and not vals.dtype.is_floating_point:
-        raise InputError(f"{what}: must be floating point, got {vals.dtype}")
-    return t._indices(), vals

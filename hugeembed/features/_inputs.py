@@ -141,6 +141,8 @@ def assemble(cls, parts: Sequence[Part], what: str, batch_size: int | None = Non
     Checks that every feature has the same batch size, device and weights-or-not, and
     names the first feature that disagrees.
     """
+    if batch_size is not None and batch_size < 0:
+        raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
     ref = f"batch_size={batch_size}" if batch_size is not None else None
     for p in parts:
         b = p.lengths.numel()
@@ -150,8 +152,6 @@ def assemble(cls, parts: Sequence[Part], what: str, batch_size: int | None = Non
             raise InputError(f"{what}: feature {p.name!r} has batch size {b}, but {ref} has {batch_size}")
     if batch_size is None:
         batch_size = 0
-    if batch_size < 0:
-        raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
     if parts:
         device = parts[0].values.device
         for p in parts:

@@ -116,6 +116,7 @@ def test_to_coo_device_and_dtypes(device):
         (lambda: SparseFeatures.from_coo(["a", "b"], T([0]), T([1]), [4], batch_size=3),
          "batch_size=3 but dense_shape gives 2"),
         (lambda: SparseFeatures.from_coo(["a", "b"]), "give row_indices and values"),
+        (lambda: SparseFeatures.from_coo("a", T([0]), T([1]), batch_size=-1), "batch_size must be >= 0, got -1"),
         (lambda: SparseFeatures.from_coo([], T([0]), T([1])), "give at least one feature name"),
     ],
 )

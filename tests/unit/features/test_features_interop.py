@@ -59,6 +59,11 @@ def test_from_lists_errors(args, message):
         SparseFeatures.from_lists(*args)
 
 
+def test_negative_batch_size():
+    with pytest.raises(InputError, match="from_lists: batch_size must be >= 0, got -2"):
+        SparseFeatures.from_lists({}, batch_size=-2)
+
+
 def test_to_lists_without_weights_raises_when_asked_for_them():
     with pytest.raises(InputError, match="no weights"):
         build(DOC).to_lists(with_weights=True)
