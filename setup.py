@@ -17,7 +17,7 @@ kernels = Extension(
     include_dirs=["csrc"],
     language="c++",
     # No -ffast-math: results must match the reference implementations to the last float.
-    extra_compile_args=["-std=c++17", "-O3", "-pthread", "-fvisibility=hidden", "-fno-math-errno"],
+    extra_compile_args=["-std=c++20", "-O3", "-pthread", "-fvisibility=hidden", "-fno-math-errno"],
     extra_link_args=["-pthread"],
 )
 

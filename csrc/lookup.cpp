@@ -237,10 +237,86 @@ inline const float* row_of(const PoolArgs& a, int64_t t, int64_t slot) {
   return reinterpret_cast<const float*>(a.storage[t]) + slot * a.row_stride[t];
 }
 
+// Rows are read at random (Zipf ids over tables of millions of rows): the loop is
+// bound by memory latency, not arithmetic.  Prefetching the row of the id this
+// many positions ahead overlaps those misses.
+constexpr int64_t kPrefetch = 16;
+
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d, 0, 1);
+}
+
+// Pools bags [b0, b1) of plan feature f into out[b*ors + col].  DC is the
+// embedding dim when known at compile time (0: use D) so the inner loops unroll.
+template <int DC>
+void pool_feature(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D_, float* __restrict out,
+                  int64_t ors, int64_t col, float* __restrict acc) {
+  const int64_t D = DC ? DC : D_;
+  const int64_t t = a.table[f], B = a.B;
+  const float* base = reinterpret_cast<const float*>(a.storage[t]);
+  const int64_t W = a.row_stride[t];
+  const float mn = a.max_norm[t];
+  const int8_t c = a.combiner[f];
+  const int64_t* offs = a.out_offsets + f * B;
+  const int32_t* inv = a.inverse;
+  const int64_t* slots = a.slots;
+  const float* w = a.weights;
+  const int64_t j_end = offs[b1];
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+    float wsum = 0.0f, w2sum = 0.0f;
+    for (int64_t j = offs[b]; j < offs[b + 1]; ++j) {
+      if (j + kPrefetch < j_end) {
+        int64_t sp = slots[inv[j + kPrefetch]];
+        if (sp >= 0) prefetch_row(base + sp * W, D);
+      }
+      const float wj = w ? w[j] : 1.0f;
+      wsum += wj;
+      w2sum += wj * wj;
+      const int64_t s = slots[inv[j]];
+      if (s < 0) continue;  // unknown / not admitted id: a zero row, still counted
+      const float* __restrict row = base + s * W;
+      if (mn > 0.0f) {
+        Clip clip;
+        clip.setup(mn, row, D);
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * clip(row[d]);
+      } else if (w) {
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * row[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
+      }
+    }
+    float* __restrict o = out + b * ors + col;
+    if (c == kMean && wsum > 0.0f) {
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
+    } else if (c == kSqrtn && w2sum > 0.0f) {
+      const float sq = std::sqrt(w2sum);
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / sq;
+    } else {
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+    }
+  }
+}
+
+// Calls body.template operator()<DC>() with DC = D for the common dims, else 0.
+template <class Body>
+void dispatch_dim(int64_t D, Body&& body) {
+  switch (D) {
+    case 4: body.template operator()<4>(); break;
+    case 8: body.template operator()<8>(); break;
+    case 16: body.template operator()<16>(); break;
+    case 32: body.template operator()<32>(); break;
+    case 64: body.template operator()<64>(); break;
+    case 128: body.template operator()<128>(); break;
+    default: body.template operator()<0>(); break;
+  }
+}
+
 }  // namespace
 
 // Stage 3.  Pools the plan features `feats` (all of dim D) into out: feature
-// feats[k], sample b goes to out + b*out_row_stride + out_col[k].
+// feats[k], sample b goes to out + b*out_row_stride + out_col[k].  Threads take
+// ranges of samples; within a range each feature's ids are walked in order.
 HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
                            const int64_t* out_offsets, const int32_t* inverse,
                            const float* weights, const int64_t* slots, const int64_t* table,
@@ -250,40 +326,10 @@ HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
   PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
   he::parallel_for(B, nthreads, 64, [&](int64_t b0, int64_t b1, int) {
     std::vector<float> acc(D);
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t k = 0; k < n_feats; ++k) {
-        int64_t f = feats[k], t = table[f];
-        int64_t bag = f * B + b;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        float wsum = 0.0f, w2sum = 0.0f;
-        Clip clip;
-        for (int64_t j = out_offsets[bag]; j < out_offsets[bag + 1]; ++j) {
-          float w = weights ? weights[j] : 1.0f;
-          wsum += w;
-          w2sum += w * w;
-          int64_t s = slots[inverse[j]];
-          if (s < 0) continue;  // unknown / not admitted id: a zero row, still counted
-          const float* row = row_of(a, t, s);
-          clip.setup(max_norm[t], row, D);
-          if (clip.active) {
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * clip(row[d]);
-          } else if (weights) {
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * row[d];
-          } else {
-            for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
-          }
-        }
-        float* o = out + b * out_row_stride + out_col[k];
-        int8_t c = combiner[f];
-        if (c == kMean && wsum > 0.0f) {
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
-        } else if (c == kSqrtn && w2sum > 0.0f) {
-          float s = std::sqrt(w2sum);
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / s;
-        } else {
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
-        }
-      }
+    for (int64_t k = 0; k < n_feats; ++k) {
+      dispatch_dim(D, [&]<int DC>() {
+        pool_feature<DC>(a, feats[k], b0, b1, D, out, out_row_stride, out_col[k], acc.data());
+      });
     }
   });
 }
@@ -326,6 +372,81 @@ HE_API void he_lookup_unpooled(int64_t B, int64_t n_feats, const int64_t* feats,
 // for tables with max_norm, the transpose Jacobian of TF's clip_by_norm.
 // grad_ptr[f] is the address of feature f's gradient for sample 0 (pooled) or id
 // 0 (unpooled); grad_stride[f] the distance between samples (or ids).
+namespace {
+
+template <int DC>
+void backward_table(int64_t t, int64_t B, const int64_t* table_feat_ptr, const int64_t* table_feats,
+                    const int64_t* out_offsets, const int32_t* inverse, const float* weights,
+                    const int64_t* slots, const int64_t* storage, const int64_t* row_stride,
+                    const float* max_norm, const int8_t* combiner, const int64_t* unique_base,
+                    const int64_t* unique_count, int64_t D_, const int64_t* grad_ptr,
+                    const int64_t* grad_stride, float* __restrict g) {
+  const int64_t D = DC ? DC : D_;
+  const int64_t base = unique_base[t], U = unique_count[t];
+  std::fill(g, g + U * D, 0.0f);
+  for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+    const int64_t f = table_feats[k];
+    const float* gf = reinterpret_cast<const float*>(grad_ptr[f]);
+    const int64_t gs = grad_stride[f];
+    const int64_t first = out_offsets[f * B], last = out_offsets[(f + 1) * B];
+    if (combiner[f] == kNone) {
+      for (int64_t j = first; j < last; ++j) {
+        if (j + kPrefetch < last) __builtin_prefetch(g + (int64_t)(inverse[j + kPrefetch] - base) * D, 1, 1);
+        const float w = weights ? weights[j] : 1.0f;
+        const float* __restrict go = gf + (j - first) * gs;
+        float* __restrict dst = g + (int64_t)(inverse[j] - base) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += w * go[d];
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t j0 = out_offsets[f * B + b], j1 = out_offsets[f * B + b + 1];
+      if (j0 == j1) continue;
+      float wsum = 0.0f, w2sum = 0.0f;
+      if (weights) {
+        for (int64_t j = j0; j < j1; ++j) {
+          wsum += weights[j];
+          w2sum += weights[j] * weights[j];
+        }
+      } else {
+        wsum = w2sum = (float)(j1 - j0);
+      }
+      const float denom = combiner[f] == kMean ? wsum : combiner[f] == kSqrtn ? std::sqrt(w2sum) : 1.0f;
+      const float* __restrict go = gf + b * gs;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (j + kPrefetch < last) __builtin_prefetch(g + (int64_t)(inverse[j + kPrefetch] - base) * D, 1, 1);
+        const float coef = (weights ? weights[j] : 1.0f) / denom;
+        float* __restrict dst = g + (int64_t)(inverse[j] - base) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += coef * go[d];
+      }
+    }
+  }
+  if (max_norm[t] > 0.0f) {
+    const float c = max_norm[t];
+    const float* rows = reinterpret_cast<const float*>(storage[t]);
+    const int64_t W = row_stride[t];
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t s = slots[base + u];
+      if (s < 0) continue;
+      const float* x = rows + s * W;
+      float* gu = g + u * D;
+      float ss = 0.0f;
+      for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+      const float n = ss > 0.0f ? std::sqrt(ss) : 0.0f;
+      if (n >= c && n > 0.0f) {
+        // d/dx (x c / n) = (c/n) (I - x x^T / n^2), symmetric.
+        float xg = 0.0f;
+        for (int64_t d = 0; d < D; ++d) xg += x[d] * gu[d];
+        const float a = c / n, bcoef = xg / (n * n);
+        for (int64_t d = 0; d < D; ++d) gu[d] = a * (gu[d] - x[d] * bcoef);
+      }
+      // n < c: out = x c / c, whose derivative is exactly the identity.
+    }
+  }
+}
+
+}  // namespace
+
 HE_API void he_lookup_backward(int64_t B, int64_t F, int64_t T, const int64_t* table_feat_ptr,
                                const int64_t* table_feats, const int64_t* out_offsets,
                                const int32_t* inverse, const float* weights, const int64_t* slots,
@@ -336,63 +457,10 @@ HE_API void he_lookup_backward(int64_t B, int64_t F, int64_t T, const int64_t* t
                                const int64_t* grad_stride, float* gbuf, const int64_t* gbase,
                                int nthreads) {
   he::parallel_items(T, nthreads, [&](int64_t t, int) {
-    const int64_t D = dims[t], base = unique_base[t], U = unique_count[t];
-    float* g = gbuf + gbase[t];
-    std::fill(g, g + U * D, 0.0f);
-    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
-      int64_t f = table_feats[k];
-      const float* gf = reinterpret_cast<const float*>(grad_ptr[f]);
-      const int64_t gs = grad_stride[f];
-      if (combiner[f] == kNone) {
-        int64_t first = out_offsets[f * B];
-        for (int64_t j = first; j < out_offsets[(f + 1) * B]; ++j) {
-          float w = weights ? weights[j] : 1.0f;
-          const float* go = gf + (j - first) * gs;
-          float* dst = g + (int64_t)(inverse[j] - base) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] += w * go[d];
-        }
-        continue;
-      }
-      for (int64_t b = 0; b < B; ++b) {
-        int64_t j0 = out_offsets[f * B + b], j1 = out_offsets[f * B + b + 1];
-        if (j0 == j1) continue;
-        float wsum = 0.0f, w2sum = 0.0f;
-        if (weights) {
-          for (int64_t j = j0; j < j1; ++j) {
-            wsum += weights[j];
-            w2sum += weights[j] * weights[j];
-          }
-        } else {
-          wsum = w2sum = (float)(j1 - j0);
-        }
-        float denom = combiner[f] == kMean ? wsum : combiner[f] == kSqrtn ? std::sqrt(w2sum) : 1.0f;
-        const float* go = gf + b * gs;
-        for (int64_t j = j0; j < j1; ++j) {
-          float coef = (weights ? weights[j] : 1.0f) / denom;
-          float* dst = g + (int64_t)(inverse[j] - base) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] += coef * go[d];
-        }
-      }
-    }
-    if (max_norm[t] > 0.0f) {
-      const float c = max_norm[t];
-      for (int64_t u = 0; u < U; ++u) {
-        int64_t s = slots[base + u];
-        if (s < 0) continue;
-        const float* x = reinterpret_cast<const float*>(storage[t]) + s * row_stride[t];
-        float* gu = g + u * D;
-        float ss = 0.0f;
-        for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-        float n = ss > 0.0f ? std::sqrt(ss) : 0.0f;
-        if (n >= c && n > 0.0f) {
-          // d/dx (x c / n) = (c/n) (I - x x^T / n^2), symmetric.
-          float xg = 0.0f;
-          for (int64_t d = 0; d < D; ++d) xg += x[d] * gu[d];
-          float a = c / n, bcoef = xg / (n * n);
-          for (int64_t d = 0; d < D; ++d) gu[d] = a * (gu[d] - x[d] * bcoef);
-        }
-        // n < c: out = x c / c, whose derivative is exactly the identity.
-      }
-    }
+    dispatch_dim(dims[t], [&]<int DC>() {
+      backward_table<DC>(t, B, table_feat_ptr, table_feats, out_offsets, inverse, weights, slots, storage,
+                         row_stride, max_norm, combiner, unique_base, unique_count, dims[t], grad_ptr,
+                         grad_stride, gbuf + gbase[t]);
+    });
   });
 }

@@ -1,0 +1,122 @@
+"""Shared pieces of the benchmarks: the Criteo-26 workload, Zipf ids, timing, reporting.
+
+Benchmarks compare against references measured in the same run and report medians:
+this machine is noisy (the same case repeated can differ 2x), ratios are what count.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+# Criteo Kaggle (display advertising challenge) cardinalities of C1..C26, as used by DLRM.
+CRITEO_KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]
+
+
+def criteo_rows(cap: int = 10_000_000, scale: float = 1.0) -> list[int]:
+    """Row counts of the 26 tables, capped (and optionally scaled down for quick runs)."""
+    return [max(2, int(min(n, cap) * scale)) for n in CRITEO_KAGGLE_ROWS]
+
+
+class ZipfSampler:
+    """Bounded Zipf(a) ids over [0, n) with the hot ranks scattered over the table.
+
+    Rank r (0 = hottest) maps to id (r * p) mod n for a prime p coprime to n, so hot
+    rows are spread over the whole table as real hashed ids are, not packed at 0.
+    """
+
+    _PRIME = 2_654_435_761
+
+    def __init__(self, n: int, a: float = 1.05, seed: int = 0) -> None:
+        self.n = n
+        ranks = np.arange(1, n + 1, dtype=np.float64)
+        cdf = np.cumsum(ranks ** (-a))
+        self.cdf = cdf / cdf[-1]
+        self.rng = np.random.default_rng(seed)
+        p = self._PRIME
+        while math.gcd(p, n) != 1:
+            p += 2
+        self.p = p
+
+    def sample(self, size: int) -> np.ndarray:
+        r = np.searchsorted(self.cdf, self.rng.random(size), side="right")
+        r = np.minimum(r, self.n - 1).astype(np.int64)
+        return (r * self.p) % self.n
+
+
+def criteo_batches(rows: list[int], batch: int, pooling: int, n_batches: int, a: float = 1.05, seed: int = 0):
+    """`n_batches` batches of per-table id arrays [batch * pooling] (table-major)."""
+    samplers = [ZipfSampler(n, a, seed + t) for t, n in enumerate(rows)]
+    out = []
+    for _ in range(n_batches):
+        out.append([torch.from_numpy(s.sample(batch * pooling)) for s in samplers])
+    return out
+
+
+@dataclass
+class Timing:
+    median_s: float
+    runs: list[float]
+
+    def rate(self, items: float) -> float:
+        return items / self.median_s
+
+
+def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2) -> Timing:
+    """Median wall time per iteration over `runs` runs of `iters` iterations; fn(i) does iteration i."""
+    for i in range(warmup):
+        fn(i)
+    per_iter = []
+    k = 0
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(k)
+            k += 1
+        per_iter.append((time.perf_counter() - t0) / iters)
+    return Timing(statistics.median(per_iter), per_iter)
+
+
+def free_memory() -> None:
+    gc.collect()
+
+
+def fbgemm_available() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as e:  # any import failure means "not installed properly here"
+        print(f"# fbgemm_gpu not usable: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def fmt_rate(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f} k"
+    return f"{x:.0f} "
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    sys.stdout.flush()

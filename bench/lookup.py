@@ -1,0 +1,180 @@
+"""Fused lookup benchmark: Criteo-26 tables, batch 8192, Zipf ids, forward and training step.
+
+Compares, in the same run:
+  * ours      hugeembed FusedEmbeddingLookup (static tables), SGD applied in backward by the row hook
+  * ebag      a loop of 26 torch.nn.EmbeddingBag(sparse=True) + torch.optim.SGD
+  * fbgemm    FBGEMM SplitTableBatchedEmbeddingBagsCodegen, EXACT_SGD fused into backward (if installed)
+
+Prints samples/s, ids/s and the ratio of ours to each reference (median of --runs runs).
+
+    python bench/lookup.py                      # full: dims 16 64 128, pooling 1 and 20
+    python bench/lookup.py --quick              # 1/20 of the rows, d16 only, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (criteo_batches, criteo_rows, fbgemm_available, fmt_rate, free_memory, measure,  # noqa: E402
+                     print_table)
+
+from hugeembed._native import tune_malloc  # noqa: E402
+from hugeembed.features import SparseFeatures  # noqa: E402
+from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec  # noqa: E402
+
+LR = 0.01
+
+
+def make_tables(rows: list[int], dim: int) -> list[torch.Tensor]:
+    return [torch.empty(n, dim).uniform_(-0.05, 0.05) for n in rows]
+
+
+def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeatures:
+    lengths = torch.full((len(ids) * batch,), pooling, dtype=torch.int64)
+    return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
+
+
+def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool):
+    dim = tables[0].size(1)
+    specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
+    feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
+    lookup = FusedEmbeddingLookup(specs, feats)
+    sfs = [to_features(b, batch, pooling) for b in batches]
+    grad = torch.randn(batch, len(tables), dim)
+    sgd = _sgd_hook(tables)
+    anchor = torch.zeros(0, requires_grad=True)
+
+    def step(i):
+        sf = sfs[i % len(sfs)]
+        if train:
+            prep = lookup.prepare(sf, tables)
+            out = lookup.lookup(prep, tables, lookup.static_slots(prep), params=[anchor], row_grad_hook=sgd)
+            out.stacked().backward(grad)
+        else:
+            with torch.no_grad():
+                lookup(tables, sf)
+
+    return measure(step, iters, runs)
+
+
+def _sgd_hook(tables):
+    try:
+        from hugeembed.optim import SGD
+
+        rule = SGD(lr=LR)
+        return lambda t, slots, g: rule.apply(tables[t], slots, g, lr=LR, step=1)
+    except ImportError:  # before the optim package exists: the same update with torch
+        return lambda t, slots, g: tables[t].index_add_(0, slots, g, alpha=-LR)
+
+
+def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool):
+    bags = [torch.nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in tables]
+    opt = torch.optim.SGD([b.weight for b in bags], lr=LR)
+    offsets = torch.arange(0, batch * pooling, pooling)
+    grad = torch.randn(batch, len(tables) * tables[0].size(1))
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        if train:
+            out = torch.cat([bag(x, offsets) for bag, x in zip(bags, ids)], dim=1)
+            opt.zero_grad(set_to_none=True)
+            out.backward(grad)
+            opt.step()
+        else:
+            with torch.no_grad():
+                torch.cat([bag(x, offsets) for bag, x in zip(bags, ids)], dim=1)
+
+    return measure(step, iters, runs)
+
+
+def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows],
+        optimizer=OptimType.EXACT_SGD, learning_rate=LR, pooling_mode=PoolingMode.SUM)
+    indices = [torch.cat(b) for b in batches]
+    offsets = torch.arange(0, len(rows) * batch * pooling + 1, pooling)
+    grad = torch.randn(batch, len(rows) * dim)
+
+    def step(i):
+        idx = indices[i % len(indices)]
+        if train:
+            tbe(idx, offsets).backward(grad)
+        else:
+            with torch.no_grad():
+                tbe(idx, offsets)
+
+    t = measure(step, iters, runs)
+    del tbe
+    free_memory()
+    return t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--pooling", type=int, nargs="+", default=[1, 20])
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--row-scale", type=float, default=1.0, help="scale the Criteo row counts (quick runs)")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--iters", type=int, default=0, help="iterations per run (default: ~1 s worth)")
+    p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"])
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dims, args.pooling, args.row_scale, args.runs = [16], [1], 0.05, 3
+    torch.set_num_threads(args.threads)
+    tuned = tune_malloc()  # for every implementation alike: they share this process
+    impls = [i for i in args.impls if i != "fbgemm" or fbgemm_available()]
+    rows = criteo_rows(scale=args.row_scale)
+    print(f"# Criteo-26: {sum(rows) / 1e6:.1f} M rows, batch {args.batch}, threads {args.threads}, "
+          f"torch {torch.__version__}, runs {args.runs} (median), malloc tuned: {tuned}")
+    results = []
+    for pooling in args.pooling:
+        batches = criteo_batches(rows, args.batch, pooling, n_batches=4)
+        ids_per_batch = args.batch * pooling * len(rows)
+        for dim in args.dims:
+            iters = args.iters or max(1, int(2 if pooling == 1 else 1) * (2 if dim <= 16 else 1))
+            rates = {}
+            tables = make_tables(rows, dim) if ("ours" in impls or "ebag" in impls) else None
+            for train in (False, True):
+                for impl in impls:
+                    if impl == "fbgemm":
+                        continue
+                    fn = bench_ours if impl == "ours" else bench_ebag
+                    t = fn(tables, batches, args.batch, pooling, iters, args.runs, train)
+                    rates[(impl, train)] = t.rate(args.batch)
+            del tables
+            free_memory()
+            if "fbgemm" in impls:
+                for train in (False, True):
+                    t = bench_fbgemm(rows, dim, batches, args.batch, pooling, iters, args.runs, train)
+                    rates[("fbgemm", train)] = t.rate(args.batch)
+            for train in (False, True):
+                ours = rates.get(("ours", train))
+                row = [f"d{dim} P{pooling}", "fwd+bwd+SGD" if train else "fwd"]
+                for impl in ("ours", "ebag", "fbgemm"):
+                    r = rates.get((impl, train))
+                    row.append(f"{fmt_rate(r)}/s ({fmt_rate(r * ids_per_batch / args.batch)}ids/s)" if r else "-")
+                for ref in ("ebag", "fbgemm"):
+                    r = rates.get((ref, train))
+                    row.append(f"{ours / r:.2f}x" if (r and ours) else "-")
+                results.append(row)
+            print_table(["case", "mode", "ours samples/s", "EmbeddingBag loop", "FBGEMM TBE", "ours/ebag",
+                         "ours/fbgemm"], results)
+            print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
