@@ -1,0 +1,219 @@
+"""Criteo TSV (.gz) -> memory-mappable binary shards, atomically.
+
+The shards are written into a temporary directory beside the target
+(``.<name>.tmp-<pid>-<token>``), every file is fsynced, the manifest is written
+last, and the directory is renamed into place.  A crash leaves only the temporary
+directory, which the next run removes (the dead process's pid is in its name) before
+starting over from the first line: conversion never resumes a half-written output.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import ConfigError
+from ._criteo import CriteoReader, PathLike, ReadSummary
+from ._shards import ARRAYS, FORMAT, FORMAT_VERSION, NpyWriter, fsync_dir, schema_dict, sha256_file
+
+__all__ = ["convert", "ConvertProgress", "ConvertSummary"]
+
+DEFAULT_ROWS_PER_SHARD = 1 << 20
+
+
+@dataclass(frozen=True)
+class ConvertProgress:
+    """Passed to the progress callback after each chunk (bytes are on-disk, i.e. compressed for .gz)."""
+
+    bytes_done: int
+    bytes_total: int
+    rows: int
+    skipped: int
+
+
+@dataclass(frozen=True)
+class ConvertSummary:
+    """What a conversion wrote."""
+
+    out_dir: Path
+    rows: int
+    skipped: int
+    shards: int
+    bytes_in: int
+    seconds: float
+    skipped_examples: tuple[str, ...]
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_in / 1e6 / max(self.seconds, 1e-9)
+
+
+class _ShardWriter:
+    def __init__(self, root: Path, rows_per_shard: int) -> None:
+        self.root, self.rows_per_shard = root, rows_per_shard
+        self.done: list[dict] = []
+        self._writers: dict[str, NpyWriter] | None = None
+
+    def _name(self) -> str:
+        return f"part-{len(self.done):05d}"
+
+    def append(self, block) -> None:
+        pos = 0
+        while pos < len(block):
+            if self._writers is None:
+                name = self._name()
+                self._writers = {k: NpyWriter(self.root / f"{name}.{k}.npy", dt, shape) for k, (dt, shape) in ARRAYS.items()}
+            w = self._writers
+            take = min(len(block) - pos, self.rows_per_shard - w["labels"].rows)
+            part = block.slice(pos, pos + take)
+            w["dense"].append(part.dense)
+            w["cats"].append(part.cats)
+            w["labels"].append(part.labels.astype("uint8"))
+            pos += take
+            if w["labels"].rows == self.rows_per_shard:
+                self._finish()
+
+    def _finish(self) -> None:
+        w = self._writers
+        assert w is not None
+        name = self._name()
+        files = {}
+        for k, writer in w.items():
+            writer.close()
+            files[k] = {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": sha256_file(writer.path)}
+        self.done.append({"name": name, "rows": w["labels"].rows, "files": files})
+        self._writers = None
+
+    def close(self) -> None:
+        if self._writers is not None:
+            self._finish()
+
+    def abort(self) -> None:
+        for writer in (self._writers or {}).values():
+            writer.abort()
+
+
+def _remove_stale(out: Path) -> None:
+    """Removes temporary directories of conversions to `out` whose process is gone."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            pid = int(tmp.name[len(f".{out.name}.tmp-"):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+            on_error: str = "raise", overwrite: bool = False,
+            progress: Callable[[ConvertProgress], None] | None = None, chunk_bytes: int = 8 << 20,
+            native: bool | None = None) -> ConvertSummary:
+    """Converts Criteo TSV files (plain or .gz) into binary shards under `out_dir`.
+
+    Args:
+        inputs: one file or a list, converted in order (row order is kept).
+        out_dir: the directory to create; must not exist unless `overwrite`.
+        rows_per_shard: rows per shard (the last shard may hold fewer).
+        on_error: "raise" (InputError at the first malformed line, nothing written) or
+            "skip" (malformed lines skipped and counted in the manifest and summary).
+        overwrite: replace an existing `out_dir` (the old one is removed only after the new
+            one is complete).
+        progress: called with a ConvertProgress after each chunk.
+        chunk_bytes: bytes parsed per call.
+
+    Returns:
+        ConvertSummary (rows, skipped, shards, bytes read, seconds).
+
+    Example::
+
+        convert(["day_0.gz"], "shards/day_0", on_error="skip")
+        ShardSet("shards/day_0").read(0, 10)   # the first 10 rows, exactly as the TSV reader gives them
+    """
+    if rows_per_shard < 1:
+        raise ConfigError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+    reader = CriteoReader(inputs, on_error=on_error, chunk_bytes=chunk_bytes, native=native)
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(errno.EEXIST, "output exists (pass overwrite=True / --overwrite to replace it)", str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    writer = _ShardWriter(tmp, rows_per_shard)
+    try:
+        summary = reader.summary
+        for block in reader:
+            writer.append(block)
+            summary = reader.summary
+            if progress is not None:
+                progress(ConvertProgress(summary.bytes_read, summary.bytes_total, summary.rows, summary.skipped))
+        summary = reader.summary
+        writer.close()
+        if progress is not None:
+            progress(ConvertProgress(summary.bytes_total, summary.bytes_total, summary.rows, summary.skipped))
+        _write_manifest(tmp, writer.done, summary, on_error)
+        fsync_dir(tmp)
+        _publish(tmp, out, overwrite)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertSummary(out, summary.rows, summary.skipped, len(writer.done), summary.bytes_total,
+                          time.perf_counter() - t0, tuple(summary.skipped_examples))
+
+
+def _write_manifest(root: Path, shards: list[dict], summary: ReadSummary, on_error: str) -> None:
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "schema": schema_dict(),
+        "rows": sum(s["rows"] for s in shards),
+        "shards": shards,
+        "sources": [{"path": str(Path(f.path).resolve()), "bytes": f.bytes, "lines": f.lines, "rows": f.rows,
+                     "skipped": f.skipped} for f in summary.files],
+        "on_error": on_error,
+        "skipped": summary.skipped,
+        "skipped_examples": summary.skipped_examples,
+    }
+    path = root / "manifest.json"
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Renames the finished temporary directory to `out` (replacing it if asked)."""
+    old = None
+    if out.exists():
+        if not overwrite:  # appeared while we were converting
+            raise FileExistsError(errno.EEXIST, "output appeared during conversion", str(out))
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()

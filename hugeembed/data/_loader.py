@@ -1,0 +1,307 @@
+"""Loader: batches from Criteo TSV/.gz files or converted shards, prefetched in a thread.
+
+Work is planned per epoch as a list of row ranges for this rank, read block by block,
+cut into batches, and handed over through a bounded queue by a background thread:
+
+    files/shards --read--> CriteoBlock (~64k rows) --cut--> Batch --queue(prefetch)--> training loop
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ._batch import Batch
+from ._block import CriteoBlock
+from ._criteo import CriteoReader, PathLike, ReadSummary, as_paths
+from ._shards import ShardSet
+
+__all__ = ["Loader", "rebatch", "rank_range"]
+
+
+def rank_range(total: int, rank: int, world_size: int, equal: bool) -> tuple[int, int]:
+    """Rows [start, stop) of `rank` out of `total`: contiguous, balanced to one row.
+
+    With ``equal`` every rank gets exactly ``total // world_size`` rows (up to
+    ``world_size - 1`` rows at the end are dropped), so all ranks run the same number of steps.
+    """
+    base, extra = divmod(total, world_size)
+    if equal:
+        return rank * base, (rank + 1) * base
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def rebatch(blocks: Iterator[CriteoBlock], batch_size: int, drop_last: bool) -> Iterator[CriteoBlock]:
+    """Re-cuts a stream of blocks of any sizes into blocks of exactly `batch_size` rows.
+
+    The last, shorter one is yielded unless `drop_last`.  Batches inside one block are
+    views (no copy); only a batch straddling two blocks is copied together.
+    """
+    pending: list[CriteoBlock] = []
+    have = 0
+    for block in blocks:
+        pos = 0
+        if pending:  # finish the batch begun in earlier blocks
+            take = min(batch_size - have, len(block))
+            pending.append(block.slice(0, take))
+            have += take
+            pos = take
+            if have < batch_size:
+                continue
+            yield CriteoBlock.concat(pending)
+            pending, have = [], 0
+        while len(block) - pos >= batch_size:
+            yield block.slice(pos, pos + batch_size)
+            pos += batch_size
+        if pos < len(block):
+            pending, have = [block.slice(pos, len(block))], len(block) - pos
+    if pending and not drop_last:
+        yield CriteoBlock.concat(pending)
+
+
+class Loader:
+    """Iterates over :class:`Batch` es from Criteo files or converted shards.
+
+    Args:
+        source: a converted shard directory (or its manifest.json), or one or more
+            Criteo TSV files (plain or .gz).
+        batch_size: rows per batch.
+        drop_last: drop the last, shorter batch; with shards and ``world_size > 1`` also
+            give every rank exactly ``rows // world_size`` rows, so all run the same steps.
+        shuffle: shards only: rows are read in windows of `shuffle_window` rows made of
+            random chunks, permuted inside the window; seeded by ``(seed, epoch)``.
+        seed: shuffle seed (the same on every rank).
+        rank, world_size: this process reads only its slice.  Shards: a contiguous
+            ``1/world_size`` of the (shuffled) row order.  Text: lines ``i % world_size == rank``.
+            Together the ranks read every row exactly once.
+        prefetch: batches prepared ahead by a background thread (0 = no thread).
+        pin_memory: put batches in page-locked memory (needs CUDA).
+        on_error: text only: "raise" or "skip" malformed lines (see :attr:`summary`).
+        chunk_rows: rows read from a shard at a time.
+
+    Example::
+
+        loader = Loader("shards/", batch_size=4096, shuffle=True, seed=0, rank=r, world_size=w)
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            for batch in loader:          # Batch(dense [B, 13], sparse C1..C26, labels [B])
+                ...
+    """
+
+    def __init__(self, source: PathLike | Sequence[PathLike], batch_size: int, *, drop_last: bool = False,
+                 shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1, prefetch: int = 2,
+                 pin_memory: bool = False, on_error: str = "raise", chunk_rows: int = 1 << 16,
+                 shuffle_window: int = 1 << 18, chunk_bytes: int = 8 << 20, native: bool | None = None) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if prefetch < 0 or chunk_rows < 1 or shuffle_window < 1:
+            raise ConfigError("prefetch must be >= 0, chunk_rows and shuffle_window >= 1")
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigError("pin_memory=True needs CUDA, which is not available here")
+        self.batch_size, self.drop_last, self.shuffle, self.seed = int(batch_size), drop_last, shuffle, int(seed)
+        self.rank, self.world_size, self.prefetch, self.pin_memory = int(rank), int(world_size), int(prefetch), pin_memory
+        self.chunk_rows, self.shuffle_window = int(chunk_rows), int(shuffle_window)
+        self.epoch = 0
+        self.summary: ReadSummary | None = None
+        self.shards: ShardSet | None = None
+        self._reader: CriteoReader | None = None
+        if _is_shard_dir(source):
+            self.shards = ShardSet(source)  # type: ignore[arg-type]
+        else:
+            if shuffle:
+                raise ConfigError("shuffle=True needs converted shards (`hugeembed convert`); text files are read in order")
+            self._reader = CriteoReader(as_paths(source), on_error=on_error, chunk_bytes=chunk_bytes,
+                                        rank=self.rank, world_size=self.world_size, native=native)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the shuffle order of the next iteration (call it with the same value on every rank)."""
+        self.epoch = int(epoch)
+
+    def rows(self) -> int:
+        """Rows this rank reads per epoch (shards only)."""
+        if self.shards is None:
+            raise TypeError("the row count of a text source is unknown before reading it; convert it to shards")
+        start, stop = rank_range(self.shards.rows, self.rank, self.world_size, self.drop_last and self.world_size > 1)
+        return stop - start
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (shards only)."""
+        n = self.rows()
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> "_BatchIterator":
+        make = self._batches
+        if self.prefetch == 0:
+            return _BatchIterator(make(), None)
+        return _BatchIterator(None, _Prefetcher(make, self.prefetch))
+
+    # -- producing batches (runs in the prefetch thread) ----------------------------
+
+    def _batches(self) -> Iterator[Batch]:
+        blocks = self._shard_blocks(self.epoch) if self.shards is not None else self._text_blocks()
+        for blk in rebatch(blocks, self.batch_size, self.drop_last):
+            batch = Batch.from_block(blk)
+            yield batch.pin_memory() if self.pin_memory else batch
+
+    def _text_blocks(self) -> Iterator[CriteoBlock]:
+        assert self._reader is not None
+        self.summary = self._reader.summary
+        for blk in self._reader:
+            self.summary = self._reader.summary
+            yield blk
+        self.summary = self._reader.summary
+
+    def _units(self, epoch: int) -> list[list[tuple[int, int, int]]]:
+        """The epoch's reading units: lists of (shard, start, stop) chunks read and mixed together."""
+        assert self.shards is not None
+        chunks = [(i, a, min(a + self.chunk_rows, s.rows)) for i, s in enumerate(self.shards.shards)
+                  for a in range(0, s.rows, self.chunk_rows)]
+        if not self.shuffle:
+            return [[c] for c in chunks]
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(chunks))
+        units, cur, size = [], [], 0
+        for k in order:
+            cur.append(chunks[k])
+            size += chunks[k][2] - chunks[k][1]
+            if size >= self.shuffle_window:
+                units.append(cur)
+                cur, size = [], 0
+        if cur:
+            units.append(cur)
+        return units
+
+    def _shard_blocks(self, epoch: int) -> Iterator[CriteoBlock]:
+        assert self.shards is not None
+        units = self._units(epoch)
+        lengths = [sum(c[2] - c[1] for c in u) for u in units]
+        start, stop = rank_range(self.shards.rows, self.rank, self.world_size, self.drop_last and self.world_size > 1)
+        pos = 0
+        for u, (unit, n) in enumerate(zip(units, lengths)):
+            lo, hi = max(start - pos, 0), min(stop - pos, n)
+            pos += n
+            if lo >= hi:
+                continue
+            if not self.shuffle:
+                shard, a, _ = unit[0]
+                yield self.shards.read_shard_rows(shard, a + lo, a + hi)
+                continue
+            rows = CriteoBlock.concat([self.shards.read_shard_rows(s, a, b) for s, a, b in unit])
+            perm = np.random.default_rng([self.seed, epoch, u]).permutation(n)
+            yield rows.take(perm[lo:hi])
+
+
+def _is_shard_dir(source) -> bool:
+    if isinstance(source, (str, os.PathLike)):
+        p = Path(source)
+        return p.is_dir() or p.name == "manifest.json"
+    return False
+
+
+class _Prefetcher:
+    """Runs a generator in a daemon thread, passing items through a bounded queue."""
+
+    def __init__(self, make: Callable[[], Iterator], depth: int) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(make,), name="hugeembed-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self, make: Callable[[], Iterator]) -> None:
+        it = None
+        try:
+            it = make()
+            for item in it:
+                if not self._put(("item", item)):
+                    return
+            self._put(("end", None))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._put(("error", e))
+        finally:
+            if it is not None and hasattr(it, "close"):
+                it.close()  # runs the generators' finally blocks: files are closed here
+
+    def _put(self, msg) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(msg, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self):
+        while True:
+            try:
+                return self._q.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    return ("error", RuntimeError("hugeembed loader thread died without a result"))
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a worker waiting on a full queue
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class _BatchIterator:
+    """The iterator a Loader returns; ``close()`` (or leaving a ``with`` block) stops the thread."""
+
+    def __init__(self, gen: Iterator[Batch] | None, prefetcher: _Prefetcher | None) -> None:
+        self._gen, self._pre, self._done = gen, prefetcher, False
+
+    def __iter__(self) -> "_BatchIterator":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        if self._gen is not None:
+            try:
+                return next(self._gen)
+            except BaseException:
+                self._done = True
+                raise
+        assert self._pre is not None
+        kind, value = self._pre.get()
+        if kind == "item":
+            return value
+        self._done = True
+        self._pre.close()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        self._done = True
+        if self._pre is not None:
+            self._pre.close()
+        if self._gen is not None and hasattr(self._gen, "close"):
+            self._gen.close()
+
+    def __enter__(self) -> "_BatchIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an abandoned iterator must not leave its thread blocked on the queue
+        self.close()

@@ -1,0 +1,211 @@
+"""Converted Criteo shards: a directory of .npy arrays plus manifest.json.
+
+Layout written by :func:`hugeembed.data.convert`::
+
+    out/
+      manifest.json                 format, version, schema, row counts, checksums, sources
+      part-00000.dense.npy          float32 [n0, 13]   (log1p-transformed)
+      part-00000.cats.npy           int64   [n0, 26]   (missing -> MISSING_IDS[j])
+      part-00000.labels.npy         uint8   [n0]
+      part-00001.dense.npy ...
+
+Every array is a plain .npy file, so ``np.load(path, mmap_mode="r")`` maps it without
+reading it; the loader reads only the rows it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+from ._block import CriteoBlock
+from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_IDS, N_CAT, N_DENSE
+
+__all__ = ["ShardSet", "ShardInfo", "FORMAT", "FORMAT_VERSION", "ARRAYS", "NpyWriter", "schema_dict", "fsync_dir"]
+
+FORMAT = "hugeembed.criteo-shards"
+FORMAT_VERSION = 1
+# array name -> (dtype, row shape)
+ARRAYS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+    "dense": (np.dtype(np.float32), (N_DENSE,)),
+    "cats": (np.dtype(np.int64), (N_CAT,)),
+    "labels": (np.dtype(np.uint8), ()),
+}
+_HEADER_BYTES = 128  # fixed .npy header size, so the shape can be patched in place at close
+
+
+def schema_dict() -> dict:
+    return {
+        "dense": {"names": list(DENSE_NAMES), "dtype": "float32", "transform": "log1p(max(x, 0)); empty -> 0"},
+        "sparse": {"names": list(CAT_NAMES), "dtype": "int64", "encoding": "hex value of the field",
+                   "missing_ids": list(MISSING_IDS)},
+        "labels": {"dtype": "uint8", "values": [0, 1]},
+    }
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    body_len = _HEADER_BYTES - 10
+    body = text.encode("latin1").ljust(body_len - 1) + b"\n"
+    if len(body) != body_len:
+        raise ValueError(f"npy header for shape {shape} does not fit in {_HEADER_BYTES} bytes")
+    return b"\x93NUMPY\x01\x00" + body_len.to_bytes(2, "little") + body
+
+
+class NpyWriter:
+    """Appends rows to a .npy file whose row count is written when it is closed.
+
+    The header has a fixed size (128 bytes), so it is written with a row count of 0 and
+    rewritten in place by :meth:`close`, which also fsyncs.  Memory use is one chunk.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
+        self.path, self.dtype, self.row_shape = path, np.dtype(dtype), tuple(row_shape)
+        self.rows = 0
+        self._f = open(path, "wb")
+        self._f.write(_npy_header(self.dtype, (0, *self.row_shape)))
+
+    def append(self, array: np.ndarray) -> None:
+        if array.dtype != self.dtype or array.shape[1:] != self.row_shape:
+            raise ValueError(f"{self.path}: expected {self.dtype} rows of shape {self.row_shape}, got {array.dtype} {array.shape}")
+        self._f.write(np.ascontiguousarray(array).data)
+        self.rows += array.shape[0]
+
+    def close(self) -> None:
+        self._f.seek(0)
+        self._f.write(_npy_header(self.dtype, (self.rows, *self.row_shape)))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard: its name, its rows, and where its rows start in the whole set."""
+
+    name: str
+    rows: int
+    start: int
+
+
+class ShardSet:
+    """A converted directory, opened lazily (arrays are memory-mapped on first use).
+
+    Args:
+        path: the directory written by ``convert`` (or its manifest.json).
+        verify: check every file's sha256 against the manifest now (reads everything).
+
+    Example::
+
+        shards = ShardSet("criteo_shards/")
+        shards.rows, len(shards.shards)          # (45840617, 44)
+        block = shards.read(1000, 2000)          # CriteoBlock of rows 1000..1999
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
+        path = Path(path)
+        self.root = path.parent if path.name == "manifest.json" else path
+        mpath = self.root / "manifest.json"
+        if not mpath.is_file():
+            raise InputError(f"{self.root}: not a converted shard directory (no manifest.json); "
+                             f"create one with `hugeembed convert`")
+        try:
+            self.manifest = json.loads(mpath.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"{mpath}: unreadable manifest ({e})") from None
+        m = self.manifest
+        if m.get("format") != FORMAT:
+            raise InputError(f"{mpath}: format {m.get('format')!r} is not {FORMAT!r}")
+        if m.get("version") != FORMAT_VERSION:
+            raise InputError(f"{mpath}: format version {m.get('version')} is not supported (this hugeembed reads {FORMAT_VERSION})")
+        infos, start = [], 0
+        for s in m["shards"]:
+            infos.append(ShardInfo(s["name"], int(s["rows"]), start))
+            start += int(s["rows"])
+        if start != m["rows"]:
+            raise InputError(f"{mpath}: shard rows add up to {start}, manifest says {m['rows']}")
+        self.shards: tuple[ShardInfo, ...] = tuple(infos)
+        self.rows = start
+        self._starts = np.array([s.start for s in infos] + [start], np.int64)
+        self._open: dict[int, dict[str, np.ndarray]] = {}
+        if verify:
+            self.verify()
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def arrays(self, shard: int) -> dict[str, np.ndarray]:
+        """The memory-mapped arrays of shard number `shard` (checked against the manifest)."""
+        got = self._open.get(shard)
+        if got is None:
+            info, entry = self.shards[shard], self.manifest["shards"][shard]
+            got = {}
+            for name, (dtype, row_shape) in ARRAYS.items():
+                fpath = self.root / entry["files"][name]["file"]
+                try:
+                    arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
+                except FileNotFoundError:
+                    raise InputError(f"{fpath}: missing shard file listed in the manifest") from None
+                except ValueError as e:
+                    raise InputError(f"{fpath}: not a readable .npy file ({e})") from None
+                if arr.dtype != dtype or arr.shape != (info.rows, *row_shape):
+                    raise InputError(f"{fpath}: holds {arr.dtype} {arr.shape}, manifest says {dtype} {(info.rows, *row_shape)}")
+                got[name] = arr
+            self._open[shard] = got
+        return got
+
+    def read_shard_rows(self, shard: int, start: int, stop: int) -> CriteoBlock:
+        """Rows ``start:stop`` of one shard, copied into memory."""
+        a = self.arrays(shard)
+        return CriteoBlock(np.array(a["dense"][start:stop]), np.array(a["cats"][start:stop]),
+                           a["labels"][start:stop].astype(np.float32))
+
+    def read(self, start: int, stop: int) -> CriteoBlock:
+        """Global rows ``start:stop`` (may span shards)."""
+        if not 0 <= start <= stop <= self.rows:
+            raise IndexError(f"rows {start}:{stop} out of range 0:{self.rows}")
+        parts = []
+        s = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < stop:
+            info = self.shards[s]
+            end = min(stop, info.start + info.rows)
+            parts.append(self.read_shard_rows(s, start - info.start, end - info.start))
+            start, s = end, s + 1
+        return CriteoBlock.concat(parts)
+
+    def read_all(self) -> CriteoBlock:
+        return self.read(0, self.rows)
+
+    def verify(self) -> None:
+        """Recomputes every file's sha256; InputError naming the first file that differs."""
+        for entry in self.manifest["shards"]:
+            for name in ARRAYS:
+                f = entry["files"][name]
+                fpath = self.root / f["file"]
+                if not fpath.is_file():
+                    raise InputError(f"{fpath}: missing shard file listed in the manifest")
+                if sha256_file(fpath) != f["sha256"]:
+                    raise InputError(f"{fpath}: checksum mismatch (file changed or corrupted since conversion)")
+

@@ -1,0 +1,330 @@
+"""A synthetic Criteo-like data set with a planted, learnable logistic model.
+
+Rows have the Criteo schema (13 dense counts, 26 categorical 32-bit ids) and labels
+drawn from a KNOWN model, so a test can check that training approaches the best
+possible AUC::
+
+    logit = bias                                         (calibrated to target_ctr)
+          + sum_i  w_i * (dense_i - mean_i)              dense effects
+          + sum_j  amp(rank) * scale * u_j(id_j)         per-id effects, 10 features
+          + sum_(a,b) s * amp_a * amp_b * <v_a(id_a), v_b(id_b)> / sqrt(r)   pairwise
+    label ~ Bernoulli(sigmoid(logit))
+
+Ids of feature j are Zipf(1.05)-distributed over ``cardinality_j`` ranks (Criteo-Kaggle
+counts, capped by ``max_cardinality``); rank k becomes id ``(k * A_j + B_j) mod 2**32``
+(a bijection, so hot ids are scattered over the id space).  ``u_j`` and ``v_a`` are hashes
+of the id (mix64), uniform with unit variance: no table is stored, so generation is
+O(batch) whatever the cardinality.  ``amp(k) = (1 + k / hot_ids) ** -0.5`` keeps the hot
+ids' effects strong (learnable in a few hundred steps) and fades the tail's.
+
+Every row is a pure function of (seed, row index): rows are generated in internal
+chunks of 8192, each from its own random stream, so any batching gives the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import ConfigError
+from ._batch import Batch
+from ._block import CriteoBlock
+from ._schema import CAT_NAMES, MISSING_IDS, N_CAT, N_DENSE
+
+__all__ = ["SyntheticConfig", "SyntheticCriteo", "BayesMetrics", "CRITEO_KAGGLE_CARDINALITIES", "RawRows"]
+
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+# share of empty fields, roughly as in Criteo Kaggle
+_DENSE_MISSING = np.array((0.45, 0.0, 0.21, 0.22, 0.03, 0.23, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22), np.float32)
+_CAT_MISSING = np.array(
+    (0, 0, .03, .03, 0, .12, 0, 0, 0, .03, 0, .03, 0, 0, 0, .03, 0, 0, .44, .44, .03, .76, 0, .03, .44, .44), np.float32
+)
+# log-normal parameters of the dense counts (medians ~ e^mu)
+_DENSE_MU = np.array((0.5, 3.0, 2.5, 1.8, 7.5, 4.0, 1.5, 2.3, 3.5, 0.3, 1.0, 0.2, 1.7))
+_DENSE_SIGMA = np.array((1.2, 1.5, 1.4, 1.0, 1.8, 1.6, 1.4, 1.0, 1.2, 0.8, 1.0, 1.0, 1.1))
+_CHUNK = 8192
+_MISSING = np.array(MISSING_IDS, np.int64)
+_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(33))
+    x = x * _M1
+    x ^= x >> np.uint64(33)
+    x *= _M2
+    x ^= x >> np.uint64(33)
+    return x
+
+
+def _unit_uniform(h: np.ndarray) -> np.ndarray:
+    """Hash bits -> uniform on [-sqrt(3), sqrt(3)) (mean 0, variance 1)."""
+    return ((h >> np.uint64(11)).astype(np.float64) * 2.0**-53 * 2.0 - 1.0) * math.sqrt(3.0)
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Parameters of the planted model (all have Criteo-like defaults).
+
+    Args:
+        seed: everything (ids, effects, labels) is a function of the seed and the row index.
+        max_cardinality: cap on each feature's number of distinct ids (None = Kaggle counts).
+        zipf_exponent: skew of the id distribution (Criteo is ~1.05).
+        target_ctr: mean label the bias is calibrated to.
+        effect_features: features with a per-id effect on the logit.
+        effect_scale: standard deviation of a hot id's effect.
+        hot_ids: rank where effects have faded to 1/sqrt(2) of their hot strength.
+        interactions: feature pairs with a rank-`interaction_rank` latent dot-product effect.
+        interaction_scale: standard deviation of a hot pair's interaction effect.
+        dense_scale: size of the dense weights.
+    """
+
+    seed: int = 0
+    max_cardinality: int | None = None
+    zipf_exponent: float = 1.05
+    target_ctr: float = 0.25
+    effect_features: tuple[str, ...] = ("C1", "C2", "C3", "C4", "C6", "C9", "C11", "C14", "C16", "C17")
+    effect_scale: float = 0.5
+    hot_ids: int = 1000
+    interactions: tuple[tuple[str, str], ...] = (("C1", "C2"), ("C3", "C6"), ("C11", "C14"))
+    interaction_rank: int = 4
+    interaction_scale: float = 0.5
+    dense_scale: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_cardinality is not None and self.max_cardinality < 1:
+            raise ConfigError(f"max_cardinality must be >= 1, got {self.max_cardinality}")
+        if not self.zipf_exponent > 1.0:
+            raise ConfigError(f"zipf_exponent must be > 1, got {self.zipf_exponent}")
+        if not 0.0 < self.target_ctr < 1.0:
+            raise ConfigError(f"target_ctr must be in (0, 1), got {self.target_ctr}")
+        for name in self.effect_features + tuple(f for pair in self.interactions for f in pair):
+            if name not in CAT_NAMES:
+                raise ConfigError(f"unknown categorical feature {name!r} in SyntheticConfig (C1..C26)")
+        if not 1 <= self.interaction_rank <= 4:
+            raise ConfigError(f"interaction_rank must be 1..4, got {self.interaction_rank}")
+        if self.hot_ids < 1 or self.effect_scale < 0 or self.interaction_scale < 0 or self.dense_scale < 0:
+            raise ConfigError("hot_ids must be >= 1 and the scales >= 0")
+
+
+@dataclass(frozen=True)
+class BayesMetrics:
+    """AUC and log loss of the true probabilities on a sample: the best any model can do."""
+
+    auc: float
+    logloss: float
+    ctr: float
+    rows: int
+
+
+@dataclass(frozen=True)
+class RawRows:
+    """Rows before the Criteo transform: raw counts and ids with their missing masks."""
+
+    labels: np.ndarray  # float32 [n]
+    ints: np.ndarray  # int64 [n, 13]
+    ints_missing: np.ndarray  # bool [n, 13]
+    ids: np.ndarray  # int64 [n, 26] (the missing id where missing)
+    ids_missing: np.ndarray  # bool [n, 26]
+
+
+class SyntheticCriteo:
+    """Generator of Criteo-like rows with labels from a known logistic model.
+
+    Example::
+
+        gen = SyntheticCriteo(SyntheticConfig(seed=1, max_cardinality=100_000))
+        for batch in gen.batches(batch_size=2048, num_batches=300):   # hugeembed.data.Batch
+            ...
+        best = gen.bayes_metrics(rows=200_000, start=10**9)           # BayesMetrics(auc=..., ...)
+    """
+
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self.config = cfg = config or SyntheticConfig()
+        cap = cfg.max_cardinality or max(CRITEO_KAGGLE_CARDINALITIES)
+        self.cardinalities: tuple[int, ...] = tuple(min(c, cap) for c in CRITEO_KAGGLE_CARDINALITIES)
+        setup = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED]))
+        self._mult = (setup.integers(1 << 20, 1 << 31, N_CAT) * 2 + 1).astype(np.uint64)  # odd: bijective mod 2^32
+        self._add = setup.integers(0, 1 << 32, N_CAT).astype(np.uint64)
+        self._inv = np.array([pow(int(a), -1, 1 << 32) for a in self._mult], dtype=np.uint64)
+        self._salt = setup.integers(0, 1 << 62, (2, N_CAT)).astype(np.uint64)
+        self._dense_w = setup.normal(0.0, 1.0, N_DENSE) * cfg.dense_scale
+        a = cfg.zipf_exponent
+        self._card = np.array(self.cardinalities, np.float64)
+        self._zipf_lo = np.full(N_CAT, 0.5 ** (1 - a))
+        self._zipf_span = (self._card + 0.5) ** (1 - a) - self._zipf_lo
+        self._effect_idx = [CAT_NAMES.index(f) for f in cfg.effect_features]
+        self._pairs = [(CAT_NAMES.index(a), CAT_NAMES.index(b)) for a, b in cfg.interactions]
+        # calibration sample (rows far away from any the user is likely to ask for)
+        self._dense_mean = np.zeros(N_DENSE)
+        self.bias = 0.0
+        calib = self._raw(1 << 50, 32768)
+        dense = _transform(calib.ints)
+        self._dense_mean = dense.astype(np.float64).mean(axis=0)
+        z = self.true_logits(dense, calib.ids)
+        self.bias = _calibrate(z, cfg.target_ctr)
+
+    # -- sampling -------------------------------------------------------------------
+
+    def _ranks(self, u: np.ndarray) -> np.ndarray:
+        """0-based Zipf ranks ``[n, 26]`` from uniforms ``[n, 26]``, all features at once.
+
+        Inverts the integral of ``x ** -a`` over ``[0.5, card + 0.5)`` and rounds: rank k
+        gets the mass of ``[k - 0.5, k + 0.5)``, within 2% of ``k ** -a`` from rank 2 on
+        (rank 1 gets ~10% more).
+        """
+        a = self.config.zipf_exponent
+        x = (self._zipf_lo + u * self._zipf_span) ** (1.0 / (1.0 - a))
+        return np.clip(np.rint(x), 1, self._card).astype(np.int64) - 1
+
+    def _raw(self, start: int, n: int) -> RawRows:
+        """Rows [start, start + n) before the dense transform."""
+        if n == 0:
+            z = np.zeros
+            return RawRows(z(0, np.float32), z((0, N_DENSE), np.int64), z((0, N_DENSE), bool),
+                           z((0, N_CAT), np.int64), z((0, N_CAT), bool))
+        first, last = start // _CHUNK, (start + n - 1) // _CHUNK
+        parts = []
+        for c in range(first, last + 1):
+            rng = np.random.default_rng(np.random.SeedSequence([self.config.seed, c]))
+            parts.append((rng.random((_CHUNK, N_CAT)), rng.random((_CHUNK, N_CAT + N_DENSE), np.float32),
+                          rng.standard_normal((_CHUNK, N_DENSE), np.float32), rng.random(_CHUNK)))
+        lo = start - first * _CHUNK
+        u_id, u_miss, g_dense, u_label = (
+            x[0][lo : lo + n] if len(parts) == 1 else np.concatenate(x)[lo : lo + n] for x in zip(*parts)
+        )
+        ids_missing = u_miss[:, :N_CAT] < _CAT_MISSING
+        ids = ((self._ranks(u_id).astype(np.uint64) * self._mult + self._add) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        ids = np.where(ids_missing, _MISSING, ids)
+        ints = np.floor(np.exp(_DENSE_MU + _DENSE_SIGMA * g_dense.astype(np.float64))).astype(np.int64)
+        ints[:, 1] -= (u_miss[:, N_CAT + 1] > 0.9) * 3  # I2 has small negative values, as in Criteo (never missing)
+        ints_missing = u_miss[:, N_CAT:] < _DENSE_MISSING
+        ints = np.where(ints_missing, 0, ints)
+        dense = _transform(ints)
+        p = _sigmoid(self.true_logits(dense, ids))
+        labels = (u_label < p).astype(np.float32)
+        return RawRows(labels, ints, ints_missing, ids, ids_missing)
+
+    def raw_rows(self, start: int, n: int) -> RawRows:
+        """Rows [start, start + n) as raw counts and ids (what a Criteo text line holds)."""
+        _check_range(start, n)
+        return self._raw(start, n)
+
+    def rows(self, start: int, n: int) -> CriteoBlock:
+        """Rows [start, start + n) exactly as the Criteo reader would give them.
+
+        Example::
+
+            >>> gen = SyntheticCriteo(SyntheticConfig(seed=0, max_cardinality=1000))
+            >>> gen.rows(0, 4).cats.shape, gen.rows(2, 2).equals(gen.rows(0, 4).slice(2, 4))
+            ((4, 26), True)
+        """
+        raw = self.raw_rows(start, n)
+        return CriteoBlock(_transform(raw.ints), raw.ids, raw.labels)
+
+    def batches(self, batch_size: int, num_batches: int | None = None, *, start: int = 0) -> Iterator[Batch]:
+        """Batches of `batch_size` consecutive rows from row `start` (endless if num_batches is None)."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        i = 0
+        while num_batches is None or i < num_batches:
+            yield Batch.from_block(self.rows(start + i * batch_size, batch_size))
+            i += 1
+
+    # -- the true model -------------------------------------------------------------
+
+    def _amp(self, ids: np.ndarray, j: int) -> np.ndarray:
+        """Effect strength of each id of feature j: (1 + rank / hot_ids) ** -0.5; missing ids count as hot."""
+        u = ids.astype(np.uint64)
+        rank = ((u - self._add[j]) & np.uint64(0xFFFFFFFF)) * self._inv[j] & np.uint64(0xFFFFFFFF)
+        rank = np.where(ids >= MISSING_IDS[0], 0, rank.astype(np.int64))
+        return (1.0 + rank / self.config.hot_ids) ** -0.5
+
+    def logit_terms(self, dense: np.ndarray, cats: np.ndarray) -> dict[str, np.ndarray]:
+        """The additive terms of the true logit (without the bias), float64 [n] each.
+
+        Keys: ``"dense"``, one per effect feature (``"C1"``...), one per pair (``"C1xC2"``...).
+        """
+        cfg = self.config
+        terms = {"dense": (dense.astype(np.float64) - self._dense_mean) @ self._dense_w}
+        for j in self._effect_idx:
+            h = _mix64(cats[:, j].astype(np.uint64) ^ self._salt[0, j])
+            terms[CAT_NAMES[j]] = cfg.effect_scale * self._amp(cats[:, j], j) * _unit_uniform(h)
+        r = cfg.interaction_rank
+        for a, b in self._pairs:
+            ha = _mix64(cats[:, a].astype(np.uint64) ^ self._salt[1, a])
+            hb = _mix64(cats[:, b].astype(np.uint64) ^ self._salt[1, b])
+            dot = np.zeros(cats.shape[0])
+            for t in range(r):  # 16 bits of each hash per latent dimension
+                sh = np.uint64(16 * t)
+                va = (((ha >> sh) & np.uint64(0xFFFF)).astype(np.float64) / 65536.0 * 2 - 1) * math.sqrt(3.0)
+                vb = (((hb >> sh) & np.uint64(0xFFFF)).astype(np.float64) / 65536.0 * 2 - 1) * math.sqrt(3.0)
+                dot += va * vb
+            amp = self._amp(cats[:, a], a) * self._amp(cats[:, b], b)
+            terms[f"{CAT_NAMES[a]}x{CAT_NAMES[b]}"] = cfg.interaction_scale * amp * dot / math.sqrt(r)
+        return terms
+
+    def true_logits(self, dense: np.ndarray, cats: np.ndarray) -> np.ndarray:
+        """logit of P(click) under the planted model, float64 [n], from reader-format arrays."""
+        return self.bias + sum(self.logit_terms(dense, cats).values())
+
+    def true_probabilities(self, block: CriteoBlock) -> np.ndarray:
+        return _sigmoid(self.true_logits(block.dense, block.cats))
+
+    def bayes_metrics(self, rows: int = 200_000, start: int = 1 << 40) -> BayesMetrics:
+        """AUC and log loss of the true probabilities on rows [start, start + rows).
+
+        No model can beat these on that sample (up to sampling noise): evaluate a trained
+        model on the same rows and compare.
+        """
+        blk = self.rows(start, rows)
+        p = self.true_probabilities(blk)
+        y = blk.labels.astype(np.float64)
+        eps = 1e-7
+        pc = np.clip(p, eps, 1 - eps)
+        ll = float(-np.mean(y * np.log(pc) + (1 - y) * np.log1p(-pc)))
+        return BayesMetrics(auc=_auc(p, y), logloss=ll, ctr=float(y.mean()), rows=rows)
+
+
+def _check_range(start: int, n: int) -> None:
+    if start < 0 or n < 0:
+        raise ConfigError(f"row range needs start >= 0 and n >= 0, got start={start}, n={n}")
+
+
+def _transform(ints: np.ndarray) -> np.ndarray:
+    """The Criteo dense transform log(1 + max(x, 0)) in float32 (missing fields hold 0)."""
+    return np.log1p(np.maximum(ints, 0).astype(np.float64)).astype(np.float32)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _calibrate(z: np.ndarray, target: float) -> float:
+    """Bias b with mean(sigmoid(z + b)) == target (bisection; the mean is monotone in b)."""
+    lo, hi = -30.0, 30.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if _sigmoid(z + mid).mean() < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Exact ROC AUC with ties counted half (Mann-Whitney U on average ranks)."""
+    pos = labels > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    rank_hi = np.cumsum(counts)
+    avg_rank = rank_hi - (counts - 1) / 2.0  # 1-based average rank of each distinct score
+    u = avg_rank[inverse][pos].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
