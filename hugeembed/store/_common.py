@@ -90,8 +90,9 @@ def gather_rows(storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """storage[slots] with zero rows where slots == -1."""
     missing = slots < 0
     if bool(missing.any()):
-        rows = storage.index_select(0, slots.clamp(min=0))
-        rows[missing] = 0
+        rows = torch.zeros(slots.numel(), storage.shape[1], dtype=storage.dtype, device=storage.device)
+        found = ~missing
+        rows[found] = storage.index_select(0, slots[found])
         return rows
     return storage.index_select(0, slots)
 

@@ -145,13 +145,17 @@ class HashStore:
     # ------------------------------------------------------------------ growth
     def _reserve(self, n: int) -> None:
         """Makes room for `n` more keys in the worst case (all new, all admitted)."""
-        need = self._st_get("entries") + n
+        self._grow_for(n, n, n if self.admit_min_count > 1 else 0)
+
+    def _grow_for(self, new_entries: int, new_rows: int, new_pending: int) -> None:
+        """Grows buckets (x2 until under MAX_LOAD), rows (x1.5) and pending ids to fit this many more."""
+        need = self._st_get("entries") + new_entries
         nb = self._bkeys.numel()
         while need > int(nb * MAX_LOAD):
             nb *= 2
         if nb != self._bkeys.numel():
             self._rehash(nb)
-        hwm = self._st_get("row_hwm") + max(0, n - self._st_get("num_free"))
+        hwm = self._st_get("row_hwm") + max(0, new_rows - self._st_get("num_free"))
         if self.capacity is not None:
             hwm = min(hwm, self.capacity)
         if hwm > _MAX_SLOTS:
@@ -159,8 +163,8 @@ class HashStore:
         if hwm > self._meta.shape[0]:
             new = max(hwm, int(self._meta.shape[0] * _ROW_GROWTH), _MIN_ROWS)
             self._grow_rows(min(new, self.capacity or new))
-        if self.admit_min_count > 1:
-            self._reserve_pending(n)
+        if new_pending:
+            self._reserve_pending(new_pending)
 
     def _reserve_pending(self, n: int) -> None:
         phwm = self._st_get("pend_hwm") + max(0, n - self._st_get("num_pfree"))
@@ -253,9 +257,9 @@ class HashStore:
         counts = as_counts(self.name, counts, keys.numel(), self.device)
         if keys.numel() == 0:
             return keys.clone()
-        self._reserve(keys.numel())
         limit = self.capacity if self.capacity is not None else _MAX_SLOTS
-        for attempt in range(2):
+        evicted = grown = False
+        while True:
             rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
             if rc == 0:
                 init_rows(self._storage, new_slots, new_keys, self.dim, self.state_width, self.initializer,
@@ -264,15 +268,19 @@ class HashStore:
             if rc == 3:
                 raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
                                  "keys must be unique (deduplicate the batch first)")
-            if rc != 2:
+            if rc == 1 and not grown:  # grow exactly as needed, then probe again
+                self._grow_for(need[0], need[1], need[2])
+                grown = True
+            elif rc == 2:
+                self._make_room(step, need[1], out, evicted)
+                evicted, grown = True, False
+            else:
                 raise StoreError(f"table '{self.name}': find_or_insert kernel failed with code {rc} (internal error)")
-            self._make_room(step, need[1], out, attempt)
-        raise StoreError(f"table '{self.name}': eviction did not make room (internal error)")
 
-    def _make_room(self, step: int, needed: int, codes: torch.Tensor, attempt: int) -> None:
+    def _make_room(self, step: int, needed: int, codes: torch.Tensor, retried: bool) -> None:
         cap, live = self.capacity, len(self)
         msg = f"table '{self.name}': capacity {cap} rows reached ({live} live); this batch needs {needed} new rows"
-        if self.on_full == "error" or needed > cap or attempt > 0:
+        if self.on_full == "error" or needed > cap or retried:
             raise CapacityError(msg + (" and on_full='error'" if self.on_full == "error" else ""))
         target = max(0, cap - needed - cap // AUTO_EVICT_SLACK)
         self.evict(step, max_rows=target, policy=self.eviction_policy, protect=codes[codes >= 0])

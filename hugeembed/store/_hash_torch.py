@@ -132,6 +132,10 @@ class TorchOps:
         need = [int((tk[is_a] != EMPTY).sum()), new_rows, new_pend, 0]
         if s._st_get("rows") + new_rows > row_limit:
             return 2, codes, None, None, need
+        if (s._st_get("entries") + need[0] > s._max_entries()
+                or s._st_get("row_hwm") + max(0, new_rows - s._st_get("num_free")) > s._meta.shape[0]
+                or s._st_get("pend_hwm") + max(0, new_pend - s._st_get("num_pfree")) > s._pmeta.shape[0]):
+            return 1, codes, None, None, need
 
         # Hits: add counts, set last step.
         hit = codes >= 0
