@@ -1,3 +1,7 @@
-"""(under construction: see the issues)"""
+"""Embedding tables as nn.Modules: TableConfig, EmbeddingCollection, and its optimizer."""
 
-__all__: list[str] = []
+from ._collection import EmbeddingCollection
+from ._config import TableConfig
+from ._optimizer import EmbeddingOptimizer
+
+__all__ = ["TableConfig", "EmbeddingCollection", "EmbeddingOptimizer"]

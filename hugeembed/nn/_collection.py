@@ -1,0 +1,325 @@
+"""EmbeddingCollection: many embedding tables behind one fused lookup, trained in backward.
+
+One training step (DESIGN.md)::
+
+    batch ── prepare (clean + dedup per table, native kernels) ──► unique ids per table
+          ── fetch   (store.find_or_insert: rows created, counted, admitted) ──► row slots
+          ── pool    (one reduction per dim) ──► PooledEmbeddings
+    loss.backward() ── per table: unique rows + summed gradient ──► optimizer rule applied
+                       in place to weight and state inside the store (no dense gradient)
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, InputError
+from ..features import SparseFeatures
+from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
+from ..optim import SparseOptimizer
+from ..store import ArrayStore, HashStore, RowStore, StoreExport
+from ..types import Combiner
+from ._config import TableConfig
+from ._optimizer import EmbeddingOptimizer
+
+__all__ = ["EmbeddingCollection"]
+
+_EXPORT_FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
+
+
+def output_names(tables: Sequence[TableConfig]) -> list[tuple[str, str, str]]:
+    """(output name, input feature, table) per lookup output, in table then feature order."""
+    readers: dict[str, int] = {}
+    for t in tables:
+        for f in t.features:
+            readers[f] = readers.get(f, 0) + 1
+    return [(f if readers[f] == 1 else f"{f}@{t.name}", f, t.name) for t in tables for f in t.features]
+
+
+class EmbeddingCollection(nn.Module):
+    """Embedding tables (static or dynamic) looked up together and trained in backward.
+
+    Args:
+        tables: one :class:`TableConfig` per table.
+        optimizer: the sparse optimizer of tables whose config names none.
+        device: where rows live (``"cpu"``, ``"cuda"``, or ``"meta"`` for shape checks).
+        seed: base seed of the initializers (rows are deterministic per id).
+        backend: ``"auto" | "native" | "torch"`` for the lookup and the hash tables.
+
+    In training mode (``module.train()`` with grad enabled) a lookup inserts unseen ids
+    into dynamic tables, counts hits, and ``loss.backward()`` applies each table's
+    optimizer to the rows the batch touched.  In eval mode unknown ids read as zeros
+    and nothing is inserted, counted or updated.
+
+    Example::
+
+        ec = EmbeddingCollection(
+            [TableConfig("user", dim=16, combiner="sum"),                 # dynamic: any int64 id
+             TableConfig("country", dim=16, num_rows=250, features=("country",))],
+            optimizer=Adagrad(lr=0.05))
+        out = ec(batch)                  # PooledEmbeddings
+        out["user"]                      # [B, 16]
+        out.stacked()                    # [B, 2, 16], no copy
+        loss(out).backward()             # Adagrad applied to the touched rows
+
+    ``ec.optimizer`` is a ``torch.optim.Optimizer`` (one param group per trainable table),
+    so learning-rate schedulers drive the learning rates used in backward.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], *, optimizer: SparseOptimizer | None = None,
+                 device: torch.device | str = "cpu", seed: int = 0, backend: str = "auto") -> None:
+        super().__init__()
+        tables = list(tables)
+        if not tables:
+            raise ConfigError("EmbeddingCollection needs at least one table")
+        for t in tables:
+            if not isinstance(t, TableConfig):
+                raise ConfigError(f"tables must be TableConfig, got {type(t).__name__}")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
+        if optimizer is not None and not isinstance(optimizer, SparseOptimizer):
+            raise ConfigError(f"optimizer must be a hugeembed.optim rule, got {type(optimizer).__name__}")
+        self.tables: tuple[TableConfig, ...] = tuple(tables)
+        self.seed = int(seed)
+        self.backend = backend
+        self.device = torch.device(device)
+        self.rules: list[SparseOptimizer | None] = []
+        for t in tables:
+            rule = t.optimizer if t.optimizer is not None else (optimizer if t.trainable else None)
+            if t.trainable and rule is None:
+                raise ConfigError(f"table {t.name!r} is trainable but has no optimizer: give one in its "
+                                  f"TableConfig or EmbeddingCollection(optimizer=...), or set trainable=False")
+            self.rules.append(rule)
+        self.outputs = output_names(tables)
+        specs = [TableSpec(t.name, t.dim, num_rows=t.num_rows, max_norm=t.max_norm) for t in tables]
+        feats = []
+        for out_name, feature, table in self.outputs:
+            t = tables[names.index(table)]
+            feats.append(FeatureSpec(out_name, table, source=feature, combiner=t.combiner, default_id=t.default_id,
+                                     out_of_range=t.out_of_range, prune_negative=t.prune_negative))
+        self.lookup = FusedEmbeddingLookup(specs, feats, backend=backend)
+        self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
+        # Autograd needs one tensor that requires grad to route backward into the
+        # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
+        self._anchor = torch.zeros(0, requires_grad=True)
+        self._step = 0
+        self.optimizer = EmbeddingOptimizer(self)
+
+    # -- construction -----------------------------------------------------------------
+
+    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None) -> RowStore:
+        state = 0 if rule is None else rule.state_width(t.dim)
+        init_state = None if rule is None else rule.init_state
+        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype,
+                      device=self.device if self.device.type != "meta" else "cpu", seed=t.resolved_seed(self.seed))
+        if self.device.type == "meta":
+            return _MetaStore(t.name, t.dim, state, t.dtype)
+        if t.num_rows is not None:
+            return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
+        backend = None if self.backend == "auto" else self.backend
+        return HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
+                         eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
+                         **common)
+
+    # -- accessors ----------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Training steps taken (training-mode forwards)."""
+        return self._step
+
+    def store(self, table: str) -> RowStore:
+        return self._stores[self._table_index(table)]
+
+    def stores(self) -> Iterator[tuple[TableConfig, RowStore]]:
+        return zip(self.tables, self._stores)
+
+    def _table_index(self, table: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == table:
+                return i
+        raise KeyError(f"no table {table!r}; tables: {[t.name for t in self.tables]}")
+
+    def output_keys(self) -> list[str]:
+        """Names of the outputs, pooled and unpooled, in order."""
+        return [o for o, _, _ in self.outputs]
+
+    def feature_names(self) -> list[str]:
+        """Input features the collection reads."""
+        seen: dict[str, None] = {}
+        for _, f, _ in self.outputs:
+            seen[f] = None
+        return list(seen)
+
+    def num_rows(self) -> dict[str, int]:
+        return {t.name: len(s) for t, s in self.stores()}
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {t.name: s.memory_bytes() for t, s in self.stores()}
+
+    def extra_repr(self) -> str:
+        parts = []
+        for t, rule in zip(self.tables, self.rules):
+            kind = f"{t.num_rows} rows" if t.num_rows is not None else "dynamic"
+            opt = rule.name if rule is not None else "frozen"
+            parts.append(f"{t.name}: dim {t.dim}, {kind}, {t.combiner.value}, {opt}")
+        return "\n".join(parts)
+
+    # -- forward / backward ---------------------------------------------------------
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        if not isinstance(features, SparseFeatures):
+            raise InputError(f"EmbeddingCollection takes a SparseFeatures batch, got {type(features).__name__}")
+        if self.device.type == "meta":
+            return self._meta_forward(features)
+        if features.device != self.device:
+            raise InputError(f"batch is on {features.device} but the tables are on {self.device}: "
+                             f"move it with batch.to(device) (pin_memory + non_blocking on GPU)")
+        training = self.training and torch.is_grad_enabled()
+        step = self._step + 1 if training else self._step
+        if training:
+            self._step = step
+            self._evict_expired(step)
+        storages = [s.storage() for s in self._stores]
+        prep = self.lookup.prepare(features, storages)
+        slots = self._fetch(prep, training, step)
+        storages = [s.storage() for s in self._stores]  # inserts may have grown them
+        if not training or not any(self.rules):
+            return self.lookup.lookup(prep, storages, slots)
+        return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(step))
+
+    def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
+        """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
+        slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
+        for t, (cfg, store) in enumerate(self.stores()):
+            n = prep.unique_count[t]
+            if n == 0:
+                continue
+            b = prep.unique_base[t]
+            keys = prep.keys_of(t)
+            if training:
+                got = store.find_or_insert(keys, step, counts=prep.counts_of(t))
+            elif cfg.num_rows is not None:
+                got = keys  # static: the id is the slot (range checked by prepare)
+            else:
+                got = store.find(keys)
+            slots[b : b + n] = got
+        return slots
+
+    def _hook(self, step: int):
+        groups = self.optimizer.group_of_table
+
+        def apply(t: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
+            rule = self.rules[t]
+            if rule is None:
+                return  # frozen table
+            lr = self.optimizer.param_groups[groups[t]]["lr"]
+            rule.apply(self._stores[t].storage(), slots, grad, lr=lr, step=step)
+
+        return apply
+
+    def _evict_expired(self, step: int) -> None:
+        for cfg, store in self.stores():
+            if cfg.ttl is not None and step % cfg.evict_interval == 0:
+                store.evict(step, ttl=cfg.ttl)
+
+    def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
+              tables: Sequence[str] | None = None) -> dict[str, int]:
+        """Evicts rows of dynamic tables now; returns rows removed per table."""
+        out = {}
+        for cfg, store in self.stores():
+            if cfg.num_rows is None and (tables is None or cfg.name in tables):
+                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy)
+        return out
+
+    def _meta_forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        """Shapes only: zeros-free meta tensors with the output layout of a real lookup."""
+        from ..functional._outputs import JaggedEmbeddings
+
+        B = features.batch_size
+        plan = self.lookup.plan
+        groups = [torch.empty(B, len(g.pooled), g.dim, device="meta") for g in plan.groups]
+        unpooled = {}
+        for g in plan.groups:
+            for f in g.unpooled:
+                unpooled[plan.features[f].name] = JaggedEmbeddings(
+                    torch.empty(0, g.dim, device="meta"), torch.zeros(B + 1, dtype=torch.int64, device="meta"))
+        return PooledEmbeddings(plan.pooled_names(), groups, self.lookup._where, unpooled)
+
+    # -- devices ----------------------------------------------------------------------
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(device) / .cuda() / .cpu(): move the stores (only the device changes;
+        # a table keeps the dtype of its config).
+        target = fn(torch.empty(0, device=self.device)).device
+        if target != self.device and self.device.type != "meta" and target.type != "meta":
+            self._stores = [s.to(target) for s in self._stores]
+            self.device = target
+            self._anchor = torch.zeros(0, requires_grad=True, device=target)
+        return super()._apply(fn, recurse)
+
+    # -- state_dict ---------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "step"] = torch.tensor(self._step, dtype=torch.int64)
+        for cfg, store in self.stores():
+            ex = store.export()
+            for field in _EXPORT_FIELDS:
+                destination[f"{prefix}tables.{cfg.name}.{field}"] = getattr(ex, field)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        mine = {prefix + "step"}
+        if prefix + "step" in state_dict:
+            self._step = int(state_dict[prefix + "step"])
+        else:
+            missing_keys.append(prefix + "step")
+        for i, (cfg, store) in enumerate(self.stores()):
+            keys = {f: f"{prefix}tables.{cfg.name}.{f}" for f in _EXPORT_FIELDS}
+            mine.update(keys.values())
+            absent = [k for k in keys.values() if k not in state_dict]
+            if absent:
+                missing_keys.extend(absent)
+                continue
+            export = StoreExport(**{f: state_dict[k].to(store.device) for f, k in keys.items()})
+            if export.width != store.width:
+                error_msgs.append(
+                    f"table {cfg.name!r}: saved rows have {export.width} columns, this table needs {store.width} "
+                    f"(dim {cfg.dim} + optimizer state {store.state_width}); dim or optimizer differ")
+                continue
+            fresh = self._make_store(cfg, self.rules[i])
+            fresh.import_(export)
+            self._stores[i] = fresh
+        # nn.Module marks every key that is not a registered tensor as unexpected: ours
+        # are expected; keys of tables this collection does not have stay unexpected.
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
+
+
+class _MetaStore:
+    """Stand-in store of a collection built on the meta device (shape checks only)."""
+
+    def __init__(self, name: str, dim: int, state_width: int, dtype: torch.dtype) -> None:
+        self.name, self.dim, self.state_width, self.width, self.dtype = name, dim, state_width, dim + state_width, dtype
+        self.device = torch.device("meta")
+
+    def __len__(self) -> int:
+        return 0
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def storage(self) -> torch.Tensor:
+        return torch.empty(0, self.width, dtype=self.dtype, device="meta")
+
+    def export(self):
+        raise InputError(f"table {self.name!r} lives on the meta device: it has no rows to save")
+
+    def to(self, device):
+        raise InputError(f"table {self.name!r} was built on the meta device; build the collection on {device}")

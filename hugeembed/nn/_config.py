@@ -1,0 +1,162 @@
+"""TableConfig: one frozen, validated description per embedding table."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..optim import SparseOptimizer
+from ..store import Initializer
+from ..types import Combiner, OutOfRange
+
+__all__ = ["TableConfig"]
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """An embedding table: its size, the features that read it, how it pools, learns and grows.
+
+    Args:
+        name: table name (unique in a collection; appears in every error message).
+        dim: embedding dimension D.
+        num_rows: rows of a static table (ids in ``[0, num_rows)``), or None for a
+            dynamic hash table that creates a row the first time it sees an id.
+        features: input features that read this table (default: ``(name,)``).  A
+            feature read by one table is output under its own name; a feature read by
+            several tables (wide and deep) is output as ``"feature@table"``.
+        combiner: ``"sum" | "mean" | "sqrtn"`` (pooled ``[B, D]`` per feature) or
+            ``"none"`` (one vector per id: sequence features).
+        initializer: initial rows (default TF's: truncated normal, std 1/sqrt(D)),
+            deterministic per (seed, id).
+        optimizer: sparse optimizer applied in backward (default: the collection's).
+        trainable: False freezes the table (no optimizer, no update).
+        max_norm: clip each looked-up row to this L2 norm (TF's max_norm).
+        default_id: id looked up for a bag left empty (TF's default_id); None: zeros.
+        out_of_range: static tables only: ``"error" | "prune" | "default"``.
+        prune_negative: drop ids < 0 (TF/HugeCTR padding).  Set False on a dynamic
+            table to use the whole int64 range as keys.
+        dtype: row storage dtype.
+        capacity: dynamic tables: most rows kept (None: unbounded; nothing is
+            allocated up front either way).
+        on_full: dynamic tables at capacity: ``"evict"`` (by eviction_policy, never
+            the ids of the current batch) or ``"error"`` (CapacityError).
+        eviction_policy: ``"lfu"`` or ``"lru"``.
+        admit_min_count: dynamic tables: an id gets a trainable row once seen this
+            many times (DeepRec's counter filter); until then it reads zeros.
+        ttl: dynamic tables: rows not seen for more than `ttl` training steps are
+            evicted, checked every `evict_interval` steps.
+        evict_interval: steps between ttl checks.
+        seed: initializer seed (default: derived from the collection seed and the
+            table name, so it does not depend on the order of tables).
+
+    Example::
+
+        TableConfig("user", dim=16, features=("user_id",), combiner="sum",
+                    admit_min_count=2, ttl=10_000, optimizer=Adagrad(lr=0.05))
+    """
+
+    name: str
+    dim: int
+    num_rows: int | None = None
+    features: tuple[str, ...] = ()
+    combiner: Combiner | str = Combiner.MEAN
+    initializer: Initializer | None = None
+    optimizer: SparseOptimizer | None = None
+    trainable: bool = True
+    max_norm: float | None = None
+    default_id: int | None = None
+    out_of_range: OutOfRange | str = OutOfRange.ERROR
+    prune_negative: bool = True
+    dtype: torch.dtype = torch.float32
+    capacity: int | None = None
+    on_full: str = "evict"
+    eviction_policy: str = "lfu"
+    admit_min_count: int = 1
+    ttl: int | None = None
+    evict_interval: int = 1000
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        who = f"table {self.name!r}"
+        if not isinstance(self.name, str) or not self.name or "@" in self.name or "." in self.name:
+            raise ConfigError(f"table name must be a non-empty string without '@' or '.', got {self.name!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim <= 0:
+            raise ConfigError(f"{who}: dim must be a positive int, got {self.dim!r}")
+        if self.num_rows is not None and (isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int)
+                                          or self.num_rows <= 0):
+            raise ConfigError(f"{who}: num_rows must be a positive int or None (dynamic), got {self.num_rows!r}")
+        feats = (self.name,) if not self.features else self.features
+        if isinstance(feats, str):
+            feats = (feats,)
+        feats = tuple(feats)
+        if not all(isinstance(f, str) and f for f in feats) or len(set(feats)) != len(feats):
+            raise ConfigError(f"{who}: features must be distinct non-empty strings, got {feats!r}")
+        object.__setattr__(self, "features", feats)
+        try:
+            object.__setattr__(self, "combiner", Combiner.parse(self.combiner, who))
+            object.__setattr__(self, "out_of_range", OutOfRange.parse(self.out_of_range, who))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.optimizer is not None and not isinstance(self.optimizer, SparseOptimizer):
+            raise ConfigError(f"{who}: optimizer must be a hugeembed.optim rule, got {type(self.optimizer).__name__}")
+        if self.initializer is not None and not isinstance(self.initializer, Initializer):
+            raise ConfigError(f"{who}: initializer must be a hugeembed.store initializer, "
+                              f"got {type(self.initializer).__name__}")
+        if self.max_norm is not None and not (isinstance(self.max_norm, (int, float)) and self.max_norm > 0
+                                              and math.isfinite(self.max_norm)):
+            raise ConfigError(f"{who}: max_norm must be a positive finite number, got {self.max_norm!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"{who}: dtype must be one of {_DTYPES}, got {self.dtype}")
+        if self.default_id is not None and (not isinstance(self.default_id, int) or
+                                            (self.num_rows is not None and not 0 <= self.default_id < self.num_rows)):
+            raise ConfigError(f"{who}: default_id {self.default_id!r} is not a row of this table")
+        if self.out_of_range is OutOfRange.DEFAULT and self.default_id is None:
+            raise ConfigError(f"{who}: out_of_range='default' needs a default_id")
+        if self.num_rows is not None:
+            dynamic_only = {"capacity": self.capacity is not None, "admit_min_count": self.admit_min_count != 1,
+                            "ttl": self.ttl is not None}
+            bad = [k for k, v in dynamic_only.items() if v]
+            if bad:
+                raise ConfigError(f"{who}: {', '.join(bad)} apply to dynamic tables (num_rows=None) only")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity <= 0):
+            raise ConfigError(f"{who}: capacity must be a positive int or None, got {self.capacity!r}")
+        if self.on_full not in ("evict", "error"):
+            raise ConfigError(f"{who}: on_full must be 'evict' or 'error', got {self.on_full!r}")
+        if self.eviction_policy not in ("lfu", "lru"):
+            raise ConfigError(f"{who}: eviction_policy must be 'lfu' or 'lru', got {self.eviction_policy!r}")
+        if not isinstance(self.admit_min_count, int) or self.admit_min_count < 1:
+            raise ConfigError(f"{who}: admit_min_count must be an int >= 1, got {self.admit_min_count!r}")
+        if self.ttl is not None and (not isinstance(self.ttl, int) or self.ttl < 1):
+            raise ConfigError(f"{who}: ttl must be a positive int (steps) or None, got {self.ttl!r}")
+        if not isinstance(self.evict_interval, int) or self.evict_interval < 1:
+            raise ConfigError(f"{who}: evict_interval must be a positive int, got {self.evict_interval!r}")
+        if not self.trainable and self.optimizer is not None:
+            raise ConfigError(f"{who}: a frozen table (trainable=False) takes no optimizer")
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.num_rows is None
+
+    def resolved_seed(self, collection_seed: int) -> int:
+        """The initializer seed: explicit, or from the collection seed and the table name."""
+        if self.seed is not None:
+            return int(self.seed)
+        return (int(collection_seed) * 1_000_003 + zlib.crc32(self.name.encode())) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data for manifests and summaries."""
+        return {
+            "name": self.name, "dim": self.dim, "num_rows": self.num_rows, "features": list(self.features),
+            "combiner": self.combiner.value, "dtype": str(self.dtype).removeprefix("torch."),
+            "optimizer": None if self.optimizer is None else self.optimizer.to_dict(),
+            "trainable": self.trainable, "max_norm": self.max_norm, "default_id": self.default_id,
+            "capacity": self.capacity, "admit_min_count": self.admit_min_count, "ttl": self.ttl,
+        }
