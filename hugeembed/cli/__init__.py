@@ -13,7 +13,9 @@ import sys
 __all__ = ["main", "COMMANDS"]
 
 # command name -> module under hugeembed.cli
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "convert": "convert",
+}
 
 
 class _Parser(argparse.ArgumentParser):
