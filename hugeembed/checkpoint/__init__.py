@@ -1,3 +1,5 @@
-"""(under construction: see the issues)"""
+"""Snapshots: atomic, checksummed saves of tables, dense model, optimizers and RNG state."""
 
-__all__: list[str] = []
+from ._snapshot import FORMAT_VERSION, SnapshotInfo, latest, list_snapshots, load, read_manifest, save
+
+__all__ = ["save", "load", "latest", "list_snapshots", "read_manifest", "SnapshotInfo", "FORMAT_VERSION"]

@@ -11,6 +11,7 @@ One training step (DESIGN.md)::
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -107,6 +108,7 @@ class EmbeddingCollection(nn.Module):
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
         self._step = 0
+        self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
 
     # -- construction -----------------------------------------------------------------
@@ -264,8 +266,19 @@ class EmbeddingCollection(nn.Module):
 
     # -- state_dict ---------------------------------------------------------------------
 
+    @contextmanager
+    def tables_left_out_of_state_dict(self):
+        """Within this context ``state_dict()`` holds no table rows (snapshots save them per shard)."""
+        self._tables_in_state_dict = False
+        try:
+            yield
+        finally:
+            self._tables_in_state_dict = True
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self._tables_in_state_dict:
+            return
         destination[prefix + "step"] = torch.tensor(self._step, dtype=torch.int64)
         for cfg, store in self.stores():
             ex = store.export()

@@ -1,0 +1,343 @@
+"""Atomic, checksummed snapshots of embedding tables, the dense model, optimizers and RNG.
+
+Layout of a checkpoint root::
+
+    root/
+      LATEST                      name of the newest complete snapshot (atomically replaced)
+      step-000001000/             one complete snapshot, never modified once renamed in
+        manifest.json             format version, step, tables (dim, rows, optimizer, files +
+                                  sha256), dense files, world size, plan
+        tables/<table>.r<rank>.<field>.npy   keys, rows (weights + optimizer state), counts,
+                                  last_step, pending keys/counts/last_step, per shard
+        dense_model.pt  dense_optimizer.pt  embedding_optimizer.pt  rng.pt  extra.pt
+      .tmp-step-000002000-<pid>-<id>/   a save in progress (or one that crashed): ignored
+
+A save writes everything into a hidden directory beside the target, fsyncs every
+file and the directory, renames it into place and then replaces LATEST: a crash at
+any point leaves the previous snapshot complete and LATEST pointing at it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from ..store import StoreExport
+from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_tensor
+
+__all__ = ["save", "load", "latest", "read_manifest", "SnapshotInfo", "FORMAT_VERSION", "list_snapshots"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+_FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
+
+
+@dataclass
+class SnapshotInfo:
+    """What :func:`load` restored: the snapshot's path, step, manifest and the caller's extra state."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _snapshot_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def table_records(collection, directory: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """Writes every table's shard of this rank under directory/tables; returns manifest entries."""
+    (directory / "tables").mkdir(exist_ok=True)
+    out = []
+    for cfg, store in collection.stores():
+        ex = store.export()
+        files = {}
+        for f in _FIELDS:
+            path = directory / "tables" / f"{cfg.name}.r{rank}.{f}.npy"
+            files[f] = write_tensor(path, getattr(ex, f))
+            files[f]["file"] = f"tables/{path.name}"
+        out.append({
+            "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,
+            "state_width": store.state_width, "dtype": str(store.dtype).removeprefix("torch."),
+            # rows created after a resume must start as they would have: same initializer and seed
+            "seed": int(store.seed), "initializer": repr(store.initializer),
+            "optimizer": None if collection.rules[collection._table_index(cfg.name)] is None
+            else collection.rules[collection._table_index(cfg.name)].to_dict(),
+            "shards": [{"rank": rank, "rows": int(ex.keys.numel()), "pending": int(ex.pending_keys.numel()),
+                        "files": files}],
+        })
+    return out
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Deletes temp directories of saves whose process is gone (crashed mid-save)."""
+    for d in root.glob(".tmp-*"):
+        try:
+            pid = int(d.name.split("-")[3])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+            alive = pid != os.getpid()
+        except OSError:
+            alive = False
+        if not alive:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None = None,
+         dense_optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+         extra: dict[str, Any] | None = None, keep: int | None = None, rng: bool = True) -> Path:
+    """Saves a complete, atomic snapshot under `root` and returns its directory.
+
+    Args:
+        root: checkpoint directory (created if needed); the snapshot goes to
+            ``root/step-<step>`` and ``root/LATEST`` then names it.
+        collection: the EmbeddingCollection (tables: keys, weights, optimizer state, counts).
+        model: the dense model (its ``state_dict``; embedding tables inside it are saved
+            from `collection`, not twice).
+        dense_optimizer: the torch optimizer of the dense parameters.
+        step: the training step (default: the collection's).
+        extra: more state to keep (lr scheduler state, data position...): plain data/tensors.
+        keep: keep only the newest `keep` snapshots (None: keep all).
+        rng: save torch/CUDA/NumPy/Python RNG states (for bit-identical resume).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root)
+    step = collection.step if step is None else int(step)
+    name = _snapshot_name(step)
+    tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tables = table_records(collection, tmp)
+        files: dict[str, Any] = {}
+        if model is not None:
+            files["dense_model"] = write_bytes(tmp / "dense_model.pt", _torch_bytes(_dense_state(model, collection)))
+        if dense_optimizer is not None:
+            files["dense_optimizer"] = write_bytes(tmp / "dense_optimizer.pt", _torch_bytes(dense_optimizer.state_dict()))
+        files["embedding_optimizer"] = write_bytes(tmp / "embedding_optimizer.pt",
+                                                   _torch_bytes(collection.optimizer.state_dict()))
+        if rng:
+            files["rng"] = write_bytes(tmp / "rng.pt", _torch_bytes(_rng_state()))
+        if extra is not None:
+            files["extra"] = write_bytes(tmp / "extra.pt", _torch_bytes(extra))
+        from .. import __version__
+
+        manifest = {
+            "format_version": FORMAT_VERSION, "hugeembed_version": __version__, "step": step,
+            "created_unix": time.time(), "world_size": 1, "plan": None,
+            "collection_step": collection.step, "tables": tables, "files": files,
+        }
+        write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        fsync_dir(tmp / "tables")
+        fsync_dir(tmp)
+        final = root / name
+        if final.exists():  # re-saving a step: move the old one aside, swap, then delete it
+            trash = root / f".tmp-old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(root)
+        atomic_write_text(root / LATEST, name + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        for old in list_snapshots(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _dense_state(model: torch.nn.Module, collection) -> dict[str, torch.Tensor]:
+    """The model's state_dict without the embedding tables (saved separately, per shard)."""
+    with collection.tables_left_out_of_state_dict():
+        return model.state_dict()
+
+
+def list_snapshots(root: str | os.PathLike) -> list[Path]:
+    """Complete snapshots under root (those with a manifest), oldest first."""
+    root = Path(root)
+    found = [d for d in root.glob("step-*") if (d / MANIFEST).exists()]
+    return sorted(found, key=lambda d: d.name)
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete snapshot under root, or None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.exists():
+        cand = root / pointer.read_text().strip()
+        if (cand / MANIFEST).exists():
+            return cand
+    snaps = list_snapshots(root)
+    return snaps[-1] if snaps else None
+
+
+def _resolve(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if (path / MANIFEST).exists():
+        return path
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(f"{path} holds no complete snapshot (no {MANIFEST} in it or its step-* directories)")
+    return found
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a snapshot (or of the newest one under a checkpoint root)."""
+    snap = _resolve(path)
+    try:
+        manifest = json.loads((snap / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{snap / MANIFEST} is unreadable: {e}") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{snap}: snapshot format version {version!r}, this hugeembed reads {FORMAT_VERSION}")
+    manifest["_path"] = str(snap)
+    return manifest
+
+
+def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:
+    """All shards of one table from a snapshot, verified, concatenated (optionally filtered)."""
+    parts = {f: [] for f in _FIELDS}
+    for shard in entry["shards"]:
+        for f in _FIELDS:
+            rec = shard["files"][f]
+            parts[f].append(read_tensor(snap / rec["file"], rec))
+    cat = {f: torch.cat(v) if len(v) > 1 else v[0] for f, v in parts.items()}
+    if rank_filter is not None:
+        cat = rank_filter(cat)
+    return StoreExport(**cat)
+
+
+def check_tables(manifest: dict[str, Any], collection) -> None:
+    """Raises CheckpointError naming the first table that does not fit the collection."""
+    saved = {t["name"]: t for t in manifest["tables"]}
+    for cfg, store in collection.stores():
+        t = saved.get(cfg.name)
+        where = manifest.get("_path", "the snapshot")
+        if t is None:
+            raise CheckpointError(f"{where} has no table {cfg.name!r} (it has {sorted(saved)})")
+        if t["dim"] != cfg.dim:
+            raise CheckpointError(f"table {cfg.name!r}: dim {t['dim']} in {where}, {cfg.dim} in the model")
+        if t["num_rows"] != cfg.num_rows:
+            raise CheckpointError(f"table {cfg.name!r}: num_rows {t['num_rows']} in {where}, {cfg.num_rows} in the model")
+        if t["state_width"] != store.state_width:
+            raise CheckpointError(f"table {cfg.name!r}: optimizer state width {t['state_width']} in {where}, "
+                                  f"{store.state_width} in the model (optimizer {t['optimizer'] and t['optimizer']['name']!r} "
+                                  f"was saved)")
+        if t.get("seed") is not None and int(t["seed"]) != int(store.seed):
+            raise CheckpointError(f"table {cfg.name!r}: initializer seed {t['seed']} in {where}, {store.seed} in the "
+                                  f"model: build the collection with the seed of the saved run")
+        rule = collection.rules[collection._table_index(cfg.name)]
+        saved_rule = t["optimizer"]["name"] if t["optimizer"] else None
+        if (rule.name if rule else None) != saved_rule:
+            raise CheckpointError(f"table {cfg.name!r}: optimizer {saved_rule!r} in {where}, "
+                                  f"{rule.name if rule else None!r} in the model")
+    extra = sorted(set(saved) - {c.name for c in collection.tables})
+    if extra:
+        raise CheckpointError(f"{manifest.get('_path', 'the snapshot')} has tables {extra} the model does not")
+
+
+def _read_file(snap: Path, manifest: dict[str, Any], key: str) -> Any:
+    rec = manifest["files"].get(key)
+    if rec is None:
+        return None
+    path = snap / rec["file"]
+    verify(path, rec)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad pickle
+        raise CheckpointError(f"snapshot file {path} is unreadable: {e}") from None
+
+
+def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None = None,
+         dense_optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> SnapshotInfo:
+    """Loads a snapshot (or the newest under a checkpoint root) into the given objects.
+
+    Everything is read and verified (manifest, table layout, checksums) before anything is
+    changed, so a bad snapshot raises CheckpointError and leaves the model untouched.
+    """
+    manifest = read_manifest(path)
+    snap = Path(manifest["_path"])
+    check_tables(manifest, collection)
+    exports = {t["name"]: read_table(snap, t) for t in manifest["tables"]}
+    dense = _read_file(snap, manifest, "dense_model")
+    dense_opt = _read_file(snap, manifest, "dense_optimizer")
+    emb_opt = _read_file(snap, manifest, "embedding_optimizer")
+    rng = _read_file(snap, manifest, "rng")
+    extra = _read_file(snap, manifest, "extra") or {}
+    if model is not None and dense is None:
+        raise CheckpointError(f"{snap} holds no dense model")
+    if dense_optimizer is not None and dense_opt is None:
+        raise CheckpointError(f"{snap} holds no dense optimizer state")
+    # all read and checked: now apply
+    state = {"step": torch.tensor(manifest["collection_step"])}
+    for name, ex in exports.items():
+        for f in _FIELDS:
+            state[f"tables.{name}.{f}"] = getattr(ex, f)
+    collection.load_state_dict(state)
+    if emb_opt is not None:
+        collection.optimizer.load_state_dict(emb_opt)
+    if model is not None:
+        _load_dense(model, collection, dense, snap)
+    if dense_optimizer is not None:
+        dense_optimizer.load_state_dict(dense_opt)
+    if restore_rng and rng is not None:
+        _set_rng_state(rng)
+    return SnapshotInfo(snap, int(manifest["step"]), manifest, extra)
+
+
+def _load_dense(model: torch.nn.Module, collection, state: dict[str, torch.Tensor], snap: Path) -> None:
+    prefixes = [f"{n}." for n, m in model.named_modules() if m is collection]
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not any(k.startswith(p) for p in prefixes)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{snap}: dense model does not match: missing {missing}, "
+                              f"unexpected {list(result.unexpected_keys)}")
