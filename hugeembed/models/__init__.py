@@ -1,3 +1,49 @@
-"""(under construction: see the issues)"""
+"""Recommendation models on an EmbeddingCollection: DLRM, DeepFM, Wide & Deep, DCN-v2.
 
-__all__: list[str] = []
+Each model takes ``(dense [B, n_dense], sparse: SparseFeatures)`` and returns logits ``[B]``;
+its tables update themselves in backward, and ``model.dense_parameters()`` go to a
+``torch.optim`` optimizer.  ``make_model(name, ...)`` builds one with Criteo tables.
+See docs/models.md.
+"""
+
+from ._base import Fields, RecModel
+from ._dcn import DCNv2
+from ._deepfm import DeepFM
+from ._dlrm import DLRM
+from ._factory import MODEL_NAMES, make_model
+from ._layers import MLP, CrossNetworkV2, DotInteraction, FactorizationMachine
+from ._tables import (
+    CRITEO_NUM_DENSE,
+    CRITEO_SPARSE_FEATURES,
+    FIRST_ORDER_PREFIX,
+    criteo_tables,
+    deepfm_tables,
+    embedding_tables,
+    first_order_tables,
+    wide_and_deep_tables,
+)
+from ._widedeep import WIDE_AND_DEEP_PAPER_DEEP, WideAndDeep
+
+__all__ = [
+    "RecModel",
+    "Fields",
+    "DLRM",
+    "DeepFM",
+    "WideAndDeep",
+    "WIDE_AND_DEEP_PAPER_DEEP",
+    "DCNv2",
+    "MLP",
+    "DotInteraction",
+    "FactorizationMachine",
+    "CrossNetworkV2",
+    "CRITEO_NUM_DENSE",
+    "CRITEO_SPARSE_FEATURES",
+    "FIRST_ORDER_PREFIX",
+    "embedding_tables",
+    "first_order_tables",
+    "criteo_tables",
+    "deepfm_tables",
+    "wide_and_deep_tables",
+    "MODEL_NAMES",
+    "make_model",
+]

@@ -1,0 +1,77 @@
+"""DLRM (Naumov et al. 2019): bottom MLP on dense features, dot interaction, top MLP."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..features import SparseFeatures
+from ..nn import EmbeddingCollection
+from ._base import Fields, RecModel
+from ._layers import MLP, DotInteraction, check_sizes
+
+__all__ = ["DLRM"]
+
+
+class DLRM(RecModel):
+    """Deep Learning Recommendation Model: dense and sparse features meet in pairwise dot products.
+
+    ::
+
+        dense [B, 13] ─ bottom MLP 13-512-256-D ─► d [B, D] ─┐
+        sparse ─ EmbeddingCollection ─► e_1..e_F [B, F, D] ──┴─ DotInteraction ─► [B, D + (F+1)F/2]
+                                                                   ─ top MLP 512-512-256-1 ─► logits [B]
+
+    Every table must have the same dim D: the bottom MLP ends in D so that ``d`` is one
+    more field of the interaction.  ReLU follows every bottom layer (as in the reference
+    implementation and TorchRec's DenseArch) and every top layer but the last.
+
+    Defaults: TorchRec's DLRM example on Criteo (``dense_arch_layer_sizes`` 512,256,D;
+    ``over_arch_layer_sizes`` 512,512,256,1).  MLPerf's Criteo-Terabyte DLRM uses D = 128,
+    ``bottom_mlp=(512, 256)`` and ``top_mlp=(1024, 1024, 512, 256)``.
+
+    Args:
+        collection: the embedding tables (pooled outputs, one common dim D).
+        num_dense: dense features per sample (Criteo: 13); at least 1.
+        bottom_mlp: hidden widths of the bottom MLP (its last layer, of width D, is added).
+        top_mlp: hidden widths of the top MLP (its last layer, of width 1, is added).
+        self_interaction: keep the ``<t_i, t_i>`` terms too (DLRM ``--arch-interaction-itself``).
+        device: where the dense layers live (default: the collection's device).
+
+    Example::
+
+        tables = criteo_tables(dim=64)
+        model = DLRM(EmbeddingCollection(tables, optimizer=RowWiseAdagrad(lr=0.05)))
+        logits = model(batch.dense, batch.sparse)                   # [B]
+        opt = torch.optim.Adagrad(model.dense_parameters(), lr=0.05)
+    """
+
+    def __init__(self, collection: EmbeddingCollection, num_dense: int = 13, *,
+                 bottom_mlp: Sequence[int] = (512, 256), top_mlp: Sequence[int] = (512, 512, 256),
+                 self_interaction: bool = False, device: torch.device | str | None = None) -> None:
+        super().__init__(collection, num_dense, "DLRM")
+        if self.num_dense < 1:
+            raise ConfigError("DLRM needs dense features (num_dense >= 1): the bottom MLP output is one field "
+                              "of the dot interaction; for sparse-only data use DeepFM, WideAndDeep or DCNv2")
+        device = collection.device if device is None else device
+        self.fields = Fields(collection)
+        dim = self.fields.common_dim("DLRM (the dot interaction)")
+        self.embedding_dim = dim
+        self.bottom = MLP(self.num_dense, (*check_sizes(bottom_mlp, "DLRM bottom_mlp"), dim), device=device)
+        self.interaction = DotInteraction(len(self.fields), self_interaction=self_interaction, device=device)
+        self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
+                       final_activation=False, device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+        """Logits ``[B]`` (apply a sigmoid for probabilities).
+
+        Args:
+            dense: float ``[B, num_dense]``.
+            sparse: the batch's sparse features (on the collection's device).
+        """
+        out = self.lookup(dense, sparse)
+        d = self.bottom(dense)
+        e = self.on(self.fields.stacked(out), d)
+        return self.top(self.interaction(d, e)).squeeze(1)

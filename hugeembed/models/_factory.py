@@ -1,0 +1,127 @@
+"""make_model: a Criteo model by name, with its tables (the CLI's ``--model``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..nn import EmbeddingCollection, TableConfig
+from ..optim import SparseOptimizer
+from ..types import Combiner
+from ._base import RecModel
+from ._dcn import DCNv2
+from ._deepfm import DeepFM
+from ._dlrm import DLRM
+from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, Cardinalities, deepfm_tables, embedding_tables, \
+    wide_and_deep_tables
+from ._widedeep import WideAndDeep
+
+__all__ = ["MODEL_NAMES", "make_model"]
+
+MODEL_NAMES: tuple[str, ...] = ("dlrm", "deepfm", "widedeep", "dcn")
+
+# options each model takes beyond the common ones (anything else given is an error, not ignored)
+_OPTIONS = {
+    "dlrm": {"bottom_mlp", "top_mlp"},
+    "deepfm": {"deep", "dropout", "first_order_optimizer"},
+    "widedeep": {"deep", "dropout", "first_order_optimizer"},
+    "dcn": {"deep", "dropout", "num_cross", "low_rank", "num_experts", "structure"},
+}
+
+
+def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimizer,
+               device: torch.device | str = "cpu", seed: int = 0, dynamic: bool = True,
+               cardinalities: Cardinalities = None, features: Sequence[str] = CRITEO_SPARSE_FEATURES,
+               num_dense: int = CRITEO_NUM_DENSE, combiner: Combiner | str = "sum", capacity: int | None = None,
+               bottom_mlp: Sequence[int] | None = None, top_mlp: Sequence[int] | None = None,
+               deep: Sequence[int] | None = None, dropout: float | None = None, num_cross: int | None = None,
+               low_rank: int | None = None, num_experts: int | None = None, structure: str | None = None,
+               first_order_optimizer: SparseOptimizer | None = None,
+               backend: str = "auto") -> tuple[RecModel, list[nn.Parameter]]:
+    """Builds a model and its embedding tables for Criteo-like data; returns ``(model, dense_parameters)``.
+
+    Args:
+        name: ``"dlrm" | "deepfm" | "widedeep" | "dcn"`` (:data:`MODEL_NAMES`).
+        embedding_dim: D of every embedding table.
+        sparse_optimizer: optimizer of the tables, applied in backward.
+        device: where tables and dense layers live (``"meta"`` for shape checks).
+        seed: seeds the tables' initial rows and the dense layers' initial weights
+            (the global RNG is left as it was).
+        dynamic: hash tables that grow on first sight of an id (default); False: static
+            tables of `cardinalities` rows, whose ids must lie in ``[0, rows)``.
+        cardinalities: rows per feature of static tables (only with ``dynamic=False``).
+        features: sparse features (default Criteo's C1 .. C26).
+        num_dense: dense features (default Criteo's 13).
+        combiner: pooling of multi-id bags.
+        capacity: dynamic tables: most rows kept per table.
+        bottom_mlp, top_mlp: DLRM's MLPs (None: the model's defaults).
+        deep, dropout: the MLP of DeepFM, Wide&Deep and DCN-v2 (None: the model's defaults).
+        num_cross, low_rank, num_experts, structure: DCN-v2's cross network.
+        first_order_optimizer: DeepFM / Wide&Deep: optimizer of the dim-1 tables
+            (None: `sparse_optimizer`; the Wide&Deep paper uses FTRL).
+        backend: the collection's lookup backend.
+
+    An option the chosen model does not take raises ConfigError (it is never ignored).
+
+    Example::
+
+        model, dense_params = make_model("dlrm", embedding_dim=16, sparse_optimizer=RowWiseAdagrad(lr=0.05))
+        opt = torch.optim.Adam(dense_params, lr=1e-3)
+        loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
+        loss.backward()      # tables updated here
+        opt.step(); opt.zero_grad()
+    """
+    if name not in MODEL_NAMES:
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    if not isinstance(sparse_optimizer, SparseOptimizer):
+        raise ConfigError(f"make_model: sparse_optimizer must be a hugeembed.optim rule, "
+                          f"got {type(sparse_optimizer).__name__}")
+    given = {k for k, v in dict(bottom_mlp=bottom_mlp, top_mlp=top_mlp, deep=deep, dropout=dropout,
+                                num_cross=num_cross, low_rank=low_rank, num_experts=num_experts,
+                                structure=structure, first_order_optimizer=first_order_optimizer).items()
+             if v is not None}
+    foreign = sorted(given - _OPTIONS[name])
+    if foreign:
+        raise ConfigError(f"model {name!r} does not take {', '.join(foreign)}; "
+                          f"its options: {', '.join(sorted(_OPTIONS[name]))}")
+    if dynamic and cardinalities is not None:
+        raise ConfigError("cardinalities size static tables: pass dynamic=False with them")
+    if not dynamic and cardinalities is None:
+        raise ConfigError("static tables (dynamic=False) need cardinalities: rows per feature")
+    if capacity is not None and not dynamic:
+        raise ConfigError("capacity bounds dynamic tables; static tables have cardinalities")
+
+    common = dict(cardinalities=cardinalities, combiner=combiner, capacity=capacity)
+    tables: list[TableConfig]
+    if name == "deepfm":
+        tables = deepfm_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
+    elif name == "widedeep":
+        tables = wide_and_deep_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
+    else:
+        tables = embedding_tables(features, embedding_dim, **common)
+    device = torch.device(device)
+    collection = EmbeddingCollection(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
+    # dense weights from `seed`, without disturbing the caller's random state
+    fork = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork, device_type="cuda"):
+        torch.manual_seed(seed)
+        model: RecModel
+        if name == "dlrm":
+            model = DLRM(collection, num_dense, device=device, **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
+        elif name == "deepfm":
+            model = DeepFM(collection, num_dense, device=device, **_given(deep=deep, dropout=dropout))
+        elif name == "widedeep":
+            model = WideAndDeep(collection, num_dense, device=device, **_given(deep=deep, dropout=dropout))
+        else:
+            model = DCNv2(collection, num_dense, device=device,
+                          **_given(deep=deep, dropout=dropout, num_cross=num_cross, low_rank=low_rank,
+                                   num_experts=num_experts, structure=structure))
+    return model, model.dense_parameters()
+
+
+def _given(**options):
+    """The options that were set (not None), so that each model keeps its own defaults for the rest."""
+    return {k: v for k, v in options.items() if v is not None}
