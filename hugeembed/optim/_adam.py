@@ -220,7 +220,9 @@ class Adam(SparseOptimizer):
             counter = counter + 1
             t = counter.double()
             step_scale, dscale = self._scalars(lr, torch.pow(b1, t), torch.pow(b2, t))
-            step_scale, dscale = step_scale.to(cd)[:, None], dscale.to(cd)[:, None]
+            step_scale = step_scale.to(cd)[:, None]
+            if isinstance(dscale, torch.Tensor):
+                dscale = dscale.to(cd)[:, None]
         else:
             step_scale, dscale = self._scalars(lr, b1**step, b2**step)
         wd = self.weight_decay
