@@ -2,80 +2,144 @@
 // with linear probing (layout in store_table.h), find-or-insert with admission,
 // backward-shift deletion and rehash.  Called by hugeembed/store/_native_store.py.
 //
-// Find-or-insert runs in four phases so that nothing is written before every
-// check has passed (a CapacityError or a duplicate key leaves the store as it was):
-//   A (2 threads)  probe every key; software prefetch DIST keys ahead hides the
-//                  DRAM latency of the random bucket reads;
-//   B (1 thread)   count what the batch needs (new buckets, rows, pending ids),
-//                  check capacity and that no new key is given twice;
-//   C (2 threads)  add counts / set last step of the keys found (distinct rows,
-//                  so no two threads touch the same row);
-//   D (1 thread)   insert the new keys and promote pending keys, in batch order,
-//                  so row slots are handed out in an order both backends share.
-#include <sys/mman.h>
-
+// Find-or-insert runs in phases; a call that fails (capacity, duplicate key,
+// arrays to grow) leaves the store exactly as it was:
+//   A (threads)  probe every key and count the hits of the keys found, in a
+//                software pipeline that prefetches bucket records and metadata
+//                rows kDist keys ahead (hiding the DRAM latency of random reads);
+//                keys are unique, so no two threads touch the same row.  Each
+//                thread also lists its keys to insert or promote;
+//   B (serial)   sum what the batch needs (new buckets, rows, pending ids), check
+//                capacity and that no key to insert comes twice; on failure undo
+//                phase A (the old last steps were saved) and return;
+//   C (serial)   hand out row slots / pending ids in batch order (both backends
+//                share this order, so slots are reproducible), promote pending keys;
+//   D (threads)  place the new keys: each thread owns a contiguous bucket range
+//                and places the keys whose probe starts there; a probe that would
+//                leave the range is deferred and finished serially.
 #include "common.h"
 #include "store_table.h"
 
 namespace {
 
+using he::bcode;
+using he::bkey;
+using he::bprefetch;
+using he::bset;
 using he::HsTable;
 using he::kAbsent;
 using he::kEmpty;
 
-constexpr int64_t kDist = 16;  // prefetch distance in keys (measured: 8..32 within noise)
+constexpr int64_t kDist = 16;  // prefetch distance in keys (8..64 measured within noise)
 
 inline uint64_t home(int64_t key, uint64_t mask) { return he::mix64((uint64_t)key) & mask; }
 
+struct Needs {
+  int64_t entries = 0, rows = 0, pending = 0;
+  std::vector<int64_t> todo;  // keys to insert or promote, in batch order
+};
+
 // Probes keys[b, e): codes[i] = bucket code, kAbsent if absent; pos[i] = bucket
 // where the key is, or the first empty bucket of its probe sequence (-1 for kEmpty).
-void probe_range(const HsTable& t, const int64_t* keys, int64_t b, int64_t e, int64_t* codes, int64_t* pos) {
+// With kApply, also adds counts[i] (1 if null) to the hit count and sets the last
+// step of every key found (row or pending), saving the old last step in saved[i]
+// for undo_hits(), and fills `needs`.  Three pipeline stages per iteration: key
+// i + kDist is hashed and its bucket prefetched, key i is probed (and its metadata
+// row prefetched), key i - kDist gets its metadata written.
+template <bool kApply>
+void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, int64_t step, int64_t admit_k,
+                 int64_t b, int64_t e, int64_t* codes, int64_t* pos, int64_t* saved, Needs* needs) {
   const uint64_t mask = (uint64_t)t.nbuckets - 1;
-  const int64_t* bk = t.bkeys;
-  const int32_t* bc = t.bcodes;
+  const int32_t* bk = t.buckets;
+  int64_t* meta = t.meta;
+  int64_t* pmeta = t.pmeta;
   uint64_t ring[kDist];
   for (int64_t j = b; j < std::min(e, b + kDist); ++j) {
     uint64_t h = home(keys[j], mask);
     ring[j % kDist] = h;
-    __builtin_prefetch(bk + h);
+    bprefetch(bk, h);
   }
-  for (int64_t i = b; i < e; ++i) {
-    uint64_t p = ring[i % kDist];
-    int64_t j = i + kDist;
-    if (j < e) {
-      uint64_t h = home(keys[j], mask);
-      ring[j % kDist] = h;
-      __builtin_prefetch(bk + h);
-      __builtin_prefetch(bc + h);
-    }
-    int64_t key = keys[i];
-    if (key == kEmpty) {
-      codes[i] = t.st[he::kSideUsed] ? t.st[he::kSideCode] : kAbsent;
-      if (pos) pos[i] = -1;
-      continue;
-    }
-    int64_t code = kAbsent;
-    while (true) {
-      int64_t k = bk[p];
-      if (k == key) {
-        code = bc[p];
-        break;
+  for (int64_t i = b; i < e + kDist; ++i) {
+    if (i < e) {
+      uint64_t p = ring[i % kDist];
+      int64_t j = i + kDist;
+      if (j < e) {
+        uint64_t h = home(keys[j], mask);
+        ring[j % kDist] = h;
+        bprefetch(bk, h);
       }
-      if (k == kEmpty) break;
-      p = (p + 1) & mask;
+      int64_t key = keys[i];
+      int64_t code = kAbsent;
+      if (key == kEmpty) {
+        if (t.st[he::kSideUsed]) code = t.st[he::kSideCode];
+        if (pos) pos[i] = -1;
+      } else {
+        while (true) {
+          int64_t k = bkey(bk, p);
+          if (k == key) {
+            code = bcode(bk, p);
+            break;
+          }
+          if (k == kEmpty) break;
+          p = (p + 1) & mask;
+        }
+        if (pos) pos[i] = (int64_t)p;
+      }
+      codes[i] = code;
+      if (kApply) {
+        if (code >= 0) {
+          __builtin_prefetch(meta + 2 * code, 1);
+        } else {
+          needs->todo.push_back(i);
+          if (code == kAbsent) {
+            needs->entries += key != kEmpty;
+            if ((counts ? counts[i] : 1) >= admit_k) ++needs->rows; else ++needs->pending;
+          }
+        }
+      }
     }
-    codes[i] = code;
-    if (pos) pos[i] = (int64_t)p;
+    int64_t k = i - kDist;
+    if (kApply && k >= b) {
+      int64_t code = codes[k];
+      if (code == kAbsent) continue;
+      int64_t* m = code >= 0 ? meta + 2 * code : pmeta + 2 * (-2 - code);
+      saved[k] = m[1];
+      m[0] += counts ? counts[k] : 1;
+      m[1] = step;
+      if (code < 0 && m[0] >= admit_k) ++needs->rows;  // a pending key reaching admission
+    }
   }
 }
 
-// Puts key at the first empty bucket from `p` on (the key is known absent).
-inline void place(HsTable& t, int64_t key, int32_t code, uint64_t p) {
-  const uint64_t mask = (uint64_t)t.nbuckets - 1;
-  while (t.bkeys[p] != kEmpty) p = (p + 1) & mask;
-  t.bkeys[p] = key;
-  t.bcodes[p] = code;
-  t.st[he::kEntries] += 1;
+// Reverts what probe_range<true> did to the keys found (a failed call changes nothing).
+void undo_hits(const HsTable& t, const int64_t* counts, int64_t n, const int64_t* codes, const int64_t* saved) {
+  for (int64_t i = n - 1; i >= 0; --i) {  // backwards: right even if a key came twice
+    int64_t code = codes[i];
+    if (code == kAbsent) continue;
+    int64_t* m = code >= 0 ? t.meta + 2 * code : t.pmeta + 2 * (-2 - code);
+    m[0] -= counts ? counts[i] : 1;
+    m[1] = saved[i];
+  }
+}
+
+// True (and *dup set) when a key listed in `todo` occurs twice.  A small
+// open-addressing set; emptiness is a separate flag so any int64 key works.
+bool find_duplicate(const int64_t* keys, const std::vector<int64_t>& todo, int64_t* dup) {
+  uint64_t cap = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * (int64_t)todo.size()));
+  std::vector<int64_t> set_keys(cap);
+  std::vector<uint8_t> used(cap, 0);
+  const uint64_t mask = cap - 1;
+  for (int64_t i : todo) {
+    uint64_t p = home(keys[i], mask);
+    while (used[p] && set_keys[p] != keys[i]) p = (p + 1) & mask;
+    if (used[p]) {
+      *dup = keys[i];
+      return true;
+    }
+    used[p] = 1;
+    set_keys[p] = keys[i];
+  }
+  return false;
 }
 
 inline int32_t alloc_row(HsTable& t) {
@@ -90,34 +154,59 @@ inline int32_t alloc_pending(HsTable& t) {
   return (int32_t)st[he::kPendHwm]++;
 }
 
-// True (and *dup set) when a key with out[i] < 0 occurs twice among keys[0, n).
-// A small open-addressing set private to this call; emptiness is kept in a
-// separate flag array so any int64 key works.
-bool find_duplicate(const int64_t* keys, const int64_t* out, int64_t n, int64_t todo, int64_t* dup) {
-  uint64_t cap = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * todo));
-  std::vector<int64_t> set_keys(cap);
-  std::vector<uint8_t> used(cap, 0);
-  const uint64_t mask = cap - 1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (out[i] >= 0) continue;
-    uint64_t p = home(keys[i], mask);
-    while (used[p] && set_keys[p] != keys[i]) p = (p + 1) & mask;
-    if (used[p]) {
-      *dup = keys[i];
-      return true;
+// Places n records (keys known absent and unique) at the first empty bucket from
+// their start bucket on.  src(i, key, code, start) fills record i and returns
+// false for a record to skip.  Threads own contiguous bucket ranges (see the file
+// comment); each scans every record and places those that start in its range.
+template <class Src>
+int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
+  if (n == 0) return 0;
+  const uint64_t nb = (uint64_t)t.nbuckets, mask = nb - 1;
+  int32_t* bk = t.buckets;
+  int regions = (int)std::max<int64_t>(1, std::min<int64_t>({nthreads, (int64_t)nb / 1024, n / 2048 + 1}));
+  std::vector<std::vector<int64_t>> deferred(regions);
+  std::vector<int64_t> placed(regions, 0);
+  he::parallel_items(regions, regions, [&](int64_t r, int) {
+    const uint64_t lo = nb / regions * r, hi = (r == regions - 1) ? nb : lo + nb / regions;
+    int64_t key;
+    int32_t code;
+    uint64_t p;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kDist < n && src(i + kDist, key, code, p) && p >= lo && p < hi) bprefetch(bk, p, 1);
+      if (!src(i, key, code, p) || p < lo || p >= hi) continue;
+      while (p < hi && bkey(bk, p) != kEmpty) ++p;
+      if (p == hi) {
+        deferred[r].push_back(i);
+        continue;
+      }
+      bset(bk, p, key, code);
+      ++placed[r];
     }
-    used[p] = 1;
-    set_keys[p] = keys[i];
+  });
+  int64_t total = 0;
+  for (int r = 0; r < regions; ++r) {
+    total += placed[r];
+    for (int64_t i : deferred[r]) {
+      int64_t key;
+      int32_t code;
+      uint64_t p;
+      src(i, key, code, p);
+      while (bkey(bk, p) != kEmpty) p = (p + 1) & mask;
+      bset(bk, p, key, code);
+      ++total;
+    }
   }
-  return false;
+  t.st[he::kEntries] += total;
+  return total;
 }
 
 }  // namespace
 
 // codes[i] = code of keys[i] (row slot >= 0, pending <= -2, absent -1).
 HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t nthreads) {
-  he::parallel_for(n, (int)nthreads, 4096,
-                   [&](int64_t b, int64_t e, int) { probe_range(*t, keys, b, e, codes, nullptr); });
+  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int) {
+    probe_range<false>(*t, keys, nullptr, 0, 0, b, e, codes, nullptr, nullptr, nullptr);
+  });
   return 0;
 }
 
@@ -125,78 +214,60 @@ HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int6
 //   counts     hits per key in this batch (nullptr: 1 each)
 //   admit_k    a key gets a row once its accumulated count reaches admit_k
 //   row_limit  at most this many live rows after the call (capacity)
+//   max_entries  most keys the buckets may hold (load factor limit)
 //   out        [n] row slot, or -1 for a key not admitted yet
-//   pos        [n] scratch
+//   pos, saved, place_keys, place_start  [n] scratch; place_codes int32 [n] scratch
 //   new_slots, new_keys  [n]: rows created by this call (to be initialised)
 //   need       [4]: new bucket entries, new rows, new pending keys, rows created
-// Returns 0 ok; 2 the rows needed exceed row_limit (need[1] says how many, out
-// holds the probe codes, nothing written); 3 a key that is not a live row is
-// given twice (need[0] = the key, nothing written); 1 the Python side did not
-// reserve enough room (a bug; nothing written).
+// Returns 0 ok; 1 the arrays must grow first (need[0..2] say by how much);
+// 2 the rows needed exceed row_limit (need[1] says how many, out holds the probe
+// codes); 3 a key that is not a live row is given twice (need[0] = the key).
+// On a non-zero return the store is exactly as before the call.
 HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64_t* counts, int64_t n, int64_t step,
                                     int64_t admit_k, int64_t row_limit, int64_t max_entries, int64_t* out, int64_t* pos,
+                                    int64_t* saved, int64_t* place_keys, int64_t* place_start, int32_t* place_codes,
                                     int64_t* new_slots, int64_t* new_keys, int64_t* need, int64_t nthreads) {
   int64_t* st = t->st;
-  // A: probe.
-  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int) { probe_range(*t, keys, b, e, out, pos); });
-
-  // B: what the batch needs.
-  int64_t new_entries = 0, new_rows = 0, new_pend = 0, todo = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t code = out[i];
-    if (code >= 0) continue;
-    ++todo;
-    int64_t c = counts ? counts[i] : 1;
-    if (code == kAbsent) {
-      if (keys[i] != kEmpty) ++new_entries;
-      if (c >= admit_k) ++new_rows; else ++new_pend;
-    } else if (t->pmeta[2 * (-2 - code)] + c >= admit_k) {
-      ++new_rows;
-    }
-  }
-  need[0] = new_entries;
-  need[1] = new_rows;
-  need[2] = new_pend;
-  need[3] = 0;
-  if (todo > 1) {  // a key to insert or promote must not come twice
-    int64_t dup;
-    if (find_duplicate(keys, out, n, todo, &dup)) {
-      need[0] = dup;
-      return 3;
-    }
-  }
-  if (st[he::kRows] + new_rows > row_limit) return 2;
-  int64_t fresh_rows = std::max<int64_t>(0, new_rows - st[he::kNumFree]);
-  int64_t fresh_pend = std::max<int64_t>(0, new_pend - st[he::kNumPFree]);
-  if (st[he::kEntries] + new_entries > max_entries || st[he::kRowHwm] + fresh_rows > t->r_cap ||
-      st[he::kPendHwm] + fresh_pend > t->p_cap || t->free_pend_cap < t->p_cap)
-    return 1;
-
-  // C: count the hits.
-  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int) {
-    int64_t* meta = t->meta;
-    int64_t* pmeta = t->pmeta;
-    for (int64_t i = b; i < e; ++i) {
-      int64_t j = i + kDist;
-      if (j < e && out[j] >= 0) __builtin_prefetch(meta + 2 * out[j], 1);
-      int64_t code = out[i];
-      int64_t c = counts ? counts[i] : 1;
-      if (code >= 0) {
-        meta[2 * code] += c;
-        meta[2 * code + 1] = step;
-      } else if (code != kAbsent) {
-        int64_t p = -2 - code;
-        pmeta[2 * p] += c;
-        pmeta[2 * p + 1] = step;
-      }
-    }
+  // A
+  std::vector<Needs> parts(std::max<int64_t>(1, nthreads));
+  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int tid) {
+    probe_range<true>(*t, keys, counts, step, admit_k, b, e, out, pos, saved, &parts[tid]);
   });
-
-  // D: insert and promote in batch order.
-  int64_t made = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  // B
+  Needs all;
+  for (auto& p : parts) {
+    all.entries += p.entries;
+    all.rows += p.rows;
+    all.pending += p.pending;
+    all.todo.insert(all.todo.end(), p.todo.begin(), p.todo.end());
+  }
+  need[0] = all.entries;
+  need[1] = all.rows;
+  need[2] = all.pending;
+  need[3] = 0;
+  int64_t rc = 0, dup = 0;
+  if (all.todo.size() > 1 && find_duplicate(keys, all.todo, &dup)) {
+    need[0] = dup;
+    rc = 3;
+  } else if (st[he::kRows] + all.rows > row_limit) {
+    rc = 2;
+  } else if (st[he::kEntries] + all.entries > max_entries ||
+             st[he::kRowHwm] + std::max<int64_t>(0, all.rows - st[he::kNumFree]) > t->r_cap ||
+             st[he::kPendHwm] + std::max<int64_t>(0, all.pending - st[he::kNumPFree]) > t->p_cap ||
+             t->free_pend_cap < t->p_cap) {
+    rc = 1;
+  }
+  if (rc) {
+    undo_hits(*t, counts, n, out, saved);
+    return rc;
+  }
+  // C
+  int64_t made = 0, placed = 0;
+  const size_t m = all.todo.size();
+  for (size_t j = 0; j < m; ++j) {
+    int64_t i = all.todo[j];
+    if (j + kDist < m && out[all.todo[j + kDist]] < kAbsent) bprefetch(t->buckets, pos[all.todo[j + kDist]], 1);
     int64_t code = out[i];
-    if (code >= 0) continue;
     int64_t key = keys[i];
     if (code == kAbsent) {
       int64_t c = counts ? counts[i] : 1;
@@ -215,14 +286,15 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
         t->pmeta[2 * p] = c;
         t->pmeta[2 * p + 1] = step;
         st[he::kPending] += 1;
-        out[i] = kAbsent;
         newcode = -2 - p;
       }
       if (key == kEmpty) {
         st[he::kSideUsed] = 1;
         st[he::kSideCode] = newcode;
       } else {
-        place(*t, key, newcode, (uint64_t)pos[i]);
+        place_keys[placed] = key;
+        place_start[placed] = pos[i];
+        place_codes[placed++] = newcode;
       }
     } else {
       int64_t p = -2 - code;
@@ -233,44 +305,42 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
         t->free_pend[st[he::kNumPFree]++] = (int32_t)p;
         st[he::kRows] += 1;
         st[he::kPending] -= 1;
-        if (key == kEmpty) st[he::kSideCode] = s; else t->bcodes[pos[i]] = s;
+        if (key == kEmpty) st[he::kSideCode] = s; else t->buckets[3 * pos[i] + 2] = s;
         new_slots[made] = s;
         new_keys[made++] = key;
         out[i] = s;
-      } else {
-        out[i] = kAbsent;
       }
     }
+    if (out[i] < 0) out[i] = kAbsent;
   }
+  // D
+  const uint64_t mask = (uint64_t)t->nbuckets - 1;
+  place_all(*t, placed, [&](int64_t j, int64_t& key, int32_t& code, uint64_t& p) {
+    key = place_keys[j];
+    code = place_codes[j];
+    p = (uint64_t)place_start[j] & mask;
+    return true;
+  }, nthreads);
   need[3] = made;
   return 0;
 }
 
-// Inserts keys with given codes (import, rebuild).  A key already present gets its
-// code overwritten.  Returns how many keys were already present.
-HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* codes, int64_t n) {
-  const uint64_t mask = (uint64_t)t->nbuckets - 1;
-  int64_t present = 0;
+// Inserts keys known to be absent and unique with given codes (import, rebuild).
+HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* codes, int64_t n, int64_t nthreads) {
   for (int64_t i = 0; i < n; ++i) {
-    int64_t key = keys[i];
-    if (key == kEmpty) {
-      present += t->st[he::kSideUsed];
+    if (keys[i] == kEmpty) {
       t->st[he::kSideUsed] = 1;
       t->st[he::kSideCode] = codes[i];
-      continue;
-    }
-    uint64_t p = home(key, mask);
-    while (t->bkeys[p] != kEmpty && t->bkeys[p] != key) p = (p + 1) & mask;
-    if (t->bkeys[p] == key) {
-      ++present;
-      t->bcodes[p] = codes[i];
-    } else {
-      t->bkeys[p] = key;
-      t->bcodes[p] = codes[i];
-      t->st[he::kEntries] += 1;
     }
   }
-  return present;
+  const uint64_t mask = (uint64_t)t->nbuckets - 1;
+  place_all(*t, n, [&](int64_t i, int64_t& key, int32_t& code, uint64_t& p) {
+    key = keys[i];
+    code = codes[i];
+    p = home(key, mask);
+    return key != kEmpty;
+  }, nthreads);
+  return 0;
 }
 
 // Removes keys from the index by backward-shift deletion (no tombstones: probe
@@ -278,8 +348,7 @@ HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* code
 // pending bookkeeping is the caller's.  Returns how many keys were not present.
 HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
   const uint64_t mask = (uint64_t)t->nbuckets - 1;
-  int64_t* bk = t->bkeys;
-  int32_t* bc = t->bcodes;
+  int32_t* bk = t->buckets;
   int64_t missing = 0;
   for (int64_t i = 0; i < n; ++i) {
     int64_t key = keys[i];
@@ -288,8 +357,8 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
       continue;
     }
     uint64_t p = home(key, mask);
-    while (bk[p] != kEmpty && bk[p] != key) p = (p + 1) & mask;
-    if (bk[p] != key) {
+    while (bkey(bk, p) != kEmpty && bkey(bk, p) != key) p = (p + 1) & mask;
+    if (bkey(bk, p) != key) {
       ++missing;
       continue;
     }
@@ -298,84 +367,33 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
     uint64_t hole = p, j = p;
     while (true) {
       j = (j + 1) & mask;
-      int64_t k = bk[j];
+      int64_t k = bkey(bk, j);
       if (k == kEmpty) break;
       uint64_t h = home(k, mask);
       if (((j - h) & mask) >= ((j - hole) & mask)) {
-        bk[hole] = k;
-        bc[hole] = bc[j];
+        bset(bk, hole, k, bcode(bk, j));
         hole = j;
       }
     }
-    bk[hole] = kEmpty;
-    bc[hole] = -1;
+    bset(bk, hole, kEmpty, -1);
     t->st[he::kEntries] -= 1;
   }
   return missing;
 }
 
-// Re-inserts every entry of the old bucket arrays into new ones of `nn` buckets
-// (filled here).  Each thread owns a contiguous range of the new table and
-// inserts the keys whose home lies in it; a probe that would leave its range is
-// deferred and finished single-threaded afterwards, so threads never write the
-// same bucket.  Returns the number of entries moved.
-HE_API int64_t he_hs_rehash(const int64_t* okeys, const int32_t* ocodes, int64_t on, int64_t* nkeys, int32_t* ncodes,
-                            int64_t nn, int64_t nthreads) {
-  he::parallel_for(nn, (int)nthreads, 1 << 16, [&](int64_t b, int64_t e, int) {
-    std::fill(nkeys + b, nkeys + e, kEmpty);
-    std::fill(ncodes + b, ncodes + e, -1);
+// Re-inserts every entry of the old bucket records (`on` buckets) into `nt`,
+// whose buckets array is allocated, not filled.  Returns the entries moved.
+HE_API int64_t he_hs_rehash(const int32_t* old, int64_t on, HsTable* nt, int64_t nthreads) {
+  int32_t* nb = nt->buckets;
+  he::parallel_for(nt->nbuckets, (int)nthreads, 1 << 16, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) bset(nb, i, kEmpty, -1);
   });
-  const uint64_t mask = (uint64_t)nn - 1;
-  int regions = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, nn / 1024));
-  std::vector<std::vector<int64_t>> deferred(regions);
-  std::vector<int64_t> moved(regions, 0);
-  he::parallel_items(regions, regions, [&](int64_t r, int) {
-    const uint64_t lo = (uint64_t)(nn / regions * r), hi = (r == regions - 1) ? (uint64_t)nn : lo + nn / regions;
-    for (int64_t i = 0; i < on; ++i) {
-      if (i + kDist < on && okeys[i + kDist] != kEmpty) {
-        uint64_t hp = home(okeys[i + kDist], mask);
-        if (hp >= lo && hp < hi) __builtin_prefetch(nkeys + hp, 1);
-      }
-      int64_t key = okeys[i];
-      if (key == kEmpty) continue;
-      uint64_t p = home(key, mask);
-      if (p < lo || p >= hi) continue;
-      while (nkeys[p] != kEmpty) {
-        if (++p == hi) break;
-      }
-      if (p == hi) {
-        deferred[r].push_back(i);
-        continue;
-      }
-      nkeys[p] = key;
-      ncodes[p] = ocodes[i];
-      ++moved[r];
-    }
-  });
-  int64_t total = 0;
-  for (int r = 0; r < regions; ++r) {
-    total += moved[r];
-    for (int64_t i : deferred[r]) {
-      uint64_t p = home(okeys[i], mask);
-      while (nkeys[p] != kEmpty) p = (p + 1) & mask;
-      nkeys[p] = okeys[i];
-      ncodes[p] = ocodes[i];
-      ++total;
-    }
-  }
-  return total;
-}
-
-// madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of [ptr, ptr + len).
-// Returns 0 on success, errno-style -1 when the kernel refused (no THP).
-HE_API int64_t he_madvise_hugepage(void* ptr, int64_t len) {
-  const uintptr_t huge = 2u << 20;
-  uintptr_t b = ((uintptr_t)ptr + huge - 1) & ~(huge - 1);
-  uintptr_t e = ((uintptr_t)ptr + (uintptr_t)len) & ~(huge - 1);
-  if (e <= b) return 0;
-#ifdef MADV_HUGEPAGE
-  return madvise((void*)b, e - b, MADV_HUGEPAGE) == 0 ? 0 : -1;
-#else
-  return -1;
-#endif
+  const uint64_t mask = (uint64_t)nt->nbuckets - 1;
+  nt->st[he::kEntries] = 0;
+  return place_all(*nt, on, [&](int64_t i, int64_t& key, int32_t& code, uint64_t& p) {
+    key = bkey(old, i);
+    code = bcode(old, i);
+    p = home(key, mask);
+    return key != kEmpty;
+  }, nthreads);
 }

@@ -29,7 +29,7 @@ from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
                       scatter_rows)
 from ._evict import select_victims
-from ._hash_torch import EMPTY, TorchOps, entries
+from ._hash_torch import EMPTY, TorchOps, entries, new_buckets
 from ._init import Initializer, default_initializer
 from ._native_store import NativeOps
 from ._protocol import StoreExport
@@ -112,8 +112,7 @@ class HashStore:
         self._set_backend(_pick_backend(backend, self.device))
         dev = self.device
         self._st = torch.zeros(len(_ST), dtype=torch.int64)
-        self._bkeys = torch.full((_MIN_BUCKETS,), EMPTY, dtype=torch.int64, device=dev)
-        self._bcodes = torch.full((_MIN_BUCKETS,), -1, dtype=torch.int32, device=dev)
+        self._buckets = new_buckets(_MIN_BUCKETS, dev)
         self._storage = torch.empty(0, self.width, dtype=dtype, device=dev)
         self._meta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
         self._pmeta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
@@ -133,7 +132,7 @@ class HashStore:
         self._st[_ST[key]] += delta
 
     def _max_entries(self) -> int:
-        return int(self._bkeys.numel() * MAX_LOAD)
+        return int(self.num_buckets * MAX_LOAD)
 
     def _side_fix(self, keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Codes of keys equal to the empty-bucket sentinel come from the side entry."""
@@ -150,10 +149,10 @@ class HashStore:
     def _grow_for(self, new_entries: int, new_rows: int, new_pending: int) -> None:
         """Grows buckets (x2 until under MAX_LOAD), rows (x1.5) and pending ids to fit this many more."""
         need = self._st_get("entries") + new_entries
-        nb = self._bkeys.numel()
+        nb = self.num_buckets
         while need > int(nb * MAX_LOAD):
             nb *= 2
-        if nb != self._bkeys.numel():
+        if nb != self.num_buckets:
             self._rehash(nb)
         hwm = self._st_get("row_hwm") + max(0, new_rows - self._st_get("num_free"))
         if self.capacity is not None:
@@ -172,10 +171,9 @@ class HashStore:
             self._grow_pending(max(phwm, int(self._pmeta.shape[0] * _ROW_GROWTH), _MIN_ROWS))
 
     def _rehash(self, nbuckets: int) -> None:
-        new_keys = _alloc.empty((nbuckets,), torch.int64, self.device)
-        new_codes = _alloc.empty((nbuckets,), torch.int32, self.device)
-        self._ops.rehash(self, nbuckets, new_keys, new_codes)
-        self._bkeys, self._bcodes = new_keys, new_codes
+        new = _alloc.empty((nbuckets, 3), torch.int32, self.device)
+        self._ops.rehash(self, new)
+        self._buckets = new
 
     def _grow_rows(self, rows: int) -> None:
         used = self._st_get("row_hwm")
@@ -230,6 +228,11 @@ class HashStore:
     # -------------------------------------------------------------- protocol
     def __len__(self) -> int:
         return self._st_get("rows")
+
+    @property
+    def num_buckets(self) -> int:
+        """Buckets of the key index (a power of two)."""
+        return self._buckets.shape[0]
 
     @property
     def num_pending(self) -> int:
@@ -302,7 +305,7 @@ class HashStore:
 
     # ------------------------------------------------------------- eviction
     def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, codes = entries(self._bkeys, self._bcodes)
+        keys, codes = entries(self._buckets)
         if self._st_get("side_used"):
             keys = torch.cat([keys, torch.tensor([EMPTY], device=self.device)])
             codes = torch.cat([codes, torch.tensor([self._st_get("side_code")], device=self.device)])
@@ -383,7 +386,7 @@ class HashStore:
 
     # --------------------------------------------------------------- memory
     def _arrays(self) -> dict[str, torch.Tensor]:
-        return {"storage": self._storage, "bucket_keys": self._bkeys, "bucket_codes": self._bcodes,
+        return {"storage": self._storage, "buckets": self._buckets,
                 "row_meta": self._meta, "pending_meta": self._pmeta, "free_rows": self._free,
                 "free_pending": self._pfree, "scalars": self._st}
 
@@ -405,7 +408,7 @@ class HashStore:
         out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         out.device = device
         for k, v in self._arrays().items():
-            attr = {"storage": "_storage", "bucket_keys": "_bkeys", "bucket_codes": "_bcodes", "row_meta": "_meta",
+            attr = {"storage": "_storage", "buckets": "_buckets", "row_meta": "_meta",
                     "pending_meta": "_pmeta", "free_rows": "_free", "free_pending": "_pfree", "scalars": "_st"}[k]
             if k == "scalars":
                 setattr(out, attr, v.clone())
@@ -418,6 +421,6 @@ class HashStore:
 
     def __repr__(self) -> str:
         return (f"HashStore(name={self.name!r}, dim={self.dim}, state_width={self.state_width}, rows={len(self)}, "
-                f"pending={self.num_pending}, buckets={self._bkeys.numel()}, backend={self.backend!r}, "
+                f"pending={self.num_pending}, buckets={self.num_buckets}, backend={self.backend!r}, "
                 f"device={self.device})")
 

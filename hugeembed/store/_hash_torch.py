@@ -20,14 +20,43 @@ EMPTY = -(2**63)
 _MAX_WINDOW = 32
 
 
+# --- the packed bucket records: int32 [B, 3] = key low word, key high word, code
+def new_buckets(nbuckets: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Empty bucket records (key EMPTY, code -1); fills `out` when given."""
+    b = torch.empty(nbuckets, 3, dtype=torch.int32, device=device) if out is None else out
+    b[:, :2] = torch.tensor([EMPTY], dtype=torch.int64).view(torch.int32).to(device)
+    b[:, 2] = -1
+    return b
+
+
+def split_keys(keys: torch.Tensor) -> torch.Tensor:
+    """int64 [m] -> int32 [m, 2] (low word, high word) as the records hold them."""
+    return keys.contiguous().view(torch.int32).view(-1, 2)
+
+
+def keys_at(buckets: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Keys of the buckets at `idx` (any shape) as int64 of that shape."""
+    rec = buckets[:, :2][idx.reshape(-1)]
+    return rec.contiguous().view(torch.int64).view(idx.shape)
+
+
+def all_keys(buckets: torch.Tensor) -> torch.Tensor:
+    return buckets[:, :2].contiguous().view(torch.int64).view(-1)
+
+
+def write(buckets: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor) -> None:
+    buckets[idx, :2] = split_keys(keys)
+    buckets[idx, 2] = codes.to(torch.int32)
+
+
 def _home(keys: torch.Tensor, nbuckets: int) -> torch.Tensor:
     return mix64(keys) & (nbuckets - 1)
 
 
-def probe(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """codes int64 [n] (row >= 0, pending <= -2, absent -1) and pos int64 [n] (bucket of
     the key, or first empty bucket on its probe path).  Keys equal to EMPTY are left at -1."""
-    n, nb = keys.numel(), bkeys.numel()
+    n, nb = keys.numel(), buckets.shape[0]
     dev = keys.device
     codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
     pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -38,14 +67,14 @@ def probe(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor) -> tupl
     ar = torch.arange(_MAX_WINDOW, device=dev)
     while idx.numel():
         win = (p[:, None] + ar[:width]) & (nb - 1)
-        bk = bkeys[win]
+        bk = keys_at(buckets, win)
         stop = (bk == k[:, None]) | (bk == EMPTY)
         done = stop.any(1)
         first = stop.to(torch.uint8).argmax(1)
         q = win.gather(1, first[:, None]).squeeze(1)
-        di, dq = idx[done], q[done]
-        hit = bkeys[dq] == k[done]
-        codes[di] = torch.where(hit, bcodes[dq].to(torch.int64), -1)
+        hit = bk.gather(1, first[:, None]).squeeze(1) == k
+        di, dq, dh = idx[done], q[done], hit[done]
+        codes[di] = torch.where(dh, buckets[dq, 2].to(torch.int64), -1)
         pos[di] = dq
         keep = ~done
         idx, p, k = idx[keep], (p[keep] + width) & (nb - 1), k[keep]
@@ -53,25 +82,23 @@ def probe(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor) -> tupl
     return codes, pos
 
 
-def claim(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor,
-          start: torch.Tensor | None = None) -> None:
+def claim(buckets: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, start: torch.Tensor | None = None) -> None:
     """Puts unique keys known to be absent (none equal to EMPTY) into the buckets.
 
     `start` is where each key's search for an empty bucket may begin (its home, or
     the first empty bucket a probe met): every bucket before it is occupied.
     """
-    n, nb = keys.numel(), bkeys.numel()
+    n, nb = keys.numel(), buckets.shape[0]
     if n == 0:
         return
     dev = keys.device
     idx = torch.arange(n, device=dev)
     p = _home(keys, nb) if start is None else start.clone()
-    codes = codes.to(torch.int32)
     ar = torch.arange(_MAX_WINDOW, device=dev)
     width = 1
     while idx.numel():
         win = (p[:, None] + ar[:width]) & (nb - 1)
-        empty = bkeys[win] == EMPTY
+        empty = keys_at(buckets, win) == EMPTY
         has = empty.any(1)
         q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
         ci, cq = idx[has], q[has]
@@ -81,8 +108,7 @@ def claim(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor, codes: 
         winner.scatter_reduce_(0, inv, ci, "amin")
         won = winner[inv] == ci
         wi, wq = ci[won], cq[won]
-        bkeys[wq] = keys[wi]
-        bcodes[wq] = codes[wi]
+        write(buckets, wq, keys[wi], codes[wi])
         # Losers retry right after the bucket they lost; keys with no empty in
         # their window skip the whole window (all of it was occupied).
         nxt = torch.where(has, q + 1, p + width) & (nb - 1)
@@ -92,10 +118,11 @@ def claim(bkeys: torch.Tensor, bcodes: torch.Tensor, keys: torch.Tensor, codes: 
         width = min(2 * width, _MAX_WINDOW)
 
 
-def entries(bkeys: torch.Tensor, bcodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def entries(buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and int64 codes of all occupied buckets."""
-    occ = (bkeys != EMPTY).nonzero().squeeze(1)
-    return bkeys[occ], bcodes[occ].to(torch.int64)
+    keys = all_keys(buckets)
+    occ = (keys != EMPTY).nonzero().squeeze(1)
+    return keys[occ], buckets[occ, 2].to(torch.int64)
 
 
 class TorchOps:
@@ -104,13 +131,13 @@ class TorchOps:
     name = "torch"
 
     def find(self, s, keys: torch.Tensor) -> torch.Tensor:
-        codes, _ = probe(s._bkeys, s._bcodes, keys)
+        codes, _ = probe(s._buckets, keys)
         return s._side_fix(keys, codes)
 
     def find_or_insert(self, s, keys, counts, step, row_limit):
         """Mirror of he_hs_find_or_insert; returns (status, out, new_slots, new_keys, need)."""
         n, dev = keys.numel(), keys.device
-        codes, pos = probe(s._bkeys, s._bcodes, keys)
+        codes, pos = probe(s._buckets, keys)
         codes = s._side_fix(keys, codes)
         c = counts if counts is not None else torch.ones(n, dtype=torch.int64, device=dev)
         ti = (codes < 0).nonzero().squeeze(1)
@@ -159,7 +186,7 @@ class TorchOps:
         s._meta[pr_slots] = s._pmeta[pr_pid]
         pr_keys, pr_pos = tk[pr], pos[ti[pr]]
         side = pr_keys == EMPTY
-        s._bcodes[pr_pos[~side]] = pr_slots[~side].to(torch.int32)
+        s._buckets[pr_pos[~side], 2] = pr_slots[~side].to(torch.int32)
         if bool(side.any()):
             s._st_set("side_code", int(pr_slots[side][0]))
 
@@ -180,7 +207,7 @@ class TorchOps:
         if bool(side.any()):
             s._st_set("side_used", 1)
             s._st_set("side_code", int(ins_code[side][0]))
-        claim(s._bkeys, s._bcodes, ins_keys[~side], ins_code[~side], ins_pos[~side])
+        claim(s._buckets, ins_keys[~side], ins_code[~side], ins_pos[~side])
         s._st_add("entries", int((~side).sum()))
         s._st_add("rows", new_rows)
         s._st_add("pending", new_pend - int(promote.sum()))
@@ -198,7 +225,7 @@ class TorchOps:
             s._st_set("side_used", 1)
             s._st_set("side_code", int(codes[side][0]))
             keys, codes = keys[~side], codes[~side]
-        claim(s._bkeys, s._bcodes, keys, codes)
+        claim(s._buckets, keys, codes)
         s._st_add("entries", keys.numel())
 
     def erase(self, s, keys: torch.Tensor) -> None:
@@ -206,15 +233,13 @@ class TorchOps:
         side = keys == EMPTY
         if bool(side.any()):
             s._st_set("side_used", 0)
-        ek, ec = entries(s._bkeys, s._bcodes)
+        ek, ec = entries(s._buckets)
         keep = ~torch.isin(ek, keys[~side])
-        s._bkeys.fill_(EMPTY)
-        s._bcodes.fill_(-1)
-        claim(s._bkeys, s._bcodes, ek[keep], ec[keep])
+        new_buckets(s._buckets.shape[0], s.device, out=s._buckets)
+        claim(s._buckets, ek[keep], ec[keep])
         s._st_set("entries", int(keep.sum()))
 
-    def rehash(self, s, nbuckets: int, new_keys: torch.Tensor, new_codes: torch.Tensor) -> None:
-        ek, ec = entries(s._bkeys, s._bcodes)
-        new_keys.fill_(EMPTY)
-        new_codes.fill_(-1)
-        claim(new_keys, new_codes, ek, ec)
+    def rehash(self, s, new: torch.Tensor) -> None:
+        ek, ec = entries(s._buckets)
+        new_buckets(new.shape[0], s.device, out=new)
+        claim(new, ek, ec)

@@ -21,7 +21,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Table(ctypes.Structure):
     # Field for field csrc/store_table.h::HsTable.
-    _fields_ = [("bkeys", _P), ("bcodes", _P), ("nbuckets", _I), ("meta", _P), ("r_cap", _I), ("pmeta", _P),
+    _fields_ = [("buckets", _P), ("nbuckets", _I), ("meta", _P), ("r_cap", _I), ("pmeta", _P),
                 ("p_cap", _I), ("free_rows", _P), ("free_pend", _P), ("free_pend_cap", _I), ("st", _P)]
 
 
@@ -29,11 +29,11 @@ def available() -> bool:
     return _native.available()
 
 
-def _table(s) -> _Table:
+def _table(s, buckets: torch.Tensor | None = None) -> _Table:
     ck = _native.check
-    nb = s._bkeys.numel()
-    ck(s._bkeys, torch.int64, f"table '{s.name}' bucket keys")
-    ck(s._bcodes, torch.int32, f"table '{s.name}' bucket codes", nb)
+    buckets = s._buckets if buckets is None else buckets
+    nb = buckets.shape[0]
+    ck(buckets, torch.int32, f"table '{s.name}' buckets", 3 * nb)
     ck(s._meta, torch.int64, f"table '{s.name}' row metadata")
     ck(s._pmeta, torch.int64, f"table '{s.name}' pending metadata")
     ck(s._free, torch.int32, f"table '{s.name}' free rows")
@@ -41,7 +41,7 @@ def _table(s) -> _Table:
     ck(s._st, torch.int64, f"table '{s.name}' scalars")
     if nb & (nb - 1) or s._free.numel() < s._st_get("num_free") or s._pfree.numel() < s._pmeta.shape[0]:
         raise StoreError(f"table '{s.name}': hash store arrays are inconsistent")
-    return _Table(_native.ptr(s._bkeys), _native.ptr(s._bcodes), nb, _native.ptr(s._meta), s._meta.shape[0],
+    return _Table(_native.ptr(buckets), nb, _native.ptr(s._meta), s._meta.shape[0],
                   _native.ptr(s._pmeta), s._pmeta.shape[0], _native.ptr(s._free), _native.ptr(s._pfree),
                   s._pfree.numel(), _native.ptr(s._st))
 
@@ -59,9 +59,11 @@ class NativeOps:
         self._scratch = torch.empty(0, dtype=torch.int64)
 
     def _buf(self, n: int) -> torch.Tensor:
-        # [3, n] scratch reused across calls: pos, new slots, new keys.
+        # [6, n] scratch reused across calls: pos, saved last steps, keys and start
+        # buckets to place, new slots, new keys; plus int32 codes to place.
         if self._scratch.shape[-1] < n or self._scratch.dim() != 2:
-            self._scratch = torch.empty(3, max(n, 1024), dtype=torch.int64)
+            self._scratch = torch.empty(6, max(n, 1024), dtype=torch.int64)
+            self._codes = torch.empty(self._scratch.shape[1], dtype=torch.int32)
         return self._scratch
 
     def find(self, s, keys: torch.Tensor) -> torch.Tensor:
@@ -79,20 +81,18 @@ class NativeOps:
         need = (ctypes.c_int64 * 4)()
         if counts is not None:
             _native.check(counts, torch.int64, f"table '{s.name}' counts", n)
-        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I)
+        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I)
         rc = f(ctypes.byref(t), _native.ptr(keys), _native.ptr(counts), n, step, s.admit_min_count, row_limit,
-               s._max_entries(), _native.ptr(out), buf[0].data_ptr(), buf[1].data_ptr(), buf[2].data_ptr(), need,
-               _native.nthreads())
+               s._max_entries(), _native.ptr(out), *(buf[i].data_ptr() for i in range(4)), self._codes.data_ptr(),
+               buf[4].data_ptr(), buf[5].data_ptr(), need, _native.nthreads())
         made = need[3]
-        return rc, out, buf[1, :made], buf[2, :made], list(need)
+        return rc, out, buf[4, :made], buf[5, :made], list(need)
 
     def insert(self, s, keys: torch.Tensor, codes: torch.Tensor) -> None:
         t = _table(s)
         codes = codes.to(torch.int32).contiguous()
-        f = _fn("he_hs_insert", _P, _P, _I)
-        present = f(ctypes.byref(t), _native.ptr(keys), _native.ptr(codes), keys.numel())
-        if present:
-            raise StoreError(f"table '{s.name}': {present} keys to insert were already present (internal error)")
+        f = _fn("he_hs_insert", _P, _P, _I, _I)
+        f(ctypes.byref(t), _native.ptr(keys), _native.ptr(codes), keys.numel(), _native.nthreads())
 
     def erase(self, s, keys: torch.Tensor) -> None:
         t = _table(s)
@@ -101,9 +101,10 @@ class NativeOps:
         if missing:
             raise StoreError(f"table '{s.name}': {missing} keys to erase were not present (internal error)")
 
-    def rehash(self, s, nbuckets: int, new_keys: torch.Tensor, new_codes: torch.Tensor) -> None:
-        f = _native.fn("he_hs_rehash", _P, _P, _I, _P, _P, _I, _I)
-        moved = f(_native.ptr(s._bkeys), _native.ptr(s._bcodes), s._bkeys.numel(), _native.ptr(new_keys),
-                  _native.ptr(new_codes), nbuckets, _native.nthreads())
-        if moved != s._st_get("entries"):
-            raise StoreError(f"table '{s.name}': rehash moved {moved} keys, expected {s._st_get('entries')}")
+    def rehash(self, s, new: torch.Tensor) -> None:
+        t = _table(s, new)
+        f = _native.fn("he_hs_rehash", _P, _I, ctypes.POINTER(_Table), _I)
+        expected = s._st_get("entries")
+        moved = f(_native.ptr(s._buckets), s.num_buckets, ctypes.byref(t), _native.nthreads())
+        if moved != expected:
+            raise StoreError(f"table '{s.name}': rehash moved {moved} keys, expected {expected}")

@@ -26,8 +26,9 @@ def max_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def check_layout(store) -> None:
     """Asserts the bucket arrays of a HashStore form a valid linear-probing table."""
-    bkeys = store._bkeys.cpu().numpy()
-    bcodes = store._bcodes.cpu().numpy()
+    records = store._buckets.cpu()
+    bkeys = records[:, :2].contiguous().view(torch.int64).view(-1).numpy()
+    bcodes = records[:, 2].numpy()
     nb = bkeys.size
     mask = nb - 1
     occupied = bkeys != np.int64(EMPTY)
