@@ -1,0 +1,77 @@
+"""DLRM: the composition bottom -> dot interaction -> top, the published layer sizes, dim checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hugeembed import ConfigError
+from hugeembed.models import DLRM, criteo_tables, embedding_tables
+from hugeembed.nn import EmbeddingCollection, TableConfig
+from hugeembed.optim import Adagrad
+
+from .helpers import FEATURES, NUM_DENSE, make_batch, train
+
+
+def linear_sizes(module):
+    return [(m.in_features, m.out_features) for m in module.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_forward_is_top_of_dense_and_pairwise_dots():
+    D = 4
+    ec = EmbeddingCollection(embedding_tables(FEATURES, D), optimizer=Adagrad(lr=0.1))
+    model = DLRM(ec, NUM_DENSE, bottom_mlp=(8,), top_mlp=(8,))
+    dense, sparse, labels = make_batch(B=6)
+    train(model, model.dense_parameters(), dense, sparse, labels, steps=2)  # rows exist, weights moved
+    model.eval()
+    out = ec(sparse)
+    d = model.bottom(dense)
+    vectors = [d] + [out[f] for f in FEATURES]  # the bottom output first, then features in table order
+    dots = [(vectors[i] * vectors[j]).sum(dim=1) for i in range(4) for j in range(i + 1, 4)]
+    want = model.top(torch.cat([d, torch.stack(dots, dim=1)], dim=1)).squeeze(1)
+    torch.testing.assert_close(model(dense, sparse), want)
+    assert (d >= 0).all()  # ReLU after the bottom MLP's last layer too
+
+
+def test_published_criteo_layer_sizes():
+    """TorchRec's DLRM example: bottom 13-512-256-D, top 512-512-256-1 over D + 27*26/2 inputs."""
+    D = 64
+    ec = EmbeddingCollection(criteo_tables(D), optimizer=Adagrad(lr=0.1), device="meta")
+    model = DLRM(ec)
+    assert linear_sizes(model.bottom) == [(13, 512), (512, 256), (256, D)]
+    assert linear_sizes(model.top) == [(D + 351, 512), (512, 512), (512, 256), (256, 1)]
+    assert sum(p.numel() for p in model.dense_parameters()) == sum(i * o + o for i, o in
+                                                                   linear_sizes(model))
+
+
+def test_self_interaction_widens_the_top():
+    ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1), device="meta")
+    model = DLRM(ec, NUM_DENSE, self_interaction=True)
+    assert linear_sizes(model.top)[0][0] == 4 + 10  # 4 vectors: 6 pairs + 4 squares
+
+
+def test_mixed_dims_name_each_table_and_dim():
+    ec = EmbeddingCollection([TableConfig("user", 8), TableConfig("item", 8), TableConfig("country", 4)],
+                             optimizer=Adagrad(lr=0.1))
+    with pytest.raises(ConfigError, match=r"one embedding dim.*'user': 8, 'item': 8, 'country': 4"):
+        DLRM(ec, NUM_DENSE)
+
+
+def test_needs_dense_features_and_valid_mlps():
+    ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1))
+    with pytest.raises(ConfigError, match="num_dense >= 1"):
+        DLRM(ec, 0)
+    with pytest.raises(ConfigError, match="bottom_mlp"):
+        DLRM(ec, NUM_DENSE, bottom_mlp=(8, -1))
+    with pytest.raises(ConfigError, match="top_mlp"):
+        DLRM(ec, NUM_DENSE, top_mlp="512")
+
+
+def test_shared_table_outputs_are_fields_too():
+    """One table read by two features gives two fields of the interaction."""
+    ec = EmbeddingCollection([TableConfig("ids", 4, features=("a", "b")), TableConfig("c", 4)],
+                             optimizer=Adagrad(lr=0.1))
+    model = DLRM(ec, NUM_DENSE, bottom_mlp=(8,), top_mlp=(8,))
+    assert model.fields.names == ("a", "b", "c") and model.interaction.num_pairs == 6
+    dense, sparse, _ = make_batch(B=5)
+    assert model(dense, sparse).shape == (5,)
