@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from ..errors import InputError
 from ._schema import N_CAT, N_DENSE
 
-__all__ = ["CriteoBlock"]
+__all__ = ["CriteoBlock", "rebatch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,3 +85,31 @@ class CriteoBlock:
             and np.array_equal(self.cats, other.cats)
             and np.array_equal(self.labels, other.labels)
         )
+
+
+def rebatch(blocks: Iterator[CriteoBlock], batch_size: int, drop_last: bool) -> Iterator[CriteoBlock]:
+    """Re-cuts a stream of blocks of any sizes into blocks of exactly `batch_size` rows.
+
+    The last, shorter one is yielded unless `drop_last`.  Batches inside one block are
+    views (no copy); only a batch straddling two blocks is copied together.
+    """
+    pending: list[CriteoBlock] = []
+    have = 0
+    for block in blocks:
+        pos = 0
+        if pending:  # finish the batch begun in earlier blocks
+            take = min(batch_size - have, len(block))
+            pending.append(block.slice(0, take))
+            have += take
+            pos = take
+            if have < batch_size:
+                continue
+            yield CriteoBlock.concat(pending)
+            pending, have = [], 0
+        while len(block) - pos >= batch_size:
+            yield block.slice(pos, pos + batch_size)
+            pos += batch_size
+        if pos < len(block):
+            pending, have = [block.slice(pos, len(block))], len(block) - pos
+    if pending and not drop_last:
+        yield CriteoBlock.concat(pending)

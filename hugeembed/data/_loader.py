@@ -19,11 +19,11 @@ import torch
 
 from ..errors import ConfigError
 from ._batch import Batch
-from ._block import CriteoBlock
+from ._block import CriteoBlock, rebatch
 from ._criteo import CriteoReader, PathLike, ReadSummary, as_paths
 from ._shards import ShardSet
 
-__all__ = ["Loader", "rebatch", "rank_range"]
+__all__ = ["Loader", "rank_range"]
 
 
 def rank_range(total: int, rank: int, world_size: int, equal: bool) -> tuple[int, int]:
@@ -37,34 +37,6 @@ def rank_range(total: int, rank: int, world_size: int, equal: bool) -> tuple[int
         return rank * base, (rank + 1) * base
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
-
-
-def rebatch(blocks: Iterator[CriteoBlock], batch_size: int, drop_last: bool) -> Iterator[CriteoBlock]:
-    """Re-cuts a stream of blocks of any sizes into blocks of exactly `batch_size` rows.
-
-    The last, shorter one is yielded unless `drop_last`.  Batches inside one block are
-    views (no copy); only a batch straddling two blocks is copied together.
-    """
-    pending: list[CriteoBlock] = []
-    have = 0
-    for block in blocks:
-        pos = 0
-        if pending:  # finish the batch begun in earlier blocks
-            take = min(batch_size - have, len(block))
-            pending.append(block.slice(0, take))
-            have += take
-            pos = take
-            if have < batch_size:
-                continue
-            yield CriteoBlock.concat(pending)
-            pending, have = [], 0
-        while len(block) - pos >= batch_size:
-            yield block.slice(pos, pos + batch_size)
-            pos += batch_size
-        if pos < len(block):
-            pending, have = [block.slice(pos, len(block))], len(block) - pos
-    if pending and not drop_last:
-        yield CriteoBlock.concat(pending)
 
 
 class Loader:

@@ -142,4 +142,6 @@ def reason(code: int, field: int) -> str:
     """Short reason for a skipped line, for summaries."""
     if code == FIELD_COUNT:
         return "wrong field count"
-    return {BAD_LABEL: "bad label", BAD_INT: "bad integer", BAD_HEX: "bad hex id"}.get(code, "malformed") + f" in {field_name(field)}"
+    if code == BAD_LABEL:
+        return "bad label"
+    return {BAD_INT: "bad integer", BAD_HEX: "bad hex id"}.get(code, "malformed") + f" in {field_name(field)}"

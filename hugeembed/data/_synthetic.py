@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ._batch import Batch
-from ._block import CriteoBlock
+from ._block import CriteoBlock, rebatch
 from ._schema import CAT_NAMES, MISSING_IDS, N_CAT, N_DENSE
 
 __all__ = ["SyntheticConfig", "SyntheticCriteo", "BayesMetrics", "CRITEO_KAGGLE_CARDINALITIES", "RawRows"]
@@ -45,9 +45,11 @@ _DENSE_MISSING = np.array((0.45, 0.0, 0.21, 0.22, 0.03, 0.23, 0.04, 0.0, 0.04, 0
 _CAT_MISSING = np.array(
     (0, 0, .03, .03, 0, .12, 0, 0, 0, .03, 0, .03, 0, 0, 0, .03, 0, 0, .44, .44, .03, .76, 0, .03, .44, .44), np.float32
 )
-# log-normal parameters of the dense counts (medians ~ e^mu)
+# log-scale location and spread of the dense counts (medians ~ e^mu)
 _DENSE_MU = np.array((0.5, 3.0, 2.5, 1.8, 7.5, 4.0, 1.5, 2.3, 3.5, 0.3, 1.0, 0.2, 1.7))
 _DENSE_SIGMA = np.array((1.2, 1.5, 1.4, 1.0, 1.8, 1.6, 1.4, 1.0, 1.2, 0.8, 1.0, 1.0, 1.1))
+_CAT_MISS_COLS = np.flatnonzero(_CAT_MISSING > 0)
+_LOGISTIC_UNIT = math.sqrt(3.0) / math.pi  # scales a standard logistic variable to unit variance
 _CHUNK = 8192
 _MISSING = np.array(MISSING_IDS, np.int64)
 _M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
@@ -179,7 +181,7 @@ class SyntheticCriteo:
         (rank 1 gets ~10% more).
         """
         a = self.config.zipf_exponent
-        x = (self._zipf_lo + u * self._zipf_span) ** (1.0 / (1.0 - a))
+        x = np.exp(np.log(self._zipf_lo + u * self._zipf_span) * (1.0 / (1.0 - a)))
         return np.clip(np.rint(x), 1, self._card).astype(np.int64) - 1
 
     def _raw(self, start: int, n: int) -> RawRows:
@@ -192,19 +194,26 @@ class SyntheticCriteo:
         parts = []
         for c in range(first, last + 1):
             rng = np.random.default_rng(np.random.SeedSequence([self.config.seed, c]))
-            parts.append((rng.random((_CHUNK, N_CAT)), rng.random((_CHUNK, N_CAT + N_DENSE), np.float32),
-                          rng.standard_normal((_CHUNK, N_DENSE), np.float32), rng.random(_CHUNK)))
+            parts.append((rng.random((_CHUNK, N_CAT)), rng.random((_CHUNK, N_DENSE + len(_CAT_MISS_COLS) + 1), np.float32),
+                          rng.random(_CHUNK)))
         lo = start - first * _CHUNK
-        u_id, u_miss, g_dense, u_label = (
+        u_id, u_aux, u_label = (
             x[0][lo : lo + n] if len(parts) == 1 else np.concatenate(x)[lo : lo + n] for x in zip(*parts)
         )
-        ids_missing = u_miss[:, :N_CAT] < _CAT_MISSING
+        # u_aux columns: 13 dense values, then one per categorical with missing values, then I2's sign
         ids = ((self._ranks(u_id).astype(np.uint64) * self._mult + self._add) & np.uint64(0xFFFFFFFF)).astype(np.int64)
-        ids = np.where(ids_missing, _MISSING, ids)
-        ints = np.floor(np.exp(_DENSE_MU + _DENSE_SIGMA * g_dense.astype(np.float64))).astype(np.int64)
-        ints[:, 1] -= (u_miss[:, N_CAT + 1] > 0.9) * 3  # I2 has small negative values, as in Criteo (never missing)
-        ints_missing = u_miss[:, N_CAT:] < _DENSE_MISSING
-        ints = np.where(ints_missing, 0, ints)
+        ids_missing = np.zeros((n, N_CAT), bool)
+        ids_missing[:, _CAT_MISS_COLS] = u_aux[:, N_DENSE : N_DENSE + len(_CAT_MISS_COLS)] < _CAT_MISSING[_CAT_MISS_COLS]
+        np.copyto(ids, _MISSING, where=ids_missing)
+        # heavy-tailed counts: floor(exp(mu + sigma * z)), z logistic with unit variance; the
+        # same uniform decides "missing" (below the missing rate) so one draw serves both
+        u_d = u_aux[:, :N_DENSE].astype(np.float64)
+        ints_missing = u_d < _DENSE_MISSING
+        v = np.clip((u_d - _DENSE_MISSING) / (1.0 - _DENSE_MISSING), 1e-12, 1.0 - 1e-12)
+        z = np.log(v / (1.0 - v)) * _LOGISTIC_UNIT
+        ints = np.floor(np.exp(np.minimum(_DENSE_MU + _DENSE_SIGMA * z, 40.0))).astype(np.int64)
+        ints[:, 1] -= (u_aux[:, -1] > 0.9) * 3  # I2 has small negative values, as in Criteo (never missing)
+        ints[ints_missing] = 0
         dense = _transform(ints)
         p = _sigmoid(self.true_logits(dense, ids))
         labels = (u_label < p).astype(np.float32)
@@ -228,22 +237,40 @@ class SyntheticCriteo:
         return CriteoBlock(_transform(raw.ints), raw.ids, raw.labels)
 
     def batches(self, batch_size: int, num_batches: int | None = None, *, start: int = 0) -> Iterator[Batch]:
-        """Batches of `batch_size` consecutive rows from row `start` (endless if num_batches is None)."""
+        """Batches of `batch_size` consecutive rows from row `start` (endless if num_batches is None).
+
+        Rows are generated in pieces of 8192 (the internal chunk), whatever the batch size,
+        so small batches cost no more per row than large ones.
+        """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        i = 0
-        while num_batches is None or i < num_batches:
-            yield Batch.from_block(self.rows(start + i * batch_size, batch_size))
-            i += 1
+        _check_range(start, 0)
+        total = None if num_batches is None else batch_size * num_batches
+        step = _CHUNK  # generation is fastest in cache-sized pieces
+
+        def blocks() -> Iterator[CriteoBlock]:
+            pos = start
+            while total is None or pos < start + total:
+                n = step if total is None else min(step, start + total - pos)
+                yield self.rows(pos, n)
+                pos += n
+
+        for blk in rebatch(blocks(), batch_size, drop_last=False):
+            yield Batch.from_block(blk)
 
     # -- the true model -------------------------------------------------------------
 
-    def _amp(self, ids: np.ndarray, j: int) -> np.ndarray:
-        """Effect strength of each id of feature j: (1 + rank / hot_ids) ** -0.5; missing ids count as hot."""
+    def _amp(self, ids: np.ndarray, cols: list[int]) -> np.ndarray:
+        """Effect strength of ids ``[n, len(cols)]`` of features `cols`: (1 + rank / hot_ids) ** -0.5.
+
+        The rank is recovered from the id by inverting ``id = rank * A + B (mod 2**32)``;
+        missing ids count as hot (rank 0).
+        """
         u = ids.astype(np.uint64)
-        rank = ((u - self._add[j]) & np.uint64(0xFFFFFFFF)) * self._inv[j] & np.uint64(0xFFFFFFFF)
+        mask = np.uint64(0xFFFFFFFF)
+        rank = (((u - self._add[cols]) & mask) * self._inv[cols]) & mask
         rank = np.where(ids >= MISSING_IDS[0], 0, rank.astype(np.int64))
-        return (1.0 + rank / self.config.hot_ids) ** -0.5
+        return 1.0 / np.sqrt(1.0 + rank * (1.0 / self.config.hot_ids))
 
     def logit_terms(self, dense: np.ndarray, cats: np.ndarray) -> dict[str, np.ndarray]:
         """The additive terms of the true logit (without the bias), float64 [n] each.
@@ -252,21 +279,24 @@ class SyntheticCriteo:
         """
         cfg = self.config
         terms = {"dense": (dense.astype(np.float64) - self._dense_mean) @ self._dense_w}
-        for j in self._effect_idx:
-            h = _mix64(cats[:, j].astype(np.uint64) ^ self._salt[0, j])
-            terms[CAT_NAMES[j]] = cfg.effect_scale * self._amp(cats[:, j], j) * _unit_uniform(h)
-        r = cfg.interaction_rank
-        for a, b in self._pairs:
+        e = self._effect_idx
+        if e:
+            h = _mix64(cats[:, e].astype(np.uint64) ^ self._salt[0, e])
+            eff = cfg.effect_scale * self._amp(cats[:, e], e) * _unit_uniform(h)
+            terms.update((CAT_NAMES[j], eff[:, k]) for k, j in enumerate(e))
+        if self._pairs:
+            a, b = [p[0] for p in self._pairs], [p[1] for p in self._pairs]
             ha = _mix64(cats[:, a].astype(np.uint64) ^ self._salt[1, a])
             hb = _mix64(cats[:, b].astype(np.uint64) ^ self._salt[1, b])
-            dot = np.zeros(cats.shape[0])
+            r = cfg.interaction_rank
+            dot = np.zeros(ha.shape)
             for t in range(r):  # 16 bits of each hash per latent dimension
                 sh = np.uint64(16 * t)
-                va = (((ha >> sh) & np.uint64(0xFFFF)).astype(np.float64) / 65536.0 * 2 - 1) * math.sqrt(3.0)
-                vb = (((hb >> sh) & np.uint64(0xFFFF)).astype(np.float64) / 65536.0 * 2 - 1) * math.sqrt(3.0)
+                va = ((ha >> sh) & np.uint64(0xFFFF)).astype(np.float64) * (2 / 65536.0) - 1.0
+                vb = ((hb >> sh) & np.uint64(0xFFFF)).astype(np.float64) * (2 / 65536.0) - 1.0
                 dot += va * vb
-            amp = self._amp(cats[:, a], a) * self._amp(cats[:, b], b)
-            terms[f"{CAT_NAMES[a]}x{CAT_NAMES[b]}"] = cfg.interaction_scale * amp * dot / math.sqrt(r)
+            inter = (3.0 * cfg.interaction_scale / math.sqrt(r)) * self._amp(cats[:, a], a) * self._amp(cats[:, b], b) * dot
+            terms.update((f"{CAT_NAMES[i]}x{CAT_NAMES[j]}", inter[:, k]) for k, (i, j) in enumerate(self._pairs))
         return terms
 
     def true_logits(self, dense: np.ndarray, cats: np.ndarray) -> np.ndarray:
