@@ -122,3 +122,15 @@ def test_config_errors(name):
         cls(seq, NUM_DENSE)
     with pytest.raises(ConfigError, match="num_dense"):
         cls(build(name).embeddings, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tables_feed_float32_layers(dtype):
+    tables = [TableConfig(f, DIM, dtype=dtype, combiner="sum") for f in FEATURES]
+    ec = EmbeddingCollection(tables, optimizer=Adagrad(lr=0.1))
+    model = DLRM(ec, NUM_DENSE, bottom_mlp=(8,), top_mlp=(8,))
+    dense, sparse, labels = make_batch(B=8)
+    assert ec(sparse).stacked().dtype == dtype
+    losses = train(model, model.dense_parameters(), dense, sparse, labels, steps=3)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert model(dense, sparse).dtype == torch.float32
