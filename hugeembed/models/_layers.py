@@ -18,10 +18,12 @@ __all__ = ["MLP", "DotInteraction", "FactorizationMachine", "CrossNetworkV2"]
 
 def check_sizes(sizes: Sequence[int], who: str, *, allow_empty: bool = True) -> tuple[int, ...]:
     """Layer widths as a tuple of positive ints, or ConfigError naming `who`."""
-    if isinstance(sizes, (int, str)) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
-                                                 for s in sizes):
+    try:
+        out = tuple(sizes) if not isinstance(sizes, (str, bytes)) else None
+    except TypeError:  # not iterable: a bare int
+        out = None
+    if out is None or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in out):
         raise ConfigError(f"{who}: layer sizes must be a sequence of positive ints, got {sizes!r}")
-    out = tuple(sizes)
     if not out and not allow_empty:
         raise ConfigError(f"{who}: needs at least one layer")
     return out

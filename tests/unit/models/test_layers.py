@@ -189,3 +189,8 @@ def test_layers_on_meta_device():
         net = CrossNetworkV2(6, 2, device="meta", **kw)
         assert all(p.is_meta for p in net.parameters())
         assert net(torch.empty(B, 6, device="meta")).shape == (B, 6)
+
+
+def test_mlp_sizes_from_any_iterable():
+    assert MLP(3, (w for w in (4, 2))).out_features == 2  # a generator is read once, not consumed by the check
+    assert MLP(3, range(5, 7)).out_features == 6
