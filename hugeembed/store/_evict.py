@@ -31,23 +31,23 @@ def check_evict_args(name: str, step, ttl, max_rows, policy) -> int:
 
 
 def select_victims(name: str, step: int, ttl: int | None, max_rows: int | None, policy: str,
-                   protect: torch.Tensor | None, row_keys: torch.Tensor, row_slots: torch.Tensor,
-                   meta: torch.Tensor, pend_keys: torch.Tensor, pend_ids: torch.Tensor, pmeta: torch.Tensor):
-    """Returns (row keys, row slots, pending keys, pending ids) to remove."""
+                   protect: torch.Tensor | None, num_slots: int, row_keys: torch.Tensor, row_slots: torch.Tensor,
+                   row_counts: torch.Tensor, row_lasts: torch.Tensor,
+                   pend_lasts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool masks (rows to remove, pending keys to remove) over the given rows / pending keys."""
     step = check_evict_args(name, step, ttl, max_rows, policy)
     dev = row_keys.device
-    prot = protect_mask(name, protect, meta.shape[0], dev)[row_slots]
-    count, last = meta[row_slots, 0], meta[row_slots, 1]
+    prot = protect_mask(name, protect, num_slots, dev)[row_slots]
     gone = torch.zeros(row_keys.numel(), dtype=torch.bool, device=dev)
-    pgone = torch.zeros(pend_keys.numel(), dtype=torch.bool, device=dev)
+    pgone = torch.zeros(pend_lasts.numel(), dtype=torch.bool, device=dev)
     if ttl is not None:
-        gone |= ((step - last) > ttl) & ~prot
-        pgone |= (step - pmeta[pend_ids, 1]) > ttl
+        gone |= ((step - row_lasts) > ttl) & ~prot
+        pgone |= (step - pend_lasts) > ttl
     if max_rows is not None:
         excess = int((~gone).sum()) - max_rows
         if excess > 0:
             cand = (~gone & ~prot).nonzero().squeeze(1)
-            cols = [count, last] if policy == "lfu" else [last, count]
+            cols = [row_counts, row_lasts] if policy == "lfu" else [row_lasts, row_counts]
             cols = [c[cand] for c in cols] + [row_keys[cand]]
             gone[cand[lowest_k(cols, min(excess, cand.numel()))]] = True
-    return row_keys[gone], row_slots[gone], pend_keys[pgone], pend_ids[pgone]
+    return gone, pgone

@@ -29,7 +29,7 @@ from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
                       scatter_rows)
 from ._evict import select_victims
-from ._hash_torch import EMPTY, TorchOps, entries, new_buckets
+from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
 from ._init import Initializer, default_initializer
 from ._native_store import NativeOps
 from ._protocol import StoreExport
@@ -47,8 +47,9 @@ _ROW_GROWTH = 1.5
 _MIN_BUCKETS = 64
 _MIN_ROWS = 64
 _MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
-_ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "pend_hwm": 3, "num_pfree": 4, "side_used": 5, "side_code": 6,
-       "rows": 7, "pending": 8}
+# Must match csrc/store_table.h::StoreScalar.
+_ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "side_used": 3, "side_word1": 4, "side_last": 5, "rows": 6,
+       "pending": 7}
 
 
 def _pick_backend(backend: str | None, device: torch.device) -> str:
@@ -114,10 +115,7 @@ class HashStore:
         self._st = torch.zeros(len(_ST), dtype=torch.int64)
         self._buckets = new_buckets(_MIN_BUCKETS, dev)
         self._storage = torch.empty(0, self.width, dtype=dtype, device=dev)
-        self._meta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
-        self._pmeta = torch.zeros(0, 2, dtype=torch.int64, device=dev)
         self._free = torch.zeros(0, dtype=torch.int32, device=dev)
-        self._pfree = torch.zeros(0, dtype=torch.int32, device=dev)
         if initial_rows:
             self._reserve(min(initial_rows, capacity or initial_rows))
 
@@ -135,19 +133,22 @@ class HashStore:
         return int(self.num_buckets * MAX_LOAD)
 
     def _side_fix(self, keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """Codes of keys equal to the empty-bucket sentinel come from the side entry."""
+        """Codes of keys equal to the empty-bucket sentinel come from the side record."""
         side = keys == EMPTY
         if bool(side.any()):
-            codes[side] = self._st_get("side_code") if self._st_get("side_used") else -1
+            codes[side] = self._side_code() if self._st_get("side_used") else -1
         return codes
+
+    def _side_code(self) -> int:
+        return int(code_of(self._st[_ST["side_word1"]]))
 
     # ------------------------------------------------------------------ growth
     def _reserve(self, n: int) -> None:
         """Makes room for `n` more keys in the worst case (all new, all admitted)."""
-        self._grow_for(n, n, n if self.admit_min_count > 1 else 0)
+        self._grow_for(n, n)
 
-    def _grow_for(self, new_entries: int, new_rows: int, new_pending: int) -> None:
-        """Grows buckets (x2 until under MAX_LOAD), rows (x1.5) and pending ids to fit this many more."""
+    def _grow_for(self, new_entries: int, new_rows: int) -> None:
+        """Grows the buckets (x2 until under MAX_LOAD) and the rows (x1.5) to fit this many more."""
         need = self._st_get("entries") + new_entries
         nb = self.num_buckets
         while need > int(nb * MAX_LOAD):
@@ -159,19 +160,12 @@ class HashStore:
             hwm = min(hwm, self.capacity)
         if hwm > _MAX_SLOTS:
             raise CapacityError(f"table '{self.name}': {hwm} rows exceed the {_MAX_SLOTS} row slots of one store")
-        if hwm > self._meta.shape[0]:
-            new = max(hwm, int(self._meta.shape[0] * _ROW_GROWTH), _MIN_ROWS)
+        if hwm > self._storage.shape[0]:
+            new = max(hwm, int(self._storage.shape[0] * _ROW_GROWTH), _MIN_ROWS)
             self._grow_rows(min(new, self.capacity or new))
-        if new_pending:
-            self._reserve_pending(new_pending)
-
-    def _reserve_pending(self, n: int) -> None:
-        phwm = self._st_get("pend_hwm") + max(0, n - self._st_get("num_pfree"))
-        if phwm > self._pmeta.shape[0]:
-            self._grow_pending(max(phwm, int(self._pmeta.shape[0] * _ROW_GROWTH), _MIN_ROWS))
 
     def _rehash(self, nbuckets: int) -> None:
-        new = _alloc.empty((nbuckets, 3), torch.int32, self.device)
+        new = _alloc.empty((nbuckets, 3), torch.int64, self.device)
         self._ops.rehash(self, new)
         self._buckets = new
 
@@ -179,19 +173,10 @@ class HashStore:
         used = self._st_get("row_hwm")
         storage = _alloc.empty((rows, self.width), self.dtype, self.device)
         storage[:used] = self._storage[:used]
-        meta = _alloc.empty((rows, 2), torch.int64, self.device)
-        meta[:used] = self._meta[:used]
-        meta[used:] = 0
-        self._storage, self._meta = storage, meta
-
-    def _grow_pending(self, n: int) -> None:
-        used = self._st_get("pend_hwm")
-        pmeta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
-        pmeta[:used] = self._pmeta[:used]
-        pfree = torch.zeros(n, dtype=torch.int32, device=self.device)
-        k = self._st_get("num_pfree")
-        pfree[:k] = self._pfree[:k]
-        self._pmeta, self._pfree = pmeta, pfree
+        # Touch the spare rows now: first-touch page faults cost more than the
+        # writes themselves (BASELINES.md), better paid at growth than per batch.
+        storage[used:] = 0
+        self._storage = storage
 
     # ------------------------------------------------------- slot bookkeeping
     def _take_rows(self, m: int) -> torch.Tensor:
@@ -204,26 +189,11 @@ class HashStore:
         self._st_set("row_hwm", hwm + m - take)
         return slots
 
-    def _take_pending(self, m: int) -> torch.Tensor:
-        nf, hwm = self._st_get("num_pfree"), self._st_get("pend_hwm")
-        take = min(m, nf)
-        ids = torch.cat([self._pfree[nf - take : nf].flip(0).to(torch.int64),
-                         torch.arange(hwm, hwm + m - take, device=self.device)])
-        self._st_set("num_pfree", nf - take)
-        self._st_set("pend_hwm", hwm + m - take)
-        return ids
-
-    def _push_pending(self, ids: torch.Tensor) -> None:
-        k = self._st_get("num_pfree")
-        self._pfree[k : k + ids.numel()] = ids.to(torch.int32)
-        self._st_set("num_pfree", k + ids.numel())
-
     def _free_rows(self, slots: torch.Tensor) -> None:
         nf = self._st_get("num_free")
         free = torch.cat([self._free[:nf], slots.to(torch.int32)]).sort(descending=True).values
         self._free = free
         self._st_set("num_free", free.numel())
-        self._meta[slots] = 0
 
     # -------------------------------------------------------------- protocol
     def __len__(self) -> int:
@@ -272,7 +242,7 @@ class HashStore:
                 raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
                                  "keys must be unique (deduplicate the batch first)")
             if rc == 1 and not grown:  # grow exactly as needed, then probe again
-                self._grow_for(need[0], need[1], need[2])
+                self._grow_for(need[0], need[1])
                 grown = True
             elif rc == 2:
                 self._make_room(step, need[1], out, evicted)
@@ -304,12 +274,13 @@ class HashStore:
         scatter_rows(self.name, self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device), rows)
 
     # ------------------------------------------------------------- eviction
-    def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, codes = entries(self._buckets)
+    def _entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, codes, counts, last steps) of every stored key, the side record included."""
+        rec = entries(self._buckets)
         if self._st_get("side_used"):
-            keys = torch.cat([keys, torch.tensor([EMPTY], device=self.device)])
-            codes = torch.cat([codes, torch.tensor([self._st_get("side_code")], device=self.device)])
-        return keys, codes
+            side = torch.tensor([[EMPTY, self._st_get("side_word1"), self._st_get("side_last")]], device=self.device)
+            rec = torch.cat([rec, side])
+        return rec[:, 0], code_of(rec[:, 1]), count_of(rec[:, 1]), rec[:, 2]
 
     def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
               protect: torch.Tensor | None = None) -> int:
@@ -319,34 +290,29 @@ class HashStore:
         Pending (not admitted) keys unseen for more than `ttl` steps are dropped too.
         Freed slots are reused by later inserts, smallest first.
         """
-        keys, codes = self._entries()
+        keys, codes, counts, lasts = self._entries()
         rows = codes >= 0
-        v = select_victims(self.name, step, ttl, max_rows, policy, protect, keys[rows], codes[rows],
-                           self._meta, keys[~rows], -2 - codes[~rows], self._pmeta)
-        row_keys, row_slots, pend_keys, pend_ids = v
+        gone_rows, gone_pend = select_victims(self.name, step, ttl, max_rows, policy, protect,
+                                              self._storage.shape[0], keys[rows], codes[rows], counts[rows],
+                                              lasts[rows], lasts[~rows])
+        row_keys, row_slots = keys[rows][gone_rows], codes[rows][gone_rows]
+        pend_keys = keys[~rows][gone_pend]
         gone = torch.cat([row_keys, pend_keys])
         if gone.numel():
             self._ops.erase(self, gone)
             self._free_rows(row_slots)
-            self._pmeta[pend_ids] = 0
-            self._push_pending(pend_ids)
             self._st_add("rows", -row_slots.numel())
-            self._st_add("pending", -pend_ids.numel())
+            self._st_add("pending", -pend_keys.numel())
         return row_slots.numel()
 
     # ------------------------------------------------------- export / import
     def export(self) -> StoreExport:
-        keys, codes = self._entries()
-        rows = codes >= 0
-        rk, rs = keys[rows], codes[rows]
-        order = rk.argsort()
-        rk, rs = rk[order], rs[order]
-        pk, pid = keys[~rows], -2 - codes[~rows]
-        porder = pk.argsort()
-        pk, pid = pk[porder], pid[porder]
-        meta, pmeta = self._meta[rs], self._pmeta[pid]
-        return StoreExport(rk, self._storage[rs].clone(), meta[:, 0].clone(), meta[:, 1].clone(), pk,
-                           pmeta[:, 0].clone(), pmeta[:, 1].clone())
+        keys, codes, counts, lasts = self._entries()
+        order = keys.argsort()
+        keys, codes, counts, lasts = keys[order], codes[order], counts[order], lasts[order]
+        r = codes >= 0
+        return StoreExport(keys[r], self._storage[codes[r]].clone(), counts[r], lasts[r], keys[~r], counts[~r],
+                           lasts[~r])
 
     def import_(self, export: StoreExport) -> None:
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
@@ -366,33 +332,31 @@ class HashStore:
             raise CapacityError(f"table '{self.name}': import needs {after} rows, capacity is {self.capacity}")
         old = present != -1
         if bool(old.any()):
-            ok, oc = allk[old], present[old]
-            self._ops.erase(self, ok)
+            oc = present[old]
+            self._ops.erase(self, allk[old])
             self._free_rows(oc[oc >= 0])
-            pids = -2 - oc[oc < 0]
-            self._push_pending(pids)
             self._st_add("rows", -int((oc >= 0).sum()))
-            self._st_add("pending", -pids.numel())
+            self._st_add("pending", -int((oc < 0).sum()))
         self._reserve(allk.numel())
         slots = self._take_rows(n)
-        self._reserve_pending(exp.pending_keys.numel())
-        pids = self._take_pending(exp.pending_keys.numel())
-        self._ops.insert(self, allk, torch.cat([slots, -2 - pids]))
+        codes = torch.cat([slots, torch.full_like(exp.pending_keys, PENDING)])
+        self._ops.insert(self, allk, codes, torch.cat([exp.counts, exp.pending_counts]),
+                         torch.cat([exp.last_step, exp.pending_last_step]))
         self._storage[slots] = exp.rows.to(self.dtype)
-        self._meta[slots, 0], self._meta[slots, 1] = exp.counts, exp.last_step
-        self._pmeta[pids, 0], self._pmeta[pids, 1] = exp.pending_counts, exp.pending_last_step
         self._st_add("rows", n)
-        self._st_add("pending", pids.numel())
+        self._st_add("pending", exp.pending_keys.numel())
 
     # --------------------------------------------------------------- memory
     def _arrays(self) -> dict[str, torch.Tensor]:
-        return {"storage": self._storage, "buckets": self._buckets,
-                "row_meta": self._meta, "pending_meta": self._pmeta, "free_rows": self._free,
-                "free_pending": self._pfree, "scalars": self._st}
+        return {"_storage": self._storage, "_buckets": self._buckets, "_free": self._free, "_st": self._st}
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held by each array (storage includes rows allocated ahead of use)."""
-        return {k: v.numel() * v.element_size() for k, v in self._arrays().items()}
+        """Bytes held, by purpose.  `index`: key + code of each bucket (12 B); `row_metadata`:
+        hit count + last step (12 B per bucket, kept in the bucket record beside the key);
+        `storage`: rows incl. those allocated ahead of use."""
+        nb = self.num_buckets
+        return {"storage": self._storage.numel() * self._storage.element_size(), "index": 12 * nb,
+                "row_metadata": 12 * nb, "free_rows": self._free.numel() * 4, "scalars": self._st.numel() * 8}
 
     def memory_bytes(self) -> int:
         return sum(self.memory_breakdown().values())
@@ -407,10 +371,8 @@ class HashStore:
         out = HashStore.__new__(HashStore)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         out.device = device
-        for k, v in self._arrays().items():
-            attr = {"storage": "_storage", "buckets": "_buckets", "row_meta": "_meta",
-                    "pending_meta": "_pmeta", "free_rows": "_free", "free_pending": "_pfree", "scalars": "_st"}[k]
-            if k == "scalars":
+        for attr, v in self._arrays().items():
+            if attr == "_st":
                 setattr(out, attr, v.clone())
             else:
                 t = _alloc.empty(tuple(v.shape), v.dtype, device)

@@ -1,11 +1,12 @@
 """The plain-PyTorch twin of csrc/hash_store.cpp: same layout, vectorised probing.
 
 Runs on any device (it is the CUDA path) and is the CPU parity twin of the native
-kernels.  Probing advances every unresolved key at once over a window of buckets
-that doubles each round (1, 2, 4, ... 32), so a batch finishes in a handful of
-rounds even when a few keys sit far from home.  Concurrent inserts that pick the
-same empty bucket are resolved with ``scatter_reduce(amin)`` over their batch
-index: the lowest index wins, the others move on to the next bucket.
+kernels.  Bucket records are int64 [B, 3] = (key, code | count << 32, last step);
+see csrc/store_table.h.  Probing advances every unresolved key at once over a
+window of buckets that doubles each round (1, 2, 4, ... 32), so a batch finishes
+in a handful of rounds even when a few keys sit far from home.  Concurrent inserts
+that pick the same empty bucket are resolved with ``scatter_reduce(amin)`` over
+their batch index: the lowest index wins, the others move on to the next bucket.
 """
 
 from __future__ import annotations
@@ -14,39 +15,34 @@ import torch
 
 from .._hashing import mix64
 
-__all__ = ["TorchOps", "EMPTY"]
+__all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of"]
 
 EMPTY = -(2**63)
+PENDING = -2
+_COUNT_MAX = 2**31 - 1
 _MAX_WINDOW = 32
 
 
-# --- the packed bucket records: int32 [B, 3] = key low word, key high word, code
+def pack(code: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Word 1 of a record: int32 code in the low half, saturating int32 count in the high half."""
+    return (count.clamp(0, _COUNT_MAX) << 32) | (code & 0xFFFFFFFF)
+
+
+def code_of(w1: torch.Tensor) -> torch.Tensor:
+    return (w1 << 32) >> 32  # arithmetic shift: sign-extends the low half
+
+
+def count_of(w1: torch.Tensor) -> torch.Tensor:
+    return w1 >> 32
+
+
 def new_buckets(nbuckets: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Empty bucket records (key EMPTY, code -1); fills `out` when given."""
-    b = torch.empty(nbuckets, 3, dtype=torch.int32, device=device) if out is None else out
-    b[:, :2] = torch.tensor([EMPTY], dtype=torch.int64).view(torch.int32).to(device)
-    b[:, 2] = -1
+    """Empty bucket records (key EMPTY, code -1, count 0, step 0); fills `out` when given."""
+    b = torch.empty(nbuckets, 3, dtype=torch.int64, device=device) if out is None else out
+    b[:, 0] = EMPTY
+    b[:, 1] = 0xFFFFFFFF  # pack(-1, 0)
+    b[:, 2] = 0
     return b
-
-
-def split_keys(keys: torch.Tensor) -> torch.Tensor:
-    """int64 [m] -> int32 [m, 2] (low word, high word) as the records hold them."""
-    return keys.contiguous().view(torch.int32).view(-1, 2)
-
-
-def keys_at(buckets: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Keys of the buckets at `idx` (any shape) as int64 of that shape."""
-    rec = buckets[:, :2][idx.reshape(-1)]
-    return rec.contiguous().view(torch.int64).view(idx.shape)
-
-
-def all_keys(buckets: torch.Tensor) -> torch.Tensor:
-    return buckets[:, :2].contiguous().view(torch.int64).view(-1)
-
-
-def write(buckets: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor) -> None:
-    buckets[idx, :2] = split_keys(keys)
-    buckets[idx, 2] = codes.to(torch.int32)
 
 
 def _home(keys: torch.Tensor, nbuckets: int) -> torch.Tensor:
@@ -54,8 +50,8 @@ def _home(keys: torch.Tensor, nbuckets: int) -> torch.Tensor:
 
 
 def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes int64 [n] (row >= 0, pending <= -2, absent -1) and pos int64 [n] (bucket of
-    the key, or first empty bucket on its probe path).  Keys equal to EMPTY are left at -1."""
+    """codes int64 [n] (row >= 0, pending -2, absent -1) and pos int64 [n] (bucket of the
+    key, or first empty bucket on its probe path).  Keys equal to EMPTY are left at -1."""
     n, nb = keys.numel(), buckets.shape[0]
     dev = keys.device
     codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -65,16 +61,17 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torc
     p = _home(k, nb)
     width = 1
     ar = torch.arange(_MAX_WINDOW, device=dev)
+    bkeys = buckets[:, 0]
     while idx.numel():
         win = (p[:, None] + ar[:width]) & (nb - 1)
-        bk = keys_at(buckets, win)
+        bk = bkeys[win]
         stop = (bk == k[:, None]) | (bk == EMPTY)
         done = stop.any(1)
         first = stop.to(torch.uint8).argmax(1)
         q = win.gather(1, first[:, None]).squeeze(1)
         hit = bk.gather(1, first[:, None]).squeeze(1) == k
         di, dq, dh = idx[done], q[done], hit[done]
-        codes[di] = torch.where(dh, buckets[dq, 2].to(torch.int64), -1)
+        codes[di] = torch.where(dh, code_of(buckets[dq, 1]), -1)
         pos[di] = dq
         keep = ~done
         idx, p, k = idx[keep], (p[keep] + width) & (nb - 1), k[keep]
@@ -82,23 +79,24 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, pos
 
 
-def claim(buckets: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, start: torch.Tensor | None = None) -> None:
-    """Puts unique keys known to be absent (none equal to EMPTY) into the buckets.
+def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None = None) -> None:
+    """Puts records int64 [n, 3] of unique keys known to be absent (none EMPTY) into the buckets.
 
     `start` is where each key's search for an empty bucket may begin (its home, or
     the first empty bucket a probe met): every bucket before it is occupied.
     """
-    n, nb = keys.numel(), buckets.shape[0]
+    n, nb = records.shape[0], buckets.shape[0]
     if n == 0:
         return
-    dev = keys.device
+    dev = records.device
     idx = torch.arange(n, device=dev)
-    p = _home(keys, nb) if start is None else start.clone()
+    p = _home(records[:, 0], nb) if start is None else start.clone()
     ar = torch.arange(_MAX_WINDOW, device=dev)
+    bkeys = buckets[:, 0]
     width = 1
     while idx.numel():
         win = (p[:, None] + ar[:width]) & (nb - 1)
-        empty = keys_at(buckets, win) == EMPTY
+        empty = bkeys[win] == EMPTY
         has = empty.any(1)
         q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
         ci, cq = idx[has], q[has]
@@ -107,8 +105,7 @@ def claim(buckets: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, start:
         winner = torch.full((uq.numel(),), n, dtype=torch.int64, device=dev)
         winner.scatter_reduce_(0, inv, ci, "amin")
         won = winner[inv] == ci
-        wi, wq = ci[won], cq[won]
-        write(buckets, wq, keys[wi], codes[wi])
+        buckets[cq[won]] = records[ci[won]]
         # Losers retry right after the bucket they lost; keys with no empty in
         # their window skip the whole window (all of it was occupied).
         nxt = torch.where(has, q + 1, p + width) & (nb - 1)
@@ -118,11 +115,13 @@ def claim(buckets: torch.Tensor, keys: torch.Tensor, codes: torch.Tensor, start:
         width = min(2 * width, _MAX_WINDOW)
 
 
-def entries(buckets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and int64 codes of all occupied buckets."""
-    keys = all_keys(buckets)
-    occ = (keys != EMPTY).nonzero().squeeze(1)
-    return keys[occ], buckets[occ, 2].to(torch.int64)
+def entries(buckets: torch.Tensor) -> torch.Tensor:
+    """The records int64 [m, 3] of all occupied buckets."""
+    return buckets[buckets[:, 0] != EMPTY]
+
+
+def _records(keys: torch.Tensor, codes: torch.Tensor, counts: torch.Tensor, lasts: torch.Tensor) -> torch.Tensor:
+    return torch.stack([keys, pack(codes, counts), lasts], dim=1)
 
 
 class TorchOps:
@@ -140,106 +139,83 @@ class TorchOps:
         codes, pos = probe(s._buckets, keys)
         codes = s._side_fix(keys, codes)
         c = counts if counts is not None else torch.ones(n, dtype=torch.int64, device=dev)
-        ti = (codes < 0).nonzero().squeeze(1)
-        tk, tcodes, tc = keys[ti], codes[ti], c[ti]
+        side = keys == EMPTY
+        found = codes != -1
+        w1 = torch.zeros(n, dtype=torch.int64, device=dev)
+        w1[found & ~side] = s._buckets[pos[found & ~side], 1]
+        if bool(side.any()) and s._st_get("side_used"):
+            w1[side] = s._st_get("side_word1")
+        new_count = torch.where(found, count_of(w1), 0) + c
+        todo = codes < 0
+        ti = todo.nonzero().squeeze(1)
+        tk = keys[ti]
         if ti.numel() > 1:
             sk = tk.sort().values
             dup = sk[1:] == sk[:-1]
             if bool(dup.any()):
                 return 3, codes, None, None, [int(sk[1:][dup][0]), 0, 0, 0]
         k = s.admit_min_count
-        is_p = tcodes <= -2
-        pid = -2 - tcodes[is_p]
-        pcount = s._pmeta[pid, 0] + tc[is_p]
-        promote = pcount >= k
-        is_a = tcodes == -1
-        admit = tc[is_a] >= k
-        new_rows = int(promote.sum()) + int(admit.sum())
-        new_pend = int(is_a.sum()) - int(admit.sum())
-        need = [int((tk[is_a] != EMPTY).sum()), new_rows, new_pend, 0]
+        is_a = codes[ti] == -1
+        need_row = torch.where(is_a, c[ti] >= k, new_count[ti] >= k)
+        new_rows = int(need_row.sum())
+        new_pend = int((is_a & ~need_row).sum())
+        need = [int((is_a & (tk != EMPTY)).sum()), new_rows, new_pend, 0]
         if s._st_get("rows") + new_rows > row_limit:
             return 2, codes, None, None, need
         if (s._st_get("entries") + need[0] > s._max_entries()
-                or s._st_get("row_hwm") + max(0, new_rows - s._st_get("num_free")) > s._meta.shape[0]
-                or s._st_get("pend_hwm") + max(0, new_pend - s._st_get("num_pfree")) > s._pmeta.shape[0]):
+                or s._st_get("row_hwm") + max(0, new_rows - s._st_get("num_free")) > s._storage.shape[0]):
             return 1, codes, None, None, need
 
-        # Hits: add counts, set last step.
-        hit = codes >= 0
-        hs = codes[hit]
-        s._meta[:, 0].index_add_(0, hs, c[hit])
-        s._meta[hs, 1] = step
-        s._pmeta[pid, 0] = pcount
-        s._pmeta[pid, 1] = step
-
-        # Rows for promoted and newly admitted keys, handed out in batch order.
-        need_row = torch.zeros(ti.numel(), dtype=torch.bool, device=dev)
-        need_row[is_p.nonzero().squeeze(1)[promote]] = True
-        need_row[is_a.nonzero().squeeze(1)[admit]] = True
-        slots = s._take_rows(new_rows)
-        slot_of = torch.full((ti.numel(),), -1, dtype=torch.int64, device=dev)
-        slot_of[need_row] = slots
-
-        # Promotions: pending meta moves to the row, the bucket now names the row.
-        pr = is_p & need_row
-        pr_slots, pr_pid = slot_of[pr], pid[promote]
-        s._meta[pr_slots] = s._pmeta[pr_pid]
-        pr_keys, pr_pos = tk[pr], pos[ti[pr]]
-        side = pr_keys == EMPTY
-        s._buckets[pr_pos[~side], 2] = pr_slots[~side].to(torch.int32)
-        if bool(side.any()):
-            s._st_set("side_code", int(pr_slots[side][0]))
-
-        # New keys: a row when admitted, else a pending entry.
-        a_rows = is_a & need_row
-        s._meta[slot_of[a_rows], 0] = tc[a_rows]
-        s._meta[slot_of[a_rows], 1] = step
-        a_pend = is_a & ~need_row
-        pids = s._take_pending(new_pend)
-        s._pmeta[pids, 0] = tc[a_pend]
-        s._pmeta[pids, 1] = step
-        new_code = torch.empty(ti.numel(), dtype=torch.int64, device=dev)
-        new_code[a_rows] = slot_of[a_rows]
-        new_code[a_pend] = -2 - pids
-        ins = is_a.nonzero().squeeze(1)
-        ins_keys, ins_code, ins_pos = tk[ins], new_code[ins], pos[ti[ins]]
-        side = ins_keys == EMPTY
-        if bool(side.any()):
+        # Keys found (rows and pending): add counts, set last step.
+        slots = s._take_rows(new_rows)  # handed out in batch order
+        code_now = codes.clone()
+        code_now[ti[need_row]] = slots
+        code_now[ti[is_a & ~need_row]] = PENDING
+        upd = found & ~side
+        s._buckets[pos[upd], 1] = pack(code_now[upd], new_count[upd])
+        s._buckets[pos[upd], 2] = step
+        # New keys: a record with a row when admitted, pending otherwise.
+        new = ti[is_a]
+        rec = _records(keys[new], code_now[new], c[new], torch.full_like(new, step))
+        ns = keys[new] == EMPTY
+        claim(s._buckets, rec[~ns], pos[new][~ns])
+        sidx = side.nonzero().squeeze(1)
+        if sidx.numel():
+            i = int(sidx[0])
             s._st_set("side_used", 1)
-            s._st_set("side_code", int(ins_code[side][0]))
-        claim(s._buckets, ins_keys[~side], ins_code[~side], ins_pos[~side])
-        s._st_add("entries", int((~side).sum()))
+            s._st_set("side_word1", int(pack(code_now[i : i + 1], new_count[i : i + 1])[0]))
+            s._st_set("side_last", step)
+        promoted = int((need_row & ~is_a).sum())
+        s._st_add("entries", int((~ns).sum()))
         s._st_add("rows", new_rows)
-        s._st_add("pending", new_pend - int(promote.sum()))
-        s._push_pending(pr_pid)
-
-        out = codes.clone()
-        out[ti] = slot_of
+        s._st_add("pending", new_pend - promoted)
+        out = torch.where(code_now >= 0, code_now, -1)
         need[3] = new_rows
         return 0, out, slots, tk[need_row], need
 
-    def insert(self, s, keys: torch.Tensor, codes: torch.Tensor) -> None:
-        """Inserts unique keys known to be absent with the given codes."""
+    def insert(self, s, keys, codes, counts, lasts) -> None:
+        """Inserts unique keys known to be absent with their code, count and last step."""
         side = keys == EMPTY
         if bool(side.any()):
+            i = int(side.nonzero()[0])
             s._st_set("side_used", 1)
-            s._st_set("side_code", int(codes[side][0]))
-            keys, codes = keys[~side], codes[~side]
-        claim(s._buckets, keys, codes)
-        s._st_add("entries", keys.numel())
+            s._st_set("side_word1", int(pack(codes[i : i + 1], counts[i : i + 1])[0]))
+            s._st_set("side_last", int(lasts[i]))
+        claim(s._buckets, _records(keys, codes, counts, lasts)[~side])
+        s._st_add("entries", int((~side).sum()))
 
     def erase(self, s, keys: torch.Tensor) -> None:
         """Removes keys (all present) by rebuilding the buckets without them."""
         side = keys == EMPTY
         if bool(side.any()):
             s._st_set("side_used", 0)
-        ek, ec = entries(s._buckets)
-        keep = ~torch.isin(ek, keys[~side])
+        rec = entries(s._buckets)
+        keep = ~torch.isin(rec[:, 0], keys[~side])
         new_buckets(s._buckets.shape[0], s.device, out=s._buckets)
-        claim(s._buckets, ek[keep], ec[keep])
+        claim(s._buckets, rec[keep])
         s._st_set("entries", int(keep.sum()))
 
     def rehash(self, s, new: torch.Tensor) -> None:
-        ek, ec = entries(s._buckets)
+        rec = entries(s._buckets)
         new_buckets(new.shape[0], s.device, out=new)
-        claim(new, ek, ec)
+        claim(new, rec)

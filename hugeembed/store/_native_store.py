@@ -21,8 +21,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Table(ctypes.Structure):
     # Field for field csrc/store_table.h::HsTable.
-    _fields_ = [("buckets", _P), ("nbuckets", _I), ("meta", _P), ("r_cap", _I), ("pmeta", _P),
-                ("p_cap", _I), ("free_rows", _P), ("free_pend", _P), ("free_pend_cap", _I), ("st", _P)]
+    _fields_ = [("buckets", _P), ("nbuckets", _I), ("r_cap", _I), ("free_rows", _P), ("st", _P)]
 
 
 def available() -> bool:
@@ -33,17 +32,12 @@ def _table(s, buckets: torch.Tensor | None = None) -> _Table:
     ck = _native.check
     buckets = s._buckets if buckets is None else buckets
     nb = buckets.shape[0]
-    ck(buckets, torch.int32, f"table '{s.name}' buckets", 3 * nb)
-    ck(s._meta, torch.int64, f"table '{s.name}' row metadata")
-    ck(s._pmeta, torch.int64, f"table '{s.name}' pending metadata")
+    ck(buckets, torch.int64, f"table '{s.name}' buckets", 3 * nb)
     ck(s._free, torch.int32, f"table '{s.name}' free rows")
-    ck(s._pfree, torch.int32, f"table '{s.name}' free pending ids")
     ck(s._st, torch.int64, f"table '{s.name}' scalars")
-    if nb & (nb - 1) or s._free.numel() < s._st_get("num_free") or s._pfree.numel() < s._pmeta.shape[0]:
+    if nb & (nb - 1) or s._free.numel() < s._st_get("num_free") or s._st_get("row_hwm") > s._storage.shape[0]:
         raise StoreError(f"table '{s.name}': hash store arrays are inconsistent")
-    return _Table(_native.ptr(buckets), nb, _native.ptr(s._meta), s._meta.shape[0],
-                  _native.ptr(s._pmeta), s._pmeta.shape[0], _native.ptr(s._free), _native.ptr(s._pfree),
-                  s._pfree.numel(), _native.ptr(s._st))
+    return _Table(_native.ptr(buckets), nb, s._storage.shape[0], _native.ptr(s._free), _native.ptr(s._st))
 
 
 def _fn(name, *args):
@@ -59,11 +53,9 @@ class NativeOps:
         self._scratch = torch.empty(0, dtype=torch.int64)
 
     def _buf(self, n: int) -> torch.Tensor:
-        # [6, n] scratch reused across calls: pos, saved last steps, keys and start
-        # buckets to place, new slots, new keys; plus int32 codes to place.
-        if self._scratch.shape[-1] < n or self._scratch.dim() != 2:
-            self._scratch = torch.empty(6, max(n, 1024), dtype=torch.int64)
-            self._codes = torch.empty(self._scratch.shape[1], dtype=torch.int32)
+        # Scratch reused across calls: [6 * n] for the kernel, then [2, n] new slots / keys.
+        if self._scratch.numel() < 8 * n:
+            self._scratch = torch.empty(8 * max(n, 1024), dtype=torch.int64)
         return self._scratch
 
     def find(self, s, keys: torch.Tensor) -> torch.Tensor:
@@ -78,21 +70,27 @@ class NativeOps:
         t = _table(s)
         out = torch.empty_like(keys)
         buf = self._buf(n)
+        new = buf[6 * n : 8 * n].view(2, n)
         need = (ctypes.c_int64 * 4)()
         if counts is not None:
             _native.check(counts, torch.int64, f"table '{s.name}' counts", n)
-        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I)
+        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I)
         rc = f(ctypes.byref(t), _native.ptr(keys), _native.ptr(counts), n, step, s.admit_min_count, row_limit,
-               s._max_entries(), _native.ptr(out), *(buf[i].data_ptr() for i in range(4)), self._codes.data_ptr(),
-               buf[4].data_ptr(), buf[5].data_ptr(), need, _native.nthreads())
+               s._max_entries(), _native.ptr(out), buf.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), need,
+               _native.nthreads())
         made = need[3]
-        return rc, out, buf[4, :made], buf[5, :made], list(need)
+        return rc, out, new[0, :made], new[1, :made], list(need)
 
-    def insert(self, s, keys: torch.Tensor, codes: torch.Tensor) -> None:
+    def insert(self, s, keys, codes, counts, lasts) -> None:
         t = _table(s)
+        n = keys.numel()
         codes = codes.to(torch.int32).contiguous()
-        f = _fn("he_hs_insert", _P, _P, _I, _I)
-        f(ctypes.byref(t), _native.ptr(keys), _native.ptr(codes), keys.numel(), _native.nthreads())
+        counts, lasts = counts.contiguous(), lasts.contiguous()
+        for name, x in (("codes", codes), ("counts", counts), ("last steps", lasts)):
+            _native.check(x, torch.int32 if name == "codes" else torch.int64, f"table '{s.name}' {name}", n)
+        f = _fn("he_hs_insert", _P, _P, _P, _P, _I, _I)
+        f(ctypes.byref(t), _native.ptr(keys), _native.ptr(codes), _native.ptr(counts), _native.ptr(lasts), n,
+          _native.nthreads())
 
     def erase(self, s, keys: torch.Tensor) -> None:
         t = _table(s)

@@ -27,8 +27,8 @@ def max_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
 def check_layout(store) -> None:
     """Asserts the bucket arrays of a HashStore form a valid linear-probing table."""
     records = store._buckets.cpu()
-    bkeys = records[:, :2].contiguous().view(torch.int64).view(-1).numpy()
-    bcodes = records[:, 2].numpy()
+    bkeys = records[:, 0].numpy()
+    bcodes = ((records[:, 1] << 32) >> 32).numpy()  # low half of word 1
     nb = bkeys.size
     mask = nb - 1
     occupied = bkeys != np.int64(EMPTY)
@@ -45,6 +45,7 @@ def check_layout(store) -> None:
             p = (p + 1) & mask
     codes = bcodes[occupied].astype(np.int64)
     rows = codes[codes >= 0].tolist()
-    if store._st_get("side_used") and store._st_get("side_code") >= 0:
-        rows.append(store._st_get("side_code"))
+    if store._st_get("side_used") and store._side_code() >= 0:
+        rows.append(store._side_code())
+    assert set(codes[codes < 0].tolist()) <= {-2}, "a key is a row (>= 0) or pending (-2)"
     assert len(rows) == len(set(rows)) == len(store), "row slots must be unique and count the live rows"
