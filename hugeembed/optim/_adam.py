@@ -24,7 +24,6 @@ from ._base import (
     check_bool,
     check_choice,
     check_real,
-    check_slots_torch,
     gather_rows,
     int_view_dtype,
     rdiv,
@@ -179,8 +178,8 @@ class Adam(SparseOptimizer):
         if self._native_ok(storage, storage):
             self._run_native(storage, slots.contiguous(), None, dim, lr, step)
         else:
-            check_slots_torch(slots, storage.shape[0])
-            self._run_torch(storage, slots, None, dim, lr, step)
+            with torch.no_grad():
+                self._run_torch(storage, slots, None, dim, lr, step)
 
     def _scalars(self, lr: float, p1, p2):
         """(step_scale, dscale) from b1^t, b2^t: Python floats, or float64 tensors per row."""

@@ -201,13 +201,17 @@ class SparseOptimizer(abc.ABC):
             self._apply_native(storage, slots.contiguous(), grad.contiguous(), lr, step)
         else:
             check_slots_torch(slots, storage.shape[0])
-            self._apply_torch(storage, slots, grad, lr, step)
+            with torch.no_grad():  # storage may be a Parameter: the update is not part of any graph
+                self._apply_torch(storage, slots, grad, lr, step)
 
-    def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int) -> None:
+    def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int, *, lr: float | None = None,
+                 dim: int | None = None) -> None:
         """Brings rows `slots` up to date as of `step` (after a snapshot or before an eval).
 
         Only rules that move untouched rows (global Adam) have anything to do; for
         every other rule an untouched row is already exact, and this only validates.
+        The keyword arguments (the skipped steps' lr, the row dimension) matter only
+        to global Adam.
         """
         self._check_catch_up(storage, slots, step)
 
@@ -276,6 +280,7 @@ class SparseOptimizer(abc.ABC):
     def _check_catch_up(self, storage, slots, step) -> tuple[torch.Tensor, int]:
         self._check_storage(storage, "catch_up")
         slots = self._check_slots_tensor(storage, slots, "catch_up")
+        check_slots_torch(slots, storage.shape[0])
         return slots, self._check_step(step, "catch_up")
 
 

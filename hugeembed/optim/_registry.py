@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import ConfigError
@@ -32,7 +33,7 @@ NAMES: dict[str, tuple[type[SparseOptimizer], dict[str, Any]]] = {
 }
 
 
-def make_optimizer(name: str, **kwargs: Any) -> SparseOptimizer:
+def make_optimizer(name: str, /, **kwargs: Any) -> SparseOptimizer:
     """The optimizer called `name`, configured by `kwargs` (the rule's fields).
 
     Example::
@@ -47,7 +48,7 @@ def make_optimizer(name: str, **kwargs: Any) -> SparseOptimizer:
     for key, value in implied.items():
         if key in kwargs and kwargs[key] != value:
             raise ConfigError(f"optimizer {name!r} implies {key}={value!r}, got {key}={kwargs[key]!r}")
-    fields = set(rule.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(rule)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
         raise ConfigError(f"optimizer {name!r} ({rule.__name__}) has no option {', '.join(unknown)}; "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hugeembed import _native
 from hugeembed.optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, RowWiseAdagrad
@@ -47,9 +49,9 @@ def _ids(opt):
     return repr(opt).replace(" ", "")
 
 
-def _run(opt, steps, storage, *, native: bool, monkeypatch) -> torch.Tensor:
+def _run(opt, steps, storage, *, native: bool) -> torch.Tensor:
     storage = storage.clone()
-    with monkeypatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         if not native:
             mp.setattr(_native, "available", lambda: False)
         for step, slots, grad, lr in steps:
@@ -75,16 +77,40 @@ def _problem(opt, rows=150, dim=19, seed=0):
     return storage, steps
 
 
-@pytest.mark.parametrize("opt", CONFIGS, ids=_ids)
-def test_native_matches_twin(opt, monkeypatch):
-    storage, steps = _problem(opt)
-    a = _run(opt, steps, storage, native=True, monkeypatch=monkeypatch)
-    b = _run(opt, steps, storage, native=False, monkeypatch=monkeypatch)
-    D = steps[0][2].shape[1]
-    # Columns past D + S are never touched.
-    torch.testing.assert_close(a[:, -EXTRA:], storage[:, -EXTRA:], rtol=0, atol=0)
+def _assert_same(opt, a, b):
     if isinstance(opt, USES_POW):
         torch.testing.assert_close(a, b, rtol=4 * 2**-23, atol=1e-30, equal_nan=False)
     else:
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("opt", CONFIGS, ids=_ids)
+def test_native_matches_twin(opt):
+    storage, steps = _problem(opt)
+    a = _run(opt, steps, storage, native=True)
+    b = _run(opt, steps, storage, native=False)
+    D = steps[0][2].shape[1]
+    # Columns past D + S are never touched.
+    torch.testing.assert_close(a[:, -EXTRA:], storage[:, -EXTRA:], rtol=0, atol=0)
+    _assert_same(opt, a, b)
     assert not torch.equal(a[:, :D], storage[:, :D])
+
+
+@settings(max_examples=40)
+@given(opt=st.sampled_from(CONFIGS), rows=st.integers(1, 40), dim=st.integers(1, 40),
+       extra=st.integers(0, 3), seed=st.integers(0, 2**31 - 1), gaps=st.lists(st.integers(1, 60), min_size=1,
+                                                                                max_size=4))
+def test_native_matches_twin_on_any_shape(opt, rows, dim, extra, seed, gaps):
+    gen = torch.Generator().manual_seed(seed)
+    S = opt.state_width(dim)
+    storage = torch.randn(rows, dim + S + extra, generator=gen)
+    opt.init_state(storage[:, dim:dim + S])
+    steps, step = [], 0
+    for gap in gaps:
+        step += gap
+        slots = torch.randperm(rows, generator=gen)[: int(torch.randint(1, rows + 1, (1,), generator=gen))]
+        steps.append((step, slots, torch.randn(slots.numel(), dim, generator=gen), 0.05))
+    a = _run(opt, steps, storage, native=True)
+    b = _run(opt, steps, storage, native=False)
+    _assert_same(opt, a, b)
+    assert torch.equal(a[:, dim + S:], storage[:, dim + S:])

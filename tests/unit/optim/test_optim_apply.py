@@ -135,3 +135,15 @@ def test_bfloat16_storage_through_the_twin(opt, device):
     ref = run_ours(opt, w0, steps, dtype=torch.float32, device=device)
     got = run_ours(opt, w0, steps, dtype=torch.bfloat16, device=device)
     assert_close(got, ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("opt", RULES, ids=lambda o: o.name)
+def test_parameter_storage_and_catch_up_checks(opt, path):
+    """A storage that is an nn.Parameter is updated outside autograd; catch_up checks its slots."""
+    storage = torch.nn.Parameter(_table(opt))
+    before = storage.detach().clone()
+    opt.apply(storage, torch.tensor([1]), torch.ones(1, D), lr=0.1, step=1)
+    assert not torch.equal(storage.detach()[1], before[1])
+    assert storage.grad is None and storage.requires_grad
+    with pytest.raises(IndexError, match="slot 9 at position 0"):
+        opt.catch_up(storage.detach(), torch.tensor([9]), 3, dim=D)

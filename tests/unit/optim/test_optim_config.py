@@ -106,6 +106,8 @@ def test_make_optimizer_errors():
         make_optimizer("global_adam", mode="lazy")
     with pytest.raises(ConfigError, match="lr"):
         make_optimizer("sgd")
+    with pytest.raises(ConfigError, match="has no option name"):
+        make_optimizer("sgd", lr=0.1, name="adam")
 
 
 EVERY = [
