@@ -15,6 +15,8 @@ An int64 bucket holds at least 2**36 (68 billion) additions before it could over
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import InputError
@@ -90,5 +92,9 @@ class ExactSum:
         return sum(((hi[k] << 26) + lo[k]) << k for k in nz)
 
     def value(self) -> float:
-        """The exact sum rounded once to the nearest float64 (0.0 when empty)."""
-        return self.exact_scaled() / self.SCALE
+        """The exact sum rounded once to the nearest float64 (0.0 when empty, +-inf beyond float64)."""
+        scaled = self.exact_scaled()
+        try:
+            return scaled / self.SCALE
+        except OverflowError:
+            return math.inf if scaled > 0 else -math.inf
