@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hugeembed import _native  # noqa: E402
 from hugeembed._hashing import mix64  # noqa: E402
 from hugeembed.store import HashStore, TruncatedNormal, Uniform  # noqa: E402
-from hugeembed.store import _alloc  # noqa: E402
+from hugeembed.store import _alloc, _hash  # noqa: E402
 
 _SALT = 0x5DEECE66D
 
@@ -119,9 +119,14 @@ def bench_store(args) -> None:
     init = Uniform(-0.05, 0.05) if args.init == "uniform" else TruncatedNormal(0.0, 0.05)
     print(f"# store: {args.keys:,} keys, batches of {args.batch:,} unique keys (Zipf {args.zipf}, "
           f"{args.new_frac:.0%} new), dim {args.dim}, {args.init} init, {args.threads} threads, "
-          f"huge pages {'on' if _alloc.HUGE_PAGES else 'off'}, median of {args.runs} runs")
+          f"huge pages {'on' if _alloc.HUGE_PAGES else 'off'}, max load {args.max_load}, median of {args.runs} runs")
     backend = "native" if _native.available() else "torch"
-    store = HashStore("bench", args.dim, initializer=init, initial_rows=args.keys, backend=backend)
+    _hash.MAX_LOAD = args.max_load
+    # The reservation hint covers the keys the timed batches will add, so no
+    # growth (a one-off 1.5x copy of the storage) lands inside a timed run.
+    backends = [b for b in args.backends.split(",") if b and (b != "native" or _native.available())]
+    expected_new = (2 * args.runs + 1) * len(backends) * int(args.batch * args.new_frac)
+    store = HashStore("bench", args.dim, initializer=init, initial_rows=args.keys + expected_new, backend=backend)
     t0 = time.perf_counter()
     chunk = 1 << 20
     for start in range(0, args.keys, chunk):
@@ -131,7 +136,6 @@ def bench_store(args) -> None:
 
     gen = Batches(args.keys, args.batch, args.new_frac, args.zipf)
     results: dict[str, tuple[float, float]] = {}
-    backends = ["native", "torch"] if _native.available() else ["torch"]
     for name in backends:
         store.use_backend(name)
         qs = [gen.make() for _ in range(args.runs + 1)]
@@ -158,12 +162,12 @@ def bench_store(args) -> None:
     for name, (f, i) in results.items():
         ratio = f"   ({f / ref[0]:.1f}x / {i / ref[1]:.1f}x ref)" if ref and not name.endswith("(ref)") else ""
         print(f"{name:28s} {f:14.1f} {i:24.1f}{ratio}")
-    index = mem["buckets"]
-    meta = mem["row_meta"]
+    index = mem["index"]
+    meta = mem["row_metadata"]
     spare = mem["storage"] - rows * args.dim * 4
     print(f"bytes/row beyond weights+state at {rows:,} rows: index {index / rows:.1f} "
-          f"(buckets {store.num_buckets:,} x 12 B, load {store._st_get('entries') / store.num_buckets:.2f}), "
-          f"per-row metadata (count, last step) {meta / rows:.1f}, spare rows {spare / rows:.1f}, "
+          f"(key + code, 12 B x {store.num_buckets:,} buckets, load {store._st_get('entries') / store.num_buckets:.2f}), "
+          f"per-row metadata (count + last step, in the bucket record) {meta / rows:.1f}, spare rows {spare / rows:.1f}, "
           f"total {store.index_overhead_bytes() / rows:.1f}")
 
 
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch / kernel threads")
     p.add_argument("--no-hugepages", action="store_true", help="do not madvise(MADV_HUGEPAGE) the store arrays")
     p.add_argument("--no-reference", action="store_true", help="skip the sorted-array reference")
+    p.add_argument("--max-load", type=float, default=_hash.MAX_LOAD, help="bucket load factor that triggers growth")
+    p.add_argument("--backends", default="native,torch", help="HashStore backends to time (comma-separated)")
     args = p.parse_args(argv)
     if args.quick:
         args.keys, args.batch, args.runs = min(args.keys, 2_000_000), min(args.batch, 100_000), min(args.runs, 5)

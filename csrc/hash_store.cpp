@@ -32,7 +32,13 @@ using he::pack;
 
 constexpr int64_t kDist = 16;  // prefetch distance in keys (8..64 measured within noise)
 
-inline uint64_t home(int64_t key, uint64_t mask) { return he::mix64((uint64_t)key) & mask; }
+// Home bucket: the top 32 bits of the hash scaled to [0, nb) by a multiply-shift
+// ("fastrange"), so the bucket count need not be a power of two and the load
+// factor can be held near its target (nb <= 2^32).
+inline uint64_t home(int64_t key, uint64_t nb) { return ((he::mix64((uint64_t)key) >> 32) * nb) >> 32; }
+inline uint64_t next(uint64_t p, uint64_t nb) { return p + 1 == nb ? 0 : p + 1; }
+// Small power-of-two tables (the duplicate check) keep the mask form.
+inline uint64_t home_pow2(int64_t key, uint64_t mask) { return he::mix64((uint64_t)key) & mask; }
 
 inline void prefetch_record(const int64_t* r, uint64_t i) {
   // A 24-byte record may straddle two cache lines: ask for both ends.
@@ -54,11 +60,11 @@ template <bool kApply>
 void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, int64_t step, int64_t admit_k,
                  int64_t b, int64_t e, int64_t* codes, int64_t* pos, int64_t* saved1, int64_t* saved2,
                  Needs* needs) {
-  const uint64_t mask = (uint64_t)t.nbuckets - 1;
+  const uint64_t nb = (uint64_t)t.nbuckets;
   int64_t* r = t.buckets;
   uint64_t ring[kDist];
   for (int64_t j = b; j < std::min(e, b + kDist); ++j) {
-    uint64_t h = home(keys[j], mask);
+    uint64_t h = home(keys[j], nb);
     ring[j % kDist] = h;
     prefetch_record(r, h);
   }
@@ -66,7 +72,7 @@ void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, i
     uint64_t p = ring[i % kDist];
     int64_t j = i + kDist;
     if (j < e) {
-      uint64_t h = home(keys[j], mask);
+      uint64_t h = home(keys[j], nb);
       ring[j % kDist] = h;
       prefetch_record(r, h);
     }
@@ -83,7 +89,7 @@ void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, i
           break;
         }
         if (k == kEmpty) break;
-        p = (p + 1) & mask;
+        p = next(p, nb);
       }
       if (pos) pos[i] = (int64_t)p;
     }
@@ -128,7 +134,7 @@ bool find_duplicate(const int64_t* keys, const std::vector<int64_t>& todo, int64
   std::vector<uint8_t> used(cap, 0);
   const uint64_t mask = cap - 1;
   for (int64_t i : todo) {
-    uint64_t p = home(keys[i], mask);
+    uint64_t p = home_pow2(keys[i], mask);
     while (used[p] && set_keys[p] != keys[i]) p = (p + 1) & mask;
     if (used[p]) {
       *dup = keys[i];
@@ -153,7 +159,7 @@ inline int32_t alloc_row(HsTable& t) {
 template <class Src>
 int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
   if (n == 0) return 0;
-  const uint64_t nb = (uint64_t)t.nbuckets, mask = nb - 1;
+  const uint64_t nb = (uint64_t)t.nbuckets;
   int64_t* r = t.buckets;
   int regions = (int)std::max<int64_t>(1, std::min<int64_t>({nthreads, (int64_t)nb / 1024, n / 2048 + 1}));
   std::vector<std::vector<int64_t>> deferred(regions);
@@ -181,7 +187,7 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
       int64_t rec[3];
       uint64_t p;
       src(i, rec, p);
-      while (r[3 * p] != kEmpty) p = (p + 1) & mask;
+      while (r[3 * p] != kEmpty) p = next(p, nb);
       std::memcpy(r + 3 * p, rec, sizeof rec);
       ++total;
     }
@@ -293,12 +299,11 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
     }
   }
   // D
-  const uint64_t mask = (uint64_t)t->nbuckets - 1;
   place_all(*t, placed, [&](int64_t j, int64_t* rec, uint64_t& p) {
     rec[0] = place_keys[j];
     rec[1] = place_w1[j];
     rec[2] = step;
-    p = (uint64_t)place_start[j] & mask;
+    p = (uint64_t)place_start[j];
     return true;
   }, nthreads);
   need[3] = made;
@@ -316,12 +321,12 @@ HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* code
       t->st[he::kSideLast] = lasts[i];
     }
   }
-  const uint64_t mask = (uint64_t)t->nbuckets - 1;
+  const uint64_t nb = (uint64_t)t->nbuckets;
   place_all(*t, n, [&](int64_t i, int64_t* rec, uint64_t& p) {
     rec[0] = keys[i];
     rec[1] = pack(codes[i], counts[i]);
     rec[2] = lasts[i];
-    p = home(keys[i], mask);
+    p = home(keys[i], nb);
     return keys[i] != kEmpty;
   }, nthreads);
   return 0;
@@ -331,7 +336,7 @@ HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* code
 // sequences stay as short as if the key had never been inserted).  Row
 // bookkeeping is the caller's.  Returns how many keys were not present.
 HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
-  const uint64_t mask = (uint64_t)t->nbuckets - 1;
+  const uint64_t nb = (uint64_t)t->nbuckets;
   int64_t* r = t->buckets;
   int64_t missing = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -340,8 +345,8 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
       if (t->st[he::kSideUsed]) t->st[he::kSideUsed] = 0; else ++missing;
       continue;
     }
-    uint64_t p = home(key, mask);
-    while (r[3 * p] != kEmpty && r[3 * p] != key) p = (p + 1) & mask;
+    uint64_t p = home(key, nb);
+    while (r[3 * p] != kEmpty && r[3 * p] != key) p = next(p, nb);
     if (r[3 * p] != key) {
       ++missing;
       continue;
@@ -350,11 +355,13 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
     // when the hole lies between their home and where they sit.
     uint64_t hole = p, j = p;
     while (true) {
-      j = (j + 1) & mask;
+      j = next(j, nb);
       int64_t k = r[3 * j];
       if (k == kEmpty) break;
-      uint64_t h = home(k, mask);
-      if (((j - h) & mask) >= ((j - hole) & mask)) {
+      uint64_t h = home(k, nb);
+      // cyclic distances: from its home to j, and from the hole to j
+      uint64_t dh = j >= h ? j - h : j + nb - h, dhole = j >= hole ? j - hole : j + nb - hole;
+      if (dh >= dhole) {
         std::memcpy(r + 3 * hole, r + 3 * j, 3 * sizeof(int64_t));
         hole = j;
       }
@@ -370,20 +377,20 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
 // Re-inserts every record of the old buckets (`on` of them) into `nt`, whose
 // buckets array is allocated, not filled.  Returns the records moved.
 HE_API int64_t he_hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t nthreads) {
-  int64_t* nb = nt->buckets;
+  int64_t* nr = nt->buckets;
   const int64_t empty_w1 = pack(-1, 0);
   he::parallel_for(nt->nbuckets, (int)nthreads, 1 << 16, [&](int64_t b, int64_t e, int) {
     for (int64_t i = b; i < e; ++i) {
-      nb[3 * i] = kEmpty;
-      nb[3 * i + 1] = empty_w1;
-      nb[3 * i + 2] = 0;
+      nr[3 * i] = kEmpty;
+      nr[3 * i + 1] = empty_w1;
+      nr[3 * i + 2] = 0;
     }
   });
-  const uint64_t mask = (uint64_t)nt->nbuckets - 1;
+  const uint64_t nb = (uint64_t)nt->nbuckets;
   nt->st[he::kEntries] = 0;
   return place_all(*nt, on, [&](int64_t i, int64_t* rec, uint64_t& p) {
     std::memcpy(rec, old + 3 * i, 3 * sizeof(int64_t));
-    p = home(rec[0], mask);
+    p = home(rec[0], nb);
     return rec[0] != kEmpty;
   }, nthreads);
 }

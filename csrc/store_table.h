@@ -14,8 +14,8 @@
 //   st        int64 [kStLen] scalars below
 //
 // Keeping a key's code and metadata in its bucket record means a hit touches one
-// cache line (probe, count, last step), not two or three.  B is a power of two; a
-// key's home bucket is mix64(key) & (B - 1) and probing is linear.  The key equal
+// cache line (probe, count, last step), not two or three.  A key's home bucket is
+// ((mix64(key) >> 32) * B) >> 32 (any B <= 2^32) and probing is linear, wrapping at B.  The key equal
 // to kEmpty cannot live in a bucket: its record is kept in st (kSide*).
 #pragma once
 

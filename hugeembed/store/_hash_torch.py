@@ -2,7 +2,8 @@
 
 Runs on any device (it is the CUDA path) and is the CPU parity twin of the native
 kernels.  Bucket records are int64 [B, 3] = (key, code | count << 32, last step);
-see csrc/store_table.h.  Probing advances every unresolved key at once over a
+see csrc/store_table.h.  Home buckets use a multiply-shift of the hash, so B need not be a power of two.
+Probing advances every unresolved key at once over a
 window of buckets that doubles each round (1, 2, 4, ... 32), so a batch finishes
 in a handful of rounds even when a few keys sit far from home.  Concurrent inserts
 that pick the same empty bucket are resolved with ``scatter_reduce(amin)`` over
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._hashing import mix64
+from .._hashing import logical_shift_right, mix64
 
 __all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of"]
 
@@ -46,7 +47,8 @@ def new_buckets(nbuckets: int, device: torch.device, out: torch.Tensor | None = 
 
 
 def _home(keys: torch.Tensor, nbuckets: int) -> torch.Tensor:
-    return mix64(keys) & (nbuckets - 1)
+    """((mix64(key) >> 32) * B) >> 32 with logical shifts: a bucket in [0, B) for B <= 2**32."""
+    return logical_shift_right(logical_shift_right(mix64(keys), 32) * nbuckets, 32)
 
 
 def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torc
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     while idx.numel():
-        win = (p[:, None] + ar[:width]) & (nb - 1)
+        win = (p[:, None] + ar[:width]) % nb
         bk = bkeys[win]
         stop = (bk == k[:, None]) | (bk == EMPTY)
         done = stop.any(1)
@@ -74,7 +76,7 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torc
         codes[di] = torch.where(dh, code_of(buckets[dq, 1]), -1)
         pos[di] = dq
         keep = ~done
-        idx, p, k = idx[keep], (p[keep] + width) & (nb - 1), k[keep]
+        idx, p, k = idx[keep], (p[keep] + width) % nb, k[keep]
         width = min(2 * width, _MAX_WINDOW)
     return codes, pos
 
@@ -95,7 +97,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
     bkeys = buckets[:, 0]
     width = 1
     while idx.numel():
-        win = (p[:, None] + ar[:width]) & (nb - 1)
+        win = (p[:, None] + ar[:width]) % nb
         empty = bkeys[win] == EMPTY
         has = empty.any(1)
         q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
@@ -108,7 +110,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
         buckets[cq[won]] = records[ci[won]]
         # Losers retry right after the bucket they lost; keys with no empty in
         # their window skip the whole window (all of it was occupied).
-        nxt = torch.where(has, q + 1, p + width) & (nb - 1)
+        nxt = torch.where(has, q + 1, p + width) % nb
         keep = torch.ones(idx.numel(), dtype=torch.bool, device=dev)
         keep[has.nonzero().squeeze(1)[won]] = False
         idx, p = idx[keep], nxt[keep]

@@ -35,7 +35,7 @@ def _table(s, buckets: torch.Tensor | None = None) -> _Table:
     ck(buckets, torch.int64, f"table '{s.name}' buckets", 3 * nb)
     ck(s._free, torch.int32, f"table '{s.name}' free rows")
     ck(s._st, torch.int64, f"table '{s.name}' scalars")
-    if nb & (nb - 1) or s._free.numel() < s._st_get("num_free") or s._st_get("row_hwm") > s._storage.shape[0]:
+    if nb < 1 or nb > 2**32 or s._free.numel() < s._st_get("num_free") or s._st_get("row_hwm") > s._storage.shape[0]:
         raise StoreError(f"table '{s.name}': hash store arrays are inconsistent")
     return _Table(_native.ptr(buckets), nb, s._storage.shape[0], _native.ptr(s._free), _native.ptr(s._st))
 

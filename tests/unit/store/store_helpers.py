@@ -30,7 +30,6 @@ def check_layout(store) -> None:
     bkeys = records[:, 0].numpy()
     bcodes = ((records[:, 1] << 32) >> 32).numpy()  # low half of word 1
     nb = bkeys.size
-    mask = nb - 1
     occupied = bkeys != np.int64(EMPTY)
     assert int(occupied.sum()) == store._st_get("entries")
     seen = set()
@@ -38,11 +37,11 @@ def check_layout(store) -> None:
         key = int(bkeys[q])
         assert key not in seen, f"key {key} stored twice"
         seen.add(key)
-        h = mix64_int(key) & mask
+        h = (((mix64_int(key) & (2**64 - 1)) >> 32) * nb) >> 32
         p = h
         while p != q:  # every bucket between home and the key is occupied
             assert occupied[p], f"key {key} at {q} is unreachable from home {h} (hole at {p})"
-            p = (p + 1) & mask
+            p = (p + 1) % nb
     codes = bcodes[occupied].astype(np.int64)
     rows = codes[codes >= 0].tolist()
     if store._st_get("side_used") and store._side_code() >= 0:
