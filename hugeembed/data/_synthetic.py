@@ -64,6 +64,12 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _lanes(h: np.ndarray) -> np.ndarray:
+    """uint64 [n, k] -> its four 16-bit lanes, uint16 [n, k, 4] (in memory order)."""
+    h = np.ascontiguousarray(h)
+    return h.view(np.uint16).reshape(*h.shape, 4)
+
+
 def _unit_uniform(h: np.ndarray) -> np.ndarray:
     """Hash bits -> uniform on [-sqrt(3), sqrt(3)) (mean 0, variance 1)."""
     return ((h >> np.uint64(11)).astype(np.float64) * 2.0**-53 * 2.0 - 1.0) * math.sqrt(3.0)
@@ -162,11 +168,11 @@ class SyntheticCriteo:
         self._zipf_span = (self._card + 0.5) ** (1 - a) - self._zipf_lo
         self._effect_idx = [CAT_NAMES.index(f) for f in cfg.effect_features]
         self._pairs = [(CAT_NAMES.index(a), CAT_NAMES.index(b)) for a, b in cfg.interactions]
+        self._used_cols = sorted(set(self._effect_idx) | {j for p in self._pairs for j in p})
         # calibration sample (rows far away from any the user is likely to ask for)
         self._dense_mean = np.zeros(N_DENSE)
         self.bias = 0.0
-        calib = self._raw(1 << 50, 32768)
-        dense = _transform(calib.ints)
+        calib, dense = self._raw(1 << 50, 32768)
         self._dense_mean = dense.astype(np.float64).mean(axis=0)
         z = self.true_logits(dense, calib.ids)
         self.bias = _calibrate(z, cfg.target_ctr)
@@ -184,12 +190,12 @@ class SyntheticCriteo:
         x = np.exp(np.log(self._zipf_lo + u * self._zipf_span) * (1.0 / (1.0 - a)))
         return np.clip(np.rint(x), 1, self._card).astype(np.int64) - 1
 
-    def _raw(self, start: int, n: int) -> RawRows:
-        """Rows [start, start + n) before the dense transform."""
+    def _raw(self, start: int, n: int) -> tuple[RawRows, np.ndarray]:
+        """Rows [start, start + n) before the dense transform, and the transformed dense."""
         if n == 0:
             z = np.zeros
             return RawRows(z(0, np.float32), z((0, N_DENSE), np.int64), z((0, N_DENSE), bool),
-                           z((0, N_CAT), np.int64), z((0, N_CAT), bool))
+                           z((0, N_CAT), np.int64), z((0, N_CAT), bool)), z((0, N_DENSE), np.float32)
         first, last = start // _CHUNK, (start + n - 1) // _CHUNK
         parts = []
         for c in range(first, last + 1):
@@ -217,12 +223,12 @@ class SyntheticCriteo:
         dense = _transform(ints)
         p = _sigmoid(self.true_logits(dense, ids))
         labels = (u_label < p).astype(np.float32)
-        return RawRows(labels, ints, ints_missing, ids, ids_missing)
+        return RawRows(labels, ints, ints_missing, ids, ids_missing), dense
 
     def raw_rows(self, start: int, n: int) -> RawRows:
         """Rows [start, start + n) as raw counts and ids (what a Criteo text line holds)."""
         _check_range(start, n)
-        return self._raw(start, n)
+        return self._raw(start, n)[0]
 
     def rows(self, start: int, n: int) -> CriteoBlock:
         """Rows [start, start + n) exactly as the Criteo reader would give them.
@@ -233,8 +239,9 @@ class SyntheticCriteo:
             >>> gen.rows(0, 4).cats.shape, gen.rows(2, 2).equals(gen.rows(0, 4).slice(2, 4))
             ((4, 26), True)
         """
-        raw = self.raw_rows(start, n)
-        return CriteoBlock(_transform(raw.ints), raw.ids, raw.labels)
+        _check_range(start, n)
+        raw, dense = self._raw(start, n)
+        return CriteoBlock(dense, raw.ids, raw.labels)
 
     def batches(self, batch_size: int, num_batches: int | None = None, *, start: int = 0) -> Iterator[Batch]:
         """Batches of `batch_size` consecutive rows from row `start` (endless if num_batches is None).
@@ -279,23 +286,25 @@ class SyntheticCriteo:
         """
         cfg = self.config
         terms = {"dense": (dense.astype(np.float64) - self._dense_mean) @ self._dense_w}
+        used = self._used_cols
+        amp = self._amp(cats[:, used], used)  # [n, len(used)]
+        col = {j: k for k, j in enumerate(used)}
         e = self._effect_idx
         if e:
             h = _mix64(cats[:, e].astype(np.uint64) ^ self._salt[0, e])
-            eff = cfg.effect_scale * self._amp(cats[:, e], e) * _unit_uniform(h)
+            eff = cfg.effect_scale * amp[:, [col[j] for j in e]] * _unit_uniform(h)
             terms.update((CAT_NAMES[j], eff[:, k]) for k, j in enumerate(e))
         if self._pairs:
             a, b = [p[0] for p in self._pairs], [p[1] for p in self._pairs]
-            ha = _mix64(cats[:, a].astype(np.uint64) ^ self._salt[1, a])
-            hb = _mix64(cats[:, b].astype(np.uint64) ^ self._salt[1, b])
             r = cfg.interaction_rank
-            dot = np.zeros(ha.shape)
-            for t in range(r):  # 16 bits of each hash per latent dimension
-                sh = np.uint64(16 * t)
-                va = ((ha >> sh) & np.uint64(0xFFFF)).astype(np.float64) * (2 / 65536.0) - 1.0
-                vb = ((hb >> sh) & np.uint64(0xFFFF)).astype(np.float64) * (2 / 65536.0) - 1.0
-                dot += va * vb
-            inter = (3.0 * cfg.interaction_scale / math.sqrt(r)) * self._amp(cats[:, a], a) * self._amp(cats[:, b], b) * dot
+            # each 64-bit hash holds four 16-bit latent coordinates, uniform on [-1, 1)
+            ha = _lanes(_mix64(cats[:, a].astype(np.uint64) ^ self._salt[1, a]))[..., :r]
+            hb = _lanes(_mix64(cats[:, b].astype(np.uint64) ^ self._salt[1, b]))[..., :r]
+            va = ha.astype(np.float32) * np.float32(2 / 65536.0) - np.float32(1.0)
+            vb = hb.astype(np.float32) * np.float32(2 / 65536.0) - np.float32(1.0)
+            dot = (va * vb).sum(axis=2, dtype=np.float64)
+            amp_ab = amp[:, [col[j] for j in a]] * amp[:, [col[j] for j in b]]
+            inter = (3.0 * cfg.interaction_scale / math.sqrt(r)) * amp_ab * dot
             terms.update((f"{CAT_NAMES[i]}x{CAT_NAMES[j]}", inter[:, k]) for k, (i, j) in enumerate(self._pairs))
         return terms
 

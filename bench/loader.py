@@ -1,0 +1,144 @@
+"""Loader-only throughput: Criteo TSV, .gz, converted shards, and the synthetic generator.
+
+    python bench/loader.py [--rows 500000] [--batch 8192] [--repeats 5] [--dir /tmp/hugeembed_bench]
+
+Every figure is rows/s, the median of --repeats runs over all rows (batches are
+built and handed through the prefetch queue as in training, then dropped).  References
+measured in the same run: a Python per-line parser (what "too slow" means) and, when
+installed, pyarrow's multi-threaded CSV reader (parse only, no transform, no batches).
+Training runs at roughly 20-100 k samples/s; converted shards should beat 300 k rows/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hugeembed.data import (Loader, SyntheticConfig, SyntheticCriteo, convert, CriteoReader, native_parser_available,
+                            write_criteo_tsv)
+
+
+def median_rate(fn, rows: int, repeats: int) -> tuple[float, float]:
+    """(median rows/s, spread max/min) of `repeats` timed calls of fn()."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        got = fn()
+        times.append(time.perf_counter() - t)
+        if got != rows:
+            raise RuntimeError(f"benchmark read {got} rows, expected {rows}")
+    return rows / statistics.median(times), max(times) / min(times)
+
+
+def count_loader(source, batch: int, **kw) -> int:
+    return sum(b.batch_size for b in Loader(source, batch, **kw))
+
+
+def count_reader(path, native: bool) -> int:
+    return sum(len(b) for b in CriteoReader(path, native=native))
+
+
+def python_per_line(path: Path, limit: int) -> int:
+    """The naive reference: split each line, int() / int(x, 16) each field, log1p each count."""
+    n = 0
+    with open(path) as f:
+        for line in f:
+            fields = line.rstrip("\n").split("\t")
+            _label = float(fields[0])
+            _dense = [math.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1:14]]
+            _cats = [int(x, 16) if x else -1 for x in fields[14:]]
+            n += 1
+            if n == limit:
+                break
+    return n
+
+
+def pyarrow_csv(path: Path) -> int | None:
+    try:
+        from pyarrow import csv
+    except ImportError:
+        return None
+    names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+    table = csv.read_csv(path, read_options=csv.ReadOptions(column_names=names),
+                         parse_options=csv.ParseOptions(delimiter="\t"))
+    return table.num_rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=500_000)
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/hugeembed_bench"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n, bs, r = args.rows, args.batch, args.repeats
+    cfg = SyntheticConfig(seed=0, max_cardinality=10_000_000)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    tsv, gz, shards = args.dir / f"criteo_{n}.txt", args.dir / f"criteo_{n}.txt.gz", args.dir / f"shards_{n}"
+    if not tsv.exists():
+        print(f"writing {n:,} synthetic rows as Criteo TSV ...", flush=True)
+        write_criteo_tsv(tsv, n, config=cfg)
+    if not gz.exists():
+        write_criteo_tsv(gz, n, config=cfg)
+    if not shards.exists():
+        convert(tsv, shards, rows_per_shard=1 << 18)
+    mb = tsv.stat().st_size / 1e6
+    print(f"{n:,} rows, TSV {mb:.0f} MB ({tsv.stat().st_size / n:.0f} B/row), .gz {gz.stat().st_size / 1e6:.0f} MB; "
+          f"batch {bs}; median of {r}; torch threads {args.threads}\n")
+
+    results: list[tuple[str, float, float]] = []
+
+    def run(name, fn, rows=n, repeats=r):
+        rate, spread = median_rate(fn, rows, repeats)
+        results.append((name, rate, spread))
+        print(f"  {name:52s} {rate / 1e3:9.0f} k rows/s   (max/min time {spread:.2f})", flush=True)
+
+    print("parse only (CriteoReader, blocks of ~35k rows):")
+    if native_parser_available():
+        run("TSV, native C++ parser", lambda: count_reader(tsv, True))
+    run("TSV, NumPy twin parser", lambda: count_reader(tsv, False), repeats=max(3, r // 2))
+    if native_parser_available():
+        run(".gz, native C++ parser", lambda: count_reader(gz, True))
+    py_rows = min(n, 50_000)
+    run("reference: Python per-line parser", lambda: python_per_line(tsv, py_rows), rows=py_rows, repeats=3)
+    if pyarrow_csv(tsv) is not None:
+        run("reference: pyarrow.csv.read_csv (parse only, threads)", lambda: pyarrow_csv(tsv), repeats=3)
+
+    print(f"\nLoader -> Batch (prefetch thread, batch {bs}):")
+    run("TSV", lambda: count_loader(tsv, bs))
+    run(".gz", lambda: count_loader(gz, bs))
+    run("converted shards", lambda: count_loader(shards, bs))
+    run("converted shards, shuffle=True", lambda: count_loader(shards, bs, shuffle=True))
+    run("converted shards, rank 0 of 2 (half the rows)", lambda: count_loader(shards, bs, rank=0, world_size=2),
+        rows=(n + 1) // 2)
+
+    print("\nsynthetic generator:")
+    gen = SyntheticCriteo(cfg)
+    run("SyntheticCriteo.rows (8192-row calls)", lambda: sum(len(gen.rows(a, min(8192, n - a))) for a in range(0, n, 8192)))
+    run(f"SyntheticCriteo.batches({bs}) -> Batch", lambda: sum(b.batch_size for b in gen.batches(bs, -(-n // bs)))
+        , rows=-(-n // bs) * bs)
+    run("write_criteo_tsv (text formatting)", lambda: _write_count(args.dir / "w.txt", 100_000, cfg), rows=100_000,
+        repeats=3)
+
+    rate = dict((name, rate) for name, rate, _ in results)
+    print(f"\nconverted shards / 100 k samples/s training: {rate['converted shards'] / 1e5:.1f}x (need >= 3x)")
+    if native_parser_available():
+        print(f"native parser / NumPy twin: {rate['TSV, native C++ parser'] / rate['TSV, NumPy twin parser']:.1f}x; "
+              f"native / Python per-line: {rate['TSV, native C++ parser'] / rate['reference: Python per-line parser']:.0f}x")
+
+
+def _write_count(path: Path, rows: int, cfg: SyntheticConfig) -> int:
+    write_criteo_tsv(path, rows, config=cfg)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
