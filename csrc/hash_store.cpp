@@ -30,7 +30,8 @@ using he::kEmpty;
 using he::kPendingCode;
 using he::pack;
 
-constexpr int64_t kDist = 16;  // prefetch distance in keys (8..64 measured within noise)
+constexpr int64_t kDist = 16;     // prefetch distance in keys (8..64 measured within noise)
+constexpr int64_t kChunk = 8192;  // keys per work item of the probe phase
 
 // Home bucket: the top 32 bits of the hash scaled to [0, nb) by a multiply-shift
 // ("fastrange"), so the bucket count need not be a power of two and the load
@@ -200,8 +201,10 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
 
 // codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1).
 HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t nthreads) {
-  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int) {
-    probe_range<false>(*t, keys, nullptr, 0, 0, b, e, codes, nullptr, nullptr, nullptr, nullptr);
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  he::parallel_items(nchunks, (int)nthreads, [&](int64_t c, int) {
+    probe_range<false>(*t, keys, nullptr, 0, 0, c * kChunk, std::min(n, (c + 1) * kChunk), codes, nullptr, nullptr,
+                       nullptr, nullptr);
   });
   return 0;
 }
@@ -227,10 +230,14 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
   int64_t* st = t->st;
   int64_t *pos = scratch, *saved1 = scratch + n, *saved2 = scratch + 2 * n;
   int64_t *place_keys = scratch + 3 * n, *place_w1 = scratch + 4 * n, *place_start = scratch + 5 * n;
-  // A
-  std::vector<Needs> parts(std::max<int64_t>(1, nthreads));
-  he::parallel_for(n, (int)nthreads, 4096, [&](int64_t b, int64_t e, int tid) {
-    probe_range<true>(*t, keys, counts, step, admit_k, b, e, out, pos, saved1, saved2, &parts[tid]);
+  // A: chunks handed out dynamically, so a thread that loses its core to another
+  // process does not hold the whole call back; needs are kept per chunk so the
+  // to-do list stays in batch order.
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  std::vector<Needs> parts(nchunks);
+  he::parallel_items(nchunks, (int)nthreads, [&](int64_t c, int) {
+    probe_range<true>(*t, keys, counts, step, admit_k, c * kChunk, std::min(n, (c + 1) * kChunk), out, pos, saved1,
+                      saved2, &parts[c]);
   });
   // B
   Needs all;
