@@ -243,3 +243,26 @@ def test_dynamic_on_range_equals_static(backend):
         h.find_or_insert(chunk, 0)
     rows = h.gather(h.find(torch.arange(n)))
     assert max_ulp_diff(rows, a.storage()) <= (0 if backend == "native" else 1)
+
+
+def test_auto_evict_frees_slack_like_the_oracle(device):
+    kw = dict(capacity=128, eviction_policy="lfu", initializer=Uniform(-1.0, 1.0))
+    h, d = HashStore("t", 2, device=device, **kw), DictStore("t", 2, device=device, **kw)
+    keys = torch.arange(128, device=device)
+    counts = (torch.arange(128, device=device) % 7) + 1
+    for s in (h, d):
+        s.find_or_insert(keys, 0, counts)
+    new = torch.tensor([1000, 7], device=device)  # one new key, one live key (protected)
+    assert h.find_or_insert(new, 1).tolist() == d.find_or_insert(new, 1).tolist()
+    assert len(h) == len(d) == 128 - 1 - 128 // 64 + 1  # down to capacity - needed - slack, then the new key
+    # count 1 = keys 0, 7, 14, 21, ...; 7 is in the batch, so 0, 14 and 21 go
+    assert _keys_of(h) == _keys_of(d) == sorted(set(range(128)) - {0, 14, 21}) + [1000]
+
+
+def test_half_precision_storage_and_state_init(device):
+    s = HashStore("t", 3, 2, device=device, dtype=torch.bfloat16, initializer=Uniform(-1.0, 1.0),
+                  init_state=lambda st: st.fill_(0.5))
+    rows = s.gather(s.find_or_insert(T(5, 6).to(device), 0))
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2, 5)
+    want = Uniform(-1.0, 1.0).generate(T(5, 6).to(device), 3, 0).to(torch.bfloat16)
+    assert torch.equal(rows[:, :3], want) and (rows[:, 3:] == 0.5).all()
