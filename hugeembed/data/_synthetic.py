@@ -46,10 +46,12 @@ _CAT_MISSING = np.array(
     (0, 0, .03, .03, 0, .12, 0, 0, 0, .03, 0, .03, 0, 0, 0, .03, 0, 0, .44, .44, .03, .76, 0, .03, .44, .44), np.float32
 )
 # log-scale location and spread of the dense counts (medians ~ e^mu)
-_DENSE_MU = np.array((0.5, 3.0, 2.5, 1.8, 7.5, 4.0, 1.5, 2.3, 3.5, 0.3, 1.0, 0.2, 1.7))
+_DENSE_MU = np.array((0.5, 3.0, 2.5, 1.8, 7.5, 4.0, 1.5, 2.3, 3.5, 0.3, 1.0, 0.2, 1.7), np.float32)
 _DENSE_SIGMA = np.array((1.2, 1.5, 1.4, 1.0, 1.8, 1.6, 1.4, 1.0, 1.2, 0.8, 1.0, 1.0, 1.1))
 _CAT_MISS_COLS = np.flatnonzero(_CAT_MISSING > 0)
-_LOGISTIC_UNIT = math.sqrt(3.0) / math.pi  # scales a standard logistic variable to unit variance
+# sigma times the factor that scales a standard logistic variable to unit variance
+_DENSE_SIGMA_LOGISTIC = (_DENSE_SIGMA * math.sqrt(3.0) / math.pi).astype(np.float32)
+_DENSE_PRESENT_INV = (1.0 / (1.0 - _DENSE_MISSING)).astype(np.float32)
 _CHUNK = 8192
 _MISSING = np.array(MISSING_IDS, np.int64)
 _M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
@@ -187,8 +189,16 @@ class SyntheticCriteo:
         (rank 1 gets ~10% more).
         """
         a = self.config.zipf_exponent
-        x = np.exp(np.log(self._zipf_lo + u * self._zipf_span) * (1.0 / (1.0 - a)))
-        return np.clip(np.rint(x), 1, self._card).astype(np.int64) - 1
+        x = u * self._zipf_span  # in place from here on: fresh allocations are slow (page faults)
+        x += self._zipf_lo
+        np.log(x, out=x)
+        x *= 1.0 / (1.0 - a)
+        np.exp(x, out=x)
+        np.rint(x, out=x)
+        np.maximum(x, 1.0, out=x)
+        np.minimum(x, self._card, out=x)
+        x -= 1.0
+        return x.astype(np.int64)
 
     def _raw(self, start: int, n: int) -> tuple[RawRows, np.ndarray]:
         """Rows [start, start + n) before the dense transform, and the transformed dense."""
@@ -213,11 +223,16 @@ class SyntheticCriteo:
         np.copyto(ids, _MISSING, where=ids_missing)
         # heavy-tailed counts: floor(exp(mu + sigma * z)), z logistic with unit variance; the
         # same uniform decides "missing" (below the missing rate) so one draw serves both
-        u_d = u_aux[:, :N_DENSE].astype(np.float64)
+        u_d = u_aux[:, :N_DENSE]
         ints_missing = u_d < _DENSE_MISSING
-        v = np.clip((u_d - _DENSE_MISSING) / (1.0 - _DENSE_MISSING), 1e-12, 1.0 - 1e-12)
-        z = np.log(v / (1.0 - v)) * _LOGISTIC_UNIT
-        ints = np.floor(np.exp(np.minimum(_DENSE_MU + _DENSE_SIGMA * z, 40.0))).astype(np.int64)
+        v = (u_d - _DENSE_MISSING) * _DENSE_PRESENT_INV  # uniform again on the present part (float32 throughout)
+        np.clip(v, np.float32(1e-7), np.float32(1.0 - 1e-7), out=v)
+        z = np.log(v / (np.float32(1.0) - v))
+        z *= _DENSE_SIGMA_LOGISTIC
+        z += _DENSE_MU
+        np.minimum(z, np.float32(30.0), out=z)
+        np.exp(z, out=z)
+        ints = np.floor(z, out=z).astype(np.int64)
         ints[:, 1] -= (u_aux[:, -1] > 0.9) * 3  # I2 has small negative values, as in Criteo (never missing)
         ints[ints_missing] = 0
         dense = _transform(ints)
