@@ -128,12 +128,17 @@ void undo_hits(const HsTable& t, const int64_t* keys, int64_t n, const int64_t* 
 }
 
 // True (and *dup set) when a key listed in `todo` occurs twice.  A small
-// open-addressing set; emptiness is a separate flag so any int64 key works.
-bool find_duplicate(const int64_t* keys, const std::vector<int64_t>& todo, int64_t* dup) {
-  uint64_t cap = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * (int64_t)todo.size()));
-  std::vector<int64_t> set_keys(cap);
-  std::vector<uint8_t> used(cap, 0);
-  const uint64_t mask = cap - 1;
+// open-addressing set in caller-provided scratch (`cap` slots for keys, then `cap`
+// flags; reused across calls so its pages are not faulted in afresh each batch);
+// emptiness is a separate flag so any int64 key works.
+bool find_duplicate(const int64_t* keys, const std::vector<int64_t>& todo, int64_t* scratch, int64_t cap,
+                    int64_t* dup) {
+  uint64_t size = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * (int64_t)todo.size()));
+  if ((int64_t)size > cap) size = (uint64_t)cap;  // cap >= 2n: never fuller than half
+  int64_t* set_keys = scratch;
+  int64_t* used = scratch + cap;
+  std::memset(used, 0, size * sizeof(int64_t));
+  const uint64_t mask = size - 1;
   for (int64_t i : todo) {
     uint64_t p = home_pow2(keys[i], mask);
     while (used[p] && set_keys[p] != keys[i]) p = (p + 1) & mask;
@@ -217,6 +222,7 @@ HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int6
 //   out        [n] row slot, or -1 for a key not admitted yet
 //   scratch    [6, n]: probe positions, saved record words (2), keys, packed word 1
 //              and start bucket of the records to place
+//   set_scratch [2 * set_cap]: the duplicate check's set; set_cap a power of two >= 2n
 //   new_slots, new_keys  [n]: rows created by this call (to be initialised)
 //   need       [4]: new bucket entries, new rows, new pending keys, rows created
 // Returns 0 ok; 1 the arrays must grow first (need[0..2] say by how much);
@@ -225,8 +231,8 @@ HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int6
 // On a non-zero return the store is exactly as before the call.
 HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64_t* counts, int64_t n, int64_t step,
                                     int64_t admit_k, int64_t row_limit, int64_t max_entries, int64_t* out,
-                                    int64_t* scratch, int64_t* new_slots, int64_t* new_keys, int64_t* need,
-                                    int64_t nthreads) {
+                                    int64_t* scratch, int64_t* set_scratch, int64_t set_cap, int64_t* new_slots,
+                                    int64_t* new_keys, int64_t* need, int64_t nthreads) {
   int64_t* st = t->st;
   int64_t *pos = scratch, *saved1 = scratch + n, *saved2 = scratch + 2 * n;
   int64_t *place_keys = scratch + 3 * n, *place_w1 = scratch + 4 * n, *place_start = scratch + 5 * n;
@@ -252,7 +258,7 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
   need[2] = all.pending;
   need[3] = 0;
   int64_t rc = 0, dup = 0;
-  if (all.todo.size() > 1 && find_duplicate(keys, all.todo, &dup)) {
+  if (all.todo.size() > 1 && find_duplicate(keys, all.todo, set_scratch, set_cap, &dup)) {
     need[0] = dup;
     rc = 3;
   } else if (st[he::kRows] + all.rows > row_limit) {

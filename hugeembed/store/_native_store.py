@@ -51,12 +51,18 @@ class NativeOps:
 
     def __init__(self):
         self._scratch = torch.empty(0, dtype=torch.int64)
+        self._set = torch.empty(0, dtype=torch.int64)
 
-    def _buf(self, n: int) -> torch.Tensor:
-        # Scratch reused across calls: [6 * n] for the kernel, then [2, n] new slots / keys.
+    def _buf(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Scratch reused across calls (fresh pages cost a fault each, see BASELINES.md):
+        # [6 * n] for the kernel, then [2, n] new slots / keys; and the duplicate
+        # check's set of 2 * cap int64, cap a power of two >= 2n.
         if self._scratch.numel() < 8 * n:
             self._scratch = torch.empty(8 * max(n, 1024), dtype=torch.int64)
-        return self._scratch
+        cap = 1 << max(4, (2 * n - 1).bit_length())
+        if self._set.numel() < 2 * cap:
+            self._set = torch.empty(2 * cap, dtype=torch.int64)
+        return self._scratch, self._set
 
     def find(self, s, keys: torch.Tensor) -> torch.Tensor:
         t = _table(s)
@@ -69,15 +75,15 @@ class NativeOps:
         n = keys.numel()
         t = _table(s)
         out = torch.empty_like(keys)
-        buf = self._buf(n)
+        buf, dup_set = self._buf(n)
         new = buf[6 * n : 8 * n].view(2, n)
         need = (ctypes.c_int64 * 4)()
         if counts is not None:
             _native.check(counts, torch.int64, f"table '{s.name}' counts", n)
-        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I)
+        f = _fn("he_hs_find_or_insert", _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I)
         rc = f(ctypes.byref(t), _native.ptr(keys), _native.ptr(counts), n, step, s.admit_min_count, row_limit,
-               s._max_entries(), _native.ptr(out), buf.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), need,
-               _native.nthreads())
+               s._max_entries(), _native.ptr(out), buf.data_ptr(), dup_set.data_ptr(), dup_set.numel() // 2,
+               new[0].data_ptr(), new[1].data_ptr(), need, _native.nthreads())
         made = need[3]
         return rc, out, new[0, :made], new[1, :made], list(need)
 
