@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Torch's OpenMP workers spin for a while after each parallel op; the store's
+# kernels start their own threads right after such ops and would find the other
+# core taken (measured on 2 cores: find 5 M keys/s with spinning workers, 34 M
+# keys/s without).  Must be set before torch loads libgomp; override from outside.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -103,17 +110,24 @@ class SortedReference:
         return out
 
 
-def _median_rate(fn, batches: list[torch.Tensor]) -> float:
-    """Median M keys/s of fn over the batches (one call each)."""
-    rates = []
+def _median_rate(fn, batches: list[torch.Tensor]) -> tuple[float, float]:
+    """Median M keys/s of fn over the batches (one call each), wall clock and per CPU-second.
+
+    The second figure (keys per second of CPU time used by this process, all
+    threads) tells how much of a slow wall-clock figure is other load on the machine.
+    """
+    rates, cpu_rates = [], []
     for b in batches:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(b)
-        rates.append(b.numel() / (time.perf_counter() - t0) / 1e6)
-    return statistics.median(rates)
+        t1, c1 = time.perf_counter(), time.process_time()
+        rates.append(b.numel() / (t1 - t0) / 1e6)
+        cpu_rates.append(b.numel() / max(c1 - c0, 1e-9) / 1e6)
+    return statistics.median(rates), statistics.median(cpu_rates)
 
 
 def bench_store(args) -> None:
+    load_before = os.getloadavg()
     torch.set_num_threads(args.threads)
     _alloc.HUGE_PAGES = not args.no_hugepages
     init = Uniform(-0.05, 0.05) if args.init == "uniform" else TruncatedNormal(0.0, 0.05)
@@ -135,7 +149,7 @@ def bench_store(args) -> None:
     print(f"pre-fill ({backend}): {args.keys / fill / 1e6:.1f} M keys/s in 1 M-key batches ({fill:.1f} s)")
 
     gen = Batches(args.keys, args.batch, args.new_frac, args.zipf)
-    results: dict[str, tuple[float, float]] = {}
+    results: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
     for name in backends:
         store.use_backend(name)
         qs = [gen.make() for _ in range(args.runs + 1)]
@@ -158,10 +172,12 @@ def bench_store(args) -> None:
         results["unique+searchsorted (ref)"] = (find, ins)
 
     ref = results.get("unique+searchsorted (ref)")
-    print(f"{'':28s} {'find M keys/s':>14s} {'find_or_insert M keys/s':>24s}")
-    for name, (f, i) in results.items():
-        ratio = f"   ({f / ref[0]:.1f}x / {i / ref[1]:.1f}x ref)" if ref and not name.endswith("(ref)") else ""
-        print(f"{name:28s} {f:14.1f} {i:24.1f}{ratio}")
+    print(f"load average before the runs: {' '.join(f'{x:.1f}' for x in load_before)} "
+          f"(on {os.cpu_count()} cores; the rate per CPU-second is in brackets)")
+    print(f"{'':28s} {'find M keys/s':>20s} {'find_or_insert M keys/s':>26s}")
+    for name, ((f, fc), (i, ic)) in results.items():
+        ratio = f"   {f / ref[0][0]:.1f}x / {i / ref[1][0]:.1f}x ref" if ref and not name.endswith("(ref)") else ""
+        print(f"{name:28s} {f:11.1f} ({fc:5.1f}) {i:17.1f} ({ic:5.1f}){ratio}")
     index = mem["index"]
     meta = mem["row_metadata"]
     spare = mem["storage"] - rows * args.dim * 4

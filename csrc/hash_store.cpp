@@ -18,6 +18,7 @@
 //                and places the keys whose probe starts there; a probe that would
 //                leave the range is deferred and finished serially.
 #include "common.h"
+#include "store_parallel.h"
 #include "store_table.h"
 
 namespace {
@@ -170,7 +171,7 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
   int regions = (int)std::max<int64_t>(1, std::min<int64_t>({nthreads, (int64_t)nb / 1024, n / 2048 + 1}));
   std::vector<std::vector<int64_t>> deferred(regions);
   std::vector<int64_t> placed(regions, 0);
-  he::parallel_items(regions, regions, [&](int64_t reg, int) {
+  he::run_items(regions, regions, [&](int64_t reg) {
     const uint64_t lo = nb / regions * reg, hi = (reg == regions - 1) ? nb : lo + nb / regions;
     int64_t rec[3];
     uint64_t p;
@@ -207,7 +208,7 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
 // codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1).
 HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t nthreads) {
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
-  he::parallel_items(nchunks, (int)nthreads, [&](int64_t c, int) {
+  he::run_items(nchunks, nthreads, [&](int64_t c) {
     probe_range<false>(*t, keys, nullptr, 0, 0, c * kChunk, std::min(n, (c + 1) * kChunk), codes, nullptr, nullptr,
                        nullptr, nullptr);
   });
@@ -241,7 +242,7 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
   // to-do list stays in batch order.
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   std::vector<Needs> parts(nchunks);
-  he::parallel_items(nchunks, (int)nthreads, [&](int64_t c, int) {
+  he::run_items(nchunks, nthreads, [&](int64_t c) {
     probe_range<true>(*t, keys, counts, step, admit_k, c * kChunk, std::min(n, (c + 1) * kChunk), out, pos, saved1,
                       saved2, &parts[c]);
   });
@@ -392,8 +393,9 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
 HE_API int64_t he_hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t nthreads) {
   int64_t* nr = nt->buckets;
   const int64_t empty_w1 = pack(-1, 0);
-  he::parallel_for(nt->nbuckets, (int)nthreads, 1 << 16, [&](int64_t b, int64_t e, int) {
-    for (int64_t i = b; i < e; ++i) {
+  const int64_t fill_chunk = 1 << 16;
+  he::run_items((nt->nbuckets + fill_chunk - 1) / fill_chunk, nthreads, [&](int64_t c) {
+    for (int64_t i = c * fill_chunk; i < std::min(nt->nbuckets, (c + 1) * fill_chunk); ++i) {
       nr[3 * i] = kEmpty;
       nr[3 * i + 1] = empty_w1;
       nr[3 * i + 2] = 0;

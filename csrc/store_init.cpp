@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "store_parallel.h"
 
 namespace {
 
@@ -45,8 +46,9 @@ HE_API int64_t he_init_rows(int64_t kind, const double* params, int64_t seed, co
   if (kind < 0 || kind > 3) return 1;
   const double p0 = params[0], p1 = params[1], p2 = params[2], p3 = params[3];
   const uint64_t seed_mix = he::mix64((uint64_t)seed + kGolden);
-  he::parallel_for(n, (int)nthreads, 256, [&](int64_t b, int64_t e, int) {
-    for (int64_t i = b; i < e; ++i) {
+  const int64_t chunk = 512;  // rows per work item
+  he::run_items((n + chunk - 1) / chunk, nthreads, [&](int64_t c) {
+    for (int64_t i = c * chunk; i < std::min(n, (c + 1) * chunk); ++i) {
       float* row = out + (rows ? rows[i] : i) * stride;
       const uint64_t base = he::mix64((uint64_t)keys[i] ^ seed_mix);
       switch (kind) {
