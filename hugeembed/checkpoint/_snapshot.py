@@ -37,7 +37,8 @@ from ..errors import CheckpointError
 from ..store import StoreExport
 from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_tensor
 
-__all__ = ["save", "load", "latest", "read_manifest", "SnapshotInfo", "FORMAT_VERSION", "list_snapshots"]
+__all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
+           "list_snapshots"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -295,6 +296,12 @@ def _read_file(snap: Path, manifest: dict[str, Any], key: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad pickle
         raise CheckpointError(f"snapshot file {path} is unreadable: {e}") from None
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The `extra` state saved with a snapshot (checksum verified), without loading anything else."""
+    manifest = read_manifest(path)
+    return _read_file(Path(manifest["_path"]), manifest, "extra") or {}
 
 
 def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None = None,

@@ -14,7 +14,11 @@ __all__ = ["main", "COMMANDS"]
 
 # command name -> module under hugeembed.cli
 COMMANDS: dict[str, str] = {
+    "train": "train",
+    "eval": "eval",
     "convert": "convert",
+    "inspect": "inspect",
+    "bench": "bench",
 }
 
 
@@ -45,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f".{COMMANDS[args.command]}", __name__)
     try:
         return int(module.run(args) or 0)
-    except (HugeEmbedError, OSError, ValueError) as e:
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (HugeEmbedError, OSError, ValueError, ImportError) as e:
         print(f"hugeembed {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

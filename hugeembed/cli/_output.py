@@ -1,0 +1,130 @@
+"""Printing for the CLI: progress bar, summary tables, JSON, plots (stderr for progress, stdout for results)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_rate(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f} k"
+    return f"{x:.0f}"
+
+
+class Progress:
+    """A progress bar on stderr: tqdm when installed and stderr is a terminal, else plain lines."""
+
+    def __init__(self, enabled: bool = True, every_s: float = 5.0) -> None:
+        self.enabled = enabled
+        self.every_s = every_s
+        self._bar = None
+        self._last = 0.0
+        self._total: int | None = None
+
+    def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if event == "start":
+            self._total = info.get("total_steps")
+            print(f"training {info['model']} on {info['device']}: {info['data']}"
+                  + (f" (resumed at step {info['resumed_at']})" if info.get("resumed_at") else ""), file=sys.stderr)
+            self._open(info.get("resumed_at", 0))
+        elif event == "step":
+            text = f"loss {info['loss']:.4f}, {human_rate(info['samples_per_s'])} samples/s" + (
+                f", auc {info['auc']:.4f}" if info.get("auc") is not None else "")
+            if self._bar is not None:
+                self._bar.n = info["step"]
+                self._bar.set_postfix_str(text, refresh=True)
+            elif time.monotonic() - self._last >= self.every_s:
+                self._last = time.monotonic()
+                total = f"/{self._total}" if self._total else ""
+                print(f"step {info['step']}{total}: {text}", file=sys.stderr, flush=True)
+        elif event == "eval":
+            msg = (f"eval at step {info['step']}: auc {info['auc']:.4f}, logloss {info['logloss']:.4f}, "
+                   f"copc {info['copc']:.3f}")
+            (self._bar.write if self._bar is not None else _eprint)(msg)
+        elif event == "checkpoint":
+            msg = f"snapshot {info['path']}"
+            (self._bar.write if self._bar is not None else _eprint)(msg)
+        elif event == "end" and self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _open(self, start: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=self._total, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _eprint(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def print_summary(title: str, rows: list[tuple[str, Any]]) -> None:
+    """A two-column table on stdout."""
+    width = max(len(k) for k, _ in rows)
+    print(title)
+    print("-" * (width + 20))
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {_fmt(v)}")
+    sys.stdout.flush()
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def plot_history(path: str | Path, history: dict[str, list[float]], title: str) -> None:
+    """Loss and AUC curves to a PNG (needs matplotlib: pip install "hugeembed[plot]")."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"') from None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(history["step"], history["loss"])
+    a.set_xlabel("step")
+    a.set_ylabel("training log loss")
+    a.grid(alpha=0.3)
+    b.plot(history["eval_step"], history["auc"], marker="o")
+    b.set_xlabel("step")
+    b.set_ylabel("held-out AUC")
+    b.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

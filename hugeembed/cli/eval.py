@@ -1,0 +1,30 @@
+"""hugeembed eval: score a saved model (no training, no insertion of new ids)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..training import evaluate_snapshot
+from ._output import print_summary, write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="score a snapshot", description=__doc__)
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="snapshot or checkpoint directory (newest)")
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="Criteo TSV/.gz files or shards (default: the run's own held-out set)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--summary-json", metavar="PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    m = evaluate_snapshot(args.checkpoint, data=args.data or (), batch_size=args.batch_size, device=args.device)
+    print_summary(f"{m['model']} at step {m['step']} on {m['data']}",
+                  [("AUC", m["auc"]), ("log loss", m["logloss"]), ("CTR", m["ctr"]), ("PCTR", m["pctr"]),
+                   ("COPC", m["copc"]), ("rows scored", m["count"]), ("snapshot", m["snapshot"])])
+    if args.summary_json:
+        write_json(args.summary_json, m)
+    return 0

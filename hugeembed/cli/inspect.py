@@ -1,0 +1,87 @@
+"""hugeembed inspect: what a snapshot holds (tables, rows, bytes, optimizer, id frequencies)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint as ckpt
+from ._output import human_bytes, write_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="describe a snapshot", description=__doc__)
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot or checkpoint directory (newest)")
+    p.add_argument("--histogram", metavar="PATH.png", help="save the id-frequency histogram as a picture")
+    p.add_argument("--json", metavar="PATH", help="write the description as JSON")
+
+
+def _frequency_bins(counts: torch.Tensor) -> list[tuple[str, int]]:
+    """Rows by hit count in powers of two: 1, 2-3, 4-7, ..."""
+    if counts.numel() == 0:
+        return []
+    c = counts.clamp(min=1).to(torch.float64)
+    exp = torch.floor(torch.log2(c)).to(torch.int64)
+    hist = torch.bincount(exp)
+    return [(f"{1 << k}" if k == 0 else f"{1 << k}-{(1 << (k + 1)) - 1}", int(n)) for k, n in enumerate(hist.tolist())]
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = ckpt.read_manifest(args.snapshot)
+    snap = Path(manifest["_path"])
+    files = sum(r["bytes"] for r in manifest["files"].values())
+    tables, all_counts = [], []
+    for t in manifest["tables"]:
+        ex = ckpt.read_table(snap, t)
+        shard_bytes = sum(rec["bytes"] for s in t["shards"] for rec in s["files"].values())
+        files += shard_bytes
+        all_counts.append(ex.counts)
+        tables.append({"name": t["name"], "dim": t["dim"], "rows": int(ex.keys.numel()),
+                       "pending": int(ex.pending_keys.numel()), "bytes": shard_bytes,
+                       "optimizer": (t["optimizer"] or {}).get("name", "frozen"), "state_width": t["state_width"],
+                       "static_rows": t["num_rows"], "hits": int(ex.counts.sum())})
+    print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
+          f"hugeembed {manifest['hugeembed_version']}, {manifest['world_size']} process(es))")
+    header = f"{'table':<12} {'dim':>4} {'rows':>10} {'pending':>8} {'bytes':>11} {'optimizer':<16} {'state':>5} {'hits':>12}"
+    print(header)
+    print("-" * len(header))
+    for t in tables:
+        print(f"{t['name']:<12} {t['dim']:>4} {t['rows']:>10,} {t['pending']:>8,} {human_bytes(t['bytes']):>11} "
+              f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}")
+    print(f"total: {sum(t['rows'] for t in tables):,} rows, {human_bytes(files)} on disk")
+    counts = torch.cat(all_counts) if all_counts else torch.zeros(0, dtype=torch.int64)
+    bins = _frequency_bins(counts)
+    if bins:
+        print("\nrows by number of hits (all tables)")
+        top = max(n for _, n in bins)
+        for label, n in bins:
+            print(f"{label:>13}  {n:>10,}  {'#' * max(1 if n else 0, round(40 * n / top))}")
+    if args.histogram:
+        _plot(args.histogram, bins, snap)
+        print(f"histogram saved to {args.histogram}")
+    if args.json:
+        write_json(args.json, {"snapshot": str(snap), "step": manifest["step"], "tables": tables,
+                               "bytes_on_disk": files, "frequency_bins": bins})
+    return 0
+
+
+def _plot(path: str, bins: list[tuple[str, int]], snap: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError('--histogram needs matplotlib: pip install "hugeembed[plot]"') from None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([b for b, _ in bins], [n for _, n in bins])
+    ax.set_yscale("log")
+    ax.set_xlabel("hits per id")
+    ax.set_ylabel("ids")
+    ax.set_title(f"id frequencies in {snap.name}")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

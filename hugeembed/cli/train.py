@@ -1,0 +1,86 @@
+"""hugeembed train: train a CTR model (synthetic Criteo-like data unless --data is given)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..training import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
+from ._output import Progress, human_bytes, plot_history, print_summary, write_json
+
+# flag -> TrainConfig field, for flags that map one to one
+_FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
+           "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
+           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads",
+           "synthetic_rows")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model", description=__doc__)
+    p.add_argument("--config", metavar="FILE.toml", help="settings file (flags given here override it)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV/.gz files or a converted shard directory "
+                   "(default: the built-in synthetic generator)")
+    p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out data (default: hold out --eval-rows rows)")
+    p.add_argument("--model", choices=["dlrm", "deepfm", "widedeep", "dcn"])
+    p.add_argument("--embedding-dim", type=int)
+    p.add_argument("--batch-size", type=int, help="per process")
+    p.add_argument("--steps", type=int, help="training steps (default 400; with --epochs: until the epochs end)")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
+    p.add_argument("--sparse-lr", type=float)
+    p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
+    p.add_argument("--dense-lr", type=float)
+    p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
+    p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
+    p.add_argument("--checkpoint-dir", metavar="DIR")
+    p.add_argument("--checkpoint-every", type=int, help="steps between snapshots (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int)
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest snapshot")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--capacity", type=int, help="most rows per embedding table (default unbounded)")
+    p.add_argument("--synthetic-rows", type=int, help="rows per epoch of the synthetic data")
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="save loss and AUC curves")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    given: dict[str, Any] = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
+    if "epochs" in given and "steps" not in given:
+        given["steps"] = None  # train for the epochs, not for a step count
+    if args.config:
+        return TrainConfig.from_toml(args.config, **given)
+    return TrainConfig.from_dict(given, source="command line")
+
+
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows = [("model", s["model"]), ("steps", s["steps"]), ("samples", s["samples"]),
+            ("samples/s (training)", s["samples_per_s"]), ("held-out AUC", s.get("auc", float("nan"))),
+            ("held-out log loss", s.get("logloss", float("nan"))), ("CTR", s.get("ctr", float("nan"))),
+            ("PCTR", s.get("pctr", float("nan"))), ("COPC", s.get("copc", float("nan")))]
+    if "bayes_auc" in s:
+        rows.append(("best possible AUC (true model)", s["bayes_auc"]))
+    rows += [("final training loss", s["final_train_loss"]), ("embedding rows", s["table_rows"]),
+             ("embedding memory", human_bytes(s["table_bytes"])), ("dense parameters", human_bytes(s["dense_bytes"])),
+             ("processes", s["world_size"]), ("device", s["device"]), ("training time", f"{s['train_seconds']:.1f} s")]
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.plot:  # fail on a missing matplotlib before training, not after it
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"')
+    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet)).fit()
+    print_summary("summary", summary_rows(summary))
+    if args.summary_json:
+        write_json(args.summary_json, {k: v for k, v in summary.items()})
+    if args.plot:
+        plot_history(args.plot, summary["history"], f"{cfg.model}, {summary['steps']} steps")
+        print(f"curves saved to {Path(args.plot)}")
+    return 0

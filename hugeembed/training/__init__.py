@@ -1,0 +1,23 @@
+"""Training runs: TrainConfig, the Trainer loop (eval, snapshots, resume) and data sources."""
+
+from ._config import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig
+from ._evaluate import evaluate_snapshot
+from ._sources import DataSource, FileSource, SyntheticSource, make_source
+from ._trainer import Trainer, TrainState, build_model, evaluate, make_dense_optimizer, resolve_device
+
+__all__ = [
+    "TrainConfig",
+    "Trainer",
+    "TrainState",
+    "evaluate",
+    "evaluate_snapshot",
+    "build_model",
+    "make_dense_optimizer",
+    "resolve_device",
+    "DataSource",
+    "SyntheticSource",
+    "FileSource",
+    "make_source",
+    "DENSE_OPTIMIZERS",
+    "SPARSE_OPTIMIZERS",
+]

@@ -1,0 +1,145 @@
+"""TrainConfig: everything a training run needs, validated, loadable from TOML, saved with snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+__all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS"]
+
+DENSE_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
+SPARSE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adagrad", "rowwise_adagrad", "adam", "lazy_adam",
+                     "global_adam", "ftrl")
+MODELS = ("dlrm", "deepfm", "widedeep", "dcn")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run.  Defaults give the README's main job: DLRM on synthetic Criteo data.
+
+    Args:
+        model: ``dlrm | deepfm | widedeep | dcn``.
+        data: Criteo TSV / .gz files or a converted shard directory; None trains on the
+            built-in synthetic Criteo-like generator (labels from a known model).
+        eval_data: held-out data; None holds out `eval_rows` rows (synthetic: a disjoint
+            range of the generator; files: the last `eval_fraction` of the rows).
+        embedding_dim, batch_size: as named.
+        steps: training steps (None: `epochs` passes over the data; the synthetic data
+            is endless, so it then uses `synthetic_rows` rows per epoch).
+        sparse_optimizer, sparse_lr: the tables' optimizer (applied in backward).
+        dense_optimizer, dense_lr: torch optimizer of the MLPs.
+        eval_every: evaluate every this many steps (0: only at the end).
+        checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable).
+        resume: continue from the newest snapshot in `checkpoint_dir`.
+        seed: seeds data order, tables, dense init and everything random.
+        capacity: most rows per dynamic table (None: unbounded).
+        device: ``auto | cpu | cuda``.
+        threads: torch/kernel threads (None: torch's default).
+    """
+
+    model: str = "dlrm"
+    data: tuple[str, ...] = ()
+    eval_data: tuple[str, ...] = ()
+    embedding_dim: int = 16
+    batch_size: int = 1024
+    steps: int | None = 400
+    epochs: int = 1
+    sparse_optimizer: str = "adagrad"
+    sparse_lr: float = 0.05
+    dense_optimizer: str = "adam"
+    dense_lr: float = 1e-3
+    eval_every: int = 100
+    eval_rows: int = 32768
+    eval_fraction: float = 0.05
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int | None = 3
+    resume: bool = False
+    seed: int = 0
+    capacity: int | None = None
+    synthetic_rows: int = 1 << 22
+    synthetic_max_cardinality: int | None = 1_000_000
+    device: str = "auto"
+    threads: int | None = None
+    prefetch: int = 2
+    log_every: int = 10
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
+            if not ok:
+                raise ConfigError(f"{name.replace('_', '-')} must be a {'non-negative' if allow_zero else 'positive'} "
+                                  f"integer, got {v!r}")
+
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        for name in ("embedding_dim", "batch_size", "epochs", "eval_rows", "synthetic_rows", "prefetch", "log_every"):
+            positive(name, allow_zero=name == "prefetch")
+        for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
+            positive(name, allow_none=True)
+        positive("eval_every", allow_zero=True)
+        positive("checkpoint_every", allow_zero=True)
+        if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
+            raise ConfigError(f"unknown sparse optimizer {self.sparse_optimizer!r}; "
+                              f"choose one of {', '.join(SPARSE_OPTIMIZERS)}")
+        if self.dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ConfigError(f"unknown dense optimizer {self.dense_optimizer!r}; "
+                              f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
+        for name in ("sparse_lr", "dense_lr"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name.replace('_', '-')} must be a positive number, got {v!r}")
+        if not (isinstance(self.eval_fraction, (int, float)) and 0.0 < self.eval_fraction < 1.0):
+            raise ConfigError(f"eval-fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
+        object.__setattr__(self, "data", tuple(str(p) for p in self.data))
+        object.__setattr__(self, "eval_data", tuple(str(p) for p in self.eval_data))
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
+        """A config from a TOML file (keys as the fields, e.g. ``batch_size = 4096``), then `overrides`."""
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        section = data.get("train", data)
+        return cls.from_dict({**section, **overrides}, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        norm = {str(k).replace("-", "_"): v for k, v in data.items()}
+        unknown = sorted(set(norm) - names)
+        if unknown:
+            raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(names - {'extra'})}")
+        for k in ("data", "eval_data"):
+            if isinstance(norm.get(k), str):
+                norm[k] = (norm[k],)
+        return cls(**norm)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["data"], d["eval_data"] = list(self.data), list(self.eval_data)
+        return d
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,112 @@
+"""Where training batches come from: the synthetic generator or Criteo files/shards.
+
+Both give, per rank, the batches of an epoch (skipping those already trained on when
+resuming) and a held-out evaluation set.  With several ranks each reads its own
+slice: rank r of a global batch of ``batch_size * world_size`` rows takes rows
+``[r*B, (r+1)*B)``, so N ranks see exactly the global batches one process would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+from ..data import Batch, BayesMetrics, Loader, SyntheticConfig, SyntheticCriteo
+from ..errors import ConfigError
+from ._config import TrainConfig
+
+__all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source"]
+
+# Held-out synthetic rows start far beyond any training row.
+_EVAL_START = 1 << 44
+
+
+class DataSource:
+    """Batches for one rank: training batches per epoch and a held-out evaluation set."""
+
+    description: str = ""
+    steps_per_epoch: int | None = None
+
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def eval_batches(self) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def bayes(self) -> BayesMetrics | None:
+        """Best achievable metrics (known for synthetic data only)."""
+        return None
+
+
+class SyntheticSource(DataSource):
+    def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.gen = SyntheticCriteo(SyntheticConfig(seed=cfg.seed, max_cardinality=cfg.synthetic_max_cardinality))
+        self.steps_per_epoch = cfg.synthetic_rows // (cfg.batch_size * world_size)
+        if self.steps_per_epoch < 1:
+            raise ConfigError(f"synthetic-rows={cfg.synthetic_rows} is less than one global batch")
+        self.description = (f"synthetic Criteo-like data (seed {cfg.seed}, {cfg.synthetic_rows} rows/epoch, "
+                            f"cardinalities capped at {cfg.synthetic_max_cardinality})")
+
+    def _batch(self, start: int) -> Batch:
+        return Batch.from_block(self.gen.rows(start, self.cfg.batch_size))
+
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        B, W = self.cfg.batch_size, self.world
+        first = epoch * self.steps_per_epoch * B * W
+        for step in range(skip, self.steps_per_epoch):
+            yield self._batch(first + step * B * W + self.rank * B)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        B, W = self.cfg.batch_size, self.world
+        per_rank = max(1, self.cfg.eval_rows // (B * W))
+        for k in range(per_rank):
+            yield self._batch(_EVAL_START + k * B * W + self.rank * B)
+
+    def bayes(self) -> BayesMetrics:
+        return self.gen.bayes_metrics(rows=min(200_000, max(self.cfg.eval_rows, 50_000)), start=_EVAL_START)
+
+
+class FileSource(DataSource):
+    """Criteo TSV/.gz files or a converted shard directory.
+
+    Without eval data, the first ``eval_rows`` rows of each rank's stream are held out
+    (never trained on) and serve as the evaluation set.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        paths = list(cfg.data)
+        source = paths[0] if len(paths) == 1 else paths
+        self.loader = Loader(source, cfg.batch_size, drop_last=True, seed=cfg.seed, rank=rank, world_size=world_size,
+                             prefetch=cfg.prefetch)
+        self.holdout = 0 if cfg.eval_data else max(1, -(-cfg.eval_rows // cfg.batch_size))
+        self._eval_cache: list[Batch] | None = None
+        if self.loader.shards is not None:
+            self.steps_per_epoch = len(self.loader) - self.holdout
+            if self.steps_per_epoch < 1:
+                raise ConfigError(f"{cfg.data}: {self.loader.rows()} rows per rank leave no training batch of "
+                                  f"{cfg.batch_size} after holding out {self.holdout} batches for evaluation")
+        self.description = f"Criteo data {', '.join(paths)}"
+
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
+        self.loader.set_epoch(epoch)
+        return itertools.islice(iter(self.loader), self.holdout + skip, None)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        if self.cfg.eval_data:
+            paths = list(self.cfg.eval_data)
+            loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size, rank=self.rank,
+                            world_size=self.world, prefetch=self.cfg.prefetch)
+            yield from loader
+            return
+        # read once and kept (eval_rows rows are small): the training iterator may be
+        # mid-stream on the same files when an evaluation runs
+        if self._eval_cache is None:
+            self.loader.set_epoch(0)
+            self._eval_cache = list(itertools.islice(iter(self.loader), self.holdout))
+        yield from self._eval_cache
+
+
+def make_source(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> DataSource:
+    return FileSource(cfg, rank, world_size) if cfg.data else SyntheticSource(cfg, rank, world_size)

@@ -1,0 +1,276 @@
+"""Trainer: the training loop of a CTR model on embedding tables, with eval, snapshots and resume.
+
+One step: batch -> model(dense, sparse) -> BCE loss -> backward (tables update
+themselves inside backward) -> dense optimizer step.  Every `eval_every` steps the
+held-out set is scored (AUC, log loss, CTR, PCTR, COPC over all of it); every
+`checkpoint_every` steps an atomic snapshot is written (tables, dense model,
+optimizers, RNG, data position), from which ``resume`` continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import _native
+from .. import checkpoint as ckpt
+from ..errors import CheckpointError, ConfigError
+from ..metrics import MetricSet
+from ..models import make_model
+from ..optim import make_optimizer
+from ._config import TrainConfig
+from ._sources import DataSource, make_source
+
+__all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "build_model", "evaluate"]
+
+ProgressFn = Callable[[str, dict[str, Any]], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """A torch optimizer for the dense parameters, with torch's fused kernel (one pass over
+    all parameters instead of ~10 ops per tensor; same update)."""
+    params = list(params)
+    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+               "adagrad": torch.optim.Adagrad}
+    if name not in classes:
+        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(classes)}")
+    kwargs: dict[str, Any] = {"lr": lr}
+    if name == "sgd":
+        kwargs["momentum"] = 0.9
+    if params and all(p.device.type in ("cpu", "cuda") for p in params):
+        kwargs["fused"] = True
+    return classes[name](params, **kwargs)
+
+
+def build_model(cfg: TrainConfig, device: torch.device):
+    """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed)."""
+    rule = make_optimizer(cfg.sparse_optimizer, lr=cfg.sparse_lr)
+    return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
+                      seed=cfg.seed, capacity=cfg.capacity)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; saved with every snapshot so a resume continues exactly here."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    samples: int = 0
+    train_seconds: float = 0.0
+    loss_sum: float = 0.0  # since the last progress report
+    loss_count: int = 0
+    history: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": [], "eval_step": [],
+                                                                      "auc": [], "logloss": []})
+    last_eval: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class Trainer:
+    """Trains a model as a TrainConfig says.
+
+    Args:
+        config: the run.
+        progress: called with (event, info) for "start", "step", "eval", "checkpoint", "end".
+        rank, world_size: this process's place in a distributed run (1 process: 0, 1).
+
+    Example::
+
+        summary = Trainer(TrainConfig(model="dlrm", steps=300)).fit()
+        summary["auc"], summary["samples_per_s"]
+    """
+
+    def __init__(self, config: TrainConfig, *, progress: ProgressFn | None = None, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.cfg = config
+        self.rank, self.world_size = rank, world_size
+        self.progress = progress or (lambda event, info: None)
+        self.device = resolve_device(config.device)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        _native.tune_malloc()
+        seed_everything(config.seed)
+        self.model, dense_params = build_model(config, self.device)
+        self.collection = self.model.embeddings
+        self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
+        self.source: DataSource = make_source(config, rank, world_size)
+        self.state = TrainState()
+
+    # -- the loop ------------------------------------------------------------------
+
+    def total_steps(self) -> int | None:
+        if self.cfg.steps is not None:
+            return self.cfg.steps
+        spe = self.source.steps_per_epoch
+        return None if spe is None else spe * self.cfg.epochs
+
+    def fit(self) -> dict[str, Any]:
+        """Trains (resuming if asked), evaluates, snapshots; returns the summary."""
+        cfg = self.cfg
+        if cfg.resume:
+            self.resume()
+        st = self.state  # after resume(), which replaces it
+        total = self.total_steps()
+        self.progress("start", {"total_steps": total, "data": self.source.description, "resumed_at": st.step,
+                                "device": str(self.device), "model": cfg.model})
+        self.model.train()
+        done = total is not None and st.step >= total
+        while not done:
+            any_batch = False
+            for batch in self.source.train_batches(st.epoch, skip=st.step_in_epoch):
+                any_batch = True
+                self._train_step(batch)
+                if cfg.eval_every and st.step % cfg.eval_every == 0 and (total is None or st.step < total):
+                    self.evaluate()
+                if cfg.checkpoint_dir and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
+                    self.save()
+                if total is not None and st.step >= total:
+                    done = True
+                    break
+            if done:
+                break
+            if not any_batch and st.step_in_epoch == 0:
+                raise ConfigError(f"{self.source.description}: no training batch of {cfg.batch_size} rows")
+            st.epoch += 1
+            st.step_in_epoch = 0
+            if cfg.steps is None and st.epoch >= cfg.epochs:
+                break
+        self.evaluate()
+        if cfg.checkpoint_dir:
+            self.save()
+        summary = self.summary()
+        self.progress("end", summary)
+        return summary
+
+    def _train_step(self, batch) -> None:
+        st = self.state
+        t0 = time.perf_counter()
+        batch = batch.to(self.device, non_blocking=True)
+        logits = self.model(batch.dense, batch.sparse)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding tables are updated in here
+        self.dense_optimizer.step()
+        self.collection.optimizer.step()
+        value = float(loss.detach())
+        st.train_seconds += time.perf_counter() - t0
+        st.step += 1
+        st.step_in_epoch += 1
+        st.samples += batch.batch_size * self.world_size
+        if not math.isfinite(value):
+            raise FloatingPointError(f"training loss became {value} at step {st.step}: lower the learning rates")
+        st.loss_sum += value
+        st.loss_count += 1
+        if st.step % self.cfg.log_every == 0 or st.step == 1:
+            avg = st.loss_sum / st.loss_count
+            st.history["step"].append(st.step)
+            st.history["loss"].append(avg)
+            st.loss_sum, st.loss_count = 0.0, 0
+            self.progress("step", {"step": st.step, "loss": avg, "samples_per_s": self.samples_per_s(),
+                                   "auc": None if st.last_eval is None else st.last_eval["auc"]})
+
+    def samples_per_s(self) -> float:
+        return self.state.samples / self.state.train_seconds if self.state.train_seconds else 0.0
+
+    # -- evaluation ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the whole held-out set (no id is inserted or counted)."""
+        metrics = evaluate(self.model, self.source.eval_batches(), self.device)
+        st = self.state
+        st.last_eval = metrics
+        st.history["eval_step"].append(st.step)
+        st.history["auc"].append(metrics["auc"])
+        st.history["logloss"].append(metrics["logloss"])
+        self.progress("eval", {"step": st.step, **metrics})
+        return metrics
+
+    # -- snapshots -----------------------------------------------------------------
+
+    def save(self):
+        path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
+                         dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
+                         extra={"train_state": self.state.to_dict(), "config": self.cfg.to_dict()})
+        self.progress("checkpoint", {"step": self.state.step, "path": str(path)})
+        return path
+
+    def resume(self) -> bool:
+        """Loads the newest snapshot of checkpoint_dir; False (fresh start) if there is none."""
+        root = Path(self.cfg.checkpoint_dir)
+        if not root.exists() or ckpt.latest(root) is None:
+            return False
+        saved = ckpt.read_extra(root).get("config", {})  # compare runs before reading any table
+        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "batch_size", "seed")
+                   if k in saved and saved[k] != getattr(self.cfg, k)]
+        if changed:
+            raise CheckpointError(f"{ckpt.latest(root)} was saved by a run with different "
+                                  + ", ".join(f"{k} ({saved[k]!r} vs {getattr(self.cfg, k)!r})" for k in changed))
+        info = ckpt.load(root, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
+        self.state = TrainState(**info.extra["train_state"])
+        return True
+
+    # -- reporting -------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        st = self.state
+        rows = self.collection.num_rows()
+        table_bytes = sum(self.collection.memory_bytes().values())
+        dense_bytes = sum(p.numel() * p.element_size() for p in self.model.dense_parameters())
+        out: dict[str, Any] = {
+            "model": self.cfg.model, "steps": st.step, "epochs": st.epoch, "samples": st.samples,
+            "samples_per_s": self.samples_per_s(), "train_seconds": st.train_seconds,
+            "final_train_loss": st.history["loss"][-1] if st.history["loss"] else float("nan"),
+            "table_rows": sum(rows.values()), "table_rows_per_table": rows, "table_bytes": table_bytes,
+            "dense_bytes": dense_bytes, "device": str(self.device), "world_size": self.world_size,
+            "data": self.source.description,
+        }
+        out.update(st.last_eval or {})
+        bayes = self.source.bayes()
+        if bayes is not None:
+            out["bayes_auc"], out["bayes_logloss"] = bayes.auc, bayes.logloss
+        out["history"] = st.history
+        return out
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, merge: Callable[[MetricSet], MetricSet] | None = None
+             ) -> dict[str, float]:
+    """AUC, log loss, CTR, PCTR and COPC of `model` over `batches` (eval mode: nothing inserted)."""
+    was_training = model.training
+    model.eval()
+    ms = MetricSet()
+    try:
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            ms.update(torch.sigmoid(model(batch.dense, batch.sparse)), batch.labels)
+    finally:
+        model.train(was_training)
+    if merge is not None:
+        ms = merge(ms)
+    return ms.compute()
