@@ -205,12 +205,16 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
 
 }  // namespace
 
-// codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1).
-HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t nthreads) {
+// codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1); with
+// rows_only, pending keys read -1 too (what HashStore.find returns).
+HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t rows_only,
+                          int64_t nthreads) {
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   he::run_items(nchunks, nthreads, [&](int64_t c) {
-    probe_range<false>(*t, keys, nullptr, 0, 0, c * kChunk, std::min(n, (c + 1) * kChunk), codes, nullptr, nullptr,
-                       nullptr, nullptr);
+    const int64_t b = c * kChunk, e = std::min(n, (c + 1) * kChunk);
+    probe_range<false>(*t, keys, nullptr, 0, 0, b, e, codes, nullptr, nullptr, nullptr, nullptr);
+    if (rows_only)
+      for (int64_t i = b; i < e; ++i) codes[i] = std::max(codes[i], kAbsent);
   });
   return 0;
 }

@@ -272,8 +272,7 @@ class HashStore:
         keys = as_keys(self.name, keys, self.device)
         if keys.numel() == 0:
             return keys.clone()
-        codes = self._ops.find(self, keys)
-        return codes.clamp_(min=-1)
+        return self._ops.find(self, keys, rows_only=True)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))

@@ -131,9 +131,10 @@ class TorchOps:
 
     name = "torch"
 
-    def find(self, s, keys: torch.Tensor) -> torch.Tensor:
+    def find(self, s, keys: torch.Tensor, rows_only: bool = False) -> torch.Tensor:
         codes, _ = probe(s._buckets, keys)
-        return s._side_fix(keys, codes)
+        codes = s._side_fix(keys, codes)
+        return codes.clamp_(min=-1) if rows_only else codes
 
     def find_or_insert(self, s, keys, counts, step, row_limit):
         """Mirror of he_hs_find_or_insert; returns (status, out, new_slots, new_keys, need)."""

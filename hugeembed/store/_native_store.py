@@ -64,11 +64,11 @@ class NativeOps:
             self._set = torch.empty(2 * cap, dtype=torch.int64)
         return self._scratch, self._set
 
-    def find(self, s, keys: torch.Tensor) -> torch.Tensor:
+    def find(self, s, keys: torch.Tensor, rows_only: bool = False) -> torch.Tensor:
         t = _table(s)
         out = torch.empty_like(keys)
-        f = _fn("he_hs_find", _P, _I, _P, _I)
-        f(ctypes.byref(t), _native.ptr(keys), keys.numel(), _native.ptr(out), _native.nthreads())
+        f = _fn("he_hs_find", _P, _I, _P, _I, _I)
+        f(ctypes.byref(t), _native.ptr(keys), keys.numel(), _native.ptr(out), int(rows_only), _native.nthreads())
         return out
 
     def find_or_insert(self, s, keys, counts, step, row_limit):
