@@ -101,7 +101,7 @@ def test_malformed_line_raises_with_file_line_and_field(tmp_path, native, bad, m
     text = "\n".join([line(), line("0"), bad, line()]) + "\n"
     with pytest.raises(InputError) as err:
         read(tmp_path, text, native, "bad.txt")
-    assert f"bad.txt:3: " in str(err.value) and message in str(err.value)
+    assert "bad.txt:3: " in str(err.value) and message in str(err.value)
     blk, summary = read(tmp_path, text, native, "bad.txt", on_error="skip")
     assert len(blk) == 3 and summary.skipped == 1 and summary.rows == 3 and summary.lines == 4
     assert summary.skipped_examples == [f"{tmp_path / 'bad.txt'}:3: {reason}"]
