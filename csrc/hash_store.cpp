@@ -48,7 +48,9 @@ inline void prefetch_record(const int64_t* r, uint64_t i) {
   __builtin_prefetch(r + 3 * i + 2, 1);
 }
 
-struct Needs {
+// What one chunk of a batch needs.  Cache-line aligned: neighbouring chunks are
+// filled by different threads, and shared lines would bounce between cores.
+struct alignas(64) Needs {
   int64_t entries = 0, rows = 0, pending = 0;
   std::vector<int64_t> todo;  // keys to insert or promote, in batch order
 };
@@ -64,6 +66,7 @@ void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, i
                  Needs* needs) {
   const uint64_t nb = (uint64_t)t.nbuckets;
   int64_t* r = t.buckets;
+  Needs local;  // filled here, moved to *needs at the end (no writes to shared lines)
   uint64_t ring[kDist];
   for (int64_t j = b; j < std::min(e, b + kDist); ++j) {
     uint64_t h = home(keys[j], nb);
@@ -106,15 +109,16 @@ void probe_range(const HsTable& t, const int64_t* keys, const int64_t* counts, i
       w[0] = pack((int32_t)code, n);
       w[1] = step;
       if (code < 0) {
-        needs->todo.push_back(i);
-        if (n >= admit_k) ++needs->rows;  // a pending key reaching admission
+        local.todo.push_back(i);
+        if (n >= admit_k) ++local.rows;  // a pending key reaching admission
       }
     } else {
-      needs->todo.push_back(i);
-      needs->entries += key != kEmpty;
-      if (c >= admit_k) ++needs->rows; else ++needs->pending;
+      local.todo.push_back(i);
+      local.entries += key != kEmpty;
+      if (c >= admit_k) ++local.rows; else ++local.pending;
     }
   }
+  if (kApply) *needs = std::move(local);
 }
 
 // Reverts what probe_range<true> did to the keys found (a failed call changes nothing).
