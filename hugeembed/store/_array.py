@@ -51,7 +51,8 @@ class ArrayStore:
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self._storage = _alloc.empty((num_rows, self.width), dtype, self.device)
         self._meta = torch.zeros(num_rows, 2, dtype=torch.int64, device=self.device)
-        for start in range(0, num_rows, _INIT_CHUNK):
+        # On "meta" (shape-only planning) there is nothing to initialise.
+        for start in range(0, num_rows if self.device.type != "meta" else 0, _INIT_CHUNK):
             end = min(num_rows, start + _INIT_CHUNK)
             keys = torch.arange(start, end, device=self.device)
             block = self._storage[start:end]

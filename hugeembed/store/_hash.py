@@ -174,12 +174,18 @@ class HashStore:
 
     def _rehash(self, nbuckets: int) -> None:
         new = _alloc.empty((nbuckets, 3), torch.int64, self.device)
+        if self.device.type == "meta":  # shapes only (memory planning): no records to move
+            self._buckets = new
+            return
         self._ops.rehash(self, new)
         self._buckets = new
 
     def _grow_rows(self, rows: int) -> None:
         used = self._st_get("row_hwm")
         storage = _alloc.empty((rows, self.width), self.dtype, self.device)
+        if self.device.type == "meta":
+            self._storage = storage
+            return
         storage[:used] = self._storage[:used]
         # Touch the spare rows now: first-touch page faults cost more than the
         # writes themselves (BASELINES.md), better paid at growth than per batch.

@@ -266,3 +266,11 @@ def test_half_precision_storage_and_state_init(device):
     assert rows.dtype == torch.bfloat16 and rows.shape == (2, 5)
     want = Uniform(-1.0, 1.0).generate(T(5, 6).to(device), 3, 0).to(torch.bfloat16)
     assert torch.equal(rows[:, :3], want) and (rows[:, 3:] == 0.5).all()
+
+
+def test_meta_device_for_memory_planning():
+    h = HashStore("t", 8, 2, device="meta", initial_rows=1000)
+    a = ArrayStore("t", 1000, 8, 2, device="meta")
+    assert h.storage().shape == (1000, 10) and h.storage().device.type == "meta"
+    assert a.memory_bytes() == 1000 * 10 * 4 + 1000 * 16
+    assert h.memory_bytes() == h.memory_breakdown()["storage"] + 24 * h.num_buckets + 8 * 8
