@@ -5,12 +5,14 @@ Rows are created on first sight of a key (or after ``admit_min_count`` hits), li
 in one growable ``[R, W]`` storage tensor, and can be evicted by age (ttl) or by
 frequency / recency when the table is over a row budget.  The key -> row index is
 an open-addressing table with linear probing (layout: csrc/store_table.h), driven
-by C++ kernels on CPU and by vectorised torch ops elsewhere (see _hash_torch.py)::
+by C++ kernels on CPU and by vectorised torch ops elsewhere (see _hash_torch.py).
+Each bucket holds a 24-byte record (key, row slot + hit count, last step)::
 
-    keys [17, -3, 99]  --mix64 & (B-1)-->  homes [5, 1, 5]
-    buckets  0   1    2   3   4   5    6    7 ...
-    bkeys    .   -3   .   .   .   17   99   .        (99 probed on from 5 to 6)
-    bcodes   .   2    .   .   .   0    1    .        -> storage rows 2, 0, 1
+    keys [17, -3, 99]  --home(mix64(key))-->  buckets [5, 1, 5]
+    bucket     0    1          2   3   4   5          6          7 ...
+    key        .    -3         .   .   .   17         99         .   (99 probed on from 5 to 6)
+    slot|hits  .    2|1        .   .   .   0|4        1|1        .   -> storage rows 2, 0, 1
+    last step  .    7          .   .   .   9          9          .
 
 Example::
 
@@ -39,8 +41,8 @@ from ._protocol import StoreExport
 __all__ = ["HashStore", "MAX_LOAD", "AUTO_EVICT_SLACK"]
 
 # The buckets grow (x1.5, or to what a batch needs) when they would be fuller
-# than this.  Measured (docs/store.md): find at load 0.45 / 0.6 / 0.75 runs at
-# 47 / 34 / 25 M keys per CPU-second, while the index costs 12 B / load per key.
+# than this.  Measured (docs/store.md): find at load 0.49 / 0.59 / 0.69 / 0.78 runs
+# at 38 / 33 / 28 / 23 M keys per CPU-second; the index costs 12 B / load per key.
 MAX_LOAD = 0.6
 # on_full="evict" frees this fraction of the capacity beyond what the batch
 # needs, so that a full table scans for victims once per capacity/64 new rows
@@ -89,6 +91,11 @@ class HashStore:
         seed: initializer seed.
         initial_rows: reserve room for this many rows (a hint; saves rehashes).
         backend: "native" (C++, CPU), "torch" (any device) or None (native when possible).
+
+    A store is not thread-safe: one thread at a time calls it (its kernels use
+    their own threads inside a call).  Calls that fail (CapacityError, InputError)
+    leave the store unchanged, except that on_full="evict" may have evicted rows
+    before finding that nothing more could go.
     """
 
     def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
