@@ -141,8 +141,8 @@ bool find_duplicate(const int64_t* keys, const std::vector<int64_t>& todo, int64
   uint64_t size = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * (int64_t)todo.size()));
   if ((int64_t)size > cap) size = (uint64_t)cap;  // cap >= 2n: never fuller than half
   int64_t* set_keys = scratch;
-  int64_t* used = scratch + cap;
-  std::memset(used, 0, size * sizeof(int64_t));
+  uint8_t* used = reinterpret_cast<uint8_t*>(scratch + cap);  // byte flags: the set stays L2-sized
+  std::memset(used, 0, size);
   const uint64_t mask = size - 1;
   for (int64_t i : todo) {
     uint64_t p = home_pow2(keys[i], mask);
