@@ -1,3 +1,35 @@
-"""(under construction: see the issues)"""
+"""Embedding tables spread over the ranks of a torch.distributed process group.
 
-__all__: list[str] = []
+* :class:`ShardingPlan` / :class:`TablePlacement`: where each table lives (plain data);
+  :func:`propose_plan` proposes one from sizes, dims, optimizer state and a memory budget.
+* :class:`ShardedEmbeddingCollection`: the EmbeddingCollection API over a process group
+  (row-wise = HugeCTR's "distributed", table-wise = "localized", data-parallel replicas).
+* :class:`Comm`: the collectives, each with a timeout that turns a dead peer into a
+  :class:`~hugeembed.errors.ShardingError` naming the step and the stage.
+
+See docs/distributed.md.
+"""
+
+from ._comm import DEFAULT_TIMEOUT_S, Comm, ExchangeStats, new_embedding_group
+from ._env import DistEnv, init_from_env, launch_command
+from ._plan import ShardingPlan, TableEstimate, TablePlacement, estimate_table, propose_plan
+from ._sharded import ShardedEmbeddingCollection
+from ._stores import AbsentShard, ShardArrayStore
+
+__all__ = [
+    "ShardingPlan",
+    "TablePlacement",
+    "TableEstimate",
+    "estimate_table",
+    "propose_plan",
+    "ShardedEmbeddingCollection",
+    "Comm",
+    "ExchangeStats",
+    "new_embedding_group",
+    "DEFAULT_TIMEOUT_S",
+    "DistEnv",
+    "init_from_env",
+    "launch_command",
+    "ShardArrayStore",
+    "AbsentShard",
+]

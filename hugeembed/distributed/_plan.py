@@ -1,0 +1,421 @@
+"""Sharding plans: where each table lives (plain data), and the planner that proposes one.
+
+A plan maps every table to a :class:`TablePlacement`::
+
+    ShardingPlan(world_size=2)
+    table   kind           ranks   rows/rank    bytes/rank   ids/step/rank
+    ------  -------------  ------  -----------  -----------  -------------
+    C3      row_wise       0,1     5.07 M       1.21 GiB     8192
+    C4      table_wise     1       2.20 M       1.05 GiB     16384
+    C9      data_parallel  0,1     3            300 B        8192
+
+It is printable, saved in snapshot manifests (``to_dict`` / ``from_dict``) and
+overridable per table (``plan.with_placement("C4", "row_wise")``).  The planner is
+pure Python: it never touches a process group or a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..errors import ConfigError, ShardingError
+from ..nn import TableConfig
+from ..optim import SparseOptimizer
+from ..store._hash import MAX_LOAD
+from ..types import ShardKind
+
+__all__ = ["TablePlacement", "ShardingPlan", "TableEstimate", "estimate_table", "propose_plan"]
+
+# Bytes a dynamic (hash) table spends per live row beyond the row itself: a 24-byte
+# bucket record (key, code + hit count, last step) at the store's load target.
+HASH_INDEX_BYTES_PER_ROW = 24.0 / MAX_LOAD
+# A static table keeps a hit count and a last step (int64 each) per row.
+ARRAY_META_BYTES_PER_ROW = 16.0
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where one table lives.
+
+    Args:
+        kind: ``table_wise`` (whole table on ``ranks[0]``), ``row_wise`` (rows spread over
+            `ranks` by key), ``data_parallel`` (a replica on every rank).
+        ranks: the ranks holding the table: one rank for table-wise, every rank of the
+            group for data-parallel, any non-empty subset for row-wise.
+    """
+
+    kind: ShardKind | str
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", ShardKind.parse(self.kind, "placement"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        ranks = (self.ranks,) if isinstance(self.ranks, int) else tuple(self.ranks)
+        if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise ConfigError(f"{self.kind.value} placement: ranks must be non-negative ints, got {self.ranks!r}")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"{self.kind.value} placement: ranks {ranks} repeat a rank")
+        if self.kind is ShardKind.TABLE_WISE and len(ranks) != 1:
+            raise ConfigError(f"table_wise placement lives on exactly one rank, got ranks {ranks}")
+        if self.kind is ShardKind.COLUMN_WISE:
+            raise NotImplementedError("column_wise sharding is not implemented; use row_wise for wide tables")
+        object.__setattr__(self, "ranks", ranks)
+
+    @property
+    def owner(self) -> int:
+        """The rank of a table-wise table."""
+        return self.ranks[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "ranks": list(self.ranks)}
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}@{','.join(map(str, self.ranks))}"
+
+
+def _parse_placement(value: TablePlacement | ShardKind | str | Mapping[str, Any], world_size: int,
+                     who: str) -> TablePlacement:
+    """A placement from a TablePlacement, a kind (``"row_wise"``), ``"table_wise@1"`` or a dict."""
+    if isinstance(value, TablePlacement):
+        return value
+    if isinstance(value, Mapping):
+        if set(value) - {"kind", "ranks"} or "kind" not in value:
+            raise ConfigError(f"{who}: a placement dict has 'kind' and 'ranks', got {dict(value)!r}")
+        ranks = value.get("ranks")
+        return _parse_placement(ShardKind.parse(value["kind"]) if ranks is None else
+                                TablePlacement(value["kind"], tuple(ranks)), world_size, who)
+    text = value.value if isinstance(value, ShardKind) else str(value)
+    kind_text, _, ranks_text = text.partition("@")
+    try:
+        kind = ShardKind.parse(kind_text, who)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if ranks_text:
+        try:
+            ranks = tuple(int(r) for r in ranks_text.split(","))
+        except ValueError:
+            raise ConfigError(f"{who}: ranks in {text!r} must be integers, e.g. 'table_wise@1' or 'row_wise@0,2'") \
+                from None
+        return TablePlacement(kind, ranks)
+    if kind is ShardKind.TABLE_WISE:
+        raise ConfigError(f"{who}: table_wise needs its rank, e.g. 'table_wise@1'")
+    return TablePlacement(kind, tuple(range(world_size)))
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Placement of every table over a process group of `world_size` ranks (plain data).
+
+    Args:
+        world_size: ranks of the embedding process group.
+        placements: table name -> :class:`TablePlacement` (or a kind string such as
+            ``"row_wise"``, ``"data_parallel"`` or ``"table_wise@1"``).
+
+    Example::
+
+        plan = ShardingPlan(2, {"user": "row_wise", "country": "data_parallel", "item": "table_wise@1"})
+        print(plan)                                   # a table of kinds and ranks
+        plan = plan.with_placement("item", "row_wise")  # a new plan; plans are immutable
+        ShardingPlan.from_dict(plan.to_dict()) == plan
+    """
+
+    world_size: int
+    placements: Mapping[str, TablePlacement] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError(f"ShardingPlan: world_size must be a positive int, got {self.world_size!r}")
+        parsed = {}
+        for name, p in dict(self.placements).items():
+            pl = _parse_placement(p, self.world_size, f"table {name!r}")
+            bad = [r for r in pl.ranks if r >= self.world_size]
+            if bad:
+                raise ConfigError(f"table {name!r}: rank {bad[0]} of its {pl.kind.value} placement is outside "
+                                  f"the world of {self.world_size} ranks")
+            if pl.kind is ShardKind.DATA_PARALLEL and sorted(pl.ranks) != list(range(self.world_size)):
+                raise ConfigError(f"table {name!r}: a data_parallel table is replicated on every rank "
+                                  f"0..{self.world_size - 1}, got ranks {pl.ranks}")
+            parsed[name] = pl
+        object.__setattr__(self, "placements", parsed)
+
+    # -- access -----------------------------------------------------------------------
+
+    def __getitem__(self, table: str) -> TablePlacement:
+        try:
+            return self.placements[table]
+        except KeyError:
+            raise KeyError(f"the plan places no table {table!r}; it places {sorted(self.placements)}") from None
+
+    def __contains__(self, table: object) -> bool:
+        return table in self.placements
+
+    def tables(self) -> list[str]:
+        return list(self.placements)
+
+    def kind(self, table: str) -> ShardKind:
+        return self[table].kind
+
+    def with_placement(self, table: str, placement: TablePlacement | ShardKind | str) -> "ShardingPlan":
+        """A copy of this plan with `table` placed as given (the per-table override)."""
+        return ShardingPlan(self.world_size, {**self.placements, table: _parse_placement(
+            placement, self.world_size, f"table {table!r}")})
+
+    def validate(self, tables: Sequence[TableConfig]) -> None:
+        """Raises ShardingError unless the plan places exactly these tables."""
+        names = [t.name for t in tables]
+        missing = [n for n in names if n not in self.placements]
+        extra = sorted(set(self.placements) - set(names))
+        if missing:
+            raise ShardingError(f"the sharding plan places no table {missing}; it places {sorted(self.placements)}")
+        if extra:
+            raise ShardingError(f"the sharding plan places tables {extra} that the collection does not have")
+
+    # -- plain data -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "tables": {n: p.to_dict() for n, p in self.placements.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ShardingPlan":
+        if not isinstance(data, Mapping) or set(data) != {"world_size", "tables"}:
+            raise ConfigError(f"a sharding plan dict has exactly 'world_size' and 'tables', got {data!r}")
+        return cls(int(data["world_size"]), {n: _parse_placement(p, int(data["world_size"]), f"table {n!r}")
+                                             for n, p in dict(data["tables"]).items()})
+
+    @classmethod
+    def uniform(cls, tables: Sequence[TableConfig | str], world_size: int, kind: ShardKind | str) -> "ShardingPlan":
+        """Every table placed the same way; table-wise tables go round robin over the ranks."""
+        kind = ShardKind.parse(kind)
+        names = [t if isinstance(t, str) else t.name for t in tables]
+        if kind is ShardKind.TABLE_WISE:
+            return cls(world_size, {n: TablePlacement(kind, (i % world_size,)) for i, n in enumerate(names)})
+        return cls(world_size, {n: TablePlacement(kind, tuple(range(world_size))) for n in names})
+
+    # -- printing ---------------------------------------------------------------------
+
+    def describe(self, tables: Sequence[TableConfig] | None = None, *, optimizer: SparseOptimizer | None = None,
+                 expected_rows: Mapping[str, int] | None = None, ids_per_step: Mapping[str, int] | None = None,
+                 batch_size: int = 1024) -> str:
+        """The plan as a text table; with `tables`, also rows, bytes and ids per rank (estimates)."""
+        head = [f"ShardingPlan(world_size={self.world_size})"]
+        if tables is None:
+            rows = [[n, p.kind.value, ",".join(map(str, p.ranks))] for n, p in self.placements.items()]
+            return "\n".join(head + _text_table(["table", "kind", "ranks"], rows))
+        rows = []
+        per_rank = [0.0] * self.world_size
+        for t in tables:
+            est = estimate_table(t, optimizer, expected_rows=expected_rows, ids_per_step=ids_per_step,
+                                 batch_size=batch_size, world_size=self.world_size)
+            p = self[t.name]
+            share = est.share(p, self.world_size)
+            for r in p.ranks:
+                per_rank[r] += share.bytes
+            rows.append([t.name, p.kind.value, ",".join(map(str, p.ranks)),
+                         _num(share.rows) if est.bounded else "unbounded",
+                         _bytes(share.bytes) if est.bounded else "unbounded", _num(share.ids)])
+        lines = head + _text_table(["table", "kind", "ranks", "rows/rank", "bytes/rank", "ids/step/rank"], rows)
+        lines.append("bytes per rank: " + ", ".join(f"{r}: {_bytes(b)}" for r, b in enumerate(per_rank)))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+# -- estimates -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Share:
+    rows: float
+    bytes: float
+    ids: float  # ids looked up per step on that rank (the lookup cost is ids x dim)
+
+
+@dataclass(frozen=True)
+class TableEstimate:
+    """What one table costs: rows, bytes (rows x (D + state) x dtype + index), ids per global step.
+
+    `bounded` is False for a dynamic table with neither a capacity nor an expected_rows hint.
+    """
+
+    name: str
+    rows: float
+    bytes: float
+    ids_per_step: float
+    dim: int
+    bounded: bool
+
+    @property
+    def cost(self) -> float:
+        """Lookup cost per global step: ids x dim (row elements read and written)."""
+        return self.ids_per_step * self.dim
+
+    def share(self, placement: TablePlacement, world_size: int) -> Share:
+        """Rows, bytes and ids per step held / served by each rank of `placement`."""
+        n = len(placement.ranks)
+        if placement.kind is ShardKind.DATA_PARALLEL:
+            return Share(self.rows, self.bytes, self.ids_per_step / world_size)
+        if placement.kind is ShardKind.ROW_WISE:
+            return Share(self.rows / n, self.bytes / n, self.ids_per_step / n)
+        return Share(self.rows, self.bytes, self.ids_per_step)
+
+
+def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None, *,
+                   expected_rows: Mapping[str, int] | None = None, ids_per_step: Mapping[str, int] | None = None,
+                   batch_size: int = 1024, world_size: int = 1) -> TableEstimate:
+    """Bytes and lookup cost of one table.
+
+    Args:
+        table: its config (rows: ``num_rows``, else ``capacity``, else ``expected_rows[name]``).
+        optimizer: the collection's default optimizer (for the state width of tables without one).
+        expected_rows: hint of rows per dynamic table.
+        ids_per_step: ids of the table per global step (default: global batch x features reading it).
+        batch_size: per-rank batch size (the global batch is batch_size x world_size).
+    """
+    rule = table.optimizer if table.optimizer is not None else (optimizer if table.trainable else None)
+    width = table.dim + (rule.state_width(table.dim) if rule is not None else 0)
+    elt = torch.empty(0, dtype=table.dtype).element_size()
+    hint = (expected_rows or {}).get(table.name)
+    if table.num_rows is not None:
+        rows, per_row, bounded = float(table.num_rows), width * elt + ARRAY_META_BYTES_PER_ROW, True
+    else:
+        known = hint if hint is not None else table.capacity
+        rows = float(known) if known is not None else 0.0
+        per_row, bounded = width * elt + HASH_INDEX_BYTES_PER_ROW, known is not None
+    ids = (ids_per_step or {}).get(table.name)
+    if ids is None:
+        ids = batch_size * world_size * len(table.features)
+    return TableEstimate(table.name, rows, rows * per_row, float(ids), table.dim, bounded)
+
+
+def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_per_rank: int | None = None, *,
+                 optimizer: SparseOptimizer | None = None, expected_rows: Mapping[str, int] | None = None,
+                 ids_per_step: Mapping[str, int] | None = None, batch_size: int = 1024,
+                 data_parallel_below: int = 1 << 20, row_wise_above: int | None = None,
+                 overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None) -> ShardingPlan:
+    """Proposes a plan balancing estimated memory and lookup cost over `world_size` ranks.
+
+    Rules, in order:
+
+    1. tables in `overrides` are placed as given;
+    2. tables of at most `data_parallel_below` bytes are replicated (``data_parallel``):
+       their lookups need no exchange;
+    3. tables above `row_wise_above` bytes (default: a quarter of the budget, or without a
+       budget half of a rank's fair share of all bytes), and dynamic tables of unknown size,
+       are spread over every rank (``row_wise``);
+    4. the rest are ``table_wise``, largest first, each on the rank where
+       ``(bytes + table)/budget + (cost + table cost)/(total cost / world_size)`` is
+       smallest (memory and lookup work both balanced); a table that fits no rank is made
+       row-wise.
+
+    Finally every rank's estimated bytes are checked against the budget: a plan that
+    does not fit raises :class:`ShardingError` naming the rank and the bytes over.
+
+    Args:
+        tables: the collection's tables.
+        world_size: ranks.
+        memory_budget_per_rank: bytes each rank may spend on tables (None: no limit).
+        optimizer: default optimizer (state width of tables that name none).
+        expected_rows: rows hint per dynamic table (default: its capacity).
+        ids_per_step: ids per global step per table (default: global batch x features).
+        batch_size: per-rank batch size for the default ids per step.
+        data_parallel_below, row_wise_above: the size thresholds of rules 2 and 3, in bytes.
+        overrides: table -> placement, kept as given.
+
+    Example::
+
+        plan = propose_plan(criteo_tables, world_size=4, memory_budget_per_rank=8 << 30,
+                            optimizer=RowWiseAdagrad(lr=0.05), expected_rows={"C3": 10_000_000})
+        print(plan.describe(criteo_tables, optimizer=RowWiseAdagrad(lr=0.05)))
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"propose_plan: world_size must be a positive int, got {world_size!r}")
+    if memory_budget_per_rank is not None and memory_budget_per_rank <= 0:
+        raise ConfigError(f"propose_plan: memory_budget_per_rank must be positive, got {memory_budget_per_rank!r}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {t.name for t in tables})
+    if unknown:
+        raise ConfigError(f"propose_plan: overrides name unknown tables {unknown}")
+    est = {t.name: estimate_table(t, optimizer, expected_rows=expected_rows, ids_per_step=ids_per_step,
+                                  batch_size=batch_size, world_size=world_size) for t in tables}
+    budget = float(memory_budget_per_rank) if memory_budget_per_rank is not None else math.inf
+    total_bytes = sum(e.bytes for e in est.values())
+    if row_wise_above is None:
+        row_wise_above = budget / 4 if memory_budget_per_rank is not None else total_bytes / (2 * world_size)
+    everyone = tuple(range(world_size))
+    placements: dict[str, TablePlacement] = {}
+    mem = [0.0] * world_size
+    cost = [0.0] * world_size
+
+    def place(name: str, p: TablePlacement) -> None:
+        placements[name] = p
+        share = est[name].share(p, world_size)
+        for r in p.ranks:
+            mem[r] += share.bytes
+            cost[r] += share.ids * est[name].dim
+
+    pending = []
+    for t in tables:
+        e = est[t.name]
+        if t.name in overrides:
+            place(t.name, _parse_placement(overrides[t.name], world_size, f"table {t.name!r}"))
+        elif e.bounded and e.bytes <= data_parallel_below:
+            place(t.name, TablePlacement(ShardKind.DATA_PARALLEL, everyone))
+        elif not e.bounded or e.bytes > row_wise_above or world_size == 1:
+            place(t.name, TablePlacement(ShardKind.ROW_WISE, everyone))
+        else:
+            pending.append(t.name)
+    total_cost = sum(e.cost for e in est.values()) or 1.0
+    mem_scale = budget if math.isfinite(budget) else max(total_bytes / world_size, 1.0)
+    for name in sorted(pending, key=lambda n: (-est[n].bytes, n)):
+        e = est[name]
+        fits = [r for r in everyone if mem[r] + e.bytes <= budget]
+        if not fits:
+            place(name, TablePlacement(ShardKind.ROW_WISE, everyone))
+            continue
+        best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale + (cost[r] + e.cost) / (total_cost / world_size),
+                                        r))
+        place(name, TablePlacement(ShardKind.TABLE_WISE, (best,)))
+    plan = ShardingPlan(world_size, {t.name: placements[t.name] for t in tables})
+    if memory_budget_per_rank is not None:
+        worst = max(everyone, key=lambda r: mem[r] - budget)
+        if mem[worst] > budget:
+            on_rank = [n for n, p in placements.items() if worst in p.ranks]
+            raise ShardingError(
+                f"no plan fits: rank {worst} needs {_bytes(mem[worst])} ({int(mem[worst])} bytes) for tables "
+                f"{on_rank} but its budget is {_bytes(budget)}: over by {int(math.ceil(mem[worst] - budget))} bytes; "
+                f"add ranks, raise the budget, or shard these tables row-wise")
+    return plan
+
+
+# -- text helpers ----------------------------------------------------------------------
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return out
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _num(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    if n >= 1e4:
+        return f"{n / 1e3:.1f} k"
+    return f"{n:.0f}"

@@ -1,0 +1,441 @@
+"""ShardedEmbeddingCollection: the EmbeddingCollection API with tables spread over a process group.
+
+Each rank calls it with its LOCAL batch and gets the pooled embeddings of that batch,
+exactly as one process would compute them for the same samples.  One training step::
+
+    prepare   : clean + dedup the local batch per table (the fused lookup's prepare)
+    input_dist: header (sizes, step) all-to-all, then ONE byte all-to-all with every
+                table's unique keys / bags for their owners (_row_wise, _table_wise,
+                _data_parallel say what each kind sends)
+    compute   : owners find-or-insert the union of the keys they got, gather rows or pool
+    output_dist: ONE all-to-all with rows (row-wise) and pooled vectors (table-wise) back
+    pool      : the local fused lookup pools from the received rows / the local replica
+    backward  : ONE all-to-all with every table's per-key (or pooled) gradients; owners sum
+                them over the ranks and apply the optimizer once per key, in place
+
+All collectives run on a dedicated process group (never interleaving with DDP's
+gradient all-reduce on the default group) through :class:`Comm`, with a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError, InputError, ShardingError
+from ..features import SparseFeatures
+from ..functional import FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, PooledEmbeddings, TableSpec
+from ..nn import EmbeddingCollection, TableConfig
+from ..optim import SparseOptimizer
+from ..types import Combiner, ShardKind
+from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
+from ._data_parallel import ReplicatedRoute
+from ._plan import ShardingPlan, propose_plan
+from ._row_wise import RowWiseRoute, owner_index
+from ._stores import AbsentShard, ShardArrayStore
+from ._table_wise import TableWisePooling
+from ._wire import DTYPE_CODE, Packer, readers
+
+__all__ = ["ShardedEmbeddingCollection"]
+
+_MAGIC = 0x48454D42  # "HEMB": a header from something else is caught at once
+
+
+def _compute(dt: torch.dtype) -> torch.dtype:
+    return torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+
+
+def _group_dtypes(plan, dtypes: list[torch.dtype]) -> dict[int, torch.dtype]:
+    """Table index -> the output dtype of its dim group (as the fused lookup promotes it)."""
+    out = {}
+    for group in plan.groups:
+        ts = sorted({plan.feature_table[f] for f in group.pooled + group.unpooled})
+        dt = dtypes[ts[0]]
+        for t in ts:
+            dt = torch.promote_types(dt, dtypes[t])
+        out.update({t: dt for t in ts})
+    return out
+
+
+class _StepState:
+    """What one forward leaves for the rest of the step (and for backward)."""
+
+    COL_B, COL_W, COMMON = 3, 4, 5
+
+    def __init__(self, training: bool, step: int, rank: int, world_size: int, batch_size: int,
+                 grad_scale: float) -> None:
+        self.training, self.step, self.rank, self.world_size = training, step, rank, world_size
+        self.batch_size, self.grad_scale = batch_size, grad_scale
+        self.prep_l = self.prep_p = self.slots_l = self.hdr_in = self.in_readers = self.replies = None
+        self.storages_l: list = []
+        self.req: dict = {}
+        self.own: dict = {}
+        self.pooled: dict = {}
+        self.pool_replies: list = []
+        self.local_grads: dict = {}
+        self.outputs: list = []
+
+
+class _ExchangeBackward(torch.autograd.Function):
+    """Makes loss.backward() run the sharded backward (exchange + owners' optimizer) once per step."""
+
+    @staticmethod
+    def forward(ctx, coll, st, anchor):  # type: ignore[override]
+        ctx.coll, ctx.st = coll, st
+        return tuple(t.detach() for t in st.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        coll, st = ctx.coll, ctx.st
+        ctx.st = None
+        coll.backward_step(st, grads)
+        return None, None, None
+
+
+class ShardedEmbeddingCollection(EmbeddingCollection):
+    """An :class:`EmbeddingCollection` whose tables are spread over the ranks of a process group.
+
+    Same configs, same forward (a SparseFeatures of this rank's LOCAL batch -> the
+    PooledEmbeddings of that batch), same in-backward training; N ranks fed the slices of
+    the same global batches train the same tables as one process on the global batches.
+
+    Args:
+        tables: one :class:`TableConfig` per table (the same on every rank).
+        optimizer: default sparse optimizer.
+        plan: a :class:`ShardingPlan` (None: :func:`propose_plan` with no memory budget).
+        process_group: the group carrying embedding traffic (None: a new group of every rank,
+            gloo for CPU tables, NCCL for CUDA ones).  Collective: build it on every rank.
+        device, seed, backend: as for EmbeddingCollection.
+        timeout: seconds any collective may wait before a peer counts as dead (ShardingError).
+        gradient_reduction: ``"mean"`` (default): each rank's loss is a mean over its local batch
+            and row gradients are divided by the world size, as DistributedDataParallel does
+            for dense gradients, so N ranks equal one process on the global batch; ``"sum"``:
+            gradients of the ranks' losses add up.
+        memory_budget_per_rank: bytes, for the proposed plan when `plan` is None.
+
+    Example (launched with ``torchrun --nproc_per_node 2 script.py``)::
+
+        dist.init_process_group("gloo")
+        plan = ShardingPlan(2, {"user": "row_wise", "country": "data_parallel", "item": "table_wise@1"})
+        ec = ShardedEmbeddingCollection(tables, optimizer=Adagrad(lr=0.05), plan=plan)
+        out = ec(local_batch)            # rank r: rows [r*B, (r+1)*B) of the global batch
+        loss(out).backward()             # rows updated on their owners
+
+    Every rank must run the same sequence of forwards (and of backwards in training).
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], *, optimizer: SparseOptimizer | None = None,
+                 plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
+                 seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
+                 gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None) -> None:
+        tables = list(tables)
+        device = torch.device(device)
+        if gradient_reduction not in ("mean", "sum"):
+            raise ConfigError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
+        group = process_group if process_group is not None else new_embedding_group(device, timeout)
+        comm = Comm(group, timeout)
+        if plan is None:
+            plan = propose_plan(tables, comm.world_size, memory_budget_per_rank, optimizer=optimizer)
+        if not isinstance(plan, ShardingPlan):
+            raise ConfigError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
+        if plan.world_size != comm.world_size:
+            raise ShardingError(f"the plan is for {plan.world_size} ranks, the process group has {comm.world_size}")
+        plan.validate(tables)
+        self.plan, self.comm = plan, comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.gradient_reduction = gradient_reduction
+        super().__init__(tables, optimizer=optimizer, device=device, seed=seed, backend=backend)
+        self._check_ranks_agree()
+        self._build_routes()
+
+    # -- construction -----------------------------------------------------------------
+
+    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None):
+        p = self.plan[t.name]
+        if self.device.type == "meta" or p.kind is ShardKind.DATA_PARALLEL:
+            return super()._make_store(t, rule)
+        state = 0 if rule is None else rule.state_width(t.dim)
+        seed = t.resolved_seed(self.seed)
+        if self.rank not in p.ranks:
+            return AbsentShard(t.name, t.dim, state, t.dtype, self.device, seed, t.initializer, p.ranks)
+        n = len(p.ranks)
+        if p.kind is ShardKind.TABLE_WISE or n == 1:
+            return super()._make_store(t, rule)
+        if t.num_rows is not None:
+            return ShardArrayStore(t.name, t.num_rows, t.dim, state, shard=p.ranks.index(self.rank), num_shards=n,
+                                   initializer=t.initializer, init_state=None if rule is None else rule.init_state,
+                                   dtype=t.dtype, device=self.device, seed=seed)
+        # a dynamic table's capacity is shared out over its shards
+        cap = None if t.capacity is None else -(-t.capacity // n)
+        return super()._make_store(dataclasses.replace(t, capacity=cap), rule)
+
+    def _check_ranks_agree(self) -> None:
+        mine = {"plan": self.plan.to_dict(), "tables": [t.describe() for t in self.tables], "seed": self.seed,
+                "gradient_reduction": self.gradient_reduction}
+        for r, theirs in enumerate(self.comm.all_gather_object("construction (config check)", mine)):
+            if theirs != mine:
+                what = next(k for k in mine if theirs.get(k) != mine[k])
+                raise ShardingError(f"rank {r} built its ShardedEmbeddingCollection with a different {what} than "
+                                    f"rank {self.rank}: every rank needs the same tables, seed and plan")
+
+    def _route_kind(self, t: int) -> str:
+        p = self.plan[self.tables[t].name]
+        if p.kind is ShardKind.DATA_PARALLEL:
+            return "replica"
+        if p.kind is ShardKind.TABLE_WISE and self.tables[t].combiner is not Combiner.NONE:
+            return "pool"
+        return "row"
+
+    def _build_routes(self) -> None:
+        full = self.lookup.plan
+        T = len(self.tables)
+        kinds = [self._route_kind(t) for t in range(T)]
+        local = [t for t in range(T) if kinds[t] != "pool"]
+        pool = [t for t in range(T) if kinds[t] == "pool"]
+        mine = [t for t in pool if self.plan[self.tables[t].name].owner == self.rank]
+
+        def specs(ts, rows: bool):
+            return [TableSpec(self.tables[t].name, self.tables[t].dim,
+                              num_rows=self.tables[t].num_rows if rows or kinds[t] == "replica" else None,
+                              max_norm=self.tables[t].max_norm) for t in ts]
+
+        def feats(ts) -> list[FeatureSpec]:
+            return [f for f, t in zip(full.features, full.feature_table) if t in ts]
+
+        def lookup(ts, rows: bool):
+            return FusedEmbeddingLookup(specs(ts, rows), feats(ts), backend=self.backend) if ts else None
+
+        # prepare checks ids against num_rows; pooling reads received rows, fewer than num_rows
+        self._local_prep, self._local_pool = lookup(local, True), lookup(local, False)
+        self._pool_req, self._pool_own = lookup(pool, True), lookup(mine, True)
+        self._local_index = {t: i for i, t in enumerate(local)}
+        self._pool_tables = pool
+        dtypes = [t.dtype for t in self.tables]
+        full_dt = _group_dtypes(full, dtypes)
+        local_dt = _group_dtypes(self._local_pool.plan, [dtypes[t] for t in local]) if local else {}
+        self._routes: list = []
+        col = _StepState.COMMON
+        for t in local:
+            lt = self._local_index[t]
+            if kinds[t] == "row":
+                route = RowWiseRoute(self, t, lt, self.plan[self.tables[t].name].ranks, col, _compute(local_dt[lt]))
+            else:
+                route = ReplicatedRoute(self, t, lt, col, _compute(local_dt[lt]))
+            self._routes.append(route)
+            col += route.header_cols
+        self._exchanges = any(k != "replica" for k in kinds)
+        if pool:
+            tables = [(t, i, self.plan[self.tables[t].name].owner) for i, t in enumerate(pool)]
+            pooling = TableWisePooling(self, tables, col, [full_dt[t] for t in pool])
+            self._routes.append(pooling)
+            col += pooling.header_cols
+        self._header_cols = col
+        self._pool_anchor = torch.zeros(0, requires_grad=True)
+        self._inner_anchor = torch.zeros(0, requires_grad=True)
+        # how each output group of the full plan is assembled: pooled names per group, each
+        # from the local lookup or from a table-wise owner; a whole local group is reused as is
+        local_groups = {}
+        if local:
+            lp = self._local_pool.plan
+            local_groups = {tuple(lp.features[f].name for f in g.pooled): i for i, g in enumerate(lp.groups)}
+        self._assembly = []
+        for g in full.groups:
+            names = tuple(full.features[f].name for f in g.pooled)
+            cols = []
+            for f in g.pooled:
+                t = full.feature_table[f]
+                if kinds[t] == "pool":
+                    pooled = [full.features[h].name for h in full.table_features[t]]
+                    cols.append(("pool", t, pooled.index(full.features[f].name)))
+                else:
+                    cols.append(("local", full.features[f].name, 0))
+            self._assembly.append((g.dim, full_dt[full.feature_table[g.pooled[0]]] if g.pooled else None,
+                                   local_groups.get(names) if names else None, cols))
+
+    # -- ownership ----------------------------------------------------------------------
+
+    def owned_mask(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """True where this rank holds (or should hold) `keys` of `table` under the plan."""
+        p, cfg = self.plan[table], self.tables[self._table_index(table)]
+        if p.kind is ShardKind.DATA_PARALLEL:
+            return torch.ones_like(keys, dtype=torch.bool)
+        if self.rank not in p.ranks:
+            return torch.zeros_like(keys, dtype=torch.bool)
+        if p.kind is ShardKind.TABLE_WISE or len(p.ranks) == 1:
+            return torch.ones_like(keys, dtype=torch.bool)
+        return owner_index(keys, len(p.ranks), cfg.num_rows is not None) == p.ranks.index(self.rank)
+
+    def writes_shard(self, table: str) -> bool:
+        """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
+        p = self.plan[table]
+        return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
+
+    def global_num_rows(self) -> dict[str, int]:
+        """Rows per table over all ranks (collective: call it on every rank)."""
+        everyone = self.comm.all_gather_object("row count", self.num_rows())
+        return {t.name: everyone[0][t.name] if self.plan[t.name].kind is ShardKind.DATA_PARALLEL
+                else sum(e[t.name] for e in everyone) for t in self.tables}
+
+    def _lr(self, t: int) -> float:
+        return self.optimizer.param_groups[self.optimizer.group_of_table[t]]["lr"]
+
+    def extra_repr(self) -> str:
+        return f"rank {self.rank} of {self.world_size}\n{super().extra_repr()}\n{self.plan.describe()}"
+
+    # -- forward ------------------------------------------------------------------------
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        if not isinstance(features, SparseFeatures):
+            raise InputError(f"EmbeddingCollection takes a SparseFeatures batch, got {type(features).__name__}")
+        if self.device.type == "meta":
+            return self._meta_forward(features)
+        if features.device != self.device:
+            raise InputError(f"batch is on {features.device} but the tables are on {self.device}: "
+                             f"move it with batch.to(device) (pin_memory + non_blocking on GPU)")
+        training = self.training and torch.is_grad_enabled()
+        step = self._step + 1 if training else self._step
+        if training:
+            self._step = step
+            self._evict_expired(step)
+        scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
+        st = _StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
+        self.comm.step = step
+        self.comm.stats.new_step()
+        self.input_dist(st, features)
+        self.compute(st)
+        self.output_dist(st)
+        return self._pool(st)
+
+    def _dummies(self, ts) -> list[torch.Tensor]:
+        return [torch.empty(0, self.tables[t].dim, dtype=self.tables[t].dtype, device=self.device) for t in ts]
+
+    def input_dist(self, st: _StepState, sf: SparseFeatures) -> None:
+        """Stage 1: local clean + dedup, then keys and bags to their owners (header + one byte all-to-all)."""
+        local = list(self._local_index)
+        if self._local_prep is not None:
+            st.prep_l = self._local_prep.prepare(sf, self._dummies(local))
+            st.slots_l = torch.full((st.prep_l.capacity,), -1, dtype=torch.int64, device=self.device)
+            st.storages_l = [None] * len(local)
+        if self._pool_req is not None:
+            st.prep_p = self._pool_req.prepare(sf, self._dummies(self._pool_tables))
+        W = self.world_size
+        header = torch.zeros(W, self._header_cols, dtype=torch.int64)
+        header[:, :_StepState.COMMON] = torch.tensor(
+            [_MAGIC, int(st.training), st.step, st.batch_size,
+             DTYPE_CODE[st.prep_p.weights.dtype if st.prep_p is not None and st.prep_p.weights is not None
+                        else None]])
+        packer = Packer(W)
+        for route in self._routes:
+            route.input_dist(st, header, packer)
+        st.hdr_in = header
+        if not (self._exchanges or st.training):
+            return  # eval with replicated tables only: nothing to exchange
+        st.hdr_in = self.comm.exchange_counts("input_dist (header)", header)
+        self._check_headers(st)
+        sizes = [sum(route.input_bytes(st, r) for route in self._routes) for r in range(W)]
+        buf = self.comm.all_to_all_bytes("input_dist", packer.buffer(self.device), packer.sizes, sizes)
+        st.in_readers = readers(buf, sizes, "input_dist")
+
+    def _check_headers(self, st: _StepState) -> None:
+        for r, row in enumerate(st.hdr_in.tolist()):
+            if row[0] != _MAGIC or row[1] != int(st.training) or row[2] != st.step:
+                mode = lambda tr: "training" if tr else "eval"  # noqa: E731
+                raise ShardingError(
+                    f"rank {r} is at step {row[2]} ({mode(row[1])}) while rank {st.rank} is at step {st.step} "
+                    f"({mode(st.training)}): every rank must run the same sequence of forwards")
+
+    def compute(self, st: _StepState) -> None:
+        """Stage 2 (owners): find-or-insert the keys every rank asked for; gather rows or pool."""
+        st.replies = Packer(self.world_size)
+        rds = st.in_readers or [None] * self.world_size
+        for route in self._routes:
+            route.compute(st, rds, st.replies)
+        for rd in st.in_readers or []:
+            rd.finish()
+
+    def output_dist(self, st: _StepState) -> None:
+        """Stage 3: rows and pooled vectors back to the ranks that asked (one byte all-to-all)."""
+        rds = [None] * self.world_size
+        if st.in_readers is not None and self._exchanges:
+            sizes = [sum(route.output_bytes(st, d) for route in self._routes) for d in range(self.world_size)]
+            buf = self.comm.all_to_all_bytes("output_dist", st.replies.buffer(self.device), st.replies.sizes, sizes)
+            rds = readers(buf, sizes, "output_dist")
+        for route in self._routes:
+            route.output_dist(st, rds)
+        for rd in rds:
+            if rd is not None:
+                rd.finish()
+
+    def _pool(self, st: _StepState) -> PooledEmbeddings:
+        """Local pooling from the received rows / replicas, then the outputs in the unsharded layout."""
+        trainable = st.training and any(r is not None for r in self.rules)
+        out_l = None
+        if st.prep_l is not None:
+            if trainable:
+                out_l = self._local_pool.lookup(st.prep_l, st.storages_l, st.slots_l, params=[self._inner_anchor],
+                                                row_grad_hook=lambda lt, s, g: st.local_grads.__setitem__(lt, (s, g)))
+            else:
+                out_l = self._local_pool.lookup(st.prep_l, st.storages_l, st.slots_l)
+        B = st.batch_size
+        groups = []
+        for dim, dtype, whole, cols in self._assembly:
+            if not cols:
+                groups.append(torch.zeros(B, 0, dim, device=self.device))
+            elif whole is not None:
+                groups.append(out_l.groups()[whole].to(dtype))
+            else:
+                parts = [out_l[a].to(dtype) if kind == "local" else st.pooled[a][:, k].to(dtype)
+                         for kind, a, k in cols]
+                groups.append(torch.stack(parts, dim=1))
+        unpooled = dict(out_l.unpooled) if out_l is not None else {}
+        names = self.lookup.plan.pooled_names()
+        if not trainable:
+            return PooledEmbeddings(names, groups, self.lookup._where, unpooled)
+        keys = list(unpooled)
+        st.outputs = groups + [unpooled[k].values for k in keys]
+        outs = _ExchangeBackward.apply(self, st, self._anchor)
+        jagged = {k: JaggedEmbeddings(outs[len(groups) + i], unpooled[k].offsets) for i, k in enumerate(keys)}
+        return PooledEmbeddings(names, list(outs[: len(groups)]), self.lookup._where, jagged)
+
+    # -- backward -------------------------------------------------------------------------
+
+    def backward_step(self, st: _StepState, grads) -> None:
+        """Backward of one step: local per-key gradients, their exchange (grad_dist), owners' updates."""
+        tensors, gs = [], []
+        for t, g in zip(st.outputs, grads):
+            if t.requires_grad and g is not None:
+                tensors.append(t)
+                gs.append(g)
+        if tensors:
+            torch.autograd.backward(tensors, gs)  # local lookup backward -> st.local_grads, pooled leaves' .grad
+        self.comm.step = st.step
+        packer = Packer(self.world_size)
+        for route in self._routes:
+            route.grad_dist(st, packer)
+        sizes = [sum(route.grad_bytes(st, r) for route in self._routes) for r in range(self.world_size)]
+        buf = self.comm.all_to_all_bytes("grad_dist", packer.buffer(self.device), packer.sizes, sizes)
+        rds = readers(buf, sizes, "grad_dist")
+        for route in self._routes:
+            route.apply(st, rds)
+        for rd in rds:
+            rd.finish()
+
+    # -- state_dict ---------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # rows of any layout (one process, another plan or world size) load: keep the keys this rank owns
+        state = dict(state_dict)
+        for cfg in self.tables:
+            k = f"{prefix}tables.{cfg.name}."
+            for group in (("keys", "rows", "counts", "last_step"),
+                          ("pending_keys", "pending_counts", "pending_last_step")):
+                if all(k + f in state for f in group):
+                    keep = self.owned_mask(cfg.name, state[k + group[0]])
+                    for f in group:
+                        state[k + f] = state[k + f][keep]
+        super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

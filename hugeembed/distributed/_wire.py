@@ -1,0 +1,90 @@
+"""Byte-level packing of the exchange: many typed segments per destination in one uint8 buffer.
+
+One all-to-all carries every table's keys, counts, bag lengths, weights, rows or
+gradients for a stage.  Segments are written in a fixed order (table order, then
+field order) and read back in the same order, each padded to 8 bytes so that a
+received segment can be viewed as int64/float64 without a copy::
+
+    to rank 0: | keys t0 (8n) | counts t0 (4n, pad) | keys t2 ... |
+    to rank 1: | keys t0      | counts t0           | ...         |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ShardingError
+
+__all__ = ["Packer", "Reader", "readers", "padded", "DTYPE_CODE", "CODE_DTYPE"]
+
+DTYPE_CODE = {None: 0, torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
+CODE_DTYPE = {v: k for k, v in DTYPE_CODE.items()}
+
+
+def padded(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of 8."""
+    return nbytes + (-nbytes) % 8
+
+
+class Packer:
+    """Collects typed tensors per destination rank; ``buffer()`` lays them out for all_to_all_single."""
+
+    def __init__(self, world_size: int) -> None:
+        self.parts: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        self.sizes = [0] * world_size
+
+    def add(self, dest: int, t: torch.Tensor) -> None:
+        b = t.reshape(-1).view(torch.uint8)
+        n = b.numel()
+        if n == 0:
+            return
+        self.parts[dest].append(b)
+        pad = (-n) % 8
+        if pad:
+            self.parts[dest].append(torch.zeros(pad, dtype=torch.uint8, device=b.device))
+        self.sizes[dest] += n + pad
+
+    def add_all(self, t: torch.Tensor) -> None:
+        """The same segment to every rank (replicated tables)."""
+        for d in range(len(self.parts)):
+            self.add(d, t)
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        flat = [p for parts in self.parts for p in parts]
+        if not flat:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.cat(flat) if len(flat) > 1 else flat[0]
+
+
+class Reader:
+    """Reads one source's segments in the order they were packed."""
+
+    def __init__(self, buf: torch.Tensor, start: int, size: int, source: int, stage: str) -> None:
+        self.buf, self.pos, self.end = buf, start, start + size
+        self.source, self.stage = source, stage
+
+    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next segment: `n` elements of `dtype` (a view into the received buffer)."""
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype, device=self.buf.device)
+        seg = self.buf[self.pos : self.pos + nbytes]
+        self.pos += padded(nbytes)
+        if self.pos > self.end:
+            raise ShardingError(f"{self.stage}: rank {self.source} sent fewer bytes than its header announced "
+                                "(ranks disagree on the plan or the batch layout)")
+        return seg.view(dtype)
+
+    def finish(self) -> None:
+        if self.pos != self.end:
+            raise ShardingError(f"{self.stage}: rank {self.source} sent {self.end - self.pos} bytes more than its "
+                                "header announced (ranks disagree on the plan or the batch layout)")
+
+
+def readers(buf: torch.Tensor, sizes: list[int], stage: str) -> list[Reader]:
+    """One Reader per source rank over a received buffer laid out by `sizes`."""
+    out, start = [], 0
+    for r, n in enumerate(sizes):
+        out.append(Reader(buf, start, n, r, stage))
+        start += n
+    return out
