@@ -113,10 +113,7 @@ def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool):
             with torch.no_grad():
                 tbe(idx, offsets)
 
-    t = measure(step, iters, runs)
-    del tbe
-    free_memory()
-    return t
+    return measure(step, iters, runs)  # the TBE and its tables are freed on return
 
 
 def main(argv=None) -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from .._durable import atomic_write_text, fsync_dir, fsync_write, sha256_file
 from ..errors import CheckpointError
 
 __all__ = ["write_bytes", "write_tensor", "read_tensor", "sha256_file", "fsync_dir", "atomic_write_text"]
@@ -22,21 +22,9 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.uint8, torch.bool)}
 
 
-def fsync_dir(path: Path) -> None:
-    """Makes a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     """Writes and fsyncs `data`; returns its file record (size, sha256)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fsync_write(path, data)
     return {"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -51,17 +39,6 @@ def write_tensor(path: Path, t: torch.Tensor) -> dict[str, Any]:
     rec = write_bytes(path, buf.getvalue())
     rec.update(dtype=str(dtype).removeprefix("torch."), shape=list(t.shape))
     return rec
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def verify(path: Path, rec: dict[str, Any]) -> None:
@@ -94,10 +71,3 @@ def read_tensor(path: Path, rec: dict[str, Any], check: bool = True) -> torch.Te
                               f"{dtype} {rec['shape']}")
     return t
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replaces `path` with `text` atomically (write beside, fsync, rename, fsync dir)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_bytes(tmp, text.encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)

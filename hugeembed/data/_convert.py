@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 from ..errors import ConfigError
 from ._criteo import CriteoReader, PathLike, ReadSummary
-from ._shards import ARRAYS, FORMAT, FORMAT_VERSION, NpyWriter, fsync_dir, schema_dict, sha256_file
+from .._durable import fsync_dir, sha256_file
+from ._shards import ARRAYS, FORMAT, FORMAT_VERSION, NpyWriter, schema_dict
 
 __all__ = ["convert", "ConvertProgress", "ConvertSummary"]
 

@@ -15,7 +15,6 @@ reading it; the loader reads only the rows it needs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -23,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .._durable import sha256_file
 from ..errors import InputError
 from ._block import CriteoBlock
 from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_IDS, N_CAT, N_DENSE
 
-__all__ = ["ShardSet", "ShardInfo", "FORMAT", "FORMAT_VERSION", "ARRAYS", "NpyWriter", "schema_dict", "fsync_dir"]
+__all__ = ["ShardSet", "ShardInfo", "FORMAT", "FORMAT_VERSION", "ARRAYS", "NpyWriter", "schema_dict"]
 
 FORMAT = "hugeembed.criteo-shards"
 FORMAT_VERSION = 1
@@ -47,14 +47,6 @@ def schema_dict() -> dict:
                    "missing_ids": list(MISSING_IDS)},
         "labels": {"dtype": "uint8", "values": [0, 1]},
     }
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
@@ -94,11 +86,6 @@ class NpyWriter:
 
     def abort(self) -> None:
         self._f.close()
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)

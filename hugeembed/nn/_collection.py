@@ -22,7 +22,6 @@ from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
 from ..store import ArrayStore, HashStore, RowStore, StoreExport
-from ..types import Combiner
 from ._config import TableConfig
 from ._optimizer import EmbeddingOptimizer
 

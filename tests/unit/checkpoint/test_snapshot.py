@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from hugeembed.checkpoint import latest, list_snapshots, load, read_manifest, sa
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import SGD, Adagrad
 
-from .helpers import batch_for, build, tables_equal, train
+from .helpers import build, tables_equal, train
 
 REPO = Path(__file__).resolve().parents[3]
 
