@@ -87,11 +87,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
-def table_records(collection, directory: Path, rank: int = 0) -> list[dict[str, Any]]:
-    """Writes every table's shard of this rank under directory/tables; returns manifest entries."""
+def table_records(collection, directory: Path, rank: int = 0, tables: set[str] | None = None) -> list[dict[str, Any]]:
+    """Writes this rank's shard of every table (or of `tables`) under directory/tables; returns manifest entries."""
     (directory / "tables").mkdir(exist_ok=True)
     out = []
     for cfg, store in collection.stores():
+        if tables is not None and cfg.name not in tables:
+            continue
         ex = store.export()
         files = {}
         for f in _FIELDS:
@@ -144,26 +146,22 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         keep: keep only the newest `keep` snapshots (None: keep all).
         rng: save torch/CUDA/NumPy/Python RNG states (for bit-identical resume).
     """
+    from ..distributed import ShardedEmbeddingCollection
+
+    if isinstance(collection, ShardedEmbeddingCollection):
+        from ._sharded import save_sharded
+
+        return save_sharded(root, collection, model=model, dense_optimizer=dense_optimizer, step=step, extra=extra,
+                            keep=keep, rng=rng)
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(root)
     step = collection.step if step is None else int(step)
     name = _snapshot_name(step)
-    tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_tmp_dir(root, name)
     try:
         tables = table_records(collection, tmp)
-        files: dict[str, Any] = {}
-        if model is not None:
-            files["dense_model"] = write_bytes(tmp / "dense_model.pt", _torch_bytes(_dense_state(model, collection)))
-        if dense_optimizer is not None:
-            files["dense_optimizer"] = write_bytes(tmp / "dense_optimizer.pt", _torch_bytes(dense_optimizer.state_dict()))
-        files["embedding_optimizer"] = write_bytes(tmp / "embedding_optimizer.pt",
-                                                   _torch_bytes(collection.optimizer.state_dict()))
+        files = dense_files(tmp, collection, model, dense_optimizer, extra)
         if rng:
-            files["rng"] = write_bytes(tmp / "rng.pt", _torch_bytes(_rng_state()))
-        if extra is not None:
-            files["extra"] = write_bytes(tmp / "extra.pt", _torch_bytes(extra))
+            files["rng"] = rng_file(tmp)
         from .. import __version__
 
         manifest = {
@@ -171,26 +169,64 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
             "created_unix": time.time(), "world_size": 1, "plan": None,
             "collection_step": collection.step, "tables": tables, "files": files,
         }
-        write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        fsync_dir(tmp / "tables")
-        fsync_dir(tmp)
-        final = root / name
-        if final.exists():  # re-saving a step: move the old one aside, swap, then delete it
-            trash = root / f".tmp-old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(root)
-        atomic_write_text(root / LATEST, name + "\n")
+        final = publish(root, tmp, name, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    prune(root, keep)
+    return final
+
+
+def new_tmp_dir(root: Path, name: str) -> Path:
+    """A fresh hidden directory beside the snapshots for a save in progress (crashed ones are removed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(root)
+    tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def dense_files(tmp: Path, collection, model, dense_optimizer, extra) -> dict[str, Any]:
+    """Writes the dense model, the optimizers' state and `extra` into tmp; returns their records."""
+    files: dict[str, Any] = {}
+    if model is not None:
+        files["dense_model"] = write_bytes(tmp / "dense_model.pt", _torch_bytes(_dense_state(model, collection)))
+    if dense_optimizer is not None:
+        files["dense_optimizer"] = write_bytes(tmp / "dense_optimizer.pt", _torch_bytes(dense_optimizer.state_dict()))
+    files["embedding_optimizer"] = write_bytes(tmp / "embedding_optimizer.pt",
+                                               _torch_bytes(collection.optimizer.state_dict()))
+    if extra is not None:
+        files["extra"] = write_bytes(tmp / "extra.pt", _torch_bytes(extra))
+    return files
+
+
+def rng_file(tmp: Path, name: str = "rng.pt") -> dict[str, Any]:
+    return write_bytes(tmp / name, _torch_bytes(_rng_state()))
+
+
+def publish(root: Path, tmp: Path, name: str, manifest: dict[str, Any]) -> Path:
+    """Writes the manifest, fsyncs, renames tmp into place and points LATEST at it (the commit point)."""
+    write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    if (tmp / "tables").exists():
+        fsync_dir(tmp / "tables")
+    fsync_dir(tmp)
+    final = root / name
+    if final.exists():  # re-saving a step: move the old one aside, swap, then delete it
+        trash = root / f".tmp-old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
+    return final
+
+
+def prune(root: Path, keep: int | None) -> None:
     if keep is not None:
         for old in list_snapshots(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _dense_state(model: torch.nn.Module, collection) -> dict[str, torch.Tensor]:
@@ -245,15 +281,24 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:
-    """All shards of one table from a snapshot, verified, concatenated (optionally filtered)."""
+    """All shards of one table from a snapshot, verified, concatenated.
+
+    `rank_filter` (optional) maps one shard's fields ``{field: tensor}`` to the part to keep;
+    it is applied shard by shard, so a rank resharding a big table never holds all of it.
+    """
     parts = {f: [] for f in _FIELDS}
     for shard in entry["shards"]:
+        one = {}
         for f in _FIELDS:
             rec = shard["files"][f]
-            parts[f].append(read_tensor(snap / rec["file"], rec))
+            one[f] = read_tensor(snap / rec["file"], rec)
+        if rank_filter is not None:
+            one = rank_filter(one)
+        for f in _FIELDS:
+            parts[f].append(one[f])
+    if not parts["keys"]:
+        raise CheckpointError(f"{snap}: table {entry.get('name')!r} has no shard in the manifest")
     cat = {f: torch.cat(v) if len(v) > 1 else v[0] for f, v in parts.items()}
-    if rank_filter is not None:
-        cat = rank_filter(cat)
     return StoreExport(**cat)
 
 
@@ -308,17 +353,25 @@ def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None =
          dense_optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> SnapshotInfo:
     """Loads a snapshot (or the newest under a checkpoint root) into the given objects.
 
+    Any snapshot loads into any collection with the same tables: one saved by N ranks into
+    one process (all shards are read), into a ShardedEmbeddingCollection of M ranks or
+    another plan (each rank keeps the rows it owns: rows, optimizer state, counts, last
+    steps and pending keys move together).  Each rank reads the snapshot on its own.
+
     Everything is read and verified (manifest, table layout, checksums) before anything is
     changed, so a bad snapshot raises CheckpointError and leaves the model untouched.
     """
     manifest = read_manifest(path)
     snap = Path(manifest["_path"])
     check_tables(manifest, collection)
-    exports = {t["name"]: read_table(snap, t) for t in manifest["tables"]}
+    from ._sharded import owned_filter, rng_key
+
+    # a sharded collection keeps the keys it owns under ITS plan, whatever the saved layout
+    exports = {t["name"]: read_table(snap, t, owned_filter(collection, t["name"])) for t in manifest["tables"]}
     dense = _read_file(snap, manifest, "dense_model")
     dense_opt = _read_file(snap, manifest, "dense_optimizer")
     emb_opt = _read_file(snap, manifest, "embedding_optimizer")
-    rng = _read_file(snap, manifest, "rng")
+    rng = _read_file(snap, manifest, rng_key(collection, manifest))
     extra = _read_file(snap, manifest, "extra") or {}
     if model is not None and dense is None:
         raise CheckpointError(f"{snap} holds no dense model")

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train --nproc` relaunches with these
     if args.command is None:
         parser.print_help()
         return 2

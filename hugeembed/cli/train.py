@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from ._output import Progress, human_bytes, plot_history, print_summary, write_j
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads",
-           "synthetic_rows")
+           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
 
 
 def add_parser(sub) -> None:
@@ -42,6 +44,15 @@ def add_parser(sub) -> None:
     p.add_argument("--synthetic-rows", type=int, help="rows per epoch of the synthetic data")
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--threads", type=int)
+    d = p.add_argument_group("distributed", "several processes (tables sharded over them, dense part under DDP); "
+                             "also works under `torchrun --nproc_per_node N -m hugeembed train ...`")
+    d.add_argument("--nproc", type=int, metavar="N", help="launch N processes on this machine with torchrun "
+                   "(gloo on CPU, NCCL on GPU); --batch-size stays per process")
+    d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
+                   help="place a table: row_wise, data_parallel or table_wise@RANK (repeatable; the rest is planned)")
+    d.add_argument("--memory-per-rank", type=int, metavar="BYTES", help="table bytes each process may hold")
+    d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                   help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="save loss and AUC curves")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -69,14 +80,44 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    from ..distributed import DistEnv, init_from_env, launch_command
+
     cfg = config_from_args(args)
+    env = DistEnv.from_environ(os.environ)
+    if args.nproc is not None:
+        if env is not None:
+            raise ValueError("--nproc launches torchrun itself: under torchrun, leave it out")
+        # the processes inherit this terminal; each parses the same flags (without --nproc)
+        return subprocess.call(launch_command(args.nproc, _without_nproc(list(args.argv))))
     if args.plot:  # fail on a missing matplotlib before training, not after it
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"')
-    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet)).fit()
+    rank, world = 0, 1
+    if env is not None:
+        device = init_from_env(env, cfg.device, cfg.dist_timeout)
+        cfg = cfg.replace(device=str(device))
+        rank, world = env.rank, env.world_size
+    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet and rank == 0), rank=rank,
+                      world_size=world).fit()
+    if env is not None:  # on failure the process just exits: a dead peer cannot take part in teardown
+        _leave_group()
+    if rank != 0:
+        return 0  # rank 0 prints for everyone
     print_summary("summary", summary_rows(summary))
     if args.summary_json:
         write_json(args.summary_json, {k: v for k, v in summary.items()})
@@ -84,3 +125,10 @@ def run(args: argparse.Namespace) -> int:
         plot_history(args.plot, summary["history"], f"{cfg.model}, {summary['steps']} steps")
         print(f"curves saved to {Path(args.plot)}")
     return 0
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -40,7 +40,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                deep: Sequence[int] | None = None, dropout: float | None = None, num_cross: int | None = None,
                low_rank: int | None = None, num_experts: int | None = None, structure: str | None = None,
                first_order_optimizer: SparseOptimizer | None = None,
-               backend: str = "auto") -> tuple[RecModel, list[nn.Parameter]]:
+               backend: str = "auto",
+               collection_factory: Callable[..., EmbeddingCollection] | None = None
+               ) -> tuple[RecModel, list[nn.Parameter]]:
     """Builds a model and its embedding tables for Criteo-like data; returns ``(model, dense_parameters)``.
 
     Args:
@@ -63,6 +65,10 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         first_order_optimizer: DeepFM / Wide&Deep: optimizer of the dim-1 tables
             (None: `sparse_optimizer`; the Wide&Deep paper uses FTRL).
         backend: the collection's lookup backend.
+        collection_factory: builds the collection from ``(tables, optimizer=, device=, seed=,
+            backend=)`` instead of :class:`EmbeddingCollection` -- e.g. a
+            ``hugeembed.distributed.ShardedEmbeddingCollection`` with its plan bound
+            (``functools.partial(ShardedEmbeddingCollection, plan=plan)``).
 
     An option the chosen model does not take raises ConfigError (it is never ignored).
 
@@ -103,7 +109,11 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     else:
         tables = embedding_tables(features, embedding_dim, **common)
     device = torch.device(device)
-    collection = EmbeddingCollection(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
+    factory = EmbeddingCollection if collection_factory is None else collection_factory
+    collection = factory(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
+    if not isinstance(collection, EmbeddingCollection):
+        raise ConfigError(f"collection_factory must build an EmbeddingCollection (or a subclass), "
+                          f"got {type(collection).__name__}")
     # dense weights from `seed`, without disturbing the caller's random state
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork, device_type="cuda"):

@@ -40,6 +40,12 @@ class TrainConfig:
         capacity: most rows per dynamic table (None: unbounded).
         device: ``auto | cpu | cuda``.
         threads: torch/kernel threads (None: torch's default).
+        sharding: distributed runs: per-table placements overriding the proposed plan, as
+            ``"TABLE=KIND"`` (``row_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
+        memory_per_rank: distributed runs: bytes of tables each rank may hold (the planner
+            refuses a plan that does not fit); None: no limit.
+        dist_timeout: distributed runs: seconds any collective may wait before a peer counts
+            as dead or hung (the run then stops with a ShardingError naming step and stage).
     """
 
     model: str = "dlrm"
@@ -68,6 +74,9 @@ class TrainConfig:
     threads: int | None = None
     prefetch: int = 2
     log_every: int = 10
+    sharding: tuple[str, ...] = ()
+    memory_per_rank: int | None = None
+    dist_timeout: float = 300.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +111,17 @@ class TrainConfig:
             raise ConfigError(f"eval-fraction must be in (0, 1), got {self.eval_fraction!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        positive("memory_per_rank", allow_none=True)
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or \
+                not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
+            raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
+        sharding = (self.sharding,) if isinstance(self.sharding, str) else tuple(self.sharding)
+        for item in sharding:
+            table, eq, kind = str(item).partition("=")
+            if not eq or not table or not kind:
+                raise ConfigError(f"sharding entries look like TABLE=KIND (e.g. C3=row_wise, C1=data_parallel, "
+                                  f"C9=table_wise@1), got {item!r}")
+        object.__setattr__(self, "sharding", tuple(str(x) for x in sharding))
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
         object.__setattr__(self, "data", tuple(str(p) for p in self.data))
@@ -131,14 +151,14 @@ class TrainConfig:
         unknown = sorted(set(norm) - names)
         if unknown:
             raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(names - {'extra'})}")
-        for k in ("data", "eval_data"):
+        for k in ("data", "eval_data", "sharding"):
             if isinstance(norm.get(k), str):
                 norm[k] = (norm[k],)
         return cls(**norm)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["data"], d["eval_data"] = list(self.data), list(self.eval_data)
+        d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
         return d
 
     def replace(self, **changes: Any) -> "TrainConfig":

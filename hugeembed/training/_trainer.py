@@ -27,6 +27,8 @@ from ..metrics import MetricSet
 from ..models import make_model
 from ..optim import make_optimizer
 from ._config import TrainConfig
+from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics, run_info,
+                           sharded_factory, wrap_ddp)
 from ._sources import DataSource, make_source
 
 __all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "build_model", "evaluate"]
@@ -59,11 +61,16 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return classes[name](params, **kwargs)
 
 
-def build_model(cfg: TrainConfig, device: torch.device):
-    """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed)."""
+def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
+    """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
+
+    With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
+    process group's ranks (collective: every rank builds its model).
+    """
     rule = make_optimizer(cfg.sparse_optimizer, lr=cfg.sparse_lr)
+    factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity)
+                      seed=cfg.seed, capacity=cfg.capacity, collection_factory=factory)
 
 
 def seed_everything(seed: int) -> None:
@@ -97,7 +104,11 @@ class Trainer:
     Args:
         config: the run.
         progress: called with (event, info) for "start", "step", "eval", "checkpoint", "end".
-        rank, world_size: this process's place in a distributed run (1 process: 0, 1).
+        rank, world_size: this process's place in a distributed run (1 process: 0, 1).  With
+            several, torch.distributed must be initialised (``torchrun ... -m hugeembed train``
+            or ``hugeembed train --nproc N`` do it): tables are sharded, the dense part runs
+            under DistributedDataParallel, each rank reads its slice of every global batch,
+            metrics are merged over all ranks' predictions, snapshots hold every rank's shards.
 
     Example::
 
@@ -115,8 +126,12 @@ class Trainer:
             torch.set_num_threads(config.threads)
         _native.tune_malloc()
         seed_everything(config.seed)
-        self.model, dense_params = build_model(config, self.device)
+        if world_size > 1:
+            check_process_group(rank, world_size)
+        self.model, dense_params = build_model(config, self.device, world_size)
         self.collection = self.model.embeddings
+        # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
+        self.step_model = wrap_ddp(self.model, self.device) if world_size > 1 else self.model
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
         self.source: DataSource = make_source(config, rank, world_size)
         self.state = TrainState()
@@ -137,7 +152,7 @@ class Trainer:
         st = self.state  # after resume(), which replaces it
         total = self.total_steps()
         self.progress("start", {"total_steps": total, "data": self.source.description, "resumed_at": st.step,
-                                "device": str(self.device), "model": cfg.model})
+                                "device": str(self.device), "model": cfg.model, "world_size": self.world_size})
         self.model.train()
         done = total is not None and st.step >= total
         while not done:
@@ -171,10 +186,17 @@ class Trainer:
         st = self.state
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
-        logits = self.model(batch.dense, batch.sparse)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the embedding tables are updated in here
+        try:
+            logits = self.step_model(batch.dense, batch.sparse)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # the embedding tables are updated in here
+        except RuntimeError as e:
+            err = as_sharding_error(e, self.rank, st.step + 1, "the dense gradient all-reduce (DDP)") \
+                if self.world_size > 1 else None
+            if err is not None:
+                raise err from e
+            raise
         self.dense_optimizer.step()
         self.collection.optimizer.step()
         value = float(loss.detach())
@@ -187,6 +209,9 @@ class Trainer:
         st.loss_sum += value
         st.loss_count += 1
         if st.step % self.cfg.log_every == 0 or st.step == 1:
+            if self.world_size > 1:  # the mean over every rank's local losses (one small collective)
+                sums = self.collection.comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
+                st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
             avg = st.loss_sum / st.loss_count
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
@@ -202,7 +227,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Metrics over the whole held-out set (no id is inserted or counted)."""
-        metrics = evaluate(self.model, self.source.eval_batches(), self.device)
+        if self.world_size > 1:  # every rank scores its slice; the accumulators are merged exactly
+            empty = empty_batch(self.collection.feature_names(), self.model.num_dense, self.device)
+            metrics = evaluate(self.model, aligned(self.source.eval_batches(), self.collection, empty), self.device,
+                               merge=lambda ms: merge_metrics(self.collection, ms))
+        else:
+            metrics = evaluate(self.model, self.source.eval_batches(), self.device)
         st = self.state
         st.last_eval = metrics
         st.history["eval_step"].append(st.step)
@@ -216,7 +246,8 @@ class Trainer:
     def save(self):
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
-                         extra={"train_state": self.state.to_dict(), "config": self.cfg.to_dict()})
+                         extra={"train_state": self.state.to_dict(), "config": self.cfg.to_dict(),
+                                "world_size": self.world_size})
         self.progress("checkpoint", {"step": self.state.step, "path": str(path)})
         return path
 
@@ -225,12 +256,18 @@ class Trainer:
         root = Path(self.cfg.checkpoint_dir)
         if not root.exists() or ckpt.latest(root) is None:
             return False
-        saved = ckpt.read_extra(root).get("config", {})  # compare runs before reading any table
-        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "batch_size", "seed")
+        extra = ckpt.read_extra(root)  # compare runs before reading any table
+        saved = extra.get("config", {})
+        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed")
                    if k in saved and saved[k] != getattr(self.cfg, k)]
-        if changed:
-            raise CheckpointError(f"{ckpt.latest(root)} was saved by a run with different "
-                                  + ", ".join(f"{k} ({saved[k]!r} vs {getattr(self.cfg, k)!r})" for k in changed))
+        msgs = [f"{k} ({saved[k]!r} vs {getattr(self.cfg, k)!r})" for k in changed]
+        # any number of processes may resume, but the data position counts global batches
+        saved_world = int(extra.get("world_size", 1))
+        if "batch_size" in saved and saved["batch_size"] * saved_world != self.cfg.batch_size * self.world_size:
+            msgs.append(f"global batch ({saved['batch_size']} x {saved_world} processes vs "
+                        f"{self.cfg.batch_size} x {self.world_size})")
+        if msgs:
+            raise CheckpointError(f"{ckpt.latest(root)} was saved by a run with different " + ", ".join(msgs))
         info = ckpt.load(root, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
         self.state = TrainState(**info.extra["train_state"])
         return True
@@ -239,8 +276,12 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         st = self.state
-        rows = self.collection.num_rows()
-        table_bytes = sum(self.collection.memory_bytes().values())
+        if self.world_size > 1:
+            info = run_info(self.collection)
+            rows, table_bytes = info["rows"], info["bytes"]
+        else:
+            rows = self.collection.num_rows()
+            table_bytes = sum(self.collection.memory_bytes().values())
         dense_bytes = sum(p.numel() * p.element_size() for p in self.model.dense_parameters())
         out: dict[str, Any] = {
             "model": self.cfg.model, "steps": st.step, "epochs": st.epoch, "samples": st.samples,
