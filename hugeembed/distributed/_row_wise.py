@@ -133,10 +133,13 @@ class RowWiseRoute:
                     0, inv, torch.cat(counts).to(torch.int64))
         store = self.coll._stores[self.t]
         slots = store.find_or_insert(uniq, st.step, counts=ucounts) if st.training else store.find(uniq)
-        rows = store.storage()[:, : self.dim][slots.clamp(min=0)]
-        missing = slots < 0  # not admitted yet / unknown in eval: reads zeros, as in one process
-        if bool(missing.any()):
-            rows[missing] = 0
+        weights = store.storage()[:, : self.dim]
+        known = slots >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
+        if bool(known.all()):
+            rows = weights[slots]
+        else:
+            rows = torch.zeros(slots.numel(), self.dim, dtype=self.dtype, device=dev)
+            rows[known] = weights[slots[known]]
         if invs is None:
             replies.add(sources[0], rows)
         else:

@@ -1,0 +1,139 @@
+"""Shared pieces of the multi-rank tests: tables, global batches, one training loop for 1 or N ranks.
+
+The same loop runs in the single-process reference (rank 0 of 1, the whole global batch)
+and on every rank of a sharded run (its slice): a test compares what both leave behind.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hugeembed.features import SparseFeatures
+from hugeembed.optim import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
+
+FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
+GLOBAL_BATCH = 12
+
+OPTIMIZERS = {
+    "sgd": lambda: SGD(lr=0.1),
+    "adagrad": lambda: Adagrad(lr=0.1),
+    "adam_lazy": lambda: Adam(lr=0.01),
+    "adam_global": lambda: Adam(lr=0.01, mode="global"),
+    "rowwise_adagrad": lambda: RowWiseAdagrad(lr=0.1),
+    "ftrl": lambda: FTRL(lr=0.1, l1=0.001, l2=0.01),
+}
+
+
+def tables(opt_name: str = "adagrad", dim: int = 4):
+    """Dynamic with admission + ttl eviction, dynamic mean, static with a default id, a clipped one."""
+    from hugeembed.nn import TableConfig
+
+    opt = OPTIMIZERS[opt_name]()
+    return [
+        TableConfig("user", dim, combiner="sum", admit_min_count=2, ttl=3, evict_interval=2, optimizer=opt),
+        TableConfig("item", dim, combiner="mean", optimizer=opt),
+        TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, optimizer=opt),
+        TableConfig("page", dim, combiner="sqrtn", max_norm=0.6, optimizer=opt),
+    ]
+
+
+def global_batch(step: int, n: int = GLOBAL_BATCH) -> SparseFeatures:
+    """The global batch of `step`: multi-hot bags with repeats (squares mod n), weights on odd steps."""
+    g = torch.Generator().manual_seed(7000 + step)
+
+    def bags(hi: int, maxlen: int = 3):
+        lens = torch.randint(0, maxlen + 1, (n,), generator=g)
+        return [(torch.randint(0, hi, (int(k),), generator=g) ** 2 % hi).tolist() for k in lens]
+
+    feats = {"user": bags(40), "item": bags(60), "country": bags(11, 2), "page": bags(30)}
+    weights = None
+    if step % 2:
+        weights = {k: [(0.5 + torch.rand(len(b), generator=g)).tolist() for b in v] for k, v in feats.items()}
+    return SparseFeatures.from_lists(feats, weights)
+
+
+def local_batch(step: int, rank: int, world: int) -> SparseFeatures:
+    sf = global_batch(step)
+    return sf if world == 1 else sf.split(GLOBAL_BATCH // world)[rank]
+
+
+def coef(step: int, width: int) -> torch.Tensor:
+    return torch.randn(GLOBAL_BATCH, width, generator=torch.Generator().manual_seed(9000 + step))
+
+
+def labels(step: int) -> torch.Tensor:
+    return (torch.rand(GLOBAL_BATCH, generator=torch.Generator().manual_seed(500 + step)) > 0.6).float()
+
+
+def dense_model(in_dim: int) -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(in_dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, record=None):
+    """Trains `ec` (and a dense model) on the global batches of `steps`; returns the first forward's output.
+
+    Without `dense` the loss is linear in the pooled vectors (its gradient is exact, so
+    sharded and unsharded row gradients agree bit for bit where the summation order
+    does); with `dense` (DDP-wrapped on N ranks) it is a BCE over an MLP.
+    """
+    B = GLOBAL_BATCH // world
+    sl = slice(rank * B, (rank + 1) * B)
+    first = None
+    for step in steps:
+        out = ec(local_batch(step, rank, world))
+        x = out.concat()
+        if first is None:
+            first = x.detach().clone()
+        if dense is None:
+            loss = (x * coef(step, x.shape[1])[sl]).sum() / B
+        else:
+            loss = F.binary_cross_entropy_with_logits(dense(x).squeeze(1), labels(step)[sl])
+            dense_opt.zero_grad()
+        loss.backward()
+        if dense_opt is not None:
+            dense_opt.step()
+        if record is not None:
+            record.append(dict(ec.comm.stats.step))
+    return first
+
+
+def export_all(ec) -> dict[str, dict[str, torch.Tensor]]:
+    return {cfg.name: {f: getattr(s.export(), f).clone() for f in FIELDS} for cfg, s in ec.stores()}
+
+
+def merge_shards(per_rank: list[dict], replicated: set[str] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank's shards -> one export per table, keys ascending; replicas must agree bit for bit."""
+    out = {}
+    for name in per_rank[0]:
+        parts = [r[name] for r in per_rank]
+        if name in replicated:
+            for p in parts[1:]:
+                for f in FIELDS:
+                    assert torch.equal(p[f], parts[0][f]), f"replicas of {name!r} differ in {f}"
+            parts = parts[:1]
+        merged = {}
+        for keyf, fields in (("keys", ("rows", "counts", "last_step")),
+                             ("pending_keys", ("pending_counts", "pending_last_step"))):
+            keys = torch.cat([p[keyf] for p in parts])
+            order = keys.argsort()
+            assert keys.unique().numel() == keys.numel(), f"table {name!r}: a key lives on two ranks"
+            merged[keyf] = keys[order]
+            for f in fields:
+                merged[f] = torch.cat([p[f] for p in parts])[order]
+        out[name] = merged
+    return out
+
+
+def assert_tables(got: dict, want: dict, exact: set[str] = frozenset(), what: str = "") -> None:
+    """Keys, counts, steps and pending keys equal; rows allclose (bit-identical for tables in `exact`)."""
+    assert set(got) == set(want), what
+    for name in want:
+        for f in FIELDS:
+            a, b = got[name][f], want[name][f]
+            assert a.shape == b.shape, f"{what}: {name}.{f} shape {tuple(a.shape)} vs {tuple(b.shape)}"
+            if f == "rows" and name not in exact:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {name}.rows: {m}")
+            else:
+                assert torch.equal(a, b), f"{what}: {name}.{f} differs (max {(a - b).abs().max()})"

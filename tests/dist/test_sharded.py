@@ -1,0 +1,252 @@
+"""Sharded tables on 2 and 4 gloo ranks against one process on the same global batches.
+
+Few process groups, many checks each: the 2-rank and 4-rank groups train every sharding
+kind with several optimizers (and a DDP dense model), measure the bytes they exchange,
+and pass snapshots along a chain 1 -> 2 -> 4 -> 2 ranks (plans changing on the way);
+the test process compares everything with its own single-process runs.
+
+Exactness (see docs/distributed.md): forward outputs are bit-identical for every kind;
+table-wise tables train bit-identically (the owner runs the lookup backward over the
+whole global batch, as one process does); row-wise and data-parallel rows are summed
+per rank first, then over ranks, so they agree to float rounding (allclose); keys, hit
+counts, last steps and pending (not yet admitted) keys are always equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hugeembed import checkpoint as ckpt
+from hugeembed._hashing import mix64_int
+from hugeembed.nn import EmbeddingCollection
+
+from ._harness import run_ranks
+from .common import (GLOBAL_BATCH, OPTIMIZERS, assert_tables, dense_model, export_all, local_batch, merge_shards,
+                     tables, train)
+from .workers import EVAL_STEP
+
+pytestmark = pytest.mark.dist
+
+ALL = ("user", "item", "country", "page")
+STEPS = 3
+
+
+def plans(world: int) -> dict[str, dict[str, str]]:
+    return {
+        "row_wise": {t: "row_wise" for t in ALL},
+        "table_wise": {t: f"table_wise@{i % world}" for i, t in enumerate(ALL)},
+        "data_parallel": {t: "data_parallel" for t in ALL},
+        "mixed": {"user": f"table_wise@{world - 1}", "item": "row_wise", "country": "data_parallel",
+                  "page": "row_wise@0" if world > 2 else "table_wise@0"},
+    }
+
+
+def cases(world: int, opts, dense_kinds=("row_wise", "table_wise", "data_parallel", "mixed")) -> list[dict]:
+    out = [{"name": f"{opt}/{kind}", "opt": opt, "plan": plan, "steps": STEPS}
+           for opt in opts for kind, plan in plans(world).items() if kind != "mixed"]
+    out += [{"name": f"{opt}/mixed", "opt": opt, "plan": plans(world)["mixed"], "steps": STEPS} for opt in opts[:2]]
+    out += [{"name": f"dense/{kind}", "opt": "adagrad", "plan": plans(world)[kind], "steps": STEPS, "dense": True}
+            for kind in dense_kinds]
+    out.append({"name": "bytes", "opt": "sgd", "plan": plans(world)["row_wise"], "steps": 2})
+    return out
+
+
+# -- single-process references ------------------------------------------------------------------------------------
+
+
+_REFS: dict = {}
+
+
+def reference(opt: str, steps: int, dense: bool):
+    key = (opt, steps, dense)
+    if key not in _REFS:
+        ec = EmbeddingCollection(tables(opt))
+        model = dense_model(16) if dense else None
+        dopt = torch.optim.Adam(model.parameters(), lr=0.01) if dense else None
+        first = train(ec, range(steps), dense=model, dense_opt=dopt)
+        ec.eval()
+        with torch.no_grad():
+            scored = ec(local_batch(EVAL_STEP, 0, 1)).concat()
+        _REFS[key] = {"tables": export_all(ec), "first": first, "eval": scored,
+                      "dense": None if model is None else model.state_dict()}
+    return _REFS[key]
+
+
+CHAIN_OPT = "adam_global"
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """The unsharded run the snapshot chain must reproduce: tables after steps 3, 6, 8 and 10."""
+    root = tmp_path_factory.mktemp("chain")
+    ec = EmbeddingCollection(tables(CHAIN_OPT))
+    train(ec, range(0, 3))
+    ckpt.save(root / "s1", ec)
+    at = {3: export_all(ec)}
+    for a, b in ((3, 6), (6, 8), (8, 10)):
+        train(ec, range(a, b))
+        at[b] = export_all(ec)
+    return {"root": root, "at": at}
+
+
+@pytest.fixture(scope="module")
+def two(chain):
+    root = chain["root"]
+    link = {"plan": plans(2)["row_wise"], "opt": CHAIN_OPT, "load": str(root / "s1"), "train": (3, 6),
+            "save": str(root / "s2")}
+    return run_ranks(2, "tests.dist.workers:main", {"cases": cases(2, list(OPTIMIZERS)), "chain": [link]})
+
+
+@pytest.fixture(scope="module")
+def four(chain, two):
+    root = chain["root"]
+    links = [{"plan": plans(4)["mixed"], "opt": CHAIN_OPT, "load": str(root / "s1")},
+             {"plan": plans(4)["table_wise"], "opt": CHAIN_OPT, "load": str(root / "s2"), "train": (6, 8),
+              "save": str(root / "s4")}]
+    return run_ranks(4, "tests.dist.workers:main",
+                     {"cases": cases(4, ["adagrad", "adam_global", "ftrl"], ("row_wise", "mixed")), "chain": links})
+
+
+def replicated(plan: dict) -> set[str]:
+    return {t for t, k in plan.items() if k == "data_parallel"}
+
+
+def check_cases(results: list, world: int) -> int:
+    checked = 0
+    B = GLOBAL_BATCH // world
+    for case in cases(world, list(OPTIMIZERS) if world == 2 else ["adagrad", "adam_global", "ftrl"],
+                      ("row_wise", "table_wise", "data_parallel", "mixed") if world == 2 else ("row_wise", "mixed")):
+        name = case["name"]
+        got = [r["cases"][name] for r in results]
+        ref = reference(case["opt"], case["steps"], bool(case.get("dense")))
+        what = f"{world} ranks, {name}"
+        for rank, g in enumerate(got):  # forward outputs: bit-identical, every kind
+            assert torch.equal(g["first"], ref["first"][rank * B:(rank + 1) * B]), f"{what}: first forward, rank {rank}"
+            assert g["step"] == case["steps"]
+        exact = {t for t, k in case["plan"].items() if k.startswith("table_wise")} if not case.get("dense") else set()
+        assert_tables(merge_shards([g["tables"] for g in got], replicated(case["plan"])), ref["tables"], exact, what)
+        scored = torch.cat([g["eval"] for g in got])
+        if exact == set(ALL):
+            assert torch.equal(scored, ref["eval"]), what
+        torch.testing.assert_close(scored, ref["eval"], rtol=1e-5, atol=1e-6)
+        if case.get("dense"):
+            for g in got:
+                for k, v in ref["dense"].items():
+                    torch.testing.assert_close(g["dense"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {k}: {m}")
+        checked += 1
+    return checked
+
+
+def test_two_ranks_train_like_one_process_for_every_kind_and_optimizer(two):
+    assert check_cases(two, 2) == 6 * 3 + 2 + 4 + 1
+
+
+def test_four_ranks_train_like_one_process(four):
+    assert check_cases(four, 4) == 3 * 3 + 2 + 2 + 1
+
+
+# -- bytes: deduplicated before the exchange -------------------------------------------------------------------
+
+
+def owner(key: int, world: int, static: bool) -> int:
+    return key % world if static else (mix64_int(key) & 0xFFFFFFFF) % world
+
+
+def unique_keys(step: int, rank: int, world: int) -> dict[str, list[int]]:
+    """Oracle: the distinct ids each table reads in a rank's batch (empty country bags read default id 3)."""
+    sf = local_batch(step, rank, world)
+    out = {}
+    for name in ALL:
+        ids = set(sf.feature(name).values.tolist())
+        if name == "country" and bool((sf.feature(name).lengths() == 0).any()):
+            ids.add(3)
+        out[name] = sorted(ids)
+    return out
+
+
+def pad8(n: int) -> int:
+    return n + (-n) % 8
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_sent_are_unique_keys_per_destination_times_record_size(two, four, world):
+    results = two if world == 2 else four
+    D, key_bytes, count_bytes, row_bytes = 4, 8, 4, 4 * 4
+    saved_by_dedup = 0
+    for step in range(2):
+        mine = [unique_keys(step, r, world) for r in range(world)]
+        for rank in range(world):
+            sent = results[rank]["cases"]["bytes"]["bytes"][step]
+            want = {"input_dist": [0] * world, "output_dist": [0] * world, "grad_dist": [0] * world}
+            for name in ALL:
+                static = name == "country"
+                for d in range(world):
+                    n = sum(1 for k in mine[rank][name] if owner(k, world, static) == d)
+                    asked = sum(1 for k in mine[d][name] if owner(k, world, static) == rank)
+                    want["input_dist"][d] += pad8(n * key_bytes) + pad8(n * count_bytes)
+                    want["grad_dist"][d] += pad8(n * row_bytes)
+                    want["output_dist"][d] += pad8(asked * row_bytes)
+            assert sent == want, f"step {step} rank {rank}"
+            ids = sum(local_batch(step, rank, world).feature(n).values.numel() for n in ALL)
+            saved_by_dedup += ids - sum(len(v) for v in mine[rank].values())
+    assert saved_by_dedup > 0 and D == 4  # the batches repeat ids: dedup sent fewer keys than ids
+
+
+# -- snapshots across world sizes and plans ------------------------------------------------------------------------
+
+
+def test_reshard_one_to_two_then_two_to_four_and_training_continues(chain, two, four):
+    at = chain["at"]
+    link = [r["chain"][0] for r in two]  # 1 -> 2 (row-wise), train 3..6, save
+    assert all(r["loaded_step"] == 3 for r in link)
+    assert_tables(merge_shards([r["loaded"] for r in link]), at[3], set(ALL), "1 -> 2 ranks: loaded")
+    assert_tables(merge_shards([r["trained"] for r in link]), at[6], set(), "1 -> 2 ranks: trained on")
+    one_to_four = [r["chain"][0] for r in four]  # 1 -> 4 (mixed plan)
+    assert_tables(merge_shards([r["loaded"] for r in one_to_four], replicated(plans(4)["mixed"])), at[3], set(ALL),
+                  "1 -> 4 ranks: loaded")
+    two_to_four = [r["chain"][1] for r in four]  # 2 (row-wise) -> 4 (table-wise), train 6..8, save
+    assert_tables(merge_shards([r["loaded"] for r in two_to_four]), merge_shards([r["trained"] for r in link]),
+                  set(ALL), "2 -> 4 ranks: loaded")
+    assert_tables(merge_shards([r["trained"] for r in two_to_four]), at[8], set(), "2 -> 4 ranks: trained on")
+
+
+@pytest.mark.parametrize("snapshot,step", [("s2", 6), ("s4", 8)])
+def test_sharded_snapshots_load_into_one_process(chain, two, four, snapshot, step):
+    manifest = ckpt.read_manifest(chain["root"] / snapshot)
+    assert manifest["world_size"] == (2 if snapshot == "s2" else 4) and manifest["plan"]["world_size"] > 1
+    ec = EmbeddingCollection(tables(CHAIN_OPT))
+    ckpt.load(chain["root"] / snapshot, ec, restore_rng=False)
+    assert ec.step == step
+    assert_tables(export_all(ec), chain["at"][step], set(), f"{snapshot} -> 1 process")
+
+
+@pytest.fixture(scope="module")
+def two_again(chain, four):
+    link = {"plan": plans(2)["mixed"], "opt": CHAIN_OPT, "load": str(chain["root"] / "s4"), "train": (8, 10)}
+    fail = {"plan": plans(2)["mixed"], "step": 2, "victim": 1, "mode": "die", "timeout": 20.0}
+    return run_ranks(2, "tests.dist.workers:main", {"chain": [link], "fail": fail, "broken_group": True},
+                     expected_codes={1: 3})
+
+
+def test_reshard_four_to_two_then_training_continues(chain, two_again):
+    links = [r["chain"][0] for r in two_again]  # rank 1 saved its result before it was killed
+    assert all(r["loaded_step"] == 8 for r in links)
+    assert_tables(merge_shards([r["trained"] for r in links], replicated(plans(2)["mixed"])), chain["at"][10], set(),
+                  "4 -> 2 ranks: trained on")
+
+
+def test_a_killed_rank_stops_the_others_with_a_clear_error(two_again):
+    fail = two_again[0]["fail"]
+    assert fail["error"] is not None, "rank 0 kept training after rank 1 died"
+    assert "step 3" in fail["error"] and "rank 0 of 2" in fail["error"] and "--resume" in fail["error"]
+    assert "input_dist" in fail["error"] or "dist" in fail["error"]
+    assert fail["seconds"] < 20.0
+
+
+def test_a_hung_rank_stops_the_others_after_the_timeout():
+    fail = {"plan": plans(2)["row_wise"], "step": 1, "victim": 1, "mode": "hang", "timeout": 3.0}
+    res = run_ranks(2, "tests.dist.workers:main", {"fail": fail, "broken_group": True}, expected_codes={1: None})
+    got = res[0]["fail"]
+    assert got["error"] is not None and "step 2" in got["error"] and "timeout 3 s" in got["error"]
+    assert 2.5 < got["seconds"] < 15.0

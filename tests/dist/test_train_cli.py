@@ -1,0 +1,58 @@
+"""`hugeembed train --nproc 2` (torchrun, gloo, DDP, sharded tables) against one process on the same data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hugeembed import checkpoint as ckpt
+from hugeembed.training import TrainConfig, Trainer
+
+from ._harness import ROOT
+
+pytestmark = pytest.mark.dist
+
+PER_PROCESS = dict(model="dlrm", embedding_dim=4, batch_size=64, steps=12, eval_every=6, eval_rows=512,
+                   synthetic_max_cardinality=5000, log_every=5, threads=1, sparse_optimizer="adagrad")
+
+
+def toml(d: dict) -> str:
+    return "[train]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in d.items())
+
+
+def test_nproc_2_matches_one_process_then_one_process_resumes_its_snapshot(tmp_path):
+    (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
+           "--checkpoint-dir", str(ck), "--checkpoint-every", "6", "--summary-json", str(tmp_path / "s.json"),
+           "--quiet", "--shard", "C1=data_parallel", "--shard", "C2=table_wise@1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("processes") == 1  # rank 0 prints the summary, once
+    assert "processes                       2" in done.stdout
+    two = json.loads((tmp_path / "s.json").read_text())
+
+    one_cfg = TrainConfig(**{**PER_PROCESS, "batch_size": 128})  # the same global batches in one process
+    one = Trainer(one_cfg).fit()
+    assert two["world_size"] == 2 and two["samples"] == one["samples"] == 12 * 128
+    assert two["table_rows"] == one["table_rows"]  # the same ids were admitted, counted over all ranks
+    assert two["auc"] == pytest.approx(one["auc"], abs=5e-4)
+    assert two["logloss"] == pytest.approx(one["logloss"], abs=5e-4)
+    assert two["history"]["loss"] == pytest.approx(one["history"]["loss"], abs=5e-4)
+
+    manifest = ckpt.read_manifest(ck)
+    assert manifest["world_size"] == 2 and manifest["step"] == 12
+    assert manifest["plan"]["tables"]["C1"]["kind"] == "data_parallel"
+    assert manifest["plan"]["tables"]["C2"] == {"kind": "table_wise", "ranks": [1]}
+    assert {s["rank"] for s in manifest["tables"][2]["shards"]} == {0, 1}  # C3: row-wise, both ranks wrote
+
+    # one process resumes the 2-process snapshot (same global batch) and goes on as if never split
+    resumed = Trainer(one_cfg.replace(steps=16, checkpoint_dir=str(ck), resume=True)).fit()
+    whole = Trainer(one_cfg.replace(steps=16)).fit()
+    assert resumed["steps"] == 16 and resumed["table_rows"] == whole["table_rows"]
+    assert resumed["auc"] == pytest.approx(whole["auc"], abs=5e-4)

@@ -1,0 +1,92 @@
+"""What each rank runs in the multi-rank tests (started by _harness.run_ranks).
+
+Workers only train, save, load and record; every comparison happens in the test
+process against a single-process reference, so a failure shows a plain assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hugeembed import ShardingError
+from hugeembed import checkpoint as ckpt
+from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
+
+from .common import dense_model, export_all, local_batch, tables, train
+
+EVAL_STEP = 100  # the batch scored in eval mode after training
+
+
+def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0) -> ShardedEmbeddingCollection:
+    return ShardedEmbeddingCollection(tables(opt), plan=ShardingPlan(world, plan), process_group=group,
+                                      timeout=timeout)
+
+
+def run_case(rank: int, world: int, group, case: dict) -> dict:
+    """Trains one sharded collection (optionally with a DDP dense model); records what to compare."""
+    ec = build(world, case["plan"], case["opt"], group)
+    dense = ddp = opt = None
+    if case.get("dense"):
+        dense = dense_model(16)
+        ddp = DistributedDataParallel(dense)
+        opt = torch.optim.Adam(dense.parameters(), lr=0.01)
+    record: list = []
+    first = train(ec, range(case["steps"]), rank, world, dense=ddp, dense_opt=opt, record=record)
+    ec.eval()
+    with torch.no_grad():
+        scored = ec(local_batch(EVAL_STEP, rank, world)).concat()
+    return {"tables": export_all(ec), "first": first, "eval": scored, "bytes": record,
+            "dense": None if dense is None else {k: v.clone() for k, v in dense.state_dict().items()},
+            "step": ec.step}
+
+
+def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
+    """Optionally loads a snapshot into this world size and plan, trains some steps, optionally saves."""
+    ec = build(world, link["plan"], link["opt"], group)
+    out: dict = {}
+    if link.get("load"):
+        ckpt.load(link["load"], ec, restore_rng=False)
+        out["loaded"] = export_all(ec)
+        out["loaded_step"] = ec.step
+    if link.get("train"):
+        a, b = link["train"]
+        train(ec, range(a, b), rank, world)
+        out["trained"] = export_all(ec)
+    if link.get("save"):
+        out["saved"] = str(ckpt.save(link["save"], ec))
+    return out
+
+
+def failure(rank: int, world: int, group, spec: dict) -> dict:
+    """One rank dies (os._exit) or hangs at `step`; the others report the error and how long it took."""
+    ec = build(world, spec["plan"], "adagrad", new_embedding_group("cpu", spec["timeout"]), spec["timeout"])
+    dense = dense_model(16)
+    ddp = DistributedDataParallel(dense)
+    opt = torch.optim.Adam(dense.parameters(), lr=0.01)
+    train(ec, range(spec["step"]), rank, world, dense=ddp, dense_opt=opt)
+    if rank == spec["victim"]:
+        if spec["mode"] == "die":
+            os._exit(3)
+        time.sleep(120)  # hangs: the test kills it once the others are done
+    t0 = time.monotonic()
+    try:
+        train(ec, range(spec["step"], spec["step"] + 3), rank, world, dense=ddp, dense_opt=opt)
+    except ShardingError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, broken_group=False) -> dict:
+    group = new_embedding_group("cpu", 30.0)
+    result = {"cases": {c["name"]: run_case(rank, world, group, c) for c in cases},
+              "chain": [run_chain_link(rank, world, group, link) for link in chain]}
+    if fail is not None:
+        # saved first: the victim dies in failure() and the test still wants its shards
+        torch.save(result, Path(workdir) / f"result.{rank}.pt")
+        result["fail"] = failure(rank, world, group, fail)
+    return result
