@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -90,22 +91,24 @@ inline uint64_t next_pow2(uint64_t x) {
 // A batch-local open-addressing map from int64 key to a dense index 0..n-1 in
 // first-seen order.  Used to deduplicate the ids of one batch (DeepRec's
 // "UniqueWithCounts").  Any int64 is a valid key: emptiness is kept in the
-// index array (-1), never encoded in the key.  Owned by a long-lived context and
-// reused across batches so its memory is not faulted in afresh every step.
+// index (-1), never encoded in the key.  Key and index share one 16-byte record
+// so a probe touches one cache line.  Owned by a long-lived context and reused
+// across batches so its memory is not faulted in afresh every step.
 struct LocalDedup {
-  std::vector<int64_t> keys;   // bucket -> key
-  std::vector<int32_t> index;  // bucket -> dense index, -1 = empty
+  struct Rec {
+    int64_t key;
+    int32_t idx;  // -1: empty
+    int32_t pad;
+  };
+  std::vector<Rec> recs;
   uint64_t mask = 0;
   int32_t count = 0;
 
   void reset(int64_t expected) {
     uint64_t cap = next_pow2((uint64_t)std::max<int64_t>(16, expected * 2));
-    if (cap > keys.size()) {
-      keys.assign(cap, 0);
-      index.assign(cap, -1);
-    } else {
-      std::fill(index.begin(), index.begin() + cap, -1);
-    }
+    if (cap > recs.size()) recs.assign(cap, Rec{0, -1, 0});
+    else
+      for (uint64_t i = 0; i < cap; ++i) recs[i].idx = -1;
     mask = cap - 1;
     count = 0;
   }
@@ -114,19 +117,52 @@ struct LocalDedup {
   inline int32_t find_or_add(int64_t key, bool& is_new) {
     uint64_t pos = mix64((uint64_t)key) & mask;
     while (true) {
-      int32_t idx = index[pos];
-      if (idx < 0) {
-        index[pos] = count;
-        keys[pos] = key;
+      Rec& r = recs[pos];
+      if (r.idx < 0) {
+        r.key = key;
+        r.idx = count;
         is_new = true;
         return count++;
       }
-      if (keys[pos] == key) {
+      if (r.key == key) {
         is_new = false;
-        return idx;
+        return r.idx;
       }
       pos = (pos + 1) & mask;
     }
+  }
+};
+
+// Dedup of a small static table's ids (0 <= id < rows) by direct indexing: no
+// hashing.  `stamp[id] == epoch` marks ids seen in the current batch, so nothing
+// is cleared between batches (a new epoch invalidates every mark at once).
+struct DirectDedup {
+  std::vector<int32_t> stamp, idx;
+  int32_t epoch = 0;
+  int32_t count = 0;
+
+  void reset(int64_t rows) {
+    if ((int64_t)stamp.size() < rows) {
+      stamp.assign(rows, 0);
+      idx.assign(rows, 0);
+      epoch = 0;
+    }
+    if (++epoch == INT32_MAX) {  // after 2^31 batches: clear once and start over
+      std::fill(stamp.begin(), stamp.end(), 0);
+      epoch = 1;
+    }
+    count = 0;
+  }
+
+  inline int32_t find_or_add(int64_t key, bool& is_new) {
+    if (stamp[key] == epoch) {
+      is_new = false;
+      return idx[key];
+    }
+    stamp[key] = epoch;
+    idx[key] = count;
+    is_new = true;
+    return count++;
   }
 };
 

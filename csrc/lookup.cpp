@@ -85,9 +85,14 @@ struct ErrorSlot {
   }
 };
 
+// Static tables up to this many rows deduplicate by direct indexing (8 bytes per
+// row of scratch, kept per table); larger or dynamic tables use a hash.
+constexpr int64_t kDirectMaxRows = 1 << 16;
+
 struct LookupContext {
   std::mutex mu;  // one lookup at a time per context: the scratch is shared
-  std::vector<he::LocalDedup> dedup;
+  std::vector<he::LocalDedup> dedup;    // per thread
+  std::vector<he::DirectDedup> direct;  // per table
 };
 
 }  // namespace
@@ -134,6 +139,51 @@ HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const in
   return err[0];
 }
 
+namespace {
+
+// The ids of table t's features, deduplicated by `d` (a LocalDedup or DirectDedup).
+template <class Dedup>
+void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* values, const int64_t* offsets,
+                 const float* weights, const int64_t* table_feat_ptr, const int64_t* table_feats,
+                 const int64_t* out_offsets, const int64_t* unique_base, int32_t* inverse, float* out_weights,
+                 int64_t* unique_keys, int32_t* unique_counts, int64_t* unique_count) {
+  const int64_t base = unique_base[t];
+  int64_t* ukeys = unique_keys + base;
+  int32_t* ucounts = unique_counts + base;
+  auto add = [&](int64_t key) -> int32_t {
+    bool is_new;
+    int32_t u = d.find_or_add(key, is_new);
+    if (is_new) {
+      ukeys[u] = key;
+      ucounts[u] = 1;
+    } else {
+      ++ucounts[u];
+    }
+    return (int32_t)(base + u);
+  };
+  for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+    const int64_t f = table_feats[k];
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t in_bag = p.src[f] * B + b;
+      int64_t j = out_offsets[f * B + b];
+      for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i) {
+        Verdict v = classify(p, f, values[i], weights, i);
+        if (v != kKeep && v != kMapDefault) continue;  // errors were raised by stage 1
+        inverse[j] = add(v == kKeep ? values[i] : p.default_id[f]);
+        if (out_weights) out_weights[j] = weights[i];
+        ++j;
+      }
+      if (j == out_offsets[f * B + b] && fills_empty(p, f)) {
+        inverse[j] = add(p.default_id[f]);
+        if (out_weights) out_weights[j] = 1.0f;
+      }
+    }
+  }
+  unique_count[t] = d.count;
+}
+
+}  // namespace
+
 // Stage 2.  Writes, for each kept id at output position j (bags laid out by
 // out_offsets), inverse[j] = unique_base[t] + its index among table t's unique
 // keys and out_weights[j]; unique_keys/unique_counts[unique_base[t] + u] for
@@ -154,47 +204,25 @@ HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64
   Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
   int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, T));
   if ((int)ctx->dedup.size() < threads) ctx->dedup.resize(threads);
+  if ((int64_t)ctx->direct.size() < T) ctx->direct.resize(T);
   he::parallel_items(T, threads, [&](int64_t t, int tid) {
-    he::LocalDedup& d = ctx->dedup[tid];
     int64_t n_ids = 0;
     for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
       int64_t f = table_feats[k];
       n_ids += out_offsets[(f + 1) * B] - out_offsets[f * B];
     }
-    d.reset(n_ids);
-    const int64_t base = unique_base[t];
-    int64_t* ukeys = unique_keys + base;
-    int32_t* ucounts = unique_counts + base;
-    auto add = [&](int64_t key) -> int32_t {
-      bool is_new;
-      int32_t u = d.find_or_add(key, is_new);
-      if (is_new) {
-        ukeys[u] = key;
-        ucounts[u] = 1;
-      } else {
-        ++ucounts[u];
-      }
-      return (int32_t)(base + u);
-    };
-    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
-      int64_t f = table_feats[k];
-      for (int64_t b = 0; b < B; ++b) {
-        int64_t in_bag = src[f] * B + b;
-        int64_t j = out_offsets[f * B + b];
-        for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i) {
-          Verdict v = classify(p, f, values[i], weights, i);
-          if (v != kKeep && v != kMapDefault) continue;  // errors were raised by stage 1
-          inverse[j] = add(v == kKeep ? values[i] : default_id[f]);
-          if (out_weights) out_weights[j] = weights[i];
-          ++j;
-        }
-        if (j == out_offsets[f * B + b] && fills_empty(p, f)) {
-          inverse[j] = add(default_id[f]);
-          if (out_weights) out_weights[j] = 1.0f;
-        }
-      }
+    const int64_t rows = num_rows[t];
+    if (rows >= 0 && rows <= kDirectMaxRows) {
+      he::DirectDedup& d = ctx->direct[t];
+      d.reset(rows);
+      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
+                  inverse, out_weights, unique_keys, unique_counts, unique_count);
+    } else {
+      he::LocalDedup& d = ctx->dedup[tid];
+      d.reset(n_ids);
+      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
+                  inverse, out_weights, unique_keys, unique_counts, unique_count);
     }
-    unique_count[t] = d.count;
   });
   return 0;
 }
@@ -262,6 +290,34 @@ void pool_feature(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t 
   const int64_t* slots = a.slots;
   const float* w = a.weights;
   const int64_t j_end = offs[b1];
+  if (!w && !(mn > 0.0f)) {
+    // The common case (no per-id weights, no max_norm): rows are summed straight into
+    // the output, a one-id bag is a row copy.  Same float operations as the general
+    // loop below (0 + x == x exactly), so the results are identical.
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t j0 = offs[b], j1 = offs[b + 1];
+      float* __restrict o = out + b * ors + col;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (j + kPrefetch < j_end) {
+          const int64_t sp = slots[inv[j + kPrefetch]];
+          if (sp >= 0) prefetch_row(base + sp * W, D);
+        }
+        const int64_t s = slots[inv[j]];
+        if (s < 0) continue;
+        const float* __restrict row = base + s * W;
+        for (int64_t d = 0; d < D; ++d) o[d] += row[d];
+      }
+      const float n = (float)(j1 - j0);
+      if (c == kMean && n > 0.0f) {
+        for (int64_t d = 0; d < D; ++d) o[d] = o[d] / n;
+      } else if (c == kSqrtn && n > 0.0f) {
+        const float sq = std::sqrt(n);
+        for (int64_t d = 0; d < D; ++d) o[d] = o[d] / sq;
+      }
+    }
+    return;
+  }
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     float wsum = 0.0f, w2sum = 0.0f;

@@ -170,3 +170,21 @@ def test_cuda_matches_cpu():
     gpu = safe_embedding_lookup_sparse(table.to(device), (v.to(device), o.to(device), w.to(device)),
                                        combiner="sqrtn", max_norm=1.0, default_id=3)
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [70_000, 300])  # above and below the size where dedup switches to a hash
+def test_large_and_small_static_tables_match_embedding_bag(backend, rows):
+    g = torch.Generator().manual_seed(rows)
+    table = torch.randn(rows, 8, generator=g)
+    v = torch.randint(0, rows, (3000,), generator=g)
+    v[::7] = v[0]  # plenty of duplicates
+    o = torch.arange(0, 3001, 3)
+    for mode in ("sum", "mean"):
+        got = safe_embedding_lookup_sparse(table, (v, o), combiner=mode, backend=backend)
+        torch.testing.assert_close(got, F.embedding_bag(v, table, o[:-1], mode=mode), rtol=1e-6, atol=1e-6)
+    W = table.clone().requires_grad_()
+    safe_embedding_lookup_sparse(W, (v, o), combiner="sum", backend=backend).sum().backward()
+    expected = torch.bincount(v, minlength=rows).float()
+    g_dense = W.grad.to_dense()
+    torch.testing.assert_close(g_dense[:, 0], expected)
