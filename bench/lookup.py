@@ -26,12 +26,15 @@ from _common import (criteo_batches, criteo_rows, fbgemm_available, fmt_rate, fr
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec  # noqa: E402
+from hugeembed.store import allocate_rows  # noqa: E402
 
 LR = 0.01
 
 
-def make_tables(rows: list[int], dim: int) -> list[torch.Tensor]:
-    return [torch.empty(n, dim).uniform_(-0.05, 0.05) for n in rows]
+def make_tables(rows: list[int], dim: int, huge_pages: bool = True) -> list[torch.Tensor]:
+    """Our tables (also wrapped, without a copy, by the EmbeddingBag reference)."""
+    alloc = allocate_rows if huge_pages else (lambda n, d: torch.empty(n, d))
+    return [alloc(n, dim).uniform_(-0.05, 0.05) for n in rows]
 
 
 def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeatures:
@@ -127,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
+    p.add_argument("--no-hugepages", action="store_true",
+                   help="plain 4 KiB pages for our tables (and the EmbeddingBag loop, which shares them)")
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.pooling, args.row_scale, args.runs = [16], [1], 0.05, 3
@@ -135,7 +140,8 @@ def main(argv=None) -> int:
     impls = [i for i in args.impls if i != "fbgemm" or fbgemm_available()]
     rows = criteo_rows(scale=args.row_scale)
     print(f"# Criteo-26: {sum(rows) / 1e6:.1f} M rows, batch {args.batch}, threads {args.threads}, "
-          f"torch {torch.__version__}, runs {args.runs} (median), malloc tuned: {tuned}")
+          f"torch {torch.__version__}, runs {args.runs} (median), malloc tuned: {tuned}, "
+          f"huge pages for ours+ebag tables: {not args.no_hugepages}")
     results = []
     for pooling in args.pooling:
         batches = criteo_batches(rows, args.batch, pooling, n_batches=4)
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
         for dim in args.dims:
             iters = args.iters or max(1, int(2 if pooling == 1 else 1) * (2 if dim <= 16 else 1))
             rates = {}
-            tables = make_tables(rows, dim) if ("ours" in impls or "ebag" in impls) else None
+            tables = make_tables(rows, dim, not args.no_hugepages) if ("ours" in impls or "ebag" in impls) else None
             for train in (False, True):
                 for impl in impls:
                     if impl == "fbgemm":

@@ -455,6 +455,28 @@ void backward_table(int64_t t, int64_t B, const int64_t* table_feat_ptr, const i
       }
       continue;
     }
+    if (!weights) {
+      // No per-id weights: one coefficient per bag, 1 / denom (= w_j / denom with w_j = 1,
+      // the same float as the general loop below).
+      const int8_t c = combiner[f];
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t j0 = out_offsets[f * B + b], j1 = out_offsets[f * B + b + 1];
+        if (j0 == j1) continue;
+        const float n = (float)(j1 - j0);
+        const float coef = 1.0f / (c == kMean ? n : c == kSqrtn ? std::sqrt(n) : 1.0f);
+        const float* __restrict go = gf + b * gs;
+        for (int64_t j = j0; j < j1; ++j) {
+          if (j + kPrefetch < last) __builtin_prefetch(g + (int64_t)(inverse[j + kPrefetch] - base) * D, 1, 1);
+          float* __restrict dst = g + (int64_t)(inverse[j] - base) * D;
+          if (coef == 1.0f) {
+            for (int64_t d = 0; d < D; ++d) dst[d] += go[d];
+          } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] += coef * go[d];
+          }
+        }
+      }
+      continue;
+    }
     for (int64_t b = 0; b < B; ++b) {
       const int64_t j0 = out_offsets[f * B + b], j1 = out_offsets[f * B + b + 1];
       if (j0 == j1) continue;

@@ -12,6 +12,7 @@ Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
 ``TruncatedNormal``, ``Constant``, ``Zeros``, ``FromCallable``.  See docs/store.md.
 """
 
+from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore
@@ -32,4 +33,5 @@ __all__ = [
     "Constant",
     "Zeros",
     "FromCallable",
+    "allocate_rows",
 ]

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-__all__ = ["empty", "HUGE_PAGES"]
+__all__ = ["empty", "allocate_rows", "HUGE_PAGES"]
 
 _HUGE = 2 << 20
 _MIN_BYTES = 8 << 20
@@ -54,3 +54,15 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     # A refusal (no THP support) only costs speed: the memory is valid either way.
     advise(out.data_ptr(), nbytes - nbytes % _HUGE, _MADV_HUGEPAGE)
     return out
+
+
+def allocate_rows(num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised ``[num_rows, dim]`` table for the functional lookups, on 2 MiB pages
+    when it is a big CPU table (1.4-2x faster random row access; BASELINES.md).
+
+    Example::
+
+        W = allocate_rows(10_000_000, 16).uniform_(-0.05, 0.05)
+    """
+    return empty((int(num_rows), int(dim)), dtype, device)
