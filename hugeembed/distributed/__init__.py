@@ -12,7 +12,8 @@ See docs/distributed.md.
 
 from ._comm import DEFAULT_TIMEOUT_S, Comm, ExchangeStats, new_embedding_group
 from ._env import DistEnv, init_from_env, launch_command
-from ._plan import ShardingPlan, TableEstimate, TablePlacement, estimate_table, propose_plan
+from ._estimate import TableEstimate, estimate_table
+from ._plan import ShardingPlan, TablePlacement, propose_plan
 from ._sharded import ShardedEmbeddingCollection
 from ._stores import AbsentShard, ShardArrayStore
 

@@ -10,6 +10,7 @@ dedup test and ``bench/distributed.py`` read them).
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ class ExchangeStats:
 
     step: dict[str, list[int]] = field(default_factory=dict)
     total_remote: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time spent in each stage's collectives
     collectives: int = 0
 
     def record(self, stage: str, rank: int, per_rank: list[int]) -> None:
@@ -109,6 +111,7 @@ class Comm:
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def _run(self, stage: str, launch) -> None:
+        t0 = time.perf_counter()
         try:
             work = launch()
             if work is not None:
@@ -118,6 +121,7 @@ class Comm:
         except (RuntimeError, ValueError, OSError) as e:  # gloo/NCCL raise RuntimeError (DistBackendError)
             raise self._error(stage, e) from e
         self.stats.collectives += 1
+        self.stats.seconds[stage] = self.stats.seconds.get(stage, 0.0) + time.perf_counter() - t0
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -127,6 +131,7 @@ class Comm:
         if counts.dim() != 2 or counts.shape[0] != W or counts.dtype != torch.int64:
             raise ShardingError(f"{stage}: counts must be int64 [{W}, H], got {counts.dtype} {tuple(counts.shape)}")
         send = counts.to(self.device).contiguous()
+        self.stats.record(stage, self.rank, [counts.shape[1] * 8] * W)
         recv = torch.empty_like(send)
         if W == 1:
             recv.copy_(send)

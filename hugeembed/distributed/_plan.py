@@ -20,21 +20,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import torch
-
 from ..errors import ConfigError, ShardingError
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
-from ..store._hash import MAX_LOAD
 from ..types import ShardKind
+from ._estimate import estimate_table, fmt_bytes, fmt_num, text_table
 
-__all__ = ["TablePlacement", "ShardingPlan", "TableEstimate", "estimate_table", "propose_plan"]
-
-# Bytes a dynamic (hash) table spends per live row beyond the row itself: a 24-byte
-# bucket record (key, code + hit count, last step) at the store's load target.
-HASH_INDEX_BYTES_PER_ROW = 24.0 / MAX_LOAD
-# A static table keeps a hit count and a last step (int64 each) per row.
-ARRAY_META_BYTES_PER_ROW = 16.0
+__all__ = ["TablePlacement", "ShardingPlan", "propose_plan"]
 
 
 @dataclass(frozen=True)
@@ -206,7 +198,7 @@ class ShardingPlan:
         head = [f"ShardingPlan(world_size={self.world_size})"]
         if tables is None:
             rows = [[n, p.kind.value, ",".join(map(str, p.ranks))] for n, p in self.placements.items()]
-            return "\n".join(head + _text_table(["table", "kind", "ranks"], rows))
+            return "\n".join(head + text_table(["table", "kind", "ranks"], rows))
         rows = []
         per_rank = [0.0] * self.world_size
         for t in tables:
@@ -217,81 +209,14 @@ class ShardingPlan:
             for r in p.ranks:
                 per_rank[r] += share.bytes
             rows.append([t.name, p.kind.value, ",".join(map(str, p.ranks)),
-                         _num(share.rows) if est.bounded else "unbounded",
-                         _bytes(share.bytes) if est.bounded else "unbounded", _num(share.ids)])
-        lines = head + _text_table(["table", "kind", "ranks", "rows/rank", "bytes/rank", "ids/step/rank"], rows)
-        lines.append("bytes per rank: " + ", ".join(f"{r}: {_bytes(b)}" for r, b in enumerate(per_rank)))
+                         fmt_num(share.rows) if est.bounded else "unbounded",
+                         fmt_bytes(share.bytes) if est.bounded else "unbounded", fmt_num(share.ids)])
+        lines = head + text_table(["table", "kind", "ranks", "rows/rank", "bytes/rank", "ids/step/rank"], rows)
+        lines.append("bytes per rank: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in enumerate(per_rank)))
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.describe()
-
-
-# -- estimates -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Share:
-    rows: float
-    bytes: float
-    ids: float  # ids looked up per step on that rank (the lookup cost is ids x dim)
-
-
-@dataclass(frozen=True)
-class TableEstimate:
-    """What one table costs: rows, bytes (rows x (D + state) x dtype + index), ids per global step.
-
-    `bounded` is False for a dynamic table with neither a capacity nor an expected_rows hint.
-    """
-
-    name: str
-    rows: float
-    bytes: float
-    ids_per_step: float
-    dim: int
-    bounded: bool
-
-    @property
-    def cost(self) -> float:
-        """Lookup cost per global step: ids x dim (row elements read and written)."""
-        return self.ids_per_step * self.dim
-
-    def share(self, placement: TablePlacement, world_size: int) -> Share:
-        """Rows, bytes and ids per step held / served by each rank of `placement`."""
-        n = len(placement.ranks)
-        if placement.kind is ShardKind.DATA_PARALLEL:
-            return Share(self.rows, self.bytes, self.ids_per_step / world_size)
-        if placement.kind is ShardKind.ROW_WISE:
-            return Share(self.rows / n, self.bytes / n, self.ids_per_step / n)
-        return Share(self.rows, self.bytes, self.ids_per_step)
-
-
-def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None, *,
-                   expected_rows: Mapping[str, int] | None = None, ids_per_step: Mapping[str, int] | None = None,
-                   batch_size: int = 1024, world_size: int = 1) -> TableEstimate:
-    """Bytes and lookup cost of one table.
-
-    Args:
-        table: its config (rows: ``num_rows``, else ``capacity``, else ``expected_rows[name]``).
-        optimizer: the collection's default optimizer (for the state width of tables without one).
-        expected_rows: hint of rows per dynamic table.
-        ids_per_step: ids of the table per global step (default: global batch x features reading it).
-        batch_size: per-rank batch size (the global batch is batch_size x world_size).
-    """
-    rule = table.optimizer if table.optimizer is not None else (optimizer if table.trainable else None)
-    width = table.dim + (rule.state_width(table.dim) if rule is not None else 0)
-    elt = torch.empty(0, dtype=table.dtype).element_size()
-    hint = (expected_rows or {}).get(table.name)
-    if table.num_rows is not None:
-        rows, per_row, bounded = float(table.num_rows), width * elt + ARRAY_META_BYTES_PER_ROW, True
-    else:
-        known = hint if hint is not None else table.capacity
-        rows = float(known) if known is not None else 0.0
-        per_row, bounded = width * elt + HASH_INDEX_BYTES_PER_ROW, known is not None
-    ids = (ids_per_step or {}).get(table.name)
-    if ids is None:
-        ids = batch_size * world_size * len(table.features)
-    return TableEstimate(table.name, rows, rows * per_row, float(ids), table.dim, bounded)
 
 
 def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_per_rank: int | None = None, *,
@@ -388,34 +313,7 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         if mem[worst] > budget:
             on_rank = [n for n, p in placements.items() if worst in p.ranks]
             raise ShardingError(
-                f"no plan fits: rank {worst} needs {_bytes(mem[worst])} ({int(mem[worst])} bytes) for tables "
-                f"{on_rank} but its budget is {_bytes(budget)}: over by {int(math.ceil(mem[worst] - budget))} bytes; "
+                f"no plan fits: rank {worst} needs {fmt_bytes(mem[worst])} ({int(mem[worst])} bytes) for tables "
+                f"{on_rank} but its budget is {fmt_bytes(budget)}: over by {int(math.ceil(mem[worst] - budget))} bytes; "
                 f"add ranks, raise the budget, or shard these tables row-wise")
     return plan
-
-
-# -- text helpers ----------------------------------------------------------------------
-
-
-def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
-           "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return out
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def _num(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.2f} M"
-    if n >= 1e4:
-        return f"{n / 1e3:.1f} k"
-    return f"{n:.0f}"

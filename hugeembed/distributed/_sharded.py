@@ -35,65 +35,12 @@ from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._data_parallel import ReplicatedRoute
 from ._plan import ShardingPlan, propose_plan
 from ._row_wise import RowWiseRoute, owner_index
+from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
 from ._stores import AbsentShard, ShardArrayStore
 from ._table_wise import TableWisePooling
 from ._wire import DTYPE_CODE, Packer, readers
 
 __all__ = ["ShardedEmbeddingCollection"]
-
-_MAGIC = 0x48454D42  # "HEMB": a header from something else is caught at once
-
-
-def _compute(dt: torch.dtype) -> torch.dtype:
-    return torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
-
-
-def _group_dtypes(plan, dtypes: list[torch.dtype]) -> dict[int, torch.dtype]:
-    """Table index -> the output dtype of its dim group (as the fused lookup promotes it)."""
-    out = {}
-    for group in plan.groups:
-        ts = sorted({plan.feature_table[f] for f in group.pooled + group.unpooled})
-        dt = dtypes[ts[0]]
-        for t in ts:
-            dt = torch.promote_types(dt, dtypes[t])
-        out.update({t: dt for t in ts})
-    return out
-
-
-class _StepState:
-    """What one forward leaves for the rest of the step (and for backward)."""
-
-    COL_B, COL_W, COMMON = 3, 4, 5
-
-    def __init__(self, training: bool, step: int, rank: int, world_size: int, batch_size: int,
-                 grad_scale: float) -> None:
-        self.training, self.step, self.rank, self.world_size = training, step, rank, world_size
-        self.batch_size, self.grad_scale = batch_size, grad_scale
-        self.prep_l = self.prep_p = self.slots_l = self.hdr_in = self.in_readers = self.replies = None
-        self.storages_l: list = []
-        self.req: dict = {}
-        self.own: dict = {}
-        self.pooled: dict = {}
-        self.pool_replies: list = []
-        self.local_grads: dict = {}
-        self.outputs: list = []
-
-
-class _ExchangeBackward(torch.autograd.Function):
-    """Makes loss.backward() run the sharded backward (exchange + owners' optimizer) once per step."""
-
-    @staticmethod
-    def forward(ctx, coll, st, anchor):  # type: ignore[override]
-        ctx.coll, ctx.st = coll, st
-        return tuple(t.detach() for t in st.outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        coll, st = ctx.coll, ctx.st
-        ctx.st = None
-        coll.backward_step(st, grads)
-        return None, None, None
-
 
 class ShardedEmbeddingCollection(EmbeddingCollection):
     """An :class:`EmbeddingCollection` whose tables are spread over the ranks of a process group.
@@ -214,16 +161,16 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self._local_index = {t: i for i, t in enumerate(local)}
         self._pool_tables = pool
         dtypes = [t.dtype for t in self.tables]
-        full_dt = _group_dtypes(full, dtypes)
-        local_dt = _group_dtypes(self._local_pool.plan, [dtypes[t] for t in local]) if local else {}
+        full_dt = group_dtypes(full, dtypes)
+        local_dt = group_dtypes(self._local_pool.plan, [dtypes[t] for t in local]) if local else {}
         self._routes: list = []
-        col = _StepState.COMMON
+        col = StepState.COMMON
         for t in local:
             lt = self._local_index[t]
             if kinds[t] == "row":
-                route = RowWiseRoute(self, t, lt, self.plan[self.tables[t].name].ranks, col, _compute(local_dt[lt]))
+                route = RowWiseRoute(self, t, lt, self.plan[self.tables[t].name].ranks, col, compute_dtype(local_dt[lt]))
             else:
-                route = ReplicatedRoute(self, t, lt, col, _compute(local_dt[lt]))
+                route = ReplicatedRoute(self, t, lt, col, compute_dtype(local_dt[lt]))
             self._routes.append(route)
             col += route.header_cols
         self._exchanges = any(k != "replica" for k in kinds)
@@ -301,7 +248,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             self._step = step
             self._evict_expired(step)
         scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
-        st = _StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
+        st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         self.comm.step = step
         self.comm.stats.new_step()
         self.input_dist(st, features)
@@ -312,7 +259,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def _dummies(self, ts) -> list[torch.Tensor]:
         return [torch.empty(0, self.tables[t].dim, dtype=self.tables[t].dtype, device=self.device) for t in ts]
 
-    def input_dist(self, st: _StepState, sf: SparseFeatures) -> None:
+    def input_dist(self, st: StepState, sf: SparseFeatures) -> None:
         """Stage 1: local clean + dedup, then keys and bags to their owners (header + one byte all-to-all)."""
         local = list(self._local_index)
         if self._local_prep is not None:
@@ -323,8 +270,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             st.prep_p = self._pool_req.prepare(sf, self._dummies(self._pool_tables))
         W = self.world_size
         header = torch.zeros(W, self._header_cols, dtype=torch.int64)
-        header[:, :_StepState.COMMON] = torch.tensor(
-            [_MAGIC, int(st.training), st.step, st.batch_size,
+        header[:, :StepState.COMMON] = torch.tensor(
+            [MAGIC, int(st.training), st.step, st.batch_size,
              DTYPE_CODE[st.prep_p.weights.dtype if st.prep_p is not None and st.prep_p.weights is not None
                         else None]])
         packer = Packer(W)
@@ -339,15 +286,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         buf = self.comm.all_to_all_bytes("input_dist", packer.buffer(self.device), packer.sizes, sizes)
         st.in_readers = readers(buf, sizes, "input_dist")
 
-    def _check_headers(self, st: _StepState) -> None:
+    def _check_headers(self, st: StepState) -> None:
         for r, row in enumerate(st.hdr_in.tolist()):
-            if row[0] != _MAGIC or row[1] != int(st.training) or row[2] != st.step:
+            if row[0] != MAGIC or row[1] != int(st.training) or row[2] != st.step:
                 mode = lambda tr: "training" if tr else "eval"  # noqa: E731
                 raise ShardingError(
                     f"rank {r} is at step {row[2]} ({mode(row[1])}) while rank {st.rank} is at step {st.step} "
                     f"({mode(st.training)}): every rank must run the same sequence of forwards")
 
-    def compute(self, st: _StepState) -> None:
+    def compute(self, st: StepState) -> None:
         """Stage 2 (owners): find-or-insert the keys every rank asked for; gather rows or pool."""
         st.replies = Packer(self.world_size)
         rds = st.in_readers or [None] * self.world_size
@@ -356,7 +303,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         for rd in st.in_readers or []:
             rd.finish()
 
-    def output_dist(self, st: _StepState) -> None:
+    def output_dist(self, st: StepState) -> None:
         """Stage 3: rows and pooled vectors back to the ranks that asked (one byte all-to-all)."""
         rds = [None] * self.world_size
         if st.in_readers is not None and self._exchanges:
@@ -369,7 +316,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             if rd is not None:
                 rd.finish()
 
-    def _pool(self, st: _StepState) -> PooledEmbeddings:
+    def _pool(self, st: StepState) -> PooledEmbeddings:
         """Local pooling from the received rows / replicas, then the outputs in the unsharded layout."""
         trainable = st.training and any(r is not None for r in self.rules)
         out_l = None
@@ -396,13 +343,13 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             return PooledEmbeddings(names, groups, self.lookup._where, unpooled)
         keys = list(unpooled)
         st.outputs = groups + [unpooled[k].values for k in keys]
-        outs = _ExchangeBackward.apply(self, st, self._anchor)
+        outs = ExchangeBackward.apply(self, st, self._anchor)
         jagged = {k: JaggedEmbeddings(outs[len(groups) + i], unpooled[k].offsets) for i, k in enumerate(keys)}
         return PooledEmbeddings(names, list(outs[: len(groups)]), self.lookup._where, jagged)
 
     # -- backward -------------------------------------------------------------------------
 
-    def backward_step(self, st: _StepState, grads) -> None:
+    def backward_step(self, st: StepState, grads) -> None:
         """Backward of one step: local per-key gradients, their exchange (grad_dist), owners' updates."""
         tensors, gs = [], []
         for t, g in zip(st.outputs, grads):

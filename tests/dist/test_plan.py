@@ -128,7 +128,7 @@ def test_planner_refuses_a_plan_that_does_not_fit_naming_rank_and_excess():
         propose_plan(tables, 2, budget, optimizer=opt, data_parallel_below=0)
     # both go row-wise (neither fits a rank whole): each rank needs one table's bytes
     over = math.ceil(one - budget)
-    assert f"rank 0 needs" in str(e.value) and f"over by {over} bytes" in str(e.value)
+    assert "rank 0 needs" in str(e.value) and f"over by {over} bytes" in str(e.value)
     fits = propose_plan(tables, 2, int(one * 1.01), optimizer=opt, data_parallel_below=0, row_wise_above=int(one * 2))
     assert {fits["a"].owner, fits["b"].owner} == {0, 1}
 

@@ -1,0 +1,111 @@
+"""Estimates the planner balances: bytes of a table (rows x (D + optimizer state) x dtype + index)
+and its lookup cost (ids per step x D), and how they split over the ranks of a placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..nn import TableConfig
+from ..optim import SparseOptimizer
+from ..store._hash import MAX_LOAD
+from ..types import ShardKind
+
+__all__ = ["TableEstimate", "Share", "estimate_table", "text_table", "fmt_bytes", "fmt_num",
+           "HASH_INDEX_BYTES_PER_ROW", "ARRAY_META_BYTES_PER_ROW"]
+
+# Bytes a dynamic (hash) table spends per live row beyond the row itself: a 24-byte
+# bucket record (key, code + hit count, last step) at the store's load target.
+HASH_INDEX_BYTES_PER_ROW = 24.0 / MAX_LOAD
+# A static table keeps a hit count and a last step (int64 each) per row.
+ARRAY_META_BYTES_PER_ROW = 16.0
+
+
+@dataclass(frozen=True)
+class Share:
+    rows: float
+    bytes: float
+    ids: float  # ids looked up per step on that rank (the lookup cost is ids x dim)
+
+
+@dataclass(frozen=True)
+class TableEstimate:
+    """What one table costs: rows, bytes (rows x (D + state) x dtype + index), ids per global step.
+
+    `bounded` is False for a dynamic table with neither a capacity nor an expected_rows hint.
+    """
+
+    name: str
+    rows: float
+    bytes: float
+    ids_per_step: float
+    dim: int
+    bounded: bool
+
+    @property
+    def cost(self) -> float:
+        """Lookup cost per global step: ids x dim (row elements read and written)."""
+        return self.ids_per_step * self.dim
+
+    def share(self, placement, world_size: int) -> Share:
+        """Rows, bytes and ids per step held / served by each rank of `placement`."""
+        n = len(placement.ranks)
+        if placement.kind is ShardKind.DATA_PARALLEL:
+            return Share(self.rows, self.bytes, self.ids_per_step / world_size)
+        if placement.kind is ShardKind.ROW_WISE:
+            return Share(self.rows / n, self.bytes / n, self.ids_per_step / n)
+        return Share(self.rows, self.bytes, self.ids_per_step)
+
+
+def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None, *,
+                   expected_rows: Mapping[str, int] | None = None, ids_per_step: Mapping[str, int] | None = None,
+                   batch_size: int = 1024, world_size: int = 1) -> TableEstimate:
+    """Bytes and lookup cost of one table.
+
+    Args:
+        table: its config (rows: ``num_rows``, else ``capacity``, else ``expected_rows[name]``).
+        optimizer: the collection's default optimizer (for the state width of tables without one).
+        expected_rows: hint of rows per dynamic table.
+        ids_per_step: ids of the table per global step (default: global batch x features reading it).
+        batch_size: per-rank batch size (the global batch is batch_size x world_size).
+    """
+    rule = table.optimizer if table.optimizer is not None else (optimizer if table.trainable else None)
+    width = table.dim + (rule.state_width(table.dim) if rule is not None else 0)
+    elt = torch.empty(0, dtype=table.dtype).element_size()
+    hint = (expected_rows or {}).get(table.name)
+    if table.num_rows is not None:
+        rows, per_row, bounded = float(table.num_rows), width * elt + ARRAY_META_BYTES_PER_ROW, True
+    else:
+        known = hint if hint is not None else table.capacity
+        rows = float(known) if known is not None else 0.0
+        per_row, bounded = width * elt + HASH_INDEX_BYTES_PER_ROW, known is not None
+    ids = (ids_per_step or {}).get(table.name)
+    if ids is None:
+        ids = batch_size * world_size * len(table.features)
+    return TableEstimate(table.name, rows, rows * per_row, float(ids), table.dim, bounded)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def fmt_num(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} M"
+    if n >= 1e4:
+        return f"{n / 1e3:.1f} k"
+    return f"{n:.0f}"
