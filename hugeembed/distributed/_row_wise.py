@@ -6,17 +6,20 @@ Owner of a key, over the table's ranks ``R = (r_0 .. r_{n-1})``::
                                                         table's home bucket uses the high ones)
     static table : R[key mod n], stored at slot key // n (see ShardArrayStore)
 
-One step, for one table::
+One step, for the row-wise tables of one dim and dtype (a group, handled with a fixed
+number of tensor ops whatever the number of tables)::
 
-    requester: unique keys of its batch (prepare) ── sort by owner ─► keys (+ hit counts) per owner
-    owner    : union of the keys it got from every rank ── find_or_insert (training) / find (eval)
-               ── one weight row per key and requester ─► back to each requester
-    requester: pools its batch from the rows it received (the same fused lookup as one process)
-    backward : requester's per-unique-key gradient ─► owner, which sums the ranks' gradients of a
-               key (in rank order) and applies the optimizer once per key
+    requester: unique keys of its batch per table (prepare) ── sorted by (owner, table) ─►
+               one segment of keys (+ hit counts) per owner
+    owner    : per table, the union of the keys every rank sent ── find_or_insert (training)
+               / find (eval) ── one weight row per key and requester ─► back, one segment each
+    requester: pools its batch from the rows it received (the same fused lookup as one process;
+               every table of the group reads the one received buffer)
+    backward : its per-unique-key row gradients ─► owners, which sum a key's gradients over the
+               ranks (in rank order) and apply the optimizer once per key
 
-A table-wise table whose features are sequences (combiner "none") takes this path
-with its single owner: there is nothing to pool.
+A table-wise table whose features are sequences (combiner "none") takes this path with
+its single owner: there is nothing to pool.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .._hashing import mix64
 from ..errors import ShardingError
 from ._wire import Packer, padded
 
-__all__ = ["RowWiseRoute", "owner_index"]
+__all__ = ["RowWiseGroup", "owner_index"]
 
 _LOW32 = 0xFFFFFFFF
 
@@ -41,181 +44,226 @@ def owner_index(keys: torch.Tensor, n: int, static: bool) -> torch.Tensor:
     return torch.remainder(mix64(keys) & _LOW32, n)
 
 
-class RowWiseRoute:
-    """Exchange of one row-wise table (see the module docstring).
+def _segments(starts: list[int], sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, segment index): concatenation of arange(starts[i], starts[i] + sizes[i])."""
+    n = torch.tensor(sizes, dtype=torch.int64, device=device)
+    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), n)
+    first = torch.cumsum(n, 0) - n
+    pos = torch.arange(int(n.sum()), device=device) - first[seg] + torch.tensor(starts, device=device)[seg]
+    return pos, seg
+
+
+class RowWiseGroup:
+    """Exchange of the row-wise tables of one (dim, dtype, trainable) group.
 
     Args:
         coll: the ShardedEmbeddingCollection.
-        t: the table's index in the collection; lt: its index in the local lookup.
-        ranks: the ranks holding the table's rows.
-        col: its column in the exchange header.
+        members: per table, (collection index, index in the local lookup, its ranks).
+        col: the first of its header columns (one per table: keys sent to each rank).
+        grad_dtype: the dtype of the row gradients the local lookup computes.
     """
 
-    header_cols = 1
-
-    def __init__(self, coll, t: int, lt: int, ranks: tuple[int, ...], col: int, grad_dtype: torch.dtype) -> None:
-        cfg = coll.tables[t]
-        self.coll, self.t, self.lt, self.col = coll, t, lt, col
-        self.name, self.dim, self.dtype = cfg.name, cfg.dim, cfg.dtype
-        self.static = cfg.num_rows is not None
-        self.ranks = ranks
-        self.member = coll.rank in ranks
-        self.rule = coll.rules[t]
+    def __init__(self, coll, members: list[tuple[int, int, tuple[int, ...]]], col: int,
+                 grad_dtype: torch.dtype) -> None:
+        self.coll = coll
+        self.ts = [t for t, _, _ in members]
+        self.lts = [lt for _, lt, _ in members]
+        self.cols = list(range(col, col + len(members)))
+        self.header_cols = len(members)
+        first = coll.tables[self.ts[0]]
+        self.dim, self.dtype = first.dim, first.dtype
+        self.names = [coll.tables[t].name for t in self.ts]
+        self.rules = [coll.rules[t] for t in self.ts]
+        self.trainable = any(r is not None for r in self.rules)
         self.grad_dtype = grad_dtype
+        W = coll.world_size
+        self.member = [coll.rank in ranks for _, _, ranks in members]
+        self._n = torch.tensor([len(r) for _, _, r in members], dtype=torch.int64)
+        self._static = torch.tensor([coll.tables[t].num_rows is not None for t in self.ts])
+        self._ranks = torch.tensor([list(r) + [-1] * (W - len(r)) for _, _, r in members], dtype=torch.int64)
+        self._identity = all(r == tuple(range(W)) for _, _, r in members)
+        self._all_dynamic = not bool(self._static.any())
         self._row_bytes = self.dim * torch.empty(0, dtype=self.dtype).element_size()
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
-        self._ranks_t = torch.tensor(ranks, dtype=torch.int64)
-        self._identity = ranks == tuple(range(coll.world_size))
 
-    def owner_of(self, keys: torch.Tensor) -> torch.Tensor:
-        """The owner rank of each key."""
-        idx = owner_index(keys, len(self.ranks), self.static)
-        return idx if self._identity else self._ranks_t.to(keys.device)[idx]
+    def _owners(self, keys: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
+        if self._identity and self._all_dynamic:
+            return torch.remainder(mix64(keys) & _LOW32, self.coll.world_size)
+        dev = keys.device
+        h = mix64(keys) & _LOW32
+        if not self._all_dynamic:
+            h = torch.where(self._static.to(dev)[tid], keys, h)
+        idx = torch.remainder(h, self._n.to(dev)[tid])
+        return idx if self._identity else self._ranks.to(dev)[tid, idx]
 
     # -- forward -------------------------------------------------------------------------
 
     def input_dist(self, st, header: torch.Tensor, packer: Packer) -> None:
-        """Unique keys (and, in training, their hit counts) to their owners."""
-        prep = st.prep_l
-        keys = prep.keys_of(self.lt)
-        W = st.world_size
-        n = keys.numel()
-        sizes = [0] * W
-        perm = None
-        if n:
-            if len(self.ranks) == 1:
-                sizes[self.ranks[0]] = n
-            else:
-                dest = self.owner_of(keys)
-                perm = torch.argsort(dest, stable=True)
-                sizes = torch.bincount(dest, minlength=W).tolist()
-                keys = keys[perm]
-            counts = prep.counts_of(self.lt).to(torch.int32) if st.training else None
-            if counts is not None and perm is not None:
-                counts = counts[perm]
-            off = 0
-            for d, s in enumerate(sizes):
-                if s:
-                    packer.add(d, keys[off : off + s])
-                    if counts is not None:
-                        packer.add(d, counts[off : off + s])
-                    off += s
-        header[:, self.col] = torch.tensor(sizes, dtype=torch.int64)
-        st.req[self.t] = (perm, sizes)
+        """Every table's unique keys (+ hit counts in training), one segment per owner."""
+        prep, W, T = st.prep_l, st.world_size, len(self.ts)
+        counts = [prep.unique_count[lt] for lt in self.lts]
+        N = sum(counts)
+        if N == 0:
+            header[:, self.cols] = 0
+            st.req[self] = None
+            return
+        dev = self.coll.device
+        pos, tid = _segments([prep.unique_base[lt] for lt in self.lts], counts, dev)
+        keys = prep.unique_keys[pos]
+        hits = prep.unique_counts[pos].to(torch.int32) if st.training else None
+        if W == 1:
+            perm, per_dest = None, [N]
+            header[0, self.cols] = torch.tensor(counts, dtype=torch.int64)
+        else:
+            comp = self._owners(keys, tid) * T + tid
+            perm = torch.argsort(comp, stable=True)  # by owner, then table; unique order kept inside
+            sizes = torch.bincount(comp, minlength=W * T).view(W, T).cpu()
+            header[:, self.cols] = sizes
+            per_dest = sizes.sum(1).tolist()
+            keys = keys[perm]
+            hits = hits[perm] if hits is not None else None
+        off = 0
+        for d, n in enumerate(per_dest):
+            if n:
+                packer.add(d, keys[off : off + n])
+                if hits is not None:
+                    packer.add(d, hits[off : off + n])
+                off += n
+        st.req[self] = (pos, perm, per_dest)
 
     def input_bytes(self, st, r: int) -> int:
-        n = int(st.hdr_in[r, self.col])
+        n = int(st.hdr_in[r, self.cols].sum())
         return padded(8 * n) + (padded(4 * n) if st.training else 0)
 
     def compute(self, st, readers, replies: Packer) -> None:
-        """Owner: union of the requested keys, find-or-insert them once, send each requester its rows."""
-        sizes = st.hdr_in[:, self.col].tolist()
-        if not self.member and any(sizes):
-            raise ShardingError(f"table {self.name!r}: rank {st.rank} got keys but holds no row of this table "
-                                "(ranks disagree on the sharding plan)")
-        dev = self.coll.device
-        keys = [readers[r].take(s, torch.int64).to(dev) for r, s in enumerate(sizes)]
-        counts = [readers[r].take(s, torch.int32).to(dev) for r, s in enumerate(sizes)] if st.training else None
-        total = sum(sizes)
+        """Owner: per table the union of the keys it got, find-or-insert once; each requester's rows back."""
+        sizes = st.hdr_in[:, self.cols]
+        for i, name in enumerate(self.names):
+            if not self.member[i] and bool(sizes[:, i].any()):
+                raise ShardingError(f"table {name!r}: rank {st.rank} got keys but holds no row of this table "
+                                    "(ranks disagree on the sharding plan)")
+        per_src = sizes.sum(1).tolist()
+        dev, T = self.coll.device, len(self.ts)
+        keys = [readers[r].take(n, torch.int64) for r, n in enumerate(per_src)]
+        hits = [readers[r].take(n, torch.int32) for r, n in enumerate(per_src)] if st.training else None
+        total = sum(per_src)
         if total == 0:
-            st.own[self.t] = None
+            st.own[self] = None
             return
-        sources = [r for r, s in enumerate(sizes) if s]
-        if len(sources) == 1:  # one requester: its keys are unique already
-            uniq, invs = keys[sources[0]], None
-            ucounts = counts[sources[0]].to(torch.int64) if counts is not None else None
-        else:
-            uniq, inv = torch.unique(torch.cat(keys), sorted=True, return_inverse=True)
-            invs = list(torch.split(inv, sizes))
-            ucounts = None
-            if counts is not None:
-                ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
-                    0, inv, torch.cat(counts).to(torch.int64))
-        store = self.coll._stores[self.t]
-        slots = store.find_or_insert(uniq, st.step, counts=ucounts) if st.training else store.find(uniq)
-        weights = store.storage()[:, : self.dim]
-        known = slots >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
-        if bool(known.all()):
-            rows = weights[slots]
-        else:
-            rows = torch.zeros(slots.numel(), self.dim, dtype=self.dtype, device=dev)
-            rows[known] = weights[slots[known]]
-        if invs is None:
-            replies.add(sources[0], rows)
-        else:
-            for r in sources:
-                replies.add(r, rows[invs[r]])
-        st.own[self.t] = (invs, slots, sources)
+        keys = torch.cat(keys).to(dev)
+        tid = torch.repeat_interleave(torch.arange(T, device=dev).repeat(st.world_size),
+                                      sizes.reshape(-1).to(dev))
+        # unique (table, key) pairs: sort by key, then stably by table
+        order = torch.argsort(keys, stable=True)
+        order = order[torch.argsort(tid[order], stable=True)]
+        ks, ts = keys[order], tid[order]
+        new = torch.ones(total, dtype=torch.bool, device=dev)
+        new[1:] = (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
+        inv = torch.empty(total, dtype=torch.int64, device=dev)
+        inv[order] = torch.cumsum(new.to(torch.int64), 0) - 1
+        uniq = ks[new]
+        per_table = torch.bincount(ts[new], minlength=T).tolist()
+        ucounts = None
+        if hits is not None:
+            ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
+                0, inv, torch.cat(hits).to(dev, torch.int64))
+        slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
+        rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=dev)
+        start = 0
+        for i, n in enumerate(per_table):
+            if n:
+                store, sl = self.coll._stores[self.ts[i]], slice(start, start + n)
+                got = store.find_or_insert(uniq[sl], st.step, counts=ucounts[sl]) if st.training else \
+                    store.find(uniq[sl])
+                slots[sl] = got
+                weights = store.storage()[:, : self.dim]
+                known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
+                if bool(known.all()):
+                    rows[sl] = weights[got]
+                elif bool(known.any()):
+                    rows[sl][known] = weights[got[known]]
+            start += n
+        back = rows[inv]  # each requester's keys, in the order they came
+        off = 0
+        for r, n in enumerate(per_src):
+            if n:
+                replies.add(r, back[off : off + n])
+                off += n
+        st.own[self] = (inv, slots, per_table)
 
     def output_bytes(self, st, d: int) -> int:
-        return padded(st.req[self.t][1][d] * self._row_bytes)
+        req = st.req[self]
+        return 0 if req is None else padded(req[2][d] * self._row_bytes)
 
     def output_dist(self, st, readers) -> None:
-        """Requester: the rows of its unique keys become this table's storage for the local pooling."""
-        perm, sizes = st.req[self.t]
-        parts = [readers[d].take(s * self.dim, self.dtype).view(s, self.dim) for d, s in enumerate(sizes)]
-        nonzero = [p for p in parts if p.shape[0]]
+        """Requester: the received rows become the storage every table of the group pools from."""
         dev = self.coll.device
-        if len(nonzero) == 1:
-            rows = nonzero[0].to(dev)
-        elif nonzero:
-            rows = torch.cat(nonzero).to(dev)
-        else:
-            rows = torch.zeros(0, self.dim, dtype=self.dtype, device=dev)
-        n = rows.shape[0]
-        st.storages_l[self.lt] = rows
-        b = st.prep_l.unique_base[self.lt]
-        pos = torch.arange(n, device=dev)
-        if perm is None:
-            st.slots_l[b : b + n] = pos
-        else:
-            st.slots_l[b + perm] = pos
+        req = st.req[self]
+        if req is None:
+            empty = torch.zeros(0, self.dim, dtype=self.dtype, device=dev)
+            for lt in self.lts:
+                st.storages_l[lt] = empty
+            return
+        pos, perm, per_dest = req
+        parts = [readers[d].take(n * self.dim, self.dtype).view(n, self.dim) for d, n in enumerate(per_dest) if n]
+        rows = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dev)
+        for lt in self.lts:
+            st.storages_l[lt] = rows
+        where = torch.arange(rows.shape[0], device=dev)
+        if perm is not None:
+            where = torch.empty_like(where).index_copy_(0, perm, where)
+        st.slots_l[pos] = where
 
     # -- backward ------------------------------------------------------------------------
 
     def grad_dist(self, st, packer: Packer) -> None:
-        """Requester: the gradient of each unique key's row to its owner (in the order the keys went)."""
-        if self.rule is None:
+        """Requester: each unique key's row gradient to its owner (in the order the keys went)."""
+        req = st.req[self]
+        if not self.trainable or req is None:
             return
-        _, sizes = st.req[self.t]
-        n = sum(sizes)
-        if n == 0:
-            return
-        grad = torch.zeros(n, self.dim, dtype=self.grad_dtype, device=self.coll.device)
-        got = st.local_grads.get(self.lt)
-        if got is not None:  # slots are positions in the received rows: the owner-sorted order
-            grad.index_copy_(0, got[0], got[1].to(self.grad_dtype))
+        per_dest = req[2]
+        grad = torch.zeros(sum(per_dest), self.dim, dtype=self.grad_dtype, device=self.coll.device)
+        for lt in self.lts:
+            got = st.local_grads.get(lt)
+            if got is not None:  # slots are positions in the received rows: the owner-sorted order
+                grad.index_copy_(0, got[0], got[1].to(self.grad_dtype))
         if st.grad_scale != 1.0:
             grad.mul_(st.grad_scale)
         off = 0
-        for d, s in enumerate(sizes):
-            if s:
-                packer.add(d, grad[off : off + s])
-                off += s
+        for d, n in enumerate(per_dest):
+            if n:
+                packer.add(d, grad[off : off + n])
+                off += n
 
     def grad_bytes(self, st, r: int) -> int:
-        return 0 if self.rule is None else padded(int(st.hdr_in[r, self.col]) * self._grad_bytes)
+        return padded(int(st.hdr_in[r, self.cols].sum()) * self._grad_bytes) if self.trainable else 0
 
     def apply(self, st, readers) -> None:
         """Owner: sum each key's gradients over the ranks (rank order), apply the optimizer once per key."""
-        if self.rule is None:
+        if not self.trainable:
             return
-        sizes = st.hdr_in[:, self.col].tolist()
-        parts = [readers[r].take(s * self.dim, self.grad_dtype).view(s, self.dim) for r, s in enumerate(sizes)]
-        own = st.own.get(self.t)
+        per_src = st.hdr_in[:, self.cols].sum(1).tolist()
+        parts = [readers[r].take(n * self.dim, self.grad_dtype).view(n, self.dim) for r, n in enumerate(per_src)]
+        own = st.own.get(self)
         if own is None:
             return
-        invs, slots, sources = own
+        inv, slots, per_table = own
         dev = self.coll.device
-        if invs is None:
-            grad = parts[sources[0]].to(dev)
-        else:
-            grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
-            for r in sources:  # keys are unique per requester: no two writes collide within one call
-                grad.index_add_(0, invs[r], parts[r].to(dev))
-        known = slots >= 0
-        if not bool(known.all()):
-            slots, grad = slots[known], grad[known]
-        if slots.numel():
-            self.rule.apply(self.coll._stores[self.t].storage(), slots, grad, lr=self.coll._lr(self.t),
-                            step=st.step)
+        grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
+        off = 0
+        for r, n in enumerate(per_src):  # one requester's (table, key) pairs are unique: no collisions
+            if n:
+                grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
+                off += n
+        start = 0
+        for i, n in enumerate(per_table):
+            rule, sl = self.rules[i], slice(start, start + n)
+            start += n
+            if rule is None or n == 0:
+                continue
+            s, g = slots[sl], grad[sl]
+            known = s >= 0
+            if not bool(known.all()):
+                s, g = s[known], g[known]
+            if s.numel():
+                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)

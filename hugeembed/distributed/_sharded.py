@@ -34,7 +34,7 @@ from ..types import Combiner, ShardKind
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._data_parallel import ReplicatedRoute
 from ._plan import ShardingPlan, propose_plan
-from ._row_wise import RowWiseRoute, owner_index
+from ._row_wise import RowWiseGroup, owner_index
 from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
 from ._stores import AbsentShard, ShardArrayStore
 from ._table_wise import TableWisePooling
@@ -165,14 +165,21 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         local_dt = group_dtypes(self._local_pool.plan, [dtypes[t] for t in local]) if local else {}
         self._routes: list = []
         col = StepState.COMMON
+        groups: dict[tuple, list] = {}  # row-wise tables exchange together, per (dim, dtype, trainable)
         for t in local:
-            lt = self._local_index[t]
+            cfg, lt = self.tables[t], self._local_index[t]
             if kinds[t] == "row":
-                route = RowWiseRoute(self, t, lt, self.plan[self.tables[t].name].ranks, col, compute_dtype(local_dt[lt]))
-            else:
-                route = ReplicatedRoute(self, t, lt, col, compute_dtype(local_dt[lt]))
+                key = (cfg.dim, cfg.dtype, self.rules[t] is not None)
+                groups.setdefault(key, []).append((t, lt, self.plan[cfg.name].ranks))
+        for members in groups.values():
+            route = RowWiseGroup(self, members, col, compute_dtype(local_dt[members[0][1]]))
             self._routes.append(route)
             col += route.header_cols
+        for t in local:
+            if kinds[t] == "replica":
+                route = ReplicatedRoute(self, t, self._local_index[t], col, compute_dtype(local_dt[self._local_index[t]]))
+                self._routes.append(route)
+                col += route.header_cols
         self._exchanges = any(k != "replica" for k in kinds)
         if pool:
             tables = [(t, i, self.plan[self.tables[t].name].owner) for i, t in enumerate(pool)]

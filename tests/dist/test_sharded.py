@@ -180,14 +180,12 @@ def test_bytes_sent_are_unique_keys_per_destination_times_record_size(two, four,
             sent = results[rank]["cases"]["bytes"]["bytes"][step]
             want = {"input_dist (header)": [8 * (5 + len(ALL))] * world,  # fixed: 5 + one size per table
                     "input_dist": [0] * world, "output_dist": [0] * world, "grad_dist": [0] * world}
-            for name in ALL:
-                static = name == "country"
-                for d in range(world):
-                    n = sum(1 for k in mine[rank][name] if owner(k, world, static) == d)
-                    asked = sum(1 for k in mine[d][name] if owner(k, world, static) == rank)
-                    want["input_dist"][d] += pad8(n * key_bytes) + pad8(n * count_bytes)
-                    want["grad_dist"][d] += pad8(n * row_bytes)
-                    want["output_dist"][d] += pad8(asked * row_bytes)
+            for d in range(world):  # the four tables (one dim) travel as one segment per field
+                n = sum(1 for name in ALL for k in mine[rank][name] if owner(k, world, name == "country") == d)
+                asked = sum(1 for name in ALL for k in mine[d][name] if owner(k, world, name == "country") == rank)
+                want["input_dist"][d] += pad8(n * key_bytes) + pad8(n * count_bytes)
+                want["grad_dist"][d] += pad8(n * row_bytes)
+                want["output_dist"][d] += pad8(asked * row_bytes)
             assert sent == want, f"step {step} rank {rank}"
             ids = sum(local_batch(step, rank, world).feature(n).values.numel() for n in ALL)
             saved_by_dedup += ids - sum(len(v) for v in mine[rank].values())
