@@ -73,9 +73,10 @@ def run_ours(rank: int, world: int, cfg: dict) -> dict:
     from hugeembed.optim import SGD
 
     rows, dim = cfg["rows"], cfg["dim"]
+    static = cfg.get("static", False)
     factory = None
     if world > 1:
-        tables = [TableConfig(n, dim, combiner="sum") for n in NAMES]
+        tables = [TableConfig(n, dim, combiner="sum", num_rows=r if static else None) for n, r in zip(NAMES, rows)]
         if cfg["plan"] == "planned":
             plan = propose_plan(tables, world, optimizer=SGD(lr=LR), batch_size=cfg["batch"] // world,
                                 expected_rows=dict(zip(NAMES, rows)))
@@ -83,7 +84,8 @@ def run_ours(rank: int, world: int, cfg: dict) -> dict:
             plan = propose_plan(tables, world, optimizer=SGD(lr=LR), overrides={n: "row_wise" for n in NAMES})
         factory = functools.partial(ShardedEmbeddingCollection, plan=plan)
     model, dense = make_model("dlrm", embedding_dim=dim, sparse_optimizer=SGD(lr=LR), seed=0,
-                              collection_factory=factory)
+                              collection_factory=factory, dynamic=not static,
+                              cardinalities=dict(zip(NAMES, rows)) if static else None)
     step_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and cfg["model"] == "dlrm" else model
     opt = torch.optim.SGD(dense, lr=LR)
     batches = [local(b, rank, world) for b in make_batches(rows, cfg["batch"], cfg["n_batches"])]
@@ -121,7 +123,8 @@ def _bytes_of_step(ec, b: Batch, rank: int, world: int, dim: int) -> dict:
         if ec.plan[name].kind.value != "row_wise":
             return {"sent": sent, "no_dedup": None}
         ids = b.sparse.feature(name).values
-        remote = int((torch.remainder(mix64(ids) & 0xFFFFFFFF, world) != rank).sum())
+        owner = torch.remainder(ids if ec.tables[0].num_rows is not None else mix64(ids) & 0xFFFFFFFF, world)
+        remote = int((owner != rank).sum())
         # per id sent away: a key record (8 + 4 B) and a gradient row; and, summed over the ranks,
         # one row sent back per id another rank asked for
         no_dedup += remote * (12 + 4 * dim) + remote * 4 * dim
@@ -282,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["emb", "dlrm"], help="emb: the embedding step alone")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--static", action="store_true", help="static tables of the row counts (as TorchRec's), "
+                   "not dynamic hash tables")
     p.add_argument("--no-torchrec", action="store_true")
     p.add_argument("--no-cost-model", action="store_true")
     p.add_argument("--quick", action="store_true")
@@ -290,7 +295,7 @@ def main(argv=None) -> int:
         args.dim, args.batches, args.scale, args.runs, args.iters = 16, [2048], 0.05, 3, 2
     rows = criteo_rows(args.cap, args.scale)
     cores = os.cpu_count() or 2
-    print(f"# d{args.dim}, Criteo-26 ({sum(rows) / 1e6:.1f} M rows), Zipf(1.05), pooling 1, SGD; {cores} cores: "
+    print(f"# {'static' if args.static else 'dynamic'} tables d{args.dim}, Criteo-26 ({sum(rows) / 1e6:.1f} M rows), Zipf(1.05), pooling 1, SGD; {cores} cores: "
           f"1 process x {cores} threads vs 2 gloo ranks x {max(1, cores // 2)} thread(s); medians of {args.runs} runs")
     try:
         import torchrec  # noqa: F401
@@ -304,7 +309,7 @@ def main(argv=None) -> int:
     for model in args.models:
         for batch in args.batches:
             cfg = dict(rows=rows, dim=args.dim, batch=batch, n_batches=args.runs * args.iters + 3, runs=args.runs,
-                       iters=args.iters, threads=cores, plan="row_wise", model=model)
+                       iters=args.iters, threads=cores, plan="row_wise", model=model, static=args.static)
             cfg2 = {**cfg, "threads": max(1, cores // 2)}
             rate = {"ours-1": batch / in_process("ours", cfg)["median_s"]}
             tag = f"{model} b{batch}"
