@@ -137,3 +137,24 @@ def assert_tables(got: dict, want: dict, exact: set[str] = frozenset(), what: st
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {name}.rows: {m}")
             else:
                 assert torch.equal(a, b), f"{what}: {name}.{f} differs (max {(a - b).abs().max()})"
+
+
+def metrics_model(collection_factory=None):
+    """A small DLRM over the test tables (seeded: the same dense weights in every process)."""
+    from hugeembed.models import make_model
+
+    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=OPTIMIZERS["adagrad"](), seed=1,
+                          features=("user", "item", "country", "page"), num_dense=3, bottom_mlp=(8,), top_mlp=(8,),
+                          collection_factory=collection_factory)
+    return model
+
+
+def metrics_batch(i: int):
+    """Held-out batch i: one id per bag (DLRM's default tables are dynamic), labels, dense features."""
+    from hugeembed.data import Batch
+
+    g = torch.Generator().manual_seed(300 + i)
+    n = 5 + i  # batches of different sizes
+    ids = {k: [[int(v)] for v in torch.randint(0, 50, (n,), generator=g)] for k in ("user", "item", "country", "page")}
+    return Batch(torch.randn(n, 3, generator=g), SparseFeatures.from_lists(ids),
+                 (torch.rand(n, generator=g) < 0.4).float())

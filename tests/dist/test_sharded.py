@@ -90,12 +90,29 @@ def chain(tmp_path_factory):
     return {"root": root, "at": at}
 
 
+EVAL_BATCHES = [3, 1]  # rank 0 scores 3 held-out batches, rank 1 one: it looks up empty ones meanwhile
+
+
 @pytest.fixture(scope="module")
 def two(chain):
     root = chain["root"]
     link = {"plan": plans(2)["row_wise"], "opt": CHAIN_OPT, "load": str(root / "s1"), "train": (3, 6),
             "save": str(root / "s2")}
-    return run_ranks(2, "tests.dist.workers:main", {"cases": cases(2, list(OPTIMIZERS)), "chain": [link]})
+    return run_ranks(2, "tests.dist.workers:main", {
+        "cases": cases(2, list(OPTIMIZERS)), "chain": [link],
+        "metrics": {"plan": {t: "row_wise" for t in ALL}, "batches_per_rank": EVAL_BATCHES}})
+
+
+def test_held_out_metrics_merge_every_rank_predictions_exactly(two):
+    from hugeembed.training import evaluate
+
+    from .common import metrics_batch, metrics_model
+
+    want = evaluate(metrics_model(), [metrics_batch(i) for i in range(sum(EVAL_BATCHES))], torch.device("cpu"))
+    for r in two:  # every rank gets the metrics of all predictions, equal to one process's
+        assert r["metrics"]["count"] == want["count"] == sum(5 + i for i in range(sum(EVAL_BATCHES)))
+        for k in ("auc", "logloss", "ctr", "pctr", "copc"):
+            assert r["metrics"][k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
 
 
 @pytest.fixture(scope="module")

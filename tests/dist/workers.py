@@ -6,6 +6,7 @@ process against a single-process reference, so a failure shows a plain assertion
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from hugeembed import ShardingError
 from hugeembed import checkpoint as ckpt
 from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
 
-from .common import dense_model, export_all, local_batch, tables, train
+from .common import dense_model, export_all, local_batch, metrics_batch, metrics_model, tables, train
 
 EVAL_STEP = 100  # the batch scored in eval mode after training
 
@@ -81,10 +82,26 @@ def failure(rank: int, world: int, group, spec: dict) -> dict:
     return {"error": None, "seconds": time.monotonic() - t0}
 
 
-def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, broken_group=False) -> dict:
+def held_out_metrics(rank: int, world: int, group, plan: dict, batches_per_rank: list[int]) -> dict:
+    """Eval of a sharded DLRM where ranks hold different numbers of batches (aligned + merged)."""
+    from hugeembed.training._distributed import aligned, empty_batch, merge_metrics
+    from hugeembed.training._trainer import evaluate
+
+    model = metrics_model(functools.partial(ShardedEmbeddingCollection, plan=ShardingPlan(world, plan),
+                                            process_group=group))
+    mine = [metrics_batch(i) for i in range(sum(batches_per_rank[:rank]), sum(batches_per_rank[: rank + 1]))]
+    empty = empty_batch(model.embeddings.feature_names(), 3, torch.device("cpu"))
+    return evaluate(model, aligned(mine, model.embeddings, empty), torch.device("cpu"),
+                    merge=lambda ms: merge_metrics(model.embeddings, ms))
+
+
+def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, broken_group=False,
+         metrics=None) -> dict:
     group = new_embedding_group("cpu", 30.0)
     result = {"cases": {c["name"]: run_case(rank, world, group, c) for c in cases},
               "chain": [run_chain_link(rank, world, group, link) for link in chain]}
+    if metrics is not None:
+        result["metrics"] = held_out_metrics(rank, world, group, **metrics)
     if fail is not None:
         # saved first: the victim dies in failure() and the test still wants its shards
         torch.save(result, Path(workdir) / f"result.{rank}.pt")
