@@ -82,7 +82,10 @@ class _BagAdapter(torch.nn.Module):
 
 
 class _FixedPooled(torch.nn.Module):
-    """Random pooled embeddings, fixed: the embedding layer costs nothing (the MLP-bound ceiling)."""
+    """Random pooled embeddings, fixed: the embedding layer costs nothing (the MLP-bound ceiling).
+
+    They require grad, as real embeddings do: a DLRM step computes the gradient of its
+    loss with respect to the embeddings (the interaction's input), part of the dense work."""
 
     def __init__(self, collection, batch: int) -> None:
         super().__init__()
@@ -91,7 +94,7 @@ class _FixedPooled(torch.nn.Module):
         self.names, self.where = plan.pooled_names(), collection.lookup._where
 
     def forward(self, sparse) -> PooledEmbeddings:
-        return PooledEmbeddings(self.names, self.groups, self.where)
+        return PooledEmbeddings(self.names, [g.detach().requires_grad_() for g in self.groups], self.where)
 
 
 def build(model_name: str, dim: int, kind: str, batch: int, cards: dict[str, int]):
