@@ -26,7 +26,8 @@ OPTIMIZERS = {
 
 
 def tables(opt_name: str = "adagrad", dim: int = 4):
-    """Dynamic with admission + ttl eviction, dynamic mean, static with a default id, a clipped one."""
+    """Dynamic with admission + ttl eviction, dynamic mean, static with a default id, a clipped one,
+    and a sequence feature (combiner "none": one vector per id, no pooling)."""
     from hugeembed.nn import TableConfig
 
     opt = OPTIMIZERS[opt_name]()
@@ -35,6 +36,7 @@ def tables(opt_name: str = "adagrad", dim: int = 4):
         TableConfig("item", dim, combiner="mean", optimizer=opt),
         TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, optimizer=opt),
         TableConfig("page", dim, combiner="sqrtn", max_norm=0.6, optimizer=opt),
+        TableConfig("hist", dim, combiner="none", optimizer=opt),
     ]
 
 
@@ -46,7 +48,7 @@ def global_batch(step: int, n: int = GLOBAL_BATCH) -> SparseFeatures:
         lens = torch.randint(0, maxlen + 1, (n,), generator=g)
         return [(torch.randint(0, hi, (int(k),), generator=g) ** 2 % hi).tolist() for k in lens]
 
-    feats = {"user": bags(40), "item": bags(60), "country": bags(11, 2), "page": bags(30)}
+    feats = {"user": bags(40), "item": bags(60), "country": bags(11, 2), "page": bags(30), "hist": bags(25, 4)}
     weights = None
     if step % 2:
         weights = {k: [(0.5 + torch.rand(len(b), generator=g)).tolist() for b in v] for k, v in feats.items()}
@@ -84,12 +86,16 @@ def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, 
     for step in steps:
         out = ec(local_batch(step, rank, world))
         x = out.concat()
+        seq = out.unpooled["hist"].values  # this rank's ids of the sequence feature, in global order
+        at = int(global_batch(step).feature("hist").offsets[rank * B])
+        seq_coef = torch.randn(1000, seq.shape[1], generator=torch.Generator().manual_seed(8000 + step))
         if first is None:
-            first = x.detach().clone()
+            first = torch.cat([x.detach().flatten(), seq.detach().flatten()])
+        seq_loss = (seq * seq_coef[at : at + seq.shape[0]]).sum() / B
         if dense is None:
-            loss = (x * coef(step, x.shape[1])[sl]).sum() / B
+            loss = (x * coef(step, x.shape[1])[sl]).sum() / B + seq_loss
         else:
-            loss = F.binary_cross_entropy_with_logits(dense(x).squeeze(1), labels(step)[sl])
+            loss = F.binary_cross_entropy_with_logits(dense(x).squeeze(1), labels(step)[sl]) + seq_loss
             dense_opt.zero_grad()
         loss.backward()
         if dense_opt is not None:

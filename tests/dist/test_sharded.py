@@ -28,7 +28,8 @@ from .workers import EVAL_STEP
 
 pytestmark = pytest.mark.dist
 
-ALL = ("user", "item", "country", "page")
+ALL = ("user", "item", "country", "page", "hist")
+POOLED = ALL[:4]
 STEPS = 3
 
 
@@ -38,7 +39,7 @@ def plans(world: int) -> dict[str, dict[str, str]]:
         "table_wise": {t: f"table_wise@{i % world}" for i, t in enumerate(ALL)},
         "data_parallel": {t: "data_parallel" for t in ALL},
         "mixed": {"user": f"table_wise@{world - 1}", "item": "row_wise", "country": "data_parallel",
-                  "page": "row_wise@0" if world > 2 else "table_wise@0"},
+                  "page": "row_wise@0" if world > 2 else "table_wise@0", "hist": "row_wise"},
     }
 
 
@@ -67,7 +68,8 @@ def reference(opt: str, steps: int, dense: bool):
         first = train(ec, range(steps), dense=model, dense_opt=dopt)
         ec.eval()
         with torch.no_grad():
-            scored = ec(local_batch(EVAL_STEP, 0, 1)).concat()
+            out = ec(local_batch(EVAL_STEP, 0, 1))
+            scored = torch.cat([out.concat().flatten(), out.unpooled["hist"].values.flatten()])
         _REFS[key] = {"tables": export_all(ec), "first": first, "eval": scored,
                       "dense": None if model is None else model.state_dict()}
     return _REFS[key]
@@ -100,7 +102,7 @@ def two(chain):
             "save": str(root / "s2")}
     return run_ranks(2, "tests.dist.workers:main", {
         "cases": cases(2, list(OPTIMIZERS)), "chain": [link],
-        "metrics": {"plan": {t: "row_wise" for t in ALL}, "batches_per_rank": EVAL_BATCHES}})
+        "metrics": {"plan": {t: "row_wise" for t in POOLED}, "batches_per_rank": EVAL_BATCHES}})
 
 
 def test_held_out_metrics_merge_every_rank_predictions_exactly(two):
@@ -138,14 +140,21 @@ def check_cases(results: list, world: int) -> int:
         got = [r["cases"][name] for r in results]
         ref = reference(case["opt"], case["steps"], bool(case.get("dense")))
         what = f"{world} ranks, {name}"
-        for rank, g in enumerate(got):  # forward outputs: bit-identical, every kind
-            assert torch.equal(g["first"], ref["first"][rank * B:(rank + 1) * B]), f"{what}: first forward, rank {rank}"
+        width = 4 * len(POOLED)
+        seq = ref["first"][GLOBAL_BATCH * width:].view(-1, 4)
+        for rank, g in enumerate(got):  # forward outputs, pooled and sequence: bit-identical, every kind
+            pooled = ref["first"][: GLOBAL_BATCH * width].view(GLOBAL_BATCH, width)[rank * B:(rank + 1) * B]
+            offs = local_batch(0, 0, 1).feature("hist").offsets
+            rows = seq[int(offs[rank * B]):int(offs[(rank + 1) * B])]
+            assert torch.equal(g["first"], torch.cat([pooled.flatten(), rows.flatten()])), f"{what}: rank {rank}"
             assert g["step"] == case["steps"]
-        exact = {t for t, k in case["plan"].items() if k.startswith("table_wise")} if not case.get("dense") else set()
+        # the owner of a pooled table-wise table sums its gradients in one pass, as one process does
+        exact = {t for t, k in case["plan"].items() if k.startswith("table_wise") and t in POOLED} \
+            if not case.get("dense") else set()
         assert_tables(merge_shards([g["tables"] for g in got], replicated(case["plan"])), ref["tables"], exact, what)
-        scored = torch.cat([g["eval"] for g in got])
-        if exact == set(ALL):
-            assert torch.equal(scored, ref["eval"]), what
+        scored = torch.cat([g["eval"][: B * width] for g in got] + [g["eval"][B * width:] for g in got])
+        if exact == set(POOLED):
+            assert torch.equal(scored[: GLOBAL_BATCH * width], ref["eval"][: GLOBAL_BATCH * width]), what
         torch.testing.assert_close(scored, ref["eval"], rtol=1e-5, atol=1e-6)
         if case.get("dense"):
             for g in got:

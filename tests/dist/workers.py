@@ -40,7 +40,8 @@ def run_case(rank: int, world: int, group, case: dict) -> dict:
     first = train(ec, range(case["steps"]), rank, world, dense=ddp, dense_opt=opt, record=record)
     ec.eval()
     with torch.no_grad():
-        scored = ec(local_batch(EVAL_STEP, rank, world)).concat()
+        out = ec(local_batch(EVAL_STEP, rank, world))
+        scored = torch.cat([out.concat().flatten(), out.unpooled["hist"].values.flatten()])
     return {"tables": export_all(ec), "first": first, "eval": scored, "bytes": record,
             "dense": None if dense is None else {k: v.clone() for k, v in dense.state_dict().items()},
             "step": ec.step}
