@@ -1,13 +1,14 @@
 """Data-parallel tables: a full replica on every rank, kept bit-identical.
 
-Training step, for one table::
+Training step, for the replicated tables of one (dim, dtype, trainable) group::
 
-    every rank: its unique keys + hit counts ─► all ranks
-    every rank: union of all ranks' keys (sorted) ── find_or_insert with the summed counts
-                (the same call on every replica, so admission, counters and slots agree)
+    every rank: its unique keys + hit counts, all tables in one segment ─► all ranks
+    every rank: per table, the union of all ranks' keys (sorted) ── find_or_insert with the
+                summed counts (the same call on every replica, so admission, counters and
+                slots agree)
     every rank: pools its own batch from its replica (no rows travel)
-    backward  : its per-key gradient ─► all ranks; each rank sums a key's gradients in rank
-                order and applies the same update: replicas stay bit-identical
+    backward  : its per-key row gradients ─► all ranks; each rank sums a key's gradients in
+                rank order and applies the same update: replicas stay bit-identical
 
 Evaluation needs no exchange at all: each rank reads its replica.
 """
@@ -16,113 +17,156 @@ from __future__ import annotations
 
 import torch
 
-from ._wire import Packer, padded
+from ._wire import Packer, padded, segments
 
-__all__ = ["ReplicatedRoute"]
+__all__ = ["ReplicatedGroup"]
 
 
-class ReplicatedRoute:
-    """Exchange of one data-parallel table (see the module docstring)."""
+class ReplicatedGroup:
+    """Exchange of the data-parallel tables of one (dim, dtype, trainable) group.
 
-    header_cols = 1
+    Args:
+        coll: the ShardedEmbeddingCollection.
+        members: per table, (collection index, index in the local lookup).
+        col: the first of its header columns (one per table: keys sent to every rank).
+        grad_dtype: the dtype of the row gradients the local lookup computes.
+    """
 
-    def __init__(self, coll, t: int, lt: int, col: int, grad_dtype: torch.dtype) -> None:
-        cfg = coll.tables[t]
-        self.coll, self.t, self.lt, self.col = coll, t, lt, col
-        self.name, self.dim = cfg.name, cfg.dim
-        self.rule = coll.rules[t]
+    def __init__(self, coll, members: list[tuple[int, int]], col: int, grad_dtype: torch.dtype) -> None:
+        self.coll = coll
+        self.ts = [t for t, _ in members]
+        self.lts = [lt for _, lt in members]
+        self.cols = list(range(col, col + len(members)))
+        self.header_cols = len(members)
+        self.dim = coll.tables[self.ts[0]].dim
+        self.rules = [coll.rules[t] for t in self.ts]
+        self.trainable = any(r is not None for r in self.rules)
         self.grad_dtype = grad_dtype
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
 
+    def _stores(self):
+        return [self.coll._stores[t] for t in self.ts]
+
+    # -- forward -------------------------------------------------------------------------
+
     def input_dist(self, st, header: torch.Tensor, packer: Packer) -> None:
-        if not st.training:
-            header[:, self.col] = 0
-            return
-        keys = st.prep_l.keys_of(self.lt)
-        header[:, self.col] = keys.numel()
-        if keys.numel():
-            packer.add_all(keys)
-            packer.add_all(st.prep_l.counts_of(self.lt).to(torch.int32))
+        prep = st.prep_l
+        counts = [prep.unique_count[lt] for lt in self.lts]
+        header[:, self.cols] = torch.tensor(counts, dtype=torch.int64) if st.training else 0
+        pos, _ = segments([prep.unique_base[lt] for lt in self.lts], counts, self.coll.device)
+        st.req[self] = (pos, counts)
+        if st.training and pos.numel():
+            packer.add_all(prep.unique_keys[pos])
+            packer.add_all(prep.unique_counts[pos].to(torch.int32))
 
     def input_bytes(self, st, r: int) -> int:
-        n = int(st.hdr_in[r, self.col])
+        n = int(st.hdr_in[r, self.cols].sum())
         return padded(8 * n) + padded(4 * n)
 
     def compute(self, st, readers, replies: Packer) -> None:
-        store = self.coll._stores[self.t]
-        if not st.training:
-            st.own[self.t] = (None, None, store.find(st.prep_l.keys_of(self.lt)))
+        pos, counts = st.req[self]
+        if not st.training:  # every rank reads its own replica
+            keys = st.prep_l.unique_keys[pos]
+            found, start = [], 0
+            for store, n in zip(self._stores(), counts):
+                found.append(store.find(keys[start : start + n]))
+                start += n
+            st.own[self] = (None, None, None, torch.cat(found) if found else keys)
             return
-        sizes = st.hdr_in[:, self.col].tolist()
-        dev = self.coll.device
-        keys = [readers[r].take(s, torch.int64).to(dev) for r, s in enumerate(sizes)]
-        counts = [readers[r].take(s, torch.int32).to(dev) for r, s in enumerate(sizes)]
-        if sum(sizes) == 0:
-            st.own[self.t] = None
+        sizes = st.hdr_in[:, self.cols]
+        per_src = sizes.sum(1).tolist()
+        dev, T = self.coll.device, len(self.ts)
+        keys = [readers[r].take(n, torch.int64) for r, n in enumerate(per_src)]
+        hits = [readers[r].take(n, torch.int32) for r, n in enumerate(per_src)]
+        total = sum(per_src)
+        if total == 0:
+            st.own[self] = None
             return
-        if st.world_size == 1:
-            uniq, invs, ucounts = keys[0], None, counts[0].to(torch.int64)
-        else:
-            uniq, inv = torch.unique(torch.cat(keys), sorted=True, return_inverse=True)
-            invs = list(torch.split(inv, sizes))
-            ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
-                0, inv, torch.cat(counts).to(torch.int64))
-        slots = store.find_or_insert(uniq, st.step, counts=ucounts)
-        local = slots if invs is None else slots[invs[st.rank]]
-        st.own[self.t] = (invs, slots, local)
+        keys = torch.cat(keys).to(dev)
+        tid = torch.repeat_interleave(torch.arange(T, device=dev).repeat(st.world_size),
+                                      sizes.reshape(-1).to(dev))
+        # the union of (table, key) pairs, sorted: the same keys in the same order on every replica
+        order = torch.argsort(keys, stable=True)
+        order = order[torch.argsort(tid[order], stable=True)]
+        ks, ts = keys[order], tid[order]
+        new = torch.ones(total, dtype=torch.bool, device=dev)
+        new[1:] = (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
+        inv = torch.empty(total, dtype=torch.int64, device=dev)
+        inv[order] = torch.cumsum(new.to(torch.int64), 0) - 1
+        uniq = ks[new]
+        per_table = torch.bincount(ts[new], minlength=T).tolist()
+        ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
+            0, inv, torch.cat(hits).to(dev, torch.int64))
+        slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
+        start = 0
+        for store, n in zip(self._stores(), per_table):
+            if n:
+                sl = slice(start, start + n)
+                slots[sl] = store.find_or_insert(uniq[sl], st.step, counts=ucounts[sl])
+            start += n
+        mine = sum(per_src[: st.rank])
+        local = slots[inv[mine : mine + per_src[st.rank]]]
+        st.own[self] = (inv, slots, per_table, local)
 
     def output_bytes(self, st, d: int) -> int:
         return 0
 
     def output_dist(self, st, readers) -> None:
-        own = st.own.get(self.t)
-        st.storages_l[self.lt] = self.coll._stores[self.t].storage()
-        if own is None:
-            return
-        local = own[2]
-        b = st.prep_l.unique_base[self.lt]
-        st.slots_l[b : b + local.numel()] = local
+        for lt, store in zip(self.lts, self._stores()):
+            st.storages_l[lt] = store.storage()
+        own = st.own.get(self)
+        if own is not None:
+            st.slots_l[st.req[self][0]] = own[3]
+
+    # -- backward ------------------------------------------------------------------------
 
     def grad_dist(self, st, packer: Packer) -> None:
-        if self.rule is None:
+        own = st.own.get(self)
+        if not self.trainable or own is None:
             return
-        own = st.own.get(self.t)
-        if own is None:
-            return
-        local = own[2]
+        local = own[3]
+        counts = st.req[self][1]
         grad = torch.zeros(local.numel(), self.dim, dtype=self.grad_dtype, device=self.coll.device)
-        got = st.local_grads.get(self.lt)
-        if got is not None:  # the hook saw the admitted keys only, in key order
-            known = torch.nonzero(local >= 0).flatten()
-            grad.index_copy_(0, known, got[1].to(self.grad_dtype))
+        start = 0
+        for lt, n in zip(self.lts, counts):
+            got = st.local_grads.get(lt)
+            if got is not None:  # the hook saw this table's admitted keys, in key order
+                known = torch.nonzero(local[start : start + n] >= 0).flatten() + start
+                grad.index_copy_(0, known, got[1].to(self.grad_dtype))
+            start += n
         if st.grad_scale != 1.0:
             grad.mul_(st.grad_scale)
         if grad.numel():
             packer.add_all(grad)
 
     def grad_bytes(self, st, r: int) -> int:
-        return 0 if self.rule is None else padded(int(st.hdr_in[r, self.col]) * self._grad_bytes)
+        return padded(int(st.hdr_in[r, self.cols].sum()) * self._grad_bytes) if self.trainable else 0
 
     def apply(self, st, readers) -> None:
-        if self.rule is None:
+        if not self.trainable:
             return
-        sizes = st.hdr_in[:, self.col].tolist()
-        parts = [readers[r].take(s * self.dim, self.grad_dtype).view(s, self.dim) for r, s in enumerate(sizes)]
-        own = st.own.get(self.t)
+        per_src = st.hdr_in[:, self.cols].sum(1).tolist()
+        parts = [readers[r].take(n * self.dim, self.grad_dtype).view(n, self.dim) for r, n in enumerate(per_src)]
+        own = st.own.get(self)
         if own is None:
             return
-        invs, slots, _ = own
+        inv, slots, per_table, _ = own
         dev = self.coll.device
-        if invs is None:
-            grad = parts[0].to(dev)
-        else:
-            grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
-            for r, s in enumerate(sizes):  # rank order on every replica: the same sums everywhere
-                if s:
-                    grad.index_add_(0, invs[r], parts[r].to(dev))
-        known = slots >= 0
-        if not bool(known.all()):
-            slots, grad = slots[known], grad[known]
-        if slots.numel():
-            self.rule.apply(self.coll._stores[self.t].storage(), slots, grad, lr=self.coll._lr(self.t),
-                            step=st.step)
+        grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
+        off = 0
+        for r, n in enumerate(per_src):  # rank order on every replica: the same sums everywhere
+            if n:
+                grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
+                off += n
+        start = 0
+        for i, n in enumerate(per_table):
+            rule, sl = self.rules[i], slice(start, start + n)
+            start += n
+            if rule is None or n == 0:
+                continue
+            s, g = slots[sl], grad[sl]
+            known = s >= 0
+            if not bool(known.all()):
+                s, g = s[known], g[known]
+            if s.numel():
+                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)

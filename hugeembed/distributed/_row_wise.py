@@ -28,7 +28,7 @@ import torch
 
 from .._hashing import mix64
 from ..errors import ShardingError
-from ._wire import Packer, padded
+from ._wire import Packer, padded, segments
 
 __all__ = ["RowWiseGroup", "owner_index"]
 
@@ -42,15 +42,6 @@ def owner_index(keys: torch.Tensor, n: int, static: bool) -> torch.Tensor:
     if static:
         return torch.remainder(keys, n)
     return torch.remainder(mix64(keys) & _LOW32, n)
-
-
-def _segments(starts: list[int], sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions, segment index): concatenation of arange(starts[i], starts[i] + sizes[i])."""
-    n = torch.tensor(sizes, dtype=torch.int64, device=device)
-    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), n)
-    first = torch.cumsum(n, 0) - n
-    pos = torch.arange(int(n.sum()), device=device) - first[seg] + torch.tensor(starts, device=device)[seg]
-    return pos, seg
 
 
 class RowWiseGroup:
@@ -108,7 +99,7 @@ class RowWiseGroup:
             st.req[self] = None
             return
         dev = self.coll.device
-        pos, tid = _segments([prep.unique_base[lt] for lt in self.lts], counts, dev)
+        pos, tid = segments([prep.unique_base[lt] for lt in self.lts], counts, dev)
         keys = prep.unique_keys[pos]
         hits = prep.unique_counts[pos].to(torch.int32) if st.training else None
         if W == 1:

@@ -32,7 +32,7 @@ from ..nn import EmbeddingCollection, TableConfig
 from ..optim import SparseOptimizer
 from ..types import Combiner, ShardKind
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
-from ._data_parallel import ReplicatedRoute
+from ._data_parallel import ReplicatedGroup
 from ._plan import ShardingPlan, propose_plan
 from ._row_wise import RowWiseGroup, owner_index
 from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
@@ -175,11 +175,16 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             route = RowWiseGroup(self, members, col, compute_dtype(local_dt[members[0][1]]))
             self._routes.append(route)
             col += route.header_cols
+        replicas: dict[tuple, list] = {}
         for t in local:
             if kinds[t] == "replica":
-                route = ReplicatedRoute(self, t, self._local_index[t], col, compute_dtype(local_dt[self._local_index[t]]))
-                self._routes.append(route)
-                col += route.header_cols
+                cfg = self.tables[t]
+                replicas.setdefault((cfg.dim, cfg.dtype, self.rules[t] is not None), []).append(
+                    (t, self._local_index[t]))
+        for members in replicas.values():
+            route = ReplicatedGroup(self, members, col, compute_dtype(local_dt[members[0][1]]))
+            self._routes.append(route)
+            col += route.header_cols
         self._exchanges = any(k != "replica" for k in kinds)
         if pool:
             tables = [(t, i, self.plan[self.tables[t].name].owner) for i, t in enumerate(pool)]

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ShardingError
 
-__all__ = ["Packer", "Reader", "readers", "padded", "DTYPE_CODE", "CODE_DTYPE"]
+__all__ = ["Packer", "Reader", "readers", "padded", "segments", "DTYPE_CODE", "CODE_DTYPE"]
 
 DTYPE_CODE = {None: 0, torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
 CODE_DTYPE = {v: k for k, v in DTYPE_CODE.items()}
@@ -88,3 +88,13 @@ def readers(buf: torch.Tensor, sizes: list[int], stage: str) -> list[Reader]:
         out.append(Reader(buf, start, n, r, stage))
         start += n
     return out
+
+
+def segments(starts: list[int], sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, segment index): the concatenation of ``arange(starts[i], starts[i] + sizes[i])``."""
+    n = torch.tensor(sizes, dtype=torch.int64, device=device)
+    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), n)
+    first = torch.cumsum(n, 0) - n
+    pos = torch.arange(int(n.sum()), device=device) - first[seg] + torch.tensor(starts, dtype=torch.int64,
+                                                                                device=device)[seg]
+    return pos, seg
