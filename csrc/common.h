@@ -16,58 +16,82 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define HE_API extern "C" __attribute__((visibility("default")))
 
 namespace he {
 
-// Runs fn(begin, end, thread_index) over [0, n) split into `nthreads` contiguous
-// chunks.  Threads are spawned per call: a spawn costs ~20 us, negligible next to
-// the millisecond kernels that use it, and it avoids a second OpenMP runtime next
-// to the one torch ships (two spinning pools would fight over the cores).
+// Work sharing that never waits for a thread that has not started yet.
+//
+// A fork-join pool (spawn helpers, join them all) is fragile here: on a loaded
+// machine -- more runnable threads than cores, or torch's OpenMP workers still
+// spinning after the previous torch op -- a freshly spawned helper may get a core
+// only milliseconds later, and the caller then sits in join() for longer than the
+// whole kernel takes on one thread (measured: a 0.5 ms kernel stretched to several
+// ms).  Here the caller works through the items itself; helpers are detached and
+// only help while items remain.  When the caller has run out of items it waits
+// only for helpers that are inside an item, never for one that has not begun.
+// Threads are spawned per call (~20 us): no second OpenMP runtime next to torch's.
+//
+// run_items calls fn(item, tid) (or fn(item)) once for every item in [0, n_items),
+// tid in [0, nthreads) distinct among threads running at the same time (the caller
+// is 0), so fn may index per-thread scratch by tid.
+template <class F>
+void run_items(int64_t n_items, int64_t nthreads, F&& fn) {
+  auto call = [&fn](int64_t i, int tid) {
+    if constexpr (std::is_invocable_v<F&, int64_t, int>) fn(i, tid);
+    else fn(i);
+  };
+  if (n_items <= 0) return;
+  const int64_t helpers = std::min<int64_t>(nthreads - 1, n_items - 1);
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n_items; ++i) call(i, 0);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::atomic<bool> closed{false};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto* c = &call;
+  for (int64_t h = 0; h < helpers; ++h) {
+    // A helper owns a reference to `shared`, and touches the caller's stack (`call`)
+    // only if it registered as active before the caller closed the call.
+    std::thread([shared, c, n_items, tid = (int)(h + 1)] {
+      shared->active.fetch_add(1);
+      if (!shared->closed.load()) {
+        for (int64_t i = shared->next.fetch_add(1); i < n_items; i = shared->next.fetch_add(1)) (*c)(i, tid);
+      }
+      shared->active.fetch_sub(1);
+    }).detach();
+  }
+  for (int64_t i = shared->next.fetch_add(1); i < n_items; i = shared->next.fetch_add(1)) call(i, 0);
+  // Sequentially consistent: a helper that registers after this store sees closed
+  // and leaves; one that registered before is running, so the wait is one item long.
+  shared->closed.store(true);
+  while (shared->active.load() != 0) std::this_thread::yield();
+}
+
+// fn(begin, end, tid) over [0, n) in chunks of at least min_per_thread (about four
+// per thread, so a slow thread is not left with a quarter of the work).
 template <class F>
 void parallel_for(int64_t n, int nthreads, int64_t min_per_thread, F&& fn) {
   if (n <= 0) return;
-  int64_t max_threads = std::max<int64_t>(1, n / std::max<int64_t>(1, min_per_thread));
-  int t = (int)std::min<int64_t>(std::max(1, nthreads), max_threads);
-  if (t == 1) {
-    fn(int64_t(0), n, 0);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(t - 1);
-  int64_t chunk = (n + t - 1) / t;
-  for (int i = 1; i < t; ++i) {
-    int64_t b = i * chunk, e = std::min(n, b + chunk);
-    if (b >= e) break;
-    pool.emplace_back([&fn, b, e, i] { fn(b, e, i); });
-  }
-  fn(int64_t(0), std::min(n, chunk), 0);
-  for (auto& th : pool) th.join();
+  const int64_t t = std::max(1, nthreads);
+  const int64_t chunk = std::max<int64_t>(std::max<int64_t>(1, min_per_thread), (n + 4 * t - 1) / (4 * t));
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  run_items(chunks, t, [&](int64_t c, int tid) { fn(c * chunk, std::min(n, (c + 1) * chunk), tid); });
 }
 
-// Runs fn(item, thread_index) for each item of a work list, items handed out
-// dynamically (an atomic counter) so uneven items (tables of different sizes)
-// balance across threads.  Each item runs on exactly one thread.
+// fn(item, tid) for each item (tables of different sizes), handed out dynamically.
 template <class F>
 void parallel_items(int64_t n_items, int nthreads, F&& fn) {
-  if (n_items <= 0) return;
-  int t = (int)std::min<int64_t>(std::max(1, nthreads), n_items);
-  if (t == 1) {
-    for (int64_t i = 0; i < n_items; ++i) fn(i, 0);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int tid) {
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(i, tid);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(t - 1);
-  for (int i = 1; i < t; ++i) pool.emplace_back(worker, i);
-  worker(0);
-  for (auto& th : pool) th.join();
+  run_items(n_items, nthreads, [&](int64_t i, int tid) { fn(i, tid); });
 }
 
 // 64-bit finaliser of MurmurHash3 / splitmix64: a bijection with good avalanche,

@@ -106,8 +106,13 @@ HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const in
                                const float* weights, int64_t B, int64_t F, const int64_t* src, const int64_t* table,
                                const int64_t* num_rows, const int8_t* prune_neg, const int8_t* oor,
                                const int8_t* has_default, const int64_t* default_id,
-                               const int8_t* combiner, int64_t* out_lengths, int64_t* err,
-                               int nthreads) {
+                               const int8_t* combiner, int64_t* out_offsets, int64_t T,
+                               const int64_t* table_feat_ptr, const int64_t* table_feats, int64_t* unique_base,
+                               int64_t* totals, int64_t* err, int nthreads) {
+  // Bag lengths go to out_offsets[1..], then a prefix sum turns them into offsets:
+  // no torch op between the kernels (each would wake torch's OpenMP workers, which
+  // then spin on the core our threads need).
+  int64_t* out_lengths = out_offsets + 1;
   Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
   ErrorSlot errs{{}, err};
   err[0] = 0;
@@ -136,7 +141,21 @@ HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const in
       out_lengths[bag] = kept;
     }
   });
-  return err[0];
+  if (err[0]) return err[0];
+  out_offsets[0] = 0;
+  for (int64_t i = 1; i <= F * B; ++i) out_offsets[i] += out_offsets[i - 1];
+  // Each table's share of the unique-key buffer: at most the number of ids it reads.
+  int64_t capacity = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    unique_base[t] = capacity;
+    for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
+      const int64_t f = table_feats[k];
+      capacity += out_offsets[(f + 1) * B] - out_offsets[f * B];
+    }
+  }
+  totals[0] = out_offsets[F * B];
+  totals[1] = capacity;
+  return 0;
 }
 
 namespace {

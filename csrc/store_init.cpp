@@ -16,7 +16,7 @@
 #include <cmath>
 
 #include "common.h"
-#include "store_parallel.h"
+#include "common.h"
 
 namespace {
 

@@ -63,37 +63,34 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch) -> Prepared:
         weights = nat.check(weights.contiguous(), torch.float32, "weights")
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
     src = plan.source_indices(sf.keys())
-    lengths = torch.empty(F * B, dtype=torch.int64)
+    # Only uninitialised allocations between the kernels: a torch op on a batch-sized
+    # tensor would wake torch's OpenMP workers, which then spin on the cores our
+    # threads need.
+    out_offsets = torch.empty(F * B + 1, dtype=torch.int64)
+    unique_base = torch.empty(T, dtype=torch.int64)
+    totals = torch.empty(2, dtype=torch.int64)
     err = torch.zeros(4, dtype=torch.int64)
-    count = nat.fn("he_lookup_count", PTR, I64, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32)
+    count = nat.fn("he_lookup_count", PTR, I64, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64,
+                   PTR, PTR, PTR, PTR, PTR, I32)
     code = count(nat.ptr(values), values.numel(), nat.ptr(offsets), nat.ptr(weights), B, F, nat.ptr(src),
-                 nat.ptr(a["table"]),
-                 nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]), nat.ptr(a["has_default"]),
-                 nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(lengths), nat.ptr(err), nat.nthreads())
+                 nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
+                 nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(out_offsets), T,
+                 nat.ptr(a["table_feat_ptr"]), nat.ptr(a["table_feats"]), nat.ptr(unique_base), nat.ptr(totals),
+                 nat.ptr(err), nat.nthreads())
     if code:
         raise InputError(plan.describe_id_error(int(err[0]), int(err[1]), int(err[2]), int(err[3]), sf))
-    out_offsets = torch.zeros(F * B + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=out_offsets[1:])
-    # each table's share of the unique buffer: at most the number of ids it reads
-    bounds = out_offsets[torch.arange(F + 1, dtype=torch.int64) * B]
-    per_feature = (bounds[1:] - bounds[:-1]).tolist()
-    per_table = [sum(per_feature[f] for f in fs) for fs in plan.table_features]
-    base, capacity = [], 0
-    for n in per_table:
-        base.append(capacity)
-        capacity += n
-    n_kept = int(out_offsets[-1])
+    n_kept, capacity = totals.tolist()
+    base = unique_base.tolist()
     inverse = torch.empty(n_kept, dtype=torch.int32)
     out_w = torch.empty(n_kept, dtype=torch.float32) if weights is not None else None
     unique_keys = torch.empty(capacity, dtype=torch.int64)
     unique_counts = torch.empty(capacity, dtype=torch.int32)
     unique_count = torch.zeros(T, dtype=torch.int64)
-    base_t = torch.tensor(base, dtype=torch.int64)
     dedup = nat.fn("he_lookup_dedup", PTR, PTR, PTR, PTR, I64, I64, I64, *([PTR] * 17), I32)
     dedup(scratch.handle, nat.ptr(values), nat.ptr(offsets), nat.ptr(weights), B, F, T, nat.ptr(src),
           nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
           nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(a["table_feat_ptr"]),
-          nat.ptr(a["table_feats"]), nat.ptr(out_offsets), nat.ptr(base_t), nat.ptr(inverse), nat.ptr(out_w),
+          nat.ptr(a["table_feats"]), nat.ptr(out_offsets), nat.ptr(unique_base), nat.ptr(inverse), nat.ptr(out_w),
           nat.ptr(unique_keys), nat.ptr(unique_counts), nat.ptr(unique_count), nat.nthreads())
     return Prepared(B, out_offsets, inverse, out_w, unique_keys, unique_counts, base, unique_count.tolist(),
                     capacity, native=True)
