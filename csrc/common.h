@@ -157,6 +157,17 @@ struct LocalDedup {
   }
 };
 
+// No dedup at all: every id is its own "unique" entry (forward-only lookups, where
+// no gradient has to be summed per row and deduplicating would be wasted work).
+struct NoDedup {
+  int32_t count = 0;
+  void reset() { count = 0; }
+  inline int32_t find_or_add(int64_t, bool& is_new) {
+    is_new = true;
+    return count++;
+  }
+};
+
 // Dedup of a small static table's ids (0 <= id < rows) by direct indexing: no
 // hashing.  `stamp[id] == epoch` marks ids seen in the current batch, so nothing
 // is cleared between batches (a new epoch invalidates every mark at once).

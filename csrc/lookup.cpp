@@ -203,7 +203,8 @@ void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* v
 
 }  // namespace
 
-// Stage 2.  Writes, for each kept id at output position j (bags laid out by
+// Stage 2 (with deduplicate = 0: every kept id gets its own entry, for forward-only
+// lookups).  Writes, for each kept id at output position j (bags laid out by
 // out_offsets), inverse[j] = unique_base[t] + its index among table t's unique
 // keys and out_weights[j]; unique_keys/unique_counts[unique_base[t] + u] for
 // each table; unique_count[t] = number of unique keys of table t.
@@ -217,7 +218,7 @@ HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64
                                const int64_t* table_feats, const int64_t* out_offsets,
                                const int64_t* unique_base, int32_t* inverse, float* out_weights,
                                int64_t* unique_keys, int32_t* unique_counts,
-                               int64_t* unique_count, int nthreads) {
+                               int64_t* unique_count, int64_t deduplicate, int nthreads) {
   auto* ctx = static_cast<LookupContext*>(ctx_ptr);
   std::lock_guard<std::mutex> lock(ctx->mu);
   Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
@@ -231,7 +232,11 @@ HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64
       n_ids += out_offsets[(f + 1) * B] - out_offsets[f * B];
     }
     const int64_t rows = num_rows[t];
-    if (rows >= 0 && rows <= kDirectMaxRows) {
+    if (!deduplicate) {
+      he::NoDedup d;
+      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
+                  inverse, out_weights, unique_keys, unique_counts, unique_count);
+    } else if (rows >= 0 && rows <= kDirectMaxRows) {
       he::DirectDedup& d = ctx->direct[t];
       d.reset(rows);
       dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,

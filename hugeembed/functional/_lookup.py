@@ -78,14 +78,18 @@ class FusedEmbeddingLookup:
             raise InputError("backend='native' needs CPU float32 tables and float32 (or no) weights")
         return ok
 
-    def prepare(self, sf, storages: Sequence[torch.Tensor] = ()) -> Prepared:
-        """Clean + dedup a batch: unique keys per table and each id's index into them."""
+    def prepare(self, sf, storages: Sequence[torch.Tensor] = (), *, deduplicate: bool = True) -> Prepared:
+        """Clean + dedup a batch: unique keys per table and each id's index into them.
+
+        ``deduplicate=False`` gives every id its own entry: cheaper for a forward-only
+        lookup (inference), which sums no gradient per row; such a batch refuses a backward.
+        """
         self.plan.check_batch(sf)
         if self._native_ok(sf, storages):
             if self._scratch is None:
                 self._scratch = NativeScratch()
-            return prepare_native(self.plan, sf, self._scratch)
-        return prepare_torch(self.plan, sf)
+            return prepare_native(self.plan, sf, self._scratch, deduplicate)
+        return prepare_torch(self.plan, sf, deduplicate)
 
     def static_slots(self, prep: Prepared) -> torch.Tensor:
         """Slots of static tables: the ids themselves (already range-checked by prepare)."""
@@ -118,6 +122,9 @@ class FusedEmbeddingLookup:
             for spec, p in zip(self.plan.tables, params):
                 if p.dim() != 2 or p.size(1) != spec.dim:
                     raise ConfigError(f"table {spec.name!r}: sparse gradients need a [rows, {spec.dim}] weight")
+        if not prep.deduplicated and (row_grad_hook is not None or any(p.requires_grad for p in params)):
+            raise ConfigError("this batch was prepared with deduplicate=False (forward only): its rows repeat, so "
+                              "no gradient or optimizer may be applied to it; prepare it with deduplicate=True")
         if prep.weights is not None and prep.weights.requires_grad:
             raise NotImplementedError("gradients with respect to per-id weights are not implemented")
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
@@ -136,7 +143,9 @@ class FusedEmbeddingLookup:
         for spec in self.plan.tables:
             if spec.num_rows is None:
                 raise ConfigError(f"table {spec.name!r} is dynamic: look it up through an EmbeddingCollection")
-        prep = self.prepare(sf, weights)
+        # no gradient will be taken: skip the dedup, which only serves the backward
+        needs_grad = row_grad_hook is not None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
+        prep = self.prepare(sf, weights, deduplicate=needs_grad)
         return self.lookup(prep, weights, self.static_slots(prep), params=weights, row_grad_hook=row_grad_hook)
 
 

@@ -54,7 +54,7 @@ def _addresses(storages: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return addr, stride
 
 
-def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch) -> Prepared:
+def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bool = True) -> Prepared:
     a = plan.arrays("cpu")
     values = nat.check(sf.values(), torch.int64, "ids")
     offsets = sf.offsets().to(torch.int64).contiguous()
@@ -86,14 +86,14 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch) -> Prepared:
     unique_keys = torch.empty(capacity, dtype=torch.int64)
     unique_counts = torch.empty(capacity, dtype=torch.int32)
     unique_count = torch.zeros(T, dtype=torch.int64)
-    dedup = nat.fn("he_lookup_dedup", PTR, PTR, PTR, PTR, I64, I64, I64, *([PTR] * 17), I32)
+    dedup = nat.fn("he_lookup_dedup", PTR, PTR, PTR, PTR, I64, I64, I64, *([PTR] * 17), I64, I32)
     dedup(scratch.handle, nat.ptr(values), nat.ptr(offsets), nat.ptr(weights), B, F, T, nat.ptr(src),
           nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
           nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(a["table_feat_ptr"]),
           nat.ptr(a["table_feats"]), nat.ptr(out_offsets), nat.ptr(unique_base), nat.ptr(inverse), nat.ptr(out_w),
-          nat.ptr(unique_keys), nat.ptr(unique_counts), nat.ptr(unique_count), nat.nthreads())
+          nat.ptr(unique_keys), nat.ptr(unique_counts), nat.ptr(unique_count), int(deduplicate), nat.nthreads())
     return Prepared(B, out_offsets, inverse, out_w, unique_keys, unique_counts, base, unique_count.tolist(),
-                    capacity, native=True)
+                    capacity, native=True, deduplicated=deduplicate)
 
 
 def _check_slots(prep: Prepared, slots: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,7 @@ class Prepared:
     unique_count: list[int]
     capacity: int
     native: bool
+    deduplicated: bool = True  # False: one entry per id (forward only: no backward may use it)
     extra: dict = field(default_factory=dict)
 
     def keys_of(self, t: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=starts.device) - first[owner] + starts[owner]
 
 
-def prepare_torch(plan: LookupPlan, sf) -> Prepared:
+def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     dev = sf.device
     a = plan.arrays(dev)
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
@@ -93,14 +93,17 @@ def prepare_torch(plan: LookupPlan, sf) -> Prepared:
         lengths = lengths + fill.to(lengths.dtype)
     out_offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lengths, 0, out=out_offsets[1:])
-    # dedup per table: sort by (table, id), unique runs
+    # dedup per table: sort by (table, id), unique runs (without dedup: by table only,
+    # every id its own entry)
     t_kept = a["table"][bag // max(B, 1)] if bag.numel() else bag
-    o1 = torch.argsort(v, stable=True)
-    o2 = torch.argsort(t_kept[o1], stable=True)
-    perm = o1[o2]
+    if deduplicate:
+        o1 = torch.argsort(v, stable=True)
+        perm = o1[torch.argsort(t_kept[o1], stable=True)]
+    else:
+        perm = torch.argsort(t_kept, stable=True)
     vs, ts = v[perm], t_kept[perm]
     new = torch.ones_like(vs, dtype=torch.bool)
-    if vs.numel() > 1:
+    if vs.numel() > 1 and deduplicate:
         new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
     inverse = torch.empty_like(uid_sorted)
@@ -114,7 +117,8 @@ def prepare_torch(plan: LookupPlan, sf) -> Prepared:
     for n in per_table:
         base.append(acc)
         acc += n
-    return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False)
+    return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False,
+                    deduplicated=deduplicate)
 
 
 def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:

@@ -186,7 +186,10 @@ class EmbeddingCollection(nn.Module):
             self._step = step
             self._evict_expired(step)
         storages = [s.storage() for s in self._stores]
-        prep = self.lookup.prepare(features, storages)
+        # Dedup serves the backward (one gradient row per id) and the hash tables (one
+        # probe per distinct id); a forward over static tables alone needs neither.
+        dedup = training or any(t.num_rows is None for t in self.tables)
+        prep = self.lookup.prepare(features, storages, deduplicate=dedup)
         slots = self._fetch(prep, training, step)
         storages = [s.storage() for s in self._stores]  # inserts may have grown them
         if not training or not any(self.rules):

@@ -158,3 +158,24 @@ def test_bad_configs_are_clear_errors():
         FusedEmbeddingLookup([TableSpec("x", 4, num_rows=3)], [FeatureSpec("f", "x", default_id=5)])
     with pytest.raises(ConfigError, match="duplicate feature output names"):
         FusedEmbeddingLookup([TableSpec("x", 4, num_rows=3)], [FeatureSpec("f", "x"), FeatureSpec("f", "x")])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_without_dedup_equals_dedup_and_refuses_backward(backend):
+    g = torch.Generator().manual_seed(5)
+    tables = [TableSpec("a", 8, num_rows=70_000), TableSpec("b", 8, num_rows=50)]
+    lookup = FusedEmbeddingLookup(tables, [FeatureSpec("x", "a", combiner="sum"), FeatureSpec("y", "b")],
+                                  backend=backend)
+    W = [torch.randn(70_000, 8, generator=g), torch.randn(50, 8, generator=g)]
+    ids = {"x": [[int(i) for i in torch.randint(0, 70_000, (k,), generator=g)] for k in (3, 0, 5, 1)],
+           "y": [[1, 1, 2], [7], [], [3, 3]]}
+    sf = make_batch(ids)
+    full = lookup.prepare(sf, W)
+    lean = lookup.prepare(sf, W, deduplicate=False)
+    assert lean.capacity == sf.values().numel() and sum(full.unique_count) < lean.capacity
+    a = lookup.lookup(full, W, lookup.static_slots(full)).concat()
+    b = lookup.lookup(lean, W, lookup.static_slots(lean)).concat()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="deduplicate=False"):
+        lookup.lookup(lean, W, lookup.static_slots(lean), params=[torch.zeros(0, requires_grad=True)],
+                      row_grad_hook=lambda *args: None)
