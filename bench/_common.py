@@ -78,7 +78,7 @@ def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2) -
     for i in range(warmup):
         fn(i)
     per_iter = []
-    k = 0
+    k = warmup  # timed iterations see fresh batches, not the warm-up ones again
     for _ in range(runs):
         t0 = time.perf_counter()
         for _ in range(iters):

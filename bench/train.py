@@ -109,6 +109,13 @@ def build(model_name: str, dim: int, kind: str, batch: int, cards: dict[str, int
     return model, torch.optim.SGD(params, lr=LR)
 
 
+def warmed(step, warm: int):
+    """`step` after training on batches [0, warm) (untimed), then indexed from batch `warm` on."""
+    for i in range(warm):
+        step(i)
+    return lambda i: step(warm + i)
+
+
 def step_fn(model, opt, batches):
     def step(i: int) -> None:
         b = batches(i)
@@ -119,7 +126,7 @@ def step_fn(model, opt, batches):
     return step
 
 
-def bench_torchrec(dim: int, batch: int, mem_batches, cards: dict[str, int], iters: int, runs: int):
+def bench_torchrec(dim: int, batch: int, mem_batches, cards: dict[str, int], iters: int, runs: int, warm: int):
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -152,7 +159,7 @@ def bench_torchrec(dim: int, batch: int, mem_batches, cards: dict[str, int], ite
         loss.backward()
         opt.step()
 
-    return measure(step, iters, runs)
+    return measure(warmed(step, warm), iters, runs)
 
 
 def main(argv=None) -> int:
@@ -163,11 +170,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3, help="steps per timed run")
     p.add_argument("--cases", nargs="+", default=["dense", "ours", "ours-mem", "ebag", "torchrec", "widedeep"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--warmup-batches", type=int, default=40,
+                   help="distinct batches every case trains on before timing: dynamic tables then run in "
+                        "their steady state (new ids still arrive) instead of the first steps of a run")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hugeembed-bench"))
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.dims, args.batches, args.runs, args.iters = [16], [2048], 3, 2
+        args.dims, args.batches, args.runs, args.iters, args.warmup_batches = [16], [2048], 3, 2, 4
     torch.set_num_threads(args.threads)
     tune_malloc()
     workdir = Path(args.workdir)
@@ -177,30 +187,32 @@ def main(argv=None) -> int:
     print(f"# threads {args.threads}, torch {torch.__version__}, SGD lr {LR}, synthetic Criteo (cards <= {MAX_CARD})")
     rows_out = []
     for batch in args.batches:
-        n_steps = 3 + args.runs * args.iters  # warmup 2 (+1 spare) then runs
+        warm = args.warmup_batches
+        n_steps = warm + 3 + args.runs * args.iters  # warm-up batches, measure()'s 2, the runs
         total_rows = (n_steps + 2) * batch
         mem = [Batch.from_block(gen.rows(i * batch, batch)) for i in range(n_steps + 2)]
+        at = lambda i: mem[i % len(mem)]
         shard_dir = shards(total_rows, workdir) if "ours" in args.cases else None
         for dim in args.dims:
             res = {}
             for case in args.cases:
                 try:
                     if case == "torchrec":
-                        t = bench_torchrec(dim, batch, mem, cards, args.iters, args.runs)
+                        t = bench_torchrec(dim, batch, mem, cards, args.iters, args.runs, warm)
                     elif case == "ours":
                         model, opt = build("dlrm", dim, "ours", batch, cards)
                         it = iter(Loader(shard_dir, batch, drop_last=True, prefetch=4))
-                        t = measure(step_fn(model, opt, lambda i: next(it)), args.iters, args.runs)
+                        t = measure(warmed(step_fn(model, opt, lambda i: next(it)), warm), args.iters, args.runs)
                     elif case == "widedeep":
-                        for kind in ("ours", "ebag"):
+                        for kind in ("ours", "ebag", "dense"):
                             model, opt = build("widedeep", dim, kind, batch, cards)
-                            tt = measure(step_fn(model, opt, lambda i: mem[i % len(mem)]), args.iters, args.runs)
+                            tt = measure(warmed(step_fn(model, opt, at), warm), args.iters, args.runs)
                             res[f"widedeep-{kind}"] = tt.rate(batch)
                         continue
                     else:
                         kind = "ours" if case == "ours-mem" else case
                         model, opt = build("dlrm", dim, kind, batch, cards)
-                        t = measure(step_fn(model, opt, lambda i: mem[i % len(mem)]), args.iters, args.runs)
+                        t = measure(warmed(step_fn(model, opt, at), warm), args.iters, args.runs)
                     res[case] = t.rate(batch)
                 except Exception as e:  # a reference that cannot run here is reported, not fatal
                     print(f"# {case} d{dim} b{batch} failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -213,11 +225,13 @@ def main(argv=None) -> int:
             ratio = lambda a, b: f"{res[a] / res[b]:.2f}x" if a in res and b in res else "-"
             rows_out.append([f"d{dim} b{batch}"] + [f"{fmt_rate(res[c])}/s" if c in res else "-" for c in
                             ("ours", "ours-mem", "dense", "ebag", "torchrec", "widedeep-ours", "widedeep-ebag",
-                             "loader")]
+                             "widedeep-dense", "loader")]
                             + [ratio("ours", "dense"), ratio("ours", "ebag"), ratio("ours", "torchrec"),
-                               ratio("widedeep-ours", "widedeep-ebag"), ratio("loader", "ours")])
+                               ratio("widedeep-ours", "widedeep-ebag"), ratio("widedeep-ours", "widedeep-dense"),
+                               ratio("loader", "ours")])
             print_table(["case", "ours", "ours(mem)", "(a) dense", "(b) ebag", "(c) torchrec", "W&D ours", "W&D ebag",
-                         "loader rows", "ours/a", "ours/b", "ours/c", "W&D ours/b", "loader/ours"], rows_out)
+                         "W&D dense", "loader rows", "ours/a", "ours/b", "ours/c", "W&D ours/b", "W&D ours/dense",
+                         "loader/ours"], rows_out)
             print()
             del ours
     return 0
