@@ -24,6 +24,7 @@ Further parts register in PARTS below.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -206,7 +207,8 @@ def bench_step(args) -> None:
     rows = criteo_rows(scale=0.05 if args.quick else 1.0)
     B, D, lr = 8192, args.dim, 0.01
     iters, runs = 2, (3 if args.quick else 5)
-    batches = criteo_batches(rows, B, 1, n_batches=3 + iters * runs, seed=7)
+    warm = 0 if args.quick else args.warm_batches
+    batches = criteo_batches(rows, B, 1, n_batches=warm + 3 + iters * runs, seed=7)
     names = [f"C{t + 1}" for t in range(len(rows))]
     sfs = [SparseFeatures(names, torch.cat(b), lengths=torch.ones(len(rows) * B, dtype=torch.int64)) for b in batches]
     grad = torch.randn(B, len(rows), D)
@@ -216,9 +218,15 @@ def bench_step(args) -> None:
                               initializer=Uniform(-0.05, 0.05)) for n, r in zip(names, rows)]
         ec = EmbeddingCollection(tables, optimizer=RowWiseAdagrad(lr=lr))
 
-        def step(i, ec=ec):
-            ec(sfs[i % len(sfs)]).stacked().backward(grad)
+        def step(i, ec=ec, first=0):
+            ec(sfs[first + i % (len(sfs) - first)]).stacked().backward(grad)
 
+        if kind == "dynamic" and warm:
+            # early training: nearly every id is new, the tables grow every step
+            rates["dynamic (fresh)"] = measure(step, iters, runs).rate(B)
+            for i in range(3 + iters * runs, warm):  # then train on to the steady state
+                step(i)
+            step = functools.partial(step, first=warm)
         rates[kind] = measure(step, iters, runs).rate(B)
         print(f"# {kind}: {fmt_rate(rates[kind])} samples/s, {sum(ec.num_rows().values()):,} rows after the run",
               flush=True)
@@ -240,6 +248,9 @@ def bench_step(args) -> None:
         del tbe
         gc.collect()
     r = lambda a, b: f"{rates[a] / rates[b]:.2f}x" if a in rates and b in rates else "-"
+    if "dynamic (fresh)" in rates:
+        print(f"# dynamic tables in early training (first {3 + iters * runs} batches, nearly every id new): "
+              f"{fmt_rate(rates['dynamic (fresh)'])} samples/s; below: after {warm} batches (steady state)")
     print_table(["case", "dynamic", "static", "FBGEMM TBE", "dynamic/static (target >= 0.8)",
                  "static/FBGEMM (target >= 1.2)", "dynamic/FBGEMM"],
                 [[f"d{D} P1 b{B}"] + [f"{fmt_rate(rates[k])}/s" if k in rates else "-" for k in
@@ -266,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the sorted-array reference")
     p.add_argument("--max-load", type=float, default=_hash.MAX_LOAD, help="bucket load factor that triggers growth")
     p.add_argument("--backends", default="native,torch", help="HashStore backends to time (comma-separated)")
+    p.add_argument("--warm-batches", type=int, default=60,
+                   help="step part: batches the dynamic tables train on before the steady-state timing")
     args = p.parse_args(argv)
     if args.quick:
         args.keys, args.batch, args.runs = min(args.keys, 2_000_000), min(args.batch, 100_000), min(args.runs, 5)

@@ -8,15 +8,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# CI and local runs share one profile: enough examples to find edge cases, no
-# per-example deadline (the machine is noisy; speed is measured by bench/, not here).
-settings.register_profile(
-    "default",
-    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile("default")
+# "default" (CI and plain `pytest`): derandomized, so a run is reproducible and CI is
+# never turned red by a new random draw; no per-example deadline (the machine is
+# noisy; speed is measured by bench/, not here).  "explore" draws fresh random
+# examples, more of them, for hunting bugs locally: HYPOTHESIS_PROFILE=explore pytest
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("default", derandomize=True,
+                          max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")), **_common)
+settings.register_profile("explore", derandomize=False,
+                          max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "300")), **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
