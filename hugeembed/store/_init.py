@@ -6,17 +6,17 @@ not depend on any of that, so every value is a pure function of (seed, key,
 column) computed by a counter-based generator built on ``mix64``::
 
     base(key)      = mix64(key ^ mix64(seed + GOLDEN))
-    u(key, stream) = (mix64(base + stream * STREAM) >>> 11) * 2**-53      in [0, 1)
+    u(key, col)    = ((mix64(base + col * STREAM) >>> 11) + 0.5) * 2**-53     in (0, 1)
 
-    uniform col j  : low + (high - low) * u(key, j)
-    normal  col j  : Box-Muller on the pair q = j // 2, attempt a, stream s = a * 2**40 + 2q
-                     r = sqrt(-2 log(1 - u(s))), t = 2 pi u(s + 1)
-                     z = r cos t (j even) or r sin t (j odd)
-    truncated      : z outside [a, b] (in std units) redrawn with the next attempt
+    uniform col j  : low + (high - low) * u'(key, j)    (u' the same without the + 0.5)
+    normal  col j  : z = Phi^-1(u(key, j))               (Wichura's AS 241, |rel. error| < 1e-15)
+    truncated      : z = Phi^-1(Phi(a) + u(key, j) (Phi(b) - Phi(a))): exact, no redraws
 
-csrc/store_init.cpp evaluates the same double expressions, so the native and the
-torch paths give rows equal within one float32 ulp (their log/cos differ in the
-last bit of a double at most).
+csrc/store_init.cpp evaluates the same double expressions in the same order, so the
+native and the torch paths give rows equal within one float32 ulp (their log may
+differ in the last bit of a double).  One value costs one hash and, for 85% of
+normal draws, one rational function (no log): several times faster than Box-Muller
+with redraws.
 
 Example::
 
@@ -43,8 +43,6 @@ __all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant", "Z
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _STREAM = 0xD1B54A32D192ED03
-_TWO_PI = 6.283185307179586
-_MAX_ATTEMPTS = 64
 
 
 def _signed(u: int) -> int:
@@ -62,13 +60,51 @@ def _unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     return logical_shift_right(x, 11).to(torch.float64) * 2.0**-53
 
 
-def _normal(base: torch.Tensor, cols: torch.Tensor, attempt: int) -> torch.Tensor:
-    """Standard normal z for columns `cols` (int64 [c]) at one attempt -> float64 [n, c]."""
-    s = (attempt << 40) + 2 * (cols >> 1)
-    r = torch.sqrt(-2.0 * torch.log(1.0 - _unit(base, s)))
-    t = _TWO_PI * _unit(base, s + 1)
-    odd = (cols & 1).bool()
-    return torch.where(odd, r * torch.sin(t), r * torch.cos(t))
+# Wichura (1988), Algorithm AS 241 (PPND16): the inverse of the standard normal CDF,
+# relative error below 1e-16, as rational functions in three regions.  The C++ kernel
+# (csrc/store_init.cpp) evaluates the same Horner schemes in the same order.
+_A = (3.3871328727963666080e0, 1.3314166789178437745e2, 1.9715909503065514427e3, 1.3731693765509461125e4,
+      4.5921953931549871457e4, 6.7265770927008700853e4, 3.3430575583588128105e4, 2.5090809287301226727e3)
+_B = (1.0, 4.2313330701600911252e1, 6.8718700749205790830e2, 5.3941960214247511077e3, 2.1213794301586595867e4,
+      3.9307895800092710610e4, 2.8729085735721942674e4, 5.2264952788528545610e3)
+_C = (1.42343711074968357734e0, 4.63033784615654529590e0, 5.76949722146069140550e0, 3.64784832476320460504e0,
+      1.27045825245236838258e0, 2.41780725177450611770e-1, 2.27238449892691845833e-2, 7.74545014278341407640e-4)
+_D = (1.0, 2.05319162663775882187e0, 1.67638483018380384940e0, 6.89767334985100004550e-1,
+      1.48103976427480074590e-1, 1.51986665636164571966e-2, 5.47593808499534494600e-4, 1.05075007164441684324e-9)
+_E = (6.65790464350110377720e0, 5.46378491116411436990e0, 1.78482653991729133580e0, 2.96560571828504891230e-1,
+      2.65321895265761230930e-2, 1.24266094738807843860e-3, 2.71155556874348757815e-5, 2.01033439929228813265e-7)
+_F = (1.0, 5.99832206555887937690e-1, 1.36929880922735805310e-1, 1.48753612908506148525e-2,
+      7.86869131145613259100e-4, 1.84631831751005468180e-5, 1.42151175831644588870e-7, 2.04426310338993978564e-15)
+
+
+def _horner(coefs: tuple[float, ...], x: torch.Tensor) -> torch.Tensor:
+    acc = torch.full_like(x, coefs[-1])
+    for c in coefs[-2::-1]:
+        acc = acc * x + c
+    return acc
+
+
+def inverse_normal_cdf(p: torch.Tensor) -> torch.Tensor:
+    """z with Phi(z) = p for float64 p in (0, 1) (AS 241; the native kernel computes the same)."""
+    q = p - 0.5
+    r = 0.180625 - q * q
+    central = q * _horner(_A, r) / _horner(_B, r)
+    t = torch.sqrt(-torch.log(torch.where(q < 0, p, 1.0 - p).clamp_min(1e-300)))
+    near = _horner(_C, t - 1.6) / _horner(_D, t - 1.6)
+    far = _horner(_E, t - 5.0) / _horner(_F, t - 5.0)
+    tail = torch.where(t <= 5.0, near, far)
+    tail = torch.where(q < 0, -tail, tail)
+    return torch.where(q.abs() <= 0.425, central, tail)
+
+
+def _open_unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """u(key, stream) in (0, 1), never 0 or 1 (the inverse CDF is infinite there)."""
+    x = mix64(base + stream * _signed(_STREAM))
+    return (logical_shift_right(x, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+def _std_normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
 class Initializer:
@@ -82,7 +118,7 @@ class Initializer:
         """Rows for `keys` (int64 [n]) -> float32 [n, dim] on keys.device."""
         raise NotImplementedError(f"{type(self).__name__} must implement generate()")
 
-    def _native_spec(self) -> tuple[int, tuple[float, float, float, float]] | None:
+    def _native_spec(self) -> tuple[int, tuple[float, ...]] | None:
         return None
 
 
@@ -100,7 +136,7 @@ class Constant(Initializer):
         return torch.full((keys.numel(), dim), float(self.value), dtype=torch.float32, device=keys.device)
 
     def _native_spec(self):
-        return 0, (float(self.value), 0.0, 0.0, 0.0)
+        return 0, (float(self.value), 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -130,12 +166,12 @@ class Uniform(Initializer):
         return (self.low + (self.high - self.low) * u).to(torch.float32)
 
     def _native_spec(self):
-        return 1, (float(self.low), float(self.high), 0.0, 0.0)
+        return 1, (float(self.low), float(self.high), 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Normal(Initializer):
-    """Gaussian N(mean, std**2) by Box-Muller."""
+    """Gaussian N(mean, std**2): z = Phi^-1(u) of the column's counter-based uniform u."""
 
     mean: float = 0.0
     std: float = 0.05
@@ -145,18 +181,19 @@ class Normal(Initializer):
             raise ConfigError(f"Normal initializer: need finite mean and std > 0, got mean={self.mean}, std={self.std}")
 
     def generate(self, keys, dim, seed):
-        z = _normal(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device), 0)
+        z = inverse_normal_cdf(_open_unit(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device)))
         return (self.mean + self.std * z).to(torch.float32)
 
     def _native_spec(self):
-        return 2, (float(self.mean), float(self.std), 0.0, 0.0)
+        return 2, (float(self.mean), float(self.std), 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class TruncatedNormal(Initializer):
-    """N(mean, std**2) with draws outside [a, b] standard deviations redrawn (TF's truncated_normal).
+    """N(mean, std**2) restricted to [a, b] standard deviations (TF's truncated_normal).
 
-    Redraws are deterministic (attempt 1, 2, ... of the same counter stream).
+    Sampled exactly, with no redraws: z = Phi^-1(Phi(a) + u (Phi(b) - Phi(a))) for the
+    column's counter-based uniform u, so every value costs one evaluation.
     """
 
     mean: float = 0.0
@@ -171,23 +208,20 @@ class TruncatedNormal(Initializer):
             )
         if not (math.isfinite(self.a) and math.isfinite(self.b) and self.a < self.b):
             raise ConfigError(f"TruncatedNormal initializer: need finite a < b, got a={self.a}, b={self.b}")
+        pa, pb = _std_normal_cdf(self.a), _std_normal_cdf(self.b)
+        if not pb > pa:
+            raise ConfigError(f"TruncatedNormal initializer: [a, b] = [{self.a}, {self.b}] holds no probability mass "
+                              "in float64; choose bounds within about 37 standard deviations of the mean")
 
     def generate(self, keys, dim, seed):
-        base = _base(keys, seed)[:, None]
-        cols = torch.arange(dim, device=keys.device)
-        z = _normal(base, cols, 0)
-        for attempt in range(1, _MAX_ATTEMPTS):
-            bad = (z < self.a) | (z > self.b)
-            rows, cs = bad.nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                break
-            # Redraw only the offending values: attempt `attempt` of their own column.
-            z[rows, cs] = _normal(base[rows], cs[:, None], attempt).reshape(-1)
-        z = z.clamp(self.a, self.b)
+        pa, pb = _std_normal_cdf(self.a), _std_normal_cdf(self.b)
+        u = _open_unit(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device))
+        z = inverse_normal_cdf(pa + u * (pb - pa)).clamp(self.a, self.b)
         return (self.mean + self.std * z).to(torch.float32)
 
     def _native_spec(self):
-        return 3, (float(self.mean), float(self.std), float(self.a), float(self.b))
+        pa, pb = _std_normal_cdf(self.a), _std_normal_cdf(self.b)
+        return 3, (float(self.mean), float(self.std), float(self.a), float(self.b), pa, pb)
 
 
 @dataclass(frozen=True)
@@ -234,7 +268,7 @@ def init_rows_native(init: Initializer, keys: torch.Tensor, dim: int, seed: int,
     _native.check(out, torch.float32, "init out")
     if rows is not None:
         _native.check(rows, torch.int64, "init rows", n)
-    p = (_native.F64 * 4)(*params)
+    p = (_native.F64 * 6)(*params)
     f = _native.fn("he_init_rows", _native.I64, _native.PTR, _native.I64, _native.PTR, _native.I64, _native.I64,
                    _native.PTR, _native.I64, _native.PTR, _native.I64)
     rc = f(kind, p, _signed(seed), _native.ptr(keys), n, dim, _native.ptr(out), out.shape[1] if out.dim() == 2 else dim,

@@ -36,19 +36,41 @@ def test_uniform_matches_python_oracle():
     assert torch.equal(got, want.float())
 
 
-def test_normal_matches_box_muller_oracle():
-    keys = [3, -9, 2**40]
-    got = Normal(0.5, 2.0).generate(torch.tensor(keys), 3, seed=1)
-    want = []
-    for k in keys:
-        row = []
-        for j in range(3):
-            s = 2 * (j // 2)
-            r = math.sqrt(-2.0 * math.log(1.0 - _u53(k, 1, s)))
-            t = 6.283185307179586 * _u53(k, 1, s + 1)
-            row.append(0.5 + 2.0 * (r * (math.sin(t) if j % 2 else math.cos(t))))
-        want.append(row)
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def test_normal_matches_inverse_cdf_oracle():
+    """z = Phi^-1(u) of the column's uniform, with scipy's ndtri as the oracle of Phi^-1."""
+    ndtri = pytest.importorskip("scipy.special").ndtri
+    keys = [3, -9, 2**40, 0, -(2**63)]
+    got = Normal(0.5, 2.0).generate(torch.tensor(keys), 5, seed=1)
+    want = [[0.5 + 2.0 * float(ndtri(_u53(k, 1, j) + 2.0**-54)) for j in range(5)] for k in keys]
     assert max_ulp_diff(got, torch.tensor(want)) <= 1
+
+
+def test_truncated_normal_matches_inverse_cdf_oracle():
+    ndtri = pytest.importorskip("scipy.special").ndtri
+    keys = list(range(-20, 20)) + [2**62]
+    a, b = -1.0, 0.5
+    got = TruncatedNormal(1.0, 0.5, a, b).generate(torch.tensor(keys), 6, seed=4)
+    pa, pb = _phi(a), _phi(b)
+    want = [[1.0 + 0.5 * min(max(float(ndtri(pa + (_u53(k, 4, j) + 2.0**-54) * (pb - pa))), a), b)
+             for j in range(6)] for k in keys]
+    assert max_ulp_diff(got, torch.tensor(want)) <= 1
+
+
+def test_inverse_normal_cdf_against_scipy():
+    """AS 241 as written here (the native kernel evaluates the same) vs scipy's ndtri."""
+    ndtri = pytest.importorskip("scipy.special").ndtri
+    from hugeembed.store._init import inverse_normal_cdf
+
+    p = torch.cat([torch.linspace(1e-12, 1 - 1e-12, 20001, dtype=torch.float64),
+                   torch.logspace(-300, -1, 600, dtype=torch.float64),
+                   1 - torch.logspace(-16, -1, 300, dtype=torch.float64)])
+    got = inverse_normal_cdf(p)
+    want = torch.from_numpy(ndtri(p.numpy()))
+    torch.testing.assert_close(got, want, rtol=4e-15, atol=1e-300)
 
 
 @pytest.mark.parametrize("init", INITS, ids=repr)
@@ -100,8 +122,9 @@ def test_statistics():
     assert t.min() >= 0.5 - 4.0 and t.max() <= 0.5 + 4.0
     # a normal truncated at +-2 std has std 0.8796 std
     assert abs(t.mean() - 0.5) < 0.03 and abs(t.std() - 2.0 * 0.8796) < 0.03
-    # values near the edge exist: the truncation redraws, it does not squash
+    # values near the edge exist: the truncation samples the whole interval, it does not squash
     assert (t > 0.5 + 3.9).any() and (t < 0.5 - 3.9).any()
+    assert (t == 0.5 + 4.0).float().mean() < 1e-3  # and no mass piles up on the bounds
     asym = TruncatedNormal(0.0, 1.0, -0.5, 3.0).generate(keys, 4, 0)
     assert asym.min() >= -0.5 and asym.max() <= 3.0
 
