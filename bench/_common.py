@@ -17,6 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hugeembed._format import human_count
+
 # Criteo Kaggle (display advertising challenge) cardinalities of C1..C26, as used by DLRM.
 CRITEO_KAGGLE_ROWS = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -105,11 +107,7 @@ def fbgemm_available() -> bool:
 
 
 def fmt_rate(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f} M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f} k"
-    return f"{x:.0f} "
+    return human_count(x) + ("" if x >= 1e3 else " ")
 
 
 def print_table(header: list[str], rows: list[list[str]]) -> None:

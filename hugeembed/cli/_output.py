@@ -9,23 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._format import human_bytes, human_count
+
 __all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate"]
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def human_rate(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f} M"
-    if x >= 1e3:
-        return f"{x / 1e3:.1f} k"
-    return f"{x:.0f}"
+    return human_count(x).rstrip()
 
 
 class Progress:

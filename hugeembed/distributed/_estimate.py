@@ -12,6 +12,7 @@ from ..nn import TableConfig
 from ..optim import SparseOptimizer
 from ..store._hash import MAX_LOAD
 from ..types import ShardKind
+from .._format import human_bytes, human_count
 
 __all__ = ["TableEstimate", "Share", "estimate_table", "text_table", "fmt_bytes", "fmt_num",
            "HASH_INDEX_BYTES_PER_ROW", "ARRAY_META_BYTES_PER_ROW"]
@@ -96,16 +97,8 @@ def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    return human_bytes(n, digits=2)
 
 
 def fmt_num(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.2f} M"
-    if n >= 1e4:
-        return f"{n / 1e3:.1f} k"
-    return f"{n:.0f}"
+    return human_count(n, small=1e4)

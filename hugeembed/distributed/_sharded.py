@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError, InputError, ShardingError
+from ..errors import ConfigError, ShardingError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, PooledEmbeddings, TableSpec
 from ..nn import EmbeddingCollection, TableConfig
@@ -246,19 +246,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- forward ------------------------------------------------------------------------
 
-    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
-        if not isinstance(features, SparseFeatures):
-            raise InputError(f"EmbeddingCollection takes a SparseFeatures batch, got {type(features).__name__}")
-        if self.device.type == "meta":
-            return self._meta_forward(features)
-        if features.device != self.device:
-            raise InputError(f"batch is on {features.device} but the tables are on {self.device}: "
-                             f"move it with batch.to(device) (pin_memory + non_blocking on GPU)")
-        training = self.training and torch.is_grad_enabled()
-        step = self._step + 1 if training else self._step
-        if training:
-            self._step = step
-            self._evict_expired(step)
+    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
+        """input_dist -> compute -> output_dist -> local pooling (the base forward checked the batch)."""
         scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         self.comm.step = step

@@ -185,6 +185,10 @@ class EmbeddingCollection(nn.Module):
         if training:
             self._step = step
             self._evict_expired(step)
+        return self._lookup_batch(features, training, step)
+
+    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
+        """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
         storages = [s.storage() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -107,16 +108,16 @@ def _std_normal_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
-class Initializer:
+class Initializer(abc.ABC):
     """Base class: ``generate(keys, dim, seed)`` returns the initial rows of `keys`.
 
     Subclasses are frozen dataclasses.  ``_native_spec`` gives the kernel's
     (kind, params) for csrc/store_init.cpp, or None when only the torch path exists.
     """
 
+    @abc.abstractmethod
     def generate(self, keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
         """Rows for `keys` (int64 [n]) -> float32 [n, dim] on keys.device."""
-        raise NotImplementedError(f"{type(self).__name__} must implement generate()")
 
     def _native_spec(self) -> tuple[int, tuple[float, ...]] | None:
         return None

@@ -8,6 +8,7 @@ slice: rank r of a global batch of ``batch_size * world_size`` rows takes rows
 
 from __future__ import annotations
 
+import abc
 import itertools
 from typing import Iterator
 
@@ -21,17 +22,19 @@ __all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source"]
 _EVAL_START = 1 << 44
 
 
-class DataSource:
+class DataSource(abc.ABC):
     """Batches for one rank: training batches per epoch and a held-out evaluation set."""
 
     description: str = ""
     steps_per_epoch: int | None = None
 
+    @abc.abstractmethod
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
-        raise NotImplementedError
+        """Training batches of `epoch`, skipping the first `skip` (already trained on)."""
 
+    @abc.abstractmethod
     def eval_batches(self) -> Iterator[Batch]:
-        raise NotImplementedError
+        """The held-out batches of this rank."""
 
     def bayes(self) -> BayesMetrics | None:
         """Best achievable metrics (known for synthetic data only)."""

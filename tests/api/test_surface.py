@@ -16,7 +16,7 @@ PACKAGE_DIR = Path(hugeembed.__file__).parent
 # Layers, bottom first.  A module may import from its own layer and any layer
 # before it in this list, never from one after it (STYLE.md habit 2).
 LAYERS = [
-    {"errors", "types", "_native", "_hashing", "_durable", "_kernels", "__version__"},
+    {"errors", "types", "_native", "_hashing", "_durable", "_format", "_kernels", "__version__"},
     {"features"},
     {"functional"},
     {"store"},
