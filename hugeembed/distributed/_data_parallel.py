@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ._wire import Packer, padded, segments
+from ._step import apply_received_grads
+from ._wire import Packer, padded, segments, union_received
 
 __all__ = ["ReplicatedGroup"]
 
@@ -73,30 +74,13 @@ class ReplicatedGroup:
                 start += n
             st.own[self] = (None, None, None, torch.cat(found) if found else keys)
             return
-        sizes = st.hdr_in[:, self.cols]
-        per_src = sizes.sum(1).tolist()
-        dev, T = self.coll.device, len(self.ts)
-        keys = [readers[r].take(n, torch.int64) for r, n in enumerate(per_src)]
-        hits = [readers[r].take(n, torch.int32) for r, n in enumerate(per_src)]
-        total = sum(per_src)
-        if total == 0:
+        got = union_received(readers, st.hdr_in[:, self.cols], self.coll.device, with_counts=True)
+        if got is None:
             st.own[self] = None
             return
-        keys = torch.cat(keys).to(dev)
-        tid = torch.repeat_interleave(torch.arange(T, device=dev).repeat(st.world_size),
-                                      sizes.reshape(-1).to(dev))
-        # the union of (table, key) pairs, sorted: the same keys in the same order on every replica
-        order = torch.argsort(keys, stable=True)
-        order = order[torch.argsort(tid[order], stable=True)]
-        ks, ts = keys[order], tid[order]
-        new = torch.ones(total, dtype=torch.bool, device=dev)
-        new[1:] = (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
-        inv = torch.empty(total, dtype=torch.int64, device=dev)
-        inv[order] = torch.cumsum(new.to(torch.int64), 0) - 1
-        uniq = ks[new]
-        per_table = torch.bincount(ts[new], minlength=T).tolist()
-        ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
-            0, inv, torch.cat(hits).to(dev, torch.int64))
+        # the union is the same keys in the same order on every replica
+        per_src, inv, uniq, per_table, ucounts = got
+        dev = self.coll.device
         slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
         start = 0
         for store, n in zip(self._stores(), per_table):
@@ -145,28 +129,5 @@ class ReplicatedGroup:
     def apply(self, st, readers) -> None:
         if not self.trainable:
             return
-        per_src = st.hdr_in[:, self.cols].sum(1).tolist()
-        parts = [readers[r].take(n * self.dim, self.grad_dtype).view(n, self.dim) for r, n in enumerate(per_src)]
         own = st.own.get(self)
-        if own is None:
-            return
-        inv, slots, per_table, _ = own
-        dev = self.coll.device
-        grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
-        off = 0
-        for r, n in enumerate(per_src):  # rank order on every replica: the same sums everywhere
-            if n:
-                grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
-                off += n
-        start = 0
-        for i, n in enumerate(per_table):
-            rule, sl = self.rules[i], slice(start, start + n)
-            start += n
-            if rule is None or n == 0:
-                continue
-            s, g = slots[sl], grad[sl]
-            known = s >= 0
-            if not bool(known.all()):
-                s, g = s[known], g[known]
-            if s.numel():
-                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)
+        apply_received_grads(self, st, readers, *(own[:3] if own is not None else (None, None, None)))

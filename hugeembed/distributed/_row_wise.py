@@ -28,7 +28,8 @@ import torch
 
 from .._hashing import mix64
 from ..errors import ShardingError
-from ._wire import Packer, padded, segments
+from ._step import apply_received_grads
+from ._wire import Packer, padded, segments, union_received
 
 __all__ = ["RowWiseGroup", "owner_index"]
 
@@ -133,31 +134,12 @@ class RowWiseGroup:
             if not self.member[i] and bool(sizes[:, i].any()):
                 raise ShardingError(f"table {name!r}: rank {st.rank} got keys but holds no row of this table "
                                     "(ranks disagree on the sharding plan)")
-        per_src = sizes.sum(1).tolist()
-        dev, T = self.coll.device, len(self.ts)
-        keys = [readers[r].take(n, torch.int64) for r, n in enumerate(per_src)]
-        hits = [readers[r].take(n, torch.int32) for r, n in enumerate(per_src)] if st.training else None
-        total = sum(per_src)
-        if total == 0:
+        got = union_received(readers, sizes, self.coll.device, with_counts=st.training)
+        if got is None:
             st.own[self] = None
             return
-        keys = torch.cat(keys).to(dev)
-        tid = torch.repeat_interleave(torch.arange(T, device=dev).repeat(st.world_size),
-                                      sizes.reshape(-1).to(dev))
-        # unique (table, key) pairs: sort by key, then stably by table
-        order = torch.argsort(keys, stable=True)
-        order = order[torch.argsort(tid[order], stable=True)]
-        ks, ts = keys[order], tid[order]
-        new = torch.ones(total, dtype=torch.bool, device=dev)
-        new[1:] = (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
-        inv = torch.empty(total, dtype=torch.int64, device=dev)
-        inv[order] = torch.cumsum(new.to(torch.int64), 0) - 1
-        uniq = ks[new]
-        per_table = torch.bincount(ts[new], minlength=T).tolist()
-        ucounts = None
-        if hits is not None:
-            ucounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
-                0, inv, torch.cat(hits).to(dev, torch.int64))
+        per_src, inv, uniq, per_table, ucounts = got
+        dev = self.coll.device
         slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=dev)
         start = 0
@@ -233,28 +215,5 @@ class RowWiseGroup:
         """Owner: sum each key's gradients over the ranks (rank order), apply the optimizer once per key."""
         if not self.trainable:
             return
-        per_src = st.hdr_in[:, self.cols].sum(1).tolist()
-        parts = [readers[r].take(n * self.dim, self.grad_dtype).view(n, self.dim) for r, n in enumerate(per_src)]
         own = st.own.get(self)
-        if own is None:
-            return
-        inv, slots, per_table = own
-        dev = self.coll.device
-        grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
-        off = 0
-        for r, n in enumerate(per_src):  # one requester's (table, key) pairs are unique: no collisions
-            if n:
-                grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
-                off += n
-        start = 0
-        for i, n in enumerate(per_table):
-            rule, sl = self.rules[i], slice(start, start + n)
-            start += n
-            if rule is None or n == 0:
-                continue
-            s, g = slots[sl], grad[sl]
-            known = s >= 0
-            if not bool(known.all()):
-                s, g = s[known], g[known]
-            if s.numel():
-                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)
+        apply_received_grads(self, st, readers, *(own[:3] if own is not None else (None, None, None)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StepState", "ExchangeBackward", "compute_dtype", "group_dtypes", "MAGIC"]
+__all__ = ["StepState", "ExchangeBackward", "apply_received_grads", "compute_dtype", "group_dtypes", "MAGIC"]
 
 MAGIC = 0x48454D42  # "HEMB": a header from something else is caught at once
 
@@ -58,3 +58,33 @@ class ExchangeBackward(torch.autograd.Function):
         ctx.st = None
         coll.backward_step(st, grads)
         return None, None, None
+
+
+def apply_received_grads(group, st: StepState, readers, inv: torch.Tensor | None, slots: torch.Tensor | None,
+                         per_table: list[int] | None) -> None:
+    """Owner side of a row group's backward: sums the gradient rows every rank sent for each
+    distinct (table, key) of `compute` (``inv``/``slots``/``per_table``), in rank order so that
+    every run sums the same way, and applies each table's optimizer once per key."""
+    per_src = st.hdr_in[:, group.cols].sum(1).tolist()
+    parts = [readers[r].take(n * group.dim, group.grad_dtype).view(n, group.dim) for r, n in enumerate(per_src)]
+    if slots is None:  # nothing came this step (the readers were still consumed above)
+        return
+    dev = group.coll.device
+    grad = torch.zeros(slots.numel(), group.dim, dtype=group.grad_dtype, device=dev)
+    off = 0
+    for r, n in enumerate(per_src):
+        if n:
+            grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
+            off += n
+    start = 0
+    for i, n in enumerate(per_table):
+        rule, sl = group.rules[i], slice(start, start + n)
+        start += n
+        if rule is None or n == 0:
+            continue
+        s, g = slots[sl], grad[sl]
+        known = s >= 0  # keys not admitted yet take no update
+        if not bool(known.all()):
+            s, g = s[known], g[known]
+        if s.numel():
+            rule.apply(group.coll._stores[group.ts[i]].storage(), s, g, lr=group.coll._lr(group.ts[i]), step=st.step)

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, InputError, ShardingError
-from ..store import Initializer, StoreExport
-from ..store._common import init_rows
+from ..errors import ConfigError, ShardingError
+from ..store import ArrayStore, Initializer, StoreExport
 from ..store._init import default_initializer
 
 __all__ = ["ShardArrayStore", "AbsentShard"]
 
-_INIT_CHUNK = 1 << 20
 
-
-class ShardArrayStore:
+class ShardArrayStore(ArrayStore):
     """Static rows ``{k in [0, num_rows) : k mod num_shards == shard}`` of one table, at slot ``k // num_shards``.
+
+    An ArrayStore holding one residue class of the keys: same protocol, same rows.
 
     Args:
         name: table name (in every error message).
@@ -41,28 +40,19 @@ class ShardArrayStore:
                  device: torch.device | str = "cpu", seed: int = 0) -> None:
         if not 0 <= shard < num_shards:
             raise ConfigError(f"table '{name}': shard {shard} is outside [0, {num_shards})")
-        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
-        self.num_rows, self.shard, self.num_shards = num_rows, shard, num_shards
-        self.dtype, self.device = dtype, torch.device(device)
-        self.initializer = initializer if initializer is not None else default_initializer(dim)
-        self.init_state, self.seed = init_state, int(seed)
-        n = self.local_rows = max(0, -(-(num_rows - shard) // num_shards))
-        self._storage = torch.empty(n, self.width, dtype=dtype, device=self.device)
-        self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
-        for start in range(0, n, _INIT_CHUNK):
-            end = min(n, start + _INIT_CHUNK)
-            slots = torch.arange(start, end, device=self.device)
-            init_rows(self._storage, slots, slots * num_shards + shard, dim, state_width, self.initializer,
-                      init_state, self.seed)
+        self._shard, self._num_shards = shard, num_shards
+        super().__init__(name, num_rows, dim, state_width, initializer=initializer, init_state=init_state,
+                         dtype=dtype, device=device, seed=seed)
 
-    def keys(self) -> torch.Tensor:
-        """The global keys this shard holds, ascending (slot order)."""
-        return torch.arange(self.local_rows, device=self.device) * self.num_shards + self.shard
+    @property
+    def shard(self) -> int:
+        return self._shard
 
-    def _slots(self, keys: torch.Tensor) -> torch.Tensor:
-        if keys.dtype != torch.int64 or keys.dim() != 1 or keys.device != self.device:
-            raise InputError(f"table '{self.name}': keys must be int64 [n] on {self.device}, got {keys.dtype} "
-                             f"{tuple(keys.shape)} on {keys.device}")
+    @property
+    def num_shards(self) -> int:
+        return self._num_shards
+
+    def _check_range(self, keys: torch.Tensor) -> None:
         if keys.numel():
             bad = (keys < 0) | (keys >= self.num_rows) | (keys % self.num_shards != self.shard)
             if bool(bad.any()):
@@ -70,66 +60,6 @@ class ShardArrayStore:
                 raise ShardingError(f"table '{self.name}': key {k} does not belong to shard {self.shard} of "
                                     f"{self.num_shards} (keys k with k mod {self.num_shards} == {self.shard}, "
                                     f"k < {self.num_rows})")
-        return torch.div(keys, self.num_shards, rounding_mode="floor")
-
-    def __len__(self) -> int:
-        return self.local_rows
-
-    def storage(self) -> torch.Tensor:
-        return self._storage
-
-    def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
-        slots = self._slots(keys)
-        c = counts.to(torch.int64) if counts is not None else torch.ones_like(slots)
-        self._meta[:, 0].index_add_(0, slots, c)
-        self._meta[slots, 1] = int(step)
-        return slots
-
-    def find(self, keys: torch.Tensor) -> torch.Tensor:
-        return self._slots(keys)
-
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._storage.index_select(0, slots)
-
-    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self._storage.index_copy_(0, slots, rows.to(self.dtype))
-
-    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
-              protect: torch.Tensor | None = None) -> int:
-        raise ConfigError(f"table '{self.name}' is static: it holds every row of [0, {self.num_rows}) and cannot "
-                          "evict")
-
-    def export(self) -> StoreExport:
-        e = torch.empty(0, dtype=torch.int64, device=self.device)
-        return StoreExport(self.keys(), self._storage.clone(), self._meta[:, 0].clone(), self._meta[:, 1].clone(),
-                           e, e.clone(), e.clone())
-
-    def import_(self, export: StoreExport) -> None:
-        exp = export.to(self.device)
-        if exp.width != self.width:
-            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
-                             f"{self.width} (dim {self.dim} + state {self.state_width})")
-        if exp.pending_keys.numel():
-            raise InputError(f"table '{self.name}': a static table admits every key; the import has "
-                             f"{exp.pending_keys.numel()} pending keys")
-        slots = self._slots(exp.keys)
-        self._storage[slots] = exp.rows.to(self.dtype)
-        self._meta[slots, 0] = exp.counts
-        self._meta[slots, 1] = exp.last_step
-
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._storage, self._meta))
-
-    def index_overhead_bytes(self) -> int:
-        return self._meta.numel() * self._meta.element_size()
-
-    def to(self, device: torch.device | str) -> "ShardArrayStore":
-        out = ShardArrayStore.__new__(ShardArrayStore)
-        out.__dict__.update(self.__dict__)
-        out.device = torch.device(device)
-        out._storage = self._storage.to(out.device, copy=True)
-        out._meta = self._meta.to(out.device, copy=True)
-        return out
 
     def __repr__(self) -> str:
         return (f"ShardArrayStore(name={self.name!r}, num_rows={self.num_rows}, shard={self.shard}/{self.num_shards}, "

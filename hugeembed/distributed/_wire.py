@@ -11,11 +11,14 @@ received segment can be viewed as int64/float64 without a copy::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..errors import ShardingError
 
-__all__ = ["Packer", "Reader", "readers", "padded", "segments", "DTYPE_CODE", "CODE_DTYPE"]
+__all__ = ["Packer", "Reader", "readers", "padded", "segments", "union_received", "Received", "DTYPE_CODE",
+           "CODE_DTYPE"]
 
 DTYPE_CODE = {None: 0, torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
 CODE_DTYPE = {v: k for k, v in DTYPE_CODE.items()}
@@ -98,3 +101,44 @@ def segments(starts: list[int], sizes: list[int], device) -> tuple[torch.Tensor,
     pos = torch.arange(int(n.sum()), device=device) - first[seg] + torch.tensor(starts, dtype=torch.int64,
                                                                                 device=device)[seg]
     return pos, seg
+
+
+class Received(NamedTuple):
+    """The union of the (table, key) pairs an owner received from all ranks in one stage."""
+
+    per_src: list[int]  # keys received from each source rank
+    inv: torch.Tensor  # received position -> index into `uniq`
+    uniq: torch.Tensor  # distinct keys, grouped by table in table order, sorted within a table
+    per_table: list[int]  # distinct keys per table
+    counts: torch.Tensor | None  # summed hit counts per distinct key (None when no counts were sent)
+
+
+def union_received(readers: list[Reader], sizes: torch.Tensor, device, with_counts: bool) -> Received | None:
+    """Reads each source's keys (int64, then int32 counts when `with_counts`) for the tables of
+    `sizes` ([world, T] keys per source and table) and merges them: one find-or-insert per
+    distinct (table, key), in an order every rank computes the same way.  None when nothing came."""
+    per_src = sizes.sum(1).tolist()
+    T = sizes.shape[1]
+    keys = [readers[r].take(n, torch.int64) for r, n in enumerate(per_src)]
+    hits = [readers[r].take(n, torch.int32) for r, n in enumerate(per_src)] if with_counts else None
+    total = sum(per_src)
+    if total == 0:
+        return None
+    keys = torch.cat(keys).to(device)
+    tid = torch.repeat_interleave(torch.arange(T, device=device).repeat(len(per_src)),
+                                  sizes.reshape(-1).to(device))
+    # sort by key, then stably by table: distinct pairs are adjacent, grouped by table
+    order = torch.argsort(keys, stable=True)
+    order = order[torch.argsort(tid[order], stable=True)]
+    ks, ts = keys[order], tid[order]
+    new = torch.ones(total, dtype=torch.bool, device=device)
+    new[1:] = (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
+    inv = torch.empty(total, dtype=torch.int64, device=device)
+    inv[order] = torch.cumsum(new.to(torch.int64), 0) - 1
+    uniq = ks[new]
+    per_table = torch.bincount(ts[new], minlength=T).tolist()
+    counts = None
+    if hits is not None:
+        counts = torch.zeros(uniq.numel(), dtype=torch.int64, device=device).index_add_(
+            0, inv, torch.cat(hits).to(device, torch.int64))
+    return Received(per_src, inv, uniq, per_table, counts)

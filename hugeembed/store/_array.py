@@ -38,6 +38,10 @@ class ArrayStore:
         torch.Size([2, 4])
     """
 
+    # Which keys this store holds: those k with k mod _num_shards == _shard, at slot
+    # k // _num_shards.  One store holds them all; a ShardArrayStore (distributed) one class.
+    _shard, _num_shards = 0, 1
+
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0):
@@ -49,12 +53,13 @@ class ArrayStore:
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
         self.num_rows, self.dtype, self.device = num_rows, dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
-        self._storage = _alloc.empty((num_rows, self.width), dtype, self.device)
-        self._meta = torch.zeros(num_rows, 2, dtype=torch.int64, device=self.device)
+        n = self.local_rows = len(range(self._shard, num_rows, self._num_shards))
+        self._storage = _alloc.empty((n, self.width), dtype, self.device)
+        self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
         # On "meta" (shape-only planning) there is nothing to initialise.
-        for start in range(0, num_rows if self.device.type != "meta" else 0, _INIT_CHUNK):
-            end = min(num_rows, start + _INIT_CHUNK)
-            keys = torch.arange(start, end, device=self.device)
+        for start in range(0, n if self.device.type != "meta" else 0, _INIT_CHUNK):
+            end = min(n, start + _INIT_CHUNK)
+            keys = self._keys_of(torch.arange(start, end, device=self.device))
             block = self._storage[start:end]
             if not init_rows_native(initializer, keys, dim, self.seed, block, None):
                 block[:, :dim] = initializer.generate(keys, dim, self.seed).to(dtype)
@@ -64,6 +69,13 @@ class ArrayStore:
                     init_state(state)
                 block[:, dim:] = state
 
+    def _keys_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots if self._num_shards == 1 else slots * self._num_shards + self._shard
+
+    def keys(self) -> torch.Tensor:
+        """The keys this store holds, ascending (slot order)."""
+        return self._keys_of(torch.arange(self.local_rows, device=self.device))
+
     def _check_range(self, keys: torch.Tensor) -> None:
         bad = (keys < 0) | (keys >= self.num_rows)
         if keys.numel() and bool(bad.any()):
@@ -71,8 +83,14 @@ class ArrayStore:
             raise InputError(f"table '{self.name}': key {key} is outside [0, {self.num_rows}) "
                              f"(num_rows={self.num_rows} of this static table)")
 
+    def _slots_of(self, keys: torch.Tensor) -> torch.Tensor:
+        self._check_range(keys)
+        if self._num_shards == 1:
+            return keys.clone()
+        return torch.div(keys, self._num_shards, rounding_mode="floor")
+
     def __len__(self) -> int:
-        return self.num_rows
+        return self.local_rows
 
     def storage(self) -> torch.Tensor:
         return self._storage
@@ -81,22 +99,20 @@ class ArrayStore:
         keys = as_keys(self.name, keys, self.device)
         step = check_step(self.name, step)
         counts = as_counts(self.name, counts, keys.numel(), self.device)
-        self._check_range(keys)
-        c = counts if counts is not None else torch.ones_like(keys)
-        self._meta[:, 0].index_add_(0, keys, c)
-        self._meta[keys, 1] = step
-        return keys.clone()
+        slots = self._slots_of(keys)
+        c = counts if counts is not None else torch.ones_like(slots)
+        self._meta[:, 0].index_add_(0, slots, c)
+        self._meta[slots, 1] = step
+        return slots
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
-        keys = as_keys(self.name, keys, self.device)
-        self._check_range(keys)
-        return keys.clone()
+        return self._slots_of(as_keys(self.name, keys, self.device))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        return gather_rows(self._storage, as_slots(self.name, slots, self.num_rows, self.device))
+        return gather_rows(self._storage, as_slots(self.name, slots, self.local_rows, self.device))
 
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        scatter_rows(self.name, self._storage, as_slots(self.name, slots, self.num_rows, self.device), rows)
+        scatter_rows(self.name, self._storage, as_slots(self.name, slots, self.local_rows, self.device), rows)
 
     def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
               protect: torch.Tensor | None = None) -> int:
@@ -105,7 +121,7 @@ class ArrayStore:
 
     def export(self) -> StoreExport:
         e = torch.empty(0, dtype=torch.int64, device=self.device)
-        return StoreExport(torch.arange(self.num_rows, device=self.device), self._storage.clone(),
+        return StoreExport(self.keys(), self._storage.clone(),
                            self._meta[:, 0].clone(), self._meta[:, 1].clone(), e, e.clone(), e.clone())
 
     def import_(self, export: StoreExport) -> None:
@@ -116,10 +132,10 @@ class ArrayStore:
         if exp.pending_keys.numel():
             raise InputError(f"table '{self.name}': a static table admits every key; the import has "
                              f"{exp.pending_keys.numel()} pending keys")
-        self._check_range(exp.keys)
-        self._storage[exp.keys] = exp.rows.to(self.dtype)
-        self._meta[exp.keys, 0] = exp.counts
-        self._meta[exp.keys, 1] = exp.last_step
+        slots = self._slots_of(exp.keys)
+        self._storage[slots] = exp.rows.to(self.dtype)
+        self._meta[slots, 0] = exp.counts
+        self._meta[slots, 1] = exp.last_step
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._storage, self._meta))
@@ -128,8 +144,8 @@ class ArrayStore:
         """Bytes beyond weights + state: the per-row (count, last step) metadata."""
         return self._meta.numel() * self._meta.element_size()
 
-    def to(self, device: torch.device | str) -> "ArrayStore":
-        out = ArrayStore.__new__(ArrayStore)
+    def to(self, device: torch.device | str) -> ArrayStore:
+        out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.device = torch.device(device)
         out._storage = _alloc.empty(tuple(self._storage.shape), self.dtype, out.device)
