@@ -248,6 +248,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
         """input_dist -> compute -> output_dist -> local pooling (the base forward checked the batch)."""
+        w = features.weights_or_none()
+        if w is not None and w.requires_grad and torch.is_grad_enabled():
+            # table-wise owners pool with the weights they receive: no gradient would come back
+            raise NotImplementedError("gradients with respect to per-id weights are not implemented for the sharded "
+                                      "collection; detach the weights or use EmbeddingCollection in one process")
         scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         self.comm.step = step

@@ -18,7 +18,7 @@ from ._native_stages import (NativeScratch, backward_native, can_use_native, can
                              prepare_native, unpooled_native, unpooled_rows)
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
-from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch
+from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
 
 __all__ = ["FusedEmbeddingLookup", "RowGradHook"]
 
@@ -70,6 +70,12 @@ class FusedEmbeddingLookup:
 
     def _native_ok(self, sf, storages) -> bool:
         if self.backend == "torch":
+            return False
+        if _weights_need_grad(sf.weights_or_none()):
+            # the kernels compute no gradient for per-id weights; the torch path does
+            if self.backend == "native":
+                raise InputError("backend='native' computes no gradient for per-id weights that require grad; "
+                                 "use backend='auto' or 'torch'")
             return False
         ok = can_use_native(sf, storages)
         if self.backend == "native" and not ok:
@@ -125,10 +131,12 @@ class FusedEmbeddingLookup:
         if not prep.deduplicated and (row_grad_hook is not None or any(p.requires_grad for p in params)):
             raise ConfigError("this batch was prepared with deduplicate=False (forward only): its rows repeat, so "
                               "no gradient or optimizer may be applied to it; prepare it with deduplicate=True")
-        if prep.weights is not None and prep.weights.requires_grad:
-            raise NotImplementedError("gradients with respect to per-id weights are not implemented")
+        weights_grad = _weights_need_grad(prep.weights)
+        if weights_grad and prep.native:
+            raise InputError("the per-id weights require grad but the batch was prepared by the native kernels, "
+                             "which keep no autograd graph: prepare it with grad enabled (or backend='torch')")
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
-        outs = _LookupFunction.apply(run, *params)
+        outs = _LookupFunction.apply(run, prep.weights if weights_grad else None, *params)
         return run.wrap(outs)
 
     def __call__(self, weights: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], sf, *,
@@ -179,7 +187,8 @@ class _LookupRun:
                 outs.append(o.to(self.dtypes[g]))
         return outs
 
-    def backward(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    def backward(self, grads: tuple[torch.Tensor, ...], weights_grad: bool) -> tuple[torch.Tensor | None, list]:
+        """(gradient of the kept per-id weights or None, gradient per param)."""
         plan, prep = self.owner.plan, self.prep
         pooled, unpooled = [], []
         it = iter(grads)
@@ -187,6 +196,11 @@ class _LookupRun:
             cdt = _compute_dtype(self.dtypes[g])
             pooled.append(next(it).to(cdt) if group.pooled else None)
             unpooled.append(next(it).to(cdt) if group.unpooled else None)
+        # before the hook: the optimizer it runs changes the rows this gradient reads
+        gw = (weights_backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled)
+              if weights_grad else None)
+        if self.hook is None and not self.params:
+            return gw, []
         if self.native:
             table_grads = backward_native(plan, prep, self.storages, self.slots, pooled, unpooled)
         else:
@@ -204,7 +218,7 @@ class _LookupRun:
             elif self.params and slots.numel():  # a table no id reached gets no gradient at all
                 p = self.params[t]
                 out[t] = torch.sparse_coo_tensor(slots.unsqueeze(0), grad.to(p.dtype), p.shape, check_invariants=False)
-        return out
+        return gw, out
 
     def wrap(self, outs) -> PooledEmbeddings:
         plan, prep = self.owner.plan, self.prep
@@ -226,17 +240,24 @@ class _LookupRun:
         return PooledEmbeddings(plan.pooled_names(), groups, self.owner._where, unpooled)
 
 
+def _weights_need_grad(weights: torch.Tensor | None) -> bool:
+    return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+
+
 def _storages_native_ok(storages) -> bool:
     return _native.available() and can_use_native_storages(storages)
 
 
 class _LookupFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _LookupRun, *params):  # type: ignore[override]
+    def forward(ctx, run: _LookupRun, weights, *params):  # type: ignore[override]
         ctx.run = run
         return tuple(run.forward())
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         run = ctx.run
-        return (None, *run.backward(grads))
+        gw, gp = run.backward(grads, ctx.needs_input_grad[1])
+        if gw is not None:
+            gw = gw.to(run.prep.weights.dtype)
+        return (None, gw, *(gp if gp else [None] * len(run.params)))

@@ -13,7 +13,8 @@ import torch
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared
 
-__all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "clip_rows", "clip_rows_backward"]
+__all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
+           "clip_rows_backward"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -241,3 +242,42 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
             g = clip_rows_backward(rows, g, spec.max_norm)
         out.append(g)
     return out
+
+
+def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads,
+                           unpooled_grads) -> torch.Tensor:
+    """Gradient w.r.t. ``prep.weights`` (the kept per-id weights): TF's pooling differentiated.
+
+    With e_i the (clipped) row of id i, g its bag's output gradient and out the bag's output:
+    sum ``<g, e_i>``; mean ``<g, e_i - out> / sum(w)``; sqrtn
+    ``<g, e_i> / q - <g, out> w_i / q^2`` with q = sqrt(sum(w^2)); unpooled ``<g_i, e_i>``.
+    Dropped ids (weight <= 0, pruned) are not in ``prep.weights``: autograd gives them 0.
+    """
+    dev = prep.offsets.device
+    gw = torch.zeros(prep.weights.numel(), dtype=torch.float64 if prep.weights.dtype == torch.float64 else
+                     torch.float32, device=dev)
+    for g, group in enumerate(plan.groups):
+        D = group.dim
+        if group.pooled and prep.batch_size:
+            go_all = pooled_grads[g]
+            dtype = go_all.dtype
+            emb = _unique_rows(plan, prep, storages, slots, D, dtype)
+            pos, owner, sample = _group_ids(prep, group.pooled)
+            denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
+            e = emb[prep.inverse[pos].long()]
+            go = go_all.reshape(-1, D)[out_bag]
+            out = torch.zeros(go_all.reshape(-1, D).shape, dtype=dtype, device=dev).index_add_(
+                0, out_bag, e * w.unsqueeze(1)) / denom.unsqueeze(1)
+            ge = (go * e).sum(1)
+            gout = (go * out[out_bag]).sum(1)
+            d = denom[out_bag]
+            comb = plan.arrays(dev)["combiner"][torch.tensor(group.pooled, dtype=torch.int64, device=dev)][owner]
+            grad = torch.where(comb == _MEAN, (ge - gout) / d,
+                               torch.where(comb == _SQRTN, ge / d - gout * w / (d * d), ge))
+            gw[pos] = grad.to(gw.dtype)
+        if group.unpooled:
+            go = unpooled_grads[g]
+            emb = _unique_rows(plan, prep, storages, slots, D, go.dtype)
+            pos, _, _ = _group_ids(prep, group.unpooled)
+            gw[pos] = (go * emb[prep.inverse[pos].long()]).sum(1).to(gw.dtype)
+    return gw

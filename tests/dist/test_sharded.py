@@ -101,7 +101,7 @@ def two(chain):
     link = {"plan": plans(2)["row_wise"], "opt": CHAIN_OPT, "load": str(root / "s1"), "train": (3, 6),
             "save": str(root / "s2")}
     return run_ranks(2, "tests.dist.workers:main", {
-        "cases": cases(2, list(OPTIMIZERS)), "chain": [link],
+        "cases": cases(2, list(OPTIMIZERS)), "chain": [link], "probe_weights_grad": True,
         "metrics": {"plan": {t: "row_wise" for t in POOLED}, "batches_per_rank": EVAL_BATCHES}})
 
 
@@ -115,6 +115,11 @@ def test_held_out_metrics_merge_every_rank_predictions_exactly(two):
         assert r["metrics"]["count"] == want["count"] == sum(5 + i for i in range(sum(EVAL_BATCHES)))
         for k in ("auc", "logloss", "ctr", "pctr", "copc"):
             assert r["metrics"][k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
+
+
+def test_weights_that_require_grad_are_refused_on_every_rank(two):
+    for r in two:
+        assert "per-id weights are not implemented for the sharded collection" in r["weights_grad"]
 
 
 @pytest.fixture(scope="module")

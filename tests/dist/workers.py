@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hugeembed import ShardingError
+from hugeembed import ShardingError, SparseFeatures
 from hugeembed import checkpoint as ckpt
 from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
 
@@ -96,11 +96,26 @@ def held_out_metrics(rank: int, world: int, group, plan: dict, batches_per_rank:
                     merge=lambda ms: merge_metrics(model.embeddings, ms))
 
 
+def weights_grad_refusal(world: int, group) -> str:
+    """The sharded collection refuses per-id weights that require grad (every rank, before any exchange)."""
+    ec = build(world, {t: "row_wise" for t in ("user", "item", "country", "page", "hist")}, "sgd", group)
+    sf = local_batch(0, 0, world)
+    sf = SparseFeatures(sf.keys(), sf.values(), offsets=sf.offsets(),
+                        weights=torch.ones(sf.values().numel(), requires_grad=True), batch_size=sf.batch_size)
+    try:
+        ec(sf)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
 def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, broken_group=False,
-         metrics=None) -> dict:
+         metrics=None, probe_weights_grad=False) -> dict:
     group = new_embedding_group("cpu", 30.0)
     result = {"cases": {c["name"]: run_case(rank, world, group, c) for c in cases},
               "chain": [run_chain_link(rank, world, group, link) for link in chain]}
+    if probe_weights_grad:
+        result["weights_grad"] = weights_grad_refusal(world, group)
     if metrics is not None:
         result["metrics"] = held_out_metrics(rank, world, group, **metrics)
     if fail is not None:
