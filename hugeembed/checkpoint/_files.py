@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,9 @@ import torch
 from .._durable import atomic_write_text, fsync_dir, fsync_write, sha256_file
 from ..errors import CheckpointError
 
-__all__ = ["write_bytes", "write_tensor", "read_tensor", "sha256_file", "fsync_dir", "atomic_write_text"]
+__all__ = ["write_bytes", "write_tensor", "write_rows", "read_tensor", "sha256_file", "fsync_dir", "atomic_write_text"]
+
+_CHUNK_BYTES = 32 << 20  # rows streamed to a snapshot file at a time
 
 # numpy has no bfloat16: such tensors are stored as the bits of an int16 array.
 _BITCAST = {torch.bfloat16: torch.int16}
@@ -29,16 +33,59 @@ def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
 
 
 def write_tensor(path: Path, t: torch.Tensor) -> dict[str, Any]:
-    """Writes a CPU copy of `t` as .npy (memory-mappable), fsynced; returns its record."""
+    """Writes `t` as .npy (memory-mappable), fsynced; returns its record."""
+    return write_rows(path, t)
+
+
+def write_rows(path: Path, source: torch.Tensor, index: torch.Tensor | None = None,
+               chunk_bytes: int = _CHUNK_BYTES) -> dict[str, Any]:
+    """Writes ``source`` (or ``source[index]`` when `index` is given) as .npy, streamed.
+
+    Chunk by chunk: the header, then at most `chunk_bytes` of rows at a time, hashed as they
+    go, so a table of any size is saved without a second copy of it in memory.  Fsynced;
+    returns the file record (bytes, sha256, dtype, shape).
+    """
+    dtype = source.dtype
+    if source.dim() == 0:
+        n, shape = 1, ()
+    else:
+        n = source.shape[0] if index is None else index.numel()
+        shape = (n, *source.shape[1:])
+    row_bytes = max(1, source[0].numel() * source.element_size() if source.dim() and source.shape[0] else 1)
+    step = max(1, chunk_bytes // row_bytes)
+    np_dtype = torch.empty(0, dtype=_BITCAST.get(dtype, dtype)).numpy().dtype
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as f:
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            head, {"descr": np.lib.format.dtype_to_descr(np_dtype), "fortran_order": False, "shape": shape})
+        for b in itertools.chain((head.getvalue(),), _chunks(source, index, n, step)):  # lazily: one chunk held
+            h.update(b)
+            f.write(b)
+            size += len(b)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": size, "sha256": h.hexdigest(), "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape)}
+
+
+def _chunks(source: torch.Tensor, index: torch.Tensor | None, n: int, step: int):
+    """The bytes of the rows to write, `step` rows at a time (C order, on the CPU)."""
+    if source.dim() == 0:
+        yield _as_bytes(source)
+        return
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        part = source[start:end] if index is None else source.index_select(0, index[start:end])
+        yield _as_bytes(part)
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
-    dtype = t.dtype
-    if dtype in _BITCAST:
-        t = t.view(_BITCAST[dtype])
-    buf = io.BytesIO()
-    np.save(buf, t.numpy(), allow_pickle=False)
-    rec = write_bytes(path, buf.getvalue())
-    rec.update(dtype=str(dtype).removeprefix("torch."), shape=list(t.shape))
-    return rec
+    if t.dtype in _BITCAST:
+        t = t.view(_BITCAST[t.dtype])
+    return memoryview(t.numpy()).cast("B")
 
 
 def verify(path: Path, rec: dict[str, Any]) -> None:
@@ -53,14 +100,20 @@ def verify(path: Path, rec: dict[str, Any]) -> None:
 
 
 def read_tensor(path: Path, rec: dict[str, Any], check: bool = True) -> torch.Tensor:
-    """Reads a tensor written by write_tensor, verifying its checksum first."""
+    """Reads a tensor written by write_tensor, verifying its checksum first.
+
+    Non-empty arrays are memory-mapped copy-on-write: loading a table reads its pages as
+    they are imported instead of holding a second copy of it in memory.
+    """
     if check:
         verify(path, rec)
+    shape = rec.get("shape", [])
+    mappable = len(shape) > 0 and all(int(d) > 0 for d in shape)  # numpy maps neither scalars nor empties
     try:
-        arr = np.load(path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False, mmap_mode="c" if mappable else None)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"snapshot file {path} is unreadable: {e}") from None
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))  # keeps 0-d as 0-d
     dtype = _TORCH_DTYPES.get(rec.get("dtype", ""))
     if dtype is None:
         raise CheckpointError(f"snapshot file {path}: unknown dtype {rec.get('dtype')!r} in the manifest")

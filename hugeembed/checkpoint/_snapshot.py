@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..store import StoreExport
-from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_tensor
+from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_rows, write_tensor
 
 __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
            "list_snapshots"]
@@ -94,11 +94,11 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
     for cfg, store in collection.stores():
         if tables is not None and cfg.name not in tables:
             continue
-        ex = store.export()
+        ex = store.export_index()  # rows are streamed from the storage: no copy of the table
         files = {}
         for f in _FIELDS:
             path = directory / "tables" / f"{cfg.name}.r{rank}.{f}.npy"
-            files[f] = write_tensor(path, getattr(ex, f))
+            files[f] = write_rows(path, store.storage(), ex.slots) if f == "rows" else write_tensor(path, getattr(ex, f))
             files[f]["file"] = f"tables/{path.name}"
         out.append({
             "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,

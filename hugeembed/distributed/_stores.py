@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..store import ArrayStore, Initializer, StoreExport
+from ..store import ArrayStore, ExportIndex, Initializer, StoreExport
 from ..store._init import default_initializer
 
 __all__ = ["ShardArrayStore", "AbsentShard"]
@@ -106,8 +106,11 @@ class AbsentShard:
         return 0
 
     def export(self) -> StoreExport:
+        return self.export_index().gather(self._storage)
+
+    def export_index(self) -> ExportIndex:
         e = torch.empty(0, dtype=torch.int64, device=self.device)
-        return StoreExport(e, self._storage.clone(), e.clone(), e.clone(), e.clone(), e.clone(), e.clone())
+        return ExportIndex(e, e.clone(), e.clone(), e.clone(), e.clone(), e.clone(), e.clone())
 
     def import_(self, export: StoreExport) -> None:
         if export.keys.numel() or export.pending_keys.numel():

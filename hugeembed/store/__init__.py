@@ -17,11 +17,12 @@ from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
-from ._protocol import EvictionPolicy, RowStore, StoreExport
+from ._protocol import EvictionPolicy, ExportIndex, RowStore, StoreExport
 
 __all__ = [
     "RowStore",
     "StoreExport",
+    "ExportIndex",
     "EvictionPolicy",
     "HashStore",
     "ArrayStore",

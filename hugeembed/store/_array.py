@@ -16,7 +16,7 @@ from ..errors import ConfigError, InputError
 from . import _alloc
 from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
 from ._init import Initializer, default_initializer, init_rows_native
-from ._protocol import StoreExport
+from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["ArrayStore"]
 
@@ -63,11 +63,11 @@ class ArrayStore:
             block = self._storage[start:end]
             if not init_rows_native(initializer, keys, dim, self.seed, block, None):
                 block[:, :dim] = initializer.generate(keys, dim, self.seed).to(dtype)
-            if state_width:
-                state = torch.zeros(end - start, state_width, dtype=dtype, device=self.device)
+            if state_width:  # in place: no temporary as large as the block
+                state = block[:, dim:]
+                state.zero_()
                 if init_state is not None:
                     init_state(state)
-                block[:, dim:] = state
 
     def _keys_of(self, slots: torch.Tensor) -> torch.Tensor:
         return slots if self._num_shards == 1 else slots * self._num_shards + self._shard
@@ -120,9 +120,12 @@ class ArrayStore:
                           "and cannot evict; use a HashStore for ttl / max_rows eviction")
 
     def export(self) -> StoreExport:
+        return self.export_index().gather(self._storage)
+
+    def export_index(self) -> ExportIndex:
         e = torch.empty(0, dtype=torch.int64, device=self.device)
-        return StoreExport(self.keys(), self._storage.clone(),
-                           self._meta[:, 0].clone(), self._meta[:, 1].clone(), e, e.clone(), e.clone())
+        return ExportIndex(self.keys(), torch.arange(self.local_rows, device=self.device), self._meta[:, 0].clone(),
+                           self._meta[:, 1].clone(), e, e.clone(), e.clone())
 
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)

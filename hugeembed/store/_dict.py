@@ -17,7 +17,7 @@ from ..errors import CapacityError, ConfigError, InputError
 from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
 from ._evict import check_evict_args
 from ._init import Initializer, default_initializer
-from ._protocol import StoreExport
+from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["DictStore"]
 
@@ -169,11 +169,13 @@ class DictStore:
         return len(gone)
 
     def export(self) -> StoreExport:
+        return self.export_index().gather(self._storage)
+
+    def export_index(self) -> ExportIndex:
         keys = sorted(self._slot)
-        slots = torch.tensor([self._slot[k] for k in keys], dtype=torch.int64, device=self.device)
         pk = sorted(self._pending)
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
-        return StoreExport(t(keys), self._storage[slots].clone(), t([self._count[self._slot[k]] for k in keys]),
+        return ExportIndex(t(keys), t([self._slot[k] for k in keys]), t([self._count[self._slot[k]] for k in keys]),
                            t([self._last[self._slot[k]] for k in keys]), t(pk),
                            t([self._pending[k][0] for k in pk]), t([self._pending[k][1] for k in pk]))
 

@@ -36,7 +36,7 @@ from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
 from ._init import Initializer, default_initializer
 from ._native_store import NativeOps
-from ._protocol import StoreExport
+from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["HashStore", "MAX_LOAD", "AUTO_EVICT_SLACK"]
 
@@ -327,12 +327,14 @@ class HashStore:
 
     # ------------------------------------------------------- export / import
     def export(self) -> StoreExport:
+        return self.export_index().gather(self._storage)
+
+    def export_index(self) -> ExportIndex:
         keys, codes, counts, lasts = self._entries()
         order = keys.argsort()
         keys, codes, counts, lasts = keys[order], codes[order], counts[order], lasts[order]
         r = codes >= 0
-        return StoreExport(keys[r], self._storage[codes[r]].clone(), counts[r], lasts[r], keys[~r], counts[~r],
-                           lasts[~r])
+        return ExportIndex(keys[r], codes[r], counts[r], lasts[r], keys[~r], counts[~r], lasts[~r])
 
     def import_(self, export: StoreExport) -> None:
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""

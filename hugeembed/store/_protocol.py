@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["RowStore", "StoreExport", "EvictionPolicy"]
+__all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy"]
 
 EvictionPolicy = Literal["lfu", "lru"]
 
@@ -69,6 +69,28 @@ class StoreExport:
         return StoreExport(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
+@dataclass(frozen=True)
+class ExportIndex:
+    """A store's export without its rows copied: where each admitted key's row lives.
+
+    ``gather(store.storage())`` is the StoreExport; a snapshot writer instead streams
+    ``storage[slots]`` to disk in chunks, so saving a table needs no second copy of it.
+    """
+
+    keys: torch.Tensor
+    slots: torch.Tensor  # int64 [n]: row slot of keys[i] in storage()
+    counts: torch.Tensor
+    last_step: torch.Tensor
+    pending_keys: torch.Tensor
+    pending_counts: torch.Tensor
+    pending_last_step: torch.Tensor
+
+    def gather(self, storage: torch.Tensor) -> StoreExport:
+        """The StoreExport: these keys with their rows copied out of `storage`."""
+        return StoreExport(self.keys, storage.index_select(0, self.slots), self.counts, self.last_step,
+                           self.pending_keys, self.pending_counts, self.pending_last_step)
+
+
 @runtime_checkable
 class RowStore(Protocol):
     """Key -> row storage of one embedding table (see the module docstring for the layout).
@@ -105,6 +127,11 @@ class RowStore(Protocol):
         ...
 
     def export(self) -> StoreExport:
+        """Every key with its row, counts and last step (a copy), keys ascending."""
+        ...
+
+    def export_index(self) -> ExportIndex:
+        """The export with slots instead of copied rows (``export() == export_index().gather(storage())``)."""
         ...
 
     def import_(self, export: StoreExport) -> None:
