@@ -13,18 +13,28 @@ from .tf_oracle import clean_bag
 from .test_safe_lookup import batches, to_tensors
 
 
-def dense_reference(W: torch.Tensor, bags, combiner, default_id, max_norm):
-    """The same lookup written with differentiable torch indexing, one bag at a time."""
-    out = []
+def dense_reference(W: torch.Tensor, bags, combiner, default_id, max_norm, wt: torch.Tensor | None = None):
+    """The same lookup written with differentiable torch indexing, one bag at a time.
+
+    Ids are kept by TF's rules (clean_bag); `wt` (optional) holds the per-id weights as a
+    tensor to differentiate against, one per id of `bags` in order (else they are constants).
+    """
+    out, p = [], 0
     for bag in bags:
-        kept = clean_bag(bag, W.shape[0])
-        if not kept and default_id is not None:
-            kept = [(default_id, 1.0)]
-        if not kept:
+        kept = [(i, p + j) for j, (i, _) in enumerate(bag) if clean_bag([bag[j]], W.shape[0])]
+        if wt is None:
+            wt_bag = torch.tensor([x for _, x in bag], dtype=W.dtype)
+            w = wt_bag[[j - p for _, j in kept]] if kept else None
+        else:
+            w = wt[torch.tensor([j for _, j in kept])] if kept else None
+        p += len(bag)
+        if kept:
+            ids = torch.tensor([i for i, _ in kept])
+        elif default_id is not None:
+            ids, w = torch.tensor([default_id]), torch.ones(1, dtype=W.dtype)
+        else:
             out.append(torch.zeros(W.shape[1], dtype=W.dtype))
             continue
-        ids = torch.tensor([i for i, _ in kept])
-        w = torch.tensor([x for _, x in kept], dtype=W.dtype)
         rows = W[ids]
         if max_norm is not None:
             norm = torch.sqrt((rows * rows).sum(1, keepdim=True))

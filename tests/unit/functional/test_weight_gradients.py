@@ -13,37 +13,8 @@ from hugeembed.errors import InputError
 from hugeembed.functional import embedding_lookup_unpooled, safe_embedding_lookup_sparse
 from hugeembed.optim import SGD
 
+from .test_gradients import dense_reference
 from .test_safe_lookup import batches, to_tensors
-
-
-def dense_reference(W, wt, bags, combiner, default_id, max_norm):
-    """TF's pooling with differentiable indexing into both the table W and the weights wt."""
-    out, p = [], 0
-    for bag in bags:
-        kept = []
-        for i, w in bag:
-            if w > 0 and i >= 0:
-                kept.append((i, p))
-            p += 1
-        if kept:
-            ids = torch.tensor([i for i, _ in kept])
-            w = wt[torch.tensor([q for _, q in kept])]
-        elif default_id is not None:
-            ids, w = torch.tensor([default_id]), torch.ones(1, dtype=W.dtype)
-        else:
-            out.append(torch.zeros(W.shape[1], dtype=W.dtype))
-            continue
-        rows = W[ids]
-        if max_norm is not None:
-            norm = torch.sqrt((rows * rows).sum(1, keepdim=True))
-            rows = rows * max_norm / torch.maximum(norm, torch.tensor(max_norm, dtype=W.dtype))
-        s = (rows * w[:, None]).sum(0)
-        if combiner == "mean":
-            s = s / w.sum()
-        elif combiner == "sqrtn":
-            s = s / torch.sqrt((w * w).sum())
-        out.append(s)
-    return torch.stack(out) if out else torch.zeros(0, W.shape[1], dtype=W.dtype)
 
 
 @given(case=batches(), combiner=st.sampled_from(["sum", "mean", "sqrtn"]), use_default=st.booleans(),
@@ -61,7 +32,7 @@ def test_weight_and_table_gradients_match_dense_autograd(case, combiner, use_def
     out = safe_embedding_lookup_sparse(ours_W, (v, o, ours_w), combiner=combiner, default_id=default_id,
                                        max_norm=max_norm)
     ref_W, ref_w = W.clone().requires_grad_(), w.clone().requires_grad_()
-    ref = dense_reference(ref_W, ref_w, bags, combiner, default_id, max_norm)
+    ref = dense_reference(ref_W, bags, combiner, default_id, max_norm, ref_w)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     loss = (out * upstream).sum()
     if not loss.requires_grad:  # nothing kept anywhere and no default row: no graph at all
@@ -129,7 +100,7 @@ def test_collection_trains_weights_and_rows_together():
     ref_W, ref_w = W0.clone().requires_grad_(), w.detach().double().clone().requires_grad_()
     offs = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     bags = [[(int(v[j]), float(w.detach()[j])) for j in range(int(offs[b]), int(offs[b + 1]))] for b in range(4)]
-    ref = dense_reference(ref_W, ref_w, bags, "mean", None, None)
+    ref = dense_reference(ref_W, bags, "mean", None, None, ref_w)
     (ref * up.double()).sum().backward()
     torch.testing.assert_close(w.grad.double(), ref_w.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ec.store("t").storage()[:, :4].double(), W0 - 0.5 * ref_W.grad, rtol=1e-5, atol=1e-6)
