@@ -417,3 +417,59 @@ HE_API int64_t he_hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t
     return rec[0] != kEmpty;
   }, nthreads);
 }
+
+HE_API int64_t he_init_rows(int64_t kind, const double* params, int64_t seed, const int64_t* keys, int64_t n,
+                            int64_t dim, float* out, int64_t stride, const int64_t* rows, int64_t nthreads);
+
+// Columns of one table's row in he_hs_find_or_insert_many's descriptor (int64 each;
+// pointers as addresses, the initializer's parameters as the bits of doubles).
+// Must match hugeembed/store/_native_store.py::BATCH_COLUMNS.
+enum BatchCol : int {
+  bBuckets, bNBuckets, bRCap, bFreeRows, bFreeLen, bSt,            // the table (HsTable + free_rows length)
+  bKeys, bCounts, bN, bAdmitK, bRowLimit, bMaxEntries,             // the call
+  bOut, bScratch, bSetScratch, bSetCap, bNewSlots, bNewKeys,       // its buffers
+  bInitKind, bInitP0, bSeed = bInitP0 + 6, bStorage, bStride, bDim, bStateRow, bStateWidth,  // new rows
+  bRc, bNeed, bCols = bNeed + 4,                                   // outputs
+};
+
+// Find-or-insert into many tables at once, the tables spread over the threads (one
+// table per thread at a time): a collection's per-table batches, each too small to
+// split, run side by side instead of one after another, and new rows are
+// initialised here too (weights by he_init_rows, then the optimizer state copied
+// from a one-row template).  Row d of `desc` ([count, bCols]) describes table d; its
+// rc is as he_hs_find_or_insert's, plus 4: the store's arrays are inconsistent, and
+// 5: a count below 1.  A table whose rc is not 0 is exactly as before the call (the
+// caller grows it, makes room or raises, alone).
+HE_API int64_t he_hs_find_or_insert_many(int64_t* desc, int64_t count, int64_t step, int64_t nthreads) {
+  he::run_items(count, nthreads, [&](int64_t d) {
+    int64_t* b = desc + d * bCols;
+    auto p = [&](int c) { return reinterpret_cast<int64_t*>(b[c]); };
+    HsTable t{p(bBuckets), b[bNBuckets], b[bRCap], reinterpret_cast<int32_t*>(b[bFreeRows]), p(bSt)};
+    const int64_t n = b[bN];
+    const int64_t* counts = p(bCounts);
+    if (t.nbuckets < 1 || t.st[he::kNumFree] > b[bFreeLen] || t.st[he::kRowHwm] > t.r_cap) {
+      b[bRc] = 4;
+      return;
+    }
+    for (int64_t i = 0; counts && i < n; ++i)
+      if (counts[i] < 1) {
+        b[bRc] = 5;
+        return;
+      }
+    int64_t* need = b + bNeed;
+    b[bRc] = he_hs_find_or_insert(&t, p(bKeys), counts, n, step, b[bAdmitK], b[bRowLimit], b[bMaxEntries], p(bOut),
+                                  p(bScratch), p(bSetScratch), b[bSetCap], p(bNewSlots), p(bNewKeys), need, 1);
+    const int64_t made = b[bRc] == 0 ? need[3] : 0;
+    if (made == 0) return;
+    double params[6];
+    std::memcpy(params, b + bInitP0, sizeof params);
+    float* storage = reinterpret_cast<float*>(b[bStorage]);
+    const int64_t stride = b[bStride], dim = b[bDim], sw = b[bStateWidth];
+    const int64_t* slots = p(bNewSlots);
+    he_init_rows(b[bInitKind], params, b[bSeed], p(bNewKeys), made, dim, storage, stride, slots, 1);
+    const float* state_row = reinterpret_cast<const float*>(b[bStateRow]);
+    if (sw > 0)
+      for (int64_t j = 0; j < made; ++j) std::memcpy(storage + slots[j] * stride + dim, state_row, sw * sizeof(float));
+  });
+  return 0;
+}

@@ -30,7 +30,7 @@ PTR = ctypes.c_void_p
 
 _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 # Must equal he_abi_version() in csrc/abi.cpp.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 def _library_path() -> Path | None:

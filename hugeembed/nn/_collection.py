@@ -21,7 +21,7 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import ArrayStore, HashStore, RowStore, StoreExport
+from ..store import ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
 from ._config import TableConfig
 from ._optimizer import EmbeddingOptimizer
 
@@ -203,15 +203,20 @@ class EmbeddingCollection(nn.Module):
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
         """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
         slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
+        if training:  # every table in one call: the native hash tables run side by side
+            ts = [t for t in range(len(self._stores)) if prep.unique_count[t]]
+            got = find_or_insert_many([self._stores[t] for t in ts], [prep.keys_of(t) for t in ts], step,
+                                      counts=[prep.counts_of(t) for t in ts])
+            for t, g in zip(ts, got):
+                slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
+            return slots
         for t, (cfg, store) in enumerate(self.stores()):
             n = prep.unique_count[t]
             if n == 0:
                 continue
             b = prep.unique_base[t]
             keys = prep.keys_of(t)
-            if training:
-                got = store.find_or_insert(keys, step, counts=prep.counts_of(t))
-            elif cfg.num_rows is not None:
+            if cfg.num_rows is not None:
                 got = keys  # static: the id is the slot (range checked by prepare)
             else:
                 got = store.find(keys)

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from ..store import row_independent
 from . import _native_ops
 from ._base import SparseOptimizer, check_real, gather_rows, rdiv, scatter_rows, sqrt_rn
 
@@ -54,6 +55,7 @@ class Adagrad(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return dim
 
+    @row_independent
     def init_state(self, state: torch.Tensor) -> None:
         self._check_state(state)
         state.fill_(self.initial_accumulator_value)
@@ -117,6 +119,7 @@ class RowWiseAdagrad(SparseOptimizer):
     def _dims_for_width(self, width: int) -> range:
         return range(1, 2)
 
+    @row_independent
     def init_state(self, state: torch.Tensor) -> None:
         self._check_state(state)
         state.fill_(self.initial_accumulator_value)

@@ -26,6 +26,7 @@ import torch
 
 from .. import _native
 from ..errors import ConfigError, InputError
+from ..store import row_independent
 
 __all__ = ["SparseOptimizer"]
 
@@ -129,6 +130,7 @@ class SparseOptimizer(abc.ABC):
     def state_width(self, dim: int) -> int:
         """S: the number of state columns each row of dimension `dim` needs."""
 
+    @row_independent
     def init_state(self, state: torch.Tensor) -> None:
         """Fills the state ``[n, S]`` of freshly created rows in place (zeros by default)."""
         self._check_state(state)

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..store import row_independent
 from . import _native_ops
 from ._base import SparseOptimizer, check_real, gather_rows, scatter_rows, sqrt_rn
 
@@ -60,6 +61,7 @@ class FTRL(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return 2 * dim
 
+    @row_independent
     def init_state(self, state: torch.Tensor) -> None:
         dim = self._check_state(state)
         state[:, :dim].fill_(self.initial_accumulator_value)

@@ -15,9 +15,9 @@ Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
 from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
-from ._hash import HashStore
+from ._hash import HashStore, find_or_insert_many
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
-from ._protocol import EvictionPolicy, ExportIndex, RowStore, StoreExport
+from ._protocol import EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
 
 __all__ = [
     "RowStore",
@@ -25,6 +25,8 @@ __all__ = [
     "ExportIndex",
     "EvictionPolicy",
     "HashStore",
+    "find_or_insert_many",
+    "row_independent",
     "ArrayStore",
     "DictStore",
     "Initializer",

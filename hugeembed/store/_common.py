@@ -49,11 +49,14 @@ def as_keys(name: str, keys: torch.Tensor, device: torch.device, what: str = "ke
         raise InputError(f"table '{name}': {what} must be 1-D, got shape {tuple(keys.shape)}")
     if keys.device != device:
         raise InputError(f"table '{name}': {what} are on {keys.device}, the table is on {device}")
+    if keys.dtype == torch.int64 and keys.is_contiguous():  # the usual case: no op at all
+        return keys
     return keys.to(torch.int64).contiguous()
 
 
-def as_counts(name: str, counts: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor | None:
-    """Validated int64 counts (>= 1 each) or None (meaning 1 each)."""
+def as_counts(name: str, counts: torch.Tensor | None, n: int, device: torch.device,
+              check_values: bool = True) -> torch.Tensor | None:
+    """Validated int64 counts (>= 1 each, unless the caller's kernel checks that) or None (1 each)."""
     if counts is None:
         return None
     if not isinstance(counts, torch.Tensor) or counts.dtype.is_floating_point or counts.dtype == torch.bool:
@@ -62,8 +65,9 @@ def as_counts(name: str, counts: torch.Tensor | None, n: int, device: torch.devi
         raise InputError(f"table '{name}': counts must have shape ({n},) like keys, got {tuple(counts.shape)}")
     if counts.device != device:
         raise InputError(f"table '{name}': counts are on {counts.device}, the table is on {device}")
-    counts = counts.to(torch.int64).contiguous()
-    if n and bool((counts < 1).any()):
+    if counts.dtype != torch.int64 or not counts.is_contiguous():
+        counts = counts.to(torch.int64).contiguous()
+    if check_values and n and bool((counts < 1).any()):
         bad = int(counts[counts < 1][0])
         raise InputError(f"table '{name}': counts must be >= 1 (occurrences in the batch), got {bad}")
     return counts

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -34,11 +35,11 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
                       scatter_rows)
 from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
-from ._init import Initializer, default_initializer
-from ._native_store import NativeOps
+from ._init import Initializer, _signed, default_initializer
+from ._native_store import NativeOps, run_batch
 from ._protocol import ExportIndex, StoreExport
 
-__all__ = ["HashStore", "MAX_LOAD", "AUTO_EVICT_SLACK"]
+__all__ = ["HashStore", "find_or_insert_many", "MAX_LOAD", "AUTO_EVICT_SLACK"]
 
 # The buckets grow (x1.5, or to what a batch needs) when they would be fuller
 # than this.  Measured (docs/store.md): find at load 0.49 / 0.59 / 0.69 / 0.78 runs
@@ -241,6 +242,7 @@ class HashStore:
 
     def _set_backend(self, backend: str) -> None:
         self._ops = NativeOps() if backend == "native" else TorchOps()
+        self._batch_static = None  # find_or_insert_many's per-store constants, computed on first use
 
     def storage(self) -> torch.Tensor:
         return self._storage
@@ -270,6 +272,36 @@ class HashStore:
                 evicted, grown = True, False
             else:
                 raise StoreError(f"table '{self.name}': find_or_insert kernel failed with code {rc} (internal error)")
+
+    def _batch_row(self, keys: torch.Tensor, counts: torch.Tensor | None):
+        """This store's row of a find_or_insert_many descriptor and its output tensor, or None
+        when it takes the single-table path (torch backend, an initializer without a kernel,
+        an init_state not marked row_independent)."""
+        if self._ops.name != "native" or not keys.numel():
+            return None
+        if self._batch_static is None:
+            self._batch_static = self._batch_constants()
+        if self._batch_static is False or not self._storage.is_contiguous():
+            return None
+        limit, bits, seed, state_row = self._batch_static
+        return self._ops.batch_row(self, keys, counts, limit, bits, seed, state_row)
+
+    def _batch_constants(self):
+        """(row limit, initializer kind + parameter bits, seed, state template) or False."""
+        spec = self.initializer._native_spec()
+        if spec is None or self._storage.dtype != torch.float32:
+            return False
+        state_row = None
+        if self.state_width:
+            if not getattr(self.init_state, "row_independent", self.init_state is None):
+                return False
+            state_row = torch.zeros(1, self.state_width, dtype=torch.float32)
+            if self.init_state is not None:
+                self.init_state(state_row)
+        kind, params = spec
+        bits = struct.unpack("<6q", struct.pack("<6d", *(list(params) + [0.0] * (6 - len(params)))))
+        limit = self.capacity if self.capacity is not None else _MAX_SLOTS
+        return limit, (kind, *bits), _signed(self.seed), state_row
 
     def _make_room(self, step: int, needed: int, codes: torch.Tensor, retried: bool) -> None:
         cap, live = self.capacity, len(self)
@@ -408,3 +440,43 @@ class HashStore:
                 f"pending={self.num_pending}, buckets={self.num_buckets}, backend={self.backend!r}, "
                 f"device={self.device})")
 
+
+
+def find_or_insert_many(stores, keys, step: int, counts=None) -> list[torch.Tensor]:
+    """``[store.find_or_insert(k, step, counts=c) for ...]`` over many distinct stores at once.
+
+    Native HashStores run in one kernel call, the tables spread over the threads (a
+    collection's per-table batches are each too small to split): new rows initialised
+    there too.  Every other store, and any table that must grow, evict or raise first,
+    takes its own find_or_insert; results and errors are those of the loop above.
+    """
+    stores, keys = list(stores), list(keys)
+    counts = [None] * len(stores) if counts is None else list(counts)
+    if not len(stores) == len(keys) == len(counts):
+        raise InputError(f"find_or_insert_many: {len(stores)} stores, {len(keys)} key tensors, {len(counts)} counts")
+    if len({id(s) for s in stores}) != len(stores):
+        raise InputError("find_or_insert_many: a store is given twice (merge its keys first)")
+    step = check_step("find_or_insert_many", step)
+    out: list[torch.Tensor | None] = [None] * len(stores)
+    batch, rows = [], []
+    for i, s in enumerate(stores):
+        if isinstance(s, HashStore):
+            k = as_keys(s.name, keys[i], s.device)
+            c = counts[i]
+            if c is not None:  # shape / dtype / device here; the kernel checks the values (rc 5)
+                c = as_counts(s.name, c, k.numel(), s.device, check_values=False)
+            keys[i], counts[i] = k, c
+            got = s._batch_row(k, c)
+            if got is not None:
+                batch.append((i, got[1]))
+                rows.append(got[0])
+    if len(batch) > 1:
+        for (i, codes), (rc, _) in zip(batch, run_batch(rows, step)):
+            if rc == 0:
+                out[i] = codes
+            elif rc == 4:
+                raise StoreError(f"table '{stores[i].name}': hash store arrays are inconsistent")
+    for i, s in enumerate(stores):
+        if out[i] is None:
+            out[i] = s.find_or_insert(keys[i], step, counts=counts[i])
+    return out

@@ -14,7 +14,7 @@ import torch
 from .. import _native
 from ..errors import StoreError
 
-__all__ = ["NativeOps", "available"]
+__all__ = ["NativeOps", "available", "BATCH_COLUMNS", "run_batch"]
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -38,6 +38,21 @@ def _table(s, buckets: torch.Tensor | None = None) -> _Table:
     if nb < 1 or nb > 2**32 or s._free.numel() < s._st_get("num_free") or s._st_get("row_hwm") > s._storage.shape[0]:
         raise StoreError(f"table '{s.name}': hash store arrays are inconsistent")
     return _Table(_native.ptr(buckets), nb, s._storage.shape[0], _native.ptr(s._free), _native.ptr(s._st))
+
+
+# Columns of he_hs_find_or_insert_many's descriptor (csrc/hash_store.cpp::BatchCol).
+BATCH_COLUMNS = ("buckets", "nbuckets", "r_cap", "free_rows", "free_len", "st", "keys", "counts", "n", "admit_k",
+                 "row_limit", "max_entries", "out", "scratch", "set_scratch", "set_cap", "new_slots", "new_keys",
+                 "init_kind", "p0", "p1", "p2", "p3", "p4", "p5", "seed", "storage", "stride", "dim", "state_row",
+                 "state_width", "rc", "need0", "need1", "need2", "need3")
+_RC = BATCH_COLUMNS.index("rc")
+
+
+def run_batch(rows: list[list[int]], step: int) -> list[tuple[int, list[int]]]:
+    """Runs he_hs_find_or_insert_many over descriptor rows (NativeOps.batch_row); (rc, need) per row."""
+    desc = torch.tensor(rows, dtype=torch.int64)
+    _native.fn("he_hs_find_or_insert_many", _P, _I, _I, _I)(desc.data_ptr(), len(rows), step, _native.nthreads())
+    return [(r[0], r[1:]) for r in desc[:, _RC:].tolist()]
 
 
 def _fn(name, *args):
@@ -86,6 +101,25 @@ class NativeOps:
                new[0].data_ptr(), new[1].data_ptr(), need, _native.nthreads())
         made = need[3]
         return rc, out, new[0, :made], new[1, :made], list(need)
+
+    def batch_row(self, s, keys, counts, row_limit, init_bits, seed, state_row) -> tuple[list[int], torch.Tensor]:
+        """One table's row of a multi-table find-or-insert descriptor, and the tensor its codes land in.
+
+        `keys` / `counts` are contiguous int64 CPU tensors (as_keys / as_counts); the kernel
+        checks the store's arrays and the counts itself (rc 4 / 5).  The tensors the row
+        points into stay alive with the caller (keys, counts, out) and the store.
+        """
+        n = keys.numel()
+        buf, dup_set = self._buf(n)  # this store's own scratch: tables run in parallel, stores never share
+        out = torch.empty_like(keys)
+        storage, buckets = s._storage, s._buckets
+        row = [buckets.data_ptr(), buckets.shape[0], storage.shape[0], s._free.data_ptr(), s._free.numel(),
+               s._st.data_ptr(), keys.data_ptr(), 0 if counts is None else counts.data_ptr(), n, s.admit_min_count,
+               row_limit, s._max_entries(), out.data_ptr(), buf.data_ptr(), dup_set.data_ptr(), dup_set.numel() // 2,
+               buf.data_ptr() + 6 * n * 8, buf.data_ptr() + 7 * n * 8, *init_bits, seed, storage.data_ptr(),
+               storage.shape[1], s.dim, 0 if state_row is None else state_row.data_ptr(),
+               0 if state_row is None else s.state_width, 0, 0, 0, 0, 0]
+        return row, out
 
     def insert(self, s, keys, codes, counts, lasts) -> None:
         t = _table(s)

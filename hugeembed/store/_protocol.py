@@ -22,9 +22,17 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy"]
+__all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy", "row_independent"]
 
 EvictionPolicy = Literal["lfu", "lru"]
+
+
+def row_independent(init_state):
+    """Marks an ``init_state(state)`` that writes the same values into every row it is given
+    (constants, as every optimizer's initial state is): a store may then compute one row of
+    it and copy that row into new rows inside its kernels."""
+    init_state.row_independent = True
+    return init_state
 
 
 @dataclass(frozen=True)

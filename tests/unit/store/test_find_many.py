@@ -1,0 +1,100 @@
+"""find_or_insert_many (the collection's one-call fetch) against a plain loop of find_or_insert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hugeembed import _native
+from hugeembed.errors import CapacityError, InputError
+from hugeembed.optim import FTRL, Adagrad
+from hugeembed.store import ArrayStore, DictStore, FromCallable, HashStore, Uniform, find_or_insert_many
+
+from store_helpers import SPECIAL_KEYS, check_layout
+
+native = pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+
+
+def make_stores():
+    """One of each kind the batched kernel takes or must hand back to the loop."""
+    ada, ftrl = Adagrad(lr=0.1, initial_accumulator_value=0.25), FTRL(lr=0.1, initial_accumulator_value=0.5)
+
+    def unmarked(state):  # a user's init_state: not known to fill rows alike -> loop path
+        state.fill_(0.75)
+
+    return [
+        HashStore("plain", 3, seed=1),
+        HashStore("adagrad", 4, ada.state_width(4), init_state=ada.init_state, seed=2, initializer=Uniform(-1, 1)),
+        HashStore("ftrl", 2, ftrl.state_width(2), init_state=ftrl.init_state, seed=3, admit_min_count=3),
+        HashStore("capped", 2, seed=4, capacity=40, eviction_policy="lru"),
+        HashStore("torch", 3, seed=5, backend="torch"),
+        HashStore("custom_state", 2, 1, init_state=unmarked, seed=6),
+        HashStore("callable_init", 2, seed=7, initializer=FromCallable(lambda k, d: k[:, None].float().expand(-1, d))),
+        ArrayStore("static", 50, 3, seed=8),
+        DictStore("dict", 2, seed=9),
+    ]
+
+
+def batch(g: torch.Generator, store, n: int):
+    hi = 50 if isinstance(store, ArrayStore) else 120
+    keys = torch.randint(0 if hi == 50 else -hi, hi, (n,), generator=g).unique()
+    if store.name == "plain":
+        keys = torch.cat([keys, torch.tensor(SPECIAL_KEYS)]).unique()
+    if store.name == "capped":  # a batch fits the capacity; across batches the table evicts
+        keys = keys[:30]
+    counts = torch.randint(1, 4, (keys.numel(),), generator=g)
+    return keys[torch.randperm(keys.numel(), generator=g)], counts
+
+
+@native
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), size=st.integers(0, 60), with_counts=st.booleans())
+def test_many_equals_a_loop_of_find_or_insert(seed, steps, size, with_counts):
+    ours, loop = make_stores(), make_stores()
+    g = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        work = [batch(g, s, size) for s in ours]
+        counts = [c for _, c in work] if with_counts else None
+        got = find_or_insert_many(ours, [k for k, _ in work], step, counts=counts)
+        want = [s.find_or_insert(k, step, counts=c if with_counts else None) for s, (k, c) in zip(loop, work)]
+        for s, a, b in zip(ours, got, want):
+            assert torch.equal(a, b), s.name
+    for a, b in zip(ours, loop):
+        ea, eb = a.export(), b.export()
+        for f in ea.__dataclass_fields__:
+            assert torch.equal(getattr(ea, f), getattr(eb, f)), (a.name, f)
+        if isinstance(a, HashStore):
+            check_layout(a)
+
+
+@native
+def test_new_rows_start_with_the_optimizer_state_and_initializer_of_the_loop():
+    ada = Adagrad(lr=0.1, initial_accumulator_value=0.25)
+    stores = [HashStore(f"t{i}", 4, ada.state_width(4), init_state=ada.init_state, seed=i, initial_rows=64)
+              for i in range(3)]
+    keys = [torch.arange(10) * (i + 1) for i in range(3)]
+    slots = find_or_insert_many(stores, keys, 1)
+    for i, (s, sl) in enumerate(zip(stores, slots)):
+        rows = s.storage()[sl]
+        fresh = HashStore("ref", 4, ada.state_width(4), init_state=ada.init_state, seed=i)
+        assert torch.equal(rows, fresh.gather(fresh.find_or_insert(keys[i], 1)))
+        assert bool((rows[:, 4:] == 0.25).all())
+
+
+def test_errors_name_the_table():
+    a, b = HashStore("a", 2, initial_rows=16), HashStore("b", 2, initial_rows=16)
+    with pytest.raises(InputError, match="'b'.*counts must be >= 1"):
+        find_or_insert_many([a, b], [torch.tensor([1, 2]), torch.tensor([3])], 1,
+                            counts=[torch.tensor([1, 1]), torch.tensor([0])])
+    assert len(a) + len(b) <= 2  # a table before the bad one may have taken its keys, the bad one none
+    assert b.find(torch.tensor([3])).item() == -1
+    with pytest.raises(InputError, match="'a'.*given twice"):
+        find_or_insert_many([a, b], [torch.tensor([5, 5]), torch.tensor([6])], 2)
+    with pytest.raises(InputError, match="store is given twice"):
+        find_or_insert_many([a, a], [torch.tensor([1]), torch.tensor([2])], 3)
+    with pytest.raises(InputError, match="2 stores, 1 key tensors"):
+        find_or_insert_many([a, b], [torch.tensor([1])], 3)
+    full = HashStore("full", 2, capacity=2, on_full="error", initial_rows=2)
+    with pytest.raises(CapacityError, match="'full'"):
+        find_or_insert_many([a, full], [torch.tensor([7]), torch.tensor([1, 2, 3])], 4)
