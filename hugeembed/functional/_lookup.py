@@ -14,8 +14,8 @@ import torch
 
 from .. import _native
 from ..errors import ConfigError, InputError
-from ._native_stages import (NativeScratch, backward_native, can_use_native, can_use_native_storages, pool_native,
-                             prepare_native, unpooled_native, unpooled_rows)
+from ._native_stages import (NativeScratch, backward_native, can_use_native, can_use_native_storages, pool_direct,
+                             pool_native, prepare_native, unpooled_native, unpooled_rows)
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
@@ -97,6 +97,38 @@ class FusedEmbeddingLookup:
             return prepare_native(self.plan, sf, self._scratch, deduplicate)
         return prepare_torch(self.plan, sf, deduplicate)
 
+    def _check_storages(self, storages: Sequence[torch.Tensor]) -> None:
+        if len(storages) != self.plan.num_tables:
+            raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
+        for spec, s in zip(self.plan.tables, storages):
+            if s.dim() != 2 or s.size(1) < spec.dim:
+                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
+            if spec.num_rows is not None and s.size(0) < spec.num_rows:
+                raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
+
+    def forward_static(self, storages: Sequence[torch.Tensor], sf) -> PooledEmbeddings | None:
+        """Forward-only lookup of static tables in one native pass over the batch (inference,
+        evaluation): no dedup, no intermediate arrays, the same numbers as prepare + lookup.
+
+        None when this path does not apply (a dynamic table, a sequence feature, weights that
+        need grad, no native kernels or tables they cannot read); the caller then takes
+        prepare + lookup, which also reports any bad id with its details.
+        """
+        plan = self.plan
+        if any(t.num_rows is None for t in plan.tables) or any(g.unpooled for g in plan.groups):
+            return None
+        plan.check_batch(sf)
+        self._check_storages(storages)
+        if not self._native_ok(sf, storages):
+            return None
+        groups = []
+        for group in plan.groups:
+            out = pool_direct(plan, sf, storages, group)
+            if out is None:
+                return None
+            groups.append(out)
+        return PooledEmbeddings(plan.pooled_names(), groups, self._where, {})
+
     def static_slots(self, prep: Prepared) -> torch.Tensor:
         """Slots of static tables: the ids themselves (already range-checked by prepare)."""
         return prep.unique_keys
@@ -115,13 +147,7 @@ class FusedEmbeddingLookup:
                 ``(table_index, slots, grad_rows)`` and no gradient is returned for params;
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
         """
-        if len(storages) != self.plan.num_tables:
-            raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
-        for spec, s in zip(self.plan.tables, storages):
-            if s.dim() != 2 or s.size(1) < spec.dim:
-                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
-            if spec.num_rows is not None and s.size(0) < spec.num_rows:
-                raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
+        self._check_storages(storages)
         if row_grad_hook is None and params:
             if len(params) != self.plan.num_tables:
                 raise ConfigError("without a row_grad_hook, params must be the table weights, one per table")
@@ -153,6 +179,10 @@ class FusedEmbeddingLookup:
                 raise ConfigError(f"table {spec.name!r} is dynamic: look it up through an EmbeddingCollection")
         # no gradient will be taken: skip the dedup, which only serves the backward
         needs_grad = row_grad_hook is not None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
+        if not needs_grad:
+            out = self.forward_static(weights, sf)
+            if out is not None:
+                return out
         prep = self.prepare(sf, weights, deduplicate=needs_grad)
         return self.lookup(prep, weights, self.static_slots(prep), params=weights, row_grad_hook=row_grad_hook)
 

@@ -96,6 +96,37 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
                     capacity, native=True, deduplicated=deduplicate)
 
 
+def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup) -> torch.Tensor | None:
+    """Pooled output [B, F_g, D] of a group of static tables in one pass over the batch
+    (forward only: no dedup, no intermediate arrays), bit-identical to prepare + pool.
+    None when a bag holds something to report (the caller runs the two-stage path,
+    which raises with the details)."""
+    a = plan.arrays("cpu")
+    values = nat.check(sf.values(), torch.int64, "ids")
+    offsets = sf.offsets()
+    if offsets.dtype != torch.int64 or not offsets.is_contiguous():
+        offsets = offsets.to(torch.int64).contiguous()
+    weights = sf.weights_or_none()
+    if weights is not None:
+        weights = nat.check(weights.contiguous(), torch.float32, "weights")
+    B, D, n = sf.batch_size, group.dim, len(group.pooled)
+    out = torch.empty(B, n, D, dtype=torch.float32)
+    if n == 0 or B == 0:
+        return out
+    addr, stride = _addresses(storages)
+    feats = torch.tensor(group.pooled, dtype=torch.int64)
+    cols = torch.arange(n, dtype=torch.int64) * D
+    src = plan.source_indices(sf.keys())
+    fn = nat.fn("he_lookup_pool_direct", PTR, I64, PTR, PTR, I64, I64, *([PTR] * 8), I64, PTR, PTR, PTR, PTR, I64, PTR,
+                I64, PTR, I32)
+    bad = fn(nat.ptr(values), values.numel(), nat.ptr(offsets), nat.ptr(weights), B, plan.num_features, nat.ptr(src),
+             nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
+             nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), n, nat.ptr(feats),
+             nat.ptr(addr), nat.ptr(stride), nat.ptr(a["max_norm"]), D, nat.ptr(out), n * D, nat.ptr(cols),
+             nat.nthreads())
+    return None if bad else out
+
+
 def _check_slots(prep: Prepared, slots: torch.Tensor) -> torch.Tensor:
     return nat.check(slots, torch.int64, "slots", prep.capacity)
 

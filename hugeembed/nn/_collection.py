@@ -193,6 +193,10 @@ class EmbeddingCollection(nn.Module):
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
         dedup = training or any(t.num_rows is None for t in self.tables)
+        if not dedup:  # static tables, forward only: one pass over the batch
+            out = self.lookup.forward_static([s[:, : t.dim] for s, t in zip(storages, self.tables)], features)
+            if out is not None:
+                return out
         prep = self.lookup.prepare(features, storages, deduplicate=dedup)
         slots = self._fetch(prep, training, step)
         storages = [s.storage() for s in self._stores]  # inserts may have grown them

@@ -179,3 +179,42 @@ def test_forward_without_dedup_equals_dedup_and_refuses_backward(backend):
     with pytest.raises(ConfigError, match="deduplicate=False"):
         lookup.lookup(lean, W, lookup.static_slots(lean), params=[torch.zeros(0, requires_grad=True)],
                       row_grad_hook=lambda *args: None)
+
+
+@given(data=st.data())
+def test_one_pass_static_forward_is_bit_identical_to_prepare_and_lookup(data):
+    """forward_static (inference) against the two-stage path it replaces, every TF rule in play."""
+    B = data.draw(st.integers(0, 6))
+    weighted = data.draw(st.booleans())
+    g = torch.Generator().manual_seed(B)
+    W = [torch.randn(9, 4, generator=g), torch.randn(6, 8, generator=g), torch.randn(7, 4, generator=g)]
+    tables = [TableSpec("a", 4, num_rows=9, max_norm=data.draw(st.sampled_from([None, 1.0]))),
+              TableSpec("b", 8, num_rows=6), TableSpec("c", 4, num_rows=7)]
+    bag = st.lists(st.tuples(st.integers(-2, 10), st.sampled_from([0.0, -1.0, 0.5, 2.0])), max_size=5)
+    feats = {k: data.draw(st.lists(bag, min_size=B, max_size=B)) for k in ("f1", "f2", "f3")}
+    specs = [
+        FeatureSpec("f1", "a", combiner=data.draw(st.sampled_from(["sum", "mean", "sqrtn"])), out_of_range="prune"),
+        FeatureSpec("f2", "b", combiner="sqrtn", default_id=2, out_of_range="default"),
+        FeatureSpec("f3", "c", combiner="mean", default_id=1, out_of_range="prune", prune_negative=True),
+        FeatureSpec("f1c", "c", source="f1", combiner="sum", out_of_range="prune"),
+    ]
+    sf = make_batch({k: [[i for i, _ in b] for b in v] for k, v in feats.items()},
+                    {k: [[w for _, w in b] for b in v] for k, v in feats.items()} if weighted else None)
+    lookup = FusedEmbeddingLookup(tables, specs, backend="native")
+    one_pass = lookup.forward_static(W, sf)
+    assert one_pass is not None
+    prep = lookup.prepare(sf, W, deduplicate=False)
+    two_stage = lookup.lookup(prep, W, lookup.static_slots(prep))
+    for a, b in zip(one_pass.groups(), two_stage.groups()):
+        assert torch.equal(a, b)
+
+
+def test_one_pass_forward_hands_errors_to_the_two_stage_path():
+    lookup = FusedEmbeddingLookup([TableSpec("a", 4, num_rows=5)], [FeatureSpec("f", "a")], backend="native")
+    W = [torch.randn(5, 4)]
+    bad = make_batch({"f": [[1, 7]]})
+    assert lookup.forward_static(W, bad) is None  # id 7 >= 5: not reported here...
+    with pytest.raises(InputError, match="7"):  # ...but by the path the call falls back to
+        lookup(W, bad)
+    seq = FusedEmbeddingLookup([TableSpec("a", 4, num_rows=5)], [FeatureSpec("f", "a", combiner="none")])
+    assert seq.forward_static(W, make_batch({"f": [[1]]})) is None  # sequence features: the two-stage path
