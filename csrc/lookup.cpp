@@ -294,6 +294,29 @@ inline const float* row_of(const PoolArgs& a, int64_t t, int64_t slot) {
 // many positions ahead overlaps those misses.
 constexpr int64_t kPrefetch = 16;
 
+// Samples per work item of the pooling kernels when items are feature-major.
+constexpr int64_t kPoolSamples = 512;
+
+// Runs fn(k, b0, b1) over every (feature k, sample range) of a pooling kernel.  Long
+// bags (mean >= 4 ids) go feature-major: the threads walk one table at a time
+// together, so its hot rows (Zipf ids) stay in cache instead of competing with the
+// other tables' (d64 P20: 36 -> 28 ms).  Short bags go sample-major: then writing
+// the output rows in order matters more (d64 P1: feature-major was 1.6x slower).
+template <class F>
+void pool_items(int64_t B, int64_t n_feats, int64_t n_ids, int nthreads, F&& fn) {
+  if (n_ids >= 4 * B * n_feats) {
+    const int64_t chunks = (B + kPoolSamples - 1) / kPoolSamples;
+    he::parallel_items(n_feats * chunks, nthreads, [&](int64_t item, int) {
+      const int64_t k = item / chunks, b0 = item % chunks * kPoolSamples;
+      fn(k, b0, std::min(B, b0 + kPoolSamples));
+    });
+  } else {
+    he::parallel_for(B, nthreads, 64, [&](int64_t b0, int64_t b1, int) {
+      for (int64_t k = 0; k < n_feats; ++k) fn(k, b0, b1);
+    });
+  }
+}
+
 inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d, 0, 1);
 }
@@ -404,13 +427,13 @@ HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
                            const float* max_norm, const int8_t* combiner, int64_t D, float* out,
                            int64_t out_row_stride, const int64_t* out_col, int nthreads) {
   PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
-  he::parallel_for(B, nthreads, 64, [&](int64_t b0, int64_t b1, int) {
+  int64_t n_ids = 0;
+  for (int64_t k = 0; k < n_feats; ++k) n_ids += out_offsets[(feats[k] + 1) * B] - out_offsets[feats[k] * B];
+  pool_items(B, n_feats, n_ids, nthreads, [&](int64_t k, int64_t b0, int64_t b1) {
     std::vector<float> acc(D);
-    for (int64_t k = 0; k < n_feats; ++k) {
-      dispatch_dim(D, [&]<int DC>() {
-        pool_feature<DC>(a, feats[k], b0, b1, D, out, out_row_stride, out_col[k], acc.data());
-      });
-    }
+    dispatch_dim(D, [&]<int DC>() {
+      pool_feature<DC>(a, feats[k], b0, b1, D, out, out_row_stride, out_col[k], acc.data());
+    });
   });
 }
 
@@ -718,15 +741,21 @@ HE_API int64_t he_lookup_pool_direct(const int64_t* values, int64_t n_values, co
   for (int64_t k = 0; k < n_feats; ++k)
     if (num_rows[table[feats[k]]] < 0) return 1;  // a dynamic table: not for this path
   std::atomic<bool> bad{false};
-  he::parallel_for(B, nthreads, 64, [&](int64_t b0, int64_t b1, int) {
+  int64_t n_ids = 0;
+  for (int64_t k = 0; k < n_feats; ++k) {
+    const int64_t f = feats[k];
+    const int64_t lo = offsets[src[f] * B], hi = offsets[(src[f] + 1) * B];
+    if (lo < 0 || hi < lo || hi > n_values) return 1;
+    n_ids += hi - lo;
+  }
+  pool_items(B, n_feats, n_ids, nthreads, [&](int64_t k, int64_t b0, int64_t b1) {
+    if (bad.load(std::memory_order_relaxed)) return;
     std::vector<float> acc(D);
-    for (int64_t k = 0; k < n_feats && !bad.load(std::memory_order_relaxed); ++k) {
-      dispatch_dim(D, [&]<int DC>() {
-        if (!pool_direct_feature<DC>(p, values, n_values, offsets, weights, a, feats[k], b0, b1, D, out,
-                                     out_row_stride, out_col[k], acc.data()))
-          bad.store(true);
-      });
-    }
+    dispatch_dim(D, [&]<int DC>() {
+      if (!pool_direct_feature<DC>(p, values, n_values, offsets, weights, a, feats[k], b0, b1, D, out,
+                                   out_row_stride, out_col[k], acc.data()))
+        bad.store(true);
+    });
   });
   return bad.load() ? 1 : 0;
 }
