@@ -33,12 +33,30 @@ _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 ABI_VERSION = 2
 
 
+_KERNELS_ENV = "HUGEEMBED_KERNELS"  # "portable" or "avx2" forces a build; default: the best this CPU runs
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except Exception:  # an old torch or an unknown platform: the portable build is always safe
+        return False
+
+
 def _library_path() -> Path | None:
     here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_kernels{suffix}"
-        if candidate.exists():
-            return candidate
+    wanted = os.environ.get(_KERNELS_ENV, "")
+    if wanted not in ("", "portable", "avx2"):
+        raise ImportError(f"{_KERNELS_ENV}={wanted!r}: expected 'portable' or 'avx2'")
+    names = {"portable": ["_kernels"], "avx2": ["_kernels_avx2"]}.get(wanted) or (
+        ["_kernels_avx2", "_kernels"] if _cpu_has_avx2() else ["_kernels"])
+    for name in names:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            candidate = here / f"{name}{suffix}"
+            if candidate.exists():
+                return candidate
+    if wanted == "avx2":
+        raise ImportError(f"{_KERNELS_ENV}=avx2 but the AVX2 build of the kernels is not there (x86-64 only)")
     return None
 
 

@@ -16,7 +16,7 @@ PACKAGE_DIR = Path(hugeembed.__file__).parent
 # Layers, bottom first.  A module may import from its own layer and any layer
 # before it in this list, never from one after it (STYLE.md habit 2).
 LAYERS = [
-    {"errors", "types", "_native", "_hashing", "_durable", "_format", "_kernels", "__version__"},
+    {"errors", "types", "_native", "_hashing", "_durable", "_format", "_kernels", "_kernels_avx2", "__version__"},
     {"features"},
     {"functional"},
     {"store"},
@@ -41,7 +41,7 @@ def _layer_of(top: str) -> int:
 
 def _modules():
     for info in pkgutil.walk_packages([str(PACKAGE_DIR)], prefix="hugeembed."):
-        if info.name != "hugeembed._kernels":  # the ctypes kernel library, not a Python module
+        if info.name not in ("hugeembed._kernels", "hugeembed._kernels_avx2"):  # ctypes kernel libraries, not modules
             yield info.name
 
 
