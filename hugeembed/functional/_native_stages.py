@@ -54,13 +54,29 @@ def _addresses(storages: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return addr, stride
 
 
-def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bool = True) -> Prepared:
-    a = plan.arrays("cpu")
+def _batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids, int64 offsets, float32 weights or None) of a batch, as the kernels read them."""
     values = nat.check(sf.values(), torch.int64, "ids")
-    offsets = sf.offsets().to(torch.int64).contiguous()
+    offsets = sf.offsets()
+    if offsets.dtype != torch.int64 or not offsets.is_contiguous():
+        offsets = offsets.to(torch.int64).contiguous()
     weights = sf.weights_or_none()
     if weights is not None:
         weights = nat.check(weights.contiguous(), torch.float32, "weights")
+    return values, offsets, weights
+
+
+def _pool_target(storages, group: DimGroup, B: int):
+    """(out [B, F_g, D], table addresses, row strides, plan features, output columns) of a pooling kernel."""
+    n, D = len(group.pooled), group.dim
+    addr, stride = _addresses(storages)
+    return (torch.empty(B, n, D, dtype=torch.float32), addr, stride, torch.tensor(group.pooled, dtype=torch.int64),
+            torch.arange(n, dtype=torch.int64) * D)
+
+
+def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bool = True) -> Prepared:
+    a = plan.arrays("cpu")
+    values, offsets, weights = _batch_arrays(sf)
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
     src = plan.source_indices(sf.keys())
     # Only uninitialised allocations between the kernels: a torch op on a batch-sized
@@ -102,20 +118,11 @@ def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup) -> torch.Tensor
     None when a bag holds something to report (the caller runs the two-stage path,
     which raises with the details)."""
     a = plan.arrays("cpu")
-    values = nat.check(sf.values(), torch.int64, "ids")
-    offsets = sf.offsets()
-    if offsets.dtype != torch.int64 or not offsets.is_contiguous():
-        offsets = offsets.to(torch.int64).contiguous()
-    weights = sf.weights_or_none()
-    if weights is not None:
-        weights = nat.check(weights.contiguous(), torch.float32, "weights")
+    values, offsets, weights = _batch_arrays(sf)
     B, D, n = sf.batch_size, group.dim, len(group.pooled)
-    out = torch.empty(B, n, D, dtype=torch.float32)
+    out, addr, stride, feats, cols = _pool_target(storages, group, B)
     if n == 0 or B == 0:
         return out
-    addr, stride = _addresses(storages)
-    feats = torch.tensor(group.pooled, dtype=torch.int64)
-    cols = torch.arange(n, dtype=torch.int64) * D
     src = plan.source_indices(sf.keys())
     fn = nat.fn("he_lookup_pool_direct", PTR, I64, PTR, PTR, I64, I64, *([PTR] * 8), I64, PTR, PTR, PTR, PTR, I64, PTR,
                 I64, PTR, I32)
@@ -135,12 +142,9 @@ def pool_native(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGro
     """Pooled output [B, F_g, D] of the group's pooled features."""
     a = plan.arrays("cpu")
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
-    out = torch.empty(B, n, D, dtype=torch.float32)
+    out, addr, stride, feats, cols = _pool_target(storages, group, B)
     if n == 0 or B == 0:
         return out
-    addr, stride = _addresses(storages)
-    feats = torch.tensor(group.pooled, dtype=torch.int64)
-    cols = torch.arange(n, dtype=torch.int64) * D
     pool = nat.fn("he_lookup_pool", I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, I64, PTR, I32,
                   restype=None)
     pool(B, n, nat.ptr(feats), nat.ptr(prep.offsets), nat.ptr(prep.inverse), nat.ptr(prep.weights),
