@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ._step import apply_received_grads
+from ._step import OwnedRowsGroup
 from ._wire import Packer, padded, segments, union_received
 
 __all__ = ["ReplicatedGroup"]
 
 
-class ReplicatedGroup:
+class ReplicatedGroup(OwnedRowsGroup):
     """Exchange of the data-parallel tables of one (dim, dtype, trainable) group.
 
     Args:
@@ -80,14 +80,7 @@ class ReplicatedGroup:
             return
         # the union is the same keys in the same order on every replica
         per_src, inv, uniq, per_table, ucounts = got
-        dev = self.coll.device
-        slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
-        start = 0
-        for store, n in zip(self._stores(), per_table):
-            if n:
-                sl = slice(start, start + n)
-                slots[sl] = store.find_or_insert(uniq[sl], st.step, counts=ucounts[sl])
-            start += n
+        slots = self.owned_slots(self._stores(), uniq, per_table, ucounts, True, st.step)
         mine = sum(per_src[: st.rank])
         local = slots[inv[mine : mine + per_src[st.rank]]]
         st.own[self] = (inv, slots, per_table, local)
@@ -122,12 +115,3 @@ class ReplicatedGroup:
             grad.mul_(st.grad_scale)
         if grad.numel():
             packer.add_all(grad)
-
-    def grad_bytes(self, st, r: int) -> int:
-        return padded(int(st.hdr_in[r, self.cols].sum()) * self._grad_bytes) if self.trainable else 0
-
-    def apply(self, st, readers) -> None:
-        if not self.trainable:
-            return
-        own = st.own.get(self)
-        apply_received_grads(self, st, readers, *(own[:3] if own is not None else (None, None, None)))

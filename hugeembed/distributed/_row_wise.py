@@ -28,7 +28,7 @@ import torch
 
 from .._hashing import mix64
 from ..errors import ShardingError
-from ._step import apply_received_grads
+from ._step import OwnedRowsGroup
 from ._wire import Packer, padded, segments, union_received
 
 __all__ = ["RowWiseGroup", "owner_index"]
@@ -45,7 +45,7 @@ def owner_index(keys: torch.Tensor, n: int, static: bool) -> torch.Tensor:
     return torch.remainder(mix64(keys) & _LOW32, n)
 
 
-class RowWiseGroup:
+class RowWiseGroup(OwnedRowsGroup):
     """Exchange of the row-wise tables of one (dim, dtype, trainable) group.
 
     Args:
@@ -139,16 +139,14 @@ class RowWiseGroup:
             st.own[self] = None
             return
         per_src, inv, uniq, per_table, ucounts = got
-        dev = self.coll.device
-        slots = torch.empty(uniq.numel(), dtype=torch.int64, device=dev)
-        rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=dev)
+        stores = [self.coll._stores[t] for t in self.ts]
+        slots = self.owned_slots(stores, uniq, per_table, ucounts, st.training, st.step)
+        rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
         start = 0
-        for i, n in enumerate(per_table):
+        for store, n in zip(stores, per_table):
             if n:
-                store, sl = self.coll._stores[self.ts[i]], slice(start, start + n)
-                got = store.find_or_insert(uniq[sl], st.step, counts=ucounts[sl]) if st.training else \
-                    store.find(uniq[sl])
-                slots[sl] = got
+                sl = slice(start, start + n)
+                got = slots[sl]
                 weights = store.storage()[:, : self.dim]
                 known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
                 if bool(known.all()):
@@ -207,13 +205,3 @@ class RowWiseGroup:
             if n:
                 packer.add(d, grad[off : off + n])
                 off += n
-
-    def grad_bytes(self, st, r: int) -> int:
-        return padded(int(st.hdr_in[r, self.cols].sum()) * self._grad_bytes) if self.trainable else 0
-
-    def apply(self, st, readers) -> None:
-        """Owner: sum each key's gradients over the ranks (rank order), apply the optimizer once per key."""
-        if not self.trainable:
-            return
-        own = st.own.get(self)
-        apply_received_grads(self, st, readers, *(own[:3] if own is not None else (None, None, None)))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StepState", "ExchangeBackward", "apply_received_grads", "compute_dtype", "group_dtypes", "MAGIC"]
+from ..store import find_or_insert_many
+from ._wire import padded
+
+__all__ = ["StepState", "ExchangeBackward", "OwnedRowsGroup", "compute_dtype", "group_dtypes", "MAGIC"]
 
 MAGIC = 0x48454D42  # "HEMB": a header from something else is caught at once
 
@@ -60,31 +63,61 @@ class ExchangeBackward(torch.autograd.Function):
         return None, None, None
 
 
-def apply_received_grads(group, st: StepState, readers, inv: torch.Tensor | None, slots: torch.Tensor | None,
-                         per_table: list[int] | None) -> None:
-    """Owner side of a row group's backward: sums the gradient rows every rank sent for each
-    distinct (table, key) of `compute` (``inv``/``slots``/``per_table``), in rank order so that
-    every run sums the same way, and applies each table's optimizer once per key."""
-    per_src = st.hdr_in[:, group.cols].sum(1).tolist()
-    parts = [readers[r].take(n * group.dim, group.grad_dtype).view(n, group.dim) for r, n in enumerate(per_src)]
-    if slots is None:  # nothing came this step (the readers were still consumed above)
-        return
-    dev = group.coll.device
-    grad = torch.zeros(slots.numel(), group.dim, dtype=group.grad_dtype, device=dev)
-    off = 0
-    for r, n in enumerate(per_src):
-        if n:
-            grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
-            off += n
-    start = 0
-    for i, n in enumerate(per_table):
-        rule, sl = group.rules[i], slice(start, start + n)
-        start += n
-        if rule is None or n == 0:
-            continue
-        s, g = slots[sl], grad[sl]
-        known = s >= 0  # keys not admitted yet take no update
-        if not bool(known.all()):
-            s, g = s[known], g[known]
-        if s.numel():
-            rule.apply(group.coll._stores[group.ts[i]].storage(), s, g, lr=group.coll._lr(group.ts[i]), step=st.step)
+class OwnedRowsGroup:
+    """The owner side of the backward of a group whose owners hold (table, key) rows: row-wise
+    and data-parallel groups.  ``compute`` leaves ``st.own[self] = (inv, slots, per_table, ...)``
+    (or None when nothing came); subclasses set cols, dim, grad_dtype, _grad_bytes, rules, ts,
+    coll and trainable."""
+
+    def owned_slots(self, stores, uniq: torch.Tensor, per_table: list[int], counts: torch.Tensor | None,
+                    training: bool, step: int) -> torch.Tensor:
+        """Row slots of the distinct keys `uniq` (grouped by table as `per_table`): in training
+        one find_or_insert_many over the tables (new keys get rows), else find."""
+        parts, start = [], 0
+        for store, n in zip(stores, per_table):
+            if n:
+                parts.append((store, slice(start, start + n)))
+            start += n
+        if training:
+            got = find_or_insert_many([s for s, _ in parts], [uniq[sl] for _, sl in parts], step,
+                                      counts=None if counts is None else [counts[sl] for _, sl in parts])
+        else:
+            got = [s.find(uniq[sl]) for s, sl in parts]
+        slots = torch.empty(uniq.numel(), dtype=torch.int64, device=uniq.device)
+        for (_, sl), g in zip(parts, got):
+            slots[sl] = g
+        return slots
+
+    def grad_bytes(self, st: StepState, r: int) -> int:
+        return padded(int(st.hdr_in[r, self.cols].sum()) * self._grad_bytes) if self.trainable else 0
+
+    def apply(self, st: StepState, readers) -> None:
+        """Sums the gradient rows every rank sent for each distinct (table, key) of ``compute``, in
+        rank order so every run sums the same way, and applies each table's optimizer once per key."""
+        if not self.trainable:
+            return
+        per_src = st.hdr_in[:, self.cols].sum(1).tolist()
+        parts = [readers[r].take(n * self.dim, self.grad_dtype).view(n, self.dim) for r, n in enumerate(per_src)]
+        own = st.own.get(self)
+        if own is None:  # nothing came this step (the readers were still consumed above)
+            return
+        inv, slots, per_table = own[:3]
+        dev = self.coll.device
+        grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
+        off = 0
+        for r, n in enumerate(per_src):
+            if n:
+                grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
+                off += n
+        start = 0
+        for i, n in enumerate(per_table):
+            rule, sl = self.rules[i], slice(start, start + n)
+            start += n
+            if rule is None or n == 0:
+                continue
+            s, g = slots[sl], grad[sl]
+            known = s >= 0  # keys not admitted yet take no update
+            if not bool(known.all()):
+                s, g = s[known], g[known]
+            if s.numel():
+                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)
