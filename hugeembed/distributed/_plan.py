@@ -73,7 +73,21 @@ class TablePlacement:
 
 def _parse_placement(value: TablePlacement | ShardKind | str | Mapping[str, Any], world_size: int,
                      who: str) -> TablePlacement:
-    """A placement from a TablePlacement, a kind (``"row_wise"``), ``"table_wise@1"`` or a dict."""
+    """A placement from a TablePlacement, a kind (``"row_wise"``), ``"table_wise@1"`` or a dict,
+    on ranks of ``[0, world_size)`` (ConfigError naming `who` otherwise)."""
+    try:
+        p = _placement_of(value, world_size, who)
+    except (ConfigError, ValueError) as e:  # the kind's own parser says what is wrong, not for which table
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(who) else f"{who}: {msg}") from None
+    outside = [r for r in p.ranks if r >= world_size]
+    if outside:
+        raise ConfigError(f"{who}: rank {outside[0]} of {p.kind.value} is outside the world of {world_size} "
+                          f"ranks [0, {world_size - 1}]")
+    return p
+
+
+def _placement_of(value, world_size: int, who: str) -> TablePlacement:
     if isinstance(value, TablePlacement):
         return value
     if isinstance(value, Mapping):

@@ -70,9 +70,12 @@ class RowWiseGroup(OwnedRowsGroup):
         self.grad_dtype = grad_dtype
         W = coll.world_size
         self.member = [coll.rank in ranks for _, _, ranks in members]
-        self._n = torch.tensor([len(r) for _, _, r in members], dtype=torch.int64)
-        self._static = torch.tensor([coll.tables[t].num_rows is not None for t in self.ts])
-        self._ranks = torch.tensor([list(r) + [-1] * (W - len(r)) for _, _, r in members], dtype=torch.int64)
+        # per-table constants of the owner rule, on the device once (not copied every step)
+        dev = coll.device
+        self._n = torch.tensor([len(r) for _, _, r in members], dtype=torch.int64, device=dev)
+        self._static = torch.tensor([coll.tables[t].num_rows is not None for t in self.ts], device=dev)
+        self._ranks = torch.tensor([list(r) + [-1] * (W - len(r)) for _, _, r in members], dtype=torch.int64,
+                                   device=dev)
         self._identity = all(r == tuple(range(W)) for _, _, r in members)
         self._all_dynamic = not bool(self._static.any())
         self._row_bytes = self.dim * torch.empty(0, dtype=self.dtype).element_size()
@@ -81,12 +84,11 @@ class RowWiseGroup(OwnedRowsGroup):
     def _owners(self, keys: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
         if self._identity and self._all_dynamic:
             return torch.remainder(mix64(keys) & _LOW32, self.coll.world_size)
-        dev = keys.device
         h = mix64(keys) & _LOW32
         if not self._all_dynamic:
-            h = torch.where(self._static.to(dev)[tid], keys, h)
-        idx = torch.remainder(h, self._n.to(dev)[tid])
-        return idx if self._identity else self._ranks.to(dev)[tid, idx]
+            h = torch.where(self._static[tid], keys, h)
+        idx = torch.remainder(h, self._n[tid])
+        return idx if self._identity else self._ranks[tid, idx]
 
     # -- forward -------------------------------------------------------------------------
 

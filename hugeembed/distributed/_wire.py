@@ -98,7 +98,7 @@ def segments(starts: list[int], sizes: list[int], device) -> tuple[torch.Tensor,
     n = torch.tensor(sizes, dtype=torch.int64, device=device)
     seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), n)
     first = torch.cumsum(n, 0) - n
-    pos = torch.arange(int(n.sum()), device=device) - first[seg] + torch.tensor(starts, dtype=torch.int64,
+    pos = torch.arange(sum(sizes), device=device) - first[seg] + torch.tensor(starts, dtype=torch.int64,
                                                                                 device=device)[seg]
     return pos, seg
 
