@@ -94,8 +94,12 @@ class FusedEmbeddingLookup:
         if self._native_ok(sf, storages):
             if self._scratch is None:
                 self._scratch = NativeScratch()
-            return prepare_native(self.plan, sf, self._scratch, deduplicate)
-        return prepare_torch(self.plan, sf, deduplicate)
+            prep = prepare_native(self.plan, sf, self._scratch, deduplicate)
+        else:
+            prep = prepare_torch(self.plan, sf, deduplicate)
+        w = sf.weights_or_none()
+        prep.weights_require_grad = w is not None and w.requires_grad
+        return prep
 
     def _check_storages(self, storages: Sequence[torch.Tensor]) -> None:
         if len(storages) != self.plan.num_tables:
@@ -158,9 +162,10 @@ class FusedEmbeddingLookup:
             raise ConfigError("this batch was prepared with deduplicate=False (forward only): its rows repeat, so "
                               "no gradient or optimizer may be applied to it; prepare it with deduplicate=True")
         weights_grad = _weights_need_grad(prep.weights)
-        if weights_grad and prep.native:
-            raise InputError("the per-id weights require grad but the batch was prepared by the native kernels, "
-                             "which keep no autograd graph: prepare it with grad enabled (or backend='torch')")
+        if prep.weights_require_grad and torch.is_grad_enabled() and not weights_grad:
+            # prepared under no_grad: its weights lost their graph, their gradient would be lost silently
+            raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
+                             "their gradient cannot be computed: call prepare() with grad enabled")
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
         outs = _LookupFunction.apply(run, prep.weights if weights_grad else None, *params)
         return run.wrap(outs)

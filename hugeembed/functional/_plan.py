@@ -126,6 +126,8 @@ class Prepared:
     native: bool
     deduplicated: bool = True  # False: one entry per id (forward only: no backward may use it)
     extra: dict = field(default_factory=dict)
+    weights_require_grad: bool = False  # the batch's weights did; `weights` carries their graph only if
+    #                                      prepared with grad enabled, by the torch path
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]

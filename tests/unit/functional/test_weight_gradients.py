@@ -104,3 +104,18 @@ def test_collection_trains_weights_and_rows_together():
     (ref * up.double()).sum().backward()
     torch.testing.assert_close(w.grad.double(), ref_w.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ec.store("t").storage()[:, :4].double(), W0 - 0.5 * ref_W.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_prepared_without_grad_refuse_a_lookup_that_would_drop_their_gradient():
+    from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec
+
+    lookup = FusedEmbeddingLookup([TableSpec("a", 4, num_rows=5)], [FeatureSpec("f", "a")])
+    W = [torch.randn(5, 4)]
+    w = torch.ones(3, requires_grad=True)
+    sf = SparseFeatures(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=w)
+    with torch.no_grad():
+        prep = lookup.prepare(sf, W)
+    with pytest.raises(InputError, match="prepared with grad disabled"):
+        lookup.lookup(prep, W, lookup.static_slots(prep))
+    with torch.no_grad():  # a forward-only lookup of that batch is fine
+        assert lookup.lookup(prep, W, lookup.static_slots(prep))["f"].shape == (2, 4)
