@@ -18,7 +18,6 @@
 //                and places the keys whose probe starts there; a probe that would
 //                leave the range is deferred and finished serially.
 #include "common.h"
-#include "common.h"
 #include "store_table.h"
 
 namespace {

@@ -242,7 +242,7 @@ class HashStore:
 
     def _set_backend(self, backend: str) -> None:
         self._ops = NativeOps() if backend == "native" else TorchOps()
-        self._batch_static = None  # find_or_insert_many's per-store constants, computed on first use
+        self._state_row = None  # (init_state, its one-row template) for find_or_insert_many
 
     def storage(self) -> torch.Tensor:
         return self._storage
@@ -273,35 +273,41 @@ class HashStore:
             else:
                 raise StoreError(f"table '{self.name}': find_or_insert kernel failed with code {rc} (internal error)")
 
+    # Tables with more keys than this in one call take their own find_or_insert, whose
+    # probe and row initialisation split over the threads (find_or_insert_many runs each
+    # table on one thread: right for a collection's many small per-table batches).
+    _BATCH_MAX_KEYS = 1 << 16
+
     def _batch_row(self, keys: torch.Tensor, counts: torch.Tensor | None):
         """This store's row of a find_or_insert_many descriptor and its output tensor, or None
         when it takes the single-table path (torch backend, an initializer without a kernel,
-        an init_state not marked row_independent)."""
-        if self._ops.name != "native" or not keys.numel():
+        an init_state not marked row_independent, a large batch)."""
+        if self._ops.name != "native" or not 0 < keys.numel() <= self._BATCH_MAX_KEYS:
             return None
-        if self._batch_static is None:
-            self._batch_static = self._batch_constants()
-        if self._batch_static is False or not self._storage.is_contiguous():
-            return None
-        limit, bits, seed, state_row = self._batch_static
-        return self._ops.batch_row(self, keys, counts, limit, bits, seed, state_row)
-
-    def _batch_constants(self):
-        """(row limit, initializer kind + parameter bits, seed, state template) or False."""
         spec = self.initializer._native_spec()
-        if spec is None or self._storage.dtype != torch.float32:
-            return False
+        if spec is None or self._storage.dtype != torch.float32 or not self._storage.is_contiguous():
+            return None
         state_row = None
         if self.state_width:
-            if not getattr(self.init_state, "row_independent", self.init_state is None):
-                return False
-            state_row = torch.zeros(1, self.state_width, dtype=torch.float32)
-            if self.init_state is not None:
-                self.init_state(state_row)
+            state_row = self._state_template()
+            if state_row is None:
+                return None
         kind, params = spec
         bits = struct.unpack("<6q", struct.pack("<6d", *(list(params) + [0.0] * (6 - len(params)))))
         limit = self.capacity if self.capacity is not None else _MAX_SLOTS
-        return limit, (kind, *bits), _signed(self.seed), state_row
+        return self._ops.batch_row(self, keys, counts, limit, (kind, *bits), _signed(self.seed), state_row)
+
+    def _state_template(self) -> torch.Tensor | None:
+        """One row of the optimizer state a new row starts with, or None when init_state is not
+        marked row_independent.  Cached per init_state (the attribute may be reassigned)."""
+        if self._state_row is None or self._state_row[0] is not self.init_state:
+            if not getattr(self.init_state, "row_independent", self.init_state is None):
+                return None
+            row = torch.zeros(1, self.state_width, dtype=torch.float32)
+            if self.init_state is not None:
+                self.init_state(row)
+            self._state_row = (self.init_state, row)
+        return self._state_row[1]
 
     def _make_room(self, step: int, needed: int, codes: torch.Tensor, retried: bool) -> None:
         cap, live = self.capacity, len(self)
@@ -454,9 +460,19 @@ def find_or_insert_many(stores, keys, step: int, counts=None) -> list[torch.Tens
     counts = [None] * len(stores) if counts is None else list(counts)
     if not len(stores) == len(keys) == len(counts):
         raise InputError(f"find_or_insert_many: {len(stores)} stores, {len(keys)} key tensors, {len(counts)} counts")
-    if len({id(s) for s in stores}) != len(stores):
-        raise InputError("find_or_insert_many: a store is given twice (merge its keys first)")
-    step = check_step("find_or_insert_many", step)
+    for s in stores:
+        if not hasattr(s, "find_or_insert"):
+            raise InputError(f"find_or_insert_many: {type(s).__name__} is not a row store")
+    # by store and by scratch buffers (a copy.copy of a store shares its backend's)
+    if len({id(s) for s in stores}) != len(stores) or \
+            len({id(s._ops) for s in stores if isinstance(s, HashStore)}) != sum(isinstance(s, HashStore) for s in stores):
+        raise InputError("find_or_insert_many: a store is given twice (itself or a shallow copy); merge its keys first")
+    try:
+        step = int(step) if not isinstance(step, bool) else None
+    except (TypeError, ValueError):
+        step = None
+    if step is None:
+        raise InputError("find_or_insert_many: step must be an int")
     out: list[torch.Tensor | None] = [None] * len(stores)
     batch, rows = [], []
     for i, s in enumerate(stores):

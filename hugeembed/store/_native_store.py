@@ -50,6 +50,8 @@ _RC = BATCH_COLUMNS.index("rc")
 
 def run_batch(rows: list[list[int]], step: int) -> list[tuple[int, list[int]]]:
     """Runs he_hs_find_or_insert_many over descriptor rows (NativeOps.batch_row); (rc, need) per row."""
+    if any(len(r) != len(BATCH_COLUMNS) for r in rows):  # the kernel reads exactly this many columns
+        raise StoreError(f"find_or_insert_many: descriptor rows must have {len(BATCH_COLUMNS)} columns (internal error)")
     desc = torch.tensor(rows, dtype=torch.int64)
     _native.fn("he_hs_find_or_insert_many", _P, _I, _I, _I)(desc.data_ptr(), len(rows), step, _native.nthreads())
     return [(r[0], r[1:]) for r in desc[:, _RC:].tolist()]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -10,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from hugeembed import _native
 

@@ -98,3 +98,33 @@ def test_errors_name_the_table():
     full = HashStore("full", 2, capacity=2, on_full="error", initial_rows=2)
     with pytest.raises(CapacityError, match="'full'"):
         find_or_insert_many([a, full], [torch.tensor([7]), torch.tensor([1, 2, 3])], 4)
+
+
+@native
+def test_settings_changed_after_a_call_take_effect_at_once():
+    """capacity and initializer are read per call (no stale copy in the batched path)."""
+    a = HashStore("a", 2, capacity=30, on_full="error", initial_rows=64)
+    b = HashStore("b", 2, initial_rows=64)
+    find_or_insert_many([a, b], [torch.arange(5), torch.arange(5)], 1)
+    a.capacity = 6
+    with pytest.raises(CapacityError, match="'a'.*capacity 6"):
+        find_or_insert_many([a, b], [torch.arange(5, 12), torch.arange(5, 12)], 2)
+    b.initializer = FromCallable(lambda k, d: torch.full((k.numel(), d), 7.0))  # no kernel: the loop path
+    find_or_insert_many([a, b], [torch.tensor([0]), torch.arange(100, 104)], 3)
+    assert bool((b.gather(b.find(torch.arange(100, 104))) == 7.0).all())
+    b.initializer = Uniform(5.0, 6.0)  # a kernel initializer again: the batched path reads the new one
+    find_or_insert_many([a, b], [torch.tensor([0]), torch.arange(200, 204)], 4)
+    rows = b.gather(b.find(torch.arange(200, 204)))
+    assert bool(((rows >= 5.0) & (rows <= 6.0)).all())
+
+
+def test_more_bad_arguments_are_clear_errors():
+    import copy
+
+    a = HashStore("a", 2)
+    with pytest.raises(InputError, match="shallow copy"):
+        find_or_insert_many([a, copy.copy(a)], [torch.tensor([1]), torch.tensor([2])], 1)
+    with pytest.raises(InputError, match="int is not a row store"):
+        find_or_insert_many([a, 3], [torch.tensor([1]), torch.tensor([2])], 1)
+    with pytest.raises(InputError, match="step must be an int"):
+        find_or_insert_many([a], [torch.tensor([1])], "x")
