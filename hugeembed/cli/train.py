@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..training import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
 from ._output import Progress, human_bytes, plot_history, print_summary, write_json
 
@@ -107,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"')
+    if (env is None or env.world_size == 1) and (cfg.sharding or cfg.memory_per_rank is not None):
+        raise ConfigError("--shard / --memory-per-rank place tables over processes; with one process they would be "
+                          "ignored: add --nproc N (or run under torchrun with N > 1)")
     rank, world = 0, 1
     if env is not None:
         device = init_from_env(env, cfg.device, cfg.dist_timeout)

@@ -116,11 +116,15 @@ class TrainConfig:
                 not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         sharding = (self.sharding,) if isinstance(self.sharding, str) else tuple(self.sharding)
+        seen = set()
         for item in sharding:
             table, eq, kind = str(item).partition("=")
             if not eq or not table or not kind:
                 raise ConfigError(f"sharding entries look like TABLE=KIND (e.g. C3=row_wise, C1=data_parallel, "
                                   f"C9=table_wise@1), got {item!r}")
+            if table in seen:  # a dict would silently keep the last one
+                raise ConfigError(f"sharding: table {table!r} is placed twice")
+            seen.add(table)
         object.__setattr__(self, "sharding", tuple(str(x) for x in sharding))
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")

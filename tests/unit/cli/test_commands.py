@@ -85,6 +85,8 @@ def test_bench_runs_the_scripts_it_finds(tmp_path, capsys):
     (["eval", "--checkpoint", "/no/such/dir"], "no checkpoint at /no/such/dir"),
     (["inspect", "/no/such/dir"], "no checkpoint at /no/such/dir"),
     (["bench", "nope"], "unknown benchmark 'nope'"),
+    (["train", "--shard", "C3=row_wise"], "with one process they would be ignored"),
+    (["train", "--nproc", "2", "--shard", "C3=row_wise", "--shard", "C3=data_parallel"], "'C3' is placed twice"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     assert main(argv) == 2
