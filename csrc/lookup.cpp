@@ -661,8 +661,7 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
     const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
     if (i0 < 0 || i1 < i0 || i1 > n_values) return false;
     float* __restrict o = out + b * ors + col;
-    float* __restrict s = acc;
-    for (int64_t d = 0; d < D; ++d) s[d] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     float wsum = 0.0f, w2sum = 0.0f;  // weighted bags only: else both are `kept`
     int64_t kept = 0;
     // One unsigned compare per id in the common case; TF's rules (as classify) otherwise.
@@ -693,9 +692,9 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
       if (mn > 0.0f) {
         Clip clip;
         clip.setup(mn, row, D);
-        for (int64_t d = 0; d < D; ++d) s[d] += wj * clip(row[d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * clip(row[d]);
       } else {
-        for (int64_t d = 0; d < D; ++d) s[d] += wj * row[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * row[d];
       }
     }
     if (kept == 0 && fill) {  // an empty pooled bag reads default_id's row, weight 1
@@ -705,9 +704,9 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
       if (mn > 0.0f) {
         Clip clip;
         clip.setup(mn, row, D);
-        for (int64_t d = 0; d < D; ++d) s[d] += 1.0f * clip(row[d]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += 1.0f * clip(row[d]);
       } else {
-        for (int64_t d = 0; d < D; ++d) s[d] += 1.0f * row[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
       }
     }
     if (!w) wsum = w2sum = (float)kept;  // a sum of `kept` ones, exactly

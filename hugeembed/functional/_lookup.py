@@ -14,8 +14,8 @@ import torch
 
 from .. import _native
 from ..errors import ConfigError, InputError
-from ._native_stages import (NativeScratch, backward_native, can_use_native, can_use_native_storages, pool_direct,
-                             pool_native, prepare_native, unpooled_native, unpooled_rows)
+from ._native_stages import (NativeScratch, backward_native, batch_arrays, can_use_native, can_use_native_storages,
+                             pool_direct, pool_native, prepare_native, unpooled_native, unpooled_rows)
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
@@ -125,9 +125,9 @@ class FusedEmbeddingLookup:
         self._check_storages(storages)
         if not self._native_ok(sf, storages):
             return None
-        groups = []
+        groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:
-            out = pool_direct(plan, sf, storages, group)
+            out = pool_direct(plan, sf, storages, group, arrays)
             if out is None:
                 return None
             groups.append(out)

@@ -54,7 +54,7 @@ def _addresses(storages: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return addr, stride
 
 
-def _batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(ids, int64 offsets, float32 weights or None) of a batch, as the kernels read them."""
     values = nat.check(sf.values(), torch.int64, "ids")
     offsets = sf.offsets()
@@ -76,7 +76,7 @@ def _pool_target(storages, group: DimGroup, B: int):
 
 def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bool = True) -> Prepared:
     a = plan.arrays("cpu")
-    values, offsets, weights = _batch_arrays(sf)
+    values, offsets, weights = batch_arrays(sf)
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
     src = plan.source_indices(sf.keys())
     # Only uninitialised allocations between the kernels: a torch op on a batch-sized
@@ -112,13 +112,13 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
                     capacity, native=True, deduplicated=deduplicate)
 
 
-def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup) -> torch.Tensor | None:
+def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup, arrays=None) -> torch.Tensor | None:
     """Pooled output [B, F_g, D] of a group of static tables in one pass over the batch
     (forward only: no dedup, no intermediate arrays), bit-identical to prepare + pool.
     None when a bag holds something to report (the caller runs the two-stage path,
-    which raises with the details)."""
+    which raises with the details).  `arrays`: batch_arrays(sf), read once for all groups."""
     a = plan.arrays("cpu")
-    values, offsets, weights = _batch_arrays(sf)
+    values, offsets, weights = arrays if arrays is not None else batch_arrays(sf)
     B, D, n = sf.batch_size, group.dim, len(group.pooled)
     out, addr, stride, feats, cols = _pool_target(storages, group, B)
     if n == 0 or B == 0:

@@ -186,6 +186,13 @@ def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, ow
     return torch.where(wsum > 0, denom, torch.ones_like(denom)), w, out_bag
 
 
+def _combine(rows: torch.Tensor, w: torch.Tensor, out_bag: torch.Tensor, denom: torch.Tensor,
+             n_bags: int) -> torch.Tensor:
+    """[n_bags, D]: each bag's weighted sum of its rows divided by its combiner's denominator."""
+    out = torch.zeros(n_bags, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    return out.index_add_(0, out_bag, rows * w.unsqueeze(1)) / denom.unsqueeze(1)
+
+
 def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
     dev = prep.offsets.device
@@ -194,9 +201,7 @@ def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGrou
     emb = _unique_rows(plan, prep, storages, slots, D, dtype)
     pos, owner, sample = _group_ids(prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
-    contrib = emb[prep.inverse[pos].long()] * w.unsqueeze(1)
-    out = torch.zeros(B * n, D, dtype=dtype, device=dev).index_add_(0, out_bag, contrib)
-    return (out / denom.unsqueeze(1)).view(B, n, D)
+    return _combine(emb[prep.inverse[pos].long()], w, out_bag, denom, B * n).view(B, n, D)
 
 
 def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
@@ -266,8 +271,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
             e = emb[prep.inverse[pos].long()]
             go = go_all.reshape(-1, D)[out_bag]
-            out = torch.zeros(go_all.reshape(-1, D).shape, dtype=dtype, device=dev).index_add_(
-                0, out_bag, e * w.unsqueeze(1)) / denom.unsqueeze(1)
+            out = _combine(e, w, out_bag, denom, go_all.reshape(-1, D).shape[0])  # the forward's bag outputs
             ge = (go * e).sum(1)
             gout = (go * out[out_bag]).sum(1)
             d = denom[out_bag]
