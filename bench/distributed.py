@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import criteo_batches, criteo_rows, fmt_rate, measure, print_table  # noqa: E402
 
-from hugeembed._hashing import mix64  # noqa: E402
+from hugeembed.distributed._row_wise import owner_index  # noqa: E402
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.data import Batch  # noqa: E402
 from hugeembed.features import SparseFeatures  # noqa: E402
@@ -123,7 +123,7 @@ def _bytes_of_step(ec, b: Batch, rank: int, world: int, dim: int) -> dict:
         if ec.plan[name].kind.value != "row_wise":
             return {"sent": sent, "no_dedup": None}
         ids = b.sparse.feature(name).values
-        owner = torch.remainder(ids if ec.tables[0].num_rows is not None else mix64(ids) & 0xFFFFFFFF, world)
+        owner = owner_index(ids, world, ec.tables[0].num_rows is not None)  # the collection's own rule
         remote = int((owner != rank).sum())
         # per id sent away: a key record (8 + 4 B) and a gradient row; and, summed over the ranks,
         # one row sent back per id another rank asked for

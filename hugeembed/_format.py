@@ -7,8 +7,8 @@ __all__ = ["human_bytes", "human_count"]
 
 def human_bytes(n: float, digits: int = 1) -> str:
     """``1536 -> '1.5 KiB'`` (binary units; whole bytes below 1 KiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{int(n)} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return f"{n:.{digits}f} TiB"

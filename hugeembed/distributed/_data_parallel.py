@@ -68,11 +68,7 @@ class ReplicatedGroup(OwnedRowsGroup):
         pos, counts = st.req[self]
         if not st.training:  # every rank reads its own replica
             keys = st.prep_l.unique_keys[pos]
-            found, start = [], 0
-            for store, n in zip(self._stores(), counts):
-                found.append(store.find(keys[start : start + n]))
-                start += n
-            st.own[self] = (None, None, None, torch.cat(found) if found else keys)
+            st.own[self] = (None, None, None, self.owned_slots(self._stores(), keys, counts, None, False, st.step))
             return
         got = union_received(readers, st.hdr_in[:, self.cols], self.coll.device, with_counts=True)
         if got is None:
