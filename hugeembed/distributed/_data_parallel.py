@@ -68,7 +68,13 @@ class ReplicatedGroup(OwnedRowsGroup):
         pos, counts = st.req[self]
         if not st.training:  # every rank reads its own replica
             keys = st.prep_l.unique_keys[pos]
-            st.own[self] = (None, None, None, self.owned_slots(self._stores(), keys, counts, None, False, st.step))
+            slots = self.owned_slots(st, keys, counts, None, False)
+            overlay, start = {}, 0
+            for t, n in zip(self.ts, counts):  # rows as they are now (see coll.current_rows)
+                storage = self.coll._stores[t].storage()
+                overlay[t], slots[start : start + n] = self.coll.current_rows(t, storage, slots[start : start + n])
+                start += n
+            st.own[self] = (None, None, None, slots, overlay)
             return
         got = union_received(readers, st.hdr_in[:, self.cols], self.coll.device, with_counts=True)
         if got is None:
@@ -76,18 +82,19 @@ class ReplicatedGroup(OwnedRowsGroup):
             return
         # the union is the same keys in the same order on every replica
         per_src, inv, uniq, per_table, ucounts = got
-        slots = self.owned_slots(self._stores(), uniq, per_table, ucounts, True, st.step)
+        slots = self.owned_slots(st, uniq, per_table, ucounts, True)
         mine = sum(per_src[: st.rank])
         local = slots[inv[mine : mine + per_src[st.rank]]]
-        st.own[self] = (inv, slots, per_table, local)
+        st.own[self] = (inv, slots, per_table, local, {})
 
     def output_bytes(self, st, d: int) -> int:
         return 0
 
     def output_dist(self, st, readers) -> None:
-        for lt, store in zip(self.lts, self._stores()):
-            st.storages_l[lt] = store.storage()
         own = st.own.get(self)
+        overlay = own[4] if own is not None else {}
+        for t, lt, store in zip(self.ts, self.lts, self._stores()):
+            st.storages_l[lt] = overlay.get(t, store.storage())
         if own is not None:
             st.slots_l[st.req[self][0]] = own[3]
 

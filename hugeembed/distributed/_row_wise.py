@@ -142,14 +142,16 @@ class RowWiseGroup(OwnedRowsGroup):
             return
         per_src, inv, uniq, per_table, ucounts = got
         stores = [self.coll._stores[t] for t in self.ts]
-        slots = self.owned_slots(stores, uniq, per_table, ucounts, st.training, st.step)
+        slots = self.owned_slots(st, uniq, per_table, ucounts, st.training)
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
         start = 0
-        for store, n in zip(stores, per_table):
+        for t, store, n in zip(self.ts, stores, per_table):
             if n:
                 sl = slice(start, start + n)
-                got = slots[sl]
-                weights = store.storage()[:, : self.dim]
+                storage, got = store.storage(), slots[sl]
+                if not st.training:  # eval reads rows as they are now (see coll.current_rows)
+                    storage, got = self.coll.current_rows(t, storage, got)
+                weights = storage[:, : self.dim]
                 known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
                 if bool(known.all()):
                     rows[sl] = weights[got]

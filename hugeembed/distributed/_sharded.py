@@ -238,9 +238,6 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return {t.name: everyone[0][t.name] if self.plan[t.name].kind is ShardKind.DATA_PARALLEL
                 else sum(e[t.name] for e in everyone) for t in self.tables}
 
-    def _lr(self, t: int) -> float:
-        return self.optimizer.param_groups[self.optimizer.group_of_table[t]]["lr"]
-
     def extra_repr(self) -> str:
         return f"rank {self.rank} of {self.world_size}\n{super().extra_repr()}\n{self.plan.describe()}"
 
@@ -302,6 +299,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     def compute(self, st: StepState) -> None:
         """Stage 2 (owners): find-or-insert the keys every rank asked for; gather rows or pool."""
+        if st.training:  # after input_dist checked the batch: a bad batch evicts nothing
+            self._evict_expired(st.step)
+            st.flight = self._pin(st.step, [])  # owner rows fetched below stay put until backward_step
         st.replies = Packer(self.world_size)
         rds = st.in_readers or [None] * self.world_size
         for route in self._routes:
@@ -375,6 +375,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             route.apply(st, rds)
         for rd in rds:
             rd.finish()
+        st.flight.release_all()
 
     # -- state_dict ---------------------------------------------------------------------
 

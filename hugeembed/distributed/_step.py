@@ -45,6 +45,7 @@ class StepState:
         self.pool_replies: list = []
         self.local_grads: dict = {}
         self.outputs: list = []
+        self.flight = None  # InFlight of the owner rows this rank fetched for a training step
 
 
 class ExchangeBackward(torch.autograd.Function):
@@ -69,23 +70,26 @@ class OwnedRowsGroup:
     (or None when nothing came); subclasses set cols, dim, grad_dtype, _grad_bytes, rules, ts,
     coll and trainable."""
 
-    def owned_slots(self, stores, uniq: torch.Tensor, per_table: list[int], counts: torch.Tensor | None,
-                    training: bool, step: int) -> torch.Tensor:
+    def owned_slots(self, st: StepState, uniq: torch.Tensor, per_table: list[int], counts: torch.Tensor | None,
+                    training: bool) -> torch.Tensor:
         """Row slots of the distinct keys `uniq` (grouped by table as `per_table`): in training
-        one find_or_insert_many over the tables (new keys get rows), else find."""
+        one find_or_insert_many over the tables (new keys get rows, pinned until the backward
+        of the step), else find (readers take the rows through ``coll.current_rows``)."""
         parts, start = [], 0
-        for store, n in zip(stores, per_table):
+        for t, n in zip(self.ts, per_table):
             if n:
-                parts.append((store, slice(start, start + n)))
+                parts.append((t, self.coll._stores[t], slice(start, start + n)))
             start += n
         if training:
-            got = find_or_insert_many([s for s, _ in parts], [uniq[sl] for _, sl in parts], step,
-                                      counts=None if counts is None else [counts[sl] for _, sl in parts])
+            got = find_or_insert_many([s for _, s, _ in parts], [uniq[sl] for _, _, sl in parts], st.step,
+                                      counts=None if counts is None else [counts[sl] for _, _, sl in parts])
         else:
-            got = [s.find(uniq[sl]) for s, sl in parts]
+            got = [s.find(uniq[sl]) for _, s, sl in parts]
         slots = torch.empty(uniq.numel(), dtype=torch.int64, device=uniq.device)
-        for (_, sl), g in zip(parts, got):
+        for (t, _, sl), g in zip(parts, got):
             slots[sl] = g
+            if training:
+                st.flight.pin(t, g)
         return slots
 
     def grad_bytes(self, st: StepState, r: int) -> int:
@@ -120,4 +124,7 @@ class OwnedRowsGroup:
             if not bool(known.all()):
                 s, g = s[known], g[known]
             if s.numel():
-                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)
+                t = self.ts[i]
+                store = self.coll._stores[t]
+                st.flight.check(t, store, self.coll.tables[t].name)
+                rule.apply(store.storage(), s, g, lr=self.coll._lr(t), step=st.step)

@@ -108,6 +108,7 @@ class TableWisePooling:
         st.pool_replies = []
         lengths_all, ids_all, w_all = [], [], []
         ukeys, ucounts, base, count, slots_all = [], [], [], [], []
+        overlay = {}  # eval: caught-up copies of rows read (global Adam), see coll.current_rows
         for p in self.mine:
             F = len(p.feats)
             keys, counts, lens, ids, ws = [], [], [], [], []
@@ -133,7 +134,14 @@ class TableWisePooling:
                     uc = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
                         0, inv, torch.cat(counts).to(torch.int64))
             store = self.coll._stores[p.t]
-            slots_all.append(store.find_or_insert(uniq, st.step, counts=uc) if st.training else store.find(uniq))
+            if st.training:
+                got = store.find_or_insert(uniq, st.step, counts=uc)
+                st.flight.pin(p.t, got)
+            else:
+                storage, got = self.coll.current_rows(p.t, store.storage(), store.find(uniq))
+                if storage is not store.storage():
+                    overlay[p.t] = storage
+            slots_all.append(got)
             ukeys.append(uniq)
             ucounts.append(uc if uc is not None else torch.ones_like(uniq))
             base.append(b0)
@@ -162,7 +170,7 @@ class TableWisePooling:
         mprep = Prepared(Bm, offsets, inverse, weights, torch.cat(ukeys), torch.cat(ucounts), base, count,
                          sum(count), native=native)
         slots = torch.cat(slots_all)
-        storages = [self.coll._stores[p.t].storage() for p in self.mine]
+        storages = [overlay.get(p.t, self.coll._stores[p.t].storage()) for p in self.mine]
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],
@@ -181,8 +189,10 @@ class TableWisePooling:
     def _owner_hook(self, st):
         def apply(j: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
             p = self.mine[j]
+            store = self.coll._stores[p.t]
+            st.flight.check(p.t, store, self.coll.tables[p.t].name)
             if p.rule is not None:
-                p.rule.apply(self.coll._stores[p.t].storage(), slots, grad, lr=self.coll._lr(p.t), step=st.step)
+                p.rule.apply(store.storage(), slots, grad, lr=self.coll._lr(p.t), step=st.step)
 
         return apply
 

@@ -11,6 +11,7 @@ One training step (DESIGN.md)::
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -23,6 +24,7 @@ from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, Ta
 from ..optim import SparseOptimizer
 from ..store import ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
 from ._config import TableConfig
+from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
 
 __all__ = ["EmbeddingCollection"]
@@ -53,6 +55,11 @@ class EmbeddingCollection(nn.Module):
     into dynamic tables, counts hits, and ``loss.backward()`` applies each table's
     optimizer to the rows the batch touched.  In eval mode unknown ids read as zeros
     and nothing is inserted, counted or updated.
+
+    Several forwards may precede their backwards (gradient accumulation, pipelined
+    training): the rows of every batch whose backward has not run are pinned, so
+    eviction (capacity, ttl, norm) never hands their slots to other ids.  A forward
+    that raises changes nothing: no step taken, no row inserted or evicted.
 
     Example::
 
@@ -102,11 +109,17 @@ class EmbeddingCollection(nn.Module):
             feats.append(FeatureSpec(out_name, table, source=feature, combiner=t.combiner, default_id=t.default_id,
                                      out_of_range=t.out_of_range, prune_negative=t.prune_negative))
         self.lookup = FusedEmbeddingLookup(specs, feats, backend=backend)
+        # Pools a batch prepared by self.lookup from row copies fewer than a static table's
+        # num_rows (eval of global Adam tables reads caught-up copies: see current_rows).
+        self._copies_lookup = FusedEmbeddingLookup(
+            [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
+            if any(r is not None and r.moves_untouched_rows for r in self.rules) else None
         self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
         self._step = 0
+        self._inflight: weakref.WeakSet[InFlight] = weakref.WeakSet()  # training forwards not yet applied
         self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
 
@@ -124,7 +137,7 @@ class EmbeddingCollection(nn.Module):
         backend = None if self.backend == "auto" else self.backend
         return HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
                          eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
-                         **common)
+                         admit_probability=t.admit_probability, max_pending=t.max_pending, **common)
 
     # -- accessors ----------------------------------------------------------------------
 
@@ -182,27 +195,39 @@ class EmbeddingCollection(nn.Module):
                              f"move it with batch.to(device) (pin_memory + non_blocking on GPU)")
         training = self.training and torch.is_grad_enabled()
         step = self._step + 1 if training else self._step
-        if training:
+        out = self._lookup_batch(features, training, step)
+        if training:  # only once the lookup succeeded: a failed forward takes no step
             self._step = step
-            self._evict_expired(step)
-        return self._lookup_batch(features, training, step)
+        return out
 
     def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
         """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
         storages = [s.storage() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
-        dedup = training or any(t.num_rows is None for t in self.tables)
+        # (global Adam's rows are brought current per batch in _fetch, which needs the slots)
+        dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving_rules())
         if not dedup:  # static tables, forward only: one pass over the batch
             out = self.lookup.forward_static([s[:, : t.dim] for s, t in zip(storages, self.tables)], features)
             if out is not None:
                 return out
-        prep = self.lookup.prepare(features, storages, deduplicate=dedup)
+        prep = self.lookup.prepare(features, storages, deduplicate=dedup)  # checks the batch; changes nothing
+        if training:
+            self._evict_expired(step)
         slots = self._fetch(prep, training, step)
         storages = [s.storage() for s in self._stores]  # inserts may have grown them
-        if not training or not any(self.rules):
+        if not training and self._copies_lookup is not None:
+            for t in self._moving_rules():
+                b, n = prep.unique_base[t], prep.unique_count[t]
+                storages[t], slots[b : b + n] = self.current_rows(t, storages[t], slots[b : b + n])
+            return self._copies_lookup.lookup(prep, storages, slots)
+        if not training:
             return self.lookup.lookup(prep, storages, slots)
-        return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(step))
+        if not any(self.rules):
+            return self.lookup.lookup(prep, storages, slots)
+        flight = self._pin(step, [slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]]
+                                  for t in range(len(self._stores))])
+        return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
         """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
@@ -227,30 +252,88 @@ class EmbeddingCollection(nn.Module):
             slots[b : b + n] = got
         return slots
 
-    def _hook(self, step: int):
-        groups = self.optimizer.group_of_table
+    # -- rows in flight and rows brought current ------------------------------------------
 
+    def _lr(self, t: int) -> float:
+        """Table `t`'s learning rate now (its param group's: schedulers drive it)."""
+        return self.optimizer.param_groups[self.optimizer.group_of_table[t]]["lr"]
+
+    def _pin(self, step: int, slots_per_table: Sequence[torch.Tensor | None]) -> InFlight:
+        """Pins the rows a training forward read in every store that can evict (see InFlight)."""
+        flight = InFlight(step, self._stores, dict(enumerate(slots_per_table)))
+        self._inflight.add(flight)
+        return flight
+
+    def _hook(self, flight: InFlight):
         def apply(t: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
+            store = self._stores[t]
+            flight.check(t, store, self.tables[t].name)
             rule = self.rules[t]
-            if rule is None:
-                return  # frozen table
-            lr = self.optimizer.param_groups[groups[t]]["lr"]
-            rule.apply(self._stores[t].storage(), slots, grad, lr=lr, step=step)
+            if rule is not None:  # None: a frozen table
+                rule.apply(store.storage(), slots, grad, lr=self._lr(t), step=flight.step)
+            flight.release(t)
 
         return apply
 
+    def applied_step(self) -> int:
+        """The last step every backward before it has applied (rows are current as of it)."""
+        pending = [f.step for f in list(self._inflight) if not f.applied]
+        return min([self._step, *(s - 1 for s in pending)])
+
+    def _moving_rules(self) -> list[int]:
+        """Tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up."""
+        return [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
+
+    def current_rows(self, t: int, storage: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) to read table `t`'s rows at `slots` as they are now, for anything but a
+        training step (eval, inference).  Global Adam's rows lag the dense update until touched:
+        they are read from a caught-up copy (slots renumbered into it), so reading changes no
+        row, and a run's numbers never depend on when it evaluated.  Other rules: as given."""
+        rule, step = self.rules[t], self.applied_step()
+        if rule is None or not rule.moves_untouched_rows or step < 1:
+            return storage, slots
+        known = slots >= 0
+        rows = storage.index_select(0, slots[known])
+        rule.catch_up(rows, torch.arange(rows.shape[0], device=rows.device), step, lr=self._lr(t),
+                      dim=self.tables[t].dim)
+        out = torch.full_like(slots, -1)
+        out[known] = torch.arange(rows.shape[0], device=slots.device)
+        return rows, out
+
+    def catch_up_rows(self) -> None:
+        """Brings every row of the tables current in place (global Adam replays the steps each row
+        skipped): for an export of the rows.  A no-op for every other optimizer.
+
+        Training never needs it (a row is caught up when next touched), nor do eval and
+        snapshots: eval reads a caught-up copy (:meth:`current_rows`), and a snapshot keeps each
+        row with its step counter, which is lossless and resumes bit-identically; bringing the
+        live rows current at a save would make a run's numbers depend on when it saved.
+        """
+        step = self.applied_step()
+        for t in self._moving_rules():
+            slots = self._stores[t].export_index().slots
+            if step >= 1 and slots.numel():
+                self.rules[t].catch_up(self._stores[t].storage(), slots, step, lr=self._lr(t),
+                                       dim=self.tables[t].dim)
+
+    # -- eviction -----------------------------------------------------------------------
+
     def _evict_expired(self, step: int) -> None:
         for cfg, store in self.stores():
-            if cfg.ttl is not None and step % cfg.evict_interval == 0:
-                store.evict(step, ttl=cfg.ttl)
+            if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
+                store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
 
-    def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
-              tables: Sequence[str] | None = None) -> dict[str, int]:
-        """Evicts rows of dynamic tables now; returns rows removed per table."""
+    def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
+              tables: Sequence[str] | None = None, min_norm: float | None = None) -> dict[str, int]:
+        """Evicts rows of dynamic tables now; returns rows removed per table.
+
+        `policy` ("lfu" | "lru") picks the victims beyond `max_rows`; default each table's
+        own eviction_policy.  Rows of batches whose backward has not run are never evicted.
+        """
         out = {}
         for cfg, store in self.stores():
             if cfg.num_rows is None and (tables is None or cfg.name in tables):
-                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy)
+                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm)
         return out
 
     def _meta_forward(self, features: SparseFeatures) -> PooledEmbeddings:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from ..errors import ConfigError
 from ..optim import SparseOptimizer
 from ..store import Initializer
+from ..store._admit import check_admission
 from ..types import Combiner, OutOfRange
 
 __all__ = ["TableConfig"]
@@ -50,9 +53,17 @@ class TableConfig:
         eviction_policy: ``"lfu"`` or ``"lru"``.
         admit_min_count: dynamic tables: an id gets a trainable row once seen this
             many times (DeepRec's counter filter); until then it reads zeros.
+        admit_probability: dynamic tables: instead of counting, each sighting of an id
+            without a row admits it with this probability (DeepRec's probability filter;
+            reproducible per seed, id and step); an id not admitted reads zeros and
+            leaves no trace.
+        max_pending: dynamic tables: ids waiting for admission kept at most (default
+            2**20, ~40 MiB of index); past it the least seen are forgotten.
         ttl: dynamic tables: rows not seen for more than `ttl` training steps are
             evicted, checked every `evict_interval` steps.
-        evict_interval: steps between ttl checks.
+        evict_norm_below: dynamic tables: rows whose weight L2 norm is below this are
+            evicted, checked every `evict_interval` steps (DeepRec's L2-weight eviction).
+        evict_interval: steps between ttl and norm checks.
         seed: initializer seed (default: derived from the collection seed and the
             table name, so it does not depend on the order of tables).
 
@@ -79,10 +90,12 @@ class TableConfig:
     on_full: str = "evict"
     eviction_policy: str = "lfu"
     admit_min_count: int = 1
+    admit_probability: float | None = None
+    max_pending: int | None = None
     ttl: int | None = None
+    evict_norm_below: float | None = None
     evict_interval: int = 1000
     seed: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         who = f"table {self.name!r}"
@@ -122,7 +135,9 @@ class TableConfig:
             raise ConfigError(f"{who}: out_of_range='default' needs a default_id")
         if self.num_rows is not None:
             dynamic_only = {"capacity": self.capacity is not None, "admit_min_count": self.admit_min_count != 1,
-                            "ttl": self.ttl is not None}
+                            "admit_probability": self.admit_probability is not None,
+                            "max_pending": self.max_pending is not None, "ttl": self.ttl is not None,
+                            "evict_norm_below": self.evict_norm_below is not None}
             bad = [k for k, v in dynamic_only.items() if v]
             if bad:
                 raise ConfigError(f"{who}: {', '.join(bad)} apply to dynamic tables (num_rows=None) only")
@@ -132,8 +147,12 @@ class TableConfig:
             raise ConfigError(f"{who}: on_full must be 'evict' or 'error', got {self.on_full!r}")
         if self.eviction_policy not in ("lfu", "lru"):
             raise ConfigError(f"{who}: eviction_policy must be 'lfu' or 'lru', got {self.eviction_policy!r}")
-        if not isinstance(self.admit_min_count, int) or self.admit_min_count < 1:
-            raise ConfigError(f"{who}: admit_min_count must be an int >= 1, got {self.admit_min_count!r}")
+        check_admission(self.name, self.admit_min_count, self.admit_probability, self.max_pending)
+        if self.evict_norm_below is not None and (isinstance(self.evict_norm_below, bool) or not isinstance(
+                self.evict_norm_below, (int, float)) or not math.isfinite(self.evict_norm_below)
+                or self.evict_norm_below <= 0):
+            raise ConfigError(f"{who}: evict_norm_below must be a positive finite number or None, "
+                              f"got {self.evict_norm_below!r}")
         if self.ttl is not None and (not isinstance(self.ttl, int) or self.ttl < 1):
             raise ConfigError(f"{who}: ttl must be a positive int (steps) or None, got {self.ttl!r}")
         if not isinstance(self.evict_interval, int) or self.evict_interval < 1:
@@ -152,11 +171,23 @@ class TableConfig:
         return (int(collection_seed) * 1_000_003 + zlib.crc32(self.name.encode())) & 0x7FFF_FFFF_FFFF_FFFF
 
     def describe(self) -> dict[str, Any]:
-        """Plain data for manifests and summaries."""
-        return {
-            "name": self.name, "dim": self.dim, "num_rows": self.num_rows, "features": list(self.features),
-            "combiner": self.combiner.value, "dtype": str(self.dtype).removeprefix("torch."),
-            "optimizer": None if self.optimizer is None else self.optimizer.to_dict(),
-            "trainable": self.trainable, "max_norm": self.max_norm, "default_id": self.default_id,
-            "capacity": self.capacity, "admit_min_count": self.admit_min_count, "ttl": self.ttl,
-        }
+        """Every field as plain data (manifests, summaries, and ranks agreeing on their tables)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON-able data that is equal across processes for equal configs."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, SparseOptimizer):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value):  # an initializer: its kind and fields (a callable by its name)
+        return {"kind": type(value).__name__, **{f.name: _plain(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)}}
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return value

@@ -148,6 +148,10 @@ class Adam(SparseOptimizer):
         self._check_counter_range(storage, step)
         self._run_torch(storage, slots, grad, grad.shape[1], lr, step)
 
+    @property
+    def moves_untouched_rows(self) -> bool:
+        return self.mode == "global"
+
     def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int, *, lr: float | None = None,
                  dim: int | None = None) -> None:
         """Brings rows `slots` of a global-mode table up to date as of `step` (no-op when lazy).

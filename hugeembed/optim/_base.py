@@ -126,6 +126,12 @@ class SparseOptimizer(abc.ABC):
         # Normalises a validated field (int -> float, list -> tuple) on a frozen instance.
         object.__setattr__(self, field, value)
 
+    @property
+    def moves_untouched_rows(self) -> bool:
+        """Whether a step moves rows it has no gradient for (global Adam), so that rows lag
+        until :meth:`catch_up` brings them current; False for every lazy rule."""
+        return False
+
     @abc.abstractmethod
     def state_width(self, dim: int) -> int:
         """S: the number of state columns each row of dimension `dim` needs."""

@@ -13,10 +13,12 @@ import sys
 
 import torch
 
-from ..errors import CapacityError, ConfigError, InputError
+from ..errors import CapacityError, ConfigError, InputError, StoreError
 from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
+from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import check_evict_args
 from ._init import Initializer, default_initializer
+from ._pins import PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["DictStore"]
@@ -28,7 +30,8 @@ class DictStore:
     def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
                  init_state=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
-                 admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0):
+                 admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0,
+                 admit_probability: float | None = None, max_pending: int | None = None):
         if initializer is None and isinstance(dim, int) and dim > 0:
             initializer = default_initializer(dim)
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -36,13 +39,14 @@ class DictStore:
             raise ConfigError(f"table '{name}': capacity must be a positive int or None, got {capacity!r}")
         if on_full not in ("evict", "error") or eviction_policy not in ("lfu", "lru"):
             raise ConfigError(f"table '{name}': bad on_full {on_full!r} or eviction_policy {eviction_policy!r}")
-        if not isinstance(admit_min_count, int) or admit_min_count < 1:
-            raise ConfigError(f"table '{name}': admit_min_count must be an int >= 1, got {admit_min_count!r}")
+        check_admission(name, admit_min_count, admit_probability, max_pending)
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
         self.dtype, self.device = dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
-        self.admit_min_count = admit_min_count
+        self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
+        self.max_pending = DEFAULT_MAX_PENDING if max_pending is None else max_pending
+        self._pins = PinnedRows()
         self._slot: dict[int, int] = {}  # key -> slot
         self._key: dict[int, int] = {}  # slot -> key
         self._count: dict[int, int] = {}  # slot -> hits
@@ -93,6 +97,22 @@ class DictStore:
         if len(set(ks)) != len(ks):
             dup = next(k for i, k in enumerate(ks) if k in ks[:i])
             raise InputError(f"table '{self.name}': key {dup} is given twice to find_or_insert; keys must be unique")
+        if self.admit_probability is not None and self.admit_probability < 1.0 and ks:
+            drawn = admission_draw(keys_t, step, self.seed, self.admit_probability).tolist()
+            take = [i for i, k in enumerate(ks) if k in self._slot or drawn[i]]
+            out = torch.full((len(ks),), -1, dtype=torch.int64, device=self.device)
+            if take:
+                idx = torch.tensor(take, dtype=torch.int64, device=self.device)
+                out[idx] = self._find_or_insert(step, [ks[i] for i in take], [cs[i] for i in take])
+            return out
+        out = self._find_or_insert(step, ks, cs)
+        excess = pending_victims(len(self._pending), self.max_pending)
+        if excess:  # forget the least seen pending keys: fewest hits, then oldest, then smallest key
+            for key in sorted(self._pending, key=lambda k: (self._pending[k][0], self._pending[k][1], k))[:excess]:
+                del self._pending[key]
+        return out
+
+    def _find_or_insert(self, step: int, ks: list[int], cs: list[int]) -> torch.Tensor:
         k_min = self.admit_min_count
         needed = 0
         for key, c in zip(ks, cs):
@@ -106,7 +126,7 @@ class DictStore:
             if self.on_full == "error" or needed > cap:
                 raise CapacityError(msg)
             protect = [self._slot[k] for k in ks if k in self._slot]
-            self.evict(step, max_rows=max(0, cap - needed - cap // 64), policy=self.eviction_policy,
+            self.evict(step, max_rows=max(0, cap - needed - cap // 64),
                        protect=torch.tensor(protect, dtype=torch.int64, device=self.device))
             if len(self) + needed > cap:
                 raise CapacityError(msg)
@@ -146,15 +166,32 @@ class DictStore:
         del self._count[s], self._last[s]
         heapq.heappush(self._free, s)
 
-    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
-              protect: torch.Tensor | None = None) -> int:
-        step = check_evict_args(self.name, step, ttl, max_rows, policy)
+    def pin(self, slots: torch.Tensor) -> int:
+        return self._pins.pin(slots)
+
+    def unpin(self, handle: int) -> None:
+        self._pins.unpin(handle)
+
+    @property
+    def eviction_epoch(self) -> int:
+        return self._pins.epoch
+
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
+              protect: torch.Tensor | None = None, min_norm: float | None = None) -> int:
+        policy = self.eviction_policy if policy is None else policy
+        step = check_evict_args(self.name, step, ttl, max_rows, policy, min_norm)
+        protect = self._pins.protect(protect)
         prot = set(as_keys(self.name, protect, self.device, "protect").tolist()) if protect is not None else set()
         gone = set()
         if ttl is not None:
             gone = {s for s in self._key if step - self._last[s] > ttl and s not in prot}
             for key in [k for k, (_, last) in self._pending.items() if step - last > ttl]:
                 del self._pending[key]
+        if min_norm is not None:
+            for s in self._key:
+                norm = float(torch.linalg.vector_norm(self._storage[s, : self.dim].double()))
+                if norm < min_norm and s not in prot:
+                    gone.add(s)
         if max_rows is not None:
             alive = [s for s in self._key if s not in gone]
             excess = len(alive) - max_rows
@@ -166,6 +203,8 @@ class DictStore:
                 gone |= set(sorted((s for s in alive if s not in prot), key=order)[:excess])
         for s in gone:
             self._drop_row(s)
+        if gone:
+            self._pins.epoch += 1
         return len(gone)
 
     def export(self) -> StoreExport:
@@ -183,6 +222,9 @@ class DictStore:
         exp = export.to(self.device)
         if exp.width != self.width:
             raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has {self.width}")
+        if len(self._pins):
+            raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
+                             f"has not run hold rows of it; run their backward (or drop them) first")
         keys, pkeys = exp.keys.tolist(), exp.pending_keys.tolist()
         if len(set(keys + pkeys)) != len(keys) + len(pkeys):
             raise InputError(f"table '{self.name}': import holds a key twice")
@@ -215,5 +257,6 @@ class DictStore:
         out.__dict__.update({k: (v.copy() if isinstance(v, (dict, list)) else v) for k, v in self.__dict__.items()})
         out._pending = {k: list(v) for k, v in self._pending.items()}
         out.device = torch.device(device)
+        out._pins = PinnedRows()
         out._storage = self._storage.to(out.device, copy=True)
         return out

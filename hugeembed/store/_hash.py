@@ -33,10 +33,12 @@ from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
                       scatter_rows)
+from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
 from ._init import Initializer, _signed, default_initializer
 from ._native_store import NativeOps, run_batch
+from ._pins import PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["HashStore", "find_or_insert_many", "MAX_LOAD", "AUTO_EVICT_SLACK"]
@@ -89,6 +91,10 @@ class HashStore:
         eviction_policy: "lfu" or "lru", for on_full="evict".
         admit_min_count: a key gets a trainable row once it was seen this many times
             (DeepRec's counter filter); before that find_or_insert returns -1 for it.
+        admit_probability: instead, each sighting of a key without a row admits it with this
+            probability (DeepRec's probability filter; reproducible per seed, key, step).
+        max_pending: keys waiting for admission kept at most (the least seen are forgotten
+            past it); None: DEFAULT_MAX_PENDING.
         seed: initializer seed.
         initial_rows: reserve room for this many rows (a hint; saves rehashes).
         backend: "native" (C++, CPU), "torch" (any device) or None (native when possible).
@@ -97,12 +103,16 @@ class HashStore:
     their own threads inside a call).  Calls that fail (CapacityError, InputError)
     leave the store unchanged, except that on_full="evict" may have evicted rows
     before finding that nothing more could go.
+
+    Rows pinned with :meth:`pin` (the rows of batches whose backward has not run) are
+    never evicted: a gradient computed for a row must land on that row.
     """
 
     def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
                  init_state=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
-                 admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0, backend: str | None = None):
+                 admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0, backend: str | None = None,
+                 admit_probability: float | None = None, max_pending: int | None = None):
         initializer = default_initializer(dim) if initializer is None and isinstance(dim, int) and dim > 0 \
             else initializer
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -112,8 +122,7 @@ class HashStore:
             raise ConfigError(f"table '{name}': on_full must be 'evict' or 'error', got {on_full!r}")
         if eviction_policy not in ("lfu", "lru"):
             raise ConfigError(f"table '{name}': eviction_policy must be 'lfu' or 'lru', got {eviction_policy!r}")
-        if not isinstance(admit_min_count, int) or admit_min_count < 1:
-            raise ConfigError(f"table '{name}': admit_min_count must be an int >= 1, got {admit_min_count!r}")
+        check_admission(name, admit_min_count, admit_probability, max_pending)
         if not isinstance(initial_rows, int) or initial_rows < 0:
             raise ConfigError(f"table '{name}': initial_rows must be an int >= 0, got {initial_rows!r}")
         if init_state is not None and not callable(init_state):
@@ -122,7 +131,9 @@ class HashStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
-        self.admit_min_count = admit_min_count
+        self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
+        self.max_pending = DEFAULT_MAX_PENDING if max_pending is None else max_pending
+        self._pins = PinnedRows()
         self._set_backend(_pick_backend(backend, self.device))
         dev = self.device
         self._st = torch.zeros(len(_ST), dtype=torch.int64)
@@ -253,6 +264,28 @@ class HashStore:
         counts = as_counts(self.name, counts, keys.numel(), self.device)
         if keys.numel() == 0:
             return keys.clone()
+        if self.admit_probability is not None and self.admit_probability < 1.0:
+            return self._find_or_insert_sampled(keys, step, counts)
+        out = self._find_or_insert(keys, step, counts)
+        self.forget_pending(step)
+        return out
+
+    def _find_or_insert_sampled(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None) -> torch.Tensor:
+        """find_or_insert under the probability filter: only keys with a row or drawn this time go in."""
+        ordered = keys.sort().values
+        dup = ordered[1:][ordered.diff() == 0]
+        if dup.numel():  # refused as the kernel refuses it, before anything changes
+            raise InputError(f"table '{self.name}': key {int(dup[0])} is given twice to find_or_insert; "
+                             "keys must be unique (deduplicate the batch first)")
+        take = (self._ops.find(self, keys, rows_only=True) >= 0) | admission_draw(
+            keys, step, self.seed, self.admit_probability)
+        out = torch.full_like(keys, -1)
+        if bool(take.any()):
+            sub = keys[take] if not bool(take.all()) else keys
+            out[take] = self._find_or_insert(sub, step, None if counts is None else counts[take])
+        return out
+
+    def _find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None) -> torch.Tensor:
         limit = self.capacity if self.capacity is not None else _MAX_SLOTS
         evicted = grown = False
         while True:
@@ -282,7 +315,8 @@ class HashStore:
         """This store's row of a find_or_insert_many descriptor and its output tensor, or None
         when it takes the single-table path (torch backend, an initializer without a kernel,
         an init_state not marked row_independent, a large batch)."""
-        if self._ops.name != "native" or not 0 < keys.numel() <= self._BATCH_MAX_KEYS:
+        if self._ops.name != "native" or not 0 < keys.numel() <= self._BATCH_MAX_KEYS or \
+                (self.admit_probability is not None and self.admit_probability < 1.0):
             return None
         spec = self.initializer._native_spec()
         if spec is None or self._storage.dtype != torch.float32 or not self._storage.is_contiguous():
@@ -315,9 +349,31 @@ class HashStore:
         if self.on_full == "error" or needed > cap or retried:
             raise CapacityError(msg + (" and on_full='error'" if self.on_full == "error" else ""))
         target = max(0, cap - needed - cap // AUTO_EVICT_SLACK)
-        self.evict(step, max_rows=target, policy=self.eviction_policy, protect=codes[codes >= 0])
+        self.evict(step, max_rows=target, protect=codes[codes >= 0])
         if len(self) + needed > cap:
-            raise CapacityError(msg + f"; only {cap - len(self)} could be freed without evicting keys of this batch")
+            raise CapacityError(msg + f"; only {cap - len(self)} could be freed without evicting rows of this batch"
+                                + (f" or of the {len(self._pins)} batches whose backward has not run (pinned)"
+                                   if len(self._pins) else ""))
+
+    def forget_pending(self, step: int) -> int:
+        """Forgets the least seen pending keys while more than `max_pending` wait; returns how many."""
+        n = pending_victims(self.num_pending, self.max_pending)
+        if n:
+            self._evict(step, None, None, self.eviction_policy, None, None, n)
+        return n
+
+    # ------------------------------------------------------------- pinning
+    def pin(self, slots: torch.Tensor) -> int:
+        """Keeps rows `slots` (-1 entries ignored) from eviction until :meth:`unpin` of the handle."""
+        return self._pins.pin(slots)
+
+    def unpin(self, handle: int) -> None:
+        self._pins.unpin(handle)
+
+    @property
+    def eviction_epoch(self) -> int:
+        """Evictions so far that freed a row (a slot seen before a later epoch may hold another key)."""
+        return self._pins.epoch
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
@@ -340,20 +396,31 @@ class HashStore:
             rec = torch.cat([rec, side])
         return rec[:, 0], code_of(rec[:, 1]), count_of(rec[:, 1]), rec[:, 2]
 
-    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
-              protect: torch.Tensor | None = None) -> int:
-        """Removes rows unseen for more than `ttl` steps, then the least valuable ones down to
-        `max_rows` (policy "lfu" or "lru"), never the slots in `protect`.  Returns rows removed.
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
+              protect: torch.Tensor | None = None, min_norm: float | None = None) -> int:
+        """Removes rows unseen for more than `ttl` steps, rows whose weight L2 norm is below
+        `min_norm`, then the least valuable ones down to `max_rows` (policy "lfu" or "lru";
+        default the table's eviction_policy), never the slots in `protect` nor pinned ones.
+        Returns rows removed.
 
         Pending (not admitted) keys unseen for more than `ttl` steps are dropped too.
         Freed slots are reused by later inserts, smallest first.
         """
+        policy = self.eviction_policy if policy is None else policy
+        return self._evict(step, ttl, max_rows, policy, protect, min_norm, 0)
+
+    def _evict(self, step, ttl, max_rows, policy, protect, min_norm, pending_excess) -> int:
         keys, codes, counts, lasts = self._entries()
         rows = codes >= 0
-        gone_rows, gone_pend = select_victims(self.name, step, ttl, max_rows, policy, protect,
-                                              self._storage.shape[0], keys[rows], codes[rows], counts[rows],
-                                              lasts[rows], lasts[~rows])
-        row_keys, row_slots = keys[rows][gone_rows], codes[rows][gone_rows]
+        row_slots_all = codes[rows]
+        norms = None
+        if min_norm is not None:
+            norms = self._storage[row_slots_all, : self.dim].float().norm(dim=1)
+        gone_rows, gone_pend = select_victims(self.name, step, ttl, max_rows, policy, self._pins.protect(protect),
+                                              self._storage.shape[0], keys[rows], row_slots_all, counts[rows],
+                                              lasts[rows], keys[~rows], counts[~rows], lasts[~rows],
+                                              row_norms=norms, min_norm=min_norm, pending_excess=pending_excess)
+        row_keys, row_slots = keys[rows][gone_rows], row_slots_all[gone_rows]
         pend_keys = keys[~rows][gone_pend]
         gone = torch.cat([row_keys, pend_keys])
         if gone.numel():
@@ -361,6 +428,8 @@ class HashStore:
             self._free_rows(row_slots)
             self._st_add("rows", -row_slots.numel())
             self._st_add("pending", -pend_keys.numel())
+        if row_slots.numel():
+            self._pins.epoch += 1
         return row_slots.numel()
 
     # ------------------------------------------------------- export / import
@@ -380,6 +449,9 @@ class HashStore:
         if exp.width != self.width:
             raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
                              f"{self.width} (dim {self.dim} + state {self.state_width})")
+        if len(self._pins):  # an import moves rows whose slots the pinned batches hold
+            raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
+                             f"has not run hold rows of it; run their backward (or drop them) first")
         allk = torch.cat([exp.keys, exp.pending_keys])
         if allk.numel() > 1 and bool((allk.sort().values.diff() == 0).any()):
             raise InputError(f"table '{self.name}': import holds a key twice")
@@ -431,6 +503,7 @@ class HashStore:
         out = HashStore.__new__(HashStore)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         out.device = device
+        out._pins = PinnedRows()  # pins name slots of this store's batches, not of the copy's
         for attr, v in self._arrays().items():
             if attr == "_st":
                 setattr(out, attr, v.clone())
@@ -490,6 +563,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None) -> list[torch.Tens
         for (i, codes), (rc, _) in zip(batch, run_batch(rows, step)):
             if rc == 0:
                 out[i] = codes
+                stores[i].forget_pending(step)
             elif rc == 4:
                 raise StoreError(f"table '{stores[i].name}': hash store arrays are inconsistent")
     for i, s in enumerate(stores):
