@@ -146,7 +146,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
         def specs(ts, rows: bool):
             return [TableSpec(self.tables[t].name, self.tables[t].dim,
-                              num_rows=self.tables[t].num_rows if rows or kinds[t] == "replica" else None,
+                              num_rows=self.tables[t].num_rows if rows else None,
                               max_norm=self.tables[t].max_norm) for t in ts]
 
         def feats(ts) -> list[FeatureSpec]:
@@ -156,8 +156,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             return FusedEmbeddingLookup(specs(ts, rows), feats(ts), backend=self.backend) if ts else None
 
         # prepare checks ids against num_rows; pooling reads received rows, fewer than num_rows
+        # (or a replica's caught-up copies, in eval of global Adam tables: coll.current_rows)
         self._local_prep, self._local_pool = lookup(local, True), lookup(local, False)
-        self._pool_req, self._pool_own = lookup(pool, True), lookup(mine, True)
+        # the owner pools a batch it assembled itself (ids checked where they were prepared), from
+        # its storage or, in eval of global Adam tables, from caught-up copies of fewer rows
+        self._pool_req, self._pool_own = lookup(pool, True), lookup(mine, False)
         self._local_index = {t: i for i, t in enumerate(local)}
         self._pool_tables = pool
         dtypes = [t.dtype for t in self.tables]

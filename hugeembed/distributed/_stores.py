@@ -102,7 +102,7 @@ class AbsentShard:
     def scatter(self, slots, rows):
         self._refuse()
 
-    def evict(self, step, ttl=None, max_rows=None, policy="lfu", protect=None) -> int:
+    def evict(self, step, ttl=None, max_rows=None, policy=None, protect=None, min_norm=None) -> int:
         return 0
 
     def export(self) -> StoreExport:

@@ -114,8 +114,8 @@ class ArrayStore:
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         scatter_rows(self.name, self._storage, as_slots(self.name, slots, self.local_rows, self.device), rows)
 
-    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str = "lfu",
-              protect: torch.Tensor | None = None) -> int:
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
+              protect: torch.Tensor | None = None, min_norm: float | None = None) -> int:
         raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
                           "and cannot evict; use a HashStore for ttl / max_rows eviction")
 

@@ -154,8 +154,11 @@ class RowStore(Protocol):
     def index_overhead_bytes(self) -> int:
         ...
 
-    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: EvictionPolicy = "lfu",
-              protect: torch.Tensor | None = None) -> int:
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None,
+              policy: EvictionPolicy | None = None, protect: torch.Tensor | None = None,
+              min_norm: float | None = None) -> int:
+        """Removes rows by ttl, weight norm below `min_norm`, then by `policy` (default the store's)
+        down to `max_rows`; never the slots in `protect` nor pinned ones.  Returns rows removed."""
         ...
 
     def to(self, device: torch.device | str) -> "RowStore":

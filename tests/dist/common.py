@@ -164,3 +164,34 @@ def metrics_batch(i: int):
     ids = {k: [[int(v)] for v in torch.randint(0, 50, (n,), generator=g)] for k in ("user", "item", "country", "page")}
     return Batch(torch.randn(n, 3, generator=g), SparseFeatures.from_lists(ids),
                  (torch.rand(n, generator=g) < 0.4).float())
+
+
+# -- gradient accumulation under eviction pressure (rows of in-flight batches pinned) -------------------------------
+
+def accumulation_tables(capacity):
+    from hugeembed.nn import TableConfig
+
+    return [TableConfig("u", 4, combiner="sum", capacity=capacity, on_full="evict", optimizer=Adagrad(lr=0.3))]
+
+
+def accumulation_windows():
+    """Windows of 3 global batches over 6 fresh ids: ids 0-1, then 2-3, then all six (4-5 new).
+    With a capacity of 6, the second batch of a window must evict, and LFU would pick the first
+    batch's rows (fewer hits than the last window's 0-3) were they not pinned."""
+    out = []
+    for w in range(4):
+        ids = [w * 100 + i for i in range(6)]
+        sets = [ids[0:2], ids[2:4], ids]
+        out.append([[[s[k % len(s)]] for k in range(GLOBAL_BATCH)] for s in sets])
+    return out
+
+
+def train_windows(ec, windows, rank: int = 0, world: int = 1) -> None:
+    B = GLOBAL_BATCH // world
+    for w, window in enumerate(windows):
+        loss = 0
+        for b, bags in enumerate(window):
+            out = ec(SparseFeatures.from_lists({"u": bags[rank * B : (rank + 1) * B]}))
+            # / B: the sharded collection averages gradients over ranks, as DDP does
+            loss = loss + (out["u"] * coef(w * 10 + b, 4)[rank * B : (rank + 1) * B]).sum() / B
+        loss.backward()

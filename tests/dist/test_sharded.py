@@ -102,6 +102,8 @@ def two(chain):
             "save": str(root / "s2")}
     return run_ranks(2, "tests.dist.workers:main", {
         "cases": cases(2, list(OPTIMIZERS)), "chain": [link], "probe_weights_grad": True,
+        "accumulation": [{"name": "table_wise", "plan": {"u": "table_wise@1"}, "capacity": 6},
+                         {"name": "data_parallel", "plan": {"u": "data_parallel"}, "capacity": 6}],
         "metrics": {"plan": {t: "row_wise" for t in POOLED}, "batches_per_rank": EVAL_BATCHES}})
 
 
@@ -281,3 +283,19 @@ def test_a_hung_rank_stops_the_others_after_the_timeout():
     assert got["error"] is not None and "collective 'input_dist (header)' at step 2" in got["error"], got["error"]
     assert "timeout 3 s" in got["error"]
     assert 2.5 < got["seconds"] < 15.0
+
+
+def test_accumulation_under_eviction_pressure_equals_one_unlimited_process(two):
+    from .common import accumulation_tables, accumulation_windows, train_windows
+
+    ref = EmbeddingCollection(accumulation_tables(None))
+    train_windows(ref, accumulation_windows())
+    want = export_all(ref)["u"]
+    last = torch.tensor([300 + i for i in range(6)])
+    for kind in ("table_wise", "data_parallel"):
+        got = merge_shards([r["accumulation"][kind] for r in two],
+                           replicated={"u"} if kind == "data_parallel" else set())["u"]
+        for name, table in (("sharded", got), ("reference", want)):
+            assert set(last.tolist()) <= set(table["keys"].tolist()), (kind, name)
+        pick = lambda t: t["rows"][torch.searchsorted(t["keys"], last)]  # noqa: E731
+        torch.testing.assert_close(pick(got), pick(want), rtol=1e-6, atol=1e-7, msg=kind)

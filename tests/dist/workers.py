@@ -109,11 +109,22 @@ def weights_grad_refusal(world: int, group) -> str:
     return "no error"
 
 
+def accumulate(rank: int, world: int, group, spec: dict) -> dict:
+    """Gradient accumulation (every window's forwards, then one backward) on a table with a capacity."""
+    from .common import accumulation_windows, accumulation_tables, train_windows
+
+    ec = ShardedEmbeddingCollection(accumulation_tables(spec["capacity"]), plan=ShardingPlan(world, spec["plan"]),
+                                    process_group=group, timeout=30.0)
+    train_windows(ec, accumulation_windows(), rank, world)
+    return export_all(ec)
+
+
 def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, broken_group=False,
-         metrics=None, probe_weights_grad=False) -> dict:
+         metrics=None, probe_weights_grad=False, accumulation=()) -> dict:
     group = new_embedding_group("cpu", 30.0)
     result = {"cases": {c["name"]: run_case(rank, world, group, c) for c in cases},
-              "chain": [run_chain_link(rank, world, group, link) for link in chain]}
+              "chain": [run_chain_link(rank, world, group, link) for link in chain],
+              "accumulation": {a["name"]: accumulate(rank, world, group, a) for a in accumulation}}
     if probe_weights_grad:
         result["weights_grad"] = weights_grad_refusal(world, group)
     if metrics is not None:
