@@ -143,7 +143,8 @@ def tune_malloc(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) 
 
     By default glibc serves large blocks with mmap and returns freed heap tops to the
     OS, so every training step faults its batch-sized buffers in again (first touch
-    runs at ~2 GB/s here, 10x slower than writing reused memory: BASELINES.md).
+    runs at ~2 GB/s here, 10x slower than writing reused memory:
+    docs/architecture.md, measured facts).
     Raising the mmap and trim thresholds keeps those pages for reuse.  Process-wide,
     so opt-in: the CLI and the benchmarks call it; a library import never does.
     Returns True when applied (glibc only), False elsewhere.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..store import StoreExport
+from ..store import EXPORT_FIELDS, StoreExport
 from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_rows, write_tensor
 
 __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
@@ -43,7 +43,6 @@ __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
-_FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
 
 
 @dataclass
@@ -96,7 +95,7 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
             continue
         ex = store.export_index()  # rows are streamed from the storage: no copy of the table
         files = {}
-        for f in _FIELDS:
+        for f in EXPORT_FIELDS:
             path = directory / "tables" / f"{cfg.name}.r{rank}.{f}.npy"
             files[f] = write_rows(path, store.storage(), ex.slots) if f == "rows" else write_tensor(path, getattr(ex, f))
             files[f]["file"] = f"tables/{path.name}"
@@ -286,15 +285,15 @@ def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExpo
     `rank_filter` (optional) maps one shard's fields ``{field: tensor}`` to the part to keep;
     it is applied shard by shard, so a rank resharding a big table never holds all of it.
     """
-    parts = {f: [] for f in _FIELDS}
+    parts = {f: [] for f in EXPORT_FIELDS}
     for shard in entry["shards"]:
         one = {}
-        for f in _FIELDS:
+        for f in EXPORT_FIELDS:
             rec = shard["files"][f]
             one[f] = read_tensor(snap / rec["file"], rec)
         if rank_filter is not None:
             one = rank_filter(one)
-        for f in _FIELDS:
+        for f in EXPORT_FIELDS:
             parts[f].append(one[f])
     if not parts["keys"]:
         raise CheckpointError(f"{snap}: table {entry.get('name')!r} has no shard in the manifest")
@@ -380,7 +379,7 @@ def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None =
     # all read and checked: now apply
     state = {"step": torch.tensor(manifest["collection_step"])}
     for name, ex in exports.items():
-        for f in _FIELDS:
+        for f in EXPORT_FIELDS:
             state[f"tables.{name}.{f}"] = getattr(ex, f)
     collection.load_state_dict(state)
     if emb_opt is not None:

@@ -1,6 +1,6 @@
 """Stateless lookup and pooling ops with TensorFlow's semantics, fused over many tables.
 
-Stages (see DESIGN.md): ``prepare`` (clean + dedup), fetch (slots), pool, and a
+Stages (see docs/architecture.md): ``prepare`` (clean + dedup), fetch (slots), pool, and a
 row-sparse backward that hands each table's touched rows and their summed
 gradients to a hook (or returns a sparse gradient).
 """

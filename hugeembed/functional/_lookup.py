@@ -1,6 +1,6 @@
 """Fused multi-table lookup with TF semantics and row-sparse autograd.
 
-Stages (DESIGN.md): clean + dedup (``prepare``), fetch (slots: identity for static
+Stages (docs/architecture.md): clean + dedup (``prepare``), fetch (slots: identity for static
 tables, a store for dynamic ones), pool, and in backward the per-unique-row
 gradient handed to a hook (an optimizer applied in place) or returned as a sparse
 gradient.  Native kernels on CPU float32, the torch twin everywhere else.

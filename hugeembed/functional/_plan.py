@@ -8,7 +8,7 @@ Python work beyond dispatching one kernel per stage (and one pool per dim group)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -125,7 +125,6 @@ class Prepared:
     capacity: int
     native: bool
     deduplicated: bool = True  # False: one entry per id (forward only: no backward may use it)
-    extra: dict = field(default_factory=dict)
     weights_require_grad: bool = False  # the batch's weights did; `weights` carries their graph only if
     #                                      prepared with grad enabled, by the torch path
 

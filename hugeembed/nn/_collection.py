@@ -1,6 +1,6 @@
 """EmbeddingCollection: many embedding tables behind one fused lookup, trained in backward.
 
-One training step (DESIGN.md)::
+One training step (docs/architecture.md)::
 
     batch ── prepare (clean + dedup per table, native kernels) ──► unique ids per table
           ── fetch   (store.find_or_insert: rows created, counted, admitted) ──► row slots
@@ -22,14 +22,13 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
+from ..store import EXPORT_FIELDS, ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
 from ._config import TableConfig
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
 
 __all__ = ["EmbeddingCollection"]
 
-_EXPORT_FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
 
 
 def output_names(tables: Sequence[TableConfig]) -> list[tuple[str, str, str]]:
@@ -380,7 +379,7 @@ class EmbeddingCollection(nn.Module):
         destination[prefix + "step"] = torch.tensor(self._step, dtype=torch.int64)
         for cfg, store in self.stores():
             ex = store.export()
-            for field in _EXPORT_FIELDS:
+            for field in EXPORT_FIELDS:
                 destination[f"{prefix}tables.{cfg.name}.{field}"] = getattr(ex, field)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -393,7 +392,7 @@ class EmbeddingCollection(nn.Module):
         else:
             missing_keys.append(prefix + "step")
         for i, (cfg, store) in enumerate(self.stores()):
-            keys = {f: f"{prefix}tables.{cfg.name}.{f}" for f in _EXPORT_FIELDS}
+            keys = {f: f"{prefix}tables.{cfg.name}.{f}" for f in EXPORT_FIELDS}
             mine.update(keys.values())
             absent = [k for k in keys.values() if k not in state_dict]
             if absent:

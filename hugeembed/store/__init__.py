@@ -17,11 +17,12 @@ from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
-from ._protocol import EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
+from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
 
 __all__ = [
     "RowStore",
     "StoreExport",
+    "EXPORT_FIELDS",
     "ExportIndex",
     "EvictionPolicy",
     "HashStore",

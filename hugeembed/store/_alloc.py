@@ -1,7 +1,7 @@
 """Host allocations for big store arrays, backed by 2 MiB pages where the kernel allows.
 
-Random row and bucket accesses are TLB-bound on 4 KiB pages (BASELINES.md: a
-random gather runs 1.4-2x faster with ``madvise(MADV_HUGEPAGE)``).  THP is in
+Random row and bucket accesses are TLB-bound on 4 KiB pages (docs/architecture.md:
+a random gather runs 1.4-2x faster with ``madvise(MADV_HUGEPAGE)``).  THP is in
 "madvise" mode on our machines, so a buffer only gets huge pages if we ask before
 first touching it: allocate a little more than needed, align to 2 MiB, madvise,
 then hand out a view.  Everything else (CUDA, small arrays) is a plain torch.empty.
@@ -59,7 +59,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 def allocate_rows(num_rows: int, dim: int, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised ``[num_rows, dim]`` table for the functional lookups, on 2 MiB pages
-    when it is a big CPU table (1.4-2x faster random row access; BASELINES.md).
+    when it is a big CPU table (1.4-2x faster random row access;
+    docs/architecture.md).
 
     Example::
 

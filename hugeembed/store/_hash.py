@@ -207,7 +207,7 @@ class HashStore:
             return
         storage[:used] = self._storage[:used]
         # Touch the spare rows now: first-touch page faults cost more than the
-        # writes themselves (BASELINES.md), better paid at growth than per batch.
+        # writes themselves (docs/architecture.md), better paid at growth than per batch.
         storage[used:] = 0
         self._storage = storage
 

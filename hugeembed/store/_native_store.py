@@ -71,7 +71,7 @@ class NativeOps:
         self._set = torch.empty(0, dtype=torch.int64)
 
     def _buf(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Scratch reused across calls (fresh pages cost a fault each, see BASELINES.md):
+        # Scratch reused across calls (fresh pages cost a fault each, see docs/architecture.md):
         # [6 * n] for the kernel, then [2, n] new slots / keys; and the duplicate
         # check's set of 2 * cap int64, cap a power of two >= 2n.
         if self._scratch.numel() < 8 * n:

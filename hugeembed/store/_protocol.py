@@ -15,6 +15,7 @@ admission (a key gets a row after ``admit_min_count`` hits) and eviction.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy", "row_independent"]
+__all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy", "row_independent", "EXPORT_FIELDS"]
 
 EvictionPolicy = Literal["lfu", "lru"]
 
@@ -72,6 +73,10 @@ class StoreExport:
     @property
     def width(self) -> int:
         return int(self.rows.shape[1])
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
 
     def to(self, device: torch.device | str) -> "StoreExport":
         return StoreExport(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -163,3 +168,7 @@ class RowStore(Protocol):
 
     def to(self, device: torch.device | str) -> "RowStore":
         ...
+
+
+# The files of a table in a snapshot and the keys of a table in a state_dict, in this order.
+EXPORT_FIELDS = StoreExport.field_names()

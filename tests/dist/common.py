@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from hugeembed.features import SparseFeatures
 from hugeembed.optim import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
+from hugeembed.store import EXPORT_FIELDS
 
-FIELDS = ("keys", "rows", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step")
+FIELDS = EXPORT_FIELDS
 GLOBAL_BATCH = 12
 
 OPTIMIZERS = {
