@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..training import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
+from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
 from ._output import Progress, human_bytes, plot_history, print_summary, write_json
 
 # flag -> TrainConfig field, for flags that map one to one
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV/.gz files or a converted shard directory "
                    "(default: the built-in synthetic generator)")
     p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out data (default: hold out --eval-rows rows)")
-    p.add_argument("--model", choices=["dlrm", "deepfm", "widedeep", "dcn"])
+    p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)
     p.add_argument("--batch-size", type=int, help="per process")
     p.add_argument("--steps", type=int, help="training steps (default 400; with --epochs: until the epochs end)")

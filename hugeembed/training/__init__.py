@@ -1,6 +1,6 @@
 """Training runs: TrainConfig, the Trainer loop (eval, snapshots, resume) and data sources."""
 
-from ._config import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig
+from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot
 from ._sources import DataSource, FileSource, SyntheticSource, make_source
 from ._trainer import Trainer, TrainState, build_model, evaluate, make_dense_optimizer, resolve_device
@@ -20,4 +20,5 @@ __all__ = [
     "make_source",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
+    "MODELS",
 ]

@@ -26,7 +26,7 @@ from ..errors import CheckpointError, ConfigError
 from ..metrics import MetricSet
 from ..models import make_model
 from ..optim import make_optimizer
-from ._config import TrainConfig
+from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics, run_info,
                            sharded_factory, wrap_ddp)
 from ._sources import DataSource, make_source
@@ -49,16 +49,14 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     """A torch optimizer for the dense parameters, with torch's fused kernel (one pass over
     all parameters instead of ~10 ops per tensor; same update)."""
     params = list(params)
-    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-               "adagrad": torch.optim.Adagrad}
-    if name not in classes:
-        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(classes)}")
+    if name not in DENSE_OPTIMIZER_CLASSES:
+        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(DENSE_OPTIMIZER_CLASSES)}")
     kwargs: dict[str, Any] = {"lr": lr}
     if name == "sgd":
         kwargs["momentum"] = 0.9
     if params and all(p.device.type in ("cpu", "cuda") for p in params):
         kwargs["fused"] = True
-    return classes[name](params, **kwargs)
+    return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
 
 
 def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
