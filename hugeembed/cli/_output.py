@@ -21,14 +21,18 @@ def human_rate(x: float) -> str:
 class Progress:
     """A progress bar on stderr: tqdm when installed and stderr is a terminal, else plain lines."""
 
-    def __init__(self, enabled: bool = True, every_s: float = 5.0) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, every_s: float = 5.0, notes: bool = True) -> None:
+        self.enabled, self.notes = enabled, notes
         self.every_s = every_s
         self._bar = None
         self._last = 0.0
         self._total: int | None = None
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event == "note":  # something the user should know (a warning): shown even when quiet
+            if self.notes:
+                (self._bar.write if self._bar is not None else _eprint)(f"note: {info['message']}")
+            return
         if not self.enabled:
             return
         if event == "start":

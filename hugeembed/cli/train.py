@@ -15,7 +15,7 @@ from ._output import Progress, human_bytes, plot_history, print_summary, write_j
 # flag -> TrainConfig field, for flags that map one to one
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
-           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads",
+           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
 
 
@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
+    p.add_argument("--eval-fraction", type=float, help="share of a file smaller than --eval-rows that is held out "
+                   "(default 0.05)")
     p.add_argument("--checkpoint-dir", metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, help="steps between snapshots (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=int)
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         device = init_from_env(env, cfg.device, cfg.dist_timeout)
         cfg = cfg.replace(device=str(device))
         rank, world = env.rank, env.world_size
-    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet and rank == 0), rank=rank,
+    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet and rank == 0, notes=rank == 0), rank=rank,
                       world_size=world).fit()
     if env is not None:  # on failure the process just exits: a dead peer cannot take part in teardown
         _leave_group()

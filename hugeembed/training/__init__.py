@@ -3,12 +3,14 @@
 from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot
 from ._sources import DataSource, FileSource, SyntheticSource, make_source
-from ._trainer import Trainer, TrainState, build_model, evaluate, make_dense_optimizer, resolve_device
+from ._record import RunRecord, TrainState
+from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
 
 __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainState",
+    "RunRecord",
     "evaluate",
     "evaluate_snapshot",
     "build_model",

@@ -31,8 +31,10 @@ class TrainConfig:
         model: ``dlrm | deepfm | widedeep | dcn``.
         data: Criteo TSV / .gz files or a converted shard directory; None trains on the
             built-in synthetic Criteo-like generator (labels from a known model).
-        eval_data: held-out data; None holds out `eval_rows` rows (synthetic: a disjoint
-            range of the generator; files: the last `eval_fraction` of the rows).
+        eval_data: held-out data (only with `data`: the synthetic generator holds out its own
+            rows); None holds out `eval_rows` rows (synthetic: a disjoint range of the generator;
+            files: the first `eval_rows` rows, or the first `eval_fraction` of a file too small
+            for that).
         embedding_dim, batch_size: as named.
         steps: training steps (None: `epochs` passes over the data; the synthetic data
             is endless, so it then uses `synthetic_rows` rows per epoch).
@@ -147,6 +149,9 @@ class TrainConfig:
             if table in seen:  # a dict would silently keep the last one
                 raise ConfigError(f"sharding: table {table!r} is placed twice")
             seen.add(table)
+        if self.eval_data and not self.data:
+            raise ConfigError("eval-data needs data: training on the synthetic generator evaluates on its own "
+                              "held-out rows (give --data too, or leave --eval-data out)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
 
