@@ -128,7 +128,38 @@ class Trainer:
         return None if spe is None else spe * self.cfg.epochs
 
     def fit(self) -> dict[str, Any]:
-        """Trains (resuming if asked), evaluates, snapshots; returns the summary."""
+        """Trains (resuming if asked), evaluates, snapshots; returns the summary.
+
+        With a checkpoint_dir the run holds its lock throughout (rank 0 takes it for all
+        ranks): a second run writing into the same directory is refused with a CheckpointError.
+        """
+        lock = self._lock_checkpoint_dir()
+        try:
+            return self._fit()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _lock_checkpoint_dir(self) -> "ckpt.CheckpointLock | None":
+        if not self.cfg.checkpoint_dir:
+            return None
+        lock, err = None, None
+        if self.rank == 0:
+            try:
+                lock = ckpt.CheckpointLock(self.cfg.checkpoint_dir).acquire()
+            except (CheckpointError, OSError) as e:
+                err = e
+        if self.world_size > 1:  # every rank stops if rank 0 could not take it
+            msg = self.collection.comm.all_gather_object("checkpoint lock", str(err) if err else None)[0]
+            if msg is not None:
+                if lock is not None:
+                    lock.release()
+                raise CheckpointError(msg)
+        if err is not None:
+            raise err
+        return lock
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         if cfg.resume:
             self.resume()
