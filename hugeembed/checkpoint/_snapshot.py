@@ -337,8 +337,8 @@ def validate_manifest(m: Any, where: Path) -> None:
             need(integer(get(t, key, f"{at} {key}"), 1), f"{at} {key}", "a positive integer", t[key])
         need(integer(get(t, "state_width", f"{at} state_width")), f"{at} state_width", "a non-negative integer",
              t["state_width"])
-        need(t.get("num_rows") is None or integer(t["num_rows"], 1), f"{at} num_rows", "null or a positive integer",
-             t.get("num_rows"))
+        need(get(t, "num_rows", f"{at} num_rows") is None or integer(t["num_rows"], 1), f"{at} num_rows",
+             "null or a positive integer", t["num_rows"])
         need(t.get("seed") is None or integer(t["seed"]), f"{at} seed", "null or a non-negative integer",
              t.get("seed"))
         opt = get(t, "optimizer", f"{at} optimizer")

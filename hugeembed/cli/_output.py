@@ -9,9 +9,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._durable import atomic_write_text
 from .._format import human_bytes, human_count
 
-__all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate"]
+__all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate",
+           "check_output_paths"]
+
+
+def check_output_paths(**flags: str | None) -> None:
+    """Fails before any work on an output path that cannot be a file (``--summary-json DIR``), so a run is
+    not lost at its end.  Keys are flag names without the dashes (``summary_json=...``)."""
+    from ..errors import ConfigError
+
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        path, name = Path(value), "--" + flag.replace("_", "-")
+        if path.is_dir():
+            raise ConfigError(f"{name} {value} is a directory; give a file path")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"{name} {value}: {parent} is a file, not a directory")
 
 
 def human_rate(x: float) -> str:
@@ -96,7 +114,7 @@ def print_summary(title: str, rows: list[tuple[str, Any]]) -> None:
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def plot_history(path: str | Path, history: dict[str, list[float]], title: str) -> None:

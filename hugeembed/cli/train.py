@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
-from ._output import Progress, human_bytes, plot_history, print_summary, write_json
+from ._output import Progress, check_output_paths, human_bytes, plot_history, print_summary, write_json
 
 # flag -> TrainConfig field, for flags that map one to one
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed import DistEnv, init_from_env, launch_command
 
     cfg = config_from_args(args)
+    check_output_paths(summary_json=args.summary_json, plot=args.plot)
     env = DistEnv.from_environ(os.environ)
     if args.nproc is not None:
         if env is not None:
