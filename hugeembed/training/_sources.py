@@ -88,6 +88,7 @@ class FileSource(DataSource):
                              prefetch=cfg.prefetch)
         self.description = f"Criteo data {', '.join(paths)}"
         self._eval_cache: list[Batch] | None = None
+        self._eval_loader: Loader | None = None
         self.holdout = 0
         if not cfg.eval_data:
             self._plan_holdout(", ".join(paths))
@@ -129,10 +130,11 @@ class FileSource(DataSource):
 
     def eval_batches(self) -> Iterator[Batch]:
         if self.cfg.eval_data:
-            paths = list(self.cfg.eval_data)
-            loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size, rank=self.rank,
-                            world_size=self.world, prefetch=self.cfg.prefetch)
-            yield from loader
+            if self._eval_loader is None:  # kept: shards are checksum-verified once, not at every evaluation
+                paths = list(self.cfg.eval_data)
+                self._eval_loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size,
+                                           rank=self.rank, world_size=self.world, prefetch=self.cfg.prefetch)
+            yield from self._eval_loader
             return
         # read once and kept (eval_rows rows are small): the training iterator may be
         # mid-stream on the same files when an evaluation runs
