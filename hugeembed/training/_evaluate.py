@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from .. import checkpoint as ckpt
 from ..data import Loader
+from ..errors import InputError
 from ._record import RunRecord
 from ._sources import make_source
 from ._trainer import build_model, evaluate, resolve_device
@@ -44,4 +45,6 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
         batches = make_source(cfg).eval_batches()
         source = "the run's held-out set"
     metrics = evaluate(model, batches, dev)
+    if metrics["count"] == 0:
+        raise InputError(f"{source}: no rows to score")
     return {**metrics, "step": info.step, "snapshot": str(info.path), "data": source, "model": cfg.model}

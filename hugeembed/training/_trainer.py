@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .. import _native
 from .. import checkpoint as ckpt
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
 from ..models import make_model
 from ..optim import make_optimizer
@@ -264,6 +264,9 @@ class Trainer:
                                merge=lambda ms: merge_metrics(self.collection, ms))
         else:
             metrics = evaluate(self.model, self.source.eval_batches(), self.device)
+        if metrics["count"] == 0:  # metrics of nothing would be NaNs reported as results
+            where = ", ".join(self.cfg.eval_data) or self.source.description
+            raise InputError(f"{where}: no held-out rows to evaluate on")
         st = self.state
         st.last_eval = metrics
         st.history["eval_step"].append(st.step)

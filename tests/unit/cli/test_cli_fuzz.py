@@ -72,11 +72,28 @@ def test_training_on_a_shard_with_a_flipped_byte_is_refused(shard_dir, tmp_path)
     assert_one_line_error(proc, "part-00001.labels.npy: checksum mismatch")
 
 
-def test_eval_of_a_snapshot_with_a_damaged_manifest(tmp_path):
-    ck = tmp_path / "ck"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
     proc = run_cli("train", "--steps", "1", "--batch-size", "32", "--eval-rows", "32", "--synthetic-rows", "2000",
-                   "--embedding-dim", "4", "--threads", "1", "--quiet", "--checkpoint-dir", ck, cwd=tmp_path)
+                   "--embedding-dim", "4", "--threads", "1", "--quiet", "--checkpoint-dir", d / "ck", cwd=d)
     assert proc.returncode == 0, proc.stderr
+    return d / "ck"
+
+
+def test_nothing_to_score_is_an_error_not_nan_metrics(trained, junk, shard_dir):
+    assert_one_line_error(run_cli("eval", "--checkpoint", trained, "--data", "empty.tsv", cwd=junk),
+                          "empty.tsv: no rows to score")
+    proc = run_cli("train", "--data", shard_dir, "--eval-data", "empty.tsv", "--batch-size", "32", "--steps", "2",
+                   "--quiet", "--threads", "1", "--embedding-dim", "4", cwd=junk)
+    assert_one_line_error(proc, "empty.tsv: no held-out rows to evaluate on")
+
+
+def test_eval_of_a_snapshot_with_a_damaged_manifest(trained, tmp_path):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
     path = ck / "step-000000001" / "manifest.json"
     m = json.loads(path.read_text())
     del m["tables"][3]["shards"][0]["rows"]
