@@ -1,7 +1,8 @@
 """Snapshots: atomic, checksummed saves of tables, dense model, optimizers and RNG state."""
 
+from ._lock import CheckpointLock
 from ._snapshot import (FORMAT_VERSION, SnapshotInfo, latest, list_snapshots, load, read_extra, read_manifest,
                         read_table, save)
 
 __all__ = ["save", "load", "latest", "list_snapshots", "read_manifest", "read_extra", "read_table", "SnapshotInfo",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "CheckpointLock"]

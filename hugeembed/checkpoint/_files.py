@@ -111,7 +111,7 @@ def read_tensor(path: Path, rec: dict[str, Any], check: bool = True) -> torch.Te
     mappable = len(shape) > 0 and all(int(d) > 0 for d in shape)  # numpy maps neither scalars nor empties
     try:
         arr = np.load(path, allow_pickle=False, mmap_mode="c" if mappable else None)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
         raise CheckpointError(f"snapshot file {path} is unreadable: {e}") from None
     t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))  # keeps 0-d as 0-d
     dtype = _TORCH_DTYPES.get(rec.get("dtype", ""))

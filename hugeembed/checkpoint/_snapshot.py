@@ -38,7 +38,7 @@ from ..store import EXPORT_FIELDS, StoreExport
 from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_rows, write_tensor
 
 __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
-           "list_snapshots"]
+           "list_snapshots", "validate_manifest"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -245,10 +245,12 @@ def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete snapshot under root, or None."""
     root = Path(root)
     pointer = root / LATEST
-    if pointer.exists():
-        cand = root / pointer.read_text().strip()
-        if (cand / MANIFEST).exists():
-            return cand
+    try:
+        name = pointer.read_text(errors="replace").strip()
+    except OSError:  # none yet (or not a file): the newest complete one below
+        name = ""
+    if name.startswith("step-") and "/" not in name and (root / name / MANIFEST).exists():
+        return root / name
     snaps = list_snapshots(root)
     return snaps[-1] if snaps else None
 
@@ -272,11 +274,87 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads((snap / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{snap / MANIFEST} is unreadable: {e}") from None
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{snap}: snapshot format version {version!r}, this hugeembed reads {FORMAT_VERSION}")
+    validate_manifest(manifest, snap / MANIFEST)
     manifest["_path"] = str(snap)
     return manifest
+
+
+def validate_manifest(m: Any, where: Path) -> None:
+    """Checks the shape of a snapshot manifest before anything uses it.
+
+    CheckpointError naming the file and the first field that is missing or of the wrong
+    type (instead of a KeyError or TypeError wherever the field is first read).
+    """
+    def need(ok: bool, name: str, what: str, value: Any) -> None:
+        if not ok:
+            text = repr(value)
+            raise CheckpointError(f"{where}: {name} must be {what}, got {text if len(text) <= 60 else text[:57] + '...'}")
+
+    def get(d: dict, key: str, name: str) -> Any:
+        if key not in d:
+            raise CheckpointError(f"{where}: {name} is missing (a damaged or foreign manifest)")
+        return d[key]
+
+    def integer(v: Any, low: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    def record(rec: Any, name: str, tensor: bool) -> None:
+        need(isinstance(rec, dict), name, "a file record (a mapping)", rec)
+        f = get(rec, "file", f"{name}.file")
+        need(isinstance(f, str) and f != "" and not Path(f).is_absolute() and ".." not in Path(f).parts,
+             f"{name}.file", "a relative path inside the snapshot", f)
+        need(integer(get(rec, "bytes", f"{name}.bytes")), f"{name}.bytes", "a non-negative integer", rec["bytes"])
+        sha = get(rec, "sha256", f"{name}.sha256")
+        need(isinstance(sha, str) and len(sha) == 64, f"{name}.sha256", "a hex sha256", sha)
+        if tensor:
+            need(isinstance(get(rec, "dtype", f"{name}.dtype"), str), f"{name}.dtype", "a string", rec["dtype"])
+            shape = get(rec, "shape", f"{name}.shape")
+            need(isinstance(shape, list) and all(integer(d) for d in shape), f"{name}.shape",
+                 "a list of non-negative integers", shape)
+
+    need(isinstance(m, dict), "the manifest", "a JSON object", m)
+    version = get(m, "format_version", "format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: snapshot format version {version!r}, this hugeembed reads {FORMAT_VERSION}")
+    for key in ("step", "collection_step"):
+        need(integer(get(m, key, key)), key, "a non-negative integer", m[key])
+    need(integer(get(m, "world_size", "world_size"), 1), "world_size", "a positive integer", m["world_size"])
+    need(isinstance(m.get("hugeembed_version", ""), str), "hugeembed_version", "a string", m.get("hugeembed_version"))
+    need(m.get("plan") is None or isinstance(m["plan"], dict), "plan", "null or a mapping", m.get("plan"))
+    files = get(m, "files", "files")
+    need(isinstance(files, dict), "files", "a mapping of names to file records", files)
+    for k, rec in files.items():
+        record(rec, f"files.{k}", tensor=False)
+    tables = get(m, "tables", "tables")
+    need(isinstance(tables, list), "tables", "a list of table records", tables)
+    for i, t in enumerate(tables):
+        need(isinstance(t, dict), f"tables[{i}]", "a table record (a mapping)", t)
+        name = get(t, "name", f"tables[{i}].name")
+        need(isinstance(name, str) and name != "", f"tables[{i}].name", "a table name", name)
+        at = f"table {name!r}"
+        for key in ("dim", "width"):
+            need(integer(get(t, key, f"{at} {key}"), 1), f"{at} {key}", "a positive integer", t[key])
+        need(integer(get(t, "state_width", f"{at} state_width")), f"{at} state_width", "a non-negative integer",
+             t["state_width"])
+        need(get(t, "num_rows", f"{at} num_rows") is None or integer(t["num_rows"], 1), f"{at} num_rows",
+             "null or a positive integer", t["num_rows"])
+        need(t.get("seed") is None or integer(t["seed"]), f"{at} seed", "null or a non-negative integer",
+             t.get("seed"))
+        opt = get(t, "optimizer", f"{at} optimizer")
+        need(opt is None or (isinstance(opt, dict) and isinstance(opt.get("name"), str)), f"{at} optimizer",
+             "null or a mapping with a name", opt)
+        shards = get(t, "shards", f"{at} shards")
+        need(isinstance(shards, list) and len(shards) > 0, f"{at} shards", "a non-empty list of shard records",
+             shards)
+        for j, sh in enumerate(shards):
+            sat = f"{at} shards[{j}]"
+            need(isinstance(sh, dict), sat, "a shard record (a mapping)", sh)
+            for key in ("rank", "rows", "pending"):
+                need(integer(get(sh, key, f"{sat}.{key}")), f"{sat}.{key}", "a non-negative integer", sh[key])
+            fl = get(sh, "files", f"{sat}.files")
+            need(isinstance(fl, dict), f"{sat}.files", "a mapping of fields to file records", fl)
+            for f in _FIELDS:
+                record(get(fl, f, f"{sat}.files.{f}"), f"{sat}.files.{f}", tensor=True)
 
 
 def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:

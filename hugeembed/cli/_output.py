@@ -9,9 +9,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._durable import atomic_write_text
 from .._format import human_bytes, human_count
 
-__all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate"]
+__all__ = ["Progress", "print_summary", "write_json", "plot_history", "human_bytes", "human_rate",
+           "check_output_paths"]
+
+
+def check_output_paths(**flags: str | None) -> None:
+    """Fails before any work on an output path that cannot be a file (``--summary-json DIR``), so a run is
+    not lost at its end.  Keys are flag names without the dashes (``summary_json=...``)."""
+    from ..errors import ConfigError
+
+    for flag, value in flags.items():
+        if value is None:
+            continue
+        path, name = Path(value), "--" + flag.replace("_", "-")
+        if path.is_dir():
+            raise ConfigError(f"{name} {value} is a directory; give a file path")
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise ConfigError(f"{name} {value}: {parent} is a file, not a directory")
 
 
 def human_rate(x: float) -> str:
@@ -21,14 +39,18 @@ def human_rate(x: float) -> str:
 class Progress:
     """A progress bar on stderr: tqdm when installed and stderr is a terminal, else plain lines."""
 
-    def __init__(self, enabled: bool = True, every_s: float = 5.0) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, every_s: float = 5.0, notes: bool = True) -> None:
+        self.enabled, self.notes = enabled, notes
         self.every_s = every_s
         self._bar = None
         self._last = 0.0
         self._total: int | None = None
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event == "note":  # something the user should know (a warning): shown even when quiet
+            if self.notes:
+                (self._bar.write if self._bar is not None else _eprint)(f"note: {info['message']}")
+            return
         if not self.enabled:
             return
         if event == "start":
@@ -92,7 +114,7 @@ def print_summary(title: str, rows: list[tuple[str, Any]]) -> None:
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def plot_history(path: str | Path, history: dict[str, list[float]], title: str) -> None:

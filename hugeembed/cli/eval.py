@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..training import evaluate_snapshot
-from ._output import print_summary, write_json
+from ._output import check_output_paths, print_summary, write_json
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    check_output_paths(summary_json=args.summary_json)
     m = evaluate_snapshot(args.checkpoint, data=args.data or (), batch_size=args.batch_size, device=args.device)
     print_summary(f"{m['model']} at step {m['step']} on {m['data']}",
                   [("AUC", m["auc"]), ("log loss", m["logloss"]), ("CTR", m["ctr"]), ("PCTR", m["pctr"]),

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
-from ._output import human_bytes, write_json
+from ._output import check_output_paths, human_bytes, write_json
 
 
 def add_parser(sub) -> None:
@@ -29,6 +29,7 @@ def _frequency_bins(counts: torch.Tensor) -> list[tuple[str, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_paths(json=args.json, histogram=args.histogram)
     manifest = ckpt.read_manifest(args.snapshot)
     snap = Path(manifest["_path"])
     files = sum(r["bytes"] for r in manifest["files"].values())
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                        "optimizer": (t["optimizer"] or {}).get("name", "frozen"), "state_width": t["state_width"],
                        "static_rows": t["num_rows"], "hits": int(ex.counts.sum())})
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
-          f"hugeembed {manifest['hugeembed_version']}, {manifest['world_size']} process(es))")
+          f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")
     header = f"{'table':<12} {'dim':>4} {'rows':>10} {'pending':>8} {'bytes':>11} {'optimizer':<16} {'state':>5} {'hits':>12}"
     print(header)
     print("-" * len(header))

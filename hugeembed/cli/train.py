@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..training import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
-from ._output import Progress, human_bytes, plot_history, print_summary, write_json
+from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
+from ._output import Progress, check_output_paths, human_bytes, plot_history, print_summary, write_json
 
 # flag -> TrainConfig field, for flags that map one to one
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
-           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads",
+           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
 
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV/.gz files or a converted shard directory "
                    "(default: the built-in synthetic generator)")
     p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out data (default: hold out --eval-rows rows)")
-    p.add_argument("--model", choices=["dlrm", "deepfm", "widedeep", "dcn"])
+    p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)
     p.add_argument("--batch-size", type=int, help="per process")
     p.add_argument("--steps", type=int, help="training steps (default 400; with --epochs: until the epochs end)")
@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
+    p.add_argument("--eval-fraction", type=float, help="share of a file smaller than --eval-rows that is held out "
+                   "(default 0.05)")
     p.add_argument("--checkpoint-dir", metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, help="steps between snapshots (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=int)
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed import DistEnv, init_from_env, launch_command
 
     cfg = config_from_args(args)
+    check_output_paths(summary_json=args.summary_json, plot=args.plot)
     env = DistEnv.from_environ(os.environ)
     if args.nproc is not None:
         if env is not None:
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         device = init_from_env(env, cfg.device, cfg.dist_timeout)
         cfg = cfg.replace(device=str(device))
         rank, world = env.rank, env.world_size
-    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet and rank == 0), rank=rank,
+    summary = Trainer(cfg, progress=Progress(enabled=not args.quiet and rank == 0, notes=rank == 0), rank=rank,
                       world_size=world).fit()
     if env is not None:  # on failure the process just exits: a dead peer cannot take part in teardown
         _leave_group()

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ._criteo import CriteoReader, PathLike, ReadSummary
 from .._durable import fsync_dir, sha256_file
 from ._shards import ARRAYS, FORMAT, FORMAT_VERSION, NpyWriter, schema_dict
@@ -135,6 +135,8 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
         rows_per_shard: rows per shard (the last shard may hold fewer).
         on_error: "raise" (InputError at the first malformed line, nothing written) or
             "skip" (malformed lines skipped and counted in the manifest and summary).
+            Inputs without a single row (empty, or every line skipped) are an InputError:
+            nothing is written.
         overwrite: replace an existing `out_dir` (the old one is removed only after the new
             one is complete).
         progress: called with a ConvertProgress after each chunk.
@@ -168,6 +170,10 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
             if progress is not None:
                 progress(ConvertProgress(summary.bytes_read, summary.bytes_total, summary.rows, summary.skipped))
         summary = reader.summary
+        if summary.rows == 0:  # an empty set of shards would only fail later, when training finds no batch
+            names = ", ".join(str(f.path) for f in summary.files)
+            why = "no lines" if summary.lines == 0 else f"all {summary.skipped:,} line(s) malformed and skipped"
+            raise InputError(f"{names}: no rows to convert ({why}); nothing written to {out}")
         writer.close()
         if progress is not None:
             progress(ConvertProgress(summary.bytes_total, summary.bytes_total, summary.rows, summary.skipped))

@@ -58,6 +58,8 @@ class Loader:
         pin_memory: put batches in page-locked memory (needs CUDA).
         on_error: text only: "raise" or "skip" malformed lines (see :attr:`summary`).
         chunk_rows: rows read from a shard at a time.
+        verify: shards only: when files are checked against the manifest's checksums
+            (``"open"``: each shard when first read; ``"all"``: all now; ``"none"``), see ShardSet.
 
     Example::
 
@@ -71,7 +73,8 @@ class Loader:
     def __init__(self, source: PathLike | Sequence[PathLike], batch_size: int, *, drop_last: bool = False,
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1, prefetch: int = 2,
                  pin_memory: bool = False, on_error: str = "raise", chunk_rows: int = 1 << 16,
-                 shuffle_window: int = 1 << 18, chunk_bytes: int = 8 << 20, native: bool | None = None) -> None:
+                 shuffle_window: int = 1 << 18, chunk_bytes: int = 8 << 20, native: bool | None = None,
+                 verify: bool | str = "open") -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -88,7 +91,7 @@ class Loader:
         self.shards: ShardSet | None = None
         self._reader: CriteoReader | None = None
         if _is_shard_dir(source):
-            self.shards = ShardSet(source)  # type: ignore[arg-type]
+            self.shards = ShardSet(source, verify=verify)  # type: ignore[arg-type]
         else:
             if shuffle:
                 raise ConfigError("shuffle=True needs converted shards (`hugeembed convert`); text files are read in order")

@@ -102,7 +102,15 @@ class ShardSet:
 
     Args:
         path: the directory written by ``convert`` (or its manifest.json).
-        verify: check every file's sha256 against the manifest now (reads everything).
+        verify: ``"open"`` (default): each shard's files are checked against the manifest's
+            sha256 when the shard is first mapped, so corrupted bytes are never read as rows
+            (each file is read once more, on first use); ``"all"`` (or True): every file
+            now; ``"none"`` (or False): never (trusted data, fastest start).
+
+    Every row read is also checked: a label other than 0 or 1, or a negative category id
+    (``convert`` never writes one: ids are hex values or the MISSING_IDS), is an InputError
+    naming the file and the row.  Such rows are refused rather than dropped, because they
+    can only come from a damaged or foreign file, whose other values cannot be trusted either.
 
     Example::
 
@@ -111,7 +119,11 @@ class ShardSet:
         block = shards.read(1000, 2000)          # CriteoBlock of rows 1000..1999
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify: bool | str = "open") -> None:
+        modes = {True: "all", False: "none", "open": "open", "all": "all", "none": "none"}
+        if not isinstance(verify, (bool, str)) or verify not in modes:
+            raise ValueError(f"verify must be 'open', 'all' or 'none', got {verify!r}")
+        self.verify_mode = modes[verify]
         path = Path(path)
         self.root = path.parent if path.name == "manifest.json" else path
         mpath = self.root / "manifest.json"
@@ -120,24 +132,21 @@ class ShardSet:
                              f"create one with `hugeembed convert`")
         try:
             self.manifest = json.loads(mpath.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:
             raise InputError(f"{mpath}: unreadable manifest ({e})") from None
         m = self.manifest
-        if m.get("format") != FORMAT:
-            raise InputError(f"{mpath}: format {m.get('format')!r} is not {FORMAT!r}")
-        if m.get("version") != FORMAT_VERSION:
-            raise InputError(f"{mpath}: format version {m.get('version')} is not supported (this hugeembed reads {FORMAT_VERSION})")
+        _validate_manifest(m, mpath)
         infos, start = [], 0
         for s in m["shards"]:
-            infos.append(ShardInfo(s["name"], int(s["rows"]), start))
-            start += int(s["rows"])
+            infos.append(ShardInfo(s["name"], s["rows"], start))
+            start += s["rows"]
         if start != m["rows"]:
             raise InputError(f"{mpath}: shard rows add up to {start}, manifest says {m['rows']}")
         self.shards: tuple[ShardInfo, ...] = tuple(infos)
         self.rows = start
         self._starts = np.array([s.start for s in infos] + [start], np.int64)
         self._open: dict[int, dict[str, np.ndarray]] = {}
-        if verify:
+        if self.verify_mode == "all":
             self.verify()
 
     def __len__(self) -> int:
@@ -148,6 +157,8 @@ class ShardSet:
         got = self._open.get(shard)
         if got is None:
             info, entry = self.shards[shard], self.manifest["shards"][shard]
+            if self.verify_mode == "open":
+                self._verify_shard(entry)
             got = {}
             for name, (dtype, row_shape) in ARRAYS.items():
                 fpath = self.root / entry["files"][name]["file"]
@@ -155,8 +166,8 @@ class ShardSet:
                     arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
                 except FileNotFoundError:
                     raise InputError(f"{fpath}: missing shard file listed in the manifest") from None
-                except ValueError as e:
-                    raise InputError(f"{fpath}: not a readable .npy file ({e})") from None
+                except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
+                    raise InputError(f"{fpath}: not a readable .npy file ({type(e).__name__}: {e})") from None
                 if arr.dtype != dtype or arr.shape != (info.rows, *row_shape):
                     raise InputError(f"{fpath}: holds {arr.dtype} {arr.shape}, manifest says {dtype} {(info.rows, *row_shape)}")
                 got[name] = arr
@@ -164,10 +175,21 @@ class ShardSet:
         return got
 
     def read_shard_rows(self, shard: int, start: int, stop: int) -> CriteoBlock:
-        """Rows ``start:stop`` of one shard, copied into memory."""
+        """Rows ``start:stop`` of one shard, copied into memory (labels and ids checked)."""
         a = self.arrays(shard)
-        return CriteoBlock(np.array(a["dense"][start:stop]), np.array(a["cats"][start:stop]),
-                           a["labels"][start:stop].astype(np.float32))
+        cats, labels = np.array(a["cats"][start:stop]), a["labels"][start:stop]
+        if labels.size and labels.max() > 1:
+            row = start + int(np.argmax(labels > 1))
+            raise InputError(f"{self._file(shard, 'labels')}: row {row} has label {int(labels[row - start])}; "
+                             f"labels must be 0 or 1 (damaged or foreign shard)")
+        if cats.size and cats.min() < 0:
+            row, col = divmod(int(np.argmax(cats.reshape(-1) < 0)), N_CAT)
+            raise InputError(f"{self._file(shard, 'cats')}: row {start + row} has {CAT_NAMES[col]} id "
+                             f"{int(cats[row, col])}; category ids must be >= 0 (damaged or foreign shard)")
+        return CriteoBlock(np.array(a["dense"][start:stop]), cats, labels.astype(np.float32))
+
+    def _file(self, shard: int, array: str) -> Path:
+        return self.root / self.manifest["shards"][shard]["files"][array]["file"]
 
     def read(self, start: int, stop: int) -> CriteoBlock:
         """Global rows ``start:stop`` (may span shards)."""
@@ -188,11 +210,55 @@ class ShardSet:
     def verify(self) -> None:
         """Recomputes every file's sha256; InputError naming the first file that differs."""
         for entry in self.manifest["shards"]:
-            for name in ARRAYS:
-                f = entry["files"][name]
-                fpath = self.root / f["file"]
-                if not fpath.is_file():
-                    raise InputError(f"{fpath}: missing shard file listed in the manifest")
-                if sha256_file(fpath) != f["sha256"]:
-                    raise InputError(f"{fpath}: checksum mismatch (file changed or corrupted since conversion)")
+            self._verify_shard(entry)
+
+    def _verify_shard(self, entry: dict) -> None:
+        for name in ARRAYS:
+            f = entry["files"][name]
+            fpath = self.root / f["file"]
+            if not fpath.is_file():
+                raise InputError(f"{fpath}: missing shard file listed in the manifest")
+            size = fpath.stat().st_size
+            if "bytes" in f and size != f["bytes"]:
+                raise InputError(f"{fpath}: {size} bytes, the manifest says {f['bytes']} (truncated or changed "
+                                 f"since conversion)")
+            if sha256_file(fpath) != f["sha256"]:
+                raise InputError(f"{fpath}: checksum mismatch (file changed or corrupted since conversion)")
+
+
+def _validate_manifest(m, where: Path) -> None:
+    """Checks the shape of a shard manifest: InputError naming the file and the first bad field."""
+    def need(ok: bool, name: str, what: str, value) -> None:
+        if not ok:
+            text = repr(value)
+            raise InputError(f"{where}: {name} must be {what}, got {text if len(text) <= 60 else text[:57] + '...'}")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    need(isinstance(m, dict), "the manifest", "a JSON object", m)
+    if m.get("format") != FORMAT:
+        raise InputError(f"{where}: format {m.get('format')!r} is not {FORMAT!r}")
+    if m.get("version") != FORMAT_VERSION:
+        raise InputError(f"{where}: format version {m.get('version')} is not supported (this hugeembed reads "
+                         f"{FORMAT_VERSION})")
+    need(count(m.get("rows")), "rows", "a non-negative integer", m.get("rows"))
+    shards = m.get("shards")
+    need(isinstance(shards, list), "shards", "a list of shard records", shards)
+    for i, sh in enumerate(shards):
+        need(isinstance(sh, dict), f"shards[{i}]", "a shard record (a mapping)", sh)
+        need(isinstance(sh.get("name"), str), f"shards[{i}].name", "a string", sh.get("name"))
+        need(count(sh.get("rows")), f"shards[{i}].rows", "a non-negative integer", sh.get("rows"))
+        files = sh.get("files")
+        need(isinstance(files, dict), f"shards[{i}].files", f"a mapping with {list(ARRAYS)}", files)
+        for name in ARRAYS:
+            rec = files.get(name)
+            at = f"shards[{i}].files.{name}"
+            need(isinstance(rec, dict), at, "a file record (a mapping)", rec)
+            f = rec.get("file")
+            need(isinstance(f, str) and f != "" and "/" not in f and f not in (".", ".."), f"{at}.file",
+                 "a file name in the shard directory", f)
+            sha = rec.get("sha256")
+            need(isinstance(sha, str) and len(sha) == 64, f"{at}.sha256", "a hex sha256", sha)
+            need("bytes" not in rec or count(rec["bytes"]), f"{at}.bytes", "a non-negative integer", rec.get("bytes"))
 

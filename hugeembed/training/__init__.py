@@ -1,14 +1,16 @@
 """Training runs: TrainConfig, the Trainer loop (eval, snapshots, resume) and data sources."""
 
-from ._config import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS, TrainConfig
+from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot
 from ._sources import DataSource, FileSource, SyntheticSource, make_source
-from ._trainer import Trainer, TrainState, build_model, evaluate, make_dense_optimizer, resolve_device
+from ._record import RunRecord, TrainState
+from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
 
 __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainState",
+    "RunRecord",
     "evaluate",
     "evaluate_snapshot",
     "build_model",
@@ -20,4 +22,5 @@ __all__ = [
     "make_source",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
+    "MODELS",
 ]

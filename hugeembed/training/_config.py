@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..models import MODEL_NAMES
+from ..optim._registry import NAMES as _SPARSE_NAMES
 
-__all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS"]
+__all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS", "MODELS"]
 
-DENSE_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
-SPARSE_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adagrad", "rowwise_adagrad", "adam", "lazy_adam",
-                     "global_adam", "ftrl")
-MODELS = ("dlrm", "deepfm", "widedeep", "dcn")
+# the torch.optim class of each dense optimizer name (make_dense_optimizer builds them)
+DENSE_OPTIMIZER_CLASSES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+DENSE_OPTIMIZERS = tuple(DENSE_OPTIMIZER_CLASSES)
+SPARSE_OPTIMIZERS = tuple(_SPARSE_NAMES)  # every name hugeembed.optim.make_optimizer accepts
+MODELS = MODEL_NAMES
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,10 @@ class TrainConfig:
         model: ``dlrm | deepfm | widedeep | dcn``.
         data: Criteo TSV / .gz files or a converted shard directory; None trains on the
             built-in synthetic Criteo-like generator (labels from a known model).
-        eval_data: held-out data; None holds out `eval_rows` rows (synthetic: a disjoint
-            range of the generator; files: the last `eval_fraction` of the rows).
+        eval_data: held-out data (only with `data`: the synthetic generator holds out its own
+            rows); None holds out `eval_rows` rows (synthetic: a disjoint range of the generator;
+            files: the first `eval_rows` rows, or the first `eval_fraction` of a file too small
+            for that).
         embedding_dim, batch_size: as named.
         steps: training steps (None: `epochs` passes over the data; the synthetic data
             is endless, so it then uses `synthetic_rows` rows per epoch).
@@ -77,9 +84,26 @@ class TrainConfig:
     sharding: tuple[str, ...] = ()
     memory_per_rank: int | None = None
     dist_timeout: float = 300.0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        # types first: a value of the wrong type must fail here, naming its key, not later
+        # (e.g. a numeric checkpoint_dir only when the first snapshot is written)
+        for name in ("data", "eval_data", "sharding"):
+            object.__setattr__(self, name, _paths(name, getattr(self, name)))
+        for name in ("model", "sparse_optimizer", "dense_optimizer", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{_key(name)} must be a string, got {getattr(self, name)!r}")
+        if self.checkpoint_dir is not None:
+            if isinstance(self.checkpoint_dir, os.PathLike):
+                object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
+            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+                raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
+                                  f"got {self.checkpoint_dir!r}")
+        if not isinstance(self.resume, bool):
+            raise ConfigError(f"resume must be true or false, got {self.resume!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+
         def positive(name: str, allow_none: bool = False, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             if v is None and allow_none:
@@ -107,29 +131,29 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive number, got {v!r}")
-        if not (isinstance(self.eval_fraction, (int, float)) and 0.0 < self.eval_fraction < 1.0):
+        if isinstance(self.eval_fraction, bool) or not (isinstance(self.eval_fraction, (int, float))
+                                                        and 0.0 < self.eval_fraction < 1.0):
             raise ConfigError(f"eval-fraction must be in (0, 1), got {self.eval_fraction!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU number), got {self.device!r}")
         positive("memory_per_rank", allow_none=True)
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or \
                 not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
-        sharding = (self.sharding,) if isinstance(self.sharding, str) else tuple(self.sharding)
         seen = set()
-        for item in sharding:
-            table, eq, kind = str(item).partition("=")
+        for item in self.sharding:
+            table, eq, kind = item.partition("=")
             if not eq or not table or not kind:
                 raise ConfigError(f"sharding entries look like TABLE=KIND (e.g. C3=row_wise, C1=data_parallel, "
                                   f"C9=table_wise@1), got {item!r}")
             if table in seen:  # a dict would silently keep the last one
                 raise ConfigError(f"sharding: table {table!r} is placed twice")
             seen.add(table)
-        object.__setattr__(self, "sharding", tuple(str(x) for x in sharding))
+        if self.eval_data and not self.data:
+            raise ConfigError("eval-data needs data: training on the synthetic generator evaluates on its own "
+                              "held-out rows (give --data too, or leave --eval-data out)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
-        object.__setattr__(self, "data", tuple(str(p) for p in self.data))
-        object.__setattr__(self, "eval_data", tuple(str(p) for p in self.eval_data))
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
@@ -143,10 +167,14 @@ class TrainConfig:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
         except (OSError, ValueError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         section = data.get("train", data)
-        return cls.from_dict({**section, **overrides}, source=str(path))
+        if not isinstance(section, dict):
+            raise ConfigError(f"config file {path}: train must be a table of settings ([train]), got {section!r}")
+        return cls.from_dict({**section, **overrides}, source=f"config file {path}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "TrainConfig":
@@ -154,11 +182,11 @@ class TrainConfig:
         norm = {str(k).replace("-", "_"): v for k, v in data.items()}
         unknown = sorted(set(norm) - names)
         if unknown:
-            raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(names - {'extra'})}")
-        for k in ("data", "eval_data", "sharding"):
-            if isinstance(norm.get(k), str):
-                norm[k] = (norm[k],)
-        return cls(**norm)
+            raise ConfigError(f"{source}: unknown settings {unknown}; known: {sorted(names)}")
+        try:
+            return cls(**norm)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -167,3 +195,17 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _paths(name: str, value: Any) -> tuple[str, ...]:
+    """A path (or sharding entry), or a list of them, as a tuple of strings; ConfigError otherwise."""
+    if isinstance(value, (str, os.PathLike)):
+        value = (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value):
+        return tuple(os.fspath(v) for v in value)
+    what = "TABLE=KIND entry" if name == "sharding" else "path"
+    raise ConfigError(f"{_key(name)} must be a {what} or a list of them (strings), got {value!r}")

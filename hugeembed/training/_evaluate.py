@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 from .. import checkpoint as ckpt
 from ..data import Loader
-from ..errors import CheckpointError
-from ._config import TrainConfig
+from ..errors import InputError
+from ._record import RunRecord
 from ._sources import make_source
 from ._trainer import build_model, evaluate, resolve_device
 
@@ -28,17 +28,15 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
 
     Nothing is inserted or counted: unknown ids read as zeros.
     """
-    extra = ckpt.read_extra(path)
-    saved = extra.get("config")
-    if saved is None:
-        raise CheckpointError(f"{path}: the snapshot holds no training config (was it saved by `hugeembed train`?)")
+    snap = Path(ckpt.read_manifest(path)["_path"])
+    saved = RunRecord.from_dict(ckpt.read_extra(snap), str(snap)).config
     changes: dict[str, Any] = {"resume": False, "checkpoint_dir": None, "device": device}
     if batch_size is not None:
         changes["batch_size"] = batch_size
-    cfg = TrainConfig.from_dict({**saved, **changes}, source=f"{path} config")
+    cfg = saved.replace(**changes)
     dev = resolve_device(cfg.device)
     model, _ = build_model(cfg, dev)
-    info = ckpt.load(path, model.embeddings, model=model, restore_rng=False)
+    info = ckpt.load(snap, model.embeddings, model=model, restore_rng=False)
     if data:
         paths = [str(p) for p in data]
         batches = iter(Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, prefetch=2))
@@ -47,4 +45,6 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
         batches = make_source(cfg).eval_batches()
         source = "the run's held-out set"
     metrics = evaluate(model, batches, dev)
+    if metrics["count"] == 0:
+        raise InputError(f"{source}: no rows to score")
     return {**metrics, "step": info.step, "snapshot": str(info.path), "data": source, "model": cfg.model}

@@ -27,6 +27,7 @@ class DataSource(abc.ABC):
 
     description: str = ""
     steps_per_epoch: int | None = None
+    notes: tuple[str, ...] = ()  # what the user should be told before training (e.g. how a small file was split)
 
     @abc.abstractmethod
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
@@ -74,7 +75,9 @@ class FileSource(DataSource):
     """Criteo TSV/.gz files or a converted shard directory.
 
     Without eval data, the first ``eval_rows`` rows of each rank's stream are held out
-    (never trained on) and serve as the evaluation set.
+    (never trained on) and serve as the evaluation set.  A stream too small for that
+    (it would all be held out) keeps ``eval_fraction`` of its batches (at least one)
+    for evaluation instead, and says so in :attr:`notes`.
     """
 
     def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
@@ -83,14 +86,43 @@ class FileSource(DataSource):
         source = paths[0] if len(paths) == 1 else paths
         self.loader = Loader(source, cfg.batch_size, drop_last=True, seed=cfg.seed, rank=rank, world_size=world_size,
                              prefetch=cfg.prefetch)
-        self.holdout = 0 if cfg.eval_data else max(1, -(-cfg.eval_rows // cfg.batch_size))
+        self.description = f"Criteo data {', '.join(paths)}"
         self._eval_cache: list[Batch] | None = None
+        self._eval_loader: Loader | None = None
+        self.holdout = 0
+        if not cfg.eval_data:
+            self._plan_holdout(", ".join(paths))
         if self.loader.shards is not None:
             self.steps_per_epoch = len(self.loader) - self.holdout
-            if self.steps_per_epoch < 1:
-                raise ConfigError(f"{cfg.data}: {self.loader.rows()} rows per rank leave no training batch of "
-                                  f"{cfg.batch_size} after holding out {self.holdout} batches for evaluation")
-        self.description = f"Criteo data {', '.join(paths)}"
+
+    def _plan_holdout(self, name: str) -> None:
+        """How many of this rank's first batches are held out for evaluation."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        want = max(1, -(-cfg.eval_rows // B))
+        if self.loader.shards is not None:
+            batches = len(self.loader)
+        else:  # text: the row count is unknown; read (and keep) the held-out batches, plus one to see more exist
+            self.loader.set_epoch(0)
+            it = iter(self.loader)
+            try:
+                first = list(itertools.islice(it, want + 1))
+            finally:
+                it.close()
+            batches = len(first) if len(first) <= want else None
+            self._eval_cache = first[:want]
+        if batches is None or batches > want:
+            self.holdout = want
+            return
+        if batches < 2:
+            raise ConfigError(f"{name}: {batches * B} usable rows per process (batches of {B}) cannot be split into "
+                              f"training and held-out rows: give more data, a smaller --batch-size, or --eval-data")
+        self.holdout = max(1, int(batches * cfg.eval_fraction))
+        if self._eval_cache is not None:
+            self._eval_cache = self._eval_cache[:self.holdout]
+        per = " per process" if self.world > 1 else ""
+        self.notes = (f"{name} has {batches * B} rows{per} in batches of {B}, fewer than --eval-rows {cfg.eval_rows}: "
+                      f"holding out the first {self.holdout * B} rows for evaluation (eval_fraction "
+                      f"{cfg.eval_fraction}), training on the other {(batches - self.holdout) * B}",)
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         self.loader.set_epoch(epoch)
@@ -98,10 +130,11 @@ class FileSource(DataSource):
 
     def eval_batches(self) -> Iterator[Batch]:
         if self.cfg.eval_data:
-            paths = list(self.cfg.eval_data)
-            loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size, rank=self.rank,
-                            world_size=self.world, prefetch=self.cfg.prefetch)
-            yield from loader
+            if self._eval_loader is None:  # kept: shards are checksum-verified once, not at every evaluation
+                paths = list(self.cfg.eval_data)
+                self._eval_loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size,
+                                           rank=self.rank, world_size=self.world, prefetch=self.cfg.prefetch)
+            yield from self._eval_loader
             return
         # read once and kept (eval_rows rows are small): the training iterator may be
         # mid-stream on the same files when an evaluation runs

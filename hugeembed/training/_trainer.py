@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,11 +21,12 @@ import torch.nn.functional as F
 
 from .. import _native
 from .. import checkpoint as ckpt
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
 from ..models import make_model
 from ..optim import make_optimizer
-from ._config import TrainConfig
+from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
+from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics, run_info,
                            sharded_factory, wrap_ddp)
 from ._sources import DataSource, make_source
@@ -49,16 +49,14 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     """A torch optimizer for the dense parameters, with torch's fused kernel (one pass over
     all parameters instead of ~10 ops per tensor; same update)."""
     params = list(params)
-    classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-               "adagrad": torch.optim.Adagrad}
-    if name not in classes:
-        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(classes)}")
+    if name not in DENSE_OPTIMIZER_CLASSES:
+        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(DENSE_OPTIMIZER_CLASSES)}")
     kwargs: dict[str, Any] = {"lr": lr}
     if name == "sgd":
         kwargs["momentum"] = 0.9
     if params and all(p.device.type in ("cpu", "cuda") for p in params):
         kwargs["fused"] = True
-    return classes[name](params, **kwargs)
+    return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
 
 
 def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
@@ -79,31 +77,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-@dataclass
-class TrainState:
-    """Where a run stands; saved with every snapshot so a resume continues exactly here."""
-
-    step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-    samples: int = 0
-    train_seconds: float = 0.0
-    loss_sum: float = 0.0  # since the last progress report
-    loss_count: int = 0
-    history: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "loss": [], "eval_step": [],
-                                                                      "auc": [], "logloss": []})
-    last_eval: dict[str, float] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
 class Trainer:
     """Trains a model as a TrainConfig says.
 
     Args:
         config: the run.
-        progress: called with (event, info) for "start", "step", "eval", "checkpoint", "end".
+        progress: called with (event, info) for "start", "step", "eval", "checkpoint", "end", and "note"
+            (``info["message"]``: something the user should be told, e.g. how a small file was split).
         rank, world_size: this process's place in a distributed run (1 process: 0, 1).  With
             several, torch.distributed must be initialised (``torchrun ... -m hugeembed train``
             or ``hugeembed train --nproc N`` do it): tables are sharded, the dense part runs
@@ -135,6 +115,9 @@ class Trainer:
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
         self.source: DataSource = make_source(config, rank, world_size)
         self.state = TrainState()
+        # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
+        total = self.total_steps()
+        self._record_every = config.log_every if total is None else max(1, min(config.log_every, total // 50))
 
     # -- the loop ------------------------------------------------------------------
 
@@ -145,12 +128,53 @@ class Trainer:
         return None if spe is None else spe * self.cfg.epochs
 
     def fit(self) -> dict[str, Any]:
-        """Trains (resuming if asked), evaluates, snapshots; returns the summary."""
+        """Trains (resuming if asked), evaluates, snapshots; returns the summary.
+
+        With a checkpoint_dir the run holds its lock throughout (rank 0 takes it for all
+        ranks): a second run writing into the same directory is refused with a CheckpointError.
+        """
+        lock = self._lock_checkpoint_dir()
+        try:
+            return self._fit()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _lock_checkpoint_dir(self) -> "ckpt.CheckpointLock | None":
+        if not self.cfg.checkpoint_dir:
+            return None
+        lock, err = None, None
+        if self.rank == 0:
+            try:
+                lock = ckpt.CheckpointLock(self.cfg.checkpoint_dir).acquire()
+            except (CheckpointError, OSError) as e:
+                err = e
+        if self.world_size > 1:  # every rank stops if rank 0 could not take it
+            msg = self.collection.comm.all_gather_object("checkpoint lock", str(err) if err else None)[0]
+            if msg is not None:
+                if lock is not None:
+                    lock.release()
+                raise CheckpointError(msg)
+        if err is not None:
+            raise err
+        return lock
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         if cfg.resume:
             self.resume()
         st = self.state  # after resume(), which replaces it
         total = self.total_steps()
+        for note in self.source.notes:
+            self.progress("note", {"message": note})
+        if cfg.resume and st.step > 0 and (st.step >= total if total is not None else st.epoch >= cfg.epochs):
+            # finished already: no second evaluation or snapshot of the last step
+            self.progress("note", {"message": f"{cfg.checkpoint_dir}: the run is complete (step {st.step}"
+                                              + (f" of {total}" if total is not None else f", epoch {st.epoch}")
+                                              + "): nothing to do, nothing changed"})
+            summary = self.summary()
+            self.progress("end", summary)
+            return summary
         self.progress("start", {"total_steps": total, "data": self.source.description, "resumed_at": st.step,
                                 "device": str(self.device), "model": cfg.model, "world_size": self.world_size})
         self.model.train()
@@ -175,6 +199,7 @@ class Trainer:
             st.step_in_epoch = 0
             if cfg.steps is None and st.epoch >= cfg.epochs:
                 break
+        self._record_loss()  # the curve ends at the last step
         self.evaluate()
         if cfg.checkpoint_dir:
             self.save()
@@ -208,7 +233,13 @@ class Trainer:
             raise FloatingPointError(f"training loss became {value} at step {st.step}: lower the learning rates")
         st.loss_sum += value
         st.loss_count += 1
-        if st.step % self.cfg.log_every == 0 or st.step == 1:
+        if st.step % self._record_every == 0 or st.step == 1:
+            self._record_loss()
+
+    def _record_loss(self) -> None:
+        """Appends the mean loss since the last record to the history (and reports it)."""
+        st = self.state
+        if st.loss_count:
             if self.world_size > 1:  # the mean over every rank's local losses (one small collective)
                 sums = self.collection.comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
                 st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
@@ -233,6 +264,9 @@ class Trainer:
                                merge=lambda ms: merge_metrics(self.collection, ms))
         else:
             metrics = evaluate(self.model, self.source.eval_batches(), self.device)
+        if metrics["count"] == 0:  # metrics of nothing would be NaNs reported as results
+            where = ", ".join(self.cfg.eval_data) or self.source.description
+            raise InputError(f"{where}: no held-out rows to evaluate on")
         st = self.state
         st.last_eval = metrics
         st.history["eval_step"].append(st.step)
@@ -246,8 +280,7 @@ class Trainer:
     def save(self):
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
-                         extra={"train_state": self.state.to_dict(), "config": self.cfg.to_dict(),
-                                "world_size": self.world_size})
+                         extra=RunRecord(self.cfg, self.state, self.world_size).to_dict())
         self.progress("checkpoint", {"step": self.state.step, "path": str(path)})
         return path
 
@@ -256,20 +289,20 @@ class Trainer:
         root = Path(self.cfg.checkpoint_dir)
         if not root.exists() or ckpt.latest(root) is None:
             return False
-        extra = ckpt.read_extra(root)  # compare runs before reading any table
-        saved = extra.get("config", {})
+        snap = ckpt.latest(root)
+        record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
+        saved = record.config
         changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed")
-                   if k in saved and saved[k] != getattr(self.cfg, k)]
-        msgs = [f"{k} ({saved[k]!r} vs {getattr(self.cfg, k)!r})" for k in changed]
+                   if getattr(saved, k) != getattr(self.cfg, k)]
+        msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r})" for k in changed]
         # any number of processes may resume, but the data position counts global batches
-        saved_world = int(extra.get("world_size", 1))
-        if "batch_size" in saved and saved["batch_size"] * saved_world != self.cfg.batch_size * self.world_size:
-            msgs.append(f"global batch ({saved['batch_size']} x {saved_world} processes vs "
+        if saved.batch_size * record.world_size != self.cfg.batch_size * self.world_size:
+            msgs.append(f"global batch ({saved.batch_size} x {record.world_size} processes vs "
                         f"{self.cfg.batch_size} x {self.world_size})")
         if msgs:
-            raise CheckpointError(f"{ckpt.latest(root)} was saved by a run with different " + ", ".join(msgs))
-        info = ckpt.load(root, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
-        self.state = TrainState(**info.extra["train_state"])
+            raise CheckpointError(f"{snap} was saved by a run with different " + ", ".join(msgs))
+        ckpt.load(snap, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
+        self.state = record.state
         return True
 
     # -- reporting -------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""RunRecord: what a training run keeps in a snapshot's ``extra`` (its config, where it stands, its world size).
+
+Written by :meth:`Trainer.save`, read back by resume and ``hugeembed eval``; :meth:`RunRecord.from_dict`
+checks every field, so a damaged record is a CheckpointError naming the snapshot and the field,
+not a KeyError or TypeError deep in the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import CheckpointError, ConfigError
+from ._config import TrainConfig
+
+__all__ = ["TrainState", "RunRecord"]
+
+_HISTORY_KEYS = ("step", "loss", "eval_step", "auc", "logloss")
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; saved with every snapshot so a resume continues exactly here."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    samples: int = 0
+    train_seconds: float = 0.0
+    loss_sum: float = 0.0  # since the last record in history
+    loss_count: int = 0
+    history: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in _HISTORY_KEYS})
+    last_eval: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "train state") -> "TrainState":
+        """Checks every field (CheckpointError naming `where` and the field), then builds the state."""
+        def bad(name: str, what: str, value: Any) -> CheckpointError:
+            return CheckpointError(f"{where}: train_state.{name} must be {what}, got {_short(value)}")
+
+        if not isinstance(data, Mapping):
+            raise CheckpointError(f"{where}: train_state must be a mapping, got {_short(data)}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        unknown = sorted(set(map(str, data)) - set(names))
+        if missing or unknown:
+            raise CheckpointError(f"{where}: train_state has missing fields {missing} / unknown fields {unknown}")
+        for n in ("step", "epoch", "step_in_epoch", "samples", "loss_count"):
+            v = data[n]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(n, "a non-negative integer", v)
+        for n in ("train_seconds", "loss_sum"):
+            if not _number(data[n]):
+                raise bad(n, "a finite number", data[n])
+        hist = data["history"]
+        if not isinstance(hist, Mapping) or set(hist) != set(_HISTORY_KEYS):
+            raise bad("history", f"a mapping with keys {list(_HISTORY_KEYS)}", hist)
+        for k in _HISTORY_KEYS:
+            if not isinstance(hist[k], list) or not all(_number(x, finite=False) for x in hist[k]):
+                raise bad(f"history.{k}", "a list of numbers", hist[k])
+        if len(hist["step"]) != len(hist["loss"]) or not len(hist["eval_step"]) == len(hist["auc"]) == \
+                len(hist["logloss"]):
+            raise bad("history", "lists of matching lengths (step/loss, eval_step/auc/logloss)",
+                      {k: len(v) for k, v in hist.items()})
+        ev = data["last_eval"]
+        if ev is not None and not (isinstance(ev, Mapping) and all(isinstance(k, str) and _number(v, finite=False)
+                                                                   for k, v in ev.items())):
+            raise bad("last_eval", "null or a mapping of metric names to numbers", ev)
+        return cls(**{n: data[n] for n in names})
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run's config, state and process count, as saved in a snapshot's ``extra``."""
+
+    config: TrainConfig
+    state: TrainState
+    world_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "train_state": self.state.to_dict(), "world_size": self.world_size}
+
+    @classmethod
+    def from_dict(cls, extra: Any, where: str) -> "RunRecord":
+        """The record in a snapshot's `extra` (`where`: the snapshot, for messages); CheckpointError if damaged."""
+        if not isinstance(extra, Mapping) or "config" not in extra:
+            raise CheckpointError(f"{where}: the snapshot holds no training config (was it saved by "
+                                  f"`hugeembed train`?)")
+        saved = extra["config"]
+        if not isinstance(saved, Mapping):
+            raise CheckpointError(f"{where}: config must be a mapping, got {_short(saved)}")
+        saved = {k: v for k, v in saved.items() if k != "extra"}  # a field of older versions, always empty
+        try:
+            config = TrainConfig.from_dict(saved, source=f"{where}: saved config")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        world = extra.get("world_size", 1)
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"{where}: world_size must be a positive integer, got {_short(world)}")
+        if "train_state" not in extra:
+            raise CheckpointError(f"{where}: the snapshot holds no train_state")
+        return cls(config, TrainState.from_dict(extra["train_state"], where), world)
+
+
+def _number(v: Any, finite: bool = True) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (not finite or math.isfinite(v))
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
