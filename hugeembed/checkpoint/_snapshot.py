@@ -353,7 +353,7 @@ def validate_manifest(m: Any, where: Path) -> None:
                 need(integer(get(sh, key, f"{sat}.{key}")), f"{sat}.{key}", "a non-negative integer", sh[key])
             fl = get(sh, "files", f"{sat}.files")
             need(isinstance(fl, dict), f"{sat}.files", "a mapping of fields to file records", fl)
-            for f in _FIELDS:
+            for f in EXPORT_FIELDS:
                 record(get(fl, f, f"{sat}.files.{f}"), f"{sat}.files.{f}", tensor=True)
 
 
