@@ -149,7 +149,7 @@ class RowWiseGroup(OwnedRowsGroup):
             if n:
                 sl = slice(start, start + n)
                 got = slots[sl]
-                weights = store.storage()[:, : self.dim]
+                weights = store.weights()
                 known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
                 if bool(known.all()):
                     rows[sl] = weights[got]

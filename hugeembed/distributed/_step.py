@@ -120,4 +120,4 @@ class OwnedRowsGroup:
             if not bool(known.all()):
                 s, g = s[known], g[known]
             if s.numel():
-                rule.apply(self.coll._stores[self.ts[i]].storage(), s, g, lr=self.coll._lr(self.ts[i]), step=st.step)
+                rule.update(self.coll._stores[self.ts[i]], s, g, lr=self.coll._lr(self.ts[i]), step=st.step)

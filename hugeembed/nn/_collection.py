@@ -21,7 +21,8 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
+from ..store import ArrayStore, HashStore, RowLayout, RowStore, StoreExport, find_or_insert_many
+from ..store._layout import LayoutViews
 from ._config import TableConfig
 from ._optimizer import EmbeddingOptimizer
 
@@ -113,12 +114,13 @@ class EmbeddingCollection(nn.Module):
     # -- construction -----------------------------------------------------------------
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None) -> RowStore:
-        state = 0 if rule is None else rule.state_width(t.dim)
+        layout = t.row_layout(rule)
+        state = layout.state_width
         init_state = None if rule is None else rule.init_state
-        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype,
+        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype, layout=layout,
                       device=self.device if self.device.type != "meta" else "cpu", seed=t.resolved_seed(self.seed))
         if self.device.type == "meta":
-            return _MetaStore(t.name, t.dim, state, t.dtype)
+            return _MetaStore(t.name, layout)
         if t.num_rows is not None:
             return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
         backend = None if self.backend == "auto" else self.backend
@@ -189,17 +191,17 @@ class EmbeddingCollection(nn.Module):
 
     def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
         """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
-        storages = [s.storage() for s in self._stores]
+        storages = [s.weights() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
         dedup = training or any(t.num_rows is None for t in self.tables)
         if not dedup:  # static tables, forward only: one pass over the batch
-            out = self.lookup.forward_static([s[:, : t.dim] for s, t in zip(storages, self.tables)], features)
+            out = self.lookup.forward_static(storages, features)
             if out is not None:
                 return out
         prep = self.lookup.prepare(features, storages, deduplicate=dedup)
         slots = self._fetch(prep, training, step)
-        storages = [s.storage() for s in self._stores]  # inserts may have grown them
+        storages = [s.weights() for s in self._stores]  # inserts may have grown them
         if not training or not any(self.rules):
             return self.lookup.lookup(prep, storages, slots)
         return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(step))
@@ -235,7 +237,7 @@ class EmbeddingCollection(nn.Module):
             if rule is None:
                 return  # frozen table
             lr = self.optimizer.param_groups[groups[t]]["lr"]
-            rule.apply(self._stores[t].storage(), slots, grad, lr=lr, step=step)
+            rule.update(self._stores[t], slots, grad, lr=lr, step=step)
 
         return apply
 
@@ -320,7 +322,7 @@ class EmbeddingCollection(nn.Module):
             if export.width != store.width:
                 error_msgs.append(
                     f"table {cfg.name!r}: saved rows have {export.width} columns, this table needs {store.width} "
-                    f"(dim {cfg.dim} + optimizer state {store.state_width}); dim or optimizer differ")
+                    f"(layout {store.layout.describe()}); dim, dtypes or optimizer differ")
                 continue
             fresh = self._make_store(cfg, self.rules[i])
             fresh.import_(export)
@@ -330,11 +332,12 @@ class EmbeddingCollection(nn.Module):
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
 
 
-class _MetaStore:
+class _MetaStore(LayoutViews):
     """Stand-in store of a collection built on the meta device (shape checks only)."""
 
-    def __init__(self, name: str, dim: int, state_width: int, dtype: torch.dtype) -> None:
-        self.name, self.dim, self.state_width, self.width, self.dtype = name, dim, state_width, dim + state_width, dtype
+    def __init__(self, name: str, layout: RowLayout) -> None:
+        self.name, self.layout, self.dim, self.state_width = name, layout, layout.dim, layout.state_width
+        self.width, self.dtype = layout.width, layout.dtype
         self.device = torch.device("meta")
 
     def __len__(self) -> int:
@@ -344,7 +347,7 @@ class _MetaStore:
         return 0
 
     def storage(self) -> torch.Tensor:
-        return torch.empty(0, self.width, dtype=self.dtype, device="meta")
+        return torch.empty(0, self.width, dtype=self.layout.storage_dtype, device="meta")
 
     def export(self):
         raise InputError(f"table {self.name!r} lives on the meta device: it has no rows to save")
