@@ -28,6 +28,7 @@ from ._base import (
     check_real,
     RowIO,
     int_view_dtype,
+    is_store,
     rdiv,
     sqrt_rn,
 )
@@ -165,11 +166,29 @@ class Adam(SparseOptimizer):
         or an eval that should see the dense result.
 
         Args:
-            storage, slots: as in :meth:`apply`.
+            storage: a plain ``[R, W]`` table as in :meth:`apply`, or a RowStore (any layout;
+                a 16-bit table's weights are rounded back as in :meth:`update`).
+            slots: as in :meth:`apply`.
             step: the last step applied to the table.
             lr: the learning rate the skipped steps used (default: the config's lr).
             dim: D; needed only when storage has more than D + state_width(D) columns.
         """
+        if is_store(storage):  # its layout says where D and the state are
+            store = storage
+            lay = store.layout
+            if dim is not None and dim != lay.dim:
+                raise InputError(f"{self._owner}.catch_up: dim={dim}, the store's rows have dimension {lay.dim}")
+            dim, storage = lay.dim, store.storage()
+            if lay.packed or lay.stochastic_rounding:
+                slots, step = self._check_catch_up(storage, slots, step)
+                if self.mode != "global" or slots.numel() == 0:
+                    return
+                lr = self.lr if lr is None else check_real(self._owner, "lr (runtime)", lr, ge=0.0)
+                io = RowIO.of_store(store, step)
+                self._check_counter_range(io.state, step)
+                with torch.no_grad():
+                    self._run_torch(io, slots, None, dim, lr, step)
+                return
         slots, step = self._check_catch_up(storage, slots, step)
         if self.mode != "global" or slots.numel() == 0:
             return

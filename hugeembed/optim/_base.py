@@ -210,16 +210,8 @@ class SparseOptimizer(abc.ABC):
         if slots.numel() == 0:
             return
         check_slots_torch(slots, storage.shape[0])
-        if lay.stochastic_rounding:
-            seed = store.seed
-
-            def rounding(w, sl):
-                return round_stochastic(w, lay.dtype, seed=seed, step=step, slots=sl)
-        else:
-            rounding = None
-        io = RowIO(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
         with torch.no_grad():
-            self._apply_torch(io, slots, grad, lr, step)
+            self._apply_torch(RowIO.of_store(store, step), slots, grad, lr, step)
 
     def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
         """Updates rows `slots` of `storage` (weight and state) in place.
@@ -254,9 +246,10 @@ class SparseOptimizer(abc.ABC):
         Only rules that move untouched rows (global Adam) have anything to do; for
         every other rule an untouched row is already exact, and this only validates.
         The keyword arguments (the skipped steps' lr, the row dimension) matter only
-        to global Adam.
+        to global Adam.  `storage` is a plain ``[R, W]`` table or a RowStore (read
+        through its layout).
         """
-        self._check_catch_up(storage, slots, step)
+        self._check_catch_up(storage.storage() if is_store(storage) else storage, slots, step)
 
     @abc.abstractmethod
     def _apply_native(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, lr: float,
@@ -339,6 +332,11 @@ class SparseOptimizer(abc.ABC):
         return slots, self._check_step(step, "catch_up")
 
 
+def is_store(x: Any) -> bool:
+    """A RowStore rather than a raw storage tensor (a tensor has a ``layout`` too: torch.strided)."""
+    return not isinstance(x, torch.Tensor) and hasattr(x, "layout") and hasattr(x, "storage")
+
+
 def check_slots_torch(slots: torch.Tensor, rows: int) -> None:
     """IndexError naming the first slot outside ``[0, rows)`` (the native kernels check the same)."""
     if slots.numel() == 0:
@@ -356,6 +354,21 @@ class RowIO:
 
     def __init__(self, weights: torch.Tensor, state: torch.Tensor, compute: torch.dtype, rounding=None) -> None:
         self.weights, self.state, self.compute, self.rounding = weights, state, compute, rounding
+
+    @classmethod
+    def of_store(cls, store, step: int) -> "RowIO":
+        """The typed views of `store`'s layout; weights rounded as the layout says (stochastically:
+        from the store's seed, `step`, the slot and the column)."""
+        lay = store.layout
+        storage = store.storage()
+        rounding = None
+        if lay.stochastic_rounding:
+            seed = store.seed
+
+            def rounding(w, slots):
+                return round_stochastic(w, lay.dtype, seed=seed, step=step, slots=slots)
+
+        return cls(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
 
     @classmethod
     def plain(cls, storage: torch.Tensor, dim: int, state_width: int) -> "RowIO":

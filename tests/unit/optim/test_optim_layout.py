@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hugeembed import _native
+from hugeembed.errors import InputError
 from hugeembed.features import SparseFeatures
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, RowWiseAdagrad
@@ -244,3 +245,32 @@ def test_default_fp32_path_still_runs_the_native_kernels(monkeypatch):
     ec16 = EmbeddingCollection([TableConfig("a", 4, dtype=torch.float16)], optimizer=RowWiseAdagrad(lr=0.1))
     ec16(SparseFeatures.from_lists({"a": [[1, 2], [3]]}))["a"].float().sum().backward()
     assert calls == {"native": 2, "torch": 1}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_global_adam_catch_up_through_a_packed_store_equals_the_rounded_oracle(dtype):
+    opt = Adam(lr=0.05, mode="global")
+    w0, steps = make_problem(8, 3, 6, seed=5, lr=0.05)
+    store = _packed_store(opt, w0, dtype)
+    for s in steps:
+        slots, grad = s.summed()
+        opt.update(store, slots, grad.float(), lr=0.05, step=s.step)
+    opt.catch_up(store, torch.arange(8), step=9, lr=0.05)
+    # the oracle: the same steps, then a catch-up of its own plain float32 rows, rounded
+    rows, dim = w0.shape
+    plain = torch.zeros(rows, dim + opt.state_width(dim))
+    plain[:, :dim] = w0.to(dtype).float()
+    opt.init_state(plain[:, dim:])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_native, "available", lambda: False)
+        m.setattr(_adam, "negligible_fraction", lambda _dt: torch.finfo(dtype).eps / 16)
+        for s in steps:
+            slots, grad = s.summed()
+            opt.apply(plain, slots, grad.float(), lr=0.05, step=s.step)
+            plain[:, :dim] = plain[:, :dim].to(dtype).float()
+        opt.catch_up(plain, torch.arange(8), step=9, lr=0.05)
+    assert torch.equal(store.weights(), plain[:, :dim].to(dtype))
+    assert torch.equal(store.state().view(torch.int32), plain[:, dim:].view(torch.int32))
+    assert bool((store.state()[:, 2 * dim].view(torch.int32) == 9).all())
+    with pytest.raises(InputError, match="dim=4, the store's rows have dimension 3"):
+        opt.catch_up(store, torch.arange(2), step=9, dim=4)
