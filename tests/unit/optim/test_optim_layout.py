@@ -274,3 +274,18 @@ def test_global_adam_catch_up_through_a_packed_store_equals_the_rounded_oracle(d
     assert bool((store.state()[:, 2 * dim].view(torch.int32) == 9).all())
     with pytest.raises(InputError, match="dim=4, the store's rows have dimension 3"):
         opt.catch_up(store, torch.arange(2), step=9, dim=4)
+
+
+def test_update_on_a_packed_store_checks_its_inputs_before_writing():
+    opt = Adagrad(lr=0.1)
+    store = _packed_store(opt, torch.randn(4, 3), torch.float16)
+    before = store.storage().clone()
+    with pytest.raises(InputError, match="Adagrad.update: the table's rows have dimension 3 .* dimension 2"):
+        opt.update(store, torch.tensor([1]), torch.ones(1, 2), lr=0.1, step=1)
+    with pytest.raises(IndexError, match="slot 4 at position 1 is out of range for a table of 4 rows"):
+        opt.update(store, torch.tensor([0, 4]), torch.ones(2, 3), lr=0.1, step=1)
+    with pytest.raises(InputError, match="Adagrad.update: step must be >= 1"):
+        opt.update(store, torch.tensor([0]), torch.ones(1, 3), lr=0.1, step=0)
+    assert torch.equal(store.storage(), before)
+    opt.update(store, torch.tensor([], dtype=torch.int64), torch.ones(0, 3), lr=0.1, step=1)  # no-op
+    assert torch.equal(store.storage(), before)
