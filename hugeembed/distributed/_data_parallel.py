@@ -86,7 +86,7 @@ class ReplicatedGroup(OwnedRowsGroup):
 
     def output_dist(self, st, readers) -> None:
         for lt, store in zip(self.lts, self._stores()):
-            st.storages_l[lt] = store.weights()
+            st.storages_l[lt] = store.lookup_rows()
         own = st.own.get(self)
         if own is not None:
             st.slots_l[st.req[self][0]] = own[3]

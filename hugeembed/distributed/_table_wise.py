@@ -162,7 +162,7 @@ class TableWisePooling:
         mprep = Prepared(Bm, offsets, inverse, weights, torch.cat(ukeys), torch.cat(ucounts), base, count,
                          sum(count), native=native)
         slots = torch.cat(slots_all)
-        storages = [self.coll._stores[p.t].weights() for p in self.mine]
+        storages = [self.coll._stores[p.t].lookup_rows() for p in self.mine]
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],

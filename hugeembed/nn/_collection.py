@@ -191,17 +191,17 @@ class EmbeddingCollection(nn.Module):
 
     def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
         """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
-        storages = [s.weights() for s in self._stores]
+        storages = [s.lookup_rows() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
         dedup = training or any(t.num_rows is None for t in self.tables)
         if not dedup:  # static tables, forward only: one pass over the batch
-            out = self.lookup.forward_static(storages, features)
+            out = self.lookup.forward_static([s.weights() for s in self._stores], features)
             if out is not None:
                 return out
         prep = self.lookup.prepare(features, storages, deduplicate=dedup)
         slots = self._fetch(prep, training, step)
-        storages = [s.weights() for s in self._stores]  # inserts may have grown them
+        storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
         if not training or not any(self.rules):
             return self.lookup.lookup(prep, storages, slots)
         return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(step))

@@ -133,6 +133,14 @@ class RowLayout:
             return storage[:, : self.dim]
         return storage[:, : self.weight_columns].view(self.dtype)[:, : self.dim]
 
+    def lookup_rows(self, storage: torch.Tensor) -> torch.Tensor:
+        """What a lookup reads: rows whose first D columns are the weights, of the weight dtype.
+
+        The storage itself when plain (the fused lookup reads the first D columns of any
+        wider row, and a training step then builds no view per table: a view costs ~1-4 us,
+        ~2% of a small 26-table step), else the typed ``[R, D]`` weights view."""
+        return storage if not self.packed else self.weights(storage)
+
     def state(self, storage: torch.Tensor) -> torch.Tensor:
         """``[R, S]`` view of the optimizer state, of the state dtype (aliases `storage`)."""
         wc = self.weight_columns
@@ -158,6 +166,10 @@ class LayoutViews:
     def state(self) -> torch.Tensor:
         """``[R, S]`` optimizer state of the state dtype (aliases the storage)."""
         return self.layout.state(self.storage())  # type: ignore[attr-defined]
+
+    def lookup_rows(self) -> torch.Tensor:
+        """``layout.lookup_rows(storage())``: the rows a fused lookup reads the weights from."""
+        return self.layout.lookup_rows(self.storage())  # type: ignore[attr-defined]
 
 
 def check_import_rows(name: str, layout: RowLayout, rows: torch.Tensor) -> None:

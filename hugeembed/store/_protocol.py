@@ -139,6 +139,10 @@ class RowStore(Protocol):
         """``layout.state(storage())``: the [R, S] optimizer state in the state dtype."""
         ...
 
+    def lookup_rows(self) -> torch.Tensor:
+        """``layout.lookup_rows(storage())``: rows whose first D columns are the weights."""
+        ...
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at `slots` -> [U, W]; a slot of -1 reads zeros."""
         ...

@@ -167,3 +167,14 @@ def test_native_and_torch_hash_backends_agree_on_packed_rows():
     keys = torch.randint(-(2**50), 2**50, (500,)).unique()
     sa, sb = a.find_or_insert(keys, step=1), b.find_or_insert(keys, step=1)
     assert torch.equal(a.weights()[sa], b.weights()[sb]) and torch.equal(a.state()[sa], b.state()[sb])
+
+
+def test_lookup_rows_are_the_storage_itself_when_plain_and_the_typed_weights_when_packed():
+    plain = HashStore("t", 4, 1)
+    plain.find_or_insert(torch.arange(5), step=1)
+    assert plain.lookup_rows() is plain.storage()  # no view built per batch on the default path
+    packed = HashStore("t", 4, 1, dtype=torch.float16, layout=RowLayout(4, torch.float16, 1))
+    packed.find_or_insert(torch.arange(5), step=1)
+    rows = packed.lookup_rows()
+    assert rows.dtype == torch.float16 and rows.shape == (packed.storage().shape[0], 4)
+    assert rows.data_ptr() == packed.storage().data_ptr()
