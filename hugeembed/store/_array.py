@@ -31,7 +31,7 @@ class ArrayStore(LayoutViews):
     Args:
         name: table name (in every error message).
         num_rows: rows of the table, all allocated and initialised now.
-        dim, state_width, initializer, init_state, dtype, device, seed: as for HashStore.
+        dim, state_width, initializer, init_state, dtype, device, seed, layout: as for HashStore.
 
     Example::
 
