@@ -102,6 +102,9 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
         out.append({
             "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,
             "state_width": store.state_width, "dtype": str(store.dtype).removeprefix("torch."),
+            # rows are written raw: a reader needs the layout that packed them
+            "state_dtype": store.layout.describe()["state_dtype"],
+            "stochastic_rounding": store.layout.stochastic_rounding,
             # rows created after a resume must start as they would have: same initializer and seed
             "seed": int(store.seed), "initializer": repr(store.initializer),
             "optimizer": None if collection.rules[collection._table_index(cfg.name)] is None
@@ -395,6 +398,14 @@ def check_tables(manifest: dict[str, Any], collection) -> None:
             raise CheckpointError(f"table {cfg.name!r}: optimizer state width {t['state_width']} in {where}, "
                                   f"{store.state_width} in the model (optimizer {t['optimizer'] and t['optimizer']['name']!r} "
                                   f"was saved)")
+        # Snapshots from before typed layouts kept the state in the weight dtype.
+        saved_layout = (t.get("dtype", "float32"), t.get("state_dtype", t.get("dtype", "float32")))
+        mine = store.layout.describe()
+        if saved_layout != (mine["dtype"], mine["state_dtype"]):
+            raise CheckpointError(f"table {cfg.name!r}: rows in {where} are stored as {saved_layout[0]} weights with "
+                                  f"{saved_layout[1]} optimizer state, the model's as {mine['dtype']} weights with "
+                                  f"{mine['state_dtype']} state: build the table with dtype/state_dtype of the "
+                                  f"snapshot")
         if t.get("seed") is not None and int(t["seed"]) != int(store.seed):
             raise CheckpointError(f"table {cfg.name!r}: initializer seed {t['seed']} in {where}, {store.seed} in the "
                                   f"model: build the collection with the seed of the saved run")

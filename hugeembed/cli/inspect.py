@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         tables.append({"name": t["name"], "dim": t["dim"], "rows": int(ex.keys.numel()),
                        "pending": int(ex.pending_keys.numel()), "bytes": shard_bytes,
                        "optimizer": (t["optimizer"] or {}).get("name", "frozen"), "state_width": t["state_width"],
+                       "dtype": t.get("dtype"), "state_dtype": t.get("state_dtype", t.get("dtype")),
                        "static_rows": t["num_rows"], "hits": int(ex.counts.sum())})
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
           f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")

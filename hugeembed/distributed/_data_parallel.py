@@ -71,8 +71,7 @@ class ReplicatedGroup(OwnedRowsGroup):
             slots = self.owned_slots(st, keys, counts, None, False)
             overlay, start = {}, 0
             for t, n in zip(self.ts, counts):  # rows as they are now (see coll.current_rows)
-                storage = self.coll._stores[t].storage()
-                overlay[t], slots[start : start + n] = self.coll.current_rows(t, storage, slots[start : start + n])
+                overlay[t], slots[start : start + n] = self.coll.current_rows(t, slots[start : start + n])
                 start += n
             st.own[self] = (None, None, None, slots, overlay)
             return
@@ -94,7 +93,7 @@ class ReplicatedGroup(OwnedRowsGroup):
         own = st.own.get(self)
         overlay = own[4] if own is not None else {}
         for t, lt, store in zip(self.ts, self.lts, self._stores()):
-            st.storages_l[lt] = overlay.get(t, store.storage())
+            st.storages_l[lt] = overlay.get(t, store.lookup_rows())
         if own is not None:
             st.slots_l[st.req[self][0]] = own[3]
 

@@ -73,15 +73,14 @@ def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None,
         batch_size: per-rank batch size (the global batch is batch_size x world_size).
     """
     rule = table.optimizer if table.optimizer is not None else (optimizer if table.trainable else None)
-    width = table.dim + (rule.state_width(table.dim) if rule is not None else 0)
-    elt = torch.empty(0, dtype=table.dtype).element_size()
+    row_bytes = table.row_layout(rule).row_bytes  # weights + state, each in its own dtype
     hint = (expected_rows or {}).get(table.name)
     if table.num_rows is not None:
-        rows, per_row, bounded = float(table.num_rows), width * elt + ARRAY_META_BYTES_PER_ROW, True
+        rows, per_row, bounded = float(table.num_rows), row_bytes + ARRAY_META_BYTES_PER_ROW, True
     else:
         known = hint if hint is not None else table.capacity
         rows = float(known) if known is not None else 0.0
-        per_row, bounded = width * elt + HASH_INDEX_BYTES_PER_ROW, known is not None
+        per_row, bounded = row_bytes + HASH_INDEX_BYTES_PER_ROW, known is not None
     ids = (ids_per_step or {}).get(table.name)
     if ids is None:
         ids = batch_size * world_size * len(table.features)

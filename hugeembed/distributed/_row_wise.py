@@ -148,9 +148,9 @@ class RowWiseGroup(OwnedRowsGroup):
         for t, store, n in zip(self.ts, stores, per_table):
             if n:
                 sl = slice(start, start + n)
-                storage, got = store.storage(), slots[sl]
+                storage, got = store.lookup_rows(), slots[sl]
                 if not st.training:  # eval reads rows as they are now (see coll.current_rows)
-                    storage, got = self.coll.current_rows(t, storage, got)
+                    storage, got = self.coll.current_rows(t, got)
                 weights = storage[:, : self.dim]
                 known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
                 if bool(known.all()):

@@ -104,15 +104,17 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         p = self.plan[t.name]
         if self.device.type == "meta" or p.kind is ShardKind.DATA_PARALLEL:
             return super()._make_store(t, rule)
-        state = 0 if rule is None else rule.state_width(t.dim)
+        layout = t.row_layout(rule)
         seed = t.resolved_seed(self.seed)
         if self.rank not in p.ranks:
-            return AbsentShard(t.name, t.dim, state, t.dtype, self.device, seed, t.initializer, p.ranks)
+            return AbsentShard(t.name, t.dim, layout.state_width, t.dtype, self.device, seed, t.initializer, p.ranks,
+                               layout)
         n = len(p.ranks)
         if p.kind is ShardKind.TABLE_WISE or n == 1:
             return super()._make_store(t, rule)
         if t.num_rows is not None:
-            return ShardArrayStore(t.name, t.num_rows, t.dim, state, shard=p.ranks.index(self.rank), num_shards=n,
+            return ShardArrayStore(t.name, t.num_rows, t.dim, layout.state_width, shard=p.ranks.index(self.rank),
+                                   num_shards=n, layout=layout,
                                    initializer=t.initializer, init_state=None if rule is None else rule.init_state,
                                    dtype=t.dtype, device=self.device, seed=seed)
         # a dynamic table's capacity is shared out over its shards

@@ -127,4 +127,4 @@ class OwnedRowsGroup:
                 t = self.ts[i]
                 store = self.coll._stores[t]
                 st.flight.check(t, store, self.coll.tables[t].name)
-                rule.apply(store.storage(), s, g, lr=self.coll._lr(t), step=st.step)
+                rule.update(store, s, g, lr=self.coll._lr(t), step=st.step)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..store import ArrayStore, ExportIndex, Initializer, StoreExport
+from ..store import ArrayStore, ExportIndex, Initializer, RowLayout, StoreExport
+from ..store._common import make_layout
+from ..store._layout import LayoutViews
 from ..store._init import default_initializer
 
 __all__ = ["ShardArrayStore", "AbsentShard"]
@@ -31,18 +33,18 @@ class ShardArrayStore(ArrayStore):
         num_rows: rows of the whole table.
         dim, state_width: as for ArrayStore.
         shard, num_shards: which residue class this store holds.
-        initializer, init_state, dtype, device, seed: as for ArrayStore (rows start as the
+        initializer, init_state, dtype, device, seed, layout: as for ArrayStore (rows start as the
             unsharded table's rows of the same keys).
     """
 
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *, shard: int, num_shards: int,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None) -> None:
         if not 0 <= shard < num_shards:
             raise ConfigError(f"table '{name}': shard {shard} is outside [0, {num_shards})")
         self._shard, self._num_shards = shard, num_shards
         super().__init__(name, num_rows, dim, state_width, initializer=initializer, init_state=init_state,
-                         dtype=dtype, device=device, seed=seed)
+                         dtype=dtype, device=device, seed=seed, layout=layout)
 
     @property
     def shard(self) -> int:
@@ -66,19 +68,21 @@ class ShardArrayStore(ArrayStore):
                 f"local_rows={self.local_rows}, dim={self.dim}, state_width={self.state_width})")
 
 
-class AbsentShard:
+class AbsentShard(LayoutViews):
     """The store of a table this rank holds no row of (a table-wise table owned elsewhere).
 
     Empty, and it refuses every lookup: the sharded collection never sends it a key.
     """
 
     def __init__(self, name: str, dim: int, state_width: int, dtype: torch.dtype, device: torch.device | str,
-                 seed: int, initializer: Initializer | None, owners: tuple[int, ...]) -> None:
-        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
-        self.dtype, self.device, self.seed = dtype, torch.device(device), int(seed)
+                 seed: int, initializer: Initializer | None, owners: tuple[int, ...],
+                 layout: RowLayout | None = None) -> None:
+        layout = make_layout(name, dim, state_width, dtype, layout)
+        self.name, self.layout, self.dim, self.state_width = name, layout, dim, state_width
+        self.width, self.dtype, self.device, self.seed = layout.width, dtype, torch.device(device), int(seed)
         self.initializer = initializer if initializer is not None else default_initializer(dim)
         self.owners = owners
-        self._storage = torch.empty(0, self.width, dtype=dtype, device=self.device)
+        self._storage = torch.empty(0, self.width, dtype=layout.storage_dtype, device=self.device)
 
     def _refuse(self):
         raise ShardingError(f"table '{self.name}' lives on rank(s) {list(self.owners)}, not on this rank "
@@ -124,7 +128,7 @@ class AbsentShard:
 
     def to(self, device: torch.device | str) -> "AbsentShard":
         return AbsentShard(self.name, self.dim, self.state_width, self.dtype, device, self.seed, self.initializer,
-                           self.owners)
+                           self.owners, self.layout)
 
     def __repr__(self) -> str:
         return f"AbsentShard(name={self.name!r}, owners={list(self.owners)})"

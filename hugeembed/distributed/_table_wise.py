@@ -138,9 +138,7 @@ class TableWisePooling:
                 got = store.find_or_insert(uniq, st.step, counts=uc)
                 st.flight.pin(p.t, got)
             else:
-                storage, got = self.coll.current_rows(p.t, store.storage(), store.find(uniq))
-                if storage is not store.storage():
-                    overlay[p.t] = storage
+                overlay[p.t], got = self.coll.current_rows(p.t, store.find(uniq))
             slots_all.append(got)
             ukeys.append(uniq)
             ucounts.append(uc if uc is not None else torch.ones_like(uniq))
@@ -170,7 +168,7 @@ class TableWisePooling:
         mprep = Prepared(Bm, offsets, inverse, weights, torch.cat(ukeys), torch.cat(ucounts), base, count,
                          sum(count), native=native)
         slots = torch.cat(slots_all)
-        storages = [overlay.get(p.t, self.coll._stores[p.t].storage()) for p in self.mine]
+        storages = [overlay.get(p.t, self.coll._stores[p.t].lookup_rows()) for p in self.mine]
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],
@@ -192,7 +190,7 @@ class TableWisePooling:
             store = self.coll._stores[p.t]
             st.flight.check(p.t, store, self.coll.tables[p.t].name)
             if p.rule is not None:
-                p.rule.apply(store.storage(), slots, grad, lr=self.coll._lr(p.t), step=st.step)
+                p.rule.update(store, slots, grad, lr=self.coll._lr(p.t), step=st.step)
 
         return apply
 

@@ -22,7 +22,8 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import EXPORT_FIELDS, ArrayStore, HashStore, RowStore, StoreExport, find_or_insert_many
+from ..store import EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, StoreExport, find_or_insert_many
+from ..store._layout import LayoutViews
 from ._config import TableConfig
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
@@ -125,12 +126,13 @@ class EmbeddingCollection(nn.Module):
     # -- construction -----------------------------------------------------------------
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None) -> RowStore:
-        state = 0 if rule is None else rule.state_width(t.dim)
+        layout = t.row_layout(rule)
+        state = layout.state_width
         init_state = None if rule is None else rule.init_state
-        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype,
+        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype, layout=layout,
                       device=self.device if self.device.type != "meta" else "cpu", seed=t.resolved_seed(self.seed))
         if self.device.type == "meta":
-            return _MetaStore(t.name, t.dim, state, t.dtype)
+            return _MetaStore(t.name, layout)
         if t.num_rows is not None:
             return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
         backend = None if self.backend == "auto" else self.backend
@@ -201,24 +203,24 @@ class EmbeddingCollection(nn.Module):
 
     def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
         """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
-        storages = [s.storage() for s in self._stores]
+        storages = [s.lookup_rows() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
         # (global Adam's rows are brought current per batch in _fetch, which needs the slots)
         dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving_rules())
         if not dedup:  # static tables, forward only: one pass over the batch
-            out = self.lookup.forward_static([s[:, : t.dim] for s, t in zip(storages, self.tables)], features)
+            out = self.lookup.forward_static([s.weights() for s in self._stores], features)
             if out is not None:
                 return out
         prep = self.lookup.prepare(features, storages, deduplicate=dedup)  # checks the batch; changes nothing
         if training:
             self._evict_expired(step)
         slots = self._fetch(prep, training, step)
-        storages = [s.storage() for s in self._stores]  # inserts may have grown them
+        storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
         if not training and self._copies_lookup is not None:
             for t in self._moving_rules():
                 b, n = prep.unique_base[t], prep.unique_count[t]
-                storages[t], slots[b : b + n] = self.current_rows(t, storages[t], slots[b : b + n])
+                storages[t], slots[b : b + n] = self.current_rows(t, slots[b : b + n])
             return self._copies_lookup.lookup(prep, storages, slots)
         if not training:
             return self.lookup.lookup(prep, storages, slots)
@@ -269,7 +271,7 @@ class EmbeddingCollection(nn.Module):
             flight.check(t, store, self.tables[t].name)
             rule = self.rules[t]
             if rule is not None:  # None: a frozen table
-                rule.apply(store.storage(), slots, grad, lr=self._lr(t), step=flight.step)
+                rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
             flight.release(t)
 
         return apply
@@ -283,21 +285,22 @@ class EmbeddingCollection(nn.Module):
         """Tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up."""
         return [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
 
-    def current_rows(self, t: int, storage: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, slots) to read table `t`'s rows at `slots` as they are now, for anything but a
-        training step (eval, inference).  Global Adam's rows lag the dense update until touched:
-        they are read from a caught-up copy (slots renumbered into it), so reading changes no
-        row, and a run's numbers never depend on when it evaluated.  Other rules: as given."""
+    def current_rows(self, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lookup rows, slots) to read table `t`'s rows at `slots` as they are now, for anything
+        but a training step (eval, inference).  Global Adam's rows lag the dense update until
+        touched: they are read from a caught-up copy (slots renumbered into it), so reading
+        changes no row, and a run's numbers never depend on when it evaluated.  Other rules:
+        the store's own rows (``store.lookup_rows()``) and `slots` as given."""
+        store = self._stores[t]
         rule, step = self.rules[t], self.applied_step()
         if rule is None or not rule.moves_untouched_rows or step < 1:
-            return storage, slots
+            return store.lookup_rows(), slots
         known = slots >= 0
-        rows = storage.index_select(0, slots[known])
-        rule.catch_up(rows, torch.arange(rows.shape[0], device=rows.device), step, lr=self._lr(t),
-                      dim=self.tables[t].dim)
+        copy = _RowsCopy(store, store.storage().index_select(0, slots[known]))
+        rule.catch_up(copy, torch.arange(copy.rows.shape[0], device=slots.device), step, lr=self._lr(t))
         out = torch.full_like(slots, -1)
-        out[known] = torch.arange(rows.shape[0], device=slots.device)
-        return rows, out
+        out[known] = torch.arange(copy.rows.shape[0], device=slots.device)
+        return copy.lookup_rows(), out
 
     def catch_up_rows(self) -> None:
         """Brings every row of the tables current in place (global Adam replays the steps each row
@@ -312,8 +315,7 @@ class EmbeddingCollection(nn.Module):
         for t in self._moving_rules():
             slots = self._stores[t].export_index().slots
             if step >= 1 and slots.numel():
-                self.rules[t].catch_up(self._stores[t].storage(), slots, step, lr=self._lr(t),
-                                       dim=self.tables[t].dim)
+                self.rules[t].catch_up(self._stores[t], slots, step, lr=self._lr(t))
 
     # -- eviction -----------------------------------------------------------------------
 
@@ -402,7 +404,7 @@ class EmbeddingCollection(nn.Module):
             if export.width != store.width:
                 error_msgs.append(
                     f"table {cfg.name!r}: saved rows have {export.width} columns, this table needs {store.width} "
-                    f"(dim {cfg.dim} + optimizer state {store.state_width}); dim or optimizer differ")
+                    f"(layout {store.layout.describe()}); dim, dtypes or optimizer differ")
                 continue
             fresh = self._make_store(cfg, self.rules[i])
             fresh.import_(export)
@@ -412,11 +414,23 @@ class EmbeddingCollection(nn.Module):
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
 
 
-class _MetaStore:
+class _RowsCopy(LayoutViews):
+    """Rows copied out of a store (raw records of its layout), for an optimizer to bring current
+    without touching the store: a store as far as ``catch_up`` is concerned."""
+
+    def __init__(self, store, rows: torch.Tensor) -> None:
+        self.layout, self.seed, self.rows = store.layout, store.seed, rows
+
+    def storage(self) -> torch.Tensor:
+        return self.rows
+
+
+class _MetaStore(LayoutViews):
     """Stand-in store of a collection built on the meta device (shape checks only)."""
 
-    def __init__(self, name: str, dim: int, state_width: int, dtype: torch.dtype) -> None:
-        self.name, self.dim, self.state_width, self.width, self.dtype = name, dim, state_width, dim + state_width, dtype
+    def __init__(self, name: str, layout: RowLayout) -> None:
+        self.name, self.layout, self.dim, self.state_width = name, layout, layout.dim, layout.state_width
+        self.width, self.dtype = layout.width, layout.dtype
         self.device = torch.device("meta")
 
     def __len__(self) -> int:
@@ -426,7 +440,7 @@ class _MetaStore:
         return 0
 
     def storage(self) -> torch.Tensor:
-        return torch.empty(0, self.width, dtype=self.dtype, device="meta")
+        return torch.empty(0, self.width, dtype=self.layout.storage_dtype, device="meta")
 
     def export(self):
         raise InputError(f"table {self.name!r} lives on the meta device: it has no rows to save")

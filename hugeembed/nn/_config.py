@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optim import SparseOptimizer
-from ..store import Initializer
+from ..store import Initializer, RowLayout
 from ..store._admit import check_admission
 from ..types import Combiner, OutOfRange
 
@@ -45,7 +45,13 @@ class TableConfig:
         out_of_range: static tables only: ``"error" | "prune" | "default"``.
         prune_negative: drop ids < 0 (TF/HugeCTR padding).  Set False on a dynamic
             table to use the whole int64 range as keys.
-        dtype: row storage dtype.
+        dtype: dtype of the embedding weights.
+        state_dtype: dtype of the optimizer state kept beside each row (None: float32 for
+            float16/bfloat16 weights, whose 16-bit state would overflow or stall, else the
+            weight dtype).  16-bit weights with float32 state are packed into the float32
+            row (see hugeembed.store.RowLayout).
+        stochastic_rounding: round updated float16/bfloat16 weights stochastically
+            (unbiased, deterministic per seed, step, row and column) instead of to nearest.
         capacity: dynamic tables: most rows kept (None: unbounded; nothing is
             allocated up front either way).
         on_full: dynamic tables at capacity: ``"evict"`` (by eviction_policy, never
@@ -96,6 +102,8 @@ class TableConfig:
     evict_norm_below: float | None = None
     evict_interval: int = 1000
     seed: int | None = None
+    state_dtype: torch.dtype | None = None
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         who = f"table {self.name!r}"
@@ -159,6 +167,20 @@ class TableConfig:
             raise ConfigError(f"{who}: evict_interval must be a positive int, got {self.evict_interval!r}")
         if not self.trainable and self.optimizer is not None:
             raise ConfigError(f"{who}: a frozen table (trainable=False) takes no optimizer")
+        if self.state_dtype is not None and self.state_dtype not in _DTYPES:
+            raise ConfigError(f"{who}: state_dtype must be None or one of {_DTYPES}, got {self.state_dtype!r}")
+        self.row_layout(self.optimizer)  # validates dtype / state_dtype / stochastic_rounding (and the rule)
+
+    def row_layout(self, rule: SparseOptimizer | None) -> RowLayout:
+        """How this table's rows are stored when trained by `rule` (None: frozen, no state).
+
+        ConfigError naming the table when the rule cannot keep its state in that layout
+        (global / per-row Adam's integer counter in 16-bit state)."""
+        layout = RowLayout(self.dim, self.dtype, 0 if rule is None else rule.state_width(self.dim), self.state_dtype,
+                           stochastic_rounding=self.stochastic_rounding, table=self.name)
+        if rule is not None:
+            rule.check_layout(layout)
+        return layout
 
     @property
     def is_dynamic(self) -> bool:
@@ -172,7 +194,9 @@ class TableConfig:
 
     def describe(self) -> dict[str, Any]:
         """Every field as plain data (manifests, summaries, and ranks agreeing on their tables)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["state_dtype"] = _plain(self.row_layout(None).state_dtype)  # the effective one: None means a default
+        return out
 
 
 def _plain(value: Any) -> Any:

@@ -9,7 +9,7 @@ import torch
 
 from ..store import row_independent
 from . import _native_ops
-from ._base import SparseOptimizer, check_real, gather_rows, rdiv, scatter_rows, sqrt_rn
+from ._base import SparseOptimizer, check_real, rdiv, sqrt_rn
 
 __all__ = ["Adagrad", "RowWiseAdagrad"]
 
@@ -67,17 +67,15 @@ class Adagrad(SparseOptimizer):
         _native_ops.run("he_optim_adagrad", storage, slots, grad, grad.shape[1], self._clr(lr, step), self.eps,
                         self.weight_decay)
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
-        dim = grad.shape[1]
-        rows = gather_rows(storage, slots, 2 * dim)
-        w, acc = rows[:, :dim], rows[:, dim:]
-        g = grad.to(rows.dtype)
+    def _apply_torch(self, io, slots, grad, lr, step):
+        w, acc = io.read(slots)
+        g = grad.to(w.dtype)
         if self.weight_decay != 0.0:
             g = g + w * self.weight_decay
         acc = acc + g * g
         std = sqrt_rn(acc) + self.eps
         w = w - (g * self._clr(lr, step)) / std
-        scatter_rows(storage, slots, torch.cat([w, acc], dim=1))
+        io.write(slots, w, acc)
 
 
 @dataclass(frozen=True)
@@ -128,18 +126,17 @@ class RowWiseAdagrad(SparseOptimizer):
         _native_ops.run("he_optim_rowwise_adagrad", storage, slots, grad, grad.shape[1], lr, self.eps,
                         self.weight_decay)
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
+    def _apply_torch(self, io, slots, grad, lr, step):
         dim = grad.shape[1]
-        rows = gather_rows(storage, slots, dim + 1)
-        w, acc = rows[:, :dim], rows[:, dim:]
-        g = grad.to(rows.dtype)
+        w, acc = io.read(slots)
+        g = grad.to(w.dtype)
         gp = g + w * self.weight_decay if self.weight_decay != 0.0 else g
         gp64 = gp.double()
-        mean = ((gp64 * gp64).sum(dim=1, keepdim=True) / dim).to(rows.dtype)
+        mean = ((gp64 * gp64).sum(dim=1, keepdim=True) / dim).to(w.dtype)
         acc = acc + mean
         mult = rdiv(lr, sqrt_rn(acc) + self.eps)
         if self.weight_decay != 0.0:
             w = w * (1.0 - mult * self.weight_decay) - g * mult
         else:
             w = w - g * mult
-        scatter_rows(storage, slots, torch.cat([w, acc], dim=1))
+        io.write(slots, w, acc)

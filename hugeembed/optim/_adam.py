@@ -5,8 +5,10 @@ State layout per row (after the D weight columns)::
     | m_0 .. m_{D-1} | v_0 .. v_{D-1} | counter |      counter only for per_row / global
       D               2D               3D
 
-The counter is an integer stored as the bit pattern of an int32 (float32 storage)
-or int64 (float64 storage) in one column, so it stays exact past 2^24 steps.
+The counter is an integer stored as the bit pattern of an int32 (float32 state)
+or int64 (float64 state) in one column, so it stays exact past 2^24 steps: a table
+whose state is 16-bit cannot hold it and is refused when built (16-bit tables keep
+float32 state by default, see hugeembed.store.RowLayout).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from ._base import (
     check_bool,
     check_choice,
     check_real,
-    gather_rows,
+    RowIO,
     int_view_dtype,
+    is_store,
     rdiv,
-    scatter_rows,
     sqrt_rn,
 )
 from ._adam_catchup import catch_up_rows, negligible_fraction
@@ -125,13 +127,20 @@ class Adam(SparseOptimizer):
     def _mode_code(self) -> int:
         return _MODE_CODE[(self.mode, self.bias_correction)]
 
-    def _check_counter_range(self, storage: torch.Tensor, step: int) -> None:
+    def check_layout(self, layout) -> None:
+        if self._has_counter and layout.state_dtype not in (torch.float32, torch.float64):
+            raise ConfigError(
+                f"table {layout.table!r}: {self._owner}(mode={self.mode!r}, bias_correction={self.bias_correction!r}) "
+                f"keeps an integer step counter, which needs float32 or float64 state; the table's state_dtype "
+                f"is {layout.state_dtype} (leave state_dtype unset: 16-bit tables default to float32 state)")
+
+    def _check_counter_range(self, state: torch.Tensor, step: int) -> None:
         if not self._has_counter:
             return
-        limit = torch.iinfo(int_view_dtype(storage, self._owner)).max
+        limit = torch.iinfo(int_view_dtype(state, self._owner)).max
         if step > limit:
-            raise InputError(f"{self._owner}: step {step} exceeds the {limit} a counter in {storage.dtype} "
-                             f"storage can hold")
+            raise InputError(f"{self._owner}: step {step} exceeds the {limit} a counter in {state.dtype} "
+                             f"state can hold")
 
     # ------------------------------------------------------------------ update
     def _apply_native(self, storage, slots, grad, lr, step):
@@ -144,9 +153,9 @@ class Adam(SparseOptimizer):
                         int(self.decoupled_weight_decay), int(self.epsilon == "tf"), self._mode_code(),
                         int(grad is not None), step, negligible_fraction(storage.dtype))
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
-        self._check_counter_range(storage, step)
-        self._run_torch(storage, slots, grad, grad.shape[1], lr, step)
+    def _apply_torch(self, io, slots, grad, lr, step):
+        self._check_counter_range(io.state, step)
+        self._run_torch(io, slots, grad, grad.shape[1], lr, step)
 
     @property
     def moves_untouched_rows(self) -> bool:
@@ -161,11 +170,29 @@ class Adam(SparseOptimizer):
         or an eval that should see the dense result.
 
         Args:
-            storage, slots: as in :meth:`apply`.
+            storage: a plain ``[R, W]`` table as in :meth:`apply`, or a RowStore (any layout;
+                a 16-bit table's weights are rounded back as in :meth:`update`).
+            slots: as in :meth:`apply`.
             step: the last step applied to the table.
             lr: the learning rate the skipped steps used (default: the config's lr).
             dim: D; needed only when storage has more than D + state_width(D) columns.
         """
+        if is_store(storage):  # its layout says where D and the state are
+            store = storage
+            lay = store.layout
+            if dim is not None and dim != lay.dim:
+                raise InputError(f"{self._owner}.catch_up: dim={dim}, the store's rows have dimension {lay.dim}")
+            dim, storage = lay.dim, store.storage()
+            if lay.packed or lay.stochastic_rounding:
+                slots, step = self._check_catch_up(storage, slots, step)
+                if self.mode != "global" or slots.numel() == 0:
+                    return
+                lr = self.lr if lr is None else check_real(self._owner, "lr (runtime)", lr, ge=0.0)
+                io = RowIO.of_store(store, step)
+                self._check_counter_range(io.state, step)
+                with torch.no_grad():
+                    self._run_torch(io, slots, None, dim, lr, step)
+                return
         slots, step = self._check_catch_up(storage, slots, step)
         if self.mode != "global" or slots.numel() == 0:
             return
@@ -183,7 +210,7 @@ class Adam(SparseOptimizer):
             self._run_native(storage, slots.contiguous(), None, dim, lr, step)
         else:
             with torch.no_grad():
-                self._run_torch(storage, slots, None, dim, lr, step)
+                self._run_torch(RowIO.plain(storage, dim, self.state_width(dim)), slots, None, dim, lr, step)
 
     def _scalars(self, lr: float, p1, p2):
         """(step_scale, dscale) from b1^t, b2^t: Python floats, or float64 tensors per row."""
@@ -193,17 +220,16 @@ class Adam(SparseOptimizer):
             return lr * sqrt(bc2) / bc1, 1.0
         return (rdiv(lr, bc1) if isinstance(bc1, torch.Tensor) else lr / bc1), sqrt(bc2)
 
-    def _run_torch(self, storage, slots, grad, dim, lr, step):
+    def _run_torch(self, io, slots, grad, dim, lr, step):
         D = dim
-        rows = gather_rows(storage, slots, D + self.state_width(D))
-        cd = rows.dtype
-        w, m, v = rows[:, :D], rows[:, D:2 * D], rows[:, 2 * D:3 * D]
+        w, state = io.read(slots)
+        cd = w.dtype
+        m, v = state[:, :D], state[:, D:2 * D]
         b1, b2 = self.betas
         mode = self._mode_code()
         counter = None
-        if self._has_counter:
-            idt = int_view_dtype(storage, self._owner)
-            counter = rows[:, 3 * D].view(idt).long()
+        if self._has_counter:  # check_layout made the state float32/64 = cd: read raw bits
+            counter = io.state[slots, 2 * D].view(int_view_dtype(io.state, self._owner)).long()
         if mode == 2:
             end = step - 1 if grad is not None else step
             gap = end - counter
@@ -213,10 +239,10 @@ class Adam(SparseOptimizer):
                 w[need], m[need], v[need] = catch_up_rows(
                     w[need], m[need], v[need], counter[need], gap[need], lr=lr, betas=self.betas, eps=self.eps,
                     weight_decay=self.weight_decay if self.decoupled_weight_decay else 0.0,
-                    epsilon=self.epsilon, tol=negligible_fraction(storage.dtype))
+                    epsilon=self.epsilon, tol=negligible_fraction(io.weight_dtype))
             counter = torch.where(gap > 0, step, counter) if grad is None else torch.full_like(counter, step)
             if grad is None:
-                self._store(storage, slots, rows, w, m, v, counter)
+                self._store(io, slots, w, m, v, counter)
                 return
             step_scale, dscale = self._scalars(lr, b1**step, b2**step)
         elif mode == 1:
@@ -237,11 +263,11 @@ class Adam(SparseOptimizer):
         m = m * b1 + g * (1.0 - b1)
         v = v * b2 + (g * g) * (1.0 - b2)
         w = w - (m / (sqrt_rn(v) / dscale + self.eps)) * step_scale
-        self._store(storage, slots, rows, w, m, v, counter)
+        self._store(io, slots, w, m, v, counter)
 
-    def _store(self, storage, slots, rows, w, m, v, counter) -> None:
-        parts = [w, m, v]
+    def _store(self, io, slots, w, m, v, counter) -> None:
+        parts = [m, v]
         if counter is not None:
-            idt = int_view_dtype(storage, self._owner)
-            parts.append(counter.to(idt).view(rows.dtype)[:, None])
-        scatter_rows(storage, slots, torch.cat(parts, dim=1))
+            idt = int_view_dtype(io.state, self._owner)
+            parts.append(counter.to(idt).view(io.state.dtype).to(w.dtype)[:, None])
+        io.write(slots, w, torch.cat(parts, dim=1))

@@ -6,11 +6,17 @@ weight and, beside it, its optimizer state (OneEmbedding's ``size_factor``)::
     storage[r] = | w_0 ... w_{D-1} | state_0 ... state_{S-1} | (unused) |
                    0             D-1 D                   D+S-1  D+S .. W-1
 
-An optimizer is a frozen, validated config plus two implementations of
-:meth:`SparseOptimizer.apply`: a native C++ kernel (contiguous CPU float32
-storage and float32 gradient) and a plain-PyTorch twin (any device; float32,
-float64, and bfloat16/float16 storage computed in float32).  Both perform the
-same sequence of float operations, so they agree to the last bit in practice.
+That is the plain layout (weights and state of one dtype).  A store's RowLayout may
+instead pack 16-bit weights into float32 columns beside float32 state; callers holding
+a store use :meth:`SparseOptimizer.update`, the one update path, which reads both
+through the layout's typed views.  :meth:`SparseOptimizer.apply` takes a plain storage.
+
+An optimizer is a frozen, validated config plus two implementations: a native C++
+kernel (plain contiguous CPU float32 storage and float32 gradient) and a
+plain-PyTorch twin (any device and layout; computed in float32 for 16-bit weights,
+else in the weight dtype; weights written back rounded to nearest or, when the layout
+asks, stochastically).  Both perform the same sequence of float operations, so they
+agree to the last bit in practice.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from .. import _native
 from ..errors import ConfigError, InputError
 from ..store import row_independent
+from ._rounding import round_stochastic
 
 __all__ = ["SparseOptimizer"]
 
@@ -186,7 +193,32 @@ class SparseOptimizer(abc.ABC):
         except TypeError as e:  # a required field is missing
             raise ConfigError(f"{rule.__name__}: {e}") from None
 
+    def check_layout(self, layout) -> None:
+        """ConfigError naming the table when this rule cannot keep its state in `layout`
+        (called when the table is built; the default: any layout)."""
+
     # ------------------------------------------------------------------ update
+    def update(self, store, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
+        """Updates rows `slots` of `store` (a RowStore) in place: THE update path of every caller.
+
+        Reads the weights and state through ``store.layout``'s typed views.  A plain layout
+        without stochastic rounding (the default float32 table) is exactly :meth:`apply` on
+        ``store.storage()``: the native kernel when it can run.  Otherwise the torch twin
+        computes in ``layout.compute_dtype`` and writes the weights back rounded to the
+        weight dtype (nearest, or stochastic with the store's seed, `step` and the slot).
+        """
+        lay = store.layout
+        storage = store.storage()
+        if not lay.packed and not lay.stochastic_rounding:
+            self.apply(storage, slots, grad, lr=lr, step=step)
+            return
+        slots, grad, lr, step = self._check_update(lay.dim, lay.state_width, storage, slots, grad, lr, step)
+        if slots.numel() == 0:
+            return
+        check_slots_torch(slots, storage.shape[0])
+        with torch.no_grad():
+            self._apply_torch(RowIO.of_store(store, step), slots, grad, lr, step)
+
     def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
         """Updates rows `slots` of `storage` (weight and state) in place.
 
@@ -210,7 +242,8 @@ class SparseOptimizer(abc.ABC):
         else:
             check_slots_torch(slots, storage.shape[0])
             with torch.no_grad():  # storage may be a Parameter: the update is not part of any graph
-                self._apply_torch(storage, slots, grad, lr, step)
+                self._apply_torch(RowIO.plain(storage, grad.shape[1], self.state_width(grad.shape[1])), slots,
+                                  grad, lr, step)
 
     def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int, *, lr: float | None = None,
                  dim: int | None = None) -> None:
@@ -219,17 +252,18 @@ class SparseOptimizer(abc.ABC):
         Only rules that move untouched rows (global Adam) have anything to do; for
         every other rule an untouched row is already exact, and this only validates.
         The keyword arguments (the skipped steps' lr, the row dimension) matter only
-        to global Adam.
+        to global Adam.  `storage` is a plain ``[R, W]`` table or a RowStore (read
+        through its layout).
         """
-        self._check_catch_up(storage, slots, step)
+        self._check_catch_up(storage.storage() if is_store(storage) else storage, slots, step)
 
     @abc.abstractmethod
     def _apply_native(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, lr: float,
                       step: int) -> None: ...
 
     @abc.abstractmethod
-    def _apply_torch(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, lr: float,
-                     step: int) -> None: ...
+    def _apply_torch(self, io: "RowIO", slots: torch.Tensor, grad: torch.Tensor, lr: float, step: int) -> None:
+        """The twin: reads rows `slots` with ``io.read``, writes them with ``io.write``."""
 
     @staticmethod
     def _native_ok(storage: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -268,28 +302,45 @@ class SparseOptimizer(abc.ABC):
             raise InputError(f"{self._owner}.{where}: step must be >= 1 (1-based), got {s}")
         return s
 
-    def _check_apply(self, storage, slots, grad, lr, step):
-        self._check_storage(storage, "apply")
-        slots = self._check_slots_tensor(storage, slots, "apply")
+    def _check_grad(self, storage, slots, grad, lr, step, where):
+        self._check_storage(storage, where)
+        slots = self._check_slots_tensor(storage, slots, where)
         if not isinstance(grad, torch.Tensor) or grad.dim() != 2 or grad.shape[0] != slots.shape[0]:
-            raise InputError(f"{self._owner}.apply: grad must be [U, D] with U = {slots.shape[0]} slots, got "
+            raise InputError(f"{self._owner}.{where}: grad must be [U, D] with U = {slots.shape[0]} slots, got "
                              f"{getattr(grad, 'shape', type(grad).__name__)}")
         if not grad.dtype.is_floating_point or grad.device != storage.device:
-            raise InputError(f"{self._owner}.apply: grad must be a float tensor on {storage.device}, got "
+            raise InputError(f"{self._owner}.{where}: grad must be a float tensor on {storage.device}, got "
                              f"{grad.dtype} on {grad.device}")
+        lr = check_real(self._owner, "lr (runtime)", lr, ge=0.0)
+        return slots, lr, self._check_step(step, where)
+
+    def _check_apply(self, storage, slots, grad, lr, step):
+        slots, lr, step = self._check_grad(storage, slots, grad, lr, step, "apply")
         dim = grad.shape[1]
         need = dim + self.state_width(dim)
         if dim < 1 or storage.shape[1] < need:
             raise InputError(f"{self._owner}.apply: rows of dimension {dim} need {need} columns "
                              f"(D + state {self.state_width(dim)}), storage has {storage.shape[1]}")
-        lr = check_real(self._owner, "lr (runtime)", lr, ge=0.0)
-        return slots, grad, lr, self._check_step(step, "apply")
+        return slots, grad, lr, step
+
+    def _check_update(self, dim, state_width, storage, slots, grad, lr, step):
+        slots, lr, step = self._check_grad(storage, slots, grad, lr, step, "update")
+        if grad.shape[1] != dim or self.state_width(dim) != state_width:
+            raise InputError(f"{self._owner}.update: the table's rows have dimension {dim} and {state_width} state "
+                             f"values; got a gradient of dimension {grad.shape[1]} for a rule needing "
+                             f"{self.state_width(grad.shape[1])} state values")
+        return slots, grad, lr, step
 
     def _check_catch_up(self, storage, slots, step) -> tuple[torch.Tensor, int]:
         self._check_storage(storage, "catch_up")
         slots = self._check_slots_tensor(storage, slots, "catch_up")
         check_slots_torch(slots, storage.shape[0])
         return slots, self._check_step(step, "catch_up")
+
+
+def is_store(x: Any) -> bool:
+    """A RowStore rather than a raw storage tensor (a tensor has a ``layout`` too: torch.strided)."""
+    return not isinstance(x, torch.Tensor) and hasattr(x, "layout") and hasattr(x, "storage")
 
 
 def check_slots_torch(slots: torch.Tensor, rows: int) -> None:
@@ -302,14 +353,50 @@ def check_slots_torch(slots: torch.Tensor, rows: int) -> None:
         raise IndexError(f"slot {int(slots[pos])} at position {pos} is out of range for a table of {rows} rows")
 
 
-def gather_rows(storage: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows ``storage[slots, :width]`` as a new tensor in the twin's compute dtype."""
-    return storage[slots, :width].to(compute_dtype(storage))
+class RowIO:
+    """The torch twins' access to a table's rows: typed views of its weights ``[R, D]`` and
+    state ``[R, S]`` (a RowLayout's, or a plain storage's columns), the dtype to compute in,
+    and how updated weights are rounded back (None: to nearest)."""
 
+    def __init__(self, weights: torch.Tensor, state: torch.Tensor, compute: torch.dtype, rounding=None) -> None:
+        self.weights, self.state, self.compute, self.rounding = weights, state, compute, rounding
 
-def scatter_rows(storage: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Writes `rows` back into ``storage[slots, :rows.shape[1]]`` (rounding to storage's dtype)."""
-    storage[slots, : rows.shape[1]] = rows.to(storage.dtype)
+    @classmethod
+    def of_store(cls, store, step: int) -> "RowIO":
+        """The typed views of `store`'s layout; weights rounded as the layout says (stochastically:
+        from the store's seed, `step`, the slot and the column)."""
+        lay = store.layout
+        storage = store.storage()
+        rounding = None
+        if lay.stochastic_rounding:
+            seed = store.seed
+
+            def rounding(w, slots):
+                return round_stochastic(w, lay.dtype, seed=seed, step=step, slots=slots)
+
+        return cls(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
+
+    @classmethod
+    def plain(cls, storage: torch.Tensor, dim: int, state_width: int) -> "RowIO":
+        """Weights in columns [0, D), state in [D, D + S) of `storage`, both of its dtype."""
+        return cls(storage[:, :dim], storage[:, dim : dim + state_width], compute_dtype(storage))
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.weights.dtype
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, state) of `slots` as new tensors in the compute dtype."""
+        return self.weights[slots].to(self.compute), self.state[slots].to(self.compute)
+
+    def write(self, slots: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None = None) -> None:
+        """Writes `w` (rounded to the weight dtype) and `state` (to the state dtype) at `slots`."""
+        if self.rounding is not None:
+            self.weights[slots] = self.rounding(w, slots)
+        else:
+            self.weights[slots] = w.to(self.weights.dtype)
+        if state is not None and state.shape[1]:
+            self.state[slots] = state.to(self.state.dtype)
 
 
 def sqrt_rn(t: torch.Tensor) -> torch.Tensor:

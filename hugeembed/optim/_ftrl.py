@@ -10,7 +10,7 @@ import torch
 from ..errors import ConfigError
 from ..store import row_independent
 from . import _native_ops
-from ._base import SparseOptimizer, check_real, gather_rows, scatter_rows, sqrt_rn
+from ._base import SparseOptimizer, check_real, sqrt_rn
 
 __all__ = ["FTRL"]
 
@@ -77,21 +77,22 @@ class FTRL(SparseOptimizer):
         _native_ops.run("he_optim_ftrl", storage, slots, grad, grad.shape[1], lr, self.lr_power, self.l1, two_l2,
                         two_shrink)
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
+    def _apply_torch(self, io, slots, grad, lr, step):
         two_l2, two_shrink = self._hyper(lr)
         D = grad.shape[1]
-        rows = gather_rows(storage, slots, 3 * D)
-        w, n, z = rows[:, :D], rows[:, D:2 * D], rows[:, 2 * D:]
-        g = grad.to(rows.dtype)
+        w, state = io.read(slots)
+        n, z = state[:, :D], state[:, D:]
+        cd = w.dtype
+        g = grad.to(cd)
         gs = g + w * two_shrink if two_shrink != 0.0 else g
         n_new = n + g * g
         if self.lr_power == -0.5:
             p_new, p_old = sqrt_rn(n_new), sqrt_rn(n)
         else:
-            p_new = n_new.double().pow(-self.lr_power).to(rows.dtype)
-            p_old = n.double().pow(-self.lr_power).to(rows.dtype)
+            p_new = n_new.double().pow(-self.lr_power).to(cd)
+            p_old = n.double().pow(-self.lr_power).to(cd)
         sigma = (p_new - p_old) / lr
         z = z + (gs - sigma * w)
         quad = p_new / lr + two_l2
         w = (z.clamp(-self.l1, self.l1) - z) / quad
-        scatter_rows(storage, slots, torch.cat([w, n_new, z], dim=1))
+        io.write(slots, w, torch.cat([n_new, z], dim=1))

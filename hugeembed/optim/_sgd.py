@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from . import _native_ops
-from ._base import SparseOptimizer, check_bool, check_real, gather_rows, scatter_rows
+from ._base import SparseOptimizer, check_bool, check_real
 
 __all__ = ["SGD", "MomentumSGD"]
 
@@ -51,13 +51,12 @@ class SGD(SparseOptimizer):
     def _apply_native(self, storage, slots, grad, lr, step):
         _native_ops.run("he_optim_sgd", storage, slots, grad, grad.shape[1], lr, self.weight_decay)
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
-        dim = grad.shape[1]
-        w = gather_rows(storage, slots, dim)
+    def _apply_torch(self, io, slots, grad, lr, step):
+        w, _ = io.read(slots)
         g = grad.to(w.dtype)
         if self.weight_decay != 0.0:
             g = g + w * self.weight_decay
-        scatter_rows(storage, slots, w - g * lr)
+        io.write(slots, w - g * lr)
 
 
 @dataclass(frozen=True)
@@ -102,14 +101,12 @@ class MomentumSGD(SparseOptimizer):
         _native_ops.run("he_optim_momentum", storage, slots, grad, grad.shape[1], lr, self.momentum,
                         self.weight_decay, int(self.nesterov))
 
-    def _apply_torch(self, storage, slots, grad, lr, step):
-        dim = grad.shape[1]
-        rows = gather_rows(storage, slots, 2 * dim)
-        w, buf = rows[:, :dim], rows[:, dim:]
-        g = grad.to(rows.dtype)
+    def _apply_torch(self, io, slots, grad, lr, step):
+        w, buf = io.read(slots)
+        g = grad.to(w.dtype)
         if self.weight_decay != 0.0:
             g = g + w * self.weight_decay
         buf = buf * self.momentum + g
         u = g + buf * self.momentum if self.nesterov else buf
-        scatter_rows(storage, slots, torch.cat([w - u * lr, buf], dim=1))
+        io.write(slots, w - u * lr, buf)
 

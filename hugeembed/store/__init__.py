@@ -1,6 +1,7 @@
 """Key -> row storage of embedding tables.
 
-``RowStore`` is the protocol the nn layer calls; three stores implement it:
+``RowLayout`` says how a row (weights + optimizer state, each in its own dtype) is stored
+and gives typed views of it; ``RowStore`` is the protocol the nn layer calls; three stores implement it:
 
 * ``HashStore``  -- dynamic table: rows created on first sight of any int64 key,
   admission after k hits, ttl / LFU / LRU eviction, capacity; native C++ on CPU,
@@ -16,11 +17,14 @@ from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
+from ._layout import RowLayout, default_state_dtype
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
 from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
 
 __all__ = [
     "RowStore",
+    "RowLayout",
+    "default_state_dtype",
     "StoreExport",
     "EXPORT_FIELDS",
     "ExportIndex",

@@ -14,7 +14,9 @@ import torch
 
 from ..errors import ConfigError, InputError
 from . import _alloc
-from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, make_layout,
+                      scatter_rows)
+from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._init import Initializer, default_initializer, init_rows_native
 from ._protocol import ExportIndex, StoreExport
 
@@ -23,13 +25,13 @@ __all__ = ["ArrayStore"]
 _INIT_CHUNK = 1 << 20
 
 
-class ArrayStore:
+class ArrayStore(LayoutViews):
     """Static key -> row store: keys must lie in [0, num_rows).
 
     Args:
         name: table name (in every error message).
         num_rows: rows of the table, all allocated and initialised now.
-        dim, state_width, initializer, init_state, dtype, device, seed: as for HashStore.
+        dim, state_width, initializer, init_state, dtype, device, seed, layout: as for HashStore.
 
     Example::
 
@@ -44,27 +46,30 @@ class ArrayStore:
 
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0):
+                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None):
         if initializer is None and isinstance(dim, int) and dim > 0:
             initializer = default_initializer(dim)
         check_table_config(name, dim, state_width, dtype, initializer)
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
             raise ConfigError(f"table '{name}': num_rows must be a positive int, got {num_rows!r}")
-        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
+        self.layout = make_layout(name, dim, state_width, dtype, layout)
+        self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
         self.num_rows, self.dtype, self.device = num_rows, dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         n = self.local_rows = len(range(self._shard, num_rows, self._num_shards))
-        self._storage = _alloc.empty((n, self.width), dtype, self.device)
+        lay = self.layout
+        self._storage = _alloc.empty((n, self.width), lay.storage_dtype, self.device)
         self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
         # On "meta" (shape-only planning) there is nothing to initialise.
         for start in range(0, n if self.device.type != "meta" else 0, _INIT_CHUNK):
             end = min(n, start + _INIT_CHUNK)
             keys = self._keys_of(torch.arange(start, end, device=self.device))
             block = self._storage[start:end]
-            if not init_rows_native(initializer, keys, dim, self.seed, block, None):
-                block[:, :dim] = initializer.generate(keys, dim, self.seed).to(dtype)
+            # the native initializer writes float32 weights: only into a plain layout's columns
+            if lay.packed or not init_rows_native(initializer, keys, dim, self.seed, block, None):
+                lay.weights(block).copy_(initializer.generate(keys, dim, self.seed))
             if state_width:  # in place: no temporary as large as the block
-                state = block[:, dim:]
+                state = lay.state(block)
                 state.zero_()
                 if init_state is not None:
                     init_state(state)
@@ -129,14 +134,12 @@ class ArrayStore:
 
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
-        if exp.width != self.width:
-            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
-                             f"{self.width} (dim {self.dim} + state {self.state_width})")
+        check_import_rows(self.name, self.layout, exp.rows)
         if exp.pending_keys.numel():
             raise InputError(f"table '{self.name}': a static table admits every key; the import has "
                              f"{exp.pending_keys.numel()} pending keys")
         slots = self._slots_of(exp.keys)
-        self._storage[slots] = exp.rows.to(self.dtype)
+        self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
         self._meta[slots, 0] = exp.counts
         self._meta[slots, 1] = exp.last_step
 
@@ -151,7 +154,7 @@ class ArrayStore:
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.device = torch.device(device)
-        out._storage = _alloc.empty(tuple(self._storage.shape), self.dtype, out.device)
+        out._storage = _alloc.empty(tuple(self._storage.shape), self._storage.dtype, out.device)
         out._storage.copy_(self._storage)
         out._meta = self._meta.to(out.device, copy=True)
         return out

@@ -6,6 +6,7 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ._init import Initializer, init_rows_native
+from ._layout import RowLayout
 
 __all__ = [
     "check_table_config",
@@ -14,6 +15,7 @@ __all__ = [
     "gather_rows",
     "scatter_rows",
     "init_rows",
+    "make_layout",
     "lowest_k",
     "protect_mask",
     "STEP_DTYPE",
@@ -113,19 +115,33 @@ def scatter_rows(name: str, storage: torch.Tensor, slots: torch.Tensor, rows: to
     storage.index_copy_(0, slots, rows.to(device=storage.device, dtype=storage.dtype))
 
 
-def init_rows(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, dim: int, state_width: int,
+def init_rows(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, layout: RowLayout,
               initializer: Initializer, init_state, seed: int) -> None:
     """Writes the initial weights of `keys` and fresh optimizer state into storage rows `slots`."""
     n = keys.numel()
     if n == 0:
         return
-    if not init_rows_native(initializer, keys, dim, seed, storage, slots):
-        storage[slots, :dim] = initializer.generate(keys, dim, seed).to(storage.dtype)
-    if state_width:
-        state = torch.zeros(n, state_width, dtype=storage.dtype, device=storage.device)
+    # The native initializer writes float32 weights at the start of each row: right only
+    # when the weights are the storage's own float32 columns.
+    if layout.packed or not init_rows_native(initializer, keys, layout.dim, seed, storage, slots):
+        layout.weights(storage)[slots] = initializer.generate(keys, layout.dim, seed).to(layout.dtype)
+    if layout.state_width:
+        state = torch.zeros(n, layout.state_width, dtype=layout.state_dtype, device=storage.device)
         if init_state is not None:
             init_state(state)
-        storage[slots, dim:] = state
+        layout.state(storage)[slots] = state
+
+
+def make_layout(name: str, dim: int, state_width: int, dtype: torch.dtype, layout: RowLayout | None) -> RowLayout:
+    """The store's layout: `layout` (checked against dim / state width / dtype) or the plain one."""
+    if layout is None:
+        return RowLayout(dim, dtype, state_width, dtype, table=name)
+    if not isinstance(layout, RowLayout):
+        raise ConfigError(f"table '{name}': layout must be a RowLayout, got {type(layout).__name__}")
+    if (layout.dim, layout.state_width, layout.dtype) != (dim, state_width, dtype):
+        raise ConfigError(f"table '{name}': layout {layout.describe()} does not match dim {dim}, "
+                          f"state_width {state_width}, dtype {dtype}")
+    return layout
 
 
 def protect_mask(name: str, protect: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor:

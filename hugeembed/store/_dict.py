@@ -14,24 +14,27 @@ import sys
 import torch
 
 from ..errors import CapacityError, ConfigError, InputError, StoreError
-from ._common import as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, scatter_rows
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, make_layout,
+                      scatter_rows)
 from ._evict import check_evict_args
 from ._init import Initializer, default_initializer
+from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._pins import PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["DictStore"]
 
 
-class DictStore:
+class DictStore(LayoutViews):
     """Dynamic key -> row store on Python dicts; constructor as HashStore (minus backend)."""
 
     def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
                  init_state=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
                  admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0,
-                 admit_probability: float | None = None, max_pending: int | None = None):
+                 admit_probability: float | None = None, max_pending: int | None = None,
+                 layout: RowLayout | None = None):
         if initializer is None and isinstance(dim, int) and dim > 0:
             initializer = default_initializer(dim)
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -40,7 +43,8 @@ class DictStore:
         if on_full not in ("evict", "error") or eviction_policy not in ("lfu", "lru"):
             raise ConfigError(f"table '{name}': bad on_full {on_full!r} or eviction_policy {eviction_policy!r}")
         check_admission(name, admit_min_count, admit_probability, max_pending)
-        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
+        self.layout = make_layout(name, dim, state_width, dtype, layout)
+        self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
         self.dtype, self.device = dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
@@ -54,7 +58,7 @@ class DictStore:
         self._pending: dict[int, list[int]] = {}  # key -> [hits, last step]
         self._free: list[int] = []  # min-heap of free slots
         self._hwm = 0
-        self._storage = torch.zeros(0, self.width, dtype=dtype, device=self.device)
+        self._storage = torch.zeros(0, self.width, dtype=self.layout.storage_dtype, device=self.device)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -76,17 +80,18 @@ class DictStore:
         if not slots:
             return
         if self._hwm > self._storage.shape[0]:
-            grown = torch.zeros(max(self._hwm, 2 * self._storage.shape[0]), self.width, dtype=self.dtype,
+            grown = torch.zeros(max(self._hwm, 2 * self._storage.shape[0]), self.width, dtype=self._storage.dtype,
                                 device=self.device)
             grown[: self._storage.shape[0]] = self._storage
             self._storage = grown
         s = torch.tensor(slots, dtype=torch.int64, device=self.device)
         k = torch.tensor(keys, dtype=torch.int64, device=self.device)
-        self._storage[s, : self.dim] = self.initializer.generate(k, self.dim, self.seed).to(self.dtype)
-        state = torch.zeros(len(slots), self.state_width, dtype=self.dtype, device=self.device)
+        lay = self.layout
+        lay.weights(self._storage)[s] = self.initializer.generate(k, self.dim, self.seed).to(self.dtype)
+        state = torch.zeros(len(slots), self.state_width, dtype=lay.state_dtype, device=self.device)
         if self.state_width and self.init_state is not None:
             self.init_state(state)
-        self._storage[s, self.dim :] = state
+        lay.state(self._storage)[s] = state
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         keys_t = as_keys(self.name, keys, self.device)
@@ -220,8 +225,7 @@ class DictStore:
 
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
-        if exp.width != self.width:
-            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has {self.width}")
+        check_import_rows(self.name, self.layout, exp.rows)
         if len(self._pins):
             raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
                              f"has not run hold rows of it; run their backward (or drop them) first")
@@ -241,7 +245,7 @@ class DictStore:
             self._slot[k], self._key[s], self._count[s], self._last[s] = s, k, c, last
         self._fill(slots, keys)
         if slots:
-            self._storage[torch.tensor(slots, device=self.device)] = exp.rows.to(self.dtype)
+            self._storage[torch.tensor(slots, device=self.device)] = exp.rows.to(self._storage.dtype)
         for k, c, last in zip(pkeys, exp.pending_counts.tolist(), exp.pending_last_step.tolist()):
             self._pending[k] = [c, last]
 

@@ -32,11 +32,12 @@ from .. import _native
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
-                      scatter_rows)
+                      make_layout, scatter_rows)
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
 from ._init import Initializer, _signed, default_initializer
+from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._native_store import NativeOps, run_batch
 from ._pins import PinnedRows
 from ._protocol import ExportIndex, StoreExport
@@ -75,7 +76,7 @@ def _pick_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-class HashStore:
+class HashStore(LayoutViews):
     """Dynamic key -> row store; any int64 is a valid key.
 
     Args:
@@ -84,7 +85,8 @@ class HashStore:
         state_width: S, optimizer-state columns stored after the weights of each row.
         initializer: initial weights per (seed, key, column); default TruncatedNormal(0, 1/sqrt(D)).
         init_state: callable filling a fresh [n, S] state tensor in place (zeros if None).
-        dtype, device: of the row storage.
+        dtype, device: of the weights and of the row storage.
+        layout: the RowLayout of a row (default: state in the weight dtype, beside the weights).
         capacity: at most this many rows (None: unbounded); allocates nothing up front.
         on_full: "evict" (run eviction_policy, sparing the keys of the current call) or "error"
             (CapacityError) when an insert would exceed capacity.
@@ -112,7 +114,8 @@ class HashStore:
                  init_state=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
                  admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0, backend: str | None = None,
-                 admit_probability: float | None = None, max_pending: int | None = None):
+                 admit_probability: float | None = None, max_pending: int | None = None,
+                 layout: RowLayout | None = None):
         initializer = default_initializer(dim) if initializer is None and isinstance(dim, int) and dim > 0 \
             else initializer
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -127,7 +130,8 @@ class HashStore:
             raise ConfigError(f"table '{name}': initial_rows must be an int >= 0, got {initial_rows!r}")
         if init_state is not None and not callable(init_state):
             raise ConfigError(f"table '{name}': init_state must be callable or None")
-        self.name, self.dim, self.state_width, self.width = name, dim, state_width, dim + state_width
+        self.layout = make_layout(name, dim, state_width, dtype, layout)
+        self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
         self.dtype, self.device = dtype, torch.device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
@@ -138,7 +142,7 @@ class HashStore:
         dev = self.device
         self._st = torch.zeros(len(_ST), dtype=torch.int64)
         self._buckets = new_buckets(_MIN_BUCKETS, dev)
-        self._storage = torch.empty(0, self.width, dtype=dtype, device=dev)
+        self._storage = torch.empty(0, self.width, dtype=self.layout.storage_dtype, device=dev)
         self._free = torch.zeros(0, dtype=torch.int32, device=dev)
         if initial_rows:
             self._reserve(min(initial_rows, capacity or initial_rows))
@@ -201,7 +205,7 @@ class HashStore:
 
     def _grow_rows(self, rows: int) -> None:
         used = self._st_get("row_hwm")
-        storage = _alloc.empty((rows, self.width), self.dtype, self.device)
+        storage = _alloc.empty((rows, self.width), self.layout.storage_dtype, self.device)
         if self.device.type == "meta":
             self._storage = storage
             return
@@ -291,8 +295,8 @@ class HashStore:
         while True:
             rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
             if rc == 0:
-                init_rows(self._storage, new_slots, new_keys, self.dim, self.state_width, self.initializer,
-                          self.init_state, self.seed)
+                init_rows(self._storage, new_slots, new_keys, self.layout, self.initializer, self.init_state,
+                          self.seed)
                 return out
             if rc == 3:
                 raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
@@ -319,7 +323,8 @@ class HashStore:
                 (self.admit_probability is not None and self.admit_probability < 1.0):
             return None
         spec = self.initializer._native_spec()
-        if spec is None or self._storage.dtype != torch.float32 or not self._storage.is_contiguous():
+        if (spec is None or self.layout.packed or self._storage.dtype != torch.float32
+                or not self._storage.is_contiguous()):  # the kernel writes float32 weights then state
             return None
         state_row = None
         if self.state_width:
@@ -446,9 +451,7 @@ class HashStore:
     def import_(self, export: StoreExport) -> None:
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
         exp = export.to(self.device)
-        if exp.width != self.width:
-            raise InputError(f"table '{self.name}': import has rows of width {exp.width}, the table has "
-                             f"{self.width} (dim {self.dim} + state {self.state_width})")
+        check_import_rows(self.name, self.layout, exp.rows)
         if len(self._pins):  # an import moves rows whose slots the pinned batches hold
             raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
                              f"has not run hold rows of it; run their backward (or drop them) first")
@@ -474,7 +477,7 @@ class HashStore:
         codes = torch.cat([slots, torch.full_like(exp.pending_keys, PENDING)])
         self._ops.insert(self, allk, codes, torch.cat([exp.counts, exp.pending_counts]),
                          torch.cat([exp.last_step, exp.pending_last_step]))
-        self._storage[slots] = exp.rows.to(self.dtype)
+        self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
         self._st_add("rows", n)
         self._st_add("pending", exp.pending_keys.numel())
 

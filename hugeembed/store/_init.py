@@ -98,6 +98,20 @@ def inverse_normal_cdf(p: torch.Tensor) -> torch.Tensor:
     return torch.where(q.abs() <= 0.425, central, tail)
 
 
+# Salt of the stochastic-rounding streams: (seed, step) never meets an initializer's seed.
+_ROUNDING_SALT = 0x5EED_0F_2B17_5A17
+
+
+def counter_uniform(seed: int, counter: int, keys: torch.Tensor, columns: int) -> torch.Tensor:
+    """float64 ``[n, columns]`` uniform in [0, 1) on a 2^-53 grid: a pure function of (seed,
+    counter, key, column) by the same counter-based generator as the initializers (no state,
+    so any device, shard or order of calls draws the same numbers).  Used for stochastic
+    rounding with counter = the optimizer step and key = the row slot."""
+    s = (int(seed) ^ mix64_int((int(counter) ^ _ROUNDING_SALT) & _MASK64)) & _MASK64
+    base = _base(keys.to(torch.int64), s)[:, None]
+    return _unit(base, torch.arange(columns, dtype=torch.int64, device=keys.device))
+
+
 def _open_unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     """u(key, stream) in (0, 1), never 0 or 1 (the inverse CDF is infinite there)."""
     x = mix64(base + stream * _signed(_STREAM))

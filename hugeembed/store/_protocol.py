@@ -9,6 +9,9 @@ holds the embedding weights (D columns) followed by the optimizer state (S colum
       slot 1 | w w w w | s s |   <- key 2**62
       slot 2 | w w w w | s s |   <- key -3
 
+How a row splits into typed weights and state is the store's ``layout`` (a RowLayout):
+read rows through ``store.weights()`` / ``store.state()``, never by slicing columns.
+
 Per row the store also keeps a hit count and the last step the key was seen, for
 admission (a key gets a row after ``admit_min_count`` hits) and eviction.
 """
@@ -22,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from ..errors import InputError
+from ._layout import RowLayout
 
 __all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy", "row_independent", "EXPORT_FIELDS"]
 
@@ -116,8 +120,9 @@ class RowStore(Protocol):
     dim: int
     state_width: int
     width: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the weights (the raw storage's is layout.storage_dtype)
     device: torch.device
+    layout: "RowLayout"
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Slots of unique `keys` (int64 [U]), creating rows for new keys; -1 for keys not admitted yet."""
@@ -129,6 +134,18 @@ class RowStore(Protocol):
 
     def storage(self) -> torch.Tensor:
         """The live [R, W] row storage (re-read it after every find_or_insert: it may move)."""
+        ...
+
+    def weights(self) -> torch.Tensor:
+        """``layout.weights(storage())``: the [R, D] weights in the weight dtype."""
+        ...
+
+    def state(self) -> torch.Tensor:
+        """``layout.state(storage())``: the [R, S] optimizer state in the state dtype."""
+        ...
+
+    def lookup_rows(self) -> torch.Tensor:
+        """``layout.lookup_rows(storage())``: rows whose first D columns are the weights."""
         ...
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:

@@ -26,19 +26,32 @@ OPTIMIZERS = {
 }
 
 
-def tables(opt_name: str = "adagrad", dim: int = 4):
+def tables(opt_name: str = "adagrad", dim: int = 4, dtype: str = "float32"):
     """Dynamic with admission + ttl eviction, dynamic mean, static with a default id, a clipped one,
-    and a sequence feature (combiner "none": one vector per id, no pooling)."""
+    and a sequence feature (combiner "none": one vector per id, no pooling); weights of `dtype`
+    (16-bit ones keep float32 optimizer state, packed beside them)."""
     from hugeembed.nn import TableConfig
 
     opt = OPTIMIZERS[opt_name]()
+    dt = getattr(torch, dtype)
     return [
-        TableConfig("user", dim, combiner="sum", admit_min_count=2, ttl=3, evict_interval=2, optimizer=opt),
-        TableConfig("item", dim, combiner="mean", optimizer=opt),
-        TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, optimizer=opt),
-        TableConfig("page", dim, combiner="sqrtn", max_norm=0.6, optimizer=opt),
-        TableConfig("hist", dim, combiner="none", optimizer=opt),
+        TableConfig("user", dim, combiner="sum", admit_min_count=2, ttl=3, evict_interval=2, optimizer=opt, dtype=dt),
+        TableConfig("item", dim, combiner="mean", optimizer=opt, dtype=dt),
+        TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, optimizer=opt, dtype=dt),
+        TableConfig("page", dim, combiner="sqrtn", max_norm=0.6, optimizer=opt, dtype=dt),
+        TableConfig("hist", dim, combiner="none", optimizer=opt, dtype=dt),
     ]
+
+
+def typed_rows(exported: dict, layouts: dict) -> dict:
+    """`exported` tables with each raw row record replaced by its weights then state as float64
+    (read through the table's RowLayout): packed 16-bit rows compared value by value."""
+    out = {}
+    for name, t in exported.items():
+        lay = layouts[name]
+        rows = t["rows"]
+        out[name] = {**t, "rows": torch.cat([lay.weights(rows).double(), lay.state(rows).double()], 1)}
+    return out
 
 
 def global_batch(step: int, n: int = GLOBAL_BATCH) -> SparseFeatures:
@@ -133,7 +146,8 @@ def merge_shards(per_rank: list[dict], replicated: set[str] = frozenset()) -> di
     return out
 
 
-def assert_tables(got: dict, want: dict, exact: set[str] = frozenset(), what: str = "") -> None:
+def assert_tables(got: dict, want: dict, exact: set[str] = frozenset(), what: str = "", rtol: float = 1e-5,
+                  atol: float = 1e-6) -> None:
     """Keys, counts, steps and pending keys equal; rows allclose (bit-identical for tables in `exact`)."""
     assert set(got) == set(want), what
     for name in want:
@@ -141,7 +155,7 @@ def assert_tables(got: dict, want: dict, exact: set[str] = frozenset(), what: st
             a, b = got[name][f], want[name][f]
             assert a.shape == b.shape, f"{what}: {name}.{f} shape {tuple(a.shape)} vs {tuple(b.shape)}"
             if f == "rows" and name not in exact:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {name}.rows: {m}")
+                torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {name}.rows: {m}")
             else:
                 assert torch.equal(a, b), f"{what}: {name}.{f} differs (max {(a - b).abs().max()})"
 

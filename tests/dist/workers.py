@@ -23,14 +23,15 @@ from .common import dense_model, export_all, local_batch, metrics_batch, metrics
 EVAL_STEP = 100  # the batch scored in eval mode after training
 
 
-def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0) -> ShardedEmbeddingCollection:
-    return ShardedEmbeddingCollection(tables(opt), plan=ShardingPlan(world, plan), process_group=group,
+def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0,
+          dtype: str = "float32") -> ShardedEmbeddingCollection:
+    return ShardedEmbeddingCollection(tables(opt, dtype=dtype), plan=ShardingPlan(world, plan), process_group=group,
                                       timeout=timeout)
 
 
 def run_case(rank: int, world: int, group, case: dict) -> dict:
     """Trains one sharded collection (optionally with a DDP dense model); records what to compare."""
-    ec = build(world, case["plan"], case["opt"], group)
+    ec = build(world, case["plan"], case["opt"], group, dtype=case.get("dtype", "float32"))
     dense = ddp = opt = None
     if case.get("dense"):
         dense = dense_model(16)
