@@ -13,7 +13,8 @@ import torch
 
 from ..errors import InputError
 from ._coo import check_below, check_width, coo_indices, parse_shape, sample_words, sort_into_bags, sparse_parts
-from ._inputs import INT_DTYPES, Part, as_ids, as_tensor, as_weights, assemble, bag_positions, first_true, names
+from ._inputs import (INT_DTYPES, Part, as_ids, as_tensor, as_weights, assemble, bag_positions, first_true, names,
+                      refuse_meta)
 
 if TYPE_CHECKING:
     from ._sparse import SparseFeatures
@@ -66,6 +67,7 @@ class TensorConverters:
         b, slots, _ = d.shape
         if len(keys) != slots:
             raise InputError(f"{what}: {len(keys)} feature names for {slots} slots; give one name per slot")
+        refuse_meta(d, what)
         fm = d.to(torch.int64).transpose(0, 1)  # [slots, B, max_nnz]: feature-major like SparseFeatures
         keep = fm >= 0
         if padding >= 0:
@@ -92,7 +94,8 @@ class TensorConverters:
         Returns:
             ids int64 ``[B, F, max_nnz]``, or ``(ids, weights)`` with `with_weights`.
         """
-        what = "to_dense_padded"
+        what = f"to_dense_padded of {list(self.keys())}"
+        self._readable(what)
         f, b = self.num_features, self.batch_size
         offsets = self.offsets().to(torch.int64)
         lengths = offsets[1:] - offsets[:-1]
@@ -186,6 +189,7 @@ class TensorConverters:
             ids = as_ids(item[1], what)
             if ids.numel() != rows.numel() or ids.device != rows.device:
                 raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
+            refuse_meta(ids, what)
             shape = parse_shape(item[2] if len(item) > 2 else None, what)
             w = as_weights(item[3], ids, what) if len(item) > 3 and item[3] is not None else None
             if shape is not None:
@@ -220,6 +224,7 @@ class TensorConverters:
         ids = as_ids(values, what)
         if ids.numel() != rows.numel() or ids.device != rows.device:
             raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
+        refuse_meta(ids, what)
         w = None if weights is None else as_weights(weights, ids, what)
         shape = parse_shape(dense_shape, what)
         if shape is not None:

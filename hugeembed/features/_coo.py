@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import InputError
-from ._inputs import INT_DTYPES, as_index, first_true
+from ._inputs import INT_DTYPES, as_index, first_true, refuse_meta
 
 __all__ = ["parse_shape", "coo_indices", "check_below", "sort_into_bags", "sample_words", "check_width",
            "sparse_parts"]
@@ -90,6 +90,7 @@ def sparse_parts(t: Any, what: str, ids: bool = True) -> tuple[torch.Tensor, tor
         raise InputError(f"{what}: expected a torch.sparse_coo_tensor, got {kind}")
     if t.sparse_dim() != 2 or t.dense_dim() != 0:
         raise InputError(f"{what}: expected a 2-D sparse tensor [B, max_len], got shape {tuple(t.shape)}")
+    refuse_meta(t, what)
     vals = t._values()  # _values/_indices also work on uncoalesced tensors
     if ids and vals.dtype not in INT_DTYPES:
         raise InputError(f"{what}: ids must be integers (int32 or int64), got {vals.dtype}")

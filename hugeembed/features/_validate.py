@@ -16,7 +16,8 @@ def validate_features(sf) -> None:
 
     Checks, in order: id and offset dtypes, one device for values/offsets/weights, offsets
     starting at 0 and never decreasing, the last offset equal to the number of ids, and
-    weights that are floating point and finite. Ids and offsets are shared by every
+    weights that are floating point and finite (a batch on the meta device, which has
+    shapes but no data, gets the dtype and device checks only). Ids and offsets are shared by every
     feature, so a dtype or device error names them all.
     """
     values, offsets, weights = sf.values(), sf.offsets(), sf.weights_or_none()
@@ -32,6 +33,8 @@ def validate_features(sf) -> None:
     if len(set(placed.values())) > 1:
         got = ", ".join(f"{name} on {dev}" for name, dev in placed.items())
         raise InputError(f"{where}: tensors are on different devices ({got}); move them to one device")
+    if values.device.type == "meta":
+        return  # shape-only: a meta batch has no offsets or weights to read (its shapes were checked when built)
     first = int(offsets[0])
     if first != 0:
         owner = f"feature {keys[0]!r} sample 0" if keys and sf.batch_size else where
