@@ -101,12 +101,20 @@ class FusedEmbeddingLookup:
         prep.weights_require_grad = w is not None and w.requires_grad
         return prep
 
-    def _check_storages(self, storages: Sequence[torch.Tensor]) -> None:
+    def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> None:
+        """Each table: a float tensor of the plan's shape on the batch's `device` (O(tables), no sync)."""
         if len(storages) != self.plan.num_tables:
             raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
         for spec, s in zip(self.plan.tables, storages):
+            if not isinstance(s, torch.Tensor):
+                raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
             if s.dim() != 2 or s.size(1) < spec.dim:
                 raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
+            if not s.dtype.is_floating_point:  # an integer table would pool into truncated means
+                raise InputError(f"table {spec.name!r}: rows must be floating point, got {s.dtype}")
+            if s.device != device:
+                raise InputError(f"table {spec.name!r} is on {s.device} but the batch is on {device}: "
+                                 "move one of them (batch.to(device))")
             if spec.num_rows is not None and s.size(0) < spec.num_rows:
                 raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
 
@@ -116,19 +124,20 @@ class FusedEmbeddingLookup:
 
         None when this path does not apply (a dynamic table, a sequence feature, weights that
         need grad, no native kernels or tables they cannot read); the caller then takes
-        prepare + lookup, which also reports any bad id with its details.
+        prepare + lookup.  A bad batch raises here, as prepare would (with its details).
         """
         plan = self.plan
         if any(t.num_rows is None for t in plan.tables) or any(g.unpooled for g in plan.groups):
             return None
         plan.check_batch(sf)
-        self._check_storages(storages)
+        self._check_storages(storages, sf.device)
         if not self._native_ok(sf, storages):
             return None
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:
             out = pool_direct(plan, sf, storages, group, arrays)
-            if out is None:
+            if out is None:  # a bag holds bad offsets, an id or a weight: prepare raises with the details
+                self.prepare(sf, storages, deduplicate=False)
                 return None
             groups.append(out)
         return PooledEmbeddings(plan.pooled_names(), groups, self._where, {})
@@ -151,7 +160,7 @@ class FusedEmbeddingLookup:
                 ``(table_index, slots, grad_rows)`` and no gradient is returned for params;
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
         """
-        self._check_storages(storages)
+        self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
             if len(params) != self.plan.num_tables:
                 raise ConfigError("without a row_grad_hook, params must be the table weights, one per table")
