@@ -54,8 +54,8 @@ class TensorConverters:
             >>> sf.values().tolist(), sf.lengths().tolist()
             ([4, 9, 3, 5, 6], [2, 0, 1, 2])
         """
-        what = "from_dense_padded"
-        keys = names(keys, what)
+        keys = names(keys, "from_dense_padded")
+        what = f"from_dense_padded {keys}"
         d = as_tensor(dense, what)
         if d.dtype not in INT_DTYPES:
             raise InputError(f"{what}: dense keys must be integers (int32 or int64), got {d.dtype}")
@@ -166,11 +166,12 @@ class TensorConverters:
             >>> SparseFeatures.from_coo("user", [2, 0, 0], [7, 1, 5], [3]).values().tolist()
             [1, 5, 7]
         """
+        what = f"from_coo {list(keys) if isinstance(keys, Mapping) else names(keys, 'from_coo')}"
         if batch_size is not None and batch_size < 0:
-            raise InputError(f"from_coo: batch_size must be >= 0, got {batch_size}")
+            raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
         if isinstance(keys, Mapping):
             if row_indices is not None or values is not None or dense_shape is not None or weights is not None:
-                raise InputError("from_coo: with a dict of features, give rows and values inside the dict")
+                raise InputError(f"{what}: with a dict of features, give rows and values inside the dict")
             return cls._from_coo_dict(keys, batch_size, "from_coo")
         if isinstance(keys, str):
             return cls._from_coo_dict({keys: (row_indices, values, dense_shape, weights)}, batch_size, "from_coo")

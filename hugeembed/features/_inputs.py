@@ -151,7 +151,7 @@ def assemble(cls, parts: Sequence[Part], what: str, batch_size: int | None = Non
     names the first feature that disagrees.
     """
     if batch_size is not None and batch_size < 0:
-        raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
+        raise InputError(f"{what} {[p.name for p in parts]}: batch_size must be >= 0, got {batch_size}")
     ref = f"batch_size={batch_size}" if batch_size is not None else None
     for p in parts:
         b = p.lengths.numel()

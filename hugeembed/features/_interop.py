@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from ..errors import InputError
-from ._inputs import INT_DTYPES, Part, as_ids, as_index, as_weights, assemble, first_true, offsets_to_lengths
+from ._inputs import INT_DTYPES, Part, as_ids, as_index, as_weights, assemble, offsets_to_lengths
 from ._jagged import JaggedFeature
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ def _jagged_part(name: str, values: Any, offsets: Any, weights: Any, what: str) 
     return Part(name, ids, lengths, w)
 
 
-def _flatten(rows: Any, what: str, ids: bool, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A list of samples (each a list of numbers) as one flat tensor and int64 lengths."""
+def _flatten(rows: Any, what: str, ids: bool, device: torch.device | None) -> tuple[torch.Tensor, list[int]]:
+    """A list of samples (each a list of numbers) as one flat tensor on `device`, and their lengths."""
     try:
         rows = list(rows)
         lengths = list(map(len, rows))
@@ -61,7 +61,7 @@ def _flatten(rows: Any, what: str, ids: bool, device: torch.device | None) -> tu
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise InputError(f"{what}: cannot read the values as numbers ({e})") from None
     t = t.to(device=device, dtype=torch.int64 if ids else (t.dtype if t.dtype.is_floating_point else torch.float32))
-    return t, torch.tensor(lengths, dtype=torch.int64, device=device)
+    return t, lengths
 
 
 def _is_number(x: Any, ids: bool) -> bool:
@@ -181,14 +181,13 @@ class PythonConverters:
                 if name not in weights:
                     raise InputError(f"{what}: has no weights, but other features do")
                 w, wl = _flatten(weights[name], f"{what} weights", False, device)
-                if wl.numel() != lengths.numel():
-                    raise InputError(f"{what}: weights for {wl.numel()} samples but ids for {lengths.numel()}")
-                bad = first_true(wl != lengths)
+                if len(wl) != len(lengths):
+                    raise InputError(f"{what}: weights for {len(wl)} samples but ids for {len(lengths)}")
+                # compared as lists: no device sync (and a meta device has nothing to compare)
+                bad = next((i for i, (a, b) in enumerate(zip(lengths, wl)) if a != b), None)
                 if bad is not None:
-                    raise InputError(
-                        f"{what}: sample {bad} has {int(lengths[bad])} ids but {int(wl[bad])} weights"
-                    )
-            parts.append(Part(name, ids, lengths, w))
+                    raise InputError(f"{what}: sample {bad} has {lengths[bad]} ids but {wl[bad]} weights")
+            parts.append(Part(name, ids, torch.tensor(lengths, dtype=torch.int64, device=device), w))
         return assemble(cls, parts, "from_lists", batch_size, device)
 
     def to_lists(self, with_weights: bool = False):

@@ -30,6 +30,7 @@ from ..errors import InputError
 from ._convert import TensorConverters
 from ._inputs import names, refuse_meta
 from ._interop import PythonConverters
+from ._validate import check_layout
 from ._jagged import JaggedFeature
 
 __all__ = ["SparseFeatures", "JaggedFeature"]
@@ -76,7 +77,7 @@ class SparseFeatures(TensorConverters, PythonConverters):
         if (offsets is None) == (lengths is None):
             raise InputError(f"{what}: give exactly one of offsets= or lengths=")
         for name, t in (("values", values), ("offsets", offsets), ("lengths", lengths), ("weights", weights)):
-            if t is not None and not isinstance(t, torch.Tensor):
+            if (t is not None or name == "values") and not isinstance(t, torch.Tensor):
                 raise InputError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
         if values.dim() != 1:
             raise InputError(f"{what}: values must be a 1-D tensor of ids, got shape {tuple(values.shape)}")
@@ -186,9 +187,12 @@ class SparseFeatures(TensorConverters, PythonConverters):
     __getitem__ = feature
 
     def _readable(self, what: str) -> None:
-        """Refuses, naming `what`, to read the data of a meta batch (it has shapes only)."""
+        """Before reading the bags: refuses a meta batch (it has shapes only), naming `what`,
+        and offsets that validate() would refuse (the constructor does not read them).
+        One vectorised pass over the offsets: for the converters, not the lookup path."""
         refuse_meta(self._offsets, what)
         refuse_meta(self._values, what)
+        check_layout(self)
 
     def lengths_per_feature(self) -> torch.Tensor:
         """Lengths as ``[F, B]``."""

@@ -74,14 +74,17 @@ class FusedEmbeddingLookup:
         if _weights_need_grad(sf.weights_or_none()):
             # the kernels compute no gradient for per-id weights; the torch path does
             if self.backend == "native":
-                raise InputError("backend='native' computes no gradient for per-id weights that require grad; "
-                                 "use backend='auto' or 'torch'")
+                raise InputError(f"features {list(sf.keys())}: backend='native' computes no gradient for per-id "
+                                 "weights that require grad; use backend='auto' or 'torch'")
             return False
         ok = can_use_native(sf, storages)
         if self.backend == "native" and not ok:
             if not _native.available():
                 _native.lib()  # raises ImportError saying how to build the kernels
-            raise InputError("backend='native' needs CPU float32 tables and float32 (or no) weights")
+            got = ", ".join(f"{t.name!r} {getattr(s, 'dtype', type(s).__name__)} on {getattr(s, 'device', '-')}"
+                            for t, s in zip(self.plan.tables, storages))
+            raise InputError(f"features {list(sf.keys())}, tables {got or '(none given)'}: backend='native' needs CPU "
+                             "float32 tables and a CPU batch with float32 (or no) weights")
         return ok
 
     def prepare(self, sf, storages: Sequence[torch.Tensor] = (), *, deduplicate: bool = True) -> Prepared:
@@ -104,7 +107,8 @@ class FusedEmbeddingLookup:
     def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> None:
         """Each table: a float tensor of the plan's shape on the batch's `device` (O(tables), no sync)."""
         if len(storages) != self.plan.num_tables:
-            raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
+            raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
+                              f"tables, got {len(storages)}")
         for spec, s in zip(self.plan.tables, storages):
             if not isinstance(s, torch.Tensor):
                 raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
@@ -187,7 +191,13 @@ class FusedEmbeddingLookup:
             if missing:
                 raise ConfigError(f"no weight given for tables {missing}")
             weights = [weights[t.name] for t in self.plan.tables]
+        elif not isinstance(weights, (list, tuple)):
+            raise ConfigError(f"tables {[t.name for t in self.plan.tables]}: weights must be a list (or a dict by "
+                              f"table name) of [num_rows, D] tensors, got {type(weights).__name__}")
         weights = list(weights)
+        if not all(isinstance(w, torch.Tensor) for w in weights):  # .requires_grad is read below
+            got = [type(w).__name__ for w in weights]
+            raise ConfigError(f"tables {[t.name for t in self.plan.tables]}: weights must be tensors, got {got}")
         for spec in self.plan.tables:
             if spec.num_rows is None:
                 raise ConfigError(f"table {spec.name!r} is dynamic: look it up through an EmbeddingCollection")

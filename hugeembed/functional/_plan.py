@@ -246,7 +246,8 @@ class LookupPlan:
         from ..features import SparseFeatures
 
         if not isinstance(sf, SparseFeatures):
-            raise InputError(f"lookup needs a SparseFeatures batch, got {type(sf).__name__}")
+            wanted = sorted({f.source_name for f in self.features})
+            raise InputError(f"lookup of features {wanted} needs a SparseFeatures batch, got {type(sf).__name__}")
         keys = list(sf.keys())
         values, offsets = sf.values(), sf.offsets()
         if values.dtype != torch.int64:

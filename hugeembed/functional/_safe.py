@@ -105,7 +105,8 @@ def safe_embedding_lookup_sparse(
     lookup, sf, fname = _single(weight, ids, weights, name, table, combiner, default_id, max_norm, out_of_range,
                                 prune_negative, backend)
     if lookup.plan.features[0].combiner.value == "none":
-        raise ConfigError("safe_embedding_lookup_sparse pools; use embedding_lookup_unpooled for combiner='none'")
+        raise ConfigError(f"feature {fname!r}: safe_embedding_lookup_sparse pools; use embedding_lookup_unpooled "
+                          "for combiner='none'")
     return lookup([weight], sf)[fname]
 
 

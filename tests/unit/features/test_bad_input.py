@@ -78,7 +78,8 @@ def test_constructor_errors_name_the_features():
 
 def meta_batch() -> SparseFeatures:
     return SparseFeatures(["a", "b"], torch.zeros(3, dtype=torch.int64, device="meta"),
-                          offsets=torch.zeros(5, dtype=torch.int64, device="meta"), weights=torch.ones(3, device="meta"))
+                          offsets=torch.zeros(5, dtype=torch.int64, device="meta"),
+                          weights=torch.ones(3, device="meta"))
 
 
 def test_validate_of_a_meta_batch_is_shape_only():
@@ -116,3 +117,33 @@ def test_converting_meta_tensors_is_a_clear_error(make):
     with pytest.raises(InputError, match=r"feature 'a'|\['a'.*meta device|meta device"):
         make("meta")
     make("cpu")  # the same call on real tensors works
+
+
+@pytest.mark.parametrize("op", [
+    lambda sf: sf.to_lists(),
+    lambda sf: sf.to_dense_padded(),
+    lambda sf: sf.to_coo(),
+    lambda sf: sf.to_csr(),
+    lambda sf: sf.to_sparse_coo_tensors(),
+    lambda sf: sf.feature("a"),
+    lambda sf: sf.split(1),
+    lambda sf: sf.select(["a"]),
+    lambda sf: SparseFeatures.concat_batches([sf]),
+])
+def test_converting_out_of_a_batch_with_bad_offsets_raises_validates_error(op):
+    # the constructor does not read offsets; a converter must, before trusting them
+    sf = SparseFeatures(["a"], torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 1]))
+    with pytest.raises(InputError, match=r"feature 'a': lengths sum to 1 \(the last offset\) but there are 3 ids"):
+        op(sf)
+    sf = SparseFeatures(["a"], torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 3, 1, 3]))
+    with pytest.raises(InputError, match=r"feature 'a': offsets decrease at sample 1 \(3 -> 1\)"):
+        op(sf)
+
+
+def test_coo_junk_shapes_and_absurd_rows():
+    with pytest.raises(InputError, match=r"from_coo: feature 'a': dense_shape must be integers, got torch.float32"):
+        SparseFeatures.from_coo("a", [0], [1], [1.5])
+    with pytest.raises(InputError, match=r"feature 'a': expected a tensor, got str"):
+        SparseFeatures.from_coo("a", [0], [1], "x")
+    with pytest.raises(InputError, match=r"feature 'a': 1099511627777 bags .* do not fit in memory"):
+        SparseFeatures.from_coo("a", [2**40], [1])

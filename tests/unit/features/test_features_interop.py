@@ -60,7 +60,7 @@ def test_from_lists_errors(args, message):
 
 
 def test_negative_batch_size():
-    with pytest.raises(InputError, match="from_lists: batch_size must be >= 0, got -2"):
+    with pytest.raises(InputError, match=r"from_lists \[\]: batch_size must be >= 0, got -2"):
         SparseFeatures.from_lists({}, batch_size=-2)
 
 

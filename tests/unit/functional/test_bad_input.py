@@ -222,7 +222,7 @@ def test_meta_batches_are_clear_errors_in_lookups():
     for backend in BACKENDS:
         with pytest.raises(InputError, match=r"features \['a'\]: the batch is on the meta device"):
             _fused(backend)([torch.randn(ROWS, DIM, device="meta")], meta)
-        with pytest.raises(InputError, match=r"batch is on meta but the tables are on cpu"):
+        with pytest.raises(InputError, match=r"batch \['a'\] is on meta but the tables are on cpu"):
             _collection(backend)(meta)
     # a collection on the meta device takes it: shapes only
     ec = EmbeddingCollection([TableConfig("a", dim=DIM)], optimizer=SGD(lr=0.1), device="meta")
