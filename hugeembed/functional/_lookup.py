@@ -109,18 +109,20 @@ class FusedEmbeddingLookup:
         if len(storages) != self.plan.num_tables:
             raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
                               f"tables, got {len(storages)}")
+        # per batch and per table: one read of the shape (s.size(i) costs twice as much)
         for spec, s in zip(self.plan.tables, storages):
             if not isinstance(s, torch.Tensor):
                 raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
-            if s.dim() != 2 or s.size(1) < spec.dim:
-                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
+            shape = s.shape
+            if len(shape) != 2 or shape[1] < spec.dim:
+                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(shape)}")
+            if spec.num_rows is not None and shape[0] < spec.num_rows:
+                raise InputError(f"table {spec.name!r}: has {shape[0]} rows, spec says {spec.num_rows}")
             if not s.dtype.is_floating_point:  # an integer table would pool into truncated means
                 raise InputError(f"table {spec.name!r}: rows must be floating point, got {s.dtype}")
             if s.device != device:
                 raise InputError(f"table {spec.name!r} is on {s.device} but the batch is on {device}: "
                                  "move one of them (batch.to(device))")
-            if spec.num_rows is not None and s.size(0) < spec.num_rows:
-                raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
 
     def forward_static(self, storages: Sequence[torch.Tensor], sf) -> PooledEmbeddings | None:
         """Forward-only lookup of static tables in one native pass over the batch (inference,

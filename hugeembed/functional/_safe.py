@@ -156,6 +156,10 @@ def fused_embedding_lookup(
     unknown = set(max_norm) - set(tables)
     if unknown:
         raise ConfigError(f"max_norm given for unknown tables {sorted(unknown)}")
+    for n, w in tables.items():  # the specs below read the shape of each
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ConfigError(f"table {n!r}: weight must be one [num_rows, D] tensor, got "
+                              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     tspecs = tuple(TableSpec(n, w.size(1), num_rows=w.size(0), max_norm=max_norm.get(n)) for n, w in tables.items())
     lookup = _cached_lookup(tspecs, tuple(specs), backend)
     return lookup(tables, features, row_grad_hook=row_grad_hook)

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from hugeembed.errors import HugeEmbedError
 from hugeembed.features import SparseFeatures
 from hugeembed.functional import (FeatureSpec, FusedEmbeddingLookup, TableSpec, embedding_lookup_unpooled,
-                                  safe_embedding_lookup_sparse)
+                                  fused_embedding_lookup, safe_embedding_lookup_sparse)
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import SGD
 
@@ -159,10 +159,12 @@ def test_fuzz_helpers_make_what_they_say():
 
 @FUZZ
 @given(weights=st.one_of(ANY, st.lists(st.one_of(tensors(ndim=2), ANY), max_size=2),
-                         st.dictionaries(st.sampled_from([TABLE, "other"]), st.one_of(tensors(ndim=2), ANY))),
+                         st.dictionaries(st.sampled_from([TABLE, TABLE + "2"]), st.one_of(tensors(ndim=2), ANY))),
        batch=st.one_of(ANY, st.just("valid")), backend=st.sampled_from(["auto", "torch", "native"]))
 def test_fused_lookup_with_junk_tables_or_batch(weights, batch, backend):
     sf = SparseFeatures.from_lists({FEATURE: [[1, 2], [], [3]]}) if batch == "valid" else batch
     lookup = FusedEmbeddingLookup([TableSpec(TABLE, 3, num_rows=10)], [FeatureSpec(FEATURE, TABLE)], backend=backend)
     check(lambda: lookup(weights, sf))
     check(lambda: lookup.prepare(sf, weights if isinstance(weights, list) else ()))
+    if isinstance(weights, dict):
+        check(lambda: fused_embedding_lookup(weights, sf, [FeatureSpec(FEATURE, TABLE)], backend=backend))
