@@ -256,9 +256,10 @@ class TensorConverters:
 
         Example: bags ``[1, 5] [ ] [7]`` give rows ``[0, 0, 2]``, values ``[1, 5, 7]``.
         """
+        self._readable(f"to_coo of {list(self.keys())}")
         out = {}
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             b = torch.arange(jf.batch_size, dtype=torch.int64, device=jf.values.device)
             rows = torch.repeat_interleave(b, jf.lengths().to(torch.int64), output_size=jf.values.numel())
             out[key] = (rows, jf.values.to(torch.int64), jf.weights)
@@ -307,13 +308,14 @@ class TensorConverters:
         Returns:
             ``{name: tensor}``, or ``({name: ids}, {name: weights})`` with `with_weights`.
         """
+        self._readable(f"to_sparse_coo_tensors of {list(self.keys())}")
         if max_len is not None and max_len < 0:
             raise InputError(f"to_sparse_coo_tensors: max_len must be >= 0, got {max_len}")
         ids_out, w_out = {}, {}
         if with_weights:
             self.weights()  # raises if this batch has none
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             lengths = jf.lengths().to(torch.int64)
             longest = int(lengths.max()) if lengths.numel() else 0
             width = longest if max_len is None else max_len

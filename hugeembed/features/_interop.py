@@ -122,9 +122,10 @@ class PythonConverters:
 
     def to_csr(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per feature ``(row_offsets [B + 1] starting at 0, values [n], weights [n] or None)``."""
+        self._readable(f"to_csr of {list(self.keys())}")
         out = {}
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             out[key] = (jf.offsets, jf.values, jf.weights)
         return out
 
@@ -148,7 +149,8 @@ class PythonConverters:
 
     def to_dict(self) -> dict[str, JaggedFeature]:
         """``{name: JaggedFeature}`` with offsets starting at 0 (views, no copy of the ids)."""
-        return {key: self.feature(key) for key in self.keys()}
+        self._readable(f"to_dict of {list(self.keys())}")
+        return {key: self._feature(key) for key in self.keys()}
 
     # -- Python lists ------------------------------------------------------------------
 

@@ -28,15 +28,12 @@ import torch
 
 from ..errors import InputError
 from ._convert import TensorConverters
-from ._inputs import names, refuse_meta
+from ._inputs import INT_DTYPES, names, refuse_meta
 from ._interop import PythonConverters
 from ._validate import check_layout
 from ._jagged import JaggedFeature
 
 __all__ = ["SparseFeatures", "JaggedFeature"]
-
-_INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-
 
 class SparseFeatures(TensorConverters, PythonConverters):
     """A batch of named sparse features in one jagged, feature-major layout.
@@ -85,7 +82,7 @@ class SparseFeatures(TensorConverters, PythonConverters):
             assert lengths is not None  # guaranteed by the exactly-one check above
             if lengths.dim() != 1:
                 raise InputError(f"{what}: lengths must be a 1-D tensor, got shape {tuple(lengths.shape)}")
-            if lengths.dtype not in _INDEX_DTYPES:  # cumsum would fail on bool, or make float offsets
+            if lengths.dtype not in INT_DTYPES:  # cumsum would fail on bool, or make float offsets
                 raise InputError(f"{what}: lengths must be integers, got {lengths.dtype}")
             offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
@@ -176,15 +173,20 @@ class SparseFeatures(TensorConverters, PythonConverters):
 
     def feature(self, key: str) -> JaggedFeature:
         """The ids of one feature, with offsets rebased to start at 0."""
-        f = self.index_of(key)
+        self.index_of(key)
         self._readable(f"feature {key!r}")
+        return self._feature(key)
+
+    __getitem__ = feature
+
+    def _feature(self, key: str) -> JaggedFeature:
+        """feature() of a batch already checked by _readable (converters walk every feature)."""
+        f = self.index_of(key)
         b = self._batch_size
         offs = self._offsets[f * b : (f + 1) * b + 1]
         start, end = (int(x) for x in (offs[0], offs[-1])) if offs.numel() else (0, 0)
         w = None if self._weights is None else self._weights[start:end]
         return JaggedFeature(self._values[start:end], offs - start, w, name=key)
-
-    __getitem__ = feature
 
     def _readable(self, what: str) -> None:
         """Before reading the bags: refuses a meta batch (it has shapes only), naming `what`,
@@ -318,10 +320,12 @@ class SparseFeatures(TensorConverters, PythonConverters):
                                   batch_size=sum(sf.batch_size for sf in batches))
         # regroup to feature-major: for each feature, the bags of every batch in turn
         lengths = torch.cat([sf.lengths_per_feature().to(torch.int64) for sf in batches], dim=1)
+        for i, sf in enumerate(batches):
+            sf._readable(f"concat_batches: batch {i}")
         order = []
         for fi in range(f):
             for sf in batches:
-                order.append(sf.feature(keys[fi]))
+                order.append(sf._feature(keys[fi]))
         values = torch.cat([j.values for j in order])
         weights = torch.cat([j.weights for j in order]) if all(has_w) else None
         return SparseFeatures(keys, values, lengths=lengths.reshape(-1), weights=weights)
