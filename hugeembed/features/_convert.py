@@ -13,7 +13,8 @@ import torch
 
 from ..errors import InputError
 from ._coo import check_below, check_width, coo_indices, parse_shape, sample_words, sort_into_bags, sparse_parts
-from ._inputs import INT_DTYPES, Part, as_ids, as_tensor, as_weights, assemble, bag_positions, first_true, names
+from ._inputs import (INT_DTYPES, Part, as_ids, as_tensor, as_weights, assemble, bag_positions, first_true, names,
+                      refuse_meta)
 
 if TYPE_CHECKING:
     from ._sparse import SparseFeatures
@@ -53,8 +54,8 @@ class TensorConverters:
             >>> sf.values().tolist(), sf.lengths().tolist()
             ([4, 9, 3, 5, 6], [2, 0, 1, 2])
         """
-        what = "from_dense_padded"
-        keys = names(keys, what)
+        keys = names(keys, "from_dense_padded")
+        what = f"from_dense_padded {keys}"
         d = as_tensor(dense, what)
         if d.dtype not in INT_DTYPES:
             raise InputError(f"{what}: dense keys must be integers (int32 or int64), got {d.dtype}")
@@ -66,6 +67,7 @@ class TensorConverters:
         b, slots, _ = d.shape
         if len(keys) != slots:
             raise InputError(f"{what}: {len(keys)} feature names for {slots} slots; give one name per slot")
+        refuse_meta(d, what)
         fm = d.to(torch.int64).transpose(0, 1)  # [slots, B, max_nnz]: feature-major like SparseFeatures
         keep = fm >= 0
         if padding >= 0:
@@ -92,7 +94,8 @@ class TensorConverters:
         Returns:
             ids int64 ``[B, F, max_nnz]``, or ``(ids, weights)`` with `with_weights`.
         """
-        what = "to_dense_padded"
+        what = f"to_dense_padded of {list(self.keys())}"
+        self._readable(what)
         f, b = self.num_features, self.batch_size
         offsets = self.offsets().to(torch.int64)
         lengths = offsets[1:] - offsets[:-1]
@@ -163,11 +166,12 @@ class TensorConverters:
             >>> SparseFeatures.from_coo("user", [2, 0, 0], [7, 1, 5], [3]).values().tolist()
             [1, 5, 7]
         """
+        what = f"from_coo {list(keys) if isinstance(keys, Mapping) else names(keys, 'from_coo')}"
         if batch_size is not None and batch_size < 0:
-            raise InputError(f"from_coo: batch_size must be >= 0, got {batch_size}")
+            raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
         if isinstance(keys, Mapping):
             if row_indices is not None or values is not None or dense_shape is not None or weights is not None:
-                raise InputError("from_coo: with a dict of features, give rows and values inside the dict")
+                raise InputError(f"{what}: with a dict of features, give rows and values inside the dict")
             return cls._from_coo_dict(keys, batch_size, "from_coo")
         if isinstance(keys, str):
             return cls._from_coo_dict({keys: (row_indices, values, dense_shape, weights)}, batch_size, "from_coo")
@@ -186,6 +190,7 @@ class TensorConverters:
             ids = as_ids(item[1], what)
             if ids.numel() != rows.numel() or ids.device != rows.device:
                 raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
+            refuse_meta(ids, what)
             shape = parse_shape(item[2] if len(item) > 2 else None, what)
             w = as_weights(item[3], ids, what) if len(item) > 3 and item[3] is not None else None
             if shape is not None:
@@ -220,6 +225,7 @@ class TensorConverters:
         ids = as_ids(values, what)
         if ids.numel() != rows.numel() or ids.device != rows.device:
             raise InputError(f"{what}: {rows.numel()} row indices on {rows.device} for {ids.numel()} ids on {ids.device}")
+        refuse_meta(ids, what)
         w = None if weights is None else as_weights(weights, ids, what)
         shape = parse_shape(dense_shape, what)
         if shape is not None:
@@ -250,9 +256,10 @@ class TensorConverters:
 
         Example: bags ``[1, 5] [ ] [7]`` give rows ``[0, 0, 2]``, values ``[1, 5, 7]``.
         """
+        self._readable(f"to_coo of {list(self.keys())}")
         out = {}
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             b = torch.arange(jf.batch_size, dtype=torch.int64, device=jf.values.device)
             rows = torch.repeat_interleave(b, jf.lengths().to(torch.int64), output_size=jf.values.numel())
             out[key] = (rows, jf.values.to(torch.int64), jf.weights)
@@ -301,13 +308,14 @@ class TensorConverters:
         Returns:
             ``{name: tensor}``, or ``({name: ids}, {name: weights})`` with `with_weights`.
         """
+        self._readable(f"to_sparse_coo_tensors of {list(self.keys())}")
         if max_len is not None and max_len < 0:
             raise InputError(f"to_sparse_coo_tensors: max_len must be >= 0, got {max_len}")
         ids_out, w_out = {}, {}
         if with_weights:
             self.weights()  # raises if this batch has none
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             lengths = jf.lengths().to(torch.int64)
             longest = int(lengths.max()) if lengths.numel() else 0
             width = longest if max_len is None else max_len

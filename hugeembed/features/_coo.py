@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import InputError
-from ._inputs import INT_DTYPES, as_index, first_true
+from ._inputs import INT_DTYPES, as_index, first_true, refuse_meta
 
 __all__ = ["parse_shape", "coo_indices", "check_below", "sort_into_bags", "sample_words", "check_width",
            "sparse_parts"]
@@ -20,8 +20,10 @@ __all__ = ["parse_shape", "coo_indices", "check_below", "sort_into_bags", "sampl
 def parse_shape(dense_shape: Any, what: str) -> tuple[int, ...] | None:
     if dense_shape is None:
         return None
-    shape = tuple(int(s) for s in (dense_shape.tolist() if isinstance(dense_shape, torch.Tensor) else dense_shape))
-    if len(shape) not in (1, 2) or any(s < 0 for s in shape):
+    t = as_index(dense_shape, what, "dense_shape")  # refuses 1.5, "x", True: int() would truncate or crash
+    refuse_meta(t, what)
+    shape = tuple(t.reshape(-1).tolist())
+    if t.dim() > 1 or len(shape) not in (1, 2) or any(s < 0 for s in shape):
         raise InputError(f"{what}: dense_shape must be [B] or [B, max_nnz] with sizes >= 0, got {list(shape)}")
     return shape
 
@@ -67,7 +69,11 @@ def sort_into_bags(bags: torch.Tensor, cols: torch.Tensor | None, values: torch.
                 "one id per position"
             )
     sorted_bags = bags[order]
-    edges = torch.arange(num_bags + 1, dtype=torch.int64, device=bags.device)
+    try:  # a row index of 2**40 without a dense_shape asks for that many samples
+        edges = torch.arange(num_bags + 1, dtype=torch.int64, device=bags.device)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        raise InputError(f"{what}: {num_bags} bags (the batch size times the features) do not fit in memory; "
+                         f"check the row indices and dense_shape ({type(e).__name__})") from None
     bounds = torch.searchsorted(sorted_bags, edges)
     return values[order], None if weights is None else weights[order], bounds[1:] - bounds[:-1]
 
@@ -90,6 +96,7 @@ def sparse_parts(t: Any, what: str, ids: bool = True) -> tuple[torch.Tensor, tor
         raise InputError(f"{what}: expected a torch.sparse_coo_tensor, got {kind}")
     if t.sparse_dim() != 2 or t.dense_dim() != 0:
         raise InputError(f"{what}: expected a 2-D sparse tensor [B, max_len], got shape {tuple(t.shape)}")
+    refuse_meta(t, what)
     vals = t._values()  # _values/_indices also work on uncoalesced tensors
     if ids and vals.dtype not in INT_DTYPES:
         raise InputError(f"{what}: ids must be integers (int32 or int64), got {vals.dtype}")

@@ -15,6 +15,7 @@ from ..errors import InputError
 __all__ = [
     "Part",
     "as_tensor",
+    "refuse_meta",
     "as_ids",
     "as_index",
     "as_weights",
@@ -35,6 +36,13 @@ class Part(NamedTuple):
     values: torch.Tensor
     lengths: torch.Tensor
     weights: torch.Tensor | None
+
+
+def refuse_meta(t: torch.Tensor, what: str) -> None:
+    """InputError for a meta tensor where its values must be read (it has shapes, no data)."""
+    if t.device.type == "meta":
+        raise InputError(f"{what}: the tensor is on the meta device, which holds no values to read; "
+                         "build the batch on a real device (meta batches are for shapes only)")
 
 
 def as_tensor(x: Any, what: str) -> torch.Tensor:
@@ -119,6 +127,7 @@ def offsets_to_lengths(offsets: Any, num_ids: int, what: str) -> torch.Tensor:
     offs = as_index(offsets, what, "offsets")
     if offs.dim() != 1 or offs.numel() < 1:
         raise InputError(f"{what}: offsets must be 1-D [B + 1], got shape {tuple(offs.shape)}")
+    refuse_meta(offs, what)
     first, last = int(offs[0]), int(offs[-1])
     if first != 0:
         raise InputError(f"{what}: offsets must start at 0, got {first}")
@@ -142,7 +151,7 @@ def assemble(cls, parts: Sequence[Part], what: str, batch_size: int | None = Non
     names the first feature that disagrees.
     """
     if batch_size is not None and batch_size < 0:
-        raise InputError(f"{what}: batch_size must be >= 0, got {batch_size}")
+        raise InputError(f"{what} {[p.name for p in parts]}: batch_size must be >= 0, got {batch_size}")
     ref = f"batch_size={batch_size}" if batch_size is not None else None
     for p in parts:
         b = p.lengths.numel()

@@ -6,13 +6,15 @@ TorchRec is optional: it is imported inside the two functions that need it, neve
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import numbers
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from ..errors import InputError
-from ._inputs import INT_DTYPES, Part, as_ids, as_weights, assemble, first_true, offsets_to_lengths
+from ._inputs import INT_DTYPES, Part, as_ids, as_index, as_weights, assemble, offsets_to_lengths
 from ._jagged import JaggedFeature
 
 if TYPE_CHECKING:
@@ -37,32 +39,57 @@ def _keyed_jagged_tensor(caller: str):
 
 def _jagged_part(name: str, values: Any, offsets: Any, weights: Any, what: str) -> Part:
     ids = as_ids(values, what)
+    offsets = as_index(offsets, what, "offsets")
+    if offsets.device != ids.device:  # before reading the offsets: a meta tensor has nothing to read
+        raise InputError(f"{what}: offsets are on {offsets.device} but ids are on {ids.device}")
     lengths = offsets_to_lengths(offsets, ids.numel(), what)
-    if lengths.device != ids.device:
-        raise InputError(f"{what}: offsets are on {lengths.device} but ids are on {ids.device}")
     w = None if weights is None else as_weights(weights, ids, what)
     return Part(name, ids, lengths, w)
 
 
-def _flatten(rows: Any, what: str, ids: bool, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A list of samples (each a list of numbers) as one flat tensor and int64 lengths."""
+def _flatten(rows: Any, what: str, ids: bool, device: torch.device | None) -> tuple[torch.Tensor, list[int]]:
+    """A list of samples (each a list of numbers) as one flat tensor on `device`, and their lengths."""
     try:
         rows = list(rows)
         lengths = list(map(len, rows))
     except TypeError:
         raise InputError(f"{what}: expected a list of samples, each a list of ids") from None
     flat = list(itertools.chain.from_iterable(rows))
+    _check_numbers(flat, lengths, what, ids)
     try:
-        # let torch infer the dtype: forcing int64 would truncate 1.5 to 1 without a word
         t = torch.tensor(flat) if flat else torch.zeros(0, dtype=torch.int64 if ids else torch.float32)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise InputError(f"{what}: cannot read the values as numbers ({e})") from None
-    if ids and t.dtype not in INT_DTYPES:
-        raise InputError(f"{what}: ids must be integers, got {t.dtype} (first value {flat[0]!r})")
-    if not ids and t.dtype == torch.bool:
-        raise InputError(f"{what}: weights must be numbers, got {t.dtype}")
     t = t.to(device=device, dtype=torch.int64 if ids else (t.dtype if t.dtype.is_floating_point else torch.float32))
-    return t, torch.tensor(lengths, dtype=torch.int64, device=device)
+    return t, lengths
+
+
+def _is_number(x: Any, ids: bool) -> bool:
+    """An int id (or a real weight): a Python/NumPy number or a 0-d tensor, never a bool."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and (x.dtype in INT_DTYPES if ids else (x.dtype != torch.bool and
+                                                                          not x.dtype.is_complex))
+    if isinstance(x, bool):  # bool is an int subclass: True would silently become id 1
+        return False
+    return isinstance(x, numbers.Integral if ids else numbers.Real)
+
+
+def _check_numbers(flat: list, lengths: list[int], what: str, ids: bool) -> None:
+    """Refuses bools, floats among ids, strings, None and nested lists, naming the sample and value.
+
+    torch.tensor would turn True into 1 and mix 1.5 into a float tensor, or fail with a
+    message about shapes; this finds the first bad element instead.  The common case
+    (plain ints, or plain floats and ints) is one type test per element.
+    """
+    plain = (int,) if ids else (int, float)
+    if all(type(x) in plain for x in flat):
+        return
+    for pos, x in enumerate(flat):
+        if not _is_number(x, ids):
+            sample = bisect.bisect_right(list(itertools.accumulate(lengths)), pos)
+            kind = "ids must be integers" if ids else "weights must be numbers"
+            nested = "; samples are flat lists (no nesting)" if isinstance(x, (list, tuple)) else ""
+            raise InputError(f"{what}: {kind}, but sample {sample} has {x!r} ({type(x).__name__}){nested}")
 
 
 class PythonConverters:
@@ -95,9 +122,10 @@ class PythonConverters:
 
     def to_csr(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per feature ``(row_offsets [B + 1] starting at 0, values [n], weights [n] or None)``."""
+        self._readable(f"to_csr of {list(self.keys())}")
         out = {}
         for key in self.keys():
-            jf = self.feature(key)
+            jf = self._feature(key)
             out[key] = (jf.offsets, jf.values, jf.weights)
         return out
 
@@ -121,7 +149,8 @@ class PythonConverters:
 
     def to_dict(self) -> dict[str, JaggedFeature]:
         """``{name: JaggedFeature}`` with offsets starting at 0 (views, no copy of the ids)."""
-        return {key: self.feature(key) for key in self.keys()}
+        self._readable(f"to_dict of {list(self.keys())}")
+        return {key: self._feature(key) for key in self.keys()}
 
     # -- Python lists ------------------------------------------------------------------
 
@@ -154,14 +183,13 @@ class PythonConverters:
                 if name not in weights:
                     raise InputError(f"{what}: has no weights, but other features do")
                 w, wl = _flatten(weights[name], f"{what} weights", False, device)
-                if wl.numel() != lengths.numel():
-                    raise InputError(f"{what}: weights for {wl.numel()} samples but ids for {lengths.numel()}")
-                bad = first_true(wl != lengths)
+                if len(wl) != len(lengths):
+                    raise InputError(f"{what}: weights for {len(wl)} samples but ids for {len(lengths)}")
+                # compared as lists: no device sync (and a meta device has nothing to compare)
+                bad = next((i for i, (a, b) in enumerate(zip(lengths, wl)) if a != b), None)
                 if bad is not None:
-                    raise InputError(
-                        f"{what}: sample {bad} has {int(lengths[bad])} ids but {int(wl[bad])} weights"
-                    )
-            parts.append(Part(name, ids, lengths, w))
+                    raise InputError(f"{what}: sample {bad} has {lengths[bad]} ids but {wl[bad]} weights")
+            parts.append(Part(name, ids, torch.tensor(lengths, dtype=torch.int64, device=device), w))
         return assemble(cls, parts, "from_lists", batch_size, device)
 
     def to_lists(self, with_weights: bool = False):
@@ -170,6 +198,7 @@ class PythonConverters:
         With `with_weights`, returns ``(ids, weights)``, two such dicts, so that
         ``SparseFeatures.from_lists(*sf.to_lists(with_weights=True))`` rebuilds `sf`.
         """
+        self._readable(f"to_lists of {list(self.keys())}")
         b = self.batch_size
         offsets = self.offsets().tolist()
         values = self.values().tolist()

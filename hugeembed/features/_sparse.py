@@ -21,19 +21,19 @@ They check their input as they read it and build int64 ids and int64 offsets.
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterator, Sequence
 
 import torch
 
 from ..errors import InputError
 from ._convert import TensorConverters
+from ._inputs import INT_DTYPES, names, refuse_meta
 from ._interop import PythonConverters
+from ._validate import check_layout
 from ._jagged import JaggedFeature
 
 __all__ = ["SparseFeatures", "JaggedFeature"]
-
-_OFFSET_DTYPES = (torch.int32, torch.int64)
-
 
 class SparseFeatures(TensorConverters, PythonConverters):
     """A batch of named sparse features in one jagged, feature-major layout.
@@ -65,49 +65,54 @@ class SparseFeatures(TensorConverters, PythonConverters):
         weights: torch.Tensor | None = None,
         batch_size: int | None = None,
     ) -> None:
-        keys = tuple(keys)
+        keys = tuple(names(keys, "SparseFeatures"))
         index = {k: i for i, k in enumerate(keys)}
         if len(index) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise InputError(f"SparseFeatures: duplicate feature names {dup}")
+        what = f"SparseFeatures {list(keys)}"
         if (offsets is None) == (lengths is None):
-            raise InputError("SparseFeatures: give exactly one of offsets= or lengths=")
-        if not isinstance(values, torch.Tensor) or values.dim() != 1:
-            raise InputError("SparseFeatures: values must be a 1-D tensor of ids")
-        for name, t in (("offsets", offsets), ("lengths", lengths), ("weights", weights)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise InputError(f"SparseFeatures: {name} must be a tensor, got {type(t).__name__}")
+            raise InputError(f"{what}: give exactly one of offsets= or lengths=")
+        for name, t in (("values", values), ("offsets", offsets), ("lengths", lengths), ("weights", weights)):
+            if (t is not None or name == "values") and not isinstance(t, torch.Tensor):
+                raise InputError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        if values.dim() != 1:
+            raise InputError(f"{what}: values must be a 1-D tensor of ids, got shape {tuple(values.shape)}")
         if offsets is None:
             assert lengths is not None  # guaranteed by the exactly-one check above
             if lengths.dim() != 1:
-                raise InputError("SparseFeatures: lengths must be a 1-D tensor")
+                raise InputError(f"{what}: lengths must be a 1-D tensor, got shape {tuple(lengths.shape)}")
+            if lengths.dtype not in INT_DTYPES:  # cumsum would fail on bool, or make float offsets
+                raise InputError(f"{what}: lengths must be integers, got {lengths.dtype}")
             offsets = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
             torch.cumsum(lengths, 0, out=offsets[1:])
         if offsets.dim() != 1 or offsets.numel() < 1:
-            raise InputError("SparseFeatures: offsets must be a 1-D tensor with at least one element")
+            raise InputError(f"{what}: offsets must be a 1-D tensor with at least one element, "
+                             f"got shape {tuple(offsets.shape)}")
         num_bags = offsets.numel() - 1
         if keys:
             if num_bags % len(keys) != 0:
-                raise InputError(
-                    f"SparseFeatures: {num_bags} bags do not split evenly over {len(keys)} features"
-                )
+                raise InputError(f"{what}: {num_bags} bags do not split evenly over {len(keys)} features")
             derived = num_bags // len(keys)
             if batch_size is not None and batch_size != derived:
-                raise InputError(
-                    f"SparseFeatures: batch_size={batch_size} but offsets describe {derived} samples"
-                )
+                raise InputError(f"{what}: batch_size={batch_size} but offsets describe {derived} samples")
             batch_size = derived
         elif num_bags:
-            raise InputError(f"SparseFeatures: no features, but offsets describe {num_bags} bags")
+            raise InputError(f"{what}: no features, but offsets describe {num_bags} bags")
         elif batch_size is None:
             batch_size = 0
-        if batch_size < 0:
-            raise InputError(f"SparseFeatures: batch_size must be >= 0, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 0:
+            raise InputError(f"{what}: batch_size must be >= 0, got {batch_size!r} (an int)")
         if weights is not None and (weights.dim() != 1 or weights.numel() != values.numel()):
             raise InputError(
-                f"SparseFeatures: weights must be 1-D with one weight per id ({values.numel()}), "
+                f"{what}: weights must be 1-D with one weight per id ({values.numel()}), "
                 f"got shape {tuple(weights.shape)}"
             )
+        # the kernels read raw memory: a strided view (ids[::2], a column of a matrix) is
+        # valid input, so it is copied here once; contiguous() of a contiguous tensor is free
+        values, offsets = values.contiguous(), offsets.contiguous()
+        if weights is not None:
+            weights = weights.contiguous()
         self._keys = keys
         self._index = index
         self._values = values
@@ -168,6 +173,14 @@ class SparseFeatures(TensorConverters, PythonConverters):
 
     def feature(self, key: str) -> JaggedFeature:
         """The ids of one feature, with offsets rebased to start at 0."""
+        self.index_of(key)
+        self._readable(f"feature {key!r}")
+        return self._feature(key)
+
+    __getitem__ = feature
+
+    def _feature(self, key: str) -> JaggedFeature:
+        """feature() of a batch already checked by _readable (converters walk every feature)."""
         f = self.index_of(key)
         b = self._batch_size
         offs = self._offsets[f * b : (f + 1) * b + 1]
@@ -175,7 +188,13 @@ class SparseFeatures(TensorConverters, PythonConverters):
         w = None if self._weights is None else self._weights[start:end]
         return JaggedFeature(self._values[start:end], offs - start, w, name=key)
 
-    __getitem__ = feature
+    def _readable(self, what: str) -> None:
+        """Before reading the bags: refuses a meta batch (it has shapes only), naming `what`,
+        and offsets that validate() would refuse (the constructor does not read them).
+        One vectorised pass over the offsets: for the converters, not the lookup path."""
+        refuse_meta(self._offsets, what)
+        refuse_meta(self._values, what)
+        check_layout(self)
 
     def lengths_per_feature(self) -> torch.Tensor:
         """Lengths as ``[F, B]``."""
@@ -214,6 +233,7 @@ class SparseFeatures(TensorConverters, PythonConverters):
 
     def permute(self, order: Sequence[int]) -> "SparseFeatures":
         """Features reordered (or subset) by position: feature i of the result is ``order[i]``."""
+        self._readable(f"permute of SparseFeatures {list(self._keys)}")
         order = list(order)
         for i in order:
             if not 0 <= i < len(self._keys):
@@ -244,6 +264,7 @@ class SparseFeatures(TensorConverters, PythonConverters):
 
         An int splits into equal chunks of that size (the last may be smaller).
         """
+        self._readable(f"split of SparseFeatures {list(self._keys)}")
         b = self._batch_size
         if isinstance(batch_sizes, int):
             if batch_sizes <= 0:
@@ -299,10 +320,12 @@ class SparseFeatures(TensorConverters, PythonConverters):
                                   batch_size=sum(sf.batch_size for sf in batches))
         # regroup to feature-major: for each feature, the bags of every batch in turn
         lengths = torch.cat([sf.lengths_per_feature().to(torch.int64) for sf in batches], dim=1)
+        for i, sf in enumerate(batches):
+            sf._readable(f"concat_batches: batch {i}")
         order = []
         for fi in range(f):
             for sf in batches:
-                order.append(sf.feature(keys[fi]))
+                order.append(sf._feature(keys[fi]))
         values = torch.cat([j.values for j in order])
         weights = torch.cat([j.weights for j in order]) if all(has_w) else None
         return SparseFeatures(keys, values, lengths=lengths.reshape(-1), weights=weights)

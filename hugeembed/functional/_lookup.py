@@ -74,14 +74,17 @@ class FusedEmbeddingLookup:
         if _weights_need_grad(sf.weights_or_none()):
             # the kernels compute no gradient for per-id weights; the torch path does
             if self.backend == "native":
-                raise InputError("backend='native' computes no gradient for per-id weights that require grad; "
-                                 "use backend='auto' or 'torch'")
+                raise InputError(f"features {list(sf.keys())}: backend='native' computes no gradient for per-id "
+                                 "weights that require grad; use backend='auto' or 'torch'")
             return False
         ok = can_use_native(sf, storages)
         if self.backend == "native" and not ok:
             if not _native.available():
                 _native.lib()  # raises ImportError saying how to build the kernels
-            raise InputError("backend='native' needs CPU float32 tables and float32 (or no) weights")
+            got = ", ".join(f"{t.name!r} {getattr(s, 'dtype', type(s).__name__)} on {getattr(s, 'device', '-')}"
+                            for t, s in zip(self.plan.tables, storages))
+            raise InputError(f"features {list(sf.keys())}, tables {got or '(none given)'}: backend='native' needs CPU "
+                             "float32 tables and a CPU batch with float32 (or no) weights")
         return ok
 
     def prepare(self, sf, storages: Sequence[torch.Tensor] = (), *, deduplicate: bool = True) -> Prepared:
@@ -101,14 +104,25 @@ class FusedEmbeddingLookup:
         prep.weights_require_grad = w is not None and w.requires_grad
         return prep
 
-    def _check_storages(self, storages: Sequence[torch.Tensor]) -> None:
+    def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> None:
+        """Each table: a float tensor of the plan's shape on the batch's `device` (O(tables), no sync)."""
         if len(storages) != self.plan.num_tables:
-            raise ConfigError(f"lookup needs {self.plan.num_tables} tables, got {len(storages)}")
+            raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
+                              f"tables, got {len(storages)}")
+        # per batch and per table: one read of the shape (s.size(i) costs twice as much)
         for spec, s in zip(self.plan.tables, storages):
-            if s.dim() != 2 or s.size(1) < spec.dim:
-                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(s.shape)}")
-            if spec.num_rows is not None and s.size(0) < spec.num_rows:
-                raise InputError(f"table {spec.name!r}: has {s.size(0)} rows, spec says {spec.num_rows}")
+            if not isinstance(s, torch.Tensor):
+                raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
+            shape = s.shape
+            if len(shape) != 2 or shape[1] < spec.dim:
+                raise InputError(f"table {spec.name!r}: rows must be 2-D with >= {spec.dim} columns, got {tuple(shape)}")
+            if spec.num_rows is not None and shape[0] < spec.num_rows:
+                raise InputError(f"table {spec.name!r}: has {shape[0]} rows, spec says {spec.num_rows}")
+            if not s.dtype.is_floating_point:  # an integer table would pool into truncated means
+                raise InputError(f"table {spec.name!r}: rows must be floating point, got {s.dtype}")
+            if s.device != device:
+                raise InputError(f"table {spec.name!r} is on {s.device} but the batch is on {device}: "
+                                 "move one of them (batch.to(device))")
 
     def forward_static(self, storages: Sequence[torch.Tensor], sf) -> PooledEmbeddings | None:
         """Forward-only lookup of static tables in one native pass over the batch (inference,
@@ -116,19 +130,20 @@ class FusedEmbeddingLookup:
 
         None when this path does not apply (a dynamic table, a sequence feature, weights that
         need grad, no native kernels or tables they cannot read); the caller then takes
-        prepare + lookup, which also reports any bad id with its details.
+        prepare + lookup.  A bad batch raises here, as prepare would (with its details).
         """
         plan = self.plan
         if any(t.num_rows is None for t in plan.tables) or any(g.unpooled for g in plan.groups):
             return None
         plan.check_batch(sf)
-        self._check_storages(storages)
+        self._check_storages(storages, sf.device)
         if not self._native_ok(sf, storages):
             return None
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:
             out = pool_direct(plan, sf, storages, group, arrays)
-            if out is None:
+            if out is None:  # a bag holds bad offsets, an id or a weight: prepare raises with the details
+                self.prepare(sf, storages, deduplicate=False)
                 return None
             groups.append(out)
         return PooledEmbeddings(plan.pooled_names(), groups, self._where, {})
@@ -151,7 +166,7 @@ class FusedEmbeddingLookup:
                 ``(table_index, slots, grad_rows)`` and no gradient is returned for params;
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
         """
-        self._check_storages(storages)
+        self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
             if len(params) != self.plan.num_tables:
                 raise ConfigError("without a row_grad_hook, params must be the table weights, one per table")
@@ -178,7 +193,13 @@ class FusedEmbeddingLookup:
             if missing:
                 raise ConfigError(f"no weight given for tables {missing}")
             weights = [weights[t.name] for t in self.plan.tables]
+        elif not isinstance(weights, (list, tuple)):
+            raise ConfigError(f"tables {[t.name for t in self.plan.tables]}: weights must be a list (or a dict by "
+                              f"table name) of [num_rows, D] tensors, got {type(weights).__name__}")
         weights = list(weights)
+        if not all(isinstance(w, torch.Tensor) for w in weights):  # .requires_grad is read below
+            got = [type(w).__name__ for w in weights]
+            raise ConfigError(f"tables {[t.name for t in self.plan.tables]}: weights must be tensors, got {got}")
         for spec in self.plan.tables:
             if spec.num_rows is None:
                 raise ConfigError(f"table {spec.name!r} is dynamic: look it up through an EmbeddingCollection")

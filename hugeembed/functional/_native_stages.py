@@ -34,7 +34,7 @@ def can_use_native(sf, storages: Sequence[torch.Tensor]) -> bool:
 
 def can_use_native_storages(storages: Sequence[torch.Tensor]) -> bool:
     """CPU float32 2-D row storages with unit column stride."""
-    return all(s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 2 and
+    return all(isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 2 and
                (s.stride(1) == 1 or s.size(1) <= 1) for s in storages)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import torch
 
 from ..errors import ConfigError, InputError
 from ..types import Combiner, OutOfRange
 
-__all__ = ["TableSpec", "FeatureSpec", "LookupPlan", "DimGroup", "Prepared"]
+__all__ = ["TableSpec", "FeatureSpec", "LookupPlan", "DimGroup", "Prepared", "raise_offsets_error"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,7 @@ class LookupPlan:
         self.table_features = tuple(tuple(x) for x in by_table)
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._unread_cache: dict[tuple[str, ...], list[tuple[int, int]]] = {}
 
     @property
     def num_features(self) -> int:
@@ -235,31 +236,72 @@ class LookupPlan:
         return cached
 
     def check_batch(self, sf) -> None:
-        """O(1) checks of a batch's dtypes and devices (the data checks run inside the stages)."""
+        """O(1) checks of a batch: dtypes, devices and, on CPU, where its offsets start and end.
+
+        The per-bag checks (offsets never decreasing, ids in range, finite weights) run inside
+        the prepare stage, which walks the bags anyway; on an accelerator the offset ends are
+        folded into that stage's one check too, so this costs no device sync.
+        """
         from ..features import SparseFeatures
 
         if not isinstance(sf, SparseFeatures):
-            raise InputError(f"lookup needs a SparseFeatures batch, got {type(sf).__name__}")
+            wanted = sorted({f.source_name for f in self.features})
+            raise InputError(f"lookup of features {wanted} needs a SparseFeatures batch, got {type(sf).__name__}")
         keys = list(sf.keys())
-        if sf.values().dtype != torch.int64:
-            raise InputError(f"features {keys}: ids must be int64, got {sf.values().dtype}")
-        if sf.offsets().dtype not in (torch.int32, torch.int64):
-            raise InputError(f"features {keys}: offsets must be int32 or int64, got {sf.offsets().dtype}")
+        values, offsets = sf.values(), sf.offsets()
+        if values.dtype != torch.int64:
+            raise InputError(f"features {keys}: ids must be int64, got {values.dtype}")
+        if offsets.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"features {keys}: offsets must be int32 or int64, got {offsets.dtype}")
         w = sf.weights_or_none()
         if w is not None and not w.dtype.is_floating_point:
             raise InputError(f"features {keys}: weights must be floating point, got {w.dtype}")
-        if sf.offsets().device != sf.values().device or (w is not None and w.device != sf.values().device):
+        if offsets.device != values.device or (w is not None and w.device != values.device):
             raise InputError(f"features {keys}: ids, offsets and weights must be on one device")
+        if values.is_meta:
+            raise InputError(f"features {keys}: the batch is on the meta device, which holds no ids to look up "
+                             "(only an EmbeddingCollection on the meta device takes such a batch, for shapes)")
+        if values.is_cpu:
+            # a batch whose offsets start past 0 or stop short of len(values) would be pooled
+            # without the ids outside them: two reads of host memory, no sync (through NumPy:
+            # a third of the cost of indexing the tensor twice)
+            ends = offsets.numpy()
+            if ends[0] != 0 or ends[-1] != values.numel():
+                raise_offsets_error(sf)
+            self._check_unread_bags(sf)
+
+    def _check_unread_bags(self, sf) -> None:
+        """Offsets of the batch's features that no plan feature reads never decrease.
+
+        The prepare kernels check the bags they read; a batch whose other bags are corrupt
+        is corrupt all the same.  Most batches hold only features the plan reads: then this
+        is one dict lookup.
+        """
+        runs = self._unread_cache.get(sf.keys())
+        if runs is None:
+            read = set(self.source_indices(sf.keys()).tolist())
+            runs, f = [], 0
+            while f < sf.num_features:  # runs of consecutive unread input features
+                if f in read:
+                    f += 1
+                    continue
+                start = f
+                while f < sf.num_features and f not in read:
+                    f += 1
+                runs.append((start, f))
+            self._unread_cache[sf.keys()] = runs
+        b = sf.batch_size
+        for start, end in runs:
+            o = sf.offsets()[start * b : end * b + 1]
+            if o.numel() > 1 and bool((o[1:] < o[:-1]).any()):
+                raise_offsets_error(sf)
 
     def describe_id_error(self, code: int, feature: int, position: int, value: int, sf) -> str:
         """Message for an error reported by the clean stage."""
         f = self.features[feature]
         t = self.tables[self.feature_table[feature]]
-        if code == 3:
-            return (
-                f"feature {f.source_name!r}: offsets of sample {position} are not non-decreasing within "
-                f"[0, {sf.values().numel()}] (next offset {value}); call SparseFeatures.validate() for details"
-            )
+        if code == 3:  # validate() names the feature, sample and offsets
+            raise_offsets_error(sf, f"(feature {f.source_name!r} sample {position}, next offset {value})")
         _, sample = sf.id_location(position)
         if code == 1:
             label = f"feature {f.source_name!r}" + (f" (output {f.name!r})" if f.name != f.source_name else "")
@@ -269,3 +311,16 @@ class LookupPlan:
             )
         w = sf.weights()[position]
         return f"feature {f.source_name!r}: weight {float(w)} of id {value} at sample {sample} is not finite"
+
+
+def raise_offsets_error(sf, detail: str = "") -> NoReturn:
+    """Raises the InputError of validate() for a batch whose offsets a lookup stage refused.
+
+    The lookup's own checks only detect; validate() names the feature, the sample and the
+    offsets at fault (error path only: its full pass over the batch costs nothing otherwise).
+    """
+    from ..features._validate import validate_features
+
+    validate_features(sf)
+    # validate() agrees with every lookup check, so this is not reached; if it were, still refuse
+    raise InputError(f"features {list(sf.keys())}: offsets are not valid for {sf.values().numel()} ids {detail}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ._plan import DimGroup, LookupPlan, Prepared
+from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
            "clip_rows_backward"]
@@ -40,13 +40,11 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     weights = sf.weights_or_none()
     src = plan.source_indices(sf.keys()).to(dev)
     in_lengths = offsets[1:] - offsets[:-1]
+    # every bag in [0, len(values)], none decreasing, and the ends exactly 0 and len(values):
+    # one device sync for all of it (check_batch reads the ends itself only on CPU)
     bad_bags = (in_lengths < 0) | (offsets[1:] > values.numel()) | (offsets[:-1] < 0)
-    if bool(bad_bags.any()):
-        bag0 = int(torch.nonzero(bad_bags)[0, 0])
-        fi = plan.source_indices(sf.keys()).tolist()
-        src_f = bag0 // max(B, 1)
-        f = fi.index(src_f) if src_f in fi else 0
-        raise InputError(plan.describe_id_error(3, f, bag0 % max(B, 1), int(offsets[bag0 + 1]), sf))
+    if bool(bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != values.numel())):
+        raise_offsets_error(sf)
     bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
     lens = in_lengths[bag_src]
     pos = _ranges(offsets[:-1][bag_src], lens)
@@ -152,11 +150,20 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
         if spec.dim != dim or n == 0:
             continue
         b = prep.unique_base[t]
-        s = slots[b : b + n]
-        rows = storages[t].index_select(0, s.clamp(min=0))[:, :dim].to(dtype)
-        rows = rows * (s >= 0).unsqueeze(1).to(dtype)
-        emb[b : b + n] = clip_rows(rows, spec.max_norm)
+        emb[b : b + n] = clip_rows(_rows_at(storages[t], slots[b : b + n], dim, dtype), spec.max_norm)
     return emb
+
+
+def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+    """``storage[slots, :dim]`` as `dtype`, zero rows where the slot is -1 (an unknown id).
+
+    A dynamic table with no rows yet (evaluated before any training) has an empty storage,
+    which index_select refuses even for clamped slots: every slot is then -1, all zeros.
+    """
+    if storage.size(0) == 0:
+        return torch.zeros(slots.numel(), dim, dtype=dtype, device=slots.device)
+    rows = storage.index_select(0, slots.clamp(min=0))[:, :dim].to(dtype)
+    return rows * (slots >= 0).unsqueeze(1).to(dtype)
 
 
 def _group_ids(prep: Prepared, feats: tuple[int, ...]):
@@ -242,9 +249,7 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
         b, n = prep.unique_base[t], prep.unique_count[t]
         g = grads_by_dim[spec.dim][b : b + n] if spec.dim in grads_by_dim else torch.zeros(n, spec.dim, device=dev)
         if spec.max_norm and n:
-            s = slots[b : b + n]
-            rows = storages[t].index_select(0, s.clamp(min=0))[:, : spec.dim].to(g.dtype)
-            g = clip_rows_backward(rows, g, spec.max_norm)
+            g = clip_rows_backward(_rows_at(storages[t], slots[b : b + n], spec.dim, g.dtype), g, spec.max_norm)
         out.append(g)
     return out
 

@@ -22,13 +22,18 @@ def _cached_lookup(tables: tuple[TableSpec, ...], features: tuple[FeatureSpec, .
 
 
 def _as_features(ids, weights: torch.Tensor | None, name: str | None) -> SparseFeatures:
-    """One-feature SparseFeatures from the accepted id containers."""
+    """One-feature SparseFeatures from the accepted id containers (the lookup checks it)."""
     if isinstance(ids, SparseFeatures):
         if name is None:
             if ids.num_features != 1:
                 raise InputError(f"ids has features {list(ids.keys())}: pass name= to pick one")
             name = ids.keys()[0]
-        jf = ids.feature(name)
+        if ids.keys() == (name,) and weights is None:
+            return ids  # as given: the lookup checks its offsets (slicing would hide bad ones)
+        # slicing out one feature rebases its offsets, which would make bad offsets look
+        # good: check the whole batch first (a convenience path, not the fused hot path)
+        ids.index_of(name)
+        jf = ids.validate().feature(name)
     elif isinstance(ids, JaggedFeature):
         jf = ids
     elif isinstance(ids, (tuple, list)) and len(ids) in (2, 3):
@@ -44,13 +49,16 @@ def _as_features(ids, weights: torch.Tensor | None, name: str | None) -> SparseF
 
 def _single(weight: torch.Tensor, ids, weights, name, table, combiner, default_id, max_norm, out_of_range,
             prune_negative, backend):
-    if not isinstance(weight, torch.Tensor):
-        raise ConfigError(f"weight must be one [num_rows, D] tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ConfigError(f"weight must be 2-D [num_rows, D], got shape {tuple(weight.shape)}")
     sf = _as_features(ids, weights, name)
     fname = sf.keys()[0]
-    tspec = TableSpec(table or f"{fname}_table", weight.size(1), num_rows=weight.size(0), max_norm=max_norm)
+    tname = table or f"{fname}_table"
+    if not isinstance(weight, torch.Tensor):
+        raise ConfigError(f"table {tname!r}: weight must be one [num_rows, D] tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ConfigError(f"table {tname!r}: weight must be 2-D [num_rows, D], got shape {tuple(weight.shape)}")
+    if not weight.dtype.is_floating_point:  # an integer mean would truncate silently
+        raise ConfigError(f"table {tname!r}: weight must be floating point, got {weight.dtype}")
+    tspec = TableSpec(tname, weight.size(1), num_rows=weight.size(0), max_norm=max_norm)
     fspec = FeatureSpec(fname, tspec.name, combiner=combiner, default_id=default_id, out_of_range=out_of_range,
                         prune_negative=prune_negative)
     return _cached_lookup((tspec,), (fspec,), backend), sf, fname
@@ -97,7 +105,8 @@ def safe_embedding_lookup_sparse(
     lookup, sf, fname = _single(weight, ids, weights, name, table, combiner, default_id, max_norm, out_of_range,
                                 prune_negative, backend)
     if lookup.plan.features[0].combiner.value == "none":
-        raise ConfigError("safe_embedding_lookup_sparse pools; use embedding_lookup_unpooled for combiner='none'")
+        raise ConfigError(f"feature {fname!r}: safe_embedding_lookup_sparse pools; use embedding_lookup_unpooled "
+                          "for combiner='none'")
     return lookup([weight], sf)[fname]
 
 
@@ -147,6 +156,10 @@ def fused_embedding_lookup(
     unknown = set(max_norm) - set(tables)
     if unknown:
         raise ConfigError(f"max_norm given for unknown tables {sorted(unknown)}")
+    for n, w in tables.items():  # the specs below read the shape of each
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ConfigError(f"table {n!r}: weight must be one [num_rows, D] tensor, got "
+                              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     tspecs = tuple(TableSpec(n, w.size(1), num_rows=w.size(0), max_norm=max_norm.get(n)) for n, w in tables.items())
     lookup = _cached_lookup(tspecs, tuple(specs), backend)
     return lookup(tables, features, row_grad_hook=row_grad_hook)

@@ -192,8 +192,8 @@ class EmbeddingCollection(nn.Module):
         if self.device.type == "meta":
             return self._meta_forward(features)
         if features.device != self.device:
-            raise InputError(f"batch is on {features.device} but the tables are on {self.device}: "
-                             f"move it with batch.to(device) (pin_memory + non_blocking on GPU)")
+            raise InputError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
+                             f"{self.device}: move it with batch.to(device) (pin_memory + non_blocking on GPU)")
         training = self.training and torch.is_grad_enabled()
         step = self._step + 1 if training else self._step
         out = self._lookup_batch(features, training, step)
