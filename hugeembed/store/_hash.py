@@ -362,6 +362,8 @@ class HashStore(LayoutViews):
 
     def forget_pending(self, step: int) -> int:
         """Forgets the least seen pending keys while more than `max_pending` wait; returns how many."""
+        if self.admit_min_count == 1:  # no counter filter, no new pending keys (and no tensor read per call)
+            return 0
         n = pending_victims(self.num_pending, self.max_pending)
         if n:
             self._evict(step, None, None, self.eviction_policy, None, None, n)
