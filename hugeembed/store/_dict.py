@@ -20,13 +20,13 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
 from ._evict import check_evict_args
 from ._init import Initializer, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
-from ._pins import PinnedRows
+from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["DictStore"]
 
 
-class DictStore(LayoutViews):
+class DictStore(LayoutViews, Pinnable):
     """Dynamic key -> row store on Python dicts; constructor as HashStore (minus backend)."""
 
     def __init__(self, name: str, dim: int, state_width: int = 0, *, initializer: Initializer | None = None,
@@ -170,16 +170,6 @@ class DictStore(LayoutViews):
         del self._slot[self._key.pop(s)]
         del self._count[s], self._last[s]
         heapq.heappush(self._free, s)
-
-    def pin(self, slots: torch.Tensor) -> int:
-        return self._pins.pin(slots)
-
-    def unpin(self, handle: int) -> None:
-        self._pins.unpin(handle)
-
-    @property
-    def eviction_epoch(self) -> int:
-        return self._pins.epoch
 
     def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
               protect: torch.Tensor | None = None, min_norm: float | None = None) -> int:

@@ -39,7 +39,7 @@ from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, n
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._native_store import NativeOps, run_batch
-from ._pins import PinnedRows
+from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
 __all__ = ["HashStore", "find_or_insert_many", "MAX_LOAD", "AUTO_EVICT_SLACK"]
@@ -76,7 +76,7 @@ def _pick_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-class HashStore(LayoutViews):
+class HashStore(LayoutViews, Pinnable):
     """Dynamic key -> row store; any int64 is a valid key.
 
     Args:
@@ -368,19 +368,6 @@ class HashStore(LayoutViews):
         if n:
             self._evict(step, None, None, self.eviction_policy, None, None, n)
         return n
-
-    # ------------------------------------------------------------- pinning
-    def pin(self, slots: torch.Tensor) -> int:
-        """Keeps rows `slots` (-1 entries ignored) from eviction until :meth:`unpin` of the handle."""
-        return self._pins.pin(slots)
-
-    def unpin(self, handle: int) -> None:
-        self._pins.unpin(handle)
-
-    @property
-    def eviction_epoch(self) -> int:
-        """Evictions so far that freed a row (a slot seen before a later epoch may hold another key)."""
-        return self._pins.epoch
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PinnedRows"]
+__all__ = ["PinnedRows", "Pinnable"]
 
 
 class PinnedRows:
@@ -55,3 +55,21 @@ class PinnedRows:
         if protect is None:
             return pinned
         return torch.cat([protect.reshape(-1).to(pinned.device, torch.int64), pinned.to(torch.int64)])
+
+
+class Pinnable:
+    """Mixin of the stores that can evict: pin / unpin / eviction_epoch over ``self._pins``."""
+
+    _pins: PinnedRows
+
+    def pin(self, slots: torch.Tensor) -> int:
+        """Keeps rows `slots` (-1 entries ignored) from eviction until :meth:`unpin` of the handle."""
+        return self._pins.pin(slots)
+
+    def unpin(self, handle: int) -> None:
+        self._pins.unpin(handle)
+
+    @property
+    def eviction_epoch(self) -> int:
+        """Evictions so far that freed a row (a slot seen before a later epoch may hold another key)."""
+        return self._pins.epoch

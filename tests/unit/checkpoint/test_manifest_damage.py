@@ -12,6 +12,7 @@ import torch
 from hugeembed import checkpoint as ckpt
 from hugeembed.errors import CheckpointError
 
+from ..damage import set_field
 from .helpers import build, train
 
 
@@ -24,43 +25,32 @@ def saved(tmp_path_factory):
     return root
 
 
-def _set(path, value):
-    def change(m):
-        d = m
-        for k in path[:-1]:
-            d = d[k]
-        if value is KeyError:
-            del d[path[-1]]
-        else:
-            d[path[-1]] = value
-        return m
-    return change
 
 
 DAMAGES = [
     (lambda m: [m], "the manifest must be a JSON object"),
     (lambda m: None, "the manifest must be a JSON object"),
     (lambda m: "step-3", "the manifest must be a JSON object"),
-    (_set(["tables"], KeyError), "tables is missing"),
-    (_set(["files"], KeyError), "files is missing"),
-    (_set(["step"], KeyError), "step is missing"),
-    (_set(["step"], "3"), "step must be a non-negative integer, got '3'"),
-    (_set(["world_size"], 0), "world_size must be a positive integer"),
-    (_set(["tables"], {"user": {}}), "tables must be a list"),
-    (_set(["tables", 0], "user"), "tables[0] must be a table record"),
-    (_set(["tables", 0, "name"], KeyError), "tables[0].name is missing"),
-    (_set(["tables", 1, "dim"], "4"), "table 'item' dim must be a positive integer"),
-    (_set(["tables", 0, "shards"], KeyError), "table 'user' shards is missing"),
-    (_set(["tables", 0, "shards"], []), "table 'user' shards must be a non-empty list"),
-    (_set(["tables", 0, "shards", 0, "rows"], KeyError), "table 'user' shards[0].rows is missing"),
-    (_set(["tables", 0, "shards", 0, "files"], None), "table 'user' shards[0].files must be a mapping"),
-    (_set(["tables", 0, "shards", 0, "files", "keys"], KeyError), "shards[0].files.keys is missing"),
-    (_set(["tables", 0, "shards", 0, "files", "rows", "shape"], "10x4"), "files.rows.shape must be a list"),
-    (_set(["tables", 2, "optimizer"], "adagrad"), "table 'country' optimizer must be null or a mapping"),
-    (_set(["files", "dense_model"], "dense_model.pt"), "files.dense_model must be a file record"),
-    (_set(["files", "extra"], {"file": "/etc/passwd", "bytes": 1, "sha256": "0" * 64}),
+    (set_field(["tables"], KeyError), "tables is missing"),
+    (set_field(["files"], KeyError), "files is missing"),
+    (set_field(["step"], KeyError), "step is missing"),
+    (set_field(["step"], "3"), "step must be a non-negative integer, got '3'"),
+    (set_field(["world_size"], 0), "world_size must be a positive integer"),
+    (set_field(["tables"], {"user": {}}), "tables must be a list"),
+    (set_field(["tables", 0], "user"), "tables[0] must be a table record"),
+    (set_field(["tables", 0, "name"], KeyError), "tables[0].name is missing"),
+    (set_field(["tables", 1, "dim"], "4"), "table 'item' dim must be a positive integer"),
+    (set_field(["tables", 0, "shards"], KeyError), "table 'user' shards is missing"),
+    (set_field(["tables", 0, "shards"], []), "table 'user' shards must be a non-empty list"),
+    (set_field(["tables", 0, "shards", 0, "rows"], KeyError), "table 'user' shards[0].rows is missing"),
+    (set_field(["tables", 0, "shards", 0, "files"], None), "table 'user' shards[0].files must be a mapping"),
+    (set_field(["tables", 0, "shards", 0, "files", "keys"], KeyError), "shards[0].files.keys is missing"),
+    (set_field(["tables", 0, "shards", 0, "files", "rows", "shape"], "10x4"), "files.rows.shape must be a list"),
+    (set_field(["tables", 2, "optimizer"], "adagrad"), "table 'country' optimizer must be null or a mapping"),
+    (set_field(["files", "dense_model"], "dense_model.pt"), "files.dense_model must be a file record"),
+    (set_field(["files", "extra"], {"file": "/etc/passwd", "bytes": 1, "sha256": "0" * 64}),
      "files.extra.file must be a relative path"),
-    (_set(["files", "rng", "bytes"], None), "files.rng.bytes must be a non-negative integer"),
+    (set_field(["files", "rng", "bytes"], None), "files.rng.bytes must be a non-negative integer"),
 ]
 
 

@@ -15,6 +15,7 @@ from hugeembed.checkpoint._files import write_bytes
 from hugeembed.data import SyntheticConfig, write_criteo_tsv
 from hugeembed.errors import CheckpointError
 from hugeembed.training import TrainConfig, Trainer, evaluate_snapshot
+from tests.unit.damage import set_field
 
 FAST = ["--batch-size", "64", "--eval-rows", "128", "--threads", "1", "--synthetic-rows", "20000", "--embedding-dim",
         "4"]
@@ -116,30 +117,19 @@ def _damage_extra(ck, change):
     (snap / "manifest.json").write_text(json.dumps(manifest))
 
 
-def _set(path, value):
-    def change(extra):
-        d = extra
-        for k in path[:-1]:
-            d = d[k]
-        if value is KeyError:
-            del d[path[-1]]
-        else:
-            d[path[-1]] = value
-        return extra
-    return change
 
 
 @pytest.mark.parametrize("change,fragment", [
     (lambda e: [1, 2], "holds no training config"),
-    (_set(["config"], None), "config must be a mapping"),
-    (_set(["config", "batch_size"], "x"), "batch-size must be a positive integer"),
-    (_set(["train_state"], KeyError), "no train_state"),
-    (_set(["train_state", "step"], "3"), "train_state.step must be a non-negative integer"),
-    (_set(["train_state", "history"], None), "train_state.history must be"),
-    (_set(["train_state", "history", "loss"], [1.0, "x"]), "train_state.history.loss must be a list of numbers"),
-    (_set(["train_state", "last_eval"], [0.5]), "train_state.last_eval must be"),
-    (_set(["train_state", "samples"], KeyError), "missing fields ['samples']"),
-    (_set(["world_size"], 0), "world_size must be a positive integer"),
+    (set_field(["config"], None), "config must be a mapping"),
+    (set_field(["config", "batch_size"], "x"), "batch-size must be a positive integer"),
+    (set_field(["train_state"], KeyError), "no train_state"),
+    (set_field(["train_state", "step"], "3"), "train_state.step must be a non-negative integer"),
+    (set_field(["train_state", "history"], None), "train_state.history must be"),
+    (set_field(["train_state", "history", "loss"], [1.0, "x"]), "train_state.history.loss must be a list of numbers"),
+    (set_field(["train_state", "last_eval"], [0.5]), "train_state.last_eval must be"),
+    (set_field(["train_state", "samples"], KeyError), "missing fields ['samples']"),
+    (set_field(["world_size"], 0), "world_size must be a positive integer"),
 ])
 def test_a_damaged_run_record_is_a_checkpoint_error(saved_run, tmp_path, change, fragment):
     import shutil

@@ -13,6 +13,8 @@ import pytest
 from hugeembed.data import Loader, ShardSet, SyntheticConfig, convert, write_criteo_tsv
 from hugeembed.errors import InputError
 
+from ..damage import set_field
+
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
@@ -106,34 +108,23 @@ def test_verify_modes(shards):
         ShardSet(shards, verify="sometimes")
 
 
-def _set(path, value):
-    def change(m):
-        d = m
-        for k in path[:-1]:
-            d = d[k]
-        if value is KeyError:
-            del d[path[-1]]
-        else:
-            d[path[-1]] = value
-        return m
-    return change
 
 
 @pytest.mark.parametrize("change,fragment", [
     (lambda m: [m], "the manifest must be a JSON object"),
     (lambda m: None, "the manifest must be a JSON object"),
-    (_set(["rows"], KeyError), "rows must be a non-negative integer"),
-    (_set(["rows"], "300"), "rows must be a non-negative integer, got '300'"),
-    (_set(["shards"], KeyError), "shards must be a list"),
-    (_set(["shards"], {"a": 1}), "shards must be a list"),
-    (_set(["shards", 0], "part-00000"), "shards[0] must be a shard record"),
-    (_set(["shards", 1, "rows"], KeyError), "shards[1].rows must be a non-negative integer"),
-    (_set(["shards", 1, "rows"], -5), "shards[1].rows must be a non-negative integer"),
-    (_set(["shards", 0, "files"], KeyError), "shards[0].files must be a mapping"),
-    (_set(["shards", 0, "files", "labels"], KeyError), "shards[0].files.labels must be a file record"),
-    (_set(["shards", 0, "files", "cats", "file"], "../../etc/passwd"), "shards[0].files.cats.file must be a file name"),
-    (_set(["shards", 0, "files", "cats", "sha256"], None), "shards[0].files.cats.sha256 must be a hex sha256"),
-    (_set(["shards", 0, "name"], 3), "shards[0].name must be a string"),
+    (set_field(["rows"], KeyError), "rows must be a non-negative integer"),
+    (set_field(["rows"], "300"), "rows must be a non-negative integer, got '300'"),
+    (set_field(["shards"], KeyError), "shards must be a list"),
+    (set_field(["shards"], {"a": 1}), "shards must be a list"),
+    (set_field(["shards", 0], "part-00000"), "shards[0] must be a shard record"),
+    (set_field(["shards", 1, "rows"], KeyError), "shards[1].rows must be a non-negative integer"),
+    (set_field(["shards", 1, "rows"], -5), "shards[1].rows must be a non-negative integer"),
+    (set_field(["shards", 0, "files"], KeyError), "shards[0].files must be a mapping"),
+    (set_field(["shards", 0, "files", "labels"], KeyError), "shards[0].files.labels must be a file record"),
+    (set_field(["shards", 0, "files", "cats", "file"], "../../etc/passwd"), "shards[0].files.cats.file must be a file name"),
+    (set_field(["shards", 0, "files", "cats", "sha256"], None), "shards[0].files.cats.sha256 must be a hex sha256"),
+    (set_field(["shards", 0, "name"], 3), "shards[0].name must be a string"),
 ])
 def test_a_damaged_manifest_names_the_field(shards, change, fragment):
     path = shards / "manifest.json"
