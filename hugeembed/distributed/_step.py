@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import StoreError
 from ..store import find_or_insert_many
 from ._wire import padded
 
@@ -59,6 +60,9 @@ class ExchangeBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         coll, st = ctx.coll, ctx.st
+        if st is None:  # its exchange and the owners' update ran already; a second one would add them twice
+            raise StoreError("the backward of a sharded step runs once (retain_graph cannot repeat it): "
+                             "every rank exchanges its gradients and applies them in one collective step")
         ctx.st = None
         coll.backward_step(st, grads)
         return None, None, None

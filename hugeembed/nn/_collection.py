@@ -59,7 +59,11 @@ class EmbeddingCollection(nn.Module):
     Several forwards may precede their backwards (gradient accumulation, pipelined
     training): the rows of every batch whose backward has not run are pinned, so
     eviction (capacity, ttl, norm) never hands their slots to other ids.  A forward
-    that raises changes nothing: no step taken, no row inserted or evicted.
+    refused by validation (a bad id, offsets, dtype) changes nothing; any forward that raises
+    takes no step (a CapacityError in one table leaves the rows that earlier tables of the
+    same batch inserted: valid rows, not pinned).  A training-mode output kept without ever
+    running its backward keeps its rows pinned until it is dropped: detach predictions
+    collected for metrics, or compute them under ``torch.no_grad()``.
 
     Example::
 
@@ -101,6 +105,7 @@ class EmbeddingCollection(nn.Module):
                 raise ConfigError(f"table {t.name!r} is trainable but has no optimizer: give one in its "
                                   f"TableConfig or EmbeddingCollection(optimizer=...), or set trainable=False")
             self.rules.append(rule)
+        self._moving = [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
         self.outputs = output_names(tables)
         specs = [TableSpec(t.name, t.dim, num_rows=t.num_rows, max_norm=t.max_norm) for t in tables]
         feats = []
@@ -283,7 +288,7 @@ class EmbeddingCollection(nn.Module):
 
     def _moving_rules(self) -> list[int]:
         """Tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up."""
-        return [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
+        return self._moving
 
     def current_rows(self, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup rows, slots) to read table `t`'s rows at `slots` as they are now, for anything
@@ -296,7 +301,7 @@ class EmbeddingCollection(nn.Module):
         if rule is None or not rule.moves_untouched_rows or step < 1:
             return store.lookup_rows(), slots
         known = slots >= 0
-        copy = _RowsCopy(store, store.storage().index_select(0, slots[known]))
+        copy = _RowsCopy(store, slots[known])
         rule.catch_up(copy, torch.arange(copy.rows.shape[0], device=slots.device), step, lr=self._lr(t))
         out = torch.full_like(slots, -1)
         out[known] = torch.arange(copy.rows.shape[0], device=slots.device)
@@ -416,10 +421,12 @@ class EmbeddingCollection(nn.Module):
 
 class _RowsCopy(LayoutViews):
     """Rows copied out of a store (raw records of its layout), for an optimizer to bring current
-    without touching the store: a store as far as ``catch_up`` is concerned."""
+    without touching the store: a store as far as ``catch_up`` is concerned.  ``home_slots``:
+    where each row lives in the store (stochastic rounding draws as it would there)."""
 
-    def __init__(self, store, rows: torch.Tensor) -> None:
-        self.layout, self.seed, self.rows = store.layout, store.seed, rows
+    def __init__(self, store, home_slots: torch.Tensor) -> None:
+        self.layout, self.seed, self.home_slots = store.layout, store.seed, home_slots
+        self.rows = store.storage().index_select(0, home_slots)
 
     def storage(self) -> torch.Tensor:
         return self.rows

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from ..errors import StoreError
+from ..store._pins import Pinnable
 
 __all__ = ["InFlight"]
 
@@ -45,7 +46,7 @@ class InFlight:
 
     def pin(self, t: int, slots: torch.Tensor) -> None:
         """Pins `slots` of table `t` too (a table is fetched once per step; stores that never evict are skipped)."""
-        if slots.numel() and hasattr(self.stores[t], "pin"):
+        if slots.numel() and isinstance(self.stores[t], Pinnable):
             self._handles[t] = self.stores[t].pin(slots)
 
     def check(self, t: int, store, table: str) -> None:

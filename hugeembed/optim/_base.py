@@ -370,9 +370,12 @@ class RowIO:
         rounding = None
         if lay.stochastic_rounding:
             seed = store.seed
+            # rows copied out of a store (eval's caught-up copies) round as their own slots would
+            home = getattr(store, "home_slots", None)
 
             def rounding(w, slots):
-                return round_stochastic(w, lay.dtype, seed=seed, step=step, slots=slots)
+                return round_stochastic(w, lay.dtype, seed=seed, step=step,
+                                        slots=slots if home is None else home[slots])
 
         return cls(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
 

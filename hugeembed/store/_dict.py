@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..errors import CapacityError, ConfigError, InputError, StoreError
+from ..errors import CapacityError, ConfigError, InputError
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, make_layout,
                       scatter_rows)
@@ -184,7 +184,7 @@ class DictStore(LayoutViews, Pinnable):
                 del self._pending[key]
         if min_norm is not None:
             for s in self._key:
-                norm = float(torch.linalg.vector_norm(self._storage[s, : self.dim].double()))
+                norm = float(torch.linalg.vector_norm(self.weights()[s].double()))
                 if norm < min_norm and s not in prot:
                     gone.add(s)
         if max_rows is not None:
@@ -216,9 +216,7 @@ class DictStore(LayoutViews, Pinnable):
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
         check_import_rows(self.name, self.layout, exp.rows)
-        if len(self._pins):
-            raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
-                             f"has not run hold rows of it; run their backward (or drop them) first")
+        self._refuse_if_pinned("import")
         keys, pkeys = exp.keys.tolist(), exp.pending_keys.tolist()
         if len(set(keys + pkeys)) != len(keys) + len(pkeys):
             raise InputError(f"table '{self.name}': import holds a key twice")
@@ -228,6 +226,7 @@ class DictStore(LayoutViews, Pinnable):
         for k in keys + pkeys:
             if k in self._slot:
                 self._drop_row(self._slot[k])
+                self._pins.epoch += 1
             self._pending.pop(k, None)
         slots = [self._alloc() for _ in keys]
         counts, lasts = exp.counts.tolist(), exp.last_step.tolist()

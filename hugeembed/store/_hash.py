@@ -409,7 +409,7 @@ class HashStore(LayoutViews, Pinnable):
         row_slots_all = codes[rows]
         norms = None
         if min_norm is not None:
-            norms = self._storage[row_slots_all, : self.dim].float().norm(dim=1)
+            norms = self.weights()[row_slots_all].float().norm(dim=1)  # typed: 16-bit weights are packed
         gone_rows, gone_pend = select_victims(self.name, step, ttl, max_rows, policy, self._pins.protect(protect),
                                               self._storage.shape[0], keys[rows], row_slots_all, counts[rows],
                                               lasts[rows], keys[~rows], counts[~rows], lasts[~rows],
@@ -441,9 +441,7 @@ class HashStore(LayoutViews, Pinnable):
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
         exp = export.to(self.device)
         check_import_rows(self.name, self.layout, exp.rows)
-        if len(self._pins):  # an import moves rows whose slots the pinned batches hold
-            raise StoreError(f"table '{self.name}': cannot import while {len(self._pins)} batches whose backward "
-                             f"has not run hold rows of it; run their backward (or drop them) first")
+        self._refuse_if_pinned("import")
         allk = torch.cat([exp.keys, exp.pending_keys])
         if allk.numel() > 1 and bool((allk.sort().values.diff() == 0).any()):
             raise InputError(f"table '{self.name}': import holds a key twice")
@@ -459,6 +457,7 @@ class HashStore(LayoutViews, Pinnable):
             oc = present[old]
             self._ops.erase(self, allk[old])
             self._free_rows(oc[oc >= 0])
+            self._pins.epoch += 1  # existing keys get new slots: a released batch's slots are stale
             self._st_add("rows", -int((oc >= 0).sum()))
             self._st_add("pending", -int((oc < 0).sum()))
         self._reserve(allk.numel())

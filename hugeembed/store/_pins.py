@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import StoreError
+
 __all__ = ["PinnedRows", "Pinnable"]
 
 
@@ -34,7 +36,7 @@ class PinnedRows:
         """Pins `slots` (int64, -1 entries ignored) until :meth:`unpin` of the returned handle."""
         handle = self._next
         self._next += 1
-        self._sets[handle] = slots
+        self._sets[handle] = slots.to(torch.int64)
         return handle
 
     def unpin(self, handle: int) -> None:
@@ -54,7 +56,7 @@ class PinnedRows:
             return protect
         if protect is None:
             return pinned
-        return torch.cat([protect.reshape(-1).to(pinned.device, torch.int64), pinned.to(torch.int64)])
+        return torch.cat([protect.reshape(-1).to(pinned.device, torch.int64), pinned])
 
 
 class Pinnable:
@@ -71,5 +73,13 @@ class Pinnable:
 
     @property
     def eviction_epoch(self) -> int:
-        """Evictions so far that freed a row (a slot seen before a later epoch may hold another key)."""
+        """Evictions (and imports) so far that freed a row: a slot seen before a later epoch may
+        hold another key."""
         return self._pins.epoch
+
+    def _refuse_if_pinned(self, what: str) -> None:
+        """StoreError when batches in flight hold rows (`what` would move their slots)."""
+        if len(self._pins):
+            raise StoreError(f"table '{getattr(self, 'name', '?')}': cannot {what} while {len(self._pins)} batches "
+                             f"whose backward has not run hold rows of it; run their backward (or drop their "
+                             f"outputs) first")

@@ -311,3 +311,8 @@ def test_accumulation_under_eviction_pressure_equals_one_unlimited_process(two):
             assert set(last.tolist()) <= set(table["keys"].tolist()), (kind, name)
         pick = lambda t: t["rows"][torch.searchsorted(t["keys"], last)]  # noqa: E731
         torch.testing.assert_close(pick(got), pick(want), rtol=1e-6, atol=1e-7, msg=kind)
+
+
+def test_a_second_backward_of_a_sharded_step_is_refused_on_every_rank(two):
+    for r in two:
+        assert "runs once" in r["second_backward"], r["second_backward"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hugeembed import ShardingError, SparseFeatures
+from hugeembed import ShardingError, SparseFeatures, StoreError
 from hugeembed import checkpoint as ckpt
 from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
 
@@ -110,6 +110,19 @@ def weights_grad_refusal(world: int, group) -> str:
     return "no error"
 
 
+def second_backward_refusal(rank: int, world: int, group) -> str:
+    """A retained graph's second backward of a sharded step is refused on every rank, before any exchange."""
+    ec = build(world, {t: "row_wise" for t in ("user", "item", "country", "page", "hist")}, "sgd", group)
+    out = ec(local_batch(0, rank, world))
+    loss = out.concat().sum() + out.unpooled["hist"].values.sum()
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except StoreError as e:
+        return str(e)
+    return "no error"
+
+
 def accumulate(rank: int, world: int, group, spec: dict) -> dict:
     """Gradient accumulation (every window's forwards, then one backward) on a table with a capacity."""
     from .common import accumulation_windows, accumulation_tables, train_windows
@@ -128,6 +141,7 @@ def main(rank: int, world: int, workdir: str, cases=(), chain=(), fail=None, bro
               "accumulation": {a["name"]: accumulate(rank, world, group, a) for a in accumulation}}
     if probe_weights_grad:
         result["weights_grad"] = weights_grad_refusal(world, group)
+        result["second_backward"] = second_backward_refusal(rank, world, group)
     if metrics is not None:
         result["metrics"] = held_out_metrics(rank, world, group, **metrics)
     if fail is not None:

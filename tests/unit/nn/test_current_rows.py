@@ -72,12 +72,13 @@ def test_catch_up_rows_brings_every_row_current_in_place():
     assert torch.equal(ec(all_ids)["u"], seen)  # reading caught-up rows again gives the same
 
 
+@pytest.mark.parametrize("rounding", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_tables_are_read_current_through_their_layout(dtype):
+def test_16_bit_tables_are_read_current_through_their_layout(dtype, rounding):
     # packed rows (16-bit weights, float32 Adam state): eval's caught-up copy must equal the
     # rows catch_up_rows writes in place, and reading must change no byte
     cfg = TableConfig("u", dim=D, combiner="sum", dtype=dtype, initializer=Uniform(-0.1, 0.1),
-                      optimizer=Adam(lr=LR, mode="global"))
+                      optimizer=Adam(lr=LR, mode="global"), stochastic_rounding=rounding)
     ec = EmbeddingCollection([cfg])
     all_ids = SparseFeatures.from_lists({"u": [[i] for i in range(ROWS)]})
     (ec(all_ids)["u"] * 0).sum().backward()
@@ -88,6 +89,9 @@ def test_16_bit_tables_are_read_current_through_their_layout(dtype):
     ec.eval()
     seen = ec(all_ids)["u"]
     assert torch.equal(store.storage(), before)
+    # a row reads the same whichever other ids share its batch (stochastic draws keyed by its slot)
+    for others in ([], [0], [3, 1]):
+        assert torch.equal(ec(SparseFeatures.from_lists({"u": [[5], *[[o] for o in others]]}))["u"][0], seen[5])
     ec.catch_up_rows()
     assert not torch.equal(store.storage(), before)  # rows 4, 5 lagged
     assert torch.equal(ec(all_ids)["u"], seen)

@@ -202,3 +202,19 @@ def test_a_failed_forward_takes_no_step_and_evicts_nothing():
     assert ec.store("u").find(torch.tensor([1])).item() >= 0  # ttl did not run for the failed steps
     ec(good)
     assert ec.step == 2
+
+
+def test_a_second_backward_after_an_import_moved_rows_is_refused():
+    ec = collection()
+    o1 = ec(sf([[1], [2]]))
+    loss = (o1["u"] * torch.tensor([[1.0], [10.0]])).sum()
+    loss.backward(retain_graph=True)
+    store = ec.store("u")
+    ex = store.export()
+    swapped = type(ex)(ex.keys, ex.rows.flip(0), ex.counts, ex.last_step, ex.pending_keys, ex.pending_counts,
+                       ex.pending_last_step)
+    store.import_(swapped)  # existing keys get new slots
+    rows = rows_of(ec, [1, 2])
+    with pytest.raises(StoreError, match="second backward"):
+        loss.backward()
+    assert torch.equal(rows_of(ec, [1, 2]), rows)

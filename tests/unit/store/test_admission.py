@@ -148,3 +148,21 @@ def test_evict_follows_the_table_policy():
     assert ec.evict(max_rows=1) == {"u": 1}
     assert ec.store("u").find(torch.tensor([1, 2])).tolist()[0] == -1
     assert ec.evict(max_rows=0, policy="lfu") == {"u": 1}  # an explicit policy still wins
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_norm_eviction_reads_the_weights_through_the_layout(dtype):
+    # 16-bit weights are packed into float32 columns beside float32 state: the norm must be
+    # the weights' own (oracle: the typed weights view), never the raw columns'
+    from hugeembed.optim import Adagrad
+    from hugeembed.store import Constant
+
+    ec = EmbeddingCollection([TableConfig("u", dim=4, dtype=dtype, combiner="sum", initializer=Constant(1.0))],
+                             optimizer=Adagrad(lr=0.1))
+    from hugeembed.features import SparseFeatures
+    (ec(SparseFeatures.from_lists({"u": [[1], [2]]}))["u"].sum() * 0.5).backward()
+    store = ec.store("u")
+    norms = store.weights()[store.find(torch.tensor([1, 2]))].float().norm(dim=1)
+    assert bool((norms > 1.5).all())  # ~1.8: far from 0.5
+    assert ec.evict(min_norm=0.5) == {"u": 0}
+    assert ec.evict(min_norm=float(norms.max()) + 0.01) == {"u": 2}
