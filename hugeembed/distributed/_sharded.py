@@ -306,7 +306,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         """Stage 2 (owners): find-or-insert the keys every rank asked for; gather rows or pool."""
         if st.training:  # after input_dist checked the batch: a bad batch evicts nothing
             self._evict_expired(st.step)
-            st.flight = self._pin(st.step, [])  # owner rows fetched below stay put until backward_step
+            st.flight = self._in_flight(st.step)  # owner rows fetched below stay put until backward_step
         st.replies = Packer(self.world_size)
         rds = st.in_readers or [None] * self.world_size
         for route in self._routes:

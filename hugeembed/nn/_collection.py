@@ -231,8 +231,9 @@ class EmbeddingCollection(nn.Module):
             return self.lookup.lookup(prep, storages, slots)
         if not any(self.rules):
             return self.lookup.lookup(prep, storages, slots)
-        flight = self._pin(step, [slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]]
-                                  for t in range(len(self._stores))])
+        flight = self._in_flight(step)
+        for t, (b, n) in enumerate(zip(prep.unique_base, prep.unique_count)):
+            flight.pin(t, slots, b, b + n)
         return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
@@ -264,9 +265,9 @@ class EmbeddingCollection(nn.Module):
         """Table `t`'s learning rate now (its param group's: schedulers drive it)."""
         return self.optimizer.param_groups[self.optimizer.group_of_table[t]]["lr"]
 
-    def _pin(self, step: int, slots_per_table: Sequence[torch.Tensor | None]) -> InFlight:
-        """Pins the rows a training forward read in every store that can evict (see InFlight)."""
-        flight = InFlight(step, self._stores, dict(enumerate(slots_per_table)))
+    def _in_flight(self, step: int) -> InFlight:
+        """A new training forward's InFlight: the rows it reads get pinned in it (see InFlight)."""
+        flight = InFlight(step, self._stores)
         self._inflight.add(flight)
         return flight
 

@@ -34,20 +34,20 @@ def _unpin_all(stores, handles: dict[int, int]) -> None:
 class InFlight:
     """Pins of one training forward at `step` over `stores` (one per table, as at forward)."""
 
-    def __init__(self, step: int, stores, slots_per_table: dict[int, torch.Tensor]) -> None:
+    def __init__(self, step: int, stores) -> None:
         self.step = step
         self.stores = list(stores)
         self.applied = False  # some table's gradient was applied (its step is no longer pending)
         self._handles: dict[int, int] = {}
         self._released: dict[int, int] = {}  # table -> store eviction epoch when its pin was released
         self._finalizer = weakref.finalize(self, _unpin_all, self.stores, self._handles)
-        for t, s in slots_per_table.items():
-            self.pin(t, s)
 
-    def pin(self, t: int, slots: torch.Tensor) -> None:
-        """Pins `slots` of table `t` too (a table is fetched once per step; stores that never evict are skipped)."""
-        if slots.numel() and isinstance(self.stores[t], Pinnable):
-            self._handles[t] = self.stores[t].pin(slots)
+    def pin(self, t: int, slots: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """Pins ``slots[start:stop]`` of table `t` (a table is fetched once per step; stores that
+        never evict are skipped)."""
+        store = self.stores[t]
+        if isinstance(store, Pinnable) and (slots.numel() if stop is None else stop > start):
+            self._handles[t] = store.pin(slots, start, stop)
 
     def check(self, t: int, store, table: str) -> None:
         """Raises if applying table `t`'s gradient now could land on rows of other ids."""

@@ -24,7 +24,9 @@ class PinnedRows:
     """The pinned slots of one store, as a set of handles (one per in-flight batch)."""
 
     def __init__(self) -> None:
-        self._sets: dict[int, torch.Tensor] = {}
+        # handle -> (slots, start, stop): the range is sliced only when an eviction needs it,
+        # so pinning costs a dict entry per table per step, not a tensor op
+        self._sets: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._next = 0
         self.epoch = 0
 
@@ -32,11 +34,11 @@ class PinnedRows:
         """Handles held (in-flight batches), not slots."""
         return len(self._sets)
 
-    def pin(self, slots: torch.Tensor) -> int:
-        """Pins `slots` (int64, -1 entries ignored) until :meth:`unpin` of the returned handle."""
+    def pin(self, slots: torch.Tensor, start: int = 0, stop: int | None = None) -> int:
+        """Pins ``slots[start:stop]`` (-1 entries ignored) until :meth:`unpin` of the returned handle."""
         handle = self._next
         self._next += 1
-        self._sets[handle] = slots.to(torch.int64)
+        self._sets[handle] = (slots, start, slots.numel() if stop is None else stop)
         return handle
 
     def unpin(self, handle: int) -> None:
@@ -47,7 +49,7 @@ class PinnedRows:
         """Every pinned slot (may repeat), or None when nothing is pinned."""
         if not self._sets:
             return None
-        return torch.cat([s.reshape(-1) for s in self._sets.values()])
+        return torch.cat([s.reshape(-1)[a:b].to(torch.int64) for s, a, b in self._sets.values()])
 
     def protect(self, protect: torch.Tensor | None) -> torch.Tensor | None:
         """`protect` extended by every pinned slot (what an eviction must spare)."""
@@ -64,9 +66,9 @@ class Pinnable:
 
     _pins: PinnedRows
 
-    def pin(self, slots: torch.Tensor) -> int:
-        """Keeps rows `slots` (-1 entries ignored) from eviction until :meth:`unpin` of the handle."""
-        return self._pins.pin(slots)
+    def pin(self, slots: torch.Tensor, start: int = 0, stop: int | None = None) -> int:
+        """Keeps rows ``slots[start:stop]`` (-1 entries ignored) from eviction until :meth:`unpin`."""
+        return self._pins.pin(slots, start, stop)
 
     def unpin(self, handle: int) -> None:
         self._pins.unpin(handle)
