@@ -1,0 +1,96 @@
+"""Ops and host syncs per training step vs the number of tables (the launch count a GPU would pay).
+
+One EmbeddingCollection training step (forward + backward with Adagrad applied in
+backward), counted with a ``TorchDispatchMode`` in steady state (after warm-up steps, so
+the hash tables neither grow nor see only new ids), 256 samples, dim 16, one id per bag,
+for 2, 8, 32 and 128 tables, static and dynamic, on the native and the torch backends.
+
+"syncs" are the ops whose output size or value the host must read before going on
+(``.item()``, ``nonzero``, ``unique``, boolean masking, ...): on a GPU each is a stall.
+Native kernels called through ctypes are not torch ops, so a native step shows only
+the torch ops around them.
+
+    python bench/ops.py                  # the table
+    python bench/ops.py --tables 2 32    # some sizes only
+
+Issue 13's targets: ops for 32 tables <= 1.2x those for 2 tables, and at most 2 syncs per
+step, on every row of this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_table  # noqa: E402
+
+from hugeembed.features import SparseFeatures  # noqa: E402
+from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
+from hugeembed.optim import Adagrad  # noqa: E402
+
+# Ops whose result shape or value depends on data the host must read (a device sync on GPU).
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
+            "unique_dim", "masked_select", "item", "is_nonzero", "equal", "bincount", "repeat_interleave"}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched inside the context, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def syncs(self) -> int:
+        return sum(n for op, n in self.ops.items() if op in SYNC_OPS)
+
+
+def batch(tables: int, samples: int, rows: int, step: int) -> SparseFeatures:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = {f"f{t}": torch.randint(0, rows, (samples,), generator=g) for t in range(tables)}
+    return SparseFeatures(list(ids), torch.cat(list(ids.values())),
+                          offsets=torch.arange(0, tables * samples + 1), batch_size=samples)
+
+
+def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim: int = 16,
+               rows: int = 1000, warmup: int = 5) -> CountOps:
+    ec = EmbeddingCollection([TableConfig(f"f{t}", dim, num_rows=None if dynamic else rows, combiner="sum")
+                              for t in range(tables)], optimizer=Adagrad(lr=0.05), backend=backend)
+    for s in range(warmup):  # steady state: rows exist, buffers sized
+        ec(batch(tables, samples, rows, s)).stacked().sum().backward()
+    sf = batch(tables, samples, rows, warmup)
+    with CountOps() as counter:
+        ec(sf).stacked().sum().backward()
+    return counter
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tables", type=int, nargs="+", default=[2, 8, 32, 128])
+    ap.add_argument("--backends", nargs="+", default=["native", "torch"], choices=["native", "torch"])
+    args = ap.parse_args(argv)
+    header = ["backend", "tables"] + [f"{n} tables" for n in args.tables] + [
+        f"ops {args.tables[-1]}/{args.tables[0]}", f"syncs at {args.tables[-1]}"]
+    out = []
+    for backend in args.backends:
+        for dynamic in (False, True):
+            counts = [count_step(n, dynamic, backend) for n in args.tables]
+            ops = [sum(c.ops.values()) for c in counts]
+            out.append([backend, "dynamic" if dynamic else "static",
+                        *[f"{o:,} ops / {c.syncs()} syncs" for o, c in zip(ops, counts)],
+                        f"{ops[-1] / ops[0]:.1f}x", str(counts[-1].syncs())])
+    print("ops and host syncs per training step (forward + backward, Adagrad in backward), 256 samples, d16")
+    print_table(header, out)
+
+
+if __name__ == "__main__":
+    main()
