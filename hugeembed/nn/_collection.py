@@ -105,6 +105,7 @@ class EmbeddingCollection(nn.Module):
                 raise ConfigError(f"table {t.name!r} is trainable but has no optimizer: give one in its "
                                   f"TableConfig or EmbeddingCollection(optimizer=...), or set trainable=False")
             self.rules.append(rule)
+        # tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up
         self._moving = [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
         self.outputs = output_names(tables)
         specs = [TableSpec(t.name, t.dim, num_rows=t.num_rows, max_norm=t.max_norm) for t in tables]
@@ -118,7 +119,7 @@ class EmbeddingCollection(nn.Module):
         # num_rows (eval of global Adam tables reads caught-up copies: see current_rows).
         self._copies_lookup = FusedEmbeddingLookup(
             [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
-            if any(r is not None and r.moves_untouched_rows for r in self.rules) else None
+            if self._moving else None
         self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
@@ -211,8 +212,8 @@ class EmbeddingCollection(nn.Module):
         storages = [s.lookup_rows() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
-        # (global Adam's rows are brought current per batch in _fetch, which needs the slots)
-        dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving_rules())
+        # (global Adam's rows are read through caught-up copies, which need the slots: no one-pass path)
+        dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving)
         if not dedup:  # static tables, forward only: one pass over the batch
             out = self.lookup.forward_static([s.weights() for s in self._stores], features)
             if out is not None:
@@ -223,7 +224,7 @@ class EmbeddingCollection(nn.Module):
         slots = self._fetch(prep, training, step)
         storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
         if not training and self._copies_lookup is not None:
-            for t in self._moving_rules():
+            for t in self._moving:
                 b, n = prep.unique_base[t], prep.unique_count[t]
                 storages[t], slots[b : b + n] = self.current_rows(t, slots[b : b + n])
             return self._copies_lookup.lookup(prep, storages, slots)
@@ -287,10 +288,6 @@ class EmbeddingCollection(nn.Module):
         pending = [f.step for f in list(self._inflight) if not f.applied]
         return min([self._step, *(s - 1 for s in pending)])
 
-    def _moving_rules(self) -> list[int]:
-        """Tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up."""
-        return self._moving
-
     def current_rows(self, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup rows, slots) to read table `t`'s rows at `slots` as they are now, for anything
         but a training step (eval, inference).  Global Adam's rows lag the dense update until
@@ -318,7 +315,7 @@ class EmbeddingCollection(nn.Module):
         live rows current at a save would make a run's numbers depend on when it saved.
         """
         step = self.applied_step()
-        for t in self._moving_rules():
+        for t in self._moving:
             slots = self._stores[t].export_index().slots
             if step >= 1 and slots.numel():
                 self.rules[t].catch_up(self._stores[t], slots, step, lr=self._lr(t))

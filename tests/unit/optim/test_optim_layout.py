@@ -45,9 +45,10 @@ def _packed_store(opt, w0, dtype, *, stochastic=False, seed=0):
     return store
 
 
-def _rounded_fp32_oracle(opt, w0, steps, dtype):
+def _rounded_fp32_oracle(opt, w0, steps, dtype, catch_up_to: int | None = None, lr: float | None = None):
     """The rule on a plain float32 table (torch twin) whose weights are rounded to `dtype` after
-    each step.  Global Adam's replay stops at the tolerance of the stored weights' dtype."""
+    each step (at `lr`, default each step's own), then (`catch_up_to`) every row caught up to that step.  Global Adam's replay stops
+    at the tolerance of the stored weights' dtype.  Returns (weights in `dtype`, state)."""
     rows, dim = w0.shape
     storage = torch.zeros(rows, dim + opt.state_width(dim))
     storage[:, :dim] = w0.to(dtype).float()
@@ -57,8 +58,10 @@ def _rounded_fp32_oracle(opt, w0, steps, dtype):
         m.setattr(_adam, "negligible_fraction", lambda _dt: torch.finfo(dtype).eps / 16)
         for s in steps:
             slots, grad = s.summed()
-            opt.apply(storage, slots, grad.float(), lr=s.lr, step=s.step)
+            opt.apply(storage, slots, grad.float(), lr=s.lr if lr is None else lr, step=s.step)
             storage[:, :dim] = storage[:, :dim].to(dtype).float()
+        if catch_up_to is not None:
+            opt.catch_up(storage, torch.arange(rows), step=catch_up_to, lr=steps[-1].lr if lr is None else lr)
     return storage[:, :dim].to(dtype), storage[:, dim:]
 
 
@@ -257,20 +260,10 @@ def test_global_adam_catch_up_through_a_packed_store_equals_the_rounded_oracle(d
         opt.update(store, slots, grad.float(), lr=0.05, step=s.step)
     opt.catch_up(store, torch.arange(8), step=9, lr=0.05)
     # the oracle: the same steps, then a catch-up of its own plain float32 rows, rounded
-    rows, dim = w0.shape
-    plain = torch.zeros(rows, dim + opt.state_width(dim))
-    plain[:, :dim] = w0.to(dtype).float()
-    opt.init_state(plain[:, dim:])
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_native, "available", lambda: False)
-        m.setattr(_adam, "negligible_fraction", lambda _dt: torch.finfo(dtype).eps / 16)
-        for s in steps:
-            slots, grad = s.summed()
-            opt.apply(plain, slots, grad.float(), lr=0.05, step=s.step)
-            plain[:, :dim] = plain[:, :dim].to(dtype).float()
-        opt.catch_up(plain, torch.arange(8), step=9, lr=0.05)
-    assert torch.equal(store.weights(), plain[:, :dim].to(dtype))
-    assert torch.equal(store.state().view(torch.int32), plain[:, dim:].view(torch.int32))
+    dim = w0.shape[1]
+    weights, state = _rounded_fp32_oracle(opt, w0, steps, dtype, catch_up_to=9, lr=0.05)
+    assert torch.equal(store.weights(), weights)
+    assert torch.equal(store.state().view(torch.int32), state.view(torch.int32))
     assert bool((store.state()[:, 2 * dim].view(torch.int32) == 9).all())
     with pytest.raises(InputError, match="dim=4, the store's rows have dimension 3"):
         opt.catch_up(store, torch.arange(2), step=9, dim=4)
