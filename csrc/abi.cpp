@@ -4,7 +4,7 @@
 // kernel's signature or semantics change.
 #include "common.h"
 
-HE_API int64_t he_abi_version() { return 2; }
+HE_API int64_t he_abi_version() { return 3; }
 
 // Exposed so the tests can check that the torch twin in hugeembed/_hashing.py
 // hashes exactly as the kernels do.

@@ -30,7 +30,7 @@ PTR = ctypes.c_void_p
 
 _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 # Must equal he_abi_version() in csrc/abi.cpp.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 _KERNELS_ENV = "HUGEEMBED_KERNELS"  # "portable" or "avx2" forces a build; default: the best this CPU runs

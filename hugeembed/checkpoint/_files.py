@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ def write_rows(path: Path, source: torch.Tensor, index: torch.Tensor | None = No
     else:
         n = source.shape[0] if index is None else index.numel()
         shape = (n, *source.shape[1:])
-    row_bytes = max(1, source[0].numel() * source.element_size() if source.dim() and source.shape[0] else 1)
+    # from the shape: `source` may be a row source that only selects rows (a tiered table's TierRows)
+    row_bytes = max(1, math.prod(source.shape[1:]) * source.element_size() if source.dim() else 1)
     step = max(1, chunk_bytes // row_bytes)
     np_dtype = torch.empty(0, dtype=_BITCAST.get(dtype, dtype)).numpy().dtype
     h = hashlib.sha256()

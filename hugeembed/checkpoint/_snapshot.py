@@ -86,6 +86,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
+def _row_source(store):
+    """What a store's ``export_index().slots`` index: its storage, or a tiered table's rows on disk + cache."""
+    source = getattr(store, "row_source", None)
+    return source() if source is not None else store.storage()
+
+
 def table_records(collection, directory: Path, rank: int = 0, tables: set[str] | None = None) -> list[dict[str, Any]]:
     """Writes this rank's shard of every table (or of `tables`) under directory/tables; returns manifest entries."""
     (directory / "tables").mkdir(exist_ok=True)
@@ -97,7 +103,8 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
         files = {}
         for f in EXPORT_FIELDS:
             path = directory / "tables" / f"{cfg.name}.r{rank}.{f}.npy"
-            files[f] = write_rows(path, store.storage(), ex.slots) if f == "rows" else write_tensor(path, getattr(ex, f))
+            files[f] = write_rows(path, _row_source(store), ex.slots) if f == "rows" else \
+                write_tensor(path, getattr(ex, f))
             files[f]["file"] = f"tables/{path.name}"
         out.append({
             "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,

@@ -22,7 +22,8 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, StoreExport, find_or_insert_many
+from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, StoreExport, TieredStore,
+                     find_or_insert_many)
 from ..store._layout import LayoutViews
 from ._config import TableConfig
 from ._inflight import InFlight
@@ -81,7 +82,8 @@ class EmbeddingCollection(nn.Module):
     """
 
     def __init__(self, tables: Sequence[TableConfig], *, optimizer: SparseOptimizer | None = None,
-                 device: torch.device | str = "cpu", seed: int = 0, backend: str = "auto") -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, backend: str = "auto",
+                 storage_owner: str | None = None) -> None:
         super().__init__()
         tables = list(tables)
         if not tables:
@@ -97,6 +99,8 @@ class EmbeddingCollection(nn.Module):
         self.tables: tuple[TableConfig, ...] = tuple(tables)
         self.seed = int(seed)
         self.backend = backend
+        # names the run in a tiered table's directory: a crashed run's leftovers are reused by it only
+        self.storage_owner = storage_owner
         self.device = torch.device(device)
         self.rules: list[SparseOptimizer | None] = []
         for t in tables:
@@ -115,11 +119,13 @@ class EmbeddingCollection(nn.Module):
             feats.append(FeatureSpec(out_name, table, source=feature, combiner=t.combiner, default_id=t.default_id,
                                      out_of_range=t.out_of_range, prune_negative=t.prune_negative))
         self.lookup = FusedEmbeddingLookup(specs, feats, backend=backend)
-        # Pools a batch prepared by self.lookup from row copies fewer than a static table's
-        # num_rows (eval of global Adam tables reads caught-up copies: see current_rows).
-        self._copies_lookup = FusedEmbeddingLookup(
+        # Pools a batch prepared by self.lookup from rows at given slots, fewer than a static
+        # table's num_rows: caught-up copies (global Adam's eval, see current_rows) or the
+        # memory cache of a tiered table.
+        self._tiered = any(t.tiered for t in tables)
+        self._slots_lookup = FusedEmbeddingLookup(
             [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
-            if self._moving else None
+            if self._moving or self._tiered else None
         self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
@@ -139,12 +145,23 @@ class EmbeddingCollection(nn.Module):
                       device=self.device if self.device.type != "meta" else "cpu", seed=t.resolved_seed(self.seed))
         if self.device.type == "meta":
             return _MetaStore(t.name, layout)
+        if t.tiered:
+            if self.device.type != "cpu":
+                raise ConfigError(f"table {t.name!r}: a disk-tiered table (storage_dir) lives on the CPU, "
+                                  f"the collection is on {self.device}")
+            common["rows"] = False  # the key index: the tier holds the rows
         if t.num_rows is not None:
-            return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
-        backend = None if self.backend == "auto" else self.backend
-        return HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
-                         eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
-                         admit_probability=t.admit_probability, max_pending=t.max_pending, **common)
+            store = ArrayStore(t.name, t.num_rows, t.dim, state, **common)
+        else:
+            backend = None if self.backend == "auto" else self.backend
+            store = HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
+                              eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
+                              admit_probability=t.admit_probability, max_pending=t.max_pending, **common)
+        if not t.tiered:
+            return store
+        return TieredStore(store, initializer=store.initializer, init_state=init_state, seed=store.seed,
+                           memory_budget=t.memory_budget, storage_dir=t.storage_dir, cache_policy=t.cache_policy,
+                           owner=self.storage_owner)
 
     # -- accessors ----------------------------------------------------------------------
 
@@ -213,7 +230,7 @@ class EmbeddingCollection(nn.Module):
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
         # (global Adam's rows are read through caught-up copies, which need the slots: no one-pass path)
-        dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving)
+        dedup = training or any(t.num_rows is None for t in self.tables) or bool(self._moving) or self._tiered
         if not dedup:  # static tables, forward only: one pass over the batch
             out = self.lookup.forward_static([s.weights() for s in self._stores], features)
             if out is not None:
@@ -223,19 +240,18 @@ class EmbeddingCollection(nn.Module):
             self._evict_expired(step)
         slots = self._fetch(prep, training, step)
         storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
-        if not training and self._copies_lookup is not None:
+        pool = self._slots_lookup if self._tiered else self.lookup
+        if not training and self._moving:
             for t in self._moving:
                 b, n = prep.unique_base[t], prep.unique_count[t]
                 storages[t], slots[b : b + n] = self.current_rows(t, slots[b : b + n])
-            return self._copies_lookup.lookup(prep, storages, slots)
-        if not training:
-            return self.lookup.lookup(prep, storages, slots)
-        if not any(self.rules):
-            return self.lookup.lookup(prep, storages, slots)
+            return self._slots_lookup.lookup(prep, storages, slots)
+        if not training or not any(self.rules):
+            return pool.lookup(prep, storages, slots)
         flight = self._in_flight(step)
         for t, (b, n) in enumerate(zip(prep.unique_base, prep.unique_count)):
             flight.pin(t, slots, b, b + n)
-        return self.lookup.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
+        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
         """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
@@ -253,7 +269,7 @@ class EmbeddingCollection(nn.Module):
                 continue
             b = prep.unique_base[t]
             keys = prep.keys_of(t)
-            if cfg.num_rows is not None:
+            if cfg.num_rows is not None and not cfg.tiered:
                 got = keys  # static: the id is the slot (range checked by prepare)
             else:
                 got = store.find(keys)
@@ -316,9 +332,15 @@ class EmbeddingCollection(nn.Module):
         """
         step = self.applied_step()
         for t in self._moving:
-            slots = self._stores[t].export_index().slots
-            if step >= 1 and slots.numel():
-                self.rules[t].catch_up(self._stores[t], slots, step, lr=self._lr(t))
+            store, rule = self._stores[t], self.rules[t]
+            if step < 1:
+                continue
+            if isinstance(store, TieredStore):  # through the cache, a chunk of rows at a time
+                store.update_all(lambda slots: rule.catch_up(store, slots, step, lr=self._lr(t)))
+                continue
+            slots = store.export_index().slots
+            if slots.numel():
+                rule.catch_up(store, slots, step, lr=self._lr(t))
 
     # -- eviction -----------------------------------------------------------------------
 
@@ -423,8 +445,11 @@ class _RowsCopy(LayoutViews):
     where each row lives in the store (stochastic rounding draws as it would there)."""
 
     def __init__(self, store, home_slots: torch.Tensor) -> None:
-        self.layout, self.seed, self.home_slots = store.layout, store.seed, home_slots
+        self.layout, self.seed = store.layout, store.seed
         self.rows = store.storage().index_select(0, home_slots)
+        # a tiered store's slots are cache slots: its rows round as their logical slots would
+        home = getattr(store, "home_slots", None)
+        self.home_slots = home_slots if home is None else home.index_select(0, home_slots)
 
     def storage(self) -> torch.Tensor:
         return self.rows

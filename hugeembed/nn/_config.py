@@ -72,6 +72,13 @@ class TableConfig:
         evict_interval: steps between ttl and norm checks.
         seed: initializer seed (default: derived from the collection seed and the
             table name, so it does not depend on the order of tables).
+        storage_dir: put the table's rows on disk under this directory (a subdirectory per
+            table), with at most `memory_budget` bytes of them cached in memory: a table larger
+            than memory (see hugeembed.store.TieredStore).  CPU tables only.
+        memory_budget: bytes of rows (and 25 B of cache metadata per row) kept in memory for a
+            tiered table; the key index is beside it (``store.memory_breakdown()``).
+        cache_policy: what the cache of a tiered table keeps: ``"lfu"`` (the most used rows)
+            or ``"lru"`` (the most recently used).
 
     Example::
 
@@ -104,6 +111,9 @@ class TableConfig:
     seed: int | None = None
     state_dtype: torch.dtype | None = None
     stochastic_rounding: bool = False
+    storage_dir: str | None = None
+    memory_budget: int | None = None
+    cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
         who = f"table {self.name!r}"
@@ -169,6 +179,17 @@ class TableConfig:
             raise ConfigError(f"{who}: a frozen table (trainable=False) takes no optimizer")
         if self.state_dtype is not None and self.state_dtype not in _DTYPES:
             raise ConfigError(f"{who}: state_dtype must be None or one of {_DTYPES}, got {self.state_dtype!r}")
+        if (self.storage_dir is None) != (self.memory_budget is None):
+            raise ConfigError(f"{who}: storage_dir and memory_budget go together (a tiered table needs both), "
+                              f"got storage_dir={self.storage_dir!r}, memory_budget={self.memory_budget!r}")
+        if self.storage_dir is not None:
+            if not isinstance(self.storage_dir, str) or not self.storage_dir:
+                raise ConfigError(f"{who}: storage_dir must be a non-empty path string, got {self.storage_dir!r}")
+            if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) \
+                    or self.memory_budget < 1:
+                raise ConfigError(f"{who}: memory_budget must be a positive int (bytes), got {self.memory_budget!r}")
+        if self.cache_policy not in ("lfu", "lru"):
+            raise ConfigError(f"{who}: cache_policy must be 'lfu' or 'lru', got {self.cache_policy!r}")
         self.row_layout(self.optimizer)  # validates dtype / state_dtype / stochastic_rounding (and the rule)
 
     def row_layout(self, rule: SparseOptimizer | None) -> RowLayout:
@@ -181,6 +202,11 @@ class TableConfig:
         if rule is not None:
             rule.check_layout(layout)
         return layout
+
+    @property
+    def tiered(self) -> bool:
+        """True when the rows live on disk with a memory cache (storage_dir and memory_budget set)."""
+        return self.storage_dir is not None
 
     @property
     def is_dynamic(self) -> bool:

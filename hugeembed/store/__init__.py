@@ -8,6 +8,9 @@ and gives typed views of it; ``RowStore`` is the protocol the nn layer calls; th
   vectorised torch ops on GPU (one shared memory layout).
 * ``ArrayStore`` -- static table, key = row index in [0, num_rows).
 * ``DictStore``  -- plain-dict oracle of HashStore used by tests.
+* ``TieredStore`` -- a table larger than memory: a key index (a HashStore / ArrayStore
+  built with ``rows=False``), a byte-budgeted memory cache of rows (LRU / LFU) and a file
+  of rows on disk (``storage_dir``), bit-identical to the in-memory table.
 
 Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
 ``TruncatedNormal``, ``Constant``, ``Zeros``, ``FromCallable``.  See docs/store.md.
@@ -17,6 +20,7 @@ from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
+from ._tiered import CACHE_POLICIES, TieredStore, cache_rows_for
 from ._layout import RowLayout, default_state_dtype
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
 from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
@@ -34,6 +38,9 @@ __all__ = [
     "row_independent",
     "ArrayStore",
     "DictStore",
+    "TieredStore",
+    "CACHE_POLICIES",
+    "cache_rows_for",
     "Initializer",
     "Uniform",
     "Normal",

@@ -32,6 +32,8 @@ class ArrayStore(LayoutViews):
         name: table name (in every error message).
         num_rows: rows of the table, all allocated and initialised now.
         dim, state_width, initializer, init_state, dtype, device, seed, layout: as for HashStore.
+        rows: False makes this store the key index of a tiered table (store/_tiered.py): the
+            range check and the per-row counts, no rows.
 
     Example::
 
@@ -46,7 +48,8 @@ class ArrayStore(LayoutViews):
 
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None):
+                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None,
+                 rows: bool = True):
         if initializer is None and isinstance(dim, int) and dim > 0:
             initializer = default_initializer(dim)
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -58,10 +61,11 @@ class ArrayStore(LayoutViews):
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         n = self.local_rows = len(range(self._shard, num_rows, self._num_shards))
         lay = self.layout
-        self._storage = _alloc.empty((n, self.width), lay.storage_dtype, self.device)
+        self.has_rows = bool(rows)
+        self._storage = _alloc.empty((n, self.width if rows else 0), lay.storage_dtype, self.device)
         self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
-        # On "meta" (shape-only planning) there is nothing to initialise.
-        for start in range(0, n if self.device.type != "meta" else 0, _INIT_CHUNK):
+        # On "meta" (shape-only planning) there is nothing to initialise; a key index has no rows.
+        for start in range(0, n if self.device.type != "meta" and rows else 0, _INIT_CHUNK):
             end = min(n, start + _INIT_CHUNK)
             keys = self._keys_of(torch.arange(start, end, device=self.device))
             block = self._storage[start:end]
@@ -134,12 +138,14 @@ class ArrayStore(LayoutViews):
 
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
-        check_import_rows(self.name, self.layout, exp.rows)
+        if self.has_rows:  # a key index takes rows of zero width
+            check_import_rows(self.name, self.layout, exp.rows)
         if exp.pending_keys.numel():
             raise InputError(f"table '{self.name}': a static table admits every key; the import has "
                              f"{exp.pending_keys.numel()} pending keys")
         slots = self._slots_of(exp.keys)
-        self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
+        if self.has_rows:  # a key index's tier writes the rows
+            self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
         self._meta[slots, 0] = exp.counts
         self._meta[slots, 1] = exp.last_step
 

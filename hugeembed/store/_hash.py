@@ -100,6 +100,9 @@ class HashStore(LayoutViews, Pinnable):
         seed: initializer seed.
         initial_rows: reserve room for this many rows (a hint; saves rehashes).
         backend: "native" (C++, CPU), "torch" (any device) or None (native when possible).
+        rows: False makes this store the key index of a tiered table (store/_tiered.py): it keeps
+            keys, slots, counts, admission and eviction, but no rows; the slots it frees are
+            reported to ``on_free`` and weight norms read through ``row_norms``.
 
     A store is not thread-safe: one thread at a time calls it (its kernels use
     their own threads inside a call).  Calls that fail (CapacityError, InputError)
@@ -115,7 +118,7 @@ class HashStore(LayoutViews, Pinnable):
                  capacity: int | None = None, on_full: str = "evict", eviction_policy: str = "lfu",
                  admit_min_count: int = 1, seed: int = 0, initial_rows: int = 0, backend: str | None = None,
                  admit_probability: float | None = None, max_pending: int | None = None,
-                 layout: RowLayout | None = None):
+                 layout: RowLayout | None = None, rows: bool = True):
         initializer = default_initializer(dim) if initializer is None and isinstance(dim, int) and dim > 0 \
             else initializer
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -138,11 +141,15 @@ class HashStore(LayoutViews, Pinnable):
         self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
         self.max_pending = DEFAULT_MAX_PENDING if max_pending is None else max_pending
         self._pins = PinnedRows()
+        self.has_rows = bool(rows)
+        # a tiered table's hooks: told of every slot freed; reads weight norms of slots
+        self.on_free = None
+        self.row_norms = None
         self._set_backend(_pick_backend(backend, self.device))
         dev = self.device
         self._st = torch.zeros(len(_ST), dtype=torch.int64)
         self._buckets = new_buckets(_MIN_BUCKETS, dev)
-        self._storage = torch.empty(0, self.width, dtype=self.layout.storage_dtype, device=dev)
+        self._storage = torch.empty(0, self._row_width, dtype=self.layout.storage_dtype, device=dev)
         self._free = torch.zeros(0, dtype=torch.int32, device=dev)
         if initial_rows:
             self._reserve(min(initial_rows, capacity or initial_rows))
@@ -203,9 +210,14 @@ class HashStore(LayoutViews, Pinnable):
         self._ops.rehash(self, new)
         self._buckets = new
 
+    @property
+    def _row_width(self) -> int:
+        """Columns of the storage: the layout's, or none for a key index (its slots are row numbers only)."""
+        return self.width if self.has_rows else 0
+
     def _grow_rows(self, rows: int) -> None:
         used = self._st_get("row_hwm")
-        storage = _alloc.empty((rows, self.width), self.layout.storage_dtype, self.device)
+        storage = _alloc.empty((rows, self._row_width), self.layout.storage_dtype, self.device)
         if self.device.type == "meta":
             self._storage = storage
             return
@@ -227,6 +239,8 @@ class HashStore(LayoutViews, Pinnable):
         return slots
 
     def _free_rows(self, slots: torch.Tensor) -> None:
+        if self.on_free is not None and slots.numel():
+            self.on_free(slots.to(torch.int64))
         nf = self._st_get("num_free")
         free = torch.cat([self._free[:nf], slots.to(torch.int32)]).sort(descending=True).values
         self._free = free
@@ -295,8 +309,9 @@ class HashStore(LayoutViews, Pinnable):
         while True:
             rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
             if rc == 0:
-                init_rows(self._storage, new_slots, new_keys, self.layout, self.initializer, self.init_state,
-                          self.seed)
+                if self.has_rows:  # a key index's rows are made by its tier
+                    init_rows(self._storage, new_slots, new_keys, self.layout, self.initializer, self.init_state,
+                              self.seed)
                 return out
             if rc == 3:
                 raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
@@ -319,7 +334,7 @@ class HashStore(LayoutViews, Pinnable):
         """This store's row of a find_or_insert_many descriptor and its output tensor, or None
         when it takes the single-table path (torch backend, an initializer without a kernel,
         an init_state not marked row_independent, a large batch)."""
-        if self._ops.name != "native" or not 0 < keys.numel() <= self._BATCH_MAX_KEYS or \
+        if self._ops.name != "native" or not self.has_rows or not 0 < keys.numel() <= self._BATCH_MAX_KEYS or \
                 (self.admit_probability is not None and self.admit_probability < 1.0):
             return None
         spec = self.initializer._native_spec()
@@ -409,7 +424,8 @@ class HashStore(LayoutViews, Pinnable):
         row_slots_all = codes[rows]
         norms = None
         if min_norm is not None:
-            norms = self.weights()[row_slots_all].float().norm(dim=1)  # typed: 16-bit weights are packed
+            norms = self.row_norms(row_slots_all) if self.row_norms is not None else \
+                self.weights()[row_slots_all].float().norm(dim=1)  # typed: 16-bit weights are packed
         gone_rows, gone_pend = select_victims(self.name, step, ttl, max_rows, policy, self._pins.protect(protect),
                                               self._storage.shape[0], keys[rows], row_slots_all, counts[rows],
                                               lasts[rows], keys[~rows], counts[~rows], lasts[~rows],
@@ -440,7 +456,8 @@ class HashStore(LayoutViews, Pinnable):
     def import_(self, export: StoreExport) -> None:
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
         exp = export.to(self.device)
-        check_import_rows(self.name, self.layout, exp.rows)
+        if self.has_rows:  # a key index takes rows of zero width
+            check_import_rows(self.name, self.layout, exp.rows)
         self._refuse_if_pinned("import")
         allk = torch.cat([exp.keys, exp.pending_keys])
         if allk.numel() > 1 and bool((allk.sort().values.diff() == 0).any()):
@@ -465,7 +482,8 @@ class HashStore(LayoutViews, Pinnable):
         codes = torch.cat([slots, torch.full_like(exp.pending_keys, PENDING)])
         self._ops.insert(self, allk, codes, torch.cat([exp.counts, exp.pending_counts]),
                          torch.cat([exp.last_step, exp.pending_last_step]))
-        self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
+        if self.has_rows:  # a key index's tier writes the rows
+            self._storage[slots] = exp.rows.to(self.layout.storage_dtype)
         self._st_add("rows", n)
         self._st_add("pending", exp.pending_keys.numel())
 

@@ -1,0 +1,232 @@
+"""The disk tier's files: a directory per table, owned by one run, holding one file of rows.
+
+Layout (measured against a RocksDB tier in bench/tiered.py)::
+
+    <storage_dir>/<table>/
+        tier.json        which table, row layout and run own the directory
+        LOCK             flock'ed while a process has the table open
+        rows-<id>.bin    record r (one row: weights then optimizer state, the layout's
+                         storage dtype) at byte r * record_bytes; r is the row's slot in the
+                         key index, so a row keeps its place for its whole life
+
+A row is rewritten in place when the cache evicts it dirty: no log to compact (an LSM
+store such as RocksDB rewrites every row on compaction, competing with training for
+the cores), at the price of random writes, which the write-back issues in file order.
+The key index never goes to disk: it stays in memory (reported as the index's bytes).
+
+The rows file is scratch: a snapshot holds the table, and a run that resumes rebuilds
+its tier from it.  A cleanly closed table leaves its directory empty; one left behind by
+a crash is reused only by the same run (its owner tag), and never for another layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import threading
+import uuid
+import weakref
+from pathlib import Path
+
+import torch
+
+from .. import _native
+from ..errors import ConfigError, StoreError
+
+__all__ = ["RowFile", "TableDir", "IO_THREADS"]
+
+# Reads in flight per batch of misses: an SSD serves ~0.1 ms reads in parallel, so the
+# queue depth, not the cores, bounds the miss rate (page-cache hits need only a couple).
+IO_THREADS = 16
+_FORMAT = 1
+
+
+def _io_error(table: str, what: str, code: int, path: Path) -> StoreError:
+    name = errno.errorcode.get(code, str(code))
+    return StoreError(f"table '{table}': {what} {path} failed: [{name}] {os.strerror(code)}")
+
+
+class RowFile:
+    """Fixed-size records in one file: record r at byte ``r * record_bytes``.
+
+    Reads and writes move whole rows between the file and contiguous CPU tensors whose
+    rows are records; the native kernels issue them from many threads, the plain twin
+    (no kernels built) one ``os.preadv`` / ``os.pwritev`` per record.
+    """
+
+    def __init__(self, path: Path, record_bytes: int, table: str, io_threads: int = IO_THREADS) -> None:
+        self.path, self.record_bytes, self.table, self.io_threads = path, int(record_bytes), table, io_threads
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._closer = weakref.finalize(self, _close_fd, self.fd, path)
+
+    def _check(self, records: torch.Tensor, rows: torch.Tensor) -> None:
+        if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
+                or rows.shape[0] != records.numel() or rows[0].numel() * rows.element_size() != self.record_bytes:
+            raise StoreError(f"table '{self.table}': tier I/O needs contiguous CPU rows of {self.record_bytes} "
+                             f"bytes, one per record (internal error)")
+
+    def read(self, records: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i] = record records[i]`` (out: contiguous [n, W] CPU rows)."""
+        if records.numel() == 0:
+            return
+        self._check(records, out)
+        records = records.contiguous()
+        if _native.available():
+            err = (ctypes.c_int64 * 1)()
+            rc = _native.fn("he_tier_read", _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR,
+                            _native.I64, _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
+                                                      out.data_ptr(), self.io_threads, err)
+            if rc:
+                raise _io_error(self.table, f"reading {records.numel()} rows from", -rc, self.path)
+            return
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        b = self.record_bytes
+        for i, r in enumerate(records.tolist()):
+            got = os.preadv(self.fd, [view[i * b : (i + 1) * b]], r * b)
+            if got != b:
+                raise _io_error(self.table, f"reading row {r} from", errno.EIO, self.path)
+
+    def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
+        """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""
+        if records.numel() == 0:
+            return
+        self._check(records, rows)
+        records = records.contiguous()
+        if _native.available():
+            err = (ctypes.c_int64 * 1)()
+            rc = _native.fn("he_tier_write", _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR,
+                            _native.I64, _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
+                                                      rows.data_ptr(), self.io_threads, err)
+            if rc:
+                raise _io_error(self.table, f"writing {records.numel()} rows to", -rc, self.path)
+            return
+        view = memoryview(rows.view(torch.uint8).numpy()).cast("B")
+        b = self.record_bytes
+        for i, r in enumerate(records.tolist()):
+            try:
+                os.pwritev(self.fd, [view[i * b : (i + 1) * b]], r * b)
+            except OSError as e:
+                raise _io_error(self.table, f"writing row {r} to", e.errno or errno.EIO, self.path) from None
+
+    def disk_bytes(self) -> int:
+        """Bytes the file occupies on disk (rows never written take none: the file is sparse)."""
+        try:
+            return os.fstat(self.fd).st_blocks * 512
+        except OSError:
+            return 0
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _close_fd(fd: int, path: Path) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+# Directories this process holds: path -> [lock fd, open tables, layout].  A process may
+# open a table's directory twice (load_state_dict builds the new store before dropping
+# the old one); each store then has its own rows file.
+_held: dict[str, list] = {}
+_held_lock = threading.Lock()
+
+
+class TableDir:
+    """A table's directory under a storage dir: locked for this process, checked, released on close.
+
+    Refused (ConfigError): a directory another process holds open, one left by another run
+    (a different `owner` tag, or none given), one holding another table layout.
+    """
+
+    def __init__(self, storage_dir: str | os.PathLike, table: str, layout: dict, owner: str | None) -> None:
+        self.table, self.owner = table, owner
+        self.path = Path(storage_dir) / table
+        key = str(self.path.resolve()) if self.path.exists() else str(self.path.absolute())
+        meta = {"format": _FORMAT, "table": table, "layout": layout, "owner": owner}
+        with _held_lock:
+            held = _held.get(key)
+            if held is not None:
+                if held[2] != layout:
+                    raise ConfigError(f"table '{table}': storage directory {self.path} is open in this process for "
+                                      f"the layout {held[2]}, not {layout}; give this table another storage_dir")
+                held[1] += 1
+            else:
+                self._open_fresh(meta)
+                _held[key] = [self._lock_fd, 1, layout]
+            self._key = key
+        self._closer = weakref.finalize(self, _release, key, self.path)
+
+    def _open_fresh(self, meta: dict) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ConfigError(f"table '{self.table}': cannot use storage directory {self.path}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(f"table '{self.table}': storage directory {self.path} is in use by another process; "
+                              "give each run its own --storage-dir") from None
+        info = self.path / "tier.json"
+        try:
+            if info.exists():
+                try:
+                    old = json.loads(info.read_text())
+                except (OSError, ValueError):
+                    old = {"layout": "unreadable", "owner": None}
+                if old.get("layout") != meta["layout"] or old.get("table") != meta["table"]:
+                    raise ConfigError(
+                        f"table '{self.table}': storage directory {self.path} holds rows of another table layout "
+                        f"({old.get('table')!r}: {old.get('layout')}); this table is {meta['layout']}. "
+                        "Give it another --storage-dir (or delete that directory)")
+                if meta["owner"] is None or old.get("owner") != meta["owner"]:
+                    raise ConfigError(
+                        f"table '{self.table}': storage directory {self.path} holds rows left by another run "
+                        f"(owner {old.get('owner')!r}); it is never reused silently. Delete it, give another "
+                        "--storage-dir, or resume that run (same --checkpoint-dir)")
+            for stale in self.path.glob("rows-*.bin"):  # our own run's leftovers: the snapshot has the rows
+                stale.unlink()
+            tmp = self.path / f".tier.json.{os.getpid()}"
+            tmp.write_text(json.dumps(meta, sort_keys=True))
+            os.replace(tmp, info)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def new_rows_path(self) -> Path:
+        return self.path / f"rows-{uuid.uuid4().hex[:12]}.bin"
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _release(key: str, path: Path) -> None:
+    with _held_lock:
+        held = _held.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _held[key]
+    # the last table of this directory in this process closed cleanly: leave it empty
+    for name in ("tier.json",):
+        try:
+            (path / name).unlink()
+        except OSError:
+            pass
+    try:
+        os.close(held[0])
+    except OSError:
+        pass

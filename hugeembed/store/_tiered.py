@@ -1,0 +1,592 @@
+"""TieredStore: a table larger than memory -- a host-memory cache of rows over a disk tier.
+
+OneFlow's OneEmbedding and DeepRec's EmbeddingVariable keep the rows of a big table on
+SSD with a faster tier caching them; FBGEMM's SSD TBE does the same under RocksDB.  A
+TieredStore is one table made of three parts, each with one job::
+
+    key index   (a HashStore or ArrayStore without rows: ``rows=False``)
+        key -> logical slot, hit counts, last steps, admission, eviction of keys
+        (the table's logical capacity); reports the slots it frees
+    resident rows (the cache: ``storage()`` is [C, W], C = what the byte budget holds)
+        logical slot <-> cache slot, dirty bits, LRU / LFU order
+    backing tier (RowFile: record r of one file = the row of logical slot r)
+        reads missing rows in, takes evicted dirty rows back
+
+``find_or_insert`` returns *cache* slots: the fused lookup and the optimizer rules work on
+``storage()`` exactly as for an in-memory store, so a tiered table trains bit for bit as
+the all-in-memory one (the tests compare rows, state and metrics).  Stochastic rounding
+draws by logical slot (``home_slots``), as the in-memory table draws by its slot.
+
+A fetch first makes room (write-back of dirty victims, only unpinned rows that the call
+does not read), then asks the key index, then brings the missing rows in: a failure while
+making room (the disk full) leaves every row where it was.  Rows of batches whose backward
+has not run are pinned in the cache and, through it, in the key index.
+
+Cache policy (``cache_policy``), victims chosen among unpinned resident rows the call does
+not read, smallest first:
+  * ``"lru"``: (last access, key)
+  * ``"lfu"``: (accesses since the key got its row, last access, key); accesses are the
+    id's occurrences in training batches (an eval read counts none).
+"Last access" is the number of the fetch call that last read the row.  When full, a
+fetch evicts what it needs plus 1/64 of the cache (so victims are chosen once per
+C/64 misses, not every call).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import CapacityError, ConfigError, InputError, StoreError
+from ._common import as_counts, as_keys, as_slots, check_step, gather_rows, init_rows, lowest_k, scatter_rows
+from ._layout import LayoutViews, check_import_rows
+from ._pins import Pinnable, PinnedRows
+from ._protocol import ExportIndex, StoreExport
+from ._tier_file import IO_THREADS, RowFile, TableDir
+
+__all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for"]
+
+CACHE_POLICIES = ("lru", "lfu")
+# Per cache slot beside its row: owner (logical slot), key, last access (int64 each), dirty (bool).
+SLOT_METADATA_BYTES = 25
+# Per logical row in the tier map: its cache slot (int32), accesses (int32), on disk (bool).
+_MAP_BYTES = 9
+_EVICT_SLACK = 64
+_CHUNK_ROWS = 1 << 16  # rows per chunk when streaming a table in or out
+
+
+def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
+    """Rows a cache of `memory_budget` bytes holds (each row with its slot metadata)."""
+    return int(memory_budget) // (int(row_bytes) + SLOT_METADATA_BYTES)
+
+
+class TieredStore(LayoutViews, Pinnable):
+    """A table whose rows live in a file under `storage_dir`, at most `memory_budget` bytes of them in memory.
+
+    Args:
+        index: the key index, a HashStore or ArrayStore built with ``rows=False`` (it carries
+            the table's name, layout, capacity, admission and eviction settings).
+        initializer, init_state, seed: how new rows start (as for the index's store kind).
+        memory_budget: bytes of resident rows (with their 25 B of cache metadata each); the
+            key index is not in it (``memory_breakdown()`` reports it beside).
+        storage_dir: the tier's directory (a subdirectory per table is made in it).
+        cache_policy: "lfu" or "lru".
+        owner: a tag naming the run: a directory left by a crashed run is reused only by the
+            same owner (None: never reused).
+        io_threads: reads / writes in flight.
+    """
+
+    def __init__(self, index, *, initializer, init_state, seed: int, memory_budget: int, storage_dir,
+                 cache_policy: str = "lfu", owner: str | None = None, io_threads: int = IO_THREADS) -> None:
+        if getattr(index, "has_rows", True):
+            raise ConfigError(f"table '{index.name}': the index of a TieredStore is built with rows=False")
+        name = index.name
+        if index.device.type != "cpu":
+            raise ConfigError(f"table '{name}': a disk-tiered table lives on the CPU, not {index.device}")
+        if cache_policy not in CACHE_POLICIES:
+            raise ConfigError(f"table '{name}': cache_policy must be one of {CACHE_POLICIES}, got {cache_policy!r}")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
+            raise ConfigError(f"table '{name}': memory_budget must be a positive int (bytes), got {memory_budget!r}")
+        if storage_dir is None or str(storage_dir) == "":
+            raise ConfigError(f"table '{name}': a tiered table needs a storage_dir")
+        lay = index.layout
+        cap = cache_rows_for(memory_budget, lay.row_bytes)
+        if cap < 1:
+            raise ConfigError(f"table '{name}': memory_budget {memory_budget} B holds no row "
+                              f"({lay.row_bytes} B + {SLOT_METADATA_BYTES} B each)")
+        self.index, self.layout = index, lay
+        self.name, self.dim, self.state_width, self.width = name, index.dim, index.state_width, lay.width
+        self.dtype, self.device = index.dtype, index.device
+        self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
+        self.memory_budget, self.cache_policy, self.capacity_rows = memory_budget, cache_policy, cap
+        self._dir = TableDir(storage_dir, name, lay.describe(), owner)
+        self.file = RowFile(self._dir.new_rows_path(), lay.row_bytes, name, io_threads)
+        self._pins = PinnedRows()
+        self._index_pins: dict[int, int] = {}
+        self._cache_epoch = 0
+        self._clock = 0
+        self._rows = lay.empty(cap)
+        self._owner = torch.full((cap,), -1, dtype=torch.int64)  # cache slot -> logical slot
+        self._keys = torch.zeros(cap, dtype=torch.int64)
+        self._tick = torch.zeros(cap, dtype=torch.int64)
+        self._dirty = torch.zeros(cap, dtype=torch.bool)
+        self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # a stack: smallest slot on top
+        self._nfree = cap
+        self._where = torch.zeros(0, dtype=torch.int32)  # logical slot -> cache slot (-1: not resident)
+        self._freq = torch.zeros(0, dtype=torch.int32)
+        self._on_disk = torch.zeros(0, dtype=torch.bool)
+        self.stats = {"accesses": 0, "hits": 0, "rows_read": 0, "rows_written": 0, "rows_prefetched": 0}
+        self._pool: ThreadPoolExecutor | None = None
+        self._staged: tuple[Future, torch.Tensor, torch.Tensor] | None = None
+        self._stale: list[torch.Tensor] = []
+        index.on_free = self._drop_logical
+        index.row_norms = self._logical_norms
+
+    # ------------------------------------------------------------------ sizes
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_pending(self) -> int:
+        return getattr(self.index, "num_pending", 0)
+
+    @property
+    def capacity(self):
+        return getattr(self.index, "capacity", None)
+
+    @property
+    def resident_rows(self) -> int:
+        return self.capacity_rows - self._nfree
+
+    @property
+    def stored_rows(self) -> int:
+        """Rows written to the tier (the file's live records)."""
+        self._fit_map()
+        return int(self._on_disk.sum())
+
+    def _logical_rows(self) -> int:
+        return self.index.storage().shape[0]
+
+    def _fit_map(self) -> None:
+        """Grows the per-logical-row map with the key index (new logical slots: not resident, not on disk)."""
+        n = self._logical_rows()
+        have = self._where.numel()
+        if n > have:
+            grow = lambda t, fill: torch.cat([t, torch.full((n - have,), fill, dtype=t.dtype)])  # noqa: E731
+            self._where, self._freq, self._on_disk = grow(self._where, -1), grow(self._freq, 0), \
+                grow(self._on_disk, False)
+
+    # -------------------------------------------------------------- protocol
+    def storage(self) -> torch.Tensor:
+        return self._rows
+
+    @property
+    def home_slots(self) -> torch.Tensor:
+        """Cache slot -> logical slot: the slot an in-memory table would hold the row at."""
+        return self._owner
+
+    def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        step = check_step(self.name, step)
+        counts = as_counts(self.name, counts, keys.numel(), self.device)
+        if keys.numel() == 0:
+            return keys.clone()
+        self._make_room_for(self.index.find(keys))
+        logical = self.index.find_or_insert(keys, step, counts=counts)
+        self._fit_map()
+        return self._bring_in(logical, keys, counts, training=True)
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        keys = as_keys(self.name, keys, self.device)
+        if keys.numel() == 0:
+            return keys.clone()
+        logical = self.index.find(keys)
+        self._make_room_for(logical[logical >= 0])  # a key without a row reads zeros: no slot
+        return self._bring_in(logical, keys, None, training=False)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return gather_rows(self._rows, as_slots(self.name, slots, self.capacity_rows, self.device))
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        slots = as_slots(self.name, slots, self.capacity_rows, self.device)
+        scatter_rows(self.name, self._rows, slots, rows)
+        self._dirty[slots[slots >= 0]] = True
+
+    # ------------------------------------------------------------ the cache
+    def _make_room_for(self, logical: torch.Tensor) -> None:
+        """Frees cache slots for every row of `logical` (-1: a key that may get a new row) not resident,
+        evicting (and writing back) rows this call does not read; changes no row's value."""
+        self._fit_map()
+        known = logical >= 0
+        res = torch.full_like(logical, -1)
+        res[known] = self._where[logical[known]].to(torch.int64)
+        need = int((res < 0).sum())
+        if need <= self._nfree:
+            return
+        short = need - self._nfree
+        used = self._owner >= 0
+        cand = used.clone()
+        mine = res[res >= 0]
+        cand[mine] = False
+        pinned = self._pins.slots()
+        if pinned is not None:
+            p = pinned[pinned >= 0]
+            cand[p] = False
+        idx = cand.nonzero().squeeze(1)
+        if idx.numel() < short:
+            raise CapacityError(
+                f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
+                f"more resident beside its {mine.numel()}, and only {idx.numel()} can leave the cache "
+                f"({int(used.sum()) - idx.numel() - mine.numel()} are pinned by batches whose backward has not "
+                f"run): raise memory_budget")
+        take = min(idx.numel(), short + self.capacity_rows // _EVICT_SLACK)
+        own = self._owner[idx]
+        if self.cache_policy == "lru":
+            cols = [self._tick[idx], self._keys[idx]]
+        else:
+            cols = [self._freq[own].to(torch.int64), self._tick[idx], self._keys[idx]]
+        victims = idx[lowest_k(cols, take)]
+        self._write_back(victims)
+        self._release_slots(victims)
+        self._cache_epoch += 1
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        """Writes the dirty rows among cache `slots` to the tier, in file order; they stay resident."""
+        d = slots[self._dirty[slots]]
+        if d.numel() == 0:
+            return
+        own = self._owner[d]
+        order = own.argsort()
+        d, own = d[order], own[order]
+        self.file.write(own, self._rows.index_select(0, d))
+        self._mark_stale(own)
+        self._on_disk[own] = True
+        self._dirty[d] = False
+        self.stats["rows_written"] += d.numel()
+
+    def _release_slots(self, slots: torch.Tensor) -> None:
+        """Cache slots back to the free stack (their rows are on disk or not needed)."""
+        if slots.numel() == 0:
+            return
+        self._where[self._owner[slots]] = -1
+        self._owner[slots] = -1
+        self._dirty[slots] = False
+        n = slots.numel()
+        self._free[self._nfree : self._nfree + n] = slots
+        self._nfree += n
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        if n > self._nfree:  # _make_room_for reserved them: reaching this is a bug
+            raise StoreError(f"table '{self.name}': cache has {self._nfree} free slots, {n} needed (internal error)")
+        out = self._free[self._nfree - n : self._nfree].flip(0).clone()
+        self._nfree -= n
+        return out
+
+    def _bring_in(self, logical: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor | None,
+                  training: bool) -> torch.Tensor:
+        """Cache slots of `logical` (rows read in or created where missing); -1 where logical is -1."""
+        valid = logical >= 0
+        out = torch.full_like(logical, -1)
+        if bool(valid.all()):
+            lv, kv, cv = logical, keys, counts
+        else:
+            lv, kv, cv = logical[valid], keys[valid], None if counts is None else counts[valid]
+        cs = self._where[lv].to(torch.int64)
+        miss = cs < 0
+        n_miss = int(miss.sum())
+        if n_miss:
+            ml, mk = lv[miss], kv[miss]
+            slots = self._take_slots(n_miss)
+            fresh = ~self._on_disk[ml]
+            read = ~fresh
+            try:
+                if bool(read.any()):
+                    self._read_rows(ml[read], slots[read])
+                if bool(fresh.any()):
+                    init_rows(self._rows, slots[fresh], mk[fresh], self.layout, self.initializer, self.init_state,
+                              self.seed)
+            except BaseException:
+                self._free[self._nfree : self._nfree + n_miss] = slots.flip(0)
+                self._nfree += n_miss
+                raise
+            self._owner[slots] = ml
+            self._keys[slots] = mk
+            self._where[ml] = slots.to(torch.int32)
+            self._dirty[slots[fresh]] = True  # not on disk: must be written if it leaves
+            cs[miss] = slots
+        self._clock += 1
+        self._tick[cs] = self._clock
+        if training:
+            self._dirty[cs] = True
+            c = torch.ones_like(lv) if cv is None else cv
+            self._freq[lv] = (self._freq[lv].to(torch.int64) + c).clamp_(max=2**31 - 1).to(torch.int32)
+        total = int(cv.sum()) if cv is not None else lv.numel()
+        missed = (int(cv[miss].sum()) if cv is not None else n_miss) if n_miss else 0
+        self.stats["accesses"] += total
+        self.stats["hits"] += total - missed
+        out[valid] = cs
+        return out
+
+    def _read_rows(self, logical: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows of `logical` (on disk) into cache `slots`: from the prefetched ones where staged, else the file."""
+        got = self._take_staged(logical, slots)
+        rest = ~got
+        if bool(rest.any()):
+            lg, sl = logical[rest], slots[rest]
+            order = lg.argsort()
+            lg, sl = lg[order], sl[order]
+            buf = self.layout.empty(lg.numel())
+            self.file.read(lg, buf)
+            self._rows.index_copy_(0, sl, buf)
+            self.stats["rows_read"] += lg.numel()
+
+    def _drop_logical(self, freed: torch.Tensor) -> None:
+        """The key index freed these logical slots (keys evicted or replaced): their rows are gone."""
+        self._fit_map()
+        cs = self._where[freed].to(torch.int64)
+        cs = cs[cs >= 0]
+        if cs.numel():
+            self._release_slots(cs)
+            self._cache_epoch += 1
+        self._on_disk[freed] = False
+        self._freq[freed] = 0
+        self._mark_stale(freed)
+
+    # ------------------------------------------------------------- prefetch
+    def prefetch(self, keys: torch.Tensor) -> int:
+        """Starts reading the rows of `keys` (e.g. the next batch's ids) that are on disk and not
+        resident, in the background; the next fetch takes them from there.  Changes nothing a
+        caller can see (no count, no row, no residency).  Returns rows being read."""
+        keys = as_keys(self.name, keys, self.device)
+        self._join_staged()
+        if keys.numel() == 0:
+            return 0
+        logical = self.index.find(torch.unique(keys))
+        self._fit_map()
+        logical = logical[logical >= 0]
+        logical = logical[(self._where[logical] < 0) & self._on_disk[logical]]
+        if logical.numel() == 0:
+            return 0
+        logical = logical.sort().values
+        buf = self.layout.empty(logical.numel())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tier-{self.name}")
+        self._stale = []
+        self._staged = (self._pool.submit(self.file.read, logical, buf), logical, buf)
+        return logical.numel()
+
+    def _join_staged(self) -> None:
+        if self._staged is not None:
+            try:
+                self._staged[0].result()
+            except StoreError:
+                pass  # a failed prefetch is only a lost hint: the fetch reads the file itself
+            self._staged = None
+
+    def _mark_stale(self, logical: torch.Tensor) -> None:
+        if self._staged is not None and logical.numel():
+            self._stale.append(logical.clone())
+
+    def _take_staged(self, logical: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Copies staged rows of `logical` into `slots`; a mask of those served."""
+        got = torch.zeros(logical.numel(), dtype=torch.bool)
+        if self._staged is None:
+            return got
+        fut, staged, buf = self._staged
+        try:
+            fut.result()
+        except StoreError:
+            self._staged = None
+            return got
+        if self._stale:  # rewritten or freed since they were read: the file is newer
+            ok = ~torch.isin(staged, torch.cat(self._stale))
+        else:
+            ok = torch.ones(staged.numel(), dtype=torch.bool)
+        pos = torch.searchsorted(staged, logical).clamp_(max=max(staged.numel() - 1, 0))
+        got = (staged[pos] == logical) & ok[pos]
+        if bool(got.any()):
+            self._rows.index_copy_(0, slots[got], buf.index_select(0, pos[got]))
+            self.stats["rows_prefetched"] += int(got.sum())
+        return got
+
+    # ------------------------------------------------------------ reading rows
+    def read_logical(self, logical: torch.Tensor) -> torch.Tensor:
+        """The current rows of logical slots (cache, else disk, else as a new row starts), copied;
+        changes nothing (no residency, no count)."""
+        self._fit_map()
+        out = self.layout.empty(logical.numel())
+        if logical.numel() == 0:
+            return out
+        cs = self._where[logical].to(torch.int64)
+        res = cs >= 0
+        if bool(res.any()):
+            out[res] = self._rows.index_select(0, cs[res])
+        disk = ~res & self._on_disk[logical]
+        if bool(disk.any()):
+            lg = logical[disk]
+            order = lg.argsort()
+            buf = self.layout.empty(lg.numel())
+            self.file.read(lg[order], buf)
+            part = torch.empty_like(buf)
+            part[order] = buf
+            out[disk] = part
+        fresh = ~res & ~disk
+        if bool(fresh.any()):  # a static table's row never trained: its initial value
+            idx = fresh.nonzero().squeeze(1)
+            init_rows(out, idx, self._keys_of_logical(logical[fresh]), self.layout, self.initializer,
+                      self.init_state, self.seed)
+        return out
+
+    def _keys_of_logical(self, logical: torch.Tensor) -> torch.Tensor:
+        keys_of = getattr(self.index, "_keys_of", None)
+        if keys_of is None:
+            raise StoreError(f"table '{self.name}': logical slots {logical[:4].tolist()} hold no row (internal error)")
+        return keys_of(logical)
+
+    def _logical_norms(self, logical: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(logical.numel(), dtype=torch.float32)
+        for a in range(0, logical.numel(), _CHUNK_ROWS):
+            rows = self.read_logical(logical[a : a + _CHUNK_ROWS])
+            out[a : a + _CHUNK_ROWS] = self.layout.weights(rows).float().norm(dim=1)
+        return out
+
+    def row_source(self) -> "TierRows":
+        """What ``export_index().slots`` index: every row, read from the cache or the tier in chunks."""
+        return TierRows(self)
+
+    # ------------------------------------------------------------- eviction
+    def evict(self, step: int, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
+              protect: torch.Tensor | None = None, min_norm: float | None = None) -> int:
+        """As HashStore.evict (keys leave the table); `protect` holds cache slots."""
+        if protect is not None:
+            p = as_slots(self.name, protect.reshape(-1), self.capacity_rows, self.device)
+            protect = self._owner[p[p >= 0]]
+            protect = protect[protect >= 0]
+        return self.index.evict(step, ttl=ttl, max_rows=max_rows, policy=policy, protect=protect, min_norm=min_norm)
+
+    def forget_pending(self, step: int) -> int:
+        return self.index.forget_pending(step) if hasattr(self.index, "forget_pending") else 0
+
+    # ----------------------------------------------------------------- pins
+    def pin(self, slots: torch.Tensor, start: int = 0, stop: int | None = None) -> int:
+        h = self._pins.pin(slots, start, stop)
+        if hasattr(self.index, "pin"):  # a dynamic index evicts keys: their logical slots stay too
+            own = self._owner[slots.reshape(-1)[start:stop].clamp(min=0)]
+            own = own[slots.reshape(-1)[start:stop] >= 0]
+            self._index_pins[h] = self.index.pin(own)
+        return h
+
+    def unpin(self, handle: int) -> None:
+        self._pins.unpin(handle)
+        ih = self._index_pins.pop(handle, None)
+        if ih is not None:
+            self.index.unpin(ih)
+
+    @property
+    def eviction_epoch(self) -> int:
+        """Changes whenever a cache slot may have changed hands (cache or key eviction, import)."""
+        return self._pins.epoch + self._cache_epoch + getattr(self.index, "eviction_epoch", 0)
+
+    # ------------------------------------------------------- export / import
+    def export_index(self) -> ExportIndex:
+        """The index's export: slots are logical (read them with ``row_source()``)."""
+        return self.index.export_index()
+
+    def export(self) -> StoreExport:
+        return self.export_index().gather(self.row_source())
+
+    def import_(self, export: StoreExport) -> None:
+        """Loads `export` into the tier (streamed in chunks; nothing is made resident but rows already in
+        the cache, which are overwritten there)."""
+        check_import_rows(self.name, self.layout, export.rows)
+        self._refuse_if_pinned("import")
+        self._join_staged()
+        self.index.import_(_without_rows(export))
+        self._fit_map()
+        keys = export.keys.to(self.device)
+        for a in range(0, keys.numel(), _CHUNK_ROWS):
+            k = keys[a : a + _CHUNK_ROWS]
+            logical = self.index.find(k)
+            if bool((logical < 0).any()):
+                raise StoreError(f"table '{self.name}': imported key {int(k[logical < 0][0])} has no row (internal error)")
+            rows = export.rows[a : a + _CHUNK_ROWS].to(self.layout.storage_dtype).contiguous()
+            cs = self._where[logical].to(torch.int64)
+            res = cs >= 0
+            if bool(res.any()):
+                self._rows[cs[res]] = rows[res]
+                self._dirty[cs[res]] = True
+            disk = ~res
+            if bool(disk.any()):
+                lg, r = logical[disk], rows[disk]
+                order = lg.argsort()
+                self.file.write(lg[order], r[order].contiguous())
+                self._on_disk[lg] = True
+        self._cache_epoch += 1
+
+    def update_all(self, fn) -> None:
+        """Calls ``fn(cache_slots)`` over every row of the table, a chunk at a time made resident (and
+        marked dirty): an in-place pass over a table larger than memory (global Adam's catch-up)."""
+        keys = self.export_index().keys
+        chunk = max(1, (self.capacity_rows - (len(self._pins.slots() or ()) if len(self._pins) else 0)) // 2)
+        for a in range(0, keys.numel(), chunk):
+            slots = self.find(keys[a : a + chunk])
+            self._dirty[slots] = True
+            fn(slots)
+
+    def flush(self) -> None:
+        """Writes every dirty resident row to the tier (they stay resident)."""
+        self._write_back((self._owner >= 0).nonzero().squeeze(1))
+
+    # --------------------------------------------------------------- memory
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes in memory by part.  `resident_rows` + `cache_metadata` are what `memory_budget` bounds;
+        `index` (the key index: keys, slots, counts, last steps) and `tier_map` (per logical row: cache
+        slot, accesses, on-disk bit) are beside it."""
+        self._fit_map()
+        return {"resident_rows": self._rows.numel() * self._rows.element_size(),
+                "cache_metadata": SLOT_METADATA_BYTES * self.capacity_rows,
+                "index": self.index.memory_bytes(), "tier_map": _MAP_BYTES * self._where.numel()}
+
+    def memory_bytes(self) -> int:
+        return sum(self.memory_breakdown().values())
+
+    def index_overhead_bytes(self) -> int:
+        b = self.memory_breakdown()
+        return b["index"] + b["tier_map"] + b["cache_metadata"]
+
+    def stored_bytes(self) -> int:
+        """Bytes of rows in the tier's file (rows written, whole records)."""
+        return self.stored_rows * self.layout.row_bytes
+
+    def cache_stats(self) -> dict[str, float | int]:
+        """Accesses (id occurrences read), hits (served from memory), hit rate, rows read / written / prefetched."""
+        s = dict(self.stats)
+        s["hit_rate"] = s["hits"] / s["accesses"] if s["accesses"] else 0.0
+        s["resident_rows"], s["capacity_rows"], s["stored_rows"] = self.resident_rows, self.capacity_rows, \
+            self.stored_rows
+        return s
+
+    def to(self, device) -> "TieredStore":
+        if torch.device(device) != self.device:
+            raise ConfigError(f"table '{self.name}': a disk-tiered table stays on the CPU (asked: {device})")
+        return self
+
+    def close(self) -> None:
+        """Closes the tier (its rows file is deleted: snapshots hold the table)."""
+        self._join_staged()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.file.close()
+        self._dir.close()
+
+    def __repr__(self) -> str:
+        return (f"TieredStore(name={self.name!r}, dim={self.dim}, rows={len(self)}, resident={self.resident_rows}"
+                f"/{self.capacity_rows}, policy={self.cache_policy!r}, dir={str(self._dir.path)!r})")
+
+
+def _without_rows(export: StoreExport) -> StoreExport:
+    """The export as a key index takes it (rows of zero width: the tier writes them)."""
+    return StoreExport(export.keys, export.rows[:, :0], export.counts, export.last_step, export.pending_keys,
+                       export.pending_counts, export.pending_last_step)
+
+
+class TierRows:
+    """``index_select(0, logical)`` over a TieredStore's rows: what a snapshot streams from."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.dtype = store.layout.storage_dtype
+        self.shape = torch.Size([store._logical_rows(), store.width])
+
+    def dim(self) -> int:
+        return 2
+
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise InputError("TierRows: rows are selected along dim 0")
+        return self.store.read_logical(index)
+
