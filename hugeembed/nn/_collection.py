@@ -349,6 +349,30 @@ class EmbeddingCollection(nn.Module):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
                 store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
 
+    def prefetch(self, features: SparseFeatures) -> dict[str, int]:
+        """Starts reading, in the background, the rows of a coming batch that its tiered tables hold
+        on disk only (call it with batch t+1 before running step t).  Changes nothing a lookup
+        could see: no count, no row, no step.  Returns rows being read per tiered table."""
+        if not isinstance(features, SparseFeatures):
+            raise InputError(f"prefetch takes a SparseFeatures batch, got {type(features).__name__}")
+        out: dict[str, int] = {}
+        for (_, feature, table) in self.outputs:
+            t = self._table_index(table)
+            store = self._stores[t]
+            if not isinstance(store, TieredStore) or feature not in features:
+                continue
+            out.setdefault(table, 0)
+        for table in out:
+            t = self._table_index(table)
+            ids = [features.feature(f).values for _, f, tb in self.outputs if tb == table and f in features]
+            keys = torch.unique(torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
+            if self.tables[t].prune_negative:
+                keys = keys[keys >= 0]
+            if self.tables[t].num_rows is not None:
+                keys = keys[(keys >= 0) & (keys < self.tables[t].num_rows)]
+            out[table] = self._stores[t].prefetch(keys)
+        return out
+
     def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
               tables: Sequence[str] | None = None, min_norm: float | None = None) -> dict[str, int]:
         """Evicts rows of dynamic tables now; returns rows removed per table.
