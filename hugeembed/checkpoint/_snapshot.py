@@ -119,6 +119,9 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
             "shards": [{"rank": rank, "rows": int(ex.keys.numel()), "pending": int(ex.pending_keys.numel()),
                         "files": files}],
         })
+        stats = getattr(store, "cache_stats", None)
+        if stats is not None:  # a tiered table: its cache figures at the save (hugeembed inspect shows them)
+            out[-1]["tier"] = {k: v for k, v in stats().items()}
     return out
 
 

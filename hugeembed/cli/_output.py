@@ -60,7 +60,8 @@ class Progress:
             self._open(info.get("resumed_at", 0))
         elif event == "step":
             text = f"loss {info['loss']:.4f}, {human_rate(info['samples_per_s'])} samples/s" + (
-                f", auc {info['auc']:.4f}" if info.get("auc") is not None else "")
+                f", auc {info['auc']:.4f}" if info.get("auc") is not None else "") + (
+                f", cache hits {info['cache_hit_rate']:.1%}" if info.get("cache_hit_rate") is not None else "")
             if self._bar is not None:
                 self._bar.n = info["step"]
                 self._bar.set_postfix_str(text, refresh=True)

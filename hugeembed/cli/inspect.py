@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
                        "pending": int(ex.pending_keys.numel()), "bytes": shard_bytes,
                        "optimizer": (t["optimizer"] or {}).get("name", "frozen"), "state_width": t["state_width"],
                        "dtype": t.get("dtype"), "state_dtype": t.get("state_dtype", t.get("dtype")),
-                       "static_rows": t["num_rows"], "hits": int(ex.counts.sum())})
+                       "static_rows": t["num_rows"], "hits": int(ex.counts.sum()), "tier": t.get("tier")})
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
           f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")
     header = f"{'table':<12} {'dim':>4} {'rows':>10} {'pending':>8} {'bytes':>11} {'optimizer':<16} {'state':>5} {'hits':>12}"
@@ -53,6 +53,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{t['name']:<12} {t['dim']:>4} {t['rows']:>10,} {t['pending']:>8,} {human_bytes(t['bytes']):>11} "
               f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}")
     print(f"total: {sum(t['rows'] for t in tables):,} rows, {human_bytes(files)} on disk")
+    tiered = [t for t in tables if t["tier"]]
+    if tiered:  # figures of the disk tier when the snapshot was written
+        print(f"\n{'tiered table':<12} {'resident rows':>14} {'stored rows':>12} {'hit rate':>9} {'rows read':>11} "
+              f"{'rows written':>13}")
+        for t in tiered:
+            s = t["tier"]
+            print(f"{t['name']:<12} {s['resident_rows']:>14,} {s['stored_rows']:>12,} {s['hit_rate']:>9.1%} "
+                  f"{s['rows_read']:>11,} {s['rows_written']:>13,}")
     counts = torch.cat(all_counts) if all_counts else torch.zeros(0, dtype=torch.int64)
     bins = _frequency_bins(counts)
     if bins:

@@ -16,7 +16,26 @@ from ._output import Progress, check_output_paths, human_bytes, plot_history, pr
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
-           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
+           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
+           "cache_policy")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"6GiB"`` -> 6442450944; plain integers are bytes (argparse type: a bad value is a usage error)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, "
+                                         "KiB, MiB, GiB, TiB")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return value
 
 
 def add_parser(sub) -> None:
@@ -45,6 +64,13 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--capacity", type=int, help="most rows per embedding table (default unbounded)")
     p.add_argument("--synthetic-rows", type=int, help="rows per epoch of the synthetic data")
+    t = p.add_argument_group("tables larger than memory", "every table's rows on disk under --storage-dir, at most "
+                             "--memory-budget of them cached in memory (split between tables by their traffic)")
+    t.add_argument("--memory-budget", type=parse_bytes, metavar="BYTES", help="bytes of rows in memory, all tables "
+                   "together (e.g. 6GiB); the key index is beside it")
+    t.add_argument("--storage-dir", metavar="DIR", help="where the rows live (one directory per run; a crashed run's "
+                   "is reused by its --resume only)")
+    t.add_argument("--cache-policy", choices=("lfu", "lru"), help="what the memory cache keeps (default lfu)")
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--threads", type=int)
     d = p.add_argument_group("distributed", "several processes (tables sharded over them, dense part under DDP); "
@@ -79,6 +105,10 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
         rows.append(("best possible AUC (true model)", s["bayes_auc"]))
     rows += [("final training loss", s["final_train_loss"]), ("embedding rows", s["table_rows"]),
              ("embedding memory", human_bytes(s["table_bytes"])), ("dense parameters", human_bytes(s["dense_bytes"])),
+             *([("cache hit rate", f"{s['cache_hit_rate']:.1%}"),
+                ("table bytes in memory / on disk",
+                 f"{human_bytes(s['table_bytes_resident'])} / {human_bytes(s['table_bytes_stored'])}")]
+               if "cache_hit_rate" in s else []),
              ("processes", s["world_size"]), ("device", s["device"]), ("training time", f"{s['train_seconds']:.1f} s")]
     return rows
 

@@ -101,6 +101,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     # -- construction -----------------------------------------------------------------
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None):
+        if t.tiered:  # the owners' fetch and update paths read rows by slot in memory
+            raise NotImplementedError(f"table {t.name!r}: disk-tiered tables (storage_dir / memory_budget) are "
+                                      "not supported in a ShardedEmbeddingCollection yet; train them in one process")
         p = self.plan[t.name]
         if self.device.type == "meta" or p.kind is ShardKind.DATA_PARALLEL:
             return super()._make_store(t, rule)

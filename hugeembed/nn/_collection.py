@@ -349,6 +349,27 @@ class EmbeddingCollection(nn.Module):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
                 store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
 
+    def tier_stats(self) -> dict | None:
+        """The disk tier's figures, or None without tiered tables: ``cache_hit_rate`` (id occurrences
+        served from memory, all tiered tables), ``table_bytes_resident`` (rows in memory: every
+        in-memory table's storage and the tiered tables' caches), ``table_bytes_stored`` (rows in
+        the tiers' files) and ``tables`` (per tiered table: resident and stored rows, hit rate, rows
+        read / written / prefetched)."""
+        if not self._tiered:
+            return None
+        per, acc, hits, resident, stored = {}, 0, 0, 0, 0
+        for cfg, store in self.stores():
+            if isinstance(store, TieredStore):
+                st = store.cache_stats()
+                per[cfg.name] = st
+                acc, hits = acc + st["accesses"], hits + st["hits"]
+                resident += store.memory_breakdown()["resident_rows"]
+                stored += store.stored_bytes()
+            else:
+                resident += store.storage().numel() * store.storage().element_size()
+        return {"cache_hit_rate": hits / acc if acc else 0.0, "table_bytes_resident": resident,
+                "table_bytes_stored": stored, "tables": per}
+
     def prefetch(self, features: SparseFeatures) -> dict[str, int]:
         """Starts reading, in the background, the rows of a coming batch that its tiered tables hold
         on disk only (call it with batch t+1 before running step t).  Changes nothing a lookup

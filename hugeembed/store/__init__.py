@@ -20,7 +20,7 @@ from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
-from ._tiered import CACHE_POLICIES, TieredStore, cache_rows_for
+from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
 from ._layout import RowLayout, default_state_dtype
 from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
 from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
@@ -41,6 +41,7 @@ __all__ = [
     "TieredStore",
     "CACHE_POLICIES",
     "cache_rows_for",
+    "SLOT_METADATA_BYTES",
     "Initializer",
     "Uniform",
     "Normal",

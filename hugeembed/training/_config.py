@@ -53,6 +53,9 @@ class TrainConfig:
             refuses a plan that does not fit); None: no limit.
         dist_timeout: distributed runs: seconds any collective may wait before a peer counts
             as dead or hung (the run then stops with a ShardingError naming step and stage).
+        memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
+            live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
+            together, split by each table's traffic) cached in memory by `cache_policy`.
     """
 
     model: str = "dlrm"
@@ -84,6 +87,9 @@ class TrainConfig:
     sharding: tuple[str, ...] = ()
     memory_per_rank: int | None = None
     dist_timeout: float = 300.0
+    memory_budget: int | None = None
+    storage_dir: str | None = None
+    cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
         # types first: a value of the wrong type must fail here, naming its key, not later
@@ -120,6 +126,17 @@ class TrainConfig:
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
             positive(name, allow_none=True)
         positive("eval_every", allow_zero=True)
+        positive("memory_budget", allow_none=True)
+        if self.storage_dir is not None:
+            if isinstance(self.storage_dir, os.PathLike):
+                object.__setattr__(self, "storage_dir", os.fspath(self.storage_dir))
+            if not isinstance(self.storage_dir, str) or not self.storage_dir:
+                raise ConfigError(f"storage-dir must be a directory path, got {self.storage_dir!r}")
+        if (self.storage_dir is None) != (self.memory_budget is None):
+            raise ConfigError("memory-budget and storage-dir go together: the tables' rows live under storage-dir "
+                              "with memory-budget bytes of them in memory")
+        if self.cache_policy not in ("lfu", "lru"):
+            raise ConfigError(f"cache-policy must be 'lfu' or 'lru', got {self.cache_policy!r}")
         positive("checkpoint_every", allow_zero=True)
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ConfigError(f"unknown sparse optimizer {self.sparse_optimizer!r}; "

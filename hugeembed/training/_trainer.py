@@ -10,6 +10,7 @@ optimizers, RNG, data position), from which ``resume`` continues bit-identically
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from .. import checkpoint as ckpt
 from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
 from ..models import make_model
+from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
 from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
 from ._record import RunRecord, TrainState
@@ -59,6 +61,33 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
 
 
+def _tiered_factory(cfg: TrainConfig):
+    """Builds the collection with every table on disk under cfg.storage_dir, the memory budget split by
+    the traffic of the first batches of the data (training/_tiers.py).  The run's checkpoint
+    directory names it as the tier's owner, so a resume reuses the directory a crash left."""
+    from itertools import islice
+
+    from ._tiers import batch_traffic, tiered_tables
+
+    def factory(tables, **kw):
+        # a look at the data that leaves every random state as it was: a tiered run's numbers
+        # equal the in-memory run's
+        states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        try:
+            traffic = batch_traffic(tables, islice(make_source(cfg).train_batches(0), 4))
+        finally:
+            torch.set_rng_state(states[0])
+            np.random.set_state(states[1])
+            random.setstate(states[2])
+        rule = kw.get("optimizer")
+        row_bytes = {t.name: t.row_layout(t.optimizer or (rule if t.trainable else None)).row_bytes for t in tables}
+        tables = tiered_tables(tables, cfg.memory_budget, cfg.storage_dir, cfg.cache_policy, traffic, row_bytes)
+        owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        return EmbeddingCollection(tables, storage_owner=owner, **kw)
+
+    return factory
+
+
 def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
     """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
 
@@ -67,6 +96,11 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
     """
     rule = make_optimizer(cfg.sparse_optimizer, lr=cfg.sparse_lr)
     factory = sharded_factory(cfg, world_size) if world_size > 1 else None
+    if cfg.memory_budget is not None:
+        if world_size > 1:
+            raise NotImplementedError("--memory-budget / --storage-dir with several processes: disk-tiered tables "
+                                      "are not sharded yet; train them in one process")
+        factory = _tiered_factory(cfg)
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, collection_factory=factory)
 
@@ -181,7 +215,7 @@ class Trainer:
         done = total is not None and st.step >= total
         while not done:
             any_batch = False
-            for batch in self.source.train_batches(st.epoch, skip=st.step_in_epoch):
+            for batch in self._with_prefetch(self.source.train_batches(st.epoch, skip=st.step_in_epoch)):
                 any_batch = True
                 self._train_step(batch)
                 if cfg.eval_every and st.step % cfg.eval_every == 0 and (total is None or st.step < total):
@@ -206,6 +240,21 @@ class Trainer:
         summary = self.summary()
         self.progress("end", summary)
         return summary
+
+    def _with_prefetch(self, batches):
+        """The batches, and before each step the next batch's disk-only rows of tiered tables start
+        loading in the background (collection.prefetch): the reads overlap the step's compute."""
+        if getattr(self.collection, "tier_stats", lambda: None)() is None:
+            yield from batches
+            return
+        it = iter(batches)
+        cur = next(it, None)
+        while cur is not None:
+            nxt = next(it, None)
+            if nxt is not None:
+                self.collection.prefetch(nxt.sparse)
+            yield cur
+            cur = nxt
 
     def _train_step(self, batch) -> None:
         st = self.state
@@ -247,8 +296,10 @@ class Trainer:
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
             st.loss_sum, st.loss_count = 0.0, 0
+            tiers = getattr(self.collection, "tier_stats", lambda: None)()
             self.progress("step", {"step": st.step, "loss": avg, "samples_per_s": self.samples_per_s(),
-                                   "auc": None if st.last_eval is None else st.last_eval["auc"]})
+                                   "auc": None if st.last_eval is None else st.last_eval["auc"],
+                                   "cache_hit_rate": None if tiers is None else tiers["cache_hit_rate"]})
 
     def samples_per_s(self) -> float:
         return self.state.samples / self.state.train_seconds if self.state.train_seconds else 0.0
@@ -325,6 +376,10 @@ class Trainer:
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
+        tiers = getattr(self.collection, "tier_stats", lambda: None)()
+        if tiers is not None:
+            out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})
+            out["tiers"] = tiers["tables"]
         bayes = self.source.bayes()
         if bayes is not None:
             out["bayes_auc"], out["bayes_logloss"] = bayes.auc, bayes.logloss

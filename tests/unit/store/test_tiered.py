@@ -339,3 +339,21 @@ def test_memory_is_reported_by_part(tmp_path):
     parts = store.memory_breakdown()
     assert parts["resident_rows"] + parts["cache_metadata"] <= 41 * 100
     assert parts["index"] > 0 and store.memory_bytes() == sum(parts.values())
+
+
+@pytest.mark.parametrize("kw", [dict(ttl=2, evict_interval=2), dict(evict_norm_below=0.6, evict_interval=3)])
+def test_ttl_and_norm_eviction_of_a_tiered_table_equal_the_in_memory_table(tmp_path, kw):
+    """ttl and L2-norm eviction read counts / rows through the tier (norms of rows on disk too)."""
+    cfg = TableConfig("d", dim=D, combiner="sum", initializer=Uniform(-0.5, 0.5), **kw)
+    mem = EmbeddingCollection([cfg], optimizer=SGD(lr=0.3))
+    tier = EmbeddingCollection([dataclasses.replace(cfg, storage_dir=str(tmp_path),
+                                                    memory_budget=budget(20, cfg, SGD(lr=0.3)))],
+                               optimizer=SGD(lr=0.3))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        ids = torch.randint(0, 80, (18,), generator=g)
+        f = SparseFeatures.from_lists({"d": [ids[i : i + 3].tolist() for i in range(0, 18, 3)]})
+        for ec in (mem, tier):
+            (ec(f)["d"] ** 2).sum().backward()
+    assert len(mem.store("d")) < 80  # something was evicted
+    assert_same_tables(mem, tier)

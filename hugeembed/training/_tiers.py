@@ -1,0 +1,74 @@
+"""Splitting a run's --memory-budget between its tiered tables, by the traffic each one sees.
+
+A table's share of the budget is what its rows are worth to the cache: the distinct ids a
+batch reads from it (measured on the first batches of the data) times its row size.  A
+table never gets less than two batches' distinct rows (one being trained, one evaluated
+or pinned), nor more than its whole size (a static table that fits is all resident and
+never writes to disk); what a capped table leaves goes to the others (water-filling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..nn import TableConfig
+from ..store import SLOT_METADATA_BYTES
+
+__all__ = ["batch_traffic", "split_memory_budget", "tiered_tables"]
+
+
+def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str, float]:
+    """Mean distinct ids per batch of each table over `batches` (Batch objects)."""
+    seen = {t.name: [] for t in tables}
+    for batch in batches:
+        sparse = batch.sparse
+        for t in tables:
+            ids = [sparse.feature(f).values for f in t.features if f in sparse]
+            if ids:
+                seen[t.name].append(int(torch.unique(torch.cat(ids)).numel()))
+    return {name: (sum(v) / len(v) if v else 1.0) for name, v in seen.items()}
+
+
+def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dict[str, float],
+                        row_bytes: dict[str, int]) -> dict[str, int]:
+    """Bytes of cache per table (see the module docstring); ConfigError when `budget` cannot hold
+    two batches' rows of every table."""
+    slot = {t.name: row_bytes[t.name] + SLOT_METADATA_BYTES for t in tables}
+    floor = {t.name: int(2 * max(1.0, traffic.get(t.name, 1.0)) + 1) * slot[t.name] for t in tables}
+    cap = {t.name: (t.num_rows * slot[t.name] if t.num_rows is not None else None) for t in tables}
+    floor = {n: min(f, cap[n]) if cap[n] is not None else f for n, f in floor.items()}
+    if sum(floor.values()) > budget:
+        raise ConfigError(f"memory-budget {budget} B cannot hold two batches of rows of every table "
+                          f"(needs {sum(floor.values())} B: "
+                          + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size")
+    share = dict(floor)
+    left = budget - sum(share.values())
+    open_ = [t.name for t in tables if cap[t.name] is None or share[t.name] < cap[t.name]]
+    while left > 0 and open_:
+        weight = {n: traffic.get(n, 1.0) * slot[n] for n in open_}
+        total = sum(weight.values())
+        given = 0
+        for n in list(open_):
+            add = int(left * weight[n] / total)
+            if cap[n] is not None and share[n] + add >= cap[n]:
+                add = cap[n] - share[n]
+                open_.remove(n)
+            share[n] += add
+            given += add
+        left -= given
+        if given == 0:
+            break
+    return share
+
+
+def tiered_tables(tables: Sequence[TableConfig], budget: int, storage_dir: str, cache_policy: str,
+                  traffic: dict[str, float], row_bytes: dict[str, int]) -> list[TableConfig]:
+    """`tables` with their rows on disk under `storage_dir`, the budget split by traffic."""
+    share = split_memory_budget(tables, budget, traffic, row_bytes)
+    return [dataclasses.replace(t, storage_dir=os.fspath(storage_dir), memory_budget=share[t.name],
+                                cache_policy=cache_policy) for t in tables]
