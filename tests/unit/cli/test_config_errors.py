@@ -21,7 +21,8 @@ BAD = {
     "checkpoint_dir": "5", "checkpoint_every": "1.5", "keep_checkpoints": "'3'", "resume": "'yes'",
     "seed": "1.5", "capacity": "0", "synthetic_rows": "[]", "synthetic_max_cardinality": "1e3",
     "device": "'cuda:abc'", "threads": "'2'", "prefetch": "-1", "log_every": "0", "sharding": "5",
-    "memory_per_rank": "1.5", "dist_timeout": "'soon'",
+    "memory_per_rank": "1.5", "dist_timeout": "'soon'", "memory_budget": "1.5", "storage_dir": "5",
+    "cache_policy": "'fifo'",
 }
 
 
