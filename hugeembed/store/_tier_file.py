@@ -46,7 +46,7 @@ _FORMAT = 1
 
 def _io_error(table: str, what: str, code: int, path: Path) -> StoreError:
     name = errno.errorcode.get(code, str(code))
-    return StoreError(f"table '{table}': {what} {path} failed: [{name}] {os.strerror(code)}")
+    return StoreError(f"table '{table}': {what} of tier file {path} failed: [{name}] {os.strerror(code)}")
 
 
 class RowFile:
@@ -68,26 +68,31 @@ class RowFile:
             raise StoreError(f"table '{self.table}': tier I/O needs contiguous CPU rows of {self.record_bytes} "
                              f"bytes, one per record (internal error)")
 
+    def _native(self, kernel: str, records: torch.Tensor, rows: torch.Tensor, what: str) -> bool:
+        """Runs he_tier_read / he_tier_write over all records; False when the kernels are not built."""
+        if not _native.available():
+            return False
+        err = (ctypes.c_int64 * 1)()
+        rc = _native.fn(kernel, _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR, _native.I64,
+                        _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
+                                     rows.data_ptr(), self.io_threads, err)
+        if rc:
+            raise _io_error(self.table, f"{what} {records.numel()} rows", -rc, self.path)
+        return True
+
     def read(self, records: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = record records[i]`` (out: contiguous [n, W] CPU rows)."""
         if records.numel() == 0:
             return
         self._check(records, out)
         records = records.contiguous()
-        if _native.available():
-            err = (ctypes.c_int64 * 1)()
-            rc = _native.fn("he_tier_read", _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR,
-                            _native.I64, _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
-                                                      out.data_ptr(), self.io_threads, err)
-            if rc:
-                raise _io_error(self.table, f"reading {records.numel()} rows from", -rc, self.path)
+        if self._native("he_tier_read", records, out, "reading"):
             return
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
         b = self.record_bytes
         for i, r in enumerate(records.tolist()):
-            got = os.preadv(self.fd, [view[i * b : (i + 1) * b]], r * b)
-            if got != b:
-                raise _io_error(self.table, f"reading row {r} from", errno.EIO, self.path)
+            if os.preadv(self.fd, [view[i * b : (i + 1) * b]], r * b) != b:
+                raise _io_error(self.table, f"reading row {r}", errno.EIO, self.path)
 
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""
@@ -95,13 +100,7 @@ class RowFile:
             return
         self._check(records, rows)
         records = records.contiguous()
-        if _native.available():
-            err = (ctypes.c_int64 * 1)()
-            rc = _native.fn("he_tier_write", _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR,
-                            _native.I64, _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
-                                                      rows.data_ptr(), self.io_threads, err)
-            if rc:
-                raise _io_error(self.table, f"writing {records.numel()} rows to", -rc, self.path)
+        if self._native("he_tier_write", records, rows, "writing"):
             return
         view = memoryview(rows.view(torch.uint8).numpy()).cast("B")
         b = self.record_bytes
@@ -109,7 +108,7 @@ class RowFile:
             try:
                 os.pwritev(self.fd, [view[i * b : (i + 1) * b]], r * b)
             except OSError as e:
-                raise _io_error(self.table, f"writing row {r} to", e.errno or errno.EIO, self.path) from None
+                raise _io_error(self.table, f"writing row {r}", e.errno or errno.EIO, self.path) from None
 
     def disk_bytes(self) -> int:
         """Bytes the file occupies on disk (rows never written take none: the file is sparse)."""

@@ -264,7 +264,7 @@ def test_a_full_disk_during_training_is_a_clear_error_and_loses_no_row(tmp_path,
     store = tier.store("s")
 
     def full(records, rows):
-        raise _io_error("s", f"writing {records.numel()} rows to", errno.ENOSPC, store.file.path)
+        raise _io_error("s", f"writing {records.numel()} rows", errno.ENOSPC, store.file.path)
 
     monkeypatch.setattr(store.file, "write", full)
     k = 2
