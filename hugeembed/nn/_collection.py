@@ -125,6 +125,7 @@ class EmbeddingCollection(nn.Module):
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
         self._step = 0
+        self._tables_version = 0  # see tables_version
         self._inflight: weakref.WeakSet[InFlight] = weakref.WeakSet()  # training forwards not yet applied
         self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
@@ -152,6 +153,18 @@ class EmbeddingCollection(nn.Module):
     def step(self) -> int:
         """Training steps taken (training-mode forwards)."""
         return self._step
+
+    @property
+    def tables_version(self) -> int:
+        """Times the rows were replaced or changed other than by a training step
+        (``load_state_dict``, ``catch_up_rows``).
+
+        A snapshot delta holds the rows whose ids were seen since its parent: it may only
+        follow a parent taken at the same version (``hugeembed.checkpoint`` checks it).
+        Writes straight into a store (``store.import_`` / ``scatter`` / ``remove``) are not
+        counted: write a full snapshot after them.
+        """
+        return self._tables_version
 
     def store(self, table: str) -> RowStore:
         return self._stores[self._table_index(table)]
@@ -288,6 +301,18 @@ class EmbeddingCollection(nn.Module):
         pending = [f.step for f in list(self._inflight) if not f.applied]
         return min([self._step, *(s - 1 for s in pending)])
 
+    def settled_step(self) -> int:
+        """The newest step S such that a row last seen at step S or before changes only when its
+        id is seen again: the step, or one before the oldest training forward whose graph is
+        still alive (its backward may still run, or run again through a retained graph).
+
+        Snapshot deltas hold the rows seen after their parent's settled step.  Unlike
+        :meth:`applied_step` it also waits for graphs already applied once: safe, at the cost
+        of a few more rows in a delta while such a graph is kept.
+        """
+        alive = [f.step for f in list(self._inflight)]
+        return min([self._step, *(s - 1 for s in alive)])
+
     def current_rows(self, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup rows, slots) to read table `t`'s rows at `slots` as they are now, for anything
         but a training step (eval, inference).  Global Adam's rows lag the dense update until
@@ -319,6 +344,7 @@ class EmbeddingCollection(nn.Module):
             slots = self._stores[t].export_index().slots
             if step >= 1 and slots.numel():
                 self.rules[t].catch_up(self._stores[t], slots, step, lr=self._lr(t))
+                self._tables_version += 1  # rows moved without their ids being seen: no delta can follow
 
     # -- eviction -----------------------------------------------------------------------
 
@@ -392,6 +418,8 @@ class EmbeddingCollection(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         mine = {prefix + "step"}
+        # rows are replaced below (even a load that fails half way may have replaced some)
+        self._tables_version += 1
         if prefix + "step" in state_dict:
             self._step = int(state_dict[prefix + "step"])
         else:
