@@ -156,8 +156,8 @@ class EmbeddingCollection(nn.Module):
 
     @property
     def tables_version(self) -> int:
-        """Times the rows were replaced or changed other than by a training step
-        (``load_state_dict``, ``catch_up_rows``).
+        """Times the rows (or the step) were replaced or changed other than by a training step:
+        ``load_state_dict`` of tables or of the step, ``catch_up_rows``.
 
         A snapshot delta holds the rows whose ids were seen since its parent: it may only
         follow a parent taken at the same version (``hugeembed.checkpoint`` checks it).
@@ -418,10 +418,9 @@ class EmbeddingCollection(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         mine = {prefix + "step"}
-        # rows are replaced below (even a load that fails half way may have replaced some)
-        self._tables_version += 1
         if prefix + "step" in state_dict:
             self._step = int(state_dict[prefix + "step"])
+            self._tables_version += 1  # rows last seen "later" than the new step may exist now
         else:
             missing_keys.append(prefix + "step")
         for i, (cfg, store) in enumerate(self.stores()):
@@ -440,6 +439,7 @@ class EmbeddingCollection(nn.Module):
             fresh = self._make_store(cfg, self.rules[i])
             fresh.import_(export)
             self._stores[i] = fresh
+            self._tables_version += 1
         # nn.Module marks every key that is not a registered tensor as unexpected: ours
         # are expected; keys of tables this collection does not have stay unexpected.
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
