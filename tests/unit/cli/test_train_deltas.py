@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from clihelp import run_cli
@@ -30,6 +31,7 @@ def _final_state(ck):
     return tables, {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
 
 
+@pytest.mark.slow
 def test_deltas_between_full_snapshots_and_a_resume_from_a_delta(tmp_path):
     whole = run_cli("train", "--steps", "10", "--checkpoint-dir", tmp_path / "whole", "--quiet", "--summary-json",
                     tmp_path / "whole.json", *FAST, cwd=tmp_path)
@@ -62,3 +64,24 @@ def test_full_checkpoint_every_must_be_positive(capsys):
     assert main(["train", "--full-checkpoint-every", "0", "--steps", "1"]) == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and "full-checkpoint-every must be a positive integer, got 0" in err, err
+
+
+def test_inspect_describes_a_delta_as_written(tmp_path, capsys):
+    from tests.unit.checkpoint.delta_helpers import make, seeded_ids, step
+
+    ec = make("adagrad", cap=20)
+    for s in range(3):
+        step(ec, seeded_ids(s))
+    ckpt.save(tmp_path, ec)
+    ec.evict(max_rows=1)
+    step(ec, seeded_ids(3))
+    m = ckpt.read_manifest(ckpt.save(tmp_path, ec, delta=True))
+    assert main(["inspect", str(tmp_path), "--json", str(tmp_path / "i.json")]) == 0
+    out, _ = capsys.readouterr()
+    assert "delta 1 of the chain from the full snapshot step-000000003, parent step-000000003" in out
+    desc = json.loads((tmp_path / "i.json").read_text())
+    assert desc["kind"] == "delta" and desc["base"] == "step-000000003" and desc["depth"] == 1
+    written = {t["name"]: (t["shards"][0]["rows"], t["shards"][0]["removed"]) for t in m["tables"]}
+    assert {t["name"]: (t["rows"], t["removed"]) for t in desc["tables"]} == written
+    assert written["ttl"][1] > 0  # the eviction shows
+
