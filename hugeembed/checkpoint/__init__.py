@@ -1,8 +1,10 @@
-"""Snapshots: atomic, checksummed saves of tables, dense model, optimizers and RNG state."""
+"""Snapshots: atomic, checksummed saves of tables, dense model, optimizers and RNG state; full or incremental."""
 
+from ._delta import delta_parent, snapshot_chain
 from ._lock import CheckpointLock
+from ._manifest import DELTA_FORMAT_VERSION
 from ._snapshot import (FORMAT_VERSION, SnapshotInfo, latest, list_snapshots, load, read_extra, read_manifest,
                         read_table, save)
 
 __all__ = ["save", "load", "latest", "list_snapshots", "read_manifest", "read_extra", "read_table", "SnapshotInfo",
-           "FORMAT_VERSION", "CheckpointLock"]
+           "FORMAT_VERSION", "DELTA_FORMAT_VERSION", "CheckpointLock", "delta_parent", "snapshot_chain"]

@@ -2,9 +2,11 @@
 
 Save, on N ranks::
 
+    every rank  : a delta: checks it can write one (its collection saved or loaded the parent)
     rank 0      : create root/.tmp-step-<s>-<pid>-<id>/  ── its name to every rank
     every rank  : tables/<table>.r<rank>.<field>.npy of the rows it holds (a replicated
-                  table by rank 0 only), rng.r<rank>.pt; each file fsynced
+                  table by rank 0 only; a delta: those seen since the parent, and the keys
+                  of the parent's chain it owns that are gone), rng.r<rank>.pt; each fsynced
     all-gather  : every rank's file records (or its error)
     rank 0      : dense model + optimizers + extra, manifest (world size, plan, each table's
                   shards of every rank), fsync, rename into place, LATEST  (the commit point)
@@ -18,7 +20,6 @@ every shard and keeps the keys it owns under its own plan (see ``load``).
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,34 +27,52 @@ import torch
 
 from ..distributed import ShardedEmbeddingCollection
 from ..errors import CheckpointError
-from ._snapshot import (FORMAT_VERSION, _snapshot_name, dense_files, new_tmp_dir, prune, publish, rng_file,
-                        table_records)
+from ._manifest import snapshot_name
+from ._snapshot import dense_files, manifest_head, new_tmp_dir, prune, publish, rng_file, table_records
 
 __all__ = ["save_sharded", "owned_filter", "rng_key"]
 
 
 def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, dense_optimizer=None,
                  step: int | None = None, extra: dict[str, Any] | None = None, keep: int | None = None,
-                 rng: bool = True) -> Path:
-    """The multi-rank :func:`hugeembed.checkpoint.save` (collective: every rank calls it)."""
+                 rng: bool = True, delta: bool = False) -> Path:
+    """The multi-rank :func:`hugeembed.checkpoint.save` (collective: every rank calls it).
+
+    A delta (``delta=True`` on every rank) holds each rank's rows seen since the parent and the
+    keys of its shard removed since (those of the parent's chain it owns under its plan).
+    """
+    from ._delta import parent_for_delta, remember
+
     comm, rank = collection.comm, collection.rank
     root = Path(root)
     step = collection.step if step is None else int(step)
-    name = _snapshot_name(step)
+    name = snapshot_name(step)
+    parent, why_not = None, None
+    if delta:  # every rank checks its own collection's lineage: one that cannot write a delta stops them all
+        try:
+            parent = parent_for_delta(root, collection, step)
+        except CheckpointError as e:
+            why_not = f"rank {rank}: {e}"
     tmp, err = None, None
     if rank == 0:
         try:
             tmp = new_tmp_dir(root, name)
         except OSError as e:
             err = f"rank 0 cannot create a snapshot directory under {root}: {e}"
-    tmp_name, err = comm.all_gather_object("checkpoint save (start)", (tmp.name if tmp else None, err))[0]
+    started = comm.all_gather_object("checkpoint save (start)", (tmp.name if tmp else None, err, delta, why_not))
+    tmp_name, err = started[0][:2]
+    if err is None and len({d for _, _, d, _ in started}) > 1:
+        err = f"ranks disagree on delta: {[d for _, _, d, _ in started]} (pass the same delta= on every rank)"
+    err = err or "; ".join(w for *_, w in started if w) or None
     if err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(err)
     tmp = root / tmp_name
     mine, err = None, None
     try:
         tables = table_records(collection, tmp, rank, {t.name for t in collection.tables
-                                                       if collection.writes_shard(t.name)})
+                                                       if collection.writes_shard(t.name)}, parent=parent)
         files = {f"rng.r{rank}": rng_file(tmp, f"rng.r{rank}.pt")} if rng else {}
         mine = (tables, files)
     except Exception as e:  # reported to every rank below; the snapshot is then abandoned
@@ -71,7 +90,7 @@ def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, de
             if errors:
                 raise CheckpointError("; ".join(errors))
             final = str(_commit(root, tmp, name, step, collection, [m for m, _ in everyone], model,
-                                dense_optimizer, extra))
+                                dense_optimizer, extra, parent))
             prune(root, keep)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -79,13 +98,12 @@ def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, de
     final, err = comm.all_gather_object("checkpoint save (commit)", (final, err))[0]
     if err:
         raise CheckpointError(err)
+    remember(collection, Path(final))
     return Path(final)
 
 
 def _commit(root: Path, tmp: Path, name: str, step: int, collection, records, model, dense_optimizer,
-            extra) -> Path:
-    from .. import __version__
-
+            extra, parent) -> Path:
     by_table: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     for tables, rank_files in records:  # rank order: shards listed rank by rank
@@ -99,12 +117,8 @@ def _commit(root: Path, tmp: Path, name: str, step: int, collection, records, mo
     files.update(dense_files(tmp, collection, model, dense_optimizer, extra))
     if "rng.r0" in files:
         files["rng"] = files["rng.r0"]  # what a single process restores
-    manifest = {
-        "format_version": FORMAT_VERSION, "hugeembed_version": __version__, "step": step,
-        "created_unix": time.time(), "world_size": collection.world_size, "plan": collection.plan.to_dict(),
-        "collection_step": collection.step, "tables": [by_table[t.name] for t in collection.tables],
-        "files": files,
-    }
+    manifest = {**manifest_head(collection, step, collection.world_size, collection.plan.to_dict(), parent),
+                "tables": [by_table[t.name] for t in collection.tables], "files": files}
     return publish(root, tmp, name, manifest)
 
 

@@ -5,16 +5,22 @@ Layout of a checkpoint root::
     root/
       LATEST                      name of the newest complete snapshot (atomically replaced)
       step-000001000/             one complete snapshot, never modified once renamed in
-        manifest.json             format version, step, tables (dim, rows, optimizer, files +
-                                  sha256), dense files, world size, plan
+        manifest.json             format version, kind, step, tables (dim, rows, optimizer,
+                                  files + sha256), dense files, world size, plan (_manifest.py)
         tables/<table>.r<rank>.<field>.npy   keys, rows (weights + optimizer state), counts,
                                   last_step, pending keys/counts/last_step, per shard
+                                  (a delta: the keys seen since its parent, + removed_keys)
         dense_model.pt  dense_optimizer.pt  embedding_optimizer.pt  rng.pt  extra.pt
       .tmp-step-000002000-<pid>-<id>/   a save in progress (or one that crashed): ignored
 
 A save writes everything into a hidden directory beside the target, fsyncs every
 file and the directory, renames it into place and then replaces LATEST: a crash at
 any point leaves the previous snapshot complete and LATEST pointing at it.
+
+A snapshot is full or a *delta* (``save(..., delta=True)``): only the rows seen since its
+parent, the keys removed since, and the dense state in full.  Loading a delta applies its
+chain of parents from the full base; pruning keeps every snapshot a kept delta needs.
+See _delta.py.
 """
 
 from __future__ import annotations
@@ -34,15 +40,12 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..store import EXPORT_FIELDS, StoreExport
+from ..store import EXPORT_FIELDS, ExportIndex, StoreExport
 from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_rows, write_tensor
+from ._manifest import FORMAT_VERSION, LATEST, MANIFEST, REMOVED, check_tables, snapshot_name, validate_manifest
 
 __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
            "list_snapshots", "validate_manifest"]
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "LATEST"
 
 
 @dataclass
@@ -53,10 +56,6 @@ class SnapshotInfo:
     step: int
     manifest: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _snapshot_name(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -87,25 +86,36 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _row_source(store):
-    """What a store's ``export_index().slots`` index: its storage, or a tiered table's rows on disk + cache."""
+    """Where a snapshot reads a store's rows from: ``[R, W]`` rows indexed by ``export_index().slots``
+    (its storage, or a tiered table's ``row_source()``: rows from its cache and its file on disk).
+
+    Every read of rows for a snapshot (full or delta) goes through here.
+    """
     source = getattr(store, "row_source", None)
     return source() if source is not None else store.storage()
 
 
-def table_records(collection, directory: Path, rank: int = 0, tables: set[str] | None = None) -> list[dict[str, Any]]:
-    """Writes this rank's shard of every table (or of `tables`) under directory/tables; returns manifest entries."""
+def table_records(collection, directory: Path, rank: int = 0, tables: set[str] | None = None,
+                  parent=None) -> list[dict[str, Any]]:
+    """Writes this rank's shard of every table (or of `tables`) under directory/tables; returns manifest entries.
+
+    With `parent` (a _delta.DeltaParent) only the keys seen since it are written, plus the
+    keys removed since (``removed_keys``).
+    """
     (directory / "tables").mkdir(exist_ok=True)
     out = []
     for cfg, store in collection.stores():
         if tables is not None and cfg.name not in tables:
             continue
         ex = store.export_index()  # rows are streamed from the storage: no copy of the table
-        files = {}
-        for f in EXPORT_FIELDS:
-            path = directory / "tables" / f"{cfg.name}.r{rank}.{f}.npy"
-            files[f] = write_rows(path, _row_source(store), ex.slots) if f == "rows" else \
-                write_tensor(path, getattr(ex, f))
-            files[f]["file"] = f"tables/{path.name}"
+        removed = None
+        if parent is not None:
+            ex, removed = parent.changes(collection, cfg.name, ex, static=cfg.num_rows is not None)
+        shard = {"rank": rank, "rows": int(ex.keys.numel()), "pending": int(ex.pending_keys.numel()),
+                 "files": _write_shard(directory, f"{cfg.name}.r{rank}", store, ex, removed)}
+        if removed is not None:
+            shard["removed"] = int(removed.numel())
+        rule = collection.rules[collection._table_index(cfg.name)]
         out.append({
             "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,
             "state_width": store.state_width, "dtype": str(store.dtype).removeprefix("torch."),
@@ -114,15 +124,26 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
             "stochastic_rounding": store.layout.stochastic_rounding,
             # rows created after a resume must start as they would have: same initializer and seed
             "seed": int(store.seed), "initializer": repr(store.initializer),
-            "optimizer": None if collection.rules[collection._table_index(cfg.name)] is None
-            else collection.rules[collection._table_index(cfg.name)].to_dict(),
-            "shards": [{"rank": rank, "rows": int(ex.keys.numel()), "pending": int(ex.pending_keys.numel()),
-                        "files": files}],
+            "optimizer": None if rule is None else rule.to_dict(), "shards": [shard],
         })
         stats = getattr(store, "cache_stats", None)
         if stats is not None:  # a tiered table: its cache figures at the save (hugeembed inspect shows them)
             out[-1]["tier"] = {k: v for k, v in stats().items()}
     return out
+
+
+def _write_shard(directory: Path, stem: str, store, ex: ExportIndex, removed: torch.Tensor | None
+                 ) -> dict[str, Any]:
+    """The files of one table shard: the fields of `ex` (rows read through _row_source) and `removed`."""
+    files = {}
+    fields = {f: getattr(ex, f) for f in EXPORT_FIELDS if f != "rows"}
+    if removed is not None:
+        fields[REMOVED] = removed
+    for f in (*EXPORT_FIELDS, *([REMOVED] if removed is not None else [])):
+        path = directory / "tables" / f"{stem}.{f}.npy"
+        files[f] = write_rows(path, _row_source(store), ex.slots) if f == "rows" else write_tensor(path, fields[f])
+        files[f]["file"] = f"tables/{path.name}"
+    return files
 
 
 def _remove_stale_tmp(root: Path) -> None:
@@ -143,7 +164,8 @@ def _remove_stale_tmp(root: Path) -> None:
 
 def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None = None,
          dense_optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
-         extra: dict[str, Any] | None = None, keep: int | None = None, rng: bool = True) -> Path:
+         extra: dict[str, Any] | None = None, keep: int | None = None, rng: bool = True,
+         delta: bool = False) -> Path:
     """Saves a complete, atomic snapshot under `root` and returns its directory.
 
     Args:
@@ -155,8 +177,21 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         dense_optimizer: the torch optimizer of the dense parameters.
         step: the training step (default: the collection's).
         extra: more state to keep (lr scheduler state, data position...): plain data/tensors.
-        keep: keep only the newest `keep` snapshots (None: keep all).
+        keep: keep only the newest `keep` snapshots (None: keep all), and every snapshot
+            that a kept delta needs (its parents up to its full base): a delta alone loads nothing.
         rng: save torch/CUDA/NumPy/Python RNG states (for bit-identical resume).
+        delta: write only the table rows whose ids were seen since the newest snapshot under
+            `root` (admitted and pending) and the keys removed since; the dense model,
+            optimizers, RNG and `extra` in full.  CheckpointError (before anything is written)
+            when no delta can follow: no snapshot yet, the collection did not save or load
+            the newest one, its rows were replaced since (``load_state_dict``,
+            ``catch_up_rows``), or its tables differ.  :func:`delta_parent` asks first.
+
+    Example::
+
+        save("runs/x", ec, model=model, dense_optimizer=opt, step=1000)              # full
+        save("runs/x", ec, model=model, dense_optimizer=opt, step=1100, delta=True)  # rows seen since 1000
+        load("runs/x", ec2, model=model2)   # step-1000, then the delta: the state at step 1100
     """
     from ..distributed import ShardedEmbeddingCollection
 
@@ -164,29 +199,40 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         from ._sharded import save_sharded
 
         return save_sharded(root, collection, model=model, dense_optimizer=dense_optimizer, step=step, extra=extra,
-                            keep=keep, rng=rng)
+                            keep=keep, rng=rng, delta=delta)
+    from ._delta import parent_for_delta, remember
+
     root = Path(root)
     step = collection.step if step is None else int(step)
-    name = _snapshot_name(step)
+    parent = parent_for_delta(root, collection, step) if delta else None  # checked before anything is written
+    name = snapshot_name(step)
     tmp = new_tmp_dir(root, name)
     try:
-        tables = table_records(collection, tmp)
+        tables = table_records(collection, tmp, parent=parent)
         files = dense_files(tmp, collection, model, dense_optimizer, extra)
         if rng:
             files["rng"] = rng_file(tmp)
-        from .. import __version__
-
-        manifest = {
-            "format_version": FORMAT_VERSION, "hugeembed_version": __version__, "step": step,
-            "created_unix": time.time(), "world_size": 1, "plan": None,
-            "collection_step": collection.step, "tables": tables, "files": files,
-        }
+        manifest = {**manifest_head(collection, step, 1, None, parent), "tables": tables, "files": files}
         final = publish(root, tmp, name, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    remember(collection, final)
     prune(root, keep)
     return final
+
+
+def manifest_head(collection, step: int, world_size: int, plan: dict | None, parent) -> dict[str, Any]:
+    """A manifest's fields but its tables and files; a delta's name its parent (`parent`, a DeltaParent)."""
+    from .. import __version__
+
+    head = {"format_version": FORMAT_VERSION, "kind": "full", "hugeembed_version": __version__, "step": step,
+            "created_unix": time.time(), "world_size": world_size, "plan": plan, "collection_step": collection.step,
+            # rows last seen at or before it change only when seen again: what a delta after this one holds
+            "settled_step": collection.settled_step(), "depth": 0}
+    if parent is not None:
+        head.update(parent.manifest_fields())
+    return head
 
 
 def new_tmp_dir(root: Path, name: str) -> Path:
@@ -236,8 +282,15 @@ def publish(root: Path, tmp: Path, name: str, manifest: dict[str, Any]) -> Path:
 
 
 def prune(root: Path, keep: int | None) -> None:
-    if keep is not None:
-        for old in list_snapshots(root)[:-keep] if keep > 0 else []:
+    """Deletes all but the newest `keep` snapshots and the ones their chains need (a delta's parents and base)."""
+    if keep is None or keep <= 0:
+        return
+    from ._delta import chain_names
+
+    snaps = list_snapshots(root)
+    needed = set().union(*(chain_names(s) for s in snaps[-keep:]))
+    for old in snaps[:-keep]:
+        if old.name not in needed:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -292,84 +345,6 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def validate_manifest(m: Any, where: Path) -> None:
-    """Checks the shape of a snapshot manifest before anything uses it.
-
-    CheckpointError naming the file and the first field that is missing or of the wrong
-    type (instead of a KeyError or TypeError wherever the field is first read).
-    """
-    def need(ok: bool, name: str, what: str, value: Any) -> None:
-        if not ok:
-            text = repr(value)
-            raise CheckpointError(f"{where}: {name} must be {what}, got {text if len(text) <= 60 else text[:57] + '...'}")
-
-    def get(d: dict, key: str, name: str) -> Any:
-        if key not in d:
-            raise CheckpointError(f"{where}: {name} is missing (a damaged or foreign manifest)")
-        return d[key]
-
-    def integer(v: Any, low: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-    def record(rec: Any, name: str, tensor: bool) -> None:
-        need(isinstance(rec, dict), name, "a file record (a mapping)", rec)
-        f = get(rec, "file", f"{name}.file")
-        need(isinstance(f, str) and f != "" and not Path(f).is_absolute() and ".." not in Path(f).parts,
-             f"{name}.file", "a relative path inside the snapshot", f)
-        need(integer(get(rec, "bytes", f"{name}.bytes")), f"{name}.bytes", "a non-negative integer", rec["bytes"])
-        sha = get(rec, "sha256", f"{name}.sha256")
-        need(isinstance(sha, str) and len(sha) == 64, f"{name}.sha256", "a hex sha256", sha)
-        if tensor:
-            need(isinstance(get(rec, "dtype", f"{name}.dtype"), str), f"{name}.dtype", "a string", rec["dtype"])
-            shape = get(rec, "shape", f"{name}.shape")
-            need(isinstance(shape, list) and all(integer(d) for d in shape), f"{name}.shape",
-                 "a list of non-negative integers", shape)
-
-    need(isinstance(m, dict), "the manifest", "a JSON object", m)
-    version = get(m, "format_version", "format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: snapshot format version {version!r}, this hugeembed reads {FORMAT_VERSION}")
-    for key in ("step", "collection_step"):
-        need(integer(get(m, key, key)), key, "a non-negative integer", m[key])
-    need(integer(get(m, "world_size", "world_size"), 1), "world_size", "a positive integer", m["world_size"])
-    need(isinstance(m.get("hugeembed_version", ""), str), "hugeembed_version", "a string", m.get("hugeembed_version"))
-    need(m.get("plan") is None or isinstance(m["plan"], dict), "plan", "null or a mapping", m.get("plan"))
-    files = get(m, "files", "files")
-    need(isinstance(files, dict), "files", "a mapping of names to file records", files)
-    for k, rec in files.items():
-        record(rec, f"files.{k}", tensor=False)
-    tables = get(m, "tables", "tables")
-    need(isinstance(tables, list), "tables", "a list of table records", tables)
-    for i, t in enumerate(tables):
-        need(isinstance(t, dict), f"tables[{i}]", "a table record (a mapping)", t)
-        name = get(t, "name", f"tables[{i}].name")
-        need(isinstance(name, str) and name != "", f"tables[{i}].name", "a table name", name)
-        at = f"table {name!r}"
-        for key in ("dim", "width"):
-            need(integer(get(t, key, f"{at} {key}"), 1), f"{at} {key}", "a positive integer", t[key])
-        need(integer(get(t, "state_width", f"{at} state_width")), f"{at} state_width", "a non-negative integer",
-             t["state_width"])
-        need(get(t, "num_rows", f"{at} num_rows") is None or integer(t["num_rows"], 1), f"{at} num_rows",
-             "null or a positive integer", t["num_rows"])
-        need(t.get("seed") is None or integer(t["seed"]), f"{at} seed", "null or a non-negative integer",
-             t.get("seed"))
-        opt = get(t, "optimizer", f"{at} optimizer")
-        need(opt is None or (isinstance(opt, dict) and isinstance(opt.get("name"), str)), f"{at} optimizer",
-             "null or a mapping with a name", opt)
-        shards = get(t, "shards", f"{at} shards")
-        need(isinstance(shards, list) and len(shards) > 0, f"{at} shards", "a non-empty list of shard records",
-             shards)
-        for j, sh in enumerate(shards):
-            sat = f"{at} shards[{j}]"
-            need(isinstance(sh, dict), sat, "a shard record (a mapping)", sh)
-            for key in ("rank", "rows", "pending"):
-                need(integer(get(sh, key, f"{sat}.{key}")), f"{sat}.{key}", "a non-negative integer", sh[key])
-            fl = get(sh, "files", f"{sat}.files")
-            need(isinstance(fl, dict), f"{sat}.files", "a mapping of fields to file records", fl)
-            for f in EXPORT_FIELDS:
-                record(get(fl, f, f"{sat}.files.{f}"), f"{sat}.files.{f}", tensor=True)
-
-
 def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:
     """All shards of one table from a snapshot, verified, concatenated.
 
@@ -390,43 +365,6 @@ def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExpo
         raise CheckpointError(f"{snap}: table {entry.get('name')!r} has no shard in the manifest")
     cat = {f: torch.cat(v) if len(v) > 1 else v[0] for f, v in parts.items()}
     return StoreExport(**cat)
-
-
-def check_tables(manifest: dict[str, Any], collection) -> None:
-    """Raises CheckpointError naming the first table that does not fit the collection."""
-    saved = {t["name"]: t for t in manifest["tables"]}
-    for cfg, store in collection.stores():
-        t = saved.get(cfg.name)
-        where = manifest.get("_path", "the snapshot")
-        if t is None:
-            raise CheckpointError(f"{where} has no table {cfg.name!r} (it has {sorted(saved)})")
-        if t["dim"] != cfg.dim:
-            raise CheckpointError(f"table {cfg.name!r}: dim {t['dim']} in {where}, {cfg.dim} in the model")
-        if t["num_rows"] != cfg.num_rows:
-            raise CheckpointError(f"table {cfg.name!r}: num_rows {t['num_rows']} in {where}, {cfg.num_rows} in the model")
-        if t["state_width"] != store.state_width:
-            raise CheckpointError(f"table {cfg.name!r}: optimizer state width {t['state_width']} in {where}, "
-                                  f"{store.state_width} in the model (optimizer {t['optimizer'] and t['optimizer']['name']!r} "
-                                  f"was saved)")
-        # Snapshots from before typed layouts kept the state in the weight dtype.
-        saved_layout = (t.get("dtype", "float32"), t.get("state_dtype", t.get("dtype", "float32")))
-        mine = store.layout.describe()
-        if saved_layout != (mine["dtype"], mine["state_dtype"]):
-            raise CheckpointError(f"table {cfg.name!r}: rows in {where} are stored as {saved_layout[0]} weights with "
-                                  f"{saved_layout[1]} optimizer state, the model's as {mine['dtype']} weights with "
-                                  f"{mine['state_dtype']} state: build the table with dtype/state_dtype of the "
-                                  f"snapshot")
-        if t.get("seed") is not None and int(t["seed"]) != int(store.seed):
-            raise CheckpointError(f"table {cfg.name!r}: initializer seed {t['seed']} in {where}, {store.seed} in the "
-                                  f"model: build the collection with the seed of the saved run")
-        rule = collection.rules[collection._table_index(cfg.name)]
-        saved_rule = t["optimizer"]["name"] if t["optimizer"] else None
-        if (rule.name if rule else None) != saved_rule:
-            raise CheckpointError(f"table {cfg.name!r}: optimizer {saved_rule!r} in {where}, "
-                                  f"{rule.name if rule else None!r} in the model")
-    extra = sorted(set(saved) - {c.name for c in collection.tables})
-    if extra:
-        raise CheckpointError(f"{manifest.get('_path', 'the snapshot')} has tables {extra} the model does not")
 
 
 def _read_file(snap: Path, manifest: dict[str, Any], key: str) -> Any:
@@ -456,16 +394,31 @@ def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None =
     another plan (each rank keeps the rows it owns: rows, optimizer state, counts, last
     steps and pending keys move together).  Each rank reads the snapshot on its own.
 
-    Everything is read and verified (manifest, table layout, checksums) before anything is
-    changed, so a bad snapshot raises CheckpointError and leaves the model untouched.
+    A delta loads with its chain: the full base's tables, then each delta's removed keys
+    and changed rows in order; the dense model, optimizers, RNG and extra come from the
+    delta itself (written in full).  The result is the collection as it was when the delta
+    was saved, bit for bit (rows, optimizer state, counts, last steps, pending keys).
+
+    Everything is read and verified (manifests, every link of a delta's chain, table layout,
+    checksums, the removed keys of each delta, capacities) before anything is changed, so a
+    bad snapshot or chain raises CheckpointError and leaves the model untouched.
     """
-    manifest = read_manifest(path)
-    snap = Path(manifest["_path"])
-    check_tables(manifest, collection)
+    from ._delta import apply_deltas, check_chain, read_delta, remember, resolve_chain, verify_files
     from ._sharded import owned_filter, rng_key
 
+    manifest = read_manifest(path)
+    snap = Path(manifest["_path"])
+    chain = resolve_chain(manifest)  # [manifest] for a full snapshot
+    for m in chain:
+        check_tables(m, collection)
+    base = chain[0]
+    base_snap = Path(base["_path"])
     # a sharded collection keeps the keys it owns under ITS plan, whatever the saved layout
-    exports = {t["name"]: read_table(snap, t, owned_filter(collection, t["name"])) for t in manifest["tables"]}
+    exports = {t["name"]: read_table(base_snap, t, owned_filter(collection, t["name"])) for t in base["tables"]}
+    deltas = [(m, read_delta(m, collection)) for m in chain[1:]]
+    check_chain(collection, exports, deltas, base_snap)
+    for m in chain[:-1]:  # the links' own dense files are not loaded, but a torn link is refused all the same
+        verify_files(m)
     dense = _read_file(snap, manifest, "dense_model")
     dense_opt = _read_file(snap, manifest, "dense_optimizer")
     emb_opt = _read_file(snap, manifest, "embedding_optimizer")
@@ -481,6 +434,8 @@ def load(path: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         for f in EXPORT_FIELDS:
             state[f"tables.{name}.{f}"] = getattr(ex, f)
     collection.load_state_dict(state)
+    apply_deltas(collection, deltas)
+    remember(collection, snap)  # a delta may follow this snapshot
     if emb_opt is not None:
         collection.optimizer.load_state_dict(emb_opt)
     if model is not None:

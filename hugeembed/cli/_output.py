@@ -74,7 +74,7 @@ class Progress:
                    f"copc {info['copc']:.3f}")
             (self._bar.write if self._bar is not None else _eprint)(msg)
         elif event == "checkpoint":
-            msg = f"snapshot {info['path']}"
+            msg = f"snapshot {info['path']}" + (" (delta)" if info.get("kind") == "delta" else "")
             (self._bar.write if self._bar is not None else _eprint)(msg)
         elif event == "end" and self._bar is not None:
             self._bar.close()

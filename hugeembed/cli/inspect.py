@@ -1,4 +1,8 @@
-"""hugeembed inspect: what a snapshot holds (tables, rows, bytes, optimizer, id frequencies)."""
+"""hugeembed inspect: what a snapshot holds (tables, rows, bytes, optimizer, id frequencies).
+
+A delta is described as written: the rows seen since its parent and the keys removed since
+(``removed``), with its parent and base named; inspect the base for whole tables.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_paths(json=args.json, histogram=args.histogram)
     manifest = ckpt.read_manifest(args.snapshot)
     snap = Path(manifest["_path"])
+    delta = manifest.get("kind") == "delta"
     files = sum(r["bytes"] for r in manifest["files"].values())
     tables, all_counts = [], []
     for t in manifest["tables"]:
@@ -44,14 +49,20 @@ def run(args: argparse.Namespace) -> int:
                        "optimizer": (t["optimizer"] or {}).get("name", "frozen"), "state_width": t["state_width"],
                        "dtype": t.get("dtype"), "state_dtype": t.get("state_dtype", t.get("dtype")),
                        "static_rows": t["num_rows"], "hits": int(ex.counts.sum()), "tier": t.get("tier")})
+        if delta:
+            tables[-1]["removed"] = sum(s["removed"] for s in t["shards"])
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
           f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")
+    if delta:
+        print(f"delta {manifest['depth']} of the chain from the full snapshot {manifest['base']}, parent "
+              f"{manifest['parent']['name']}: rows and pending are the keys seen since the parent, removed those gone")
     header = f"{'table':<12} {'dim':>4} {'rows':>10} {'pending':>8} {'bytes':>11} {'optimizer':<16} {'state':>5} {'hits':>12}"
+    header += f" {'removed':>8}" if delta else ""
     print(header)
     print("-" * len(header))
     for t in tables:
         print(f"{t['name']:<12} {t['dim']:>4} {t['rows']:>10,} {t['pending']:>8,} {human_bytes(t['bytes']):>11} "
-              f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}")
+              f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}" + (f" {t['removed']:>8,}" if delta else ""))
     print(f"total: {sum(t['rows'] for t in tables):,} rows, {human_bytes(files)} on disk")
     tiered = [t for t in tables if t["tier"]]
     if tiered:  # figures of the disk tier when the snapshot was written
@@ -72,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
         _plot(args.histogram, bins, snap)
         print(f"histogram saved to {args.histogram}")
     if args.json:
-        write_json(args.json, {"snapshot": str(snap), "step": manifest["step"], "tables": tables,
-                               "bytes_on_disk": files, "frequency_bins": bins})
+        links = {k: manifest[k] for k in ("parent", "base", "depth") if delta}
+        write_json(args.json, {"snapshot": str(snap), "step": manifest["step"], "kind": manifest.get("kind", "full"),
+                               **links, "tables": tables, "bytes_on_disk": files, "frequency_bins": bins})
     return 0
 
 

@@ -15,7 +15,8 @@ from ._output import Progress, check_output_paths, human_bytes, plot_history, pr
 # flag -> TrainConfig field, for flags that map one to one
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
-           "checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
+           "checkpoint_every", "full_checkpoint_every",
+           "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
            "cache_policy")
 
@@ -59,7 +60,9 @@ def add_parser(sub) -> None:
                    "(default 0.05)")
     p.add_argument("--checkpoint-dir", metavar="DIR")
     p.add_argument("--checkpoint-every", type=int, help="steps between snapshots (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int)
+    p.add_argument("--full-checkpoint-every", type=int, metavar="K", help="every K-th snapshot is full, the others "
+                   "are deltas holding only the table rows seen since the previous one (default 1: all full)")
+    p.add_argument("--keep-checkpoints", type=int, help="snapshots kept (and any a kept delta needs)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest snapshot")
     p.add_argument("--seed", type=int)
     p.add_argument("--capacity", type=int, help="most rows per embedding table (default unbounded)")

@@ -120,6 +120,11 @@ class AbsentShard(LayoutViews):
         if export.keys.numel() or export.pending_keys.numel():
             self._refuse()
 
+    def remove(self, keys: torch.Tensor) -> int:
+        if keys.numel():
+            self._refuse()
+        return 0
+
     def memory_bytes(self) -> int:
         return 0
 

@@ -131,6 +131,7 @@ class EmbeddingCollection(nn.Module):
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
         self._step = 0
+        self._tables_version = 0  # see tables_version
         self._inflight: weakref.WeakSet[InFlight] = weakref.WeakSet()  # training forwards not yet applied
         self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
@@ -169,6 +170,18 @@ class EmbeddingCollection(nn.Module):
     def step(self) -> int:
         """Training steps taken (training-mode forwards)."""
         return self._step
+
+    @property
+    def tables_version(self) -> int:
+        """Times the rows (or the step) were replaced or changed other than by a training step:
+        ``load_state_dict`` of tables or of the step, ``catch_up_rows``.
+
+        A snapshot delta holds the rows whose ids were seen since its parent: it may only
+        follow a parent taken at the same version (``hugeembed.checkpoint`` checks it).
+        Writes straight into a store (``store.import_`` / ``scatter`` / ``remove``) are not
+        counted: write a full snapshot after them.
+        """
+        return self._tables_version
 
     def store(self, table: str) -> RowStore:
         return self._stores[self._table_index(table)]
@@ -304,6 +317,18 @@ class EmbeddingCollection(nn.Module):
         pending = [f.step for f in list(self._inflight) if not f.applied]
         return min([self._step, *(s - 1 for s in pending)])
 
+    def settled_step(self) -> int:
+        """The newest step S such that a row last seen at step S or before changes only when its
+        id is seen again: the step, or one before the oldest training forward whose graph is
+        still alive (its backward may still run, or run again through a retained graph).
+
+        Snapshot deltas hold the rows seen after their parent's settled step.  Unlike
+        :meth:`applied_step` it also waits for graphs already applied once: safe, at the cost
+        of a few more rows in a delta while such a graph is kept.
+        """
+        alive = [f.step for f in list(self._inflight)]
+        return min([self._step, *(s - 1 for s in alive)])
+
     def current_rows(self, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup rows, slots) to read table `t`'s rows at `slots` as they are now, for anything
         but a training step (eval, inference).  Global Adam's rows lag the dense update until
@@ -337,10 +362,12 @@ class EmbeddingCollection(nn.Module):
                 continue
             if isinstance(store, TieredStore):  # through the cache, a chunk of rows at a time
                 store.update_all(lambda slots: rule.catch_up(store, slots, step, lr=self._lr(t)))
-                continue
-            slots = store.export_index().slots
-            if slots.numel():
+            else:
+                slots = store.export_index().slots
+                if not slots.numel():
+                    continue
                 rule.catch_up(store, slots, step, lr=self._lr(t))
+            self._tables_version += 1  # rows moved without their ids being seen: no delta can follow
 
     # -- eviction -----------------------------------------------------------------------
 
@@ -461,6 +488,7 @@ class EmbeddingCollection(nn.Module):
         mine = {prefix + "step"}
         if prefix + "step" in state_dict:
             self._step = int(state_dict[prefix + "step"])
+            self._tables_version += 1  # rows last seen "later" than the new step may exist now
         else:
             missing_keys.append(prefix + "step")
         for i, (cfg, store) in enumerate(self.stores()):
@@ -479,6 +507,7 @@ class EmbeddingCollection(nn.Module):
             fresh = self._make_store(cfg, self.rules[i])
             fresh.import_(export)
             self._stores[i] = fresh
+            self._tables_version += 1
         # nn.Module marks every key that is not a registered tensor as unexpected: ours
         # are expected; keys of tables this collection does not have stay unexpected.
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]

@@ -128,6 +128,10 @@ class ArrayStore(LayoutViews):
         raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
                           "and cannot evict; use a HashStore for ttl / max_rows eviction")
 
+    def remove(self, keys: torch.Tensor) -> int:
+        raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
+                          "and cannot remove keys")
+
     def export(self) -> StoreExport:
         return self.export_index().gather(self._storage)
 

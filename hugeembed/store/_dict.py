@@ -202,6 +202,30 @@ class DictStore(LayoutViews, Pinnable):
             self._pins.epoch += 1
         return len(gone)
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """HashStore.remove: drops admitted and pending `keys` (all present, each once); returns rows freed."""
+        ks = as_keys(self.name, keys, self.device).tolist()
+        self._refuse_if_pinned("remove keys")
+        seen = set()
+        for k in ks:
+            if k in seen:
+                raise InputError(f"table '{self.name}': key {k} is given twice to remove")
+            seen.add(k)
+        absent = [k for k in ks if k not in self._slot and k not in self._pending]
+        if absent:
+            raise InputError(f"table '{self.name}': cannot remove key {absent[0]}: it is neither admitted nor "
+                             f"pending ({len(absent)} of the {len(ks)} keys are absent)")
+        freed = 0
+        for k in ks:
+            if k in self._slot:
+                self._drop_row(self._slot[k])
+                freed += 1
+            else:
+                del self._pending[k]
+        if freed:
+            self._pins.epoch += 1
+        return freed
+
     def export(self) -> StoreExport:
         return self.export_index().gather(self._storage)
 

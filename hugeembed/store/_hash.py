@@ -442,6 +442,41 @@ class HashStore(LayoutViews, Pinnable):
             self._pins.epoch += 1
         return row_slots.numel()
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """Removes `keys` (admitted or pending) and frees their rows; returns rows freed.
+
+        What applying a snapshot delta needs: the keys an eviction removed in the saved run.
+        Every key must be present and given once (InputError naming the first that is not);
+        refused while batches in flight hold rows (their slots would move).  Checked before
+        anything changes.  Freed slots are reused by later inserts, smallest first.
+
+        Example::
+
+            >>> store.remove(torch.tensor([17, 99]))    # 17 had a row, 99 was pending
+            1
+        """
+        keys = as_keys(self.name, keys, self.device)
+        self._refuse_if_pinned("remove keys")
+        if keys.numel() == 0:
+            return 0
+        ordered = keys.sort().values
+        dup = ordered[1:][ordered.diff() == 0]
+        if dup.numel():
+            raise InputError(f"table '{self.name}': key {int(dup[0])} is given twice to remove")
+        codes = self._ops.find(self, keys)  # slot >= 0, PENDING, or -1 when absent
+        absent = keys[codes == -1]
+        if absent.numel():
+            raise InputError(f"table '{self.name}': cannot remove key {int(absent[0])}: it is neither admitted nor "
+                             f"pending ({absent.numel()} of the {keys.numel()} keys are absent)")
+        slots = codes[codes >= 0]
+        self._ops.erase(self, keys)
+        self._free_rows(slots)
+        self._st_add("rows", -slots.numel())
+        self._st_add("pending", -(keys.numel() - slots.numel()))
+        if slots.numel():  # as evict: a slot released before now may hold another key later
+            self._pins.epoch += 1
+        return slots.numel()
+
     # ------------------------------------------------------- export / import
     def export(self) -> StoreExport:
         return self.export_index().gather(self._storage)

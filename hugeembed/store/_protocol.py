@@ -167,6 +167,12 @@ class RowStore(Protocol):
     def import_(self, export: StoreExport) -> None:
         ...
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """Removes `keys` (admitted or pending, each present and given once), freeing their rows;
+        returns rows freed.  Static stores refuse (they hold every key).  Applying a snapshot
+        delta removes the keys the saved run evicted with it."""
+        ...
+
     def __len__(self) -> int:
         ...
 

@@ -445,6 +445,12 @@ class TieredStore(LayoutViews, Pinnable):
             protect = protect[protect >= 0]
         return self.index.evict(step, ttl=ttl, max_rows=max_rows, policy=policy, protect=protect, min_norm=min_norm)
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """As HashStore.remove (a snapshot delta's removed keys): the key index drops them and frees
+        their slots, whose cached and stored rows go with them.  A static table refuses."""
+        self._join_staged()
+        return self.index.remove(keys)
+
     def forget_pending(self, step: int) -> int:
         return self.index.forget_pending(step) if hasattr(self.index, "forget_pending") else 0
 

@@ -41,7 +41,11 @@ class TrainConfig:
         sparse_optimizer, sparse_lr: the tables' optimizer (applied in backward).
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         eval_every: evaluate every this many steps (0: only at the end).
-        checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable).
+        checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable);
+            pruning keeps every snapshot a kept delta needs.
+        full_checkpoint_every: every this many snapshots one is full and the others are
+            deltas (the table rows seen since the previous snapshot, the dense state in full);
+            counted along the chain, so a resumed run keeps the rhythm.  1: every snapshot full.
         resume: continue from the newest snapshot in `checkpoint_dir`.
         seed: seeds data order, tables, dense init and everything random.
         capacity: most rows per dynamic table (None: unbounded).
@@ -75,6 +79,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int | None = 3
+    full_checkpoint_every: int = 1
     resume: bool = False
     seed: int = 0
     capacity: int | None = None
@@ -123,6 +128,7 @@ class TrainConfig:
             raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         for name in ("embedding_dim", "batch_size", "epochs", "eval_rows", "synthetic_rows", "prefetch", "log_every"):
             positive(name, allow_zero=name == "prefetch")
+        positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
             positive(name, allow_none=True)
         positive("eval_every", allow_zero=True)

@@ -4,7 +4,8 @@ One step: batch -> model(dense, sparse) -> BCE loss -> backward (tables update
 themselves inside backward) -> dense optimizer step.  Every `eval_every` steps the
 held-out set is scored (AUC, log loss, CTR, PCTR, COPC over all of it); every
 `checkpoint_every` steps an atomic snapshot is written (tables, dense model,
-optimizers, RNG, data position), from which ``resume`` continues bit-identically.
+optimizers, RNG, data position), from which ``resume`` continues bit-identically;
+with `full_checkpoint_every` K > 1, every K-th is full and the others are deltas.
 """
 
 from __future__ import annotations
@@ -329,11 +330,25 @@ class Trainer:
     # -- snapshots -----------------------------------------------------------------
 
     def save(self):
+        delta = self._next_is_delta()
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
-                         extra=RunRecord(self.cfg, self.state, self.world_size).to_dict())
-        self.progress("checkpoint", {"step": self.state.step, "path": str(path)})
+                         extra=RunRecord(self.cfg, self.state, self.world_size).to_dict(), delta=delta)
+        self.progress("checkpoint", {"step": self.state.step, "path": str(path), "kind": "delta" if delta else "full"})
         return path
+
+    def _next_is_delta(self) -> bool:
+        """Whether the next snapshot is a delta: with full_checkpoint_every K, a chain holds a full
+        snapshot and K - 1 deltas (counted by the parent's depth, so a resumed run keeps the rhythm);
+        a snapshot that no delta can follow (the first of a fresh run, say) starts a chain in full."""
+        k = self.cfg.full_checkpoint_every
+        if k == 1:
+            return False
+        parent = ckpt.delta_parent(self.cfg.checkpoint_dir, self.collection, self.state.step)
+        mine = parent is not None and ckpt.read_manifest(parent).get("depth", 0) + 1 < k
+        if self.world_size > 1:  # the save is collective: every rank passes the same delta=
+            mine = all(self.collection.comm.all_gather_object("checkpoint kind", mine))
+        return mine
 
     def resume(self) -> bool:
         """Loads the newest snapshot of checkpoint_dir; False (fresh start) if there is none."""

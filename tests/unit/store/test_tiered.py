@@ -357,3 +357,17 @@ def test_ttl_and_norm_eviction_of_a_tiered_table_equal_the_in_memory_table(tmp_p
             (ec(f)["d"] ** 2).sum().backward()
     assert len(mem.store("d")) < 80  # something was evicted
     assert_same_tables(mem, tier)
+
+
+def test_delta_snapshots_of_tiered_tables_load_bit_for_bit(tmp_path):
+    """A base + deltas (rows seen since, keys evicted since) of a tiered collection loads as the live one."""
+    rule = Adagrad(lr=0.2)
+    tier = EmbeddingCollection(tables(tmp_path / "tier", 20, rule, capacity=45), optimizer=Adagrad(lr=0.2), seed=6)
+    g = torch.Generator().manual_seed(6)
+    for i in range(9):
+        step(tier, batch(g))
+        if i % 3 == 2:
+            save(tmp_path / "ck", tier, delta=i > 2)
+    back = EmbeddingCollection(tables(tmp_path / "tier2", 20, rule, capacity=45), optimizer=Adagrad(lr=0.2), seed=6)
+    load(tmp_path / "ck", back)
+    assert_same_tables(tier, back)
