@@ -15,8 +15,8 @@ from ._output import Progress, check_output_paths, human_bytes, plot_history, pr
 # flag -> TrainConfig field, for flags that map one to one
 _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
-           "checkpoint_every", "full_checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
-           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
+           "checkpoint_every", "full_checkpoint_every", "keep_checkpoints", "resume", "seed", "capacity", "device",
+           "threads", "eval_fraction", "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout")
 
 
 def add_parser(sub) -> None:
