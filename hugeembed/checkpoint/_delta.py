@@ -250,8 +250,9 @@ def parent_for_delta(root: Path, collection, step: int) -> DeltaParent:
     if step == manifest["step"] and is_delta(manifest):  # re-saving the newest step: the same parent
         chain, sha = chain[:-1], manifest["parent"]["manifest_sha256"]
     elif step <= manifest["step"]:
+        what = "a full snapshot: re-save it in full" if step == manifest["step"] else "save a later step"
         raise CheckpointError(f"a delta at step {step} needs a parent before it; the newest snapshot {newest.name} "
-                              f"is at step {manifest['step']} ({'a full snapshot: re-save it in full' if step == manifest['step'] else 'save a later step'})")
+                              f"is at step {manifest['step']} ({what})")
     parent = chain[-1]
     if "settled_step" not in parent:
         raise CheckpointError(f"{parent['_path']} was written by a hugeembed without incremental snapshots (no "

@@ -346,7 +346,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:
-    """All shards of one table from a snapshot, verified, concatenated.
+    """All shards of one table from a snapshot, verified, concatenated (of a delta: the keys seen since its parent).
 
     `rank_filter` (optional) maps one shard's fields ``{field: tensor}`` to the part to keep;
     it is applied shard by shard, so a rank resharding a big table never holds all of it.

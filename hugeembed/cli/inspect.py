@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     print("-" * len(header))
     for t in tables:
+        removed = f" {t['removed']:>8,}" if delta else ""
         print(f"{t['name']:<12} {t['dim']:>4} {t['rows']:>10,} {t['pending']:>8,} {human_bytes(t['bytes']):>11} "
-              f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}" + (f" {t['removed']:>8,}" if delta else ""))
+              f"{t['optimizer']:<16} {t['state_width']:>5} {t['hits']:>12,}{removed}")
     print(f"total: {sum(t['rows'] for t in tables):,} rows, {human_bytes(files)} on disk")
     tiered = [t for t in tables if t["tier"]]
     if tiered:  # figures of the disk tier when the snapshot was written

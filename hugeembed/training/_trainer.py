@@ -351,7 +351,7 @@ class Trainer:
         return mine
 
     def resume(self) -> bool:
-        """Loads the newest snapshot of checkpoint_dir; False (fresh start) if there is none."""
+        """Loads the newest snapshot of checkpoint_dir (a delta: with its chain); False (fresh start) if none."""
         root = Path(self.cfg.checkpoint_dir)
         if not root.exists() or ckpt.latest(root) is None:
             return False

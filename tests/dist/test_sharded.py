@@ -103,8 +103,11 @@ def two(chain):
     root = chain["root"]
     link = {"plan": plans(2)["row_wise"], "opt": CHAIN_OPT, "load": str(root / "s1"), "train": (3, 6),
             "save": str(root / "s2")}
+    # a full snapshot at step 5, then a delta at 7 (rows seen since, keys evicted since)
+    delta = {"plan": plans(2)["mixed"], "opt": CHAIN_OPT, "load": str(root / "s1"), "train": (3, 5),
+             "save": str(root / "d2"), "evict_to": 3, "then_delta": (5, 7)}
     return run_ranks(2, "tests.dist.workers:main", {
-        "cases": cases(2, list(OPTIMIZERS)), "chain": [link], "probe_weights_grad": True,
+        "cases": cases(2, list(OPTIMIZERS)), "chain": [link, delta], "probe_weights_grad": True,
         "accumulation": [{"name": "table_wise", "plan": {"u": "table_wise@1"}, "capacity": 6},
                          {"name": "data_parallel", "plan": {"u": "data_parallel"}, "capacity": 6}],
         "metrics": {"plan": {t: "row_wise" for t in POOLED}, "batches_per_rank": EVAL_BATCHES}})
@@ -132,7 +135,10 @@ def four(chain, two):
     root = chain["root"]
     links = [{"plan": plans(4)["mixed"], "opt": CHAIN_OPT, "load": str(root / "s1")},
              {"plan": plans(4)["table_wise"], "opt": CHAIN_OPT, "load": str(root / "s2"), "train": (6, 8),
-              "save": str(root / "s4")}]
+              "save": str(root / "s4")},
+             # the 2-rank delta resharded into 4 ranks, trained on, and a delta of their own on top of it
+             {"plan": plans(4)["row_wise"], "opt": CHAIN_OPT, "load": str(root / "d2"), "train": (7, 8),
+              "save": str(root / "d2"), "delta": True}]
     return run_ranks(4, "tests.dist.workers:main",
                      {"cases": cases(4, ["adagrad", "adam_global", "ftrl"], ("row_wise", "mixed")), "chain": links})
 
@@ -263,6 +269,25 @@ def test_sharded_snapshots_load_into_one_process(chain, two, four, snapshot, ste
     ckpt.load(chain["root"] / snapshot, ec, restore_rng=False)
     assert ec.step == step
     assert_tables(export_all(ec), chain["at"][step], set(), f"{snapshot} -> 1 process")
+
+
+def test_sharded_deltas_load_anywhere_as_the_ranks_held_them(chain, two, four):
+    d2 = chain["root"] / "d2"
+    mixed = replicated(plans(2)["mixed"])
+    on_two = merge_shards([r["chain"][1]["delta_trained"] for r in two], mixed)  # what 2 ranks held at step 7
+    m = ckpt.read_manifest(two[0]["chain"][1]["delta_saved"])
+    assert (m["kind"], m["step"], m["parent"]["name"], m["world_size"]) == ("delta", 7, "step-000000005", 2)
+    assert sum(sh["removed"] for t in m["tables"] for sh in t["shards"]) > 0  # the eviction shows, rank by rank
+    # 2 ranks -> 4 ranks (another plan): the chain loads exactly, and their delta of step 8 too
+    links = [r["chain"][2] for r in four]
+    assert all(r["loaded_step"] == 7 for r in links)
+    assert_tables(merge_shards([r["loaded"] for r in links]), on_two, set(ALL), "2-rank delta -> 4 ranks")
+    m = ckpt.read_manifest(d2)
+    assert (m["kind"], m["step"], m["depth"], m["world_size"]) == ("delta", 8, 2, 4)
+    for snap, want in (("step-000000007", on_two), ("step-000000008", merge_shards([r["trained"] for r in links]))):
+        ec = EmbeddingCollection(tables(CHAIN_OPT))
+        ckpt.load(d2 / snap, ec, restore_rng=False)
+        assert_tables(export_all(ec), want, set(ALL), f"{snap} -> 1 process")
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,9 @@ def run_case(rank: int, world: int, group, case: dict) -> dict:
 
 
 def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
-    """Optionally loads a snapshot into this world size and plan, trains some steps, optionally saves."""
+    """Optionally loads a snapshot into this world size and plan, trains some steps, optionally saves (a delta
+    with ``"delta": True``), then optionally evicts each rank's dynamic rows down to ``"evict_to"``, trains on
+    and saves a delta (``"then_delta": (a, b)``)."""
     ec = build(world, link["plan"], link["opt"], group)
     out: dict = {}
     if link.get("load"):
@@ -61,7 +63,14 @@ def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
         train(ec, range(a, b), rank, world)
         out["trained"] = export_all(ec)
     if link.get("save"):
-        out["saved"] = str(ckpt.save(link["save"], ec))
+        out["saved"] = str(ckpt.save(link["save"], ec, delta=link.get("delta", False)))
+    if link.get("then_delta"):
+        a, b = link["then_delta"]
+        if link.get("evict_to") is not None:
+            ec.evict(max_rows=link["evict_to"])
+        train(ec, range(a, b), rank, world)
+        out["delta_trained"] = export_all(ec)
+        out["delta_saved"] = str(ckpt.save(link["save"], ec, delta=True))
     return out
 
 

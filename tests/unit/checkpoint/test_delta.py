@@ -142,6 +142,25 @@ def test_resume_from_a_delta_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert tables_equal(ec, ec3) and read_manifest(tmp_path)["depth"] == 3
 
 
+def test_a_snapshot_taken_with_a_batch_in_flight_is_followed_by_its_gradient(tmp_path):
+    """Saved between a forward and its backward, the rows are pre-gradient with last_step = the new step: the
+    settled step stays one before it, so the next delta holds them again, with the gradient applied."""
+    from .delta_helpers import batch
+
+    ec = make("adagrad", cap=20)
+    step(ec, seeded_ids(0))
+    out = ec(batch(seeded_ids(1))).concat()
+    assert ec.settled_step() == ec.step - 1
+    save(tmp_path, ec)
+    (out * torch.linspace(-1.0, 1.0, out.numel()).view_as(out)).sum().backward()
+    del out
+    assert ec.settled_step() == ec.step  # the graph is gone: nothing can land later
+    save(tmp_path, ec, step=ec.step + 1, delta=True)
+    fresh = make("adagrad", cap=20)
+    load(tmp_path, fresh)
+    assert_same(exports(fresh), exports(ec), "delta after a snapshot with a batch in flight")
+
+
 def test_re_saving_the_newest_step_as_a_delta_keeps_its_parent(tmp_path):
     ec = make("sgd")
     step(ec, seeded_ids(0))

@@ -104,9 +104,10 @@ def test_a_delta_naming_another_base(root):
     _refused(root, [f"{root / TIP} names {D1} as its base, but its chain reaches the full snapshot {BASE}"])
 
 
+# a link's own dense files are not loaded, and are checked all the same
 @pytest.mark.parametrize("where,file,cut", [(D1, "tables/user.r0.rows.npy", True),
                                             (TIP, "tables/item.r0.removed_keys.npy", False),
-                                            (D2, "dense_model.pt", True)])  # a link's own dense files: unused, still checked
+                                            (D2, "dense_model.pt", True)])
 def test_a_torn_link(root, where, file, cut):
     path = root / where / file
     data = bytearray(path.read_bytes())
@@ -141,8 +142,9 @@ def test_rows_beyond_a_tables_capacity(tmp_path):
     small = make("adagrad", cap=2)
     step(small, seeded_ids(9))
     before, at = exports(small), small.step
-    with pytest.raises(CheckpointError, match=rf"table 'cap': .*step-000000004 holds {rows} rows here, more than the "
-                                              rf"table's capacity 2: build the table with a capacity of at least {rows}"):
+    with pytest.raises(CheckpointError, match=rf"table 'cap': .*step-000000004 holds {rows} rows here, more than "
+                                              rf"the table's capacity 2: build the table with a capacity of at least "
+                                              rf"{rows}"):
         ckpt.load(tmp_path, small)
     assert_same(exports(small), before, "after a refused load")
     assert small.step == at
@@ -157,7 +159,8 @@ DELTA_DAMAGES = [
     (set_field(["kind"], "full"), "kind must be 'delta' in a format version 2 manifest"),
     (set_field(["format_version"], 1), "kind must be 'full' in a format version 1 manifest"),
     (set_field(["tables", 0, "shards", 0, "removed"], KeyError), "table 'user' shards[0].removed is missing"),
-    (set_field(["tables", 0, "shards", 0, "files", "removed_keys"], KeyError), "shards[0].files.removed_keys is missing"),
+    (set_field(["tables", 0, "shards", 0, "files", "removed_keys"], KeyError),
+     "shards[0].files.removed_keys is missing"),
 ]
 
 
