@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, InputError
@@ -156,6 +157,17 @@ def protect_mask(name: str, protect: torch.Tensor | None, num_rows: int, device:
     return mask
 
 
+def _kth_smallest(v: torch.Tensor, k: int):
+    """The k-th smallest value of 1-D `v` (k >= 1): numpy's introselect on CPU, 5-8x faster than
+    torch.kthvalue there (700 k cache slots: 1.8 ms vs 12.5 ms); torch.kthvalue elsewhere."""
+    if v.device.type == "cpu" and v.dtype in _NUMPY_SELECT:
+        return np.partition(v.numpy(), k - 1)[k - 1].item()
+    return v.kthvalue(k).values
+
+
+_NUMPY_SELECT = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float64, torch.float32)
+
+
 def lowest_k(cols: list[torch.Tensor], k: int) -> torch.Tensor:
     """Bool mask of the `k` smallest entries in lexicographic order of `cols` (the last column unique).
 
@@ -170,8 +182,8 @@ def lowest_k(cols: list[torch.Tensor], k: int) -> torch.Tensor:
         return ~sel
     cand = torch.arange(n, device=cols[0].device)
     for col in cols:
-        v = col[cand]
-        thr = v.kthvalue(k).values
+        v = col if cand.numel() == n else col[cand]  # cand ascends: all n of them is arange(n)
+        thr = _kth_smallest(v, k)
         below = v < thr
         sel[cand[below]] = True
         k -= int(below.sum())

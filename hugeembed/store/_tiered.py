@@ -118,8 +118,8 @@ class TieredStore(LayoutViews, Pinnable):
         self._on_disk = torch.zeros(0, dtype=torch.bool)
         self.stats = {"accesses": 0, "hits": 0, "rows_read": 0, "rows_written": 0, "rows_prefetched": 0}
         self._pool: ThreadPoolExecutor | None = None
-        self._staged: tuple[Future, torch.Tensor, torch.Tensor] | None = None
-        self._stale: list[torch.Tensor] = []
+        # reads started by prefetch, oldest first, at most 2: (future, logical, rows, stale logical slots)
+        self._staged: list[tuple[Future, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         index.on_free = self._drop_logical
         index.row_norms = self._logical_norms
 
@@ -336,10 +336,12 @@ class TieredStore(LayoutViews, Pinnable):
     # ------------------------------------------------------------- prefetch
     def prefetch(self, keys: torch.Tensor) -> int:
         """Starts reading the rows of `keys` (e.g. the next batch's ids) that are on disk and not
-        resident, in the background; the next fetch takes them from there.  Changes nothing a
-        caller can see (no count, no row, no residency).  Returns rows being read."""
+        resident, in the background; the next fetches take them from there (the reads of the
+        prefetch before stay too: prefetch(batch t+1) is called before step t, whose rows the
+        previous call read).  Changes nothing a caller can see (no count, no row, no residency).
+        Returns rows being read."""
         keys = as_keys(self.name, keys, self.device)
-        self._join_staged()
+        self._join_staged(keep=1)
         if keys.numel() == 0:
             return 0
         logical = self.index.find(torch.unique(keys))
@@ -352,42 +354,41 @@ class TieredStore(LayoutViews, Pinnable):
         buf = self.layout.empty(logical.numel())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tier-{self.name}")
-        self._stale = []
-        self._staged = (self._pool.submit(self.file.read, logical, buf), logical, buf)
+        self._staged.append((self._pool.submit(self.file.read, logical, buf), logical, buf, []))
         return logical.numel()
 
-    def _join_staged(self) -> None:
-        if self._staged is not None:
+    def _join_staged(self, keep: int = 0) -> None:
+        """Waits for and drops the staged reads but the newest `keep`."""
+        while len(self._staged) > keep:
             try:
-                self._staged[0].result()
+                self._staged.pop(0)[0].result()
             except StoreError:
                 pass  # a failed prefetch is only a lost hint: the fetch reads the file itself
-            self._staged = None
 
     def _mark_stale(self, logical: torch.Tensor) -> None:
-        if self._staged is not None and logical.numel():
-            self._stale.append(logical.clone())
+        if self._staged and logical.numel():
+            logical = logical.clone()
+            for s in self._staged:
+                s[3].append(logical)
 
     def _take_staged(self, logical: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Copies staged rows of `logical` into `slots`; a mask of those served."""
         got = torch.zeros(logical.numel(), dtype=torch.bool)
-        if self._staged is None:
-            return got
-        fut, staged, buf = self._staged
-        try:
-            fut.result()
-        except StoreError:
-            self._staged = None
-            return got
-        if self._stale:  # rewritten or freed since they were read: the file is newer
-            ok = ~torch.isin(staged, torch.cat(self._stale))
-        else:
-            ok = torch.ones(staged.numel(), dtype=torch.bool)
-        pos = torch.searchsorted(staged, logical).clamp_(max=max(staged.numel() - 1, 0))
-        got = (staged[pos] == logical) & ok[pos]
-        if bool(got.any()):
-            self._rows.index_copy_(0, slots[got], buf.index_select(0, pos[got]))
-            self.stats["rows_prefetched"] += int(got.sum())
+        for fut, staged, buf, stale in self._staged:
+            try:
+                fut.result()
+            except StoreError:
+                continue
+            if stale:  # rewritten or freed since they were read: the file is newer
+                ok = ~torch.isin(staged, torch.cat(stale))
+            else:
+                ok = torch.ones(staged.numel(), dtype=torch.bool)
+            pos = torch.searchsorted(staged, logical).clamp_(max=max(staged.numel() - 1, 0))
+            hit = ~got & (staged[pos] == logical) & ok[pos]
+            if bool(hit.any()):
+                self._rows.index_copy_(0, slots[hit], buf.index_select(0, pos[hit]))
+                self.stats["rows_prefetched"] += int(hit.sum())
+                got |= hit
         return got
 
     # ------------------------------------------------------------ reading rows
