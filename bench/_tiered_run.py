@@ -170,7 +170,7 @@ class Runner:
         self.nxt = work.batch(first)
         self._empty = work.empty()
         self.warm_hit_rates: list[float] = []
-        self.res = {m: {"runs": [], "t": defaultdict(float), "n": defaultdict(int), "stats": defaultdict(float),
+        self.res = {m: {"runs": [], "t": [], "n": defaultdict(int), "stats": defaultdict(float),
                         "ranks": [], "steps": 0} for m in self.modes}
 
     def _one(self, prefetch: bool) -> tuple[float, np.ndarray]:
@@ -218,8 +218,7 @@ class Runner:
         st_after = tier_stats(ec)
         r["runs"].append(total / iters)
         r["steps"] += iters
-        for k, v in t_after.items():
-            r["t"][k] += v - t_before.get(k, 0.0)
+        r["t"].append({k: (v - t_before.get(k, 0.0)) / iters for k, v in t_after.items()})
         for k, v in n_after.items():
             r["n"][k] += v - n_before.get(k, 0)
         for k in ("accesses", "hits", "rows_read", "rows_written", "rows_prefetched"):
@@ -240,8 +239,11 @@ def summarize(r: dict, batch: int, record_bytes: int) -> dict:
     steps = r["steps"]
     med = statistics.median(r["runs"])
     st = r["stats"]
-    out = {"step_s": med, "steps_per_s": 1.0 / med, "samples_per_s": batch / med,
-           "runs": r["runs"], "profile": {k: v / steps for k, v in r["t"].items()}}
+    keys = [k for k in set().union(*r["t"]) if any(t.get(k) for t in r["t"])]
+    mean = sum(r["runs"]) / len(r["runs"])  # runs of equal length: every timed step counts once
+    out = {"step_s": med, "steps_per_s": 1.0 / med, "samples_per_s": batch / med, "mean_step_s": mean,
+           "runs": r["runs"], "profile": {k: statistics.median(t.get(k, 0.0) for t in r["t"]) for k in keys},
+           "profile_mean": {k: sum(t.get(k, 0.0) for t in r["t"]) / len(r["t"]) for k in keys}}
     if st.get("accesses"):
         out["hit_rate"] = st["hits"] / st["accesses"]
         read_main = r["n"].get("read misses: file.read", 0)

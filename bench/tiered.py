@@ -256,7 +256,7 @@ def case1(args, dim: int, rows: int, root: Path) -> list[list[str]]:
         p = dict(s["profile"])
         p["_step"] = s["step_s"]
         profiles[name] = p
-    print_profile(f"d{dim} (the step row: median of runs; phases: means over the timed steps)", profiles)
+    print_profile(f"d{dim} (medians over the runs of each phase's mean per step)", profiles)
     return out
 
 
@@ -284,12 +284,13 @@ def case2(args, root: Path) -> None:
         ec = make_collection(work, dim, d, budget, args.scale_policy, dynamic=args.scale_dynamic)
         store = ec.store(TABLE)
         t_build = time.perf_counter() - t0
+        rss_built, _ = rss_now()
         t_fill = prefill(ec) if args.scale_prefill and not args.scale_dynamic else 0.0
         W = args.scale_warmup
         t0 = time.perf_counter()
         rn = Runner("case 2", ec, work, dim, modes=(True,))
         rn.warm(W, windows=10)
-        round_robin([rn], args.runs, args.iters)
+        round_robin([rn], args.runs, args.scale_iters)
         t_train = time.perf_counter() - t0
         s = summarize(rn.res[True], args.batch, rb)
         mb = store.memory_breakdown()
@@ -298,24 +299,30 @@ def case2(args, root: Path) -> None:
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         rss, hwm = rss_now()
         limit = budget + mb["index"] + GiB
-        print(f"# built in {t_build:.1f} s, prefill {t_fill:.1f} s, {W} warm-up + {args.runs * args.iters} timed "
+        limit_map = limit + mb["tier_map"]
+        print(f"# built in {t_build:.1f} s, prefill {t_fill:.1f} s, {W} warm-up + {args.runs * args.scale_iters} timed "
               f"steps in {t_train:.0f} s; cache {store.capacity_rows:,} rows, resident {st['resident_rows']:,}, "
               f"rows on disk {st['stored_rows']:,} ({disk / 1e9:.1f} GB of file), keys {len(store):,}")
         print(f"# warm-up hit rate by {max(1, W // 10)}-step windows: "
               f"{' '.join(f'{h:.1%}' for h in rn.warm_hit_rates)}")
-        print_table(["memory", "bytes", "per row"], [
+        keys = len(store)
+        print_table(["memory", "bytes", "per key held" if args.scale_dynamic else "per row"], [
             ["resident rows (cache)", mib(mb["resident_rows"]), f"{rb} B per cached row"],
             ["cache metadata", mib(mb["cache_metadata"]), "25 B per cached row"],
-            ["key index (memory_breakdown()['index'])", mib(mb["index"]), f"{mb['index'] / rows:.1f} B"],
-            ["tier map", mib(mb["tier_map"]), f"{mb['tier_map'] / rows:.1f} B"],
-            ["budget + index + 1 GiB (target: peak RSS below)", mib(limit), ""],
-            ["peak RSS ru_maxrss", mib(maxrss), "ok" if maxrss <= limit else "OVER"],
-            ["peak RSS VmHWM", mib(hwm), "ok" if hwm <= limit else "OVER"],
+            ["key index (memory_breakdown()['index'])", mib(mb["index"]), f"{mb['index'] / keys:.1f} B"],
+            ["tier map", mib(mb["tier_map"]), f"{mb['tier_map'] / keys:.1f} B"],
+            ["target: budget + index + 1 GiB", mib(limit), ""],
+            ["  + tier map (also per row, beside the budget)", mib(limit_map), ""],
+            ["peak RSS ru_maxrss", mib(maxrss), ("ok" if maxrss <= limit else "over target") + (
+                "" if maxrss <= limit else (", ok with the tier map" if maxrss <= limit_map else ", over both"))],
+            ["peak RSS VmHWM", mib(hwm), ("ok" if hwm <= limit else "over target") + (
+                "" if hwm <= limit else (", ok with the tier map" if hwm <= limit_map else ", over both"))],
             ["RSS now (VmRSS)", mib(rss), ""],
-            ["RSS before the table", mib(rss0), ""]])
+            ["RSS before the table", mib(rss0), ""],
+            ["RSS once the table was built (cache, index, tier map allocated)", mib(rss_built), ""]])
         print()
-        p = dict(s["profile"])
-        p["_step"] = s["step_s"]
+        p = {**s["profile"], "_step": s["step_s"]}
+        pm = {**s["profile_mean"], "_step": s["mean_step_s"]}
         store.close()
         del ec, rn, store
         gc.collect()
@@ -330,21 +337,28 @@ def case2(args, root: Path) -> None:
     round_robin([mem], args.runs, args.iters)
     m = summarize(mem.res[False], args.batch, rb)
     del mem
-    ratio = s["steps_per_s"] / m["steps_per_s"]
-    print_table(["case", "steps/s", "samples/s", "vs case-1 in-memory (>=0.5x)", "hit rate", "misses/step",
+    # The median run can miss the big evictions (every ~C/64 misses: one in several runs here); the
+    # mean over every timed step is what training gets, and the ratio is taken on it.
+    ratio_med = s["steps_per_s"] / m["steps_per_s"]
+    ratio = m["mean_step_s"] / s["mean_step_s"]
+    print_table(["case", "steps/s (median run)", "steps/s (all steps)", "samples/s (all steps)",
+                 "vs case-1 in-memory (>=0.5x): median, all", "hit rate", "misses/step",
                  "rows read/step (fetch + ahead)", "rows init/step", "MB read/step", "MB written/step",
                  "ms per step, each run"], [
         [f"case 2: {rows / 1e6:.0f} M rows d{dim}, {args.scale_budget_gib:g} GiB, {args.scale_policy} +prefetch",
-         f"{s['steps_per_s']:.2f}", f"{fmt_rate(s['samples_per_s'])}/s",
-         f"{ratio:.2f}x" + (" ok" if ratio >= 0.5 else " <0.5"), f"{s['hit_rate']:.1%}", f"{s['misses']:,.0f}",
-         f"{s['rows_read_fetch']:,.0f} + {s['rows_read_ahead']:,.0f}", f"{s['rows_init']:,.0f}",
-         f"{s['mb_read']:.2f}", f"{s['mb_written']:.2f}", " ".join(f"{x * 1e3:.0f}" for x in s["runs"])],
+         f"{s['steps_per_s']:.2f}", f"{1 / s['mean_step_s']:.2f}", f"{fmt_rate(args.batch / s['mean_step_s'])}/s",
+         f"{ratio_med:.2f}x, {ratio:.2f}x" + (" ok" if ratio >= 0.5 else " <0.5"), f"{s['hit_rate']:.1%}",
+         f"{s['misses']:,.0f}", f"{s['rows_read_fetch']:,.0f} + {s['rows_read_ahead']:,.0f}",
+         f"{s['rows_init']:,.0f}", f"{s['mb_read']:.2f}", f"{s['mb_written']:.2f}",
+         " ".join(f"{x * 1e3:.0f}" for x in s["runs"])],
         [f"case 1 in-memory: {ref_rows / 1e6:.1f} M rows d{dim}", f"{m['steps_per_s']:.2f}",
-         f"{fmt_rate(m['samples_per_s'])}/s", "1.00x", "-", "-", "-", "-", "-", "-",
-         " ".join(f"{x * 1e3:.0f}" for x in m["runs"])]])
+         f"{1 / m['mean_step_s']:.2f}", f"{fmt_rate(args.batch / m['mean_step_s'])}/s", "1.00x", "-", "-", "-",
+         "-", "-", "-", " ".join(f"{x * 1e3:.0f}" for x in m["runs"])]])
     print()
-    print_profile(f"case 2 vs case-1 in-memory d{dim}", {"case 2": p, "in-memory": {**m["profile"],
-                                                                                    "_step": m["step_s"]}})
+    print_profile(f"case 2 vs case-1 in-memory d{dim}: median run, and mean over all timed steps",
+                  {"case 2 (median run)": p, "case 2 (mean)": pm,
+                   "in-memory (median run)": {**m["profile"], "_step": m["step_s"]},
+                   "in-memory (mean)": {**m["profile_mean"], "_step": m["mean_step_s"]}})
 
 
 # ------------------------------------------------------------------ parity (--quick, tests)
@@ -437,7 +451,10 @@ def main(argv=None) -> int:
     p.add_argument("--scale-dim", type=int, default=128)
     p.add_argument("--scale-budget-gib", type=float, default=6.0)
     p.add_argument("--scale-policy", choices=["lfu", "lru"], default="lfu")
-    p.add_argument("--scale-warmup", type=int, default=1500)
+    p.add_argument("--scale-warmup", type=int, default=1500,
+                   help="steps before timing: the 6 GiB cache fills after ~900 (12 M distinct rows seen)")
+    p.add_argument("--scale-iters", type=int, default=40,
+                   help="steps per timed run (several evictions of C/64 rows each per run)")
     p.add_argument("--scale-prefill", action="store_true", help="write every row to the tier first")
     p.add_argument("--scale-dynamic", action="store_true",
                    help="a dynamic (hash) table instead of a static one: its key index grows with the ids seen")

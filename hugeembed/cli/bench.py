@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SUITE = ("lookup", "tables", "train", "loader", "snapshot", "distributed")
+SUITE = ("lookup", "tables", "train", "loader", "snapshot", "distributed", "tiered")
 
 
 def add_parser(sub) -> None:
