@@ -61,7 +61,7 @@ from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.errors import StoreError  # noqa: E402
 from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
 from hugeembed.optim import RowWiseAdagrad  # noqa: E402
-from hugeembed.store import StoreExport, TieredStore  # noqa: E402
+from hugeembed.store import SLOT_METADATA_BYTES, StoreExport, TieredStore  # noqa: E402
 
 LR = 0.01
 GiB = 1 << 30
@@ -222,7 +222,7 @@ def case1(args, dim: int, rows: int, root: Path) -> list[list[str]]:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
 
-    cap = next(iter(info.values()))["capacity_rows"] if info else int(budget // (rb + 25))
+    cap = next(iter(info.values()))["capacity_rows"] if info else int(budget // (rb + SLOT_METADATA_BYTES))
     for label, i in info.items():
         print(f"# {label}: cache {i['capacity_rows']:,} rows ({mib(i['cache'])} with metadata), key index "
               f"{mib(i['index'])} + tier map {mib(i['tier_map'])} ({(i['index'] + i['tier_map']) / rows:.1f} B/row), "

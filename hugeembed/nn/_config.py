@@ -75,7 +75,7 @@ class TableConfig:
         storage_dir: put the table's rows on disk under this directory (a subdirectory per
             table), with at most `memory_budget` bytes of them cached in memory: a table larger
             than memory (see hugeembed.store.TieredStore).  CPU tables only.
-        memory_budget: bytes of rows (and 25 B of cache metadata per row) kept in memory for a
+        memory_budget: bytes of rows (and 37 B of cache metadata per row) kept in memory for a
             tiered table; the key index is beside it (``store.memory_breakdown()``).
         cache_policy: what the cache of a tiered table keeps: ``"lfu"`` (the most used rows)
             or ``"lru"`` (the most recently used).

@@ -21,7 +21,7 @@ from hugeembed.checkpoint import load, save
 from hugeembed.features import SparseFeatures
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, RowWiseAdagrad
-from hugeembed.store import (EXPORT_FIELDS, HashStore, TieredStore, Uniform, cache_rows_for)
+from hugeembed.store import EXPORT_FIELDS, SLOT_METADATA_BYTES, HashStore, TieredStore, Uniform, cache_rows_for
 from hugeembed.store._tier_file import _io_error
 
 D = 4
@@ -34,7 +34,7 @@ RULES = {"sgd": lambda: SGD(lr=0.3), "momentum": lambda: MomentumSGD(lr=0.1, mom
 def budget(rows: int, cfg: TableConfig, rule) -> int:
     """Bytes that hold exactly `rows` cached rows of this table."""
     row_bytes = cfg.row_layout(rule).row_bytes
-    return rows * (row_bytes + 25)
+    return rows * (row_bytes + SLOT_METADATA_BYTES)
 
 
 def tables(tmp, cache_rows, rule, *, capacity=None, admit=1, policy="lfu", dtype=torch.float32, sr=False):
@@ -186,8 +186,8 @@ def test_what_each_policy_keeps_matches_a_simple_model(tmp_path_factory, policy,
     tmp = tmp_path_factory.mktemp("pol")
     index = HashStore("t", 2, 0, rows=False)
     store = TieredStore(index, initializer=index.initializer, init_state=None, seed=0,
-                        memory_budget=cap * (2 * 4 + 25), storage_dir=str(tmp), cache_policy=policy)
-    assert store.capacity_rows == cap == cache_rows_for(cap * 33, 8)
+                        memory_budget=cap * (2 * 4 + SLOT_METADATA_BYTES), storage_dir=str(tmp), cache_policy=policy)
+    assert store.capacity_rows == cap == cache_rows_for(cap * (8 + SLOT_METADATA_BYTES), 8)
     model = CacheModel(cap, policy)
     for i, keys in enumerate(calls):
         store.find_or_insert(torch.tensor(keys), step=i + 1)
@@ -205,7 +205,7 @@ def test_lfu_keeps_more_hot_rows_than_lru_on_a_skewed_stream(tmp_path):
         g = torch.Generator().manual_seed(0)
         index = HashStore("t", 2, 0, rows=False)
         store = TieredStore(index, initializer=index.initializer, init_state=None, seed=0,
-                            memory_budget=100 * 33, storage_dir=str(tmp_path / policy), cache_policy=policy)
+                            memory_budget=100 * (8 + SLOT_METADATA_BYTES), storage_dir=str(tmp_path / policy), cache_policy=policy)
         for s in range(200):
             ids, counts = torch.multinomial(probs, 64, replacement=True, generator=g).unique(return_counts=True)
             store.find_or_insert(ids, step=s + 1, counts=counts)
@@ -219,7 +219,7 @@ def test_lfu_keeps_more_hot_rows_than_lru_on_a_skewed_stream(tmp_path):
 
 def test_a_static_tables_rows_never_written_read_as_their_initial_value(tmp_path):
     cfg = TableConfig("s", dim=D, num_rows=1000, initializer=Uniform(-1, 1), storage_dir=str(tmp_path),
-                      memory_budget=10 * (D * 4 + 25))
+                      memory_budget=10 * (D * 4 + SLOT_METADATA_BYTES))
     tier = EmbeddingCollection([dataclasses.replace(cfg, trainable=False)], seed=5)
     mem = EmbeddingCollection([dataclasses.replace(cfg, storage_dir=None, memory_budget=None, trainable=False)],
                               seed=5)
@@ -332,12 +332,12 @@ def test_a_budget_that_holds_no_row_is_refused(tmp_path):
 
 
 def test_memory_is_reported_by_part(tmp_path):
-    ec = EmbeddingCollection([TableConfig("t", dim=4, storage_dir=str(tmp_path), memory_budget=41 * 100)],
+    ec = EmbeddingCollection([TableConfig("t", dim=4, storage_dir=str(tmp_path), memory_budget=(16 + SLOT_METADATA_BYTES) * 100)],
                              optimizer=SGD(lr=1))
     store = ec.store("t")
     ec(SparseFeatures.from_lists({"t": [[1, 2, 3]]}))
     parts = store.memory_breakdown()
-    assert parts["resident_rows"] + parts["cache_metadata"] <= 41 * 100
+    assert parts["resident_rows"] + parts["cache_metadata"] <= (16 + SLOT_METADATA_BYTES) * 100
     assert parts["index"] > 0 and store.memory_bytes() == sum(parts.values())
 
 

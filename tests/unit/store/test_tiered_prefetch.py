@@ -8,6 +8,7 @@ import torch
 from hugeembed.features import SparseFeatures
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import RowWiseAdagrad
+from hugeembed.store import SLOT_METADATA_BYTES
 
 ROWS, D, B = 4000, 4, 64
 
@@ -26,7 +27,7 @@ def test_prefetch_of_the_next_batch_serves_that_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     batches = [_batch(g) for _ in range(60)]
     mem = _collection()
-    tier = _collection(storage_dir=str(tmp_path), memory_budget=300 * ((D + 1) * 4 + 25))
+    tier = _collection(storage_dir=str(tmp_path), memory_budget=300 * ((D + 1) * 4 + SLOT_METADATA_BYTES))
     store = tier.store("t")
     for t, b in enumerate(batches):
         if t + 1 < len(batches):
