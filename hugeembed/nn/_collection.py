@@ -376,6 +376,11 @@ class EmbeddingCollection(nn.Module):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
                 store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
 
+    @property
+    def has_tiered_tables(self) -> bool:
+        """True when some table's rows live on disk (TableConfig.storage_dir)."""
+        return self._tiered
+
     def tier_stats(self) -> dict | None:
         """The disk tier's figures, or None without tiered tables: ``cache_hit_rate`` (id occurrences
         served from memory, all tiered tables), ``table_bytes_resident`` (rows in memory: every
@@ -404,21 +409,16 @@ class EmbeddingCollection(nn.Module):
         if not isinstance(features, SparseFeatures):
             raise InputError(f"prefetch takes a SparseFeatures batch, got {type(features).__name__}")
         out: dict[str, int] = {}
-        for (_, feature, table) in self.outputs:
-            t = self._table_index(table)
-            store = self._stores[t]
-            if not isinstance(store, TieredStore) or feature not in features:
+        for t, (cfg, store) in enumerate(self.stores()):
+            if not isinstance(store, TieredStore):
                 continue
-            out.setdefault(table, 0)
-        for table in out:
-            t = self._table_index(table)
-            ids = [features.feature(f).values for _, f, tb in self.outputs if tb == table and f in features]
+            ids = [features.feature(f).values for _, f, tb in self.outputs if tb == cfg.name and f in features]
             keys = torch.unique(torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
-            if self.tables[t].prune_negative:
-                keys = keys[keys >= 0]
-            if self.tables[t].num_rows is not None:
-                keys = keys[(keys >= 0) & (keys < self.tables[t].num_rows)]
-            out[table] = self._stores[t].prefetch(keys)
+            # only ids a lookup could read: invalid ones are dropped or refused there
+            keys = keys[(keys >= 0) | (not cfg.prune_negative and cfg.num_rows is None)]
+            if cfg.num_rows is not None:
+                keys = keys[keys < cfg.num_rows]
+            out[cfg.name] = store.prefetch(keys)
         return out
 
     def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,

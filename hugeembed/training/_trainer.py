@@ -245,7 +245,7 @@ class Trainer:
     def _with_prefetch(self, batches):
         """The batches, and before each step the next batch's disk-only rows of tiered tables start
         loading in the background (collection.prefetch): the reads overlap the step's compute."""
-        if getattr(self.collection, "tier_stats", lambda: None)() is None:
+        if not self.collection.has_tiered_tables:
             yield from batches
             return
         it = iter(batches)
@@ -297,7 +297,7 @@ class Trainer:
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
             st.loss_sum, st.loss_count = 0.0, 0
-            tiers = getattr(self.collection, "tier_stats", lambda: None)()
+            tiers = self.collection.tier_stats()
             self.progress("step", {"step": st.step, "loss": avg, "samples_per_s": self.samples_per_s(),
                                    "auc": None if st.last_eval is None else st.last_eval["auc"],
                                    "cache_hit_rate": None if tiers is None else tiers["cache_hit_rate"]})
@@ -391,7 +391,7 @@ class Trainer:
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
-        tiers = getattr(self.collection, "tier_stats", lambda: None)()
+        tiers = self.collection.tier_stats()
         if tiers is not None:
             out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})
             out["tiers"] = tiers["tables"]
