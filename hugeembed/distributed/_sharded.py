@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import Sequence
 
 import torch
@@ -62,6 +63,14 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             for dense gradients, so N ranks equal one process on the global batch; ``"sum"``:
             gradients of the ranks' losses add up.
         memory_budget_per_rank: bytes, for the proposed plan when `plan` is None.
+        storage_owner: as for EmbeddingCollection (the run's tag in tiered tables' directories).
+
+    Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
+    rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
+    ``memory_budget`` bytes (the budget is per rank and table: a row-wise table over 4 ranks
+    caches up to 4 x ``memory_budget`` in all).  ``prefetch`` reads ahead the rows this rank
+    owns of its own next batch (the ids other ranks will ask for are not known before the
+    exchange).
 
     Example (launched with ``torchrun --nproc_per_node 2 script.py``)::
 
@@ -77,7 +86,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     def __init__(self, tables: Sequence[TableConfig], *, optimizer: SparseOptimizer | None = None,
                  plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
-                 gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None) -> None:
+                 gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
+                 storage_owner: str | None = None) -> None:
         tables = list(tables)
         device = torch.device(device)
         if gradient_reduction not in ("mean", "sum"):
@@ -94,35 +104,37 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.plan, self.comm = plan, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.gradient_reduction = gradient_reduction
-        super().__init__(tables, optimizer=optimizer, device=device, seed=seed, backend=backend)
+        super().__init__(tables, optimizer=optimizer, device=device, seed=seed, backend=backend,
+                         storage_owner=storage_owner)
         self._check_ranks_agree()
         self._build_routes()
 
     # -- construction -----------------------------------------------------------------
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None):
-        if t.tiered:  # the owners' fetch and update paths read rows by slot in memory
-            raise NotImplementedError(f"table {t.name!r}: disk-tiered tables (storage_dir / memory_budget) are "
-                                      "not supported in a ShardedEmbeddingCollection yet; train them in one process")
         p = self.plan[t.name]
-        if self.device.type == "meta" or p.kind is ShardKind.DATA_PARALLEL:
-            return super()._make_store(t, rule)
-        layout = t.row_layout(rule)
-        seed = t.resolved_seed(self.seed)
-        if self.rank not in p.ranks:
-            return AbsentShard(t.name, t.dim, layout.state_width, t.dtype, self.device, seed, t.initializer, p.ranks,
-                               layout)
+        if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
+            layout = t.row_layout(rule)
+            return AbsentShard(t.name, t.dim, layout.state_width, t.dtype, self.device, t.resolved_seed(self.seed),
+                               t.initializer, p.ranks, layout)
+        return super()._make_store(t, rule)
+
+    def _make_index(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool):
+        p = self.plan[t.name]
         n = len(p.ranks)
-        if p.kind is ShardKind.TABLE_WISE or n == 1:
-            return super()._make_store(t, rule)
+        if p.kind is ShardKind.DATA_PARALLEL or p.kind is ShardKind.TABLE_WISE or n == 1:
+            return super()._make_index(t, rule, rows)
         if t.num_rows is not None:
-            return ShardArrayStore(t.name, t.num_rows, t.dim, layout.state_width, shard=p.ranks.index(self.rank),
-                                   num_shards=n, layout=layout,
-                                   initializer=t.initializer, init_state=None if rule is None else rule.init_state,
-                                   dtype=t.dtype, device=self.device, seed=seed)
+            common = self._store_options(t, rule, rows)
+            return ShardArrayStore(t.name, t.num_rows, t.dim, common["layout"].state_width,
+                                   shard=p.ranks.index(self.rank), num_shards=n, **common)
         # a dynamic table's capacity is shared out over its shards
         cap = None if t.capacity is None else -(-t.capacity // n)
-        return super()._make_store(dataclasses.replace(t, capacity=cap), rule)
+        return super()._make_index(dataclasses.replace(t, capacity=cap), rule, rows)
+
+    def _tier_dir(self, t: TableConfig) -> str:
+        # each rank its own directory: ranks on one machine may share the storage_dir
+        return os.path.join(t.storage_dir, f"rank{self.rank}")
 
     def _check_ranks_agree(self) -> None:
         mine = {"plan": self.plan.to_dict(), "tables": [t.describe() for t in self.tables], "seed": self.seed,
@@ -234,6 +246,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         if p.kind is ShardKind.TABLE_WISE or len(p.ranks) == 1:
             return torch.ones_like(keys, dtype=torch.bool)
         return owner_index(keys, len(p.ranks), cfg.num_rows is not None) == p.ranks.index(self.rank)
+
+    def _keys_held_here(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        return keys[self.owned_mask(table, keys)]
 
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""

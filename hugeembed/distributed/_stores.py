@@ -35,16 +35,18 @@ class ShardArrayStore(ArrayStore):
         shard, num_shards: which residue class this store holds.
         initializer, init_state, dtype, device, seed, layout: as for ArrayStore (rows start as the
             unsharded table's rows of the same keys).
+        rows: False for the key index of a disk-tiered shard (its TieredStore holds the rows).
     """
 
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *, shard: int, num_shards: int,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None,
+                 rows: bool = True) -> None:
         if not 0 <= shard < num_shards:
             raise ConfigError(f"table '{name}': shard {shard} is outside [0, {num_shards})")
         self._shard, self._num_shards = shard, num_shards
         super().__init__(name, num_rows, dim, state_width, initializer=initializer, init_state=init_state,
-                         dtype=dtype, device=device, seed=seed, layout=layout)
+                         dtype=dtype, device=device, seed=seed, layout=layout, rows=rows)
 
     @property
     def shard(self) -> int:

@@ -139,30 +139,40 @@ class EmbeddingCollection(nn.Module):
     # -- construction -----------------------------------------------------------------
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None) -> RowStore:
-        layout = t.row_layout(rule)
-        state = layout.state_width
-        init_state = None if rule is None else rule.init_state
-        common = dict(initializer=t.initializer, init_state=init_state, dtype=t.dtype, layout=layout,
-                      device=self.device if self.device.type != "meta" else "cpu", seed=t.resolved_seed(self.seed))
+        """Table `t`'s store: its key index with the rows, or, for a disk-tiered table, the index
+        without rows under a TieredStore holding them (the sharded collection overrides
+        ``_make_index`` and ``_tier_dir``)."""
         if self.device.type == "meta":
-            return _MetaStore(t.name, layout)
-        if t.tiered:
-            if self.device.type != "cpu":
-                raise ConfigError(f"table {t.name!r}: a disk-tiered table (storage_dir) lives on the CPU, "
-                                  f"the collection is on {self.device}")
-            common["rows"] = False  # the key index: the tier holds the rows
-        if t.num_rows is not None:
-            store = ArrayStore(t.name, t.num_rows, t.dim, state, **common)
-        else:
-            backend = None if self.backend == "auto" else self.backend
-            store = HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
-                              eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
-                              admit_probability=t.admit_probability, max_pending=t.max_pending, **common)
+            return _MetaStore(t.name, t.row_layout(rule))
+        if t.tiered and self.device.type != "cpu":
+            raise ConfigError(f"table {t.name!r}: a disk-tiered table (storage_dir) lives on the CPU, "
+                              f"the collection is on {self.device}")
+        index = self._make_index(t, rule, rows=not t.tiered)  # a tiered table's rows live in its tier
         if not t.tiered:
-            return store
-        return TieredStore(store, initializer=store.initializer, init_state=init_state, seed=store.seed,
-                           memory_budget=t.memory_budget, storage_dir=t.storage_dir, cache_policy=t.cache_policy,
-                           owner=self.storage_owner)
+            return index
+        return TieredStore(index, initializer=index.initializer, init_state=None if rule is None else rule.init_state,
+                           seed=index.seed, memory_budget=t.memory_budget, storage_dir=self._tier_dir(t),
+                           cache_policy=t.cache_policy, owner=self.storage_owner)
+
+    def _store_options(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool) -> dict:
+        """The keyword arguments every store kind takes for table `t`."""
+        return dict(initializer=t.initializer, init_state=None if rule is None else rule.init_state, dtype=t.dtype,
+                    layout=t.row_layout(rule), device=self.device, seed=t.resolved_seed(self.seed), rows=rows)
+
+    def _make_index(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool) -> RowStore:
+        """Table `t`'s key index (with its rows unless `rows` is False)."""
+        common = self._store_options(t, rule, rows)
+        state = common["layout"].state_width
+        if t.num_rows is not None:
+            return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
+        backend = None if self.backend == "auto" else self.backend
+        return HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
+                         eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
+                         admit_probability=t.admit_probability, max_pending=t.max_pending, **common)
+
+    def _tier_dir(self, t: TableConfig) -> str:
+        """The directory table `t`'s tier lives in (a subdirectory per table is made in it)."""
+        return t.storage_dir
 
     # -- accessors ----------------------------------------------------------------------
 
@@ -418,8 +428,12 @@ class EmbeddingCollection(nn.Module):
             keys = keys[(keys >= 0) | (not cfg.prune_negative and cfg.num_rows is None)]
             if cfg.num_rows is not None:
                 keys = keys[keys < cfg.num_rows]
-            out[cfg.name] = store.prefetch(keys)
+            out[cfg.name] = store.prefetch(self._keys_held_here(cfg.name, keys))
         return out
+
+    def _keys_held_here(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """`keys` of `table` whose rows this collection holds (all of them; a shard holds some)."""
+        return keys
 
     def evict(self, ttl: int | None = None, max_rows: int | None = None, policy: str | None = None,
               tables: Sequence[str] | None = None, min_norm: float | None = None) -> dict[str, int]:

@@ -21,7 +21,7 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "wrap_ddp", "merge_metrics", "aligned", "empty_batch", "as_sharding_error",
+__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "wrap_ddp", "merge_metrics", "aligned", "empty_batch", "as_sharding_error",
            "check_process_group", "run_info"]
 
 
@@ -34,16 +34,50 @@ def check_process_group(rank: int, world_size: int) -> None:
                             f"was told rank {rank} of {world_size}")
 
 
-def sharded_factory(cfg: TrainConfig, world_size: int):
-    """Builds a ShardedEmbeddingCollection from the model's tables with the run's plan."""
+def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
+    """The run's sharding plan: proposed from the tables and the memory per rank, with --shard overrides."""
+    overrides = dict(item.split("=", 1) for item in cfg.sharding)
+    return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
+                        overrides=overrides)
+
+
+def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
+    """Builds a ShardedEmbeddingCollection from the model's tables with the run's plan; `tiers`
+    (tables, plan, optimizer) -> (tables, storage owner) puts them on disk (training/_tiers.py)."""
 
     def build(tables, *, optimizer, **kw) -> ShardedEmbeddingCollection:
-        overrides = dict(item.split("=", 1) for item in cfg.sharding)
-        plan = propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer,
-                            batch_size=cfg.batch_size, overrides=overrides)
-        return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout, **kw)
+        plan = run_plan(cfg, world_size, tables, optimizer)
+        owner = None
+        if tiers is not None:
+            tables, owner = tiers(tables, plan, optimizer)
+        return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
+                                          storage_owner=owner, **kw)
 
     return build
+
+
+_SUMMED = ("accesses", "hits", "rows_read", "rows_written", "rows_prefetched", "resident_rows", "capacity_rows",
+           "stored_rows")
+
+
+def merged_tier_stats(collection: Any) -> dict | None:
+    """``collection.tier_stats()`` over all ranks (collective): counts and bytes summed per table,
+    hit rates recomputed from the sums."""
+    parts = collection.comm.all_gather_object("tier stats", collection.tier_stats())
+    if parts[0] is None:
+        return None
+    tables: dict[str, dict] = {}
+    for part in parts:
+        for name, st in part["tables"].items():
+            into = tables.setdefault(name, dict.fromkeys(_SUMMED, 0))
+            for k in _SUMMED:
+                into[k] += st[k]
+    for st in tables.values():
+        st["hit_rate"] = st["hits"] / st["accesses"] if st["accesses"] else 0.0
+    acc, hits = sum(t["accesses"] for t in tables.values()), sum(t["hits"] for t in tables.values())
+    return {"cache_hit_rate": hits / acc if acc else 0.0, "tables": tables,
+            "table_bytes_resident": sum(p["table_bytes_resident"] for p in parts),
+            "table_bytes_stored": sum(p["table_bytes_stored"] for p in parts)}
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

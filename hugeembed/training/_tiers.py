@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..nn import TableConfig
 from ..store import SLOT_METADATA_BYTES
 
-__all__ = ["batch_traffic", "split_memory_budget", "tiered_tables"]
+__all__ = ["batch_traffic", "split_memory_budget", "split_memory_budget_per_rank", "tiered_tables"]
 
 
 def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str, float]:
@@ -35,15 +35,18 @@ def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str,
 
 
 def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dict[str, float],
-                        row_bytes: dict[str, int]) -> dict[str, int]:
+                        row_bytes: dict[str, int], num_rows: dict[str, int | None] | None = None,
+                        where: str = "") -> dict[str, int]:
     """Bytes of cache per table (see the module docstring); ConfigError when `budget` cannot hold
-    two batches' rows of every table."""
+    two batches' rows of every table.  `num_rows`: the rows each table holds where its cache
+    lives (default: its TableConfig's; a shard holds fewer); `where` prefixes the error."""
+    held = {t.name: t.num_rows for t in tables} if num_rows is None else num_rows
     slot = {t.name: row_bytes[t.name] + SLOT_METADATA_BYTES for t in tables}
     floor = {t.name: int(2 * max(1.0, traffic.get(t.name, 1.0)) + 1) * slot[t.name] for t in tables}
-    cap = {t.name: (t.num_rows * slot[t.name] if t.num_rows is not None else None) for t in tables}
+    cap = {t.name: (held[t.name] * slot[t.name] if held[t.name] is not None else None) for t in tables}
     floor = {n: min(f, cap[n]) if cap[n] is not None else f for n, f in floor.items()}
     if sum(floor.values()) > budget:
-        raise ConfigError(f"memory-budget {budget} B cannot hold two batches of rows of every table "
+        raise ConfigError(f"{where}memory-budget {budget} B cannot hold two batches of rows of every table "
                           f"(needs {sum(floor.values())} B: "
                           + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size")
     share = dict(floor)
@@ -66,9 +69,42 @@ def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dic
     return share
 
 
+def split_memory_budget_per_rank(tables: Sequence[TableConfig], plan, budget: int, traffic: dict[str, float],
+                                 row_bytes: dict[str, int]) -> dict[str, int]:
+    """Bytes of cache of each rank's shard of each table under a sharding `plan`, so that no rank's
+    caches exceed `budget` (the budget is per rank).
+
+    `traffic` is the global batch's: a row-wise shard of n ranks sees 1/n of a table's ids and
+    holds 1/n of its rows, a table-wise owner all of them, and so does every rank for a
+    data-parallel table (each replica applies the whole batch's updates).  Each rank splits
+    its budget over the tables it holds; a table held by several ranks takes the smallest of
+    their shares, the same on every rank (every rank computes this alike)."""
+    from ..types import ShardKind
+
+    share: dict[str, int] = {}
+    for r in range(plan.world_size):
+        held, seen, rows = [], {}, {}
+        for t in tables:
+            p = plan[t.name]
+            n = 1 if p.kind is ShardKind.DATA_PARALLEL else len(p.ranks)
+            if p.kind is not ShardKind.DATA_PARALLEL and r not in p.ranks:
+                continue
+            held.append(t)
+            seen[t.name] = traffic.get(t.name, 1.0) / n
+            rows[t.name] = None if t.num_rows is None else -(-t.num_rows // n)
+        if not held:
+            continue
+        mine = split_memory_budget(held, budget, seen, row_bytes, rows, where=f"rank {r}: ")
+        for name, b in mine.items():
+            share[name] = min(share.get(name, b), b)
+    return share
+
+
 def tiered_tables(tables: Sequence[TableConfig], budget: int, storage_dir: str, cache_policy: str,
-                  traffic: dict[str, float], row_bytes: dict[str, int]) -> list[TableConfig]:
-    """`tables` with their rows on disk under `storage_dir`, the budget split by traffic."""
-    share = split_memory_budget(tables, budget, traffic, row_bytes)
+                  traffic: dict[str, float], row_bytes: dict[str, int], plan=None) -> list[TableConfig]:
+    """`tables` with their rows on disk under `storage_dir`, the budget split by traffic (with a
+    sharding `plan`: the budget is each rank's, see split_memory_budget_per_rank)."""
+    share = split_memory_budget(tables, budget, traffic, row_bytes) if plan is None else \
+        split_memory_budget_per_rank(tables, plan, budget, traffic, row_bytes)
     return [dataclasses.replace(t, storage_dir=os.fspath(storage_dir), memory_budget=share[t.name],
                                 cache_policy=cache_policy) for t in tables]

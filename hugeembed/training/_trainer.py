@@ -30,8 +30,8 @@ from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
 from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
 from ._record import RunRecord, TrainState
-from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics, run_info,
-                           sharded_factory, wrap_ddp)
+from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
+                           merged_tier_stats, run_info, sharded_factory, wrap_ddp)
 from ._sources import DataSource, make_source
 
 __all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "build_model", "evaluate"]
@@ -62,28 +62,38 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
 
 
-def _tiered_factory(cfg: TrainConfig):
+def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
     """Builds the collection with every table on disk under cfg.storage_dir, the memory budget split by
-    the traffic of the first batches of the data (training/_tiers.py).  The run's checkpoint
-    directory names it as the tier's owner, so a resume reuses the directory a crash left."""
+    the traffic of the first batches of the data (training/_tiers.py); with several processes the
+    budget is each rank's, split over the shards it holds.  The run's checkpoint directory names
+    it as the tier's owner, so a resume reuses the directory a crash left."""
     from itertools import islice
 
     from ._tiers import batch_traffic, tiered_tables
 
-    def factory(tables, **kw):
-        # a look at the data that leaves every random state as it was: a tiered run's numbers
-        # equal the in-memory run's
+    owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+
+    def tier(tables, optimizer, plan=None):
+        # a look at the first global batches that leaves every random state as it was: a tiered
+        # run's numbers equal the in-memory run's (the same batches on every rank: the split agrees)
         states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         try:
-            traffic = batch_traffic(tables, islice(make_source(cfg).train_batches(0), 4))
+            whole = cfg.replace(batch_size=cfg.batch_size * world_size) if world_size > 1 else cfg
+            traffic = batch_traffic(tables, islice(make_source(whole).train_batches(0), 4))
         finally:
             torch.set_rng_state(states[0])
             np.random.set_state(states[1])
             random.setstate(states[2])
-        rule = kw.get("optimizer")
-        row_bytes = {t.name: t.row_layout(t.optimizer or (rule if t.trainable else None)).row_bytes for t in tables}
-        tables = tiered_tables(tables, cfg.memory_budget, cfg.storage_dir, cfg.cache_policy, traffic, row_bytes)
-        owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        row_bytes = {t.name: t.row_layout(t.optimizer or (optimizer if t.trainable else None)).row_bytes
+                     for t in tables}
+        return tiered_tables(tables, cfg.memory_budget, cfg.storage_dir, cfg.cache_policy, traffic, row_bytes,
+                             plan), owner
+
+    if world_size > 1:
+        return sharded_factory(cfg, world_size, tiers=lambda tables, plan, optimizer: tier(tables, optimizer, plan))
+
+    def factory(tables, **kw):
+        tables, _ = tier(tables, kw.get("optimizer"))
         return EmbeddingCollection(tables, storage_owner=owner, **kw)
 
     return factory
@@ -96,12 +106,10 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
     process group's ranks (collective: every rank builds its model).
     """
     rule = make_optimizer(cfg.sparse_optimizer, lr=cfg.sparse_lr)
-    factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     if cfg.memory_budget is not None:
-        if world_size > 1:
-            raise NotImplementedError("--memory-budget / --storage-dir with several processes: disk-tiered tables "
-                                      "are not sharded yet; train them in one process")
-        factory = _tiered_factory(cfg)
+        factory = _tiered_factory(cfg, world_size)
+    else:
+        factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, collection_factory=factory)
 
@@ -297,10 +305,14 @@ class Trainer:
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
             st.loss_sum, st.loss_count = 0.0, 0
-            tiers = self.collection.tier_stats()
+            tiers = self._tier_stats()
             self.progress("step", {"step": st.step, "loss": avg, "samples_per_s": self.samples_per_s(),
                                    "auc": None if st.last_eval is None else st.last_eval["auc"],
                                    "cache_hit_rate": None if tiers is None else tiers["cache_hit_rate"]})
+
+    def _tier_stats(self) -> dict | None:
+        """The tiers' figures of every rank (collective with several processes)."""
+        return merged_tier_stats(self.collection) if self.world_size > 1 else self.collection.tier_stats()
 
     def samples_per_s(self) -> float:
         return self.state.samples / self.state.train_seconds if self.state.train_seconds else 0.0
@@ -391,7 +403,7 @@ class Trainer:
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
-        tiers = self.collection.tier_stats()
+        tiers = self._tier_stats()
         if tiers is not None:
             out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})
             out["tiers"] = tiers["tables"]

@@ -54,23 +54,29 @@ def typed_rows(exported: dict, layouts: dict) -> dict:
     return out
 
 
-def global_batch(step: int, n: int = GLOBAL_BATCH) -> SparseFeatures:
-    """The global batch of `step`: multi-hot bags with repeats (squares mod n), weights on odd steps."""
+def global_batch(step: int, n: int = GLOBAL_BATCH, wide: bool = False) -> SparseFeatures:
+    """The global batch of `step`: multi-hot bags with repeats (squares mod n), weights on odd steps.
+    `wide`: ids drawn uniformly from 300 per dynamic table instead (few repeats across steps: a
+    small cache misses)."""
     g = torch.Generator().manual_seed(7000 + step)
 
     def bags(hi: int, maxlen: int = 3):
         lens = torch.randint(0, maxlen + 1, (n,), generator=g)
+        if wide:
+            return [torch.randint(0, hi, (int(k),), generator=g).tolist() for k in lens]
         return [(torch.randint(0, hi, (int(k),), generator=g) ** 2 % hi).tolist() for k in lens]
 
-    feats = {"user": bags(40), "item": bags(60), "country": bags(11, 2), "page": bags(30), "hist": bags(25, 4)}
+    hi = (lambda k: 300) if wide else (lambda k: k)
+    feats = {"user": bags(hi(40)), "item": bags(hi(60)), "country": bags(11, 2), "page": bags(hi(30)),
+             "hist": bags(hi(25), 4)}
     weights = None
     if step % 2:
         weights = {k: [(0.5 + torch.rand(len(b), generator=g)).tolist() for b in v] for k, v in feats.items()}
     return SparseFeatures.from_lists(feats, weights)
 
 
-def local_batch(step: int, rank: int, world: int) -> SparseFeatures:
-    sf = global_batch(step)
+def local_batch(step: int, rank: int, world: int, wide: bool = False) -> SparseFeatures:
+    sf = global_batch(step, wide=wide)
     return sf if world == 1 else sf.split(GLOBAL_BATCH // world)[rank]
 
 
@@ -87,7 +93,7 @@ def dense_model(in_dim: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(in_dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
 
-def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, record=None):
+def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, record=None, wide: bool = False):
     """Trains `ec` (and a dense model) on the global batches of `steps`; returns the first forward's output.
 
     Without `dense` the loss is linear in the pooled vectors (its gradient is exact, so
@@ -98,10 +104,10 @@ def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, 
     sl = slice(rank * B, (rank + 1) * B)
     first = None
     for step in steps:
-        out = ec(local_batch(step, rank, world))
+        out = ec(local_batch(step, rank, world, wide))
         x = out.concat()
         seq = out.unpooled["hist"].values  # this rank's ids of the sequence feature, in global order
-        at = int(global_batch(step).feature("hist").offsets[rank * B])
+        at = int(global_batch(step, wide=wide).feature("hist").offsets[rank * B])
         seq_coef = torch.randn(1000, seq.shape[1], generator=torch.Generator().manual_seed(8000 + step))
         if first is None:
             first = torch.cat([x.detach().flatten(), seq.detach().flatten()])

@@ -56,3 +56,41 @@ def test_nproc_2_matches_one_process_then_one_process_resumes_its_snapshot(tmp_p
     whole = Trainer(one_cfg.replace(steps=16)).fit()
     assert resumed["steps"] == 16 and resumed["table_rows"] == whole["table_rows"]
     assert resumed["auc"] == pytest.approx(whole["auc"], abs=5e-4)
+
+
+def test_nproc_2_with_tables_on_disk_equals_nproc_2_in_memory(tmp_path):
+    """--memory-budget with 2 processes: each rank keeps its shards under <storage-dir>/rank<r>/ within
+    the budget; the run's numbers equal the in-memory 2-process run's bit for bit."""
+    (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(name: str, *extra: str) -> dict:
+        cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
+               "--checkpoint-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), "--quiet",
+               "--shard", "C1=data_parallel", "--shard", "C2=table_wise@1", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    budget = 300 * 1024
+    tiered = run("tiered", "--memory-budget", str(budget), "--storage-dir", str(tmp_path / "tiers"))
+    plain = run("plain")
+    for k in ("auc", "logloss", "copc", "table_rows", "history"):
+        assert tiered[k] == plain[k], k
+    assert "tiers" not in plain
+    tiers = tiered["tiers"]  # over both ranks
+    assert set(tiers) == {f"C{i}" for i in range(1, 27)}
+    assert sum(t["rows_written"] for t in tiers.values()) > 0 and sum(t["rows_read"] for t in tiers.values()) > 0
+    assert 0 < tiered["cache_hit_rate"] < 1
+    assert tiered["table_bytes_stored"] > 0
+    # each rank's caches within the budget (row bytes: dim 4 + Adagrad state 4, fp32, + slot metadata)
+    from hugeembed.store import SLOT_METADATA_BYTES
+
+    per_rank = {0: 0, 1: 0}
+    plan = ckpt.read_manifest(tmp_path / "tiered")["plan"]["tables"]
+    for name, t in tiers.items():
+        ranks = plan[name]["ranks"] if plan[name]["kind"] != "data_parallel" else [0, 1]
+        for r in ranks:
+            per_rank[r] += t["capacity_rows"] // len(ranks) * (32 + SLOT_METADATA_BYTES)
+    assert max(per_rank.values()) <= budget, per_rank
+    assert sorted(p.name for p in (tmp_path / "tiers").iterdir()) == ["rank0", "rank1"]

@@ -6,6 +6,7 @@ process against a single-process reference, so a failure shows a plain assertion
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -24,35 +25,44 @@ EVAL_STEP = 100  # the batch scored in eval mode after training
 
 
 def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0,
-          dtype: str = "float32") -> ShardedEmbeddingCollection:
-    return ShardedEmbeddingCollection(tables(opt, dtype=dtype), plan=ShardingPlan(world, plan), process_group=group,
-                                      timeout=timeout)
+          dtype: str = "float32", tiered: dict | None = None) -> ShardedEmbeddingCollection:
+    """The test tables under `plan`; with `tiered` ({"dir", "cache_rows"}) every table's rows on disk under
+    "dir", each rank's shard of table t caching cache_rows[t] rows (each rank makes its own subdirectory)."""
+    ts = tables(opt, dtype=dtype)
+    if tiered is not None:
+        from hugeembed.store import SLOT_METADATA_BYTES
+
+        ts = [dataclasses.replace(t, storage_dir=tiered["dir"], memory_budget=tiered["cache_rows"][t.name] * (
+            t.row_layout(t.optimizer).row_bytes + SLOT_METADATA_BYTES)) for t in ts]
+    return ShardedEmbeddingCollection(ts, plan=ShardingPlan(world, plan), process_group=group, timeout=timeout,
+                                      storage_owner=None if tiered is None else "dist-test")
 
 
 def run_case(rank: int, world: int, group, case: dict) -> dict:
     """Trains one sharded collection (optionally with a DDP dense model); records what to compare."""
-    ec = build(world, case["plan"], case["opt"], group, dtype=case.get("dtype", "float32"))
+    ec = build(world, case["plan"], case["opt"], group, dtype=case.get("dtype", "float32"), tiered=case.get("tiered"))
     dense = ddp = opt = None
     if case.get("dense"):
         dense = dense_model(16)
         ddp = DistributedDataParallel(dense)
         opt = torch.optim.Adam(dense.parameters(), lr=0.01)
     record: list = []
-    first = train(ec, range(case["steps"]), rank, world, dense=ddp, dense_opt=opt, record=record)
+    wide = case.get("wide", False)
+    first = train(ec, range(case["steps"]), rank, world, dense=ddp, dense_opt=opt, record=record, wide=wide)
     ec.eval()
     with torch.no_grad():
-        out = ec(local_batch(EVAL_STEP, rank, world))
+        out = ec(local_batch(EVAL_STEP, rank, world, wide))
         scored = torch.cat([out.concat().flatten(), out.unpooled["hist"].values.flatten()])
     return {"tables": export_all(ec), "first": first, "eval": scored, "bytes": record,
             "dense": None if dense is None else {k: v.clone() for k, v in dense.state_dict().items()},
-            "step": ec.step}
+            "step": ec.step, "tiers": ec.tier_stats()}
 
 
 def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
     """Optionally loads a snapshot into this world size and plan, trains some steps, optionally saves (a delta
     with ``"delta": True``), then optionally evicts each rank's dynamic rows down to ``"evict_to"``, trains on
     and saves a delta (``"then_delta": (a, b)``)."""
-    ec = build(world, link["plan"], link["opt"], group)
+    ec = build(world, link["plan"], link["opt"], group, tiered=link.get("tiered"))
     out: dict = {}
     if link.get("load"):
         ckpt.load(link["load"], ec, restore_rng=False)
