@@ -46,7 +46,7 @@ class ReplicatedGroup(OwnedRowsGroup):
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
 
     def _stores(self):
-        return [self.coll._stores[t] for t in self.ts]
+        return [self.coll.store_at(t) for t in self.ts]
 
     # -- forward -------------------------------------------------------------------------
 

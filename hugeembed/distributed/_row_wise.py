@@ -141,7 +141,7 @@ class RowWiseGroup(OwnedRowsGroup):
             st.own[self] = None
             return
         per_src, inv, uniq, per_table, ucounts = got
-        stores = [self.coll._stores[t] for t in self.ts]
+        stores = [self.coll.store_at(t) for t in self.ts]
         slots = self.owned_slots(st, uniq, per_table, ucounts, st.training)
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
         start = 0

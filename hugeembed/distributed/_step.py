@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import StoreError
-from ..store import find_or_insert_many
 from ._wire import padded
 
 __all__ = ["StepState", "ExchangeBackward", "OwnedRowsGroup", "compute_dtype", "group_dtypes", "MAGIC"]
@@ -82,15 +81,12 @@ class OwnedRowsGroup:
         parts, start = [], 0
         for t, n in zip(self.ts, per_table):
             if n:
-                parts.append((t, self.coll._stores[t], slice(start, start + n)))
+                parts.append((t, slice(start, start + n)))
             start += n
-        if training:
-            got = find_or_insert_many([s for _, s, _ in parts], [uniq[sl] for _, _, sl in parts], st.step,
-                                      counts=None if counts is None else [counts[sl] for _, _, sl in parts])
-        else:
-            got = [s.find(uniq[sl]) for _, s, sl in parts]
+        got = self.coll.fetch_slots([t for t, _ in parts], [uniq[sl] for _, sl in parts], st.step, training,
+                                    None if counts is None else [counts[sl] for _, sl in parts])
         slots = torch.empty(uniq.numel(), dtype=torch.int64, device=uniq.device)
-        for (t, _, sl), g in zip(parts, got):
+        for (t, sl), g in zip(parts, got):
             slots[sl] = g
             if training:
                 st.flight.pin(t, g)
@@ -128,7 +124,4 @@ class OwnedRowsGroup:
             if not bool(known.all()):
                 s, g = s[known], g[known]
             if s.numel():
-                t = self.ts[i]
-                store = self.coll._stores[t]
-                st.flight.check(t, store, self.coll.tables[t].name)
-                rule.update(store, s, g, lr=self.coll._lr(t), step=st.step)
+                self.coll.update_rows(self.ts[i], s, g, st.flight)

@@ -133,12 +133,11 @@ class TableWisePooling:
                 if st.training:
                     uc = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
                         0, inv, torch.cat(counts).to(torch.int64))
-            store = self.coll._stores[p.t]
+            got = self.coll.fetch_slots([p.t], [uniq], st.step, st.training, None if uc is None else [uc])[0]
             if st.training:
-                got = store.find_or_insert(uniq, st.step, counts=uc)
                 st.flight.pin(p.t, got)
             else:
-                overlay[p.t], got = self.coll.current_rows(p.t, store.find(uniq))
+                overlay[p.t], got = self.coll.current_rows(p.t, got)
             slots_all.append(got)
             ukeys.append(uniq)
             ucounts.append(uc if uc is not None else torch.ones_like(uniq))
@@ -168,7 +167,7 @@ class TableWisePooling:
         mprep = Prepared(Bm, offsets, inverse, weights, torch.cat(ukeys), torch.cat(ucounts), base, count,
                          sum(count), native=native)
         slots = torch.cat(slots_all)
-        storages = [overlay.get(p.t, self.coll._stores[p.t].lookup_rows()) for p in self.mine]
+        storages = [overlay.get(p.t, self.coll.store_at(p.t).lookup_rows()) for p in self.mine]
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],
@@ -186,11 +185,7 @@ class TableWisePooling:
 
     def _owner_hook(self, st):
         def apply(j: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
-            p = self.mine[j]
-            store = self.coll._stores[p.t]
-            st.flight.check(p.t, store, self.coll.tables[p.t].name)
-            if p.rule is not None:
-                p.rule.update(store, slots, grad, lr=self.coll._lr(p.t), step=st.step)
+            self.coll.update_rows(self.mine[j].t, slots, grad, st.flight)
 
         return apply
 

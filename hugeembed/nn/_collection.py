@@ -199,6 +199,10 @@ class EmbeddingCollection(nn.Module):
     def stores(self) -> Iterator[tuple[TableConfig, RowStore]]:
         return zip(self.tables, self._stores)
 
+    def store_at(self, t: int) -> RowStore:
+        """The store of table `t` (its index in ``tables``: lookup routes address tables by index)."""
+        return self._stores[t]
+
     def _table_index(self, table: str) -> int:
         for i, t in enumerate(self.tables):
             if t.name == table:
@@ -277,27 +281,49 @@ class EmbeddingCollection(nn.Module):
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
-        """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
+        """Row slots of every unique id of a prepared batch: -1 where a row reads zeros."""
         slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
-        if training:  # every table in one call: the native hash tables run side by side
-            ts = [t for t in range(len(self._stores)) if prep.unique_count[t]]
-            got = find_or_insert_many([self._stores[t] for t in ts], [prep.keys_of(t) for t in ts], step,
-                                      counts=[prep.counts_of(t) for t in ts])
-            for t, g in zip(ts, got):
-                slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
-            return slots
-        for t, (cfg, store) in enumerate(self.stores()):
+        ts = []
+        for t, cfg in enumerate(self.tables):
             n = prep.unique_count[t]
             if n == 0:
                 continue
-            b = prep.unique_base[t]
-            keys = prep.keys_of(t)
-            if cfg.num_rows is not None and not cfg.tiered:
-                got = keys  # static: the id is the slot (range checked by prepare)
+            if not training and cfg.num_rows is not None and not cfg.tiered:
+                b = prep.unique_base[t]
+                slots[b : b + n] = prep.keys_of(t)  # static: the id is the slot (range checked by prepare)
             else:
-                got = store.find(keys)
-            slots[b : b + n] = got
+                ts.append(t)
+        counts = [prep.counts_of(t) for t in ts] if training else None
+        got = self.fetch_slots(ts, [prep.keys_of(t) for t in ts], step, training, counts)
+        for t, g in zip(ts, got):
+            slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
         return slots
+
+    # -- the fetch and update stages of every route --------------------------------------
+    # (this collection's lookup and the owners of each sharded route call these two)
+
+    def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
+                    counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Row slots of the distinct ids ``keys[i]`` of table ``ts[i]``, -1 where a row reads zeros.
+
+        Training: one find_or_insert_many over the tables (the native hash tables run side by
+        side; new ids get rows, hits counted by `counts`; a tiered table brings rows into its
+        cache).  The caller pins the slots (InFlight) before anything else fetches.  Otherwise
+        find: nothing inserted or counted (readers of global Adam tables go through
+        :meth:`current_rows`)."""
+        stores = [self._stores[t] for t in ts]
+        if training:
+            return find_or_insert_many(stores, list(keys), step, counts=None if counts is None else list(counts))
+        return [s.find(k) for s, k in zip(stores, keys)]
+
+    def update_rows(self, t: int, slots: torch.Tensor, grad: torch.Tensor, flight: InFlight) -> None:
+        """Applies table `t`'s optimizer rule to its rows at `slots` (one gradient row each) at
+        `flight`'s step, once `flight` confirms those rows are still where the forward read them."""
+        store = self._stores[t]
+        flight.check(t, store, self.tables[t].name)
+        rule = self.rules[t]
+        if rule is not None:  # None: a frozen table
+            rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
 
     # -- rows in flight and rows brought current ------------------------------------------
 
@@ -313,11 +339,7 @@ class EmbeddingCollection(nn.Module):
 
     def _hook(self, flight: InFlight):
         def apply(t: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
-            store = self._stores[t]
-            flight.check(t, store, self.tables[t].name)
-            rule = self.rules[t]
-            if rule is not None:  # None: a frozen table
-                rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
+            self.update_rows(t, slots, grad, flight)
             flight.release(t)
 
         return apply
