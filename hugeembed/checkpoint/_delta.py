@@ -235,8 +235,9 @@ def parent_for_delta(root: Path, collection, step: int) -> DeltaParent:
         raise CheckpointError(f"a delta holds the rows seen since its parent, but this collection was neither saved "
                               f"to nor loaded from a snapshot: write a full snapshot under {root} first")
     if mine.tables_version != collection.tables_version:
-        raise CheckpointError(f"the collection's rows were replaced or changed outside training (load_state_dict or "
-                              f"catch_up_rows) since {mine.snapshot}: write a full snapshot")
+        raise CheckpointError(f"the collection's rows were replaced or changed outside training (load_state_dict, "
+                              f"catch_up_rows or a store's import_ / scatter / remove) since {mine.snapshot}: write "
+                              f"a full snapshot")
     if mine.snapshot != newest.resolve():
         raise CheckpointError(f"the newest snapshot under {root} is {newest.name}, but the collection's rows descend "
                               f"from {mine.snapshot}: a delta against {newest.name} would be wrong; write a full "

@@ -132,6 +132,7 @@ class EmbeddingCollection(nn.Module):
         self._anchor = torch.zeros(0, requires_grad=True)
         self._step = 0
         self._tables_version = 0  # see tables_version
+        self._write_stamp = max(getattr(s, "write_stamp", 0) for s in self._stores)
         self._inflight: weakref.WeakSet[InFlight] = weakref.WeakSet()  # training forwards not yet applied
         self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
@@ -188,9 +189,14 @@ class EmbeddingCollection(nn.Module):
 
         A snapshot delta holds the rows whose ids were seen since its parent: it may only
         follow a parent taken at the same version (``hugeembed.checkpoint`` checks it).
-        Writes straight into a store (``store.import_`` / ``scatter`` / ``remove``) are not
-        counted: write a full snapshot after them.
+        Writes straight into a store (``store.import_`` / ``scatter`` / ``remove``) count too
+        (each leaves a new ``write_stamp`` on the store); writes through a raw view
+        (``store.storage()[...] = ...``) cannot be seen: write a full snapshot after them.
         """
+        stamp = max(getattr(s, "write_stamp", 0) for s in self._stores)
+        if stamp != self._write_stamp:  # stamps never repeat: any direct write since moves it
+            self._write_stamp = stamp
+            self._tables_version += 1
         return self._tables_version
 
     def store(self, table: str) -> RowStore:

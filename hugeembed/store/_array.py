@@ -14,8 +14,8 @@ import torch
 
 from ..errors import ConfigError, InputError
 from . import _alloc
-from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, make_layout,
-                      scatter_rows)
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
+                      make_layout, scatter_rows)
 from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._init import Initializer, default_initializer, init_rows_native
 from ._protocol import ExportIndex, StoreExport
@@ -120,6 +120,7 @@ class ArrayStore(LayoutViews):
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self.local_rows, self.device))
 
+    @direct_write
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         scatter_rows(self.name, self._storage, as_slots(self.name, slots, self.local_rows, self.device), rows)
 
@@ -128,6 +129,7 @@ class ArrayStore(LayoutViews):
         raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
                           "and cannot evict; use a HashStore for ttl / max_rows eviction")
 
+    @direct_write
     def remove(self, keys: torch.Tensor) -> int:
         raise ConfigError(f"table '{self.name}' is a static ArrayStore: it holds every row of [0, {self.num_rows}) "
                           "and cannot remove keys")
@@ -140,6 +142,7 @@ class ArrayStore(LayoutViews):
         return ExportIndex(self.keys(), torch.arange(self.local_rows, device=self.device), self._meta[:, 0].clone(),
                            self._meta[:, 1].clone(), e, e.clone(), e.clone())
 
+    @direct_write
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
         if self.has_rows:  # a key index takes rows of zero width

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 import torch
 
@@ -10,6 +13,7 @@ from ._init import Initializer, init_rows_native
 from ._layout import RowLayout
 
 __all__ = [
+    "direct_write",
     "check_table_config",
     "as_keys",
     "as_counts",
@@ -192,3 +196,22 @@ def lowest_k(cols: list[torch.Tensor], k: int) -> torch.Tensor:
             sel[cand] = True
             return sel
     raise ConfigError("lowest_k: the last column must hold unique values")  # unreachable with unique keys
+
+
+# Stamps of writes into stores outside training: unique and increasing over the process.
+_WRITE_STAMPS = itertools.count(1)
+
+
+def direct_write(method):
+    """Marks a store method that writes rows or keys outside a training step (``scatter``,
+    ``import_``, ``remove``): once it returned, the store's ``write_stamp`` is a new, larger
+    number.  A collection folds its stores' stamps into ``tables_version``, so a snapshot
+    delta (the rows whose ids training saw) never follows such a write."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        self.write_stamp = next(_WRITE_STAMPS)
+        return out
+
+    return wrapper

@@ -15,8 +15,8 @@ import torch
 
 from ..errors import CapacityError, ConfigError, InputError
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
-from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, make_layout,
-                      scatter_rows)
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
+                      make_layout, scatter_rows)
 from ._evict import check_evict_args
 from ._init import Initializer, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
@@ -163,6 +163,7 @@ class DictStore(LayoutViews, Pinnable):
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))
 
+    @direct_write
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         scatter_rows(self.name, self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device), rows)
 
@@ -202,6 +203,7 @@ class DictStore(LayoutViews, Pinnable):
             self._pins.epoch += 1
         return len(gone)
 
+    @direct_write
     def remove(self, keys: torch.Tensor) -> int:
         """HashStore.remove: drops admitted and pending `keys` (all present, each once); returns rows freed."""
         ks = as_keys(self.name, keys, self.device).tolist()
@@ -237,6 +239,7 @@ class DictStore(LayoutViews, Pinnable):
                            t([self._last[self._slot[k]] for k in keys]), t(pk),
                            t([self._pending[k][0] for k in pk]), t([self._pending[k][1] for k in pk]))
 
+    @direct_write
     def import_(self, export: StoreExport) -> None:
         exp = export.to(self.device)
         check_import_rows(self.name, self.layout, exp.rows)

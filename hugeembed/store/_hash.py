@@ -31,8 +31,8 @@ import torch
 from .. import _native
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
-from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, gather_rows, init_rows,
-                      make_layout, scatter_rows)
+from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
+                      init_rows, make_layout, scatter_rows)
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
@@ -393,6 +393,7 @@ class HashStore(LayoutViews, Pinnable):
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))
 
+    @direct_write
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         scatter_rows(self.name, self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device), rows)
 
@@ -442,6 +443,7 @@ class HashStore(LayoutViews, Pinnable):
             self._pins.epoch += 1
         return row_slots.numel()
 
+    @direct_write
     def remove(self, keys: torch.Tensor) -> int:
         """Removes `keys` (admitted or pending) and frees their rows; returns rows freed.
 
@@ -488,6 +490,7 @@ class HashStore(LayoutViews, Pinnable):
         r = codes >= 0
         return ExportIndex(keys[r], codes[r], counts[r], lasts[r], keys[~r], counts[~r], lasts[~r])
 
+    @direct_write
     def import_(self, export: StoreExport) -> None:
         """Loads `export` (existing keys are overwritten, others kept); rows are taken in export order."""
         exp = export.to(self.device)

@@ -39,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import CapacityError, ConfigError, InputError, StoreError
-from ._common import as_counts, as_keys, as_slots, check_step, gather_rows, init_rows, lowest_k, scatter_rows
+from ._common import (as_counts, as_keys, as_slots, check_step, direct_write, gather_rows, init_rows, lowest_k,
+                      scatter_rows)
 from ._layout import LayoutViews, check_import_rows
 from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
@@ -191,6 +192,7 @@ class TieredStore(LayoutViews, Pinnable):
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._rows, as_slots(self.name, slots, self.capacity_rows, self.device))
 
+    @direct_write
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         slots = as_slots(self.name, slots, self.capacity_rows, self.device)
         scatter_rows(self.name, self._rows, slots, rows)
@@ -451,6 +453,7 @@ class TieredStore(LayoutViews, Pinnable):
             protect = protect[protect >= 0]
         return self.index.evict(step, ttl=ttl, max_rows=max_rows, policy=policy, protect=protect, min_norm=min_norm)
 
+    @direct_write
     def remove(self, keys: torch.Tensor) -> int:
         """As HashStore.remove (a snapshot delta's removed keys): the key index drops them and frees
         their slots, whose cached and stored rows go with them.  A static table refuses."""
@@ -488,6 +491,7 @@ class TieredStore(LayoutViews, Pinnable):
     def export(self) -> StoreExport:
         return self.export_index().gather(self.row_source())
 
+    @direct_write
     def import_(self, export: StoreExport) -> None:
         """Loads `export` into the tier (streamed in chunks; nothing is made resident but rows already in
         the cache, which are overwritten there)."""

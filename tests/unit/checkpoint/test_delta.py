@@ -210,13 +210,49 @@ def test_rows_replaced_or_moved_outside_training_need_a_full_snapshot(tmp_path):
     save(tmp_path, ec)
     step(ec, seeded_ids(1))
     ec.catch_up_rows()  # global Adam rows moved without their ids being seen
-    _refused(tmp_path, ec, r"replaced or changed outside training \(load_state_dict or catch_up_rows\)")
+    _refused(tmp_path, ec, r"replaced or changed outside training \(load_state_dict, catch_up_rows or a store")
     save(tmp_path, ec)  # a full one restores the lineage
     step(ec, seeded_ids(2))
     save(tmp_path, ec, delta=True)
     ec.load_state_dict(ec.state_dict())
     step(ec, seeded_ids(3))
     _refused(tmp_path, ec, "replaced or changed outside training")
+
+
+@pytest.mark.parametrize("write", ["scatter", "import_", "remove"])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_rows_written_straight_into_a_store_need_a_full_snapshot(tmp_path, write, tiered):
+    """A delta holds the rows whose ids training saw: after a direct store write it would miss the
+    written rows, so it is refused (nothing written); a full one then keeps them."""
+    ec = make("adagrad")
+    if tiered:  # the same tables with their rows on disk
+        import dataclasses
+
+        ec = EmbeddingCollection([dataclasses.replace(t, storage_dir=str(tmp_path / "tier"), memory_budget=1 << 16)
+                                  for t in ec.tables], optimizer=ec.rules[0])
+    root = tmp_path / "snaps"
+    step(ec, seeded_ids(0))
+    save(root, ec)
+    step(ec, seeded_ids(1))
+    store = ec.store("ttl")
+    key = int(store.export_index().keys[0])
+    if write == "scatter":
+        store.scatter(store.find(torch.tensor([key])), torch.full((1, store.width), 7.0))
+    elif write == "import_":
+        store.import_(store.export())
+    else:
+        store.remove(torch.tensor([key]))
+    want = exports(ec)
+    before = list_snapshots(root)
+    _refused(root, ec, "replaced or changed outside training")
+    assert list_snapshots(root) == before
+    save(root, ec)  # full
+    other = make("adagrad")
+    load(root, other)
+    got = exports(other)
+    assert_same(got, want, f"full snapshot after {write}")
+    step(ec, seeded_ids(2))
+    save(root, ec, delta=True)  # the lineage is whole again
 
 
 def test_a_delta_must_come_after_its_parent_and_the_parent_must_be_unchanged(tmp_path):
