@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
     t = p.add_argument_group("tables larger than memory", "every table's rows on disk under --storage-dir, at most "
                              "--memory-budget of them cached in memory (split between tables by their traffic)")
     t.add_argument("--memory-budget", type=parse_bytes, metavar="BYTES", help="bytes of rows in memory, all tables "
-                   "together (e.g. 6GiB); the key index is beside it")
+                   "together (e.g. 6GiB; with --nproc, each process's); the key index is beside it")
     t.add_argument("--storage-dir", metavar="DIR", help="where the rows live (one directory per run; a crashed run's "
                    "is reused by its --resume only)")
     t.add_argument("--cache-policy", choices=("lfu", "lru"), help="what the memory cache keeps (default lfu)")
@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
                    "(gloo on CPU, NCCL on GPU); --batch-size stays per process")
     d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
                    help="place a table: row_wise, data_parallel or table_wise@RANK (repeatable; the rest is planned)")
-    d.add_argument("--memory-per-rank", type=int, metavar="BYTES", help="table bytes each process may hold")
+    d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")

@@ -137,7 +137,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return os.path.join(t.storage_dir, f"rank{self.rank}")
 
     def _check_ranks_agree(self) -> None:
-        mine = {"plan": self.plan.to_dict(), "tables": [t.describe() for t in self.tables], "seed": self.seed,
+        # a tiered table's storage_dir is each machine's own path: it may differ between ranks
+        tables = [{k: v for k, v in t.describe().items() if k != "storage_dir"} for t in self.tables]
+        mine = {"plan": self.plan.to_dict(), "tables": tables, "seed": self.seed,
                 "gradient_reduction": self.gradient_reduction}
         for r, theirs in enumerate(self.comm.all_gather_object("construction (config check)", mine)):
             if theirs != mine:

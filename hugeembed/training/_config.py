@@ -59,7 +59,8 @@ class TrainConfig:
             as dead or hung (the run then stops with a ShardingError naming step and stage).
         memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
             live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
-            together, split by each table's traffic) cached in memory by `cache_policy`.
+            together, split by each table's traffic; with several processes, each process's
+            budget over the shards it holds) cached in memory by `cache_policy`.
     """
 
     model: str = "dlrm"
@@ -141,6 +142,9 @@ class TrainConfig:
         if (self.storage_dir is None) != (self.memory_budget is None):
             raise ConfigError("memory-budget and storage-dir go together: the tables' rows live under storage-dir "
                               "with memory-budget bytes of them in memory")
+        if self.memory_budget is not None and self.memory_per_rank is not None:
+            raise ConfigError("memory-per-rank sizes a plan of tables held in memory; with memory-budget the tables "
+                              "live on disk and memory-budget is what each process keeps in memory: give one of them")
         if self.cache_policy not in ("lfu", "lru"):
             raise ConfigError(f"cache-policy must be 'lfu' or 'lru', got {self.cache_policy!r}")
         positive("checkpoint_every", allow_zero=True)

@@ -21,8 +21,8 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "wrap_ddp", "merge_metrics", "aligned", "empty_batch", "as_sharding_error",
-           "check_process_group", "run_info"]
+__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
+           "as_sharding_error", "check_process_group", "run_info"]
 
 
 def check_process_group(rank: int, world_size: int) -> None:
@@ -62,10 +62,12 @@ _SUMMED = ("accesses", "hits", "rows_read", "rows_written", "rows_prefetched", "
 
 def merged_tier_stats(collection: Any) -> dict | None:
     """``collection.tier_stats()`` over all ranks (collective): counts and bytes summed per table,
-    hit rates recomputed from the sums."""
-    parts = collection.comm.all_gather_object("tier stats", collection.tier_stats())
-    if parts[0] is None:
+    hit rates recomputed from the sums.  A data-parallel table's replicas each count (each
+    holds its rows, in memory and on disk).  None without tiered tables (no collective then:
+    every rank has the same tables)."""
+    if not collection.has_tiered_tables:
         return None
+    parts = collection.comm.all_gather_object("tier stats", collection.tier_stats())
     tables: dict[str, dict] = {}
     for part in parts:
         for name, st in part["tables"].items():

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..nn import TableConfig
 from ..store import SLOT_METADATA_BYTES
 
-__all__ = ["batch_traffic", "split_memory_budget", "split_memory_budget_per_rank", "tiered_tables"]
+__all__ = ["batch_traffic", "shard_traffic", "split_memory_budget", "split_memory_budget_per_rank", "tiered_tables"]
 
 
 def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str, float]:
@@ -34,17 +34,55 @@ def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str,
     return {name: (sum(v) / len(v) if v else 1.0) for name, v in seen.items()}
 
 
+def shard_traffic(tables: Sequence[TableConfig], batches: Iterable, plan) -> dict[int, dict[str, float]]:
+    """Mean distinct ids per global batch that each rank's shard of each table holds under `plan`
+    (rank -> table -> ids), over `batches` (Batch objects of the global batch): a table-wise
+    owner and every data-parallel replica hold all of a table's ids, a row-wise shard those
+    its rank owns (measured, not assumed 1/n: ids may favour one residue)."""
+    from ..distributed._row_wise import owner_index
+    from ..types import ShardKind
+
+    seen: dict[int, dict[str, list[int]]] = {r: {} for r in range(plan.world_size)}
+    for batch in batches:
+        sparse = batch.sparse
+        for t in tables:
+            ids = [sparse.feature(f).values for f in t.features if f in sparse]
+            uniq = torch.unique(torch.cat(ids)) if ids else torch.empty(0, dtype=torch.int64)
+            p = plan[t.name]
+            if p.kind is ShardKind.DATA_PARALLEL:
+                held = {r: uniq.numel() for r in range(plan.world_size)}
+            else:
+                owners = torch.bincount(owner_index(uniq, len(p.ranks), t.num_rows is not None),
+                                        minlength=len(p.ranks))
+                held = {r: int(owners[i]) for i, r in enumerate(p.ranks)}
+            for r, n in held.items():
+                seen[r].setdefault(t.name, []).append(n)
+    return {r: {name: sum(v) / len(v) for name, v in per.items()} for r, per in seen.items()}
+
+
+def split_floors(tables: Sequence[TableConfig], traffic: dict[str, float], row_bytes: dict[str, int],
+                 num_rows: dict[str, int | None]) -> dict[str, int]:
+    """Per table the least cache it gets: two batches of its distinct rows, at most all its rows."""
+    out = {}
+    for t in tables:
+        slot = row_bytes[t.name] + SLOT_METADATA_BYTES
+        f = int(2 * max(1.0, traffic.get(t.name, 1.0)) + 1) * slot
+        out[t.name] = f if num_rows[t.name] is None else min(f, num_rows[t.name] * slot)
+    return out
+
+
 def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dict[str, float],
                         row_bytes: dict[str, int], num_rows: dict[str, int | None] | None = None,
-                        where: str = "") -> dict[str, int]:
+                        where: str = "", floors: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes of cache per table (see the module docstring); ConfigError when `budget` cannot hold
     two batches' rows of every table.  `num_rows`: the rows each table holds where its cache
-    lives (default: its TableConfig's; a shard holds fewer); `where` prefixes the error."""
+    lives (default: its TableConfig's; a shard holds fewer); `where` prefixes the error;
+    `floors`: the least per table, when not split_floors' (a shard's, from all its ranks)."""
     held = {t.name: t.num_rows for t in tables} if num_rows is None else num_rows
     slot = {t.name: row_bytes[t.name] + SLOT_METADATA_BYTES for t in tables}
-    floor = {t.name: int(2 * max(1.0, traffic.get(t.name, 1.0)) + 1) * slot[t.name] for t in tables}
     cap = {t.name: (held[t.name] * slot[t.name] if held[t.name] is not None else None) for t in tables}
-    floor = {n: min(f, cap[n]) if cap[n] is not None else f for n, f in floor.items()}
+    floor = split_floors(tables, traffic, row_bytes, held) if floors is None else {t.name: floors[t.name]
+                                                                                   for t in tables}
     if sum(floor.values()) > budget:
         raise ConfigError(f"{where}memory-budget {budget} B cannot hold two batches of rows of every table "
                           f"(needs {sum(floor.values())} B: "
@@ -69,41 +107,44 @@ def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dic
     return share
 
 
-def split_memory_budget_per_rank(tables: Sequence[TableConfig], plan, budget: int, traffic: dict[str, float],
-                                 row_bytes: dict[str, int]) -> dict[str, int]:
+def split_memory_budget_per_rank(tables: Sequence[TableConfig], plan, budget: int,
+                                 traffic: dict[int, dict[str, float]], row_bytes: dict[str, int]) -> dict[str, int]:
     """Bytes of cache of each rank's shard of each table under a sharding `plan`, so that no rank's
     caches exceed `budget` (the budget is per rank).
 
-    `traffic` is the global batch's: a row-wise shard of n ranks sees 1/n of a table's ids and
-    holds 1/n of its rows, a table-wise owner all of them, and so does every rank for a
-    data-parallel table (each replica applies the whole batch's updates).  Each rank splits
-    its budget over the tables it holds; a table held by several ranks takes the smallest of
-    their shares, the same on every rank (every rank computes this alike)."""
+    `traffic`: rank -> table -> the ids per step its shard holds (shard_traffic); a rank holds
+    the tables with an entry.  A row-wise shard of n ranks holds 1/n of a static table's rows
+    (its cap).  Each rank splits its budget over the tables it holds, each table at least the
+    floor of its busiest shard; a table held by several ranks takes the smallest of their
+    shares, the same on every rank (every rank computes this alike)."""
     from ..types import ShardKind
 
-    share: dict[str, int] = {}
+    held, rows = {}, {}
     for r in range(plan.world_size):
-        held, seen, rows = [], {}, {}
-        for t in tables:
+        held[r] = [t for t in tables if t.name in traffic.get(r, {})]
+        for t in held[r]:
             p = plan[t.name]
             n = 1 if p.kind is ShardKind.DATA_PARALLEL else len(p.ranks)
-            if p.kind is not ShardKind.DATA_PARALLEL and r not in p.ranks:
-                continue
-            held.append(t)
-            seen[t.name] = traffic.get(t.name, 1.0) / n
             rows[t.name] = None if t.num_rows is None else -(-t.num_rows // n)
-        if not held:
-            continue
-        mine = split_memory_budget(held, budget, seen, row_bytes, rows, where=f"rank {r}: ")
-        for name, b in mine.items():
-            share[name] = min(share.get(name, b), b)
+    # every shard of a table gets the floor of its busiest one (the same cache size on every rank)
+    floors: dict[str, int] = {}
+    for r, ts in held.items():
+        for name, b in split_floors(ts, traffic.get(r, {}), row_bytes, rows).items():
+            floors[name] = max(floors.get(name, 0), b)
+    share: dict[str, int] = {}
+    for r, ts in held.items():
+        if ts:
+            mine = split_memory_budget(ts, budget, traffic[r], row_bytes, rows, where=f"rank {r}: ", floors=floors)
+            for name, b in mine.items():
+                share[name] = min(share.get(name, b), b)
     return share
 
 
 def tiered_tables(tables: Sequence[TableConfig], budget: int, storage_dir: str, cache_policy: str,
-                  traffic: dict[str, float], row_bytes: dict[str, int], plan=None) -> list[TableConfig]:
-    """`tables` with their rows on disk under `storage_dir`, the budget split by traffic (with a
-    sharding `plan`: the budget is each rank's, see split_memory_budget_per_rank)."""
+                  traffic, row_bytes: dict[str, int], plan=None) -> list[TableConfig]:
+    """`tables` with their rows on disk under `storage_dir`, the budget split by `traffic`
+    (batch_traffic; with a sharding `plan`, shard_traffic: the budget is each rank's, see
+    split_memory_budget_per_rank)."""
     share = split_memory_budget(tables, budget, traffic, row_bytes) if plan is None else \
         split_memory_budget_per_rank(tables, plan, budget, traffic, row_bytes)
     return [dataclasses.replace(t, storage_dir=os.fspath(storage_dir), memory_budget=share[t.name],

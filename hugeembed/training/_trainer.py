@@ -69,7 +69,7 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
     it as the tier's owner, so a resume reuses the directory a crash left."""
     from itertools import islice
 
-    from ._tiers import batch_traffic, tiered_tables
+    from ._tiers import batch_traffic, shard_traffic, tiered_tables
 
     owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
 
@@ -79,13 +79,14 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
         states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         try:
             whole = cfg.replace(batch_size=cfg.batch_size * world_size) if world_size > 1 else cfg
-            traffic = batch_traffic(tables, islice(make_source(whole).train_batches(0), 4))
+            batches = list(islice(make_source(whole).train_batches(0), 4))
         finally:
             torch.set_rng_state(states[0])
             np.random.set_state(states[1])
             random.setstate(states[2])
         row_bytes = {t.name: t.row_layout(t.optimizer or (optimizer if t.trainable else None)).row_bytes
                      for t in tables}
+        traffic = batch_traffic(tables, batches) if plan is None else shard_traffic(tables, batches, plan)
         return tiered_tables(tables, cfg.memory_budget, cfg.storage_dir, cfg.cache_policy, traffic, row_bytes,
                              plan), owner
 

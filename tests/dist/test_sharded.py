@@ -327,6 +327,9 @@ def test_a_snapshot_loads_into_tiered_shards_which_train_on_and_save(chain, two)
     assert_tables(merge_shards([r["loaded"] for r in tiered]), at[3], set(ALL), "1 -> 2 tiered ranks: loaded")
     for a, b in zip(plain, tiered):  # the same plan in memory and on disk: bit for bit
         assert_tables(b["trained"], a["trained"], set(ALL), "tiered vs in-memory shards, trained on")
+    # the loaded rows went to disk and came back through caches of one step's rows
+    assert sum(t["rows_read"] for r in tiered for t in r["tiers"]["tables"].values()) > 0
+    assert sum(t["rows_written"] for r in tiered for t in r["tiers"]["tables"].values()) > 0
     ec = EmbeddingCollection(tables(CHAIN_OPT))
     ckpt.load(chain["root"] / "t2", ec, restore_rng=False)
     assert_tables(export_all(ec), merge_shards([r["trained"] for r in plain]), set(ALL), "t2 -> 1 process")

@@ -72,6 +72,7 @@ def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
         a, b = link["train"]
         train(ec, range(a, b), rank, world)
         out["trained"] = export_all(ec)
+        out["tiers"] = ec.tier_stats()
     if link.get("save"):
         out["saved"] = str(ckpt.save(link["save"], ec, delta=link.get("delta", False)))
     if link.get("then_delta"):

@@ -77,6 +77,7 @@ def test_another_runs_storage_dir_is_refused(tmp_path):
     (("--memory-budget", "12XB", "--storage-dir", "x"), "is not a size"),
     (("--memory-budget", "1MiB"), "memory-budget and storage-dir go together"),
     (("--memory-budget", "1KiB", "--storage-dir", "x"), "cannot hold two batches of rows"),
+    (("--memory-budget", "1MiB", "--storage-dir", "x", "--memory-per-rank", "1GiB"), "give one of them"),
 ])
 def test_bad_tier_flags_are_one_line_errors(tmp_path, extra, fragment):
     proc = run_cli(*BASE, *extra, cwd=tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +11,7 @@ from hugeembed.distributed import ShardingPlan
 from hugeembed.errors import ConfigError
 from hugeembed.nn import TableConfig
 from hugeembed.store import SLOT_METADATA_BYTES
-from hugeembed.training._tiers import split_memory_budget, split_memory_budget_per_rank
+from hugeembed.training._tiers import shard_traffic, split_memory_budget, split_memory_budget_per_rank
 
 ROW = 32  # dim 4 fp32 + Adagrad state
 SLOT = ROW + SLOT_METADATA_BYTES
@@ -56,20 +57,21 @@ def test_per_rank_shares_fit_every_rank_budget_and_agree():
     tables = [TableConfig("rw", 4), TableConfig("st", 4, num_rows=1000), TableConfig("tw", 4),
               TableConfig("dp", 4, num_rows=50)]
     plan = ShardingPlan(2, {"rw": "row_wise", "st": "row_wise", "tw": "table_wise@1", "dp": "data_parallel"})
-    traffic = {"rw": 400.0, "st": 300.0, "tw": 200.0, "dp": 40.0}
+    # ids per step each rank's shard holds: st skewed towards rank 0 (its ids mostly even)
+    traffic = {0: {"rw": 200.0, "st": 120.0, "dp": 40.0}, 1: {"rw": 200.0, "st": 30.0, "tw": 200.0, "dp": 40.0}}
     budget = 200_000
-    share = split_memory_budget_per_rank(tables, plan, budget, traffic, {t.name: ROW for t in tables})
+    rows = {t.name: ROW for t in tables}
+    share = split_memory_budget_per_rank(tables, plan, budget, traffic, rows)
     held = {0: ["rw", "st", "dp"], 1: ["rw", "st", "tw", "dp"]}
     for r, names in held.items():
         assert sum(share[n] for n in names) <= budget, r
-    # a row-wise shard holds half the static rows: its cache never exceeds them
-    assert share["st"] <= 500 * SLOT
-    # the data-parallel replica is capped at its whole table, on every rank
-    assert share["dp"] == 50 * SLOT
-    # a row-wise shard's floor is two batches of its half of the traffic; rank 0 alone would give
-    # the row-wise tables more (it holds no tw): the shared tables take rank 1's smaller share
-    alone = split_memory_budget([tables[0], tables[1], tables[3]], budget, {"rw": 200.0, "st": 150.0, "dp": 40.0},
-                                {t.name: ROW for t in tables}, {"rw": None, "st": 500, "dp": 50})
+    assert share["st"] <= 500 * SLOT  # a row-wise shard holds half the static rows
+    assert share["dp"] == 50 * SLOT  # a replica holds the whole (small) table, on every rank
+    # every shard of st gets two batches of its busiest shard's ids, rank 1's too
+    assert share["st"] >= floor_rows(120.0) * SLOT
+    # rank 0 alone would give rw more (it holds no tw): shared tables take the smaller share
+    alone = split_memory_budget([tables[0], tables[1], tables[3]], budget, traffic[0], rows,
+                                {"rw": None, "st": 500, "dp": 50})
     assert share["rw"] < alone["rw"]
     assert share["rw"] >= floor_rows(200.0) * SLOT
 
@@ -79,4 +81,39 @@ def test_per_rank_budget_too_small_names_the_rank():
     plan = ShardingPlan(2, {"a": "table_wise@0", "b": "table_wise@1"})
     rows = {"a": ROW, "b": ROW}
     with pytest.raises(ConfigError, match="rank 1: memory-budget"):
-        split_memory_budget_per_rank(tables, plan, 10 * SLOT, {"a": 1.0, "b": 50.0}, rows)
+        split_memory_budget_per_rank(tables, plan, 10 * SLOT, {0: {"a": 1.0}, 1: {"b": 50.0}}, rows)
+
+
+def test_shard_traffic_counts_the_ids_each_rank_holds():
+    """Oracle: distinct ids of the global batch, owned by key mod n (static), by the mixed hash
+    (dynamic), all of them for a table-wise owner and for every replica."""
+    from hugeembed._hashing import mix64_int
+    from hugeembed.data import Batch
+    from hugeembed.features import SparseFeatures
+
+    tables = [TableConfig("st", 4, num_rows=100), TableConfig("dyn", 4), TableConfig("tw", 4),
+              TableConfig("dp", 4)]
+    plan = ShardingPlan(2, {"st": "row_wise", "dyn": "row_wise", "tw": "table_wise@1", "dp": "data_parallel"})
+    ids = [{"st": [[0, 2, 4], [4, 6], [1]], "dyn": [[11, 12], [13, 11], [99]], "tw": [[1], [1], [2]],
+            "dp": [[5], [], [6, 7]]},
+           {"st": [[3], [5], [7, 8]], "dyn": [[1000], [1001], [1002]], "tw": [[3], [4], [5]], "dp": [[5], [5], [5]]}]
+    batches = [Batch(torch.zeros(3, 1), SparseFeatures.from_lists(b), torch.zeros(3)) for b in ids]
+    got = shard_traffic(tables, batches, plan)
+    want = {0: {}, 1: {}}
+    for b in ids:
+        for name, bags in b.items():
+            uniq = {k for bag in bags for k in bag}
+            for r in (0, 1):
+                if name == "st":
+                    n = sum(1 for k in uniq if k % 2 == r)
+                elif name == "dyn":
+                    n = sum(1 for k in uniq if (mix64_int(k) & 0xFFFFFFFF) % 2 == r)
+                elif name == "tw":
+                    n = len(uniq) if r == 1 else None
+                else:
+                    n = len(uniq)
+                if n is not None:
+                    want[r].setdefault(name, []).append(n)
+    want = {r: {k: sum(v) / len(v) for k, v in per.items()} for r, per in want.items()}
+    assert got == want
+    assert got[0]["st"] == 2.5 and got[1]["st"] == 2.0  # (4 + 1) / 2 and (1 + 3) / 2: not an even split
