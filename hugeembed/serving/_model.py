@@ -104,6 +104,18 @@ class ServingModel:
                 raise _artifact_error(e) from None
             return applied
 
+    def apply_delta(self, path: str | os.PathLike) -> str:
+        """Applies the artifact delta at `path` (it must follow the served version); returns the new version.
+        ArtifactError (and nothing changes) when it does not follow, or is damaged."""
+        from ._delta import apply_delta
+
+        with self._reload_lock:
+            try:
+                self._served = apply_delta(self.manifest, self._served, Path(path))
+            except _runtime.ArtifactError as e:
+                raise _artifact_error(e) from None
+            return self.version
+
     # -- inference ------------------------------------------------------------------------------
 
     def logits(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
