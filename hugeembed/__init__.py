@@ -7,7 +7,8 @@ storage), ``optim`` (sparse optimizers), ``nn`` (EmbeddingCollection),
 """
 
 from . import errors, types
-from .errors import CapacityError, CheckpointError, ConfigError, HugeEmbedError, InputError, ShardingError, StoreError
+from .errors import (ArtifactError, CapacityError, CheckpointError, ConfigError, HugeEmbedError, InputError,
+                     ShardingError, StoreError)
 from .features import JaggedFeature, SparseFeatures
 from .types import Combiner, OutOfRange, ShardKind, Tier
 
@@ -24,6 +25,7 @@ __all__ = [
     "StoreError",
     "ShardingError",
     "CheckpointError",
+    "ArtifactError",
     "Combiner",
     "OutOfRange",
     "Tier",

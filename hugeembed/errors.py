@@ -14,6 +14,7 @@ __all__ = [
     "StoreError",
     "ShardingError",
     "CheckpointError",
+    "ArtifactError",
 ]
 
 
@@ -43,3 +44,7 @@ class ShardingError(HugeEmbedError, RuntimeError):
 
 class CheckpointError(HugeEmbedError, RuntimeError):
     """A snapshot is missing, corrupted, or does not match the model it is loaded into."""
+
+
+class ArtifactError(HugeEmbedError, RuntimeError):
+    """A serving artifact is missing, damaged or foreign, or a delta does not follow the served version."""

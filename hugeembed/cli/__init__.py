@@ -19,6 +19,8 @@ COMMANDS: dict[str, str] = {
     "convert": "convert",
     "inspect": "inspect",
     "bench": "bench",
+    "export": "export",
+    "serve": "serve",
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-SUITE = ("lookup", "tables", "train", "loader", "snapshot", "distributed", "tiered")
+SUITE = ("lookup", "tables", "train", "loader", "snapshot", "distributed", "tiered", "serve")
 
 
 def add_parser(sub) -> None:

@@ -16,7 +16,7 @@ from ._block import CriteoBlock, rebatch
 from ._convert import ConvertProgress, ConvertSummary, convert
 from ._criteo import CriteoReader, FileSummary, ReadSummary, read_criteo
 from ._loader import Loader, rank_range
-from ._parse import native_parser_available
+from ._parse import native_parser_available, parse_buffer
 from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_ID_BASE, MISSING_IDS, N_CAT, N_DENSE, missing_id
 from ._shards import ShardInfo, ShardSet
 from ._synthetic import CRITEO_KAGGLE_CARDINALITIES, BayesMetrics, RawRows, SyntheticConfig, SyntheticCriteo
@@ -31,6 +31,7 @@ __all__ = [
     "FileSummary",
     "read_criteo",
     "native_parser_available",
+    "parse_buffer",
     "convert",
     "ConvertProgress",
     "ConvertSummary",

@@ -124,6 +124,15 @@ class FusedEmbeddingLookup:
                 raise InputError(f"table {spec.name!r} is on {s.device} but the batch is on {device}: "
                                  "move one of them (batch.to(device))")
 
+    def pooled_from_groups(self, groups: Sequence[torch.Tensor]) -> PooledEmbeddings:
+        """The output of this lookup from blocks pooled elsewhere: one ``[B, F_g, D_g]`` per dim group of
+        ``self.plan`` (its pooled features in plan order).  A frozen export (hugeembed.serving) pools
+        the rows itself and hands them to the model's dense part through this."""
+        if len(groups) != len(self.plan.groups):
+            raise InputError(f"pooled_from_groups: the plan has {len(self.plan.groups)} dim groups, got "
+                             f"{len(groups)} blocks")
+        return PooledEmbeddings(self.plan.pooled_names(), list(groups), self._where)
+
     def forward_static(self, storages: Sequence[torch.Tensor], sf) -> PooledEmbeddings | None:
         """Forward-only lookup of static tables in one native pass over the batch (inference,
         evaluation): no dedup, no intermediate arrays, the same numbers as prepare + lookup.

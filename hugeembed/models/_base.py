@@ -76,8 +76,10 @@ class Fields:
 class RecModel(nn.Module):
     """Base of the models: an EmbeddingCollection (``self.embeddings``) and a dense part.
 
-    Subclasses build their dense layers and implement ``forward(dense, sparse) -> logits [B]``
-    using :meth:`lookup` (checks inputs, runs the collection).
+    Subclasses build their dense layers and implement ``forward_pooled(dense, pooled) -> logits [B]``;
+    ``forward(dense, sparse)`` is :meth:`lookup` (checks inputs, runs the collection) then
+    ``forward_pooled``.  The split lets a frozen export run the same dense part on pooled
+    embeddings looked up elsewhere (hugeembed.serving).
 
     The tables train themselves in backward (their sparse optimizers); the rest of the
     model is returned by :meth:`dense_parameters` for a ``torch.optim`` optimizer.
@@ -99,6 +101,19 @@ class RecModel(nn.Module):
         """Every parameter except the embedding tables' (which update in backward)."""
         tables = {id(p) for p in self.embeddings.parameters()}
         return [p for p in self.parameters() if id(p) not in tables]
+
+    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+        """Logits ``[B]`` (apply a sigmoid for probabilities).
+
+        Args:
+            dense: float ``[B, num_dense]``.
+            sparse: the batch's sparse features (on the collection's device).
+        """
+        return self.forward_pooled(dense, self.lookup(dense, sparse))
+
+    def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
+        """The dense part: logits ``[B]`` from dense features and the batch's pooled embeddings."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward_pooled(dense, pooled)")
 
     def lookup(self, dense: torch.Tensor, sparse: SparseFeatures) -> PooledEmbeddings:
         """Checks ``dense [B, num_dense]`` against the sparse batch, then looks up the embeddings."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..features import SparseFeatures
+from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel
 from ._layers import MLP, CrossNetworkV2, check_dropout, check_positive_int, check_sizes
@@ -75,14 +75,13 @@ class DCNv2(RecModel):
             head_in = self.deep.out_features + (n if structure == "parallel" else 0)
         self.head = nn.Linear(head_in, 1, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+    def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
         """Logits ``[B]``.
 
         Args:
             dense: float ``[B, num_dense]``.
-            sparse: the batch's sparse features (on the collection's device).
+            out: the pooled embeddings of the batch (``self.lookup``'s, or a frozen export's).
         """
-        out = self.lookup(dense, sparse)
         x0 = torch.cat([dense, self.on(self.fields.concat(out), dense)], dim=1)
         crossed = self.cross(x0)
         if self.deep is None:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from ..features import SparseFeatures
+from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel
 from ._layers import MLP, DotInteraction, check_sizes
@@ -64,14 +64,13 @@ class DLRM(RecModel):
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
                        final_activation=False, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+    def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
         """Logits ``[B]`` (apply a sigmoid for probabilities).
 
         Args:
             dense: float ``[B, num_dense]``.
-            sparse: the batch's sparse features (on the collection's device).
+            out: the pooled embeddings of the batch (``self.lookup``'s, or a frozen export's).
         """
-        out = self.lookup(dense, sparse)
         d = self.bottom(dense)
         e = self.on(self.fields.stacked(out), d)
         return self.top(self.interaction(d, e)).squeeze(1)

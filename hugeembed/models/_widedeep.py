@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..features import SparseFeatures
+from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel, resolve_first_order
 from ._layers import MLP, check_dropout, check_sizes
@@ -68,14 +68,13 @@ class WideAndDeep(RecModel):
                         dropout=check_dropout(dropout, "WideAndDeep"), device=device)
         self.deep_out = nn.Linear(self.deep.out_features, 1, bias=False, device=device)
 
-    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+    def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
         """Logits ``[B]``.
 
         Args:
             dense: float ``[B, num_dense]``.
-            sparse: the batch's sparse features (on the collection's device).
+            out: the pooled embeddings of the batch (``self.lookup``'s, or a frozen export's).
         """
-        out = self.lookup(dense, sparse)
         logit = self.bias.expand(dense.shape[0])
         if len(self.wide_fields):
             logit = logit + self.on(self.wide_fields.concat(out), dense).sum(dim=1)

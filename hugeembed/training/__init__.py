@@ -1,7 +1,7 @@
 """Training runs: TrainConfig, the Trainer loop (eval, snapshots, resume) and data sources."""
 
 from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
-from ._evaluate import evaluate_snapshot
+from ._evaluate import evaluate_snapshot, load_snapshot_model
 from ._sources import DataSource, FileSource, SyntheticSource, make_source
 from ._record import RunRecord, TrainState
 from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
@@ -13,6 +13,7 @@ __all__ = [
     "RunRecord",
     "evaluate",
     "evaluate_snapshot",
+    "load_snapshot_model",
     "build_model",
     "make_dense_optimizer",
     "resolve_device",

@@ -5,18 +5,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from .. import checkpoint as ckpt
+from .._durable import atomic_write_text
 from ..data import Loader
 from ..errors import InputError
 from ._record import RunRecord
 from ._sources import make_source
 from ._trainer import build_model, evaluate, resolve_device
 
-__all__ = ["evaluate_snapshot"]
+__all__ = ["evaluate_snapshot", "load_snapshot_model"]
+
+
+def load_snapshot_model(path: str | Path, *, device: str = "auto", batch_size: int | None = None):
+    """The model a run saved at `path` (a snapshot or a checkpoint root: its newest), in eval mode.
+
+    Returns ``(model, config, info)``: the run's TrainConfig (with `device` and `batch_size`
+    applied) and the :class:`~hugeembed.checkpoint.SnapshotInfo` of what was loaded.
+    """
+    snap = Path(ckpt.read_manifest(path)["_path"])
+    saved = RunRecord.from_dict(ckpt.read_extra(snap), str(snap)).config
+    changes: dict[str, Any] = {"resume": False, "checkpoint_dir": None, "device": device}
+    if batch_size is not None:
+        changes["batch_size"] = batch_size
+    cfg = saved.replace(**changes)
+    model, _ = build_model(cfg, resolve_device(cfg.device))
+    info = ckpt.load(snap, model.embeddings, model=model, restore_rng=False)
+    model.eval()
+    return model, cfg, info
 
 
 def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size: int | None = None,
-                      device: str = "auto") -> dict[str, Any]:
+                      device: str = "auto", predictions: str | Path | None = None) -> dict[str, Any]:
     """AUC, log loss, CTR, PCTR, COPC of the model saved at `path` (a snapshot or a checkpoint root).
 
     Args:
@@ -25,18 +47,13 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
             reproduces the run's final evaluation exactly).
         batch_size: scoring batch size (default: the run's).
         device: where to run.
+        predictions: also write one click probability per scored row to this file, in input
+            order (``%.9g``: float32 exactly), written atomically once all rows are scored.
 
     Nothing is inserted or counted: unknown ids read as zeros.
     """
-    snap = Path(ckpt.read_manifest(path)["_path"])
-    saved = RunRecord.from_dict(ckpt.read_extra(snap), str(snap)).config
-    changes: dict[str, Any] = {"resume": False, "checkpoint_dir": None, "device": device}
-    if batch_size is not None:
-        changes["batch_size"] = batch_size
-    cfg = saved.replace(**changes)
+    model, cfg, info = load_snapshot_model(path, device=device, batch_size=batch_size)
     dev = resolve_device(cfg.device)
-    model, _ = build_model(cfg, dev)
-    info = ckpt.load(snap, model.embeddings, model=model, restore_rng=False)
     if data:
         paths = [str(p) for p in data]
         batches = iter(Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, prefetch=2))
@@ -44,7 +61,11 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
     else:
         batches = make_source(cfg).eval_batches()
         source = "the run's held-out set"
-    metrics = evaluate(model, batches, dev)
+    kept: list[torch.Tensor] = []
+    metrics = evaluate(model, batches, dev, keep_predictions=kept if predictions is not None else None)
     if metrics["count"] == 0:
         raise InputError(f"{source}: no rows to score")
+    if predictions is not None:
+        probs = torch.cat(kept).numpy() if kept else np.zeros(0, np.float32)
+        atomic_write_text(Path(predictions), "".join(f"{p:.9g}\n" for p in probs.tolist()))
     return {**metrics, "step": info.step, "snapshot": str(info.path), "data": source, "model": cfg.model}

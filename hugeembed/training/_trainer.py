@@ -416,16 +416,21 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device, merge: Callable[[MetricSet], MetricSet] | None = None
-             ) -> dict[str, float]:
-    """AUC, log loss, CTR, PCTR and COPC of `model` over `batches` (eval mode: nothing inserted)."""
+def evaluate(model, batches, device: torch.device, merge: Callable[[MetricSet], MetricSet] | None = None,
+             keep_predictions: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """AUC, log loss, CTR, PCTR and COPC of `model` over `batches` (eval mode: nothing inserted).
+
+    `keep_predictions`: a list that receives each batch's probabilities (CPU float32), in order."""
     was_training = model.training
     model.eval()
     ms = MetricSet()
     try:
         for batch in batches:
             batch = batch.to(device, non_blocking=True)
-            ms.update(torch.sigmoid(model(batch.dense, batch.sparse)), batch.labels)
+            probs = torch.sigmoid(model(batch.dense, batch.sparse))
+            ms.update(probs, batch.labels)
+            if keep_predictions is not None:
+                keep_predictions.append(probs.float().cpu())
     finally:
         model.train(was_training)
     if merge is not None:

@@ -28,6 +28,7 @@ LAYERS = [
     {"models"},
     {"metrics"},
     {"training"},
+    {"serving"},
     {"cli", "__main__"},
 ]
 

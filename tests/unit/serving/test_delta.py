@@ -1,0 +1,91 @@
+"""Artifact deltas: a base export plus deltas serves exactly what a full export of the newest snapshot does;
+deltas apply in chain order only, and a refused or damaged one changes nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hugeembed.cli import main
+from hugeembed.errors import ArtifactError, ConfigError
+from hugeembed.serving import ServingModel, export, export_delta
+
+from .conftest import snapshot
+
+
+@pytest.fixture(scope="module")
+def chained(run, tmp_path_factory):
+    """dtype -> an artifact of step 40 with deltas to step 80 and to the newest (160)."""
+    out = tmp_path_factory.mktemp("chained")
+    made = {}
+    for dtype in ("fp32", "int8"):
+        art = export(snapshot(run, 40), out / dtype, dtype=dtype)
+        export_delta(snapshot(run, 80), art)
+        export_delta(run, art)
+        made[dtype] = art
+    return made
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype):
+    m = ServingModel.load(chained[dtype])
+    assert m.version == "step-000000160" and m.served.deltas == ("step-000000080", "step-000000160")
+    full = ServingModel.load(artifacts(dtype))
+    for b in heldout[1][:3]:
+        torch.testing.assert_close(m.predict(b.dense, b.sparse), full.predict(b.dense, b.sparse), atol=0, rtol=0)
+    # the tables themselves: same keys, same stored rows
+    for a, b in zip(m.served.tables.rows, full.served.tables.rows):
+        assert torch.equal(a, b)
+
+
+def test_reload_applies_only_what_follows_in_order(chained, run, tmp_path):
+    art = shutil.copytree(chained["fp32"], tmp_path / "a")
+    later = tmp_path / "later"
+    shutil.move(art / "deltas" / "step-000000160", later)
+    m = ServingModel.load(art)
+    assert m.version == "step-000000080"
+    assert m.reload() == []  # nothing new
+    shutil.move(later, art / "deltas" / "step-000000160")
+    assert m.reload() == ["step-000000160"] and m.version == "step-000000160"
+
+
+def test_a_delta_that_does_not_follow_is_refused_and_changes_nothing(chained, tmp_path):
+    art = shutil.copytree(chained["fp32"], tmp_path / "a")
+    base = ServingModel.load(art, apply_deltas=False)
+    before = base.served
+    with pytest.raises(ArtifactError, match="follows step-000000080, the model serves step-000000040"):
+        base.apply_delta(art / "deltas" / "step-000000160")
+    assert base.served is before
+    assert base.apply_delta(art / "deltas" / "step-000000080") == "step-000000080"
+
+
+def test_a_damaged_delta_is_refused_and_the_served_version_kept(chained, tmp_path):
+    art = shutil.copytree(chained["int8"], tmp_path / "a")
+    rows = next((art / "deltas" / "step-000000160" / "tables").glob("C3.upsert_rows.npy"))
+    data = bytearray(rows.read_bytes())
+    data[-1] ^= 0x55
+    rows.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="C3.upsert_rows.npy is damaged"):
+        ServingModel.load(art)
+    m = ServingModel.load(art, apply_deltas=False)
+    with pytest.raises(ArtifactError):
+        m.reload()
+    assert m.version == "step-000000080"  # the good delta before it was applied, the damaged one not
+
+
+def test_export_delta_refusals(chained, run, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="already serves step-000000160"):
+        export_delta(run, chained["fp32"])
+    art = export(run, tmp_path / "new", dtype="fp16")
+    assert main(["export", "--delta", "--checkpoint", str(snapshot(run, 120)), "--out", str(art)]) == 2
+    assert "not after the served step-000000160" in capsys.readouterr().err
+
+
+def test_cli_export_delta(run, tmp_path, capsys):
+    art = tmp_path / "a"
+    assert main(["export", "--checkpoint", str(snapshot(run, 120)), "--out", str(art), "--dtype", "int4"]) == 0
+    assert main(["export", "--delta", "--checkpoint", str(run), "--out", str(art)]) == 0
+    assert "exported delta" in capsys.readouterr().out
+    assert ServingModel.load(art).version == "step-000000160"
