@@ -198,6 +198,8 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(server):
     assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
     assert results and all(s == 200 for _, s, _ in results)  # every request answered was answered whole
     # requests sent after the signal are refused: a new connection is not accepted (ConnectError), or a
-    # keep-alive one is closed before the server reads the request (RemoteProtocolError: no response)
-    assert all("ConnectError" in e or "RemoteProtocolError" in e for e in errors), errors
+    # keep-alive one is closed (RemoteProtocolError: no response) or reset (ReadError / WriteError on a
+    # loaded machine) before the server reads the request; never a timeout (a hang)
+    refused = ("ConnectError", "RemoteProtocolError", "ReadError", "WriteError")
+    assert all(any(k in e for k in refused) for e in errors), errors
     assert "Traceback" not in proc.stderr.read()
