@@ -17,6 +17,20 @@ from ._layers import check_positive_int
 __all__ = ["RecModel", "Fields"]
 
 
+
+def check_model_inputs(who: str, dense, num_dense: int, sparse) -> None:
+    """InputError (prefixed by `who`) unless `dense` is a floating [B, num_dense] tensor and `sparse`
+    a SparseFeatures of B samples: what every model (and the served one) takes."""
+    if not isinstance(dense, torch.Tensor) or dense.dim() != 2 or dense.shape[1] != num_dense:
+        got = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
+        raise InputError(f"{who}: dense features must be a [B, {num_dense}] tensor, got {got}")
+    if not dense.is_floating_point():
+        raise InputError(f"{who}: dense features must be floating point, got {dense.dtype}")
+    if not isinstance(sparse, SparseFeatures):
+        raise InputError(f"{who}: sparse features must be a SparseFeatures, got {type(sparse).__name__}")
+    if sparse.batch_size != dense.shape[0]:
+        raise InputError(f"{who}: dense has {dense.shape[0]} samples but the sparse batch has {sparse.batch_size}")
+
 class Fields:
     """The pooled outputs of some tables of a collection, read as one block.
 
@@ -117,16 +131,7 @@ class RecModel(nn.Module):
 
     def lookup(self, dense: torch.Tensor, sparse: SparseFeatures) -> PooledEmbeddings:
         """Checks ``dense [B, num_dense]`` against the sparse batch, then looks up the embeddings."""
-        if not isinstance(dense, torch.Tensor) or dense.dim() != 2 or dense.shape[1] != self.num_dense:
-            got = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
-            raise InputError(f"{self._who}: dense features must be a [B, {self.num_dense}] tensor, got {got}")
-        if not dense.is_floating_point():
-            raise InputError(f"{self._who}: dense features must be floating point, got {dense.dtype}")
-        if not isinstance(sparse, SparseFeatures):
-            raise InputError(f"{self._who}: sparse features must be a SparseFeatures, got {type(sparse).__name__}")
-        if sparse.batch_size != dense.shape[0]:
-            raise InputError(f"{self._who}: dense has {dense.shape[0]} samples but the sparse batch has "
-                             f"{sparse.batch_size}")
+        check_model_inputs(self._who, dense, self.num_dense, sparse)
         return self.embeddings(sparse)
 
     @staticmethod

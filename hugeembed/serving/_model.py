@@ -17,6 +17,7 @@ import torch
 from ..data import Batch
 from ..errors import ArtifactError, InputError
 from ..features import SparseFeatures
+from ..models._base import check_model_inputs
 from . import _runtime
 from ._runtime import Tables
 
@@ -140,18 +141,10 @@ class ServingModel:
 
     def check(self, dense: torch.Tensor, sparse: SparseFeatures) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, offsets) of `sparse` in the artifact's feature order; InputError naming what is wrong."""
-        if not isinstance(dense, torch.Tensor) or dense.dim() != 2 or dense.shape[1] != self.num_dense:
-            got = tuple(dense.shape) if isinstance(dense, torch.Tensor) else type(dense).__name__
-            raise InputError(f"dense features must be a [B, {self.num_dense}] tensor, got {got}")
-        if not dense.is_floating_point():
-            raise InputError(f"dense features must be floating point, got {dense.dtype}")
-        if not isinstance(sparse, SparseFeatures):
-            raise InputError(f"sparse features must be a SparseFeatures, got {type(sparse).__name__}")
+        check_model_inputs("served model", dense, self.num_dense, sparse)
         missing = [f for f in self.features if f not in sparse]
         if missing:
             raise InputError(f"sparse features {missing} are missing (the model reads {list(self.features)})")
-        if sparse.batch_size != dense.shape[0]:
-            raise InputError(f"dense has {dense.shape[0]} samples but the sparse batch has {sparse.batch_size}")
         if sparse.weights_or_none() is not None:
             raise NotImplementedError("per-id weights are not served yet: give ids without weights")
         if sparse.device.type != "cpu" or dense.device.type != "cpu":
