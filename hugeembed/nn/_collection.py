@@ -28,6 +28,7 @@ from ..store._layout import LayoutViews
 from ._config import TableConfig
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
+from ._rare import SHARED_ROW_KEY, check_count_scalable, coalesce, count_lr_scale, update_scaled
 
 __all__ = ["EmbeddingCollection"]
 
@@ -108,6 +109,8 @@ class EmbeddingCollection(nn.Module):
             if t.trainable and rule is None:
                 raise ConfigError(f"table {t.name!r} is trainable but has no optimizer: give one in its "
                                   f"TableConfig or EmbeddingCollection(optimizer=...), or set trainable=False")
+            if rule is not None and t.lr_count_scale is not None:
+                check_count_scalable(rule, t.name)
             self.rules.append(rule)
         # tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up
         self._moving = [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
@@ -127,6 +130,7 @@ class EmbeddingCollection(nn.Module):
             [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
             if self._moving or self._tiered else None
         self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
+        self._shared = [t.shared_row for t in tables]  # tables whose rare / unknown ids read one shared row
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
@@ -264,6 +268,13 @@ class EmbeddingCollection(nn.Module):
         flight = self._in_flight(step)
         for t, (b, n) in enumerate(zip(prep.unique_base, prep.unique_count)):
             flight.pin(t, slots, b, b + n)
+            scale_by = self.tables[t].lr_count_scale
+            if scale_by is not None and n:
+                # hits so far, this batch included; in the order the hook gets the rows (ids with a row)
+                scale = count_lr_scale(self._stores[t].hit_counts(prep.keys_of(t)), scale_by)
+                if self._shared[t]:  # the shared row takes every rare id's gradient at the full lr
+                    scale[slots[b : b + n] == self._shared_slot(t)] = 1.0
+                flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
@@ -271,9 +282,16 @@ class EmbeddingCollection(nn.Module):
         slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
         if training:  # every table in one call: the native hash tables run side by side
             ts = [t for t in range(len(self._stores)) if prep.unique_count[t]]
-            got = find_or_insert_many([self._stores[t] for t in ts], [prep.keys_of(t) for t in ts], step,
-                                      counts=[prep.counts_of(t) for t in ts])
+            keys, counts = [prep.keys_of(t) for t in ts], [prep.counts_of(t) for t in ts]
+            for i, t in enumerate(ts):
+                if self._shared[t]:  # the shared row is seen with every batch, admitted at once
+                    shared = torch.tensor([SHARED_ROW_KEY], dtype=keys[i].dtype, device=keys[i].device)
+                    keys[i] = torch.cat([keys[i], shared])
+                    counts[i] = torch.cat([counts[i], torch.full_like(shared, self.tables[t].admit_min_count)])
+            got = find_or_insert_many([self._stores[t] for t in ts], keys, step, counts=counts)
             for t, g in zip(ts, got):
+                if self._shared[t]:
+                    g = torch.where(g[:-1] < 0, g[-1], g[:-1])
                 slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
             return slots
         for t, (cfg, store) in enumerate(self.stores()):
@@ -286,8 +304,15 @@ class EmbeddingCollection(nn.Module):
                 got = keys  # static: the id is the slot (range checked by prepare)
             else:
                 got = store.find(keys)
+                if self._shared[t]:  # unknown and rare ids read the shared row (once training made it)
+                    got = torch.where(got < 0, self._shared_slot(t), got)
             slots[b : b + n] = got
         return slots
+
+    def _shared_slot(self, t: int) -> int:
+        """Slot of table `t`'s shared row, -1 before the first training step made it."""
+        key = torch.tensor([SHARED_ROW_KEY], dtype=torch.int64, device=self.device)
+        return int(self._stores[t].find(key)[0])
 
     # -- rows in flight and rows brought current ------------------------------------------
 
@@ -307,7 +332,13 @@ class EmbeddingCollection(nn.Module):
             flight.check(t, store, self.tables[t].name)
             rule = self.rules[t]
             if rule is not None:  # None: a frozen table
-                rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
+                scale = flight.lr_scales.pop(t, None)
+                if self._shared[t]:  # rare ids all read the shared row: one summed gradient for it
+                    slots, grad, scale = coalesce(slots, grad, scale)
+                if scale is None:
+                    rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
+                else:
+                    update_scaled(rule, store, slots, grad, lr=self._lr(t), step=flight.step, scale=scale)
             flight.release(t)
 
         return apply
@@ -372,9 +403,14 @@ class EmbeddingCollection(nn.Module):
     # -- eviction -----------------------------------------------------------------------
 
     def _evict_expired(self, step: int) -> None:
-        for cfg, store in self.stores():
+        for t, (cfg, store) in enumerate(self.stores()):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
-                store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
+                store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below, protect=self._protected(t))
+
+    def _protected(self, t: int) -> torch.Tensor | None:
+        """Slots eviction must spare beyond the pinned ones: the shared row (norm or LFU would take it)."""
+        slot = self._shared_slot(t) if self._shared[t] else -1
+        return torch.tensor([slot], dtype=torch.int64, device=self.device) if slot >= 0 else None
 
     @property
     def has_tiered_tables(self) -> bool:
@@ -429,9 +465,10 @@ class EmbeddingCollection(nn.Module):
         own eviction_policy.  Rows of batches whose backward has not run are never evicted.
         """
         out = {}
-        for cfg, store in self.stores():
+        for t, (cfg, store) in enumerate(self.stores()):
             if cfg.num_rows is None and (tables is None or cfg.name in tables):
-                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm)
+                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm,
+                                            protect=self._protected(t))
         return out
 
     def _meta_forward(self, features: SparseFeatures) -> PooledEmbeddings:

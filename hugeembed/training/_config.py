@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..models import MODEL_NAMES
+from ..models import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER, MODEL_NAMES
+from ..store import check_initializer_spec
 from ..optim._registry import NAMES as _SPARSE_NAMES
 
 __all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS", "MODELS"]
@@ -21,6 +22,9 @@ DENSE_OPTIMIZER_CLASSES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adag
 DENSE_OPTIMIZERS = tuple(DENSE_OPTIMIZER_CLASSES)
 SPARSE_OPTIMIZERS = tuple(_SPARSE_NAMES)  # every name hugeembed.optim.make_optimizer accepts
 MODELS = MODEL_NAMES
+# Evaluations over a run by default (eval_every None): 10 points draw the held-out curves and the
+# COPC drift; each costs one pass over eval_rows (32 k rows: ~0.5 s on 2 cores for DLRM).
+EVAL_POINTS = 10
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,15 @@ class TrainConfig:
         steps: training steps (None: `epochs` passes over the data; the synthetic data
             is endless, so it then uses `synthetic_rows` rows per epoch).
         sparse_optimizer, sparse_lr: the tables' optimizer (applied in backward).
+        init: initial rows of the embedding tables: ``uniform:SCALE``, ``normal:STD``,
+            ``truncnormal:STD``, or ``uniform`` (U(+-sqrt(1/n)) for n rows: needs `capacity`).
+        admit_min_count: an id gets its own row at its k-th hit; rarer ids, and ids unseen
+            in training, read one shared trainable row per table (1: a row at first sight).
+        lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
-        eval_every: evaluate every this many steps (0: only at the end).
+        eval_every: evaluate every this many steps (0: only at the end; None: about
+            EVAL_POINTS times over a run of known length, every 100 steps otherwise), so
+            the curves of a short run (``--plot``) still show a trend.
         checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable);
             pruning keeps every snapshot a kept delta needs.
         full_checkpoint_every: every this many snapshots one is full and the others are
@@ -71,9 +82,12 @@ class TrainConfig:
     epochs: int = 1
     sparse_optimizer: str = "adagrad"
     sparse_lr: float = 0.05
+    init: str = DEFAULT_INITIALIZER
+    admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT
+    lr_count_scale: int | None = None
     dense_optimizer: str = "adam"
     dense_lr: float = 1e-3
-    eval_every: int = 100
+    eval_every: int | None = None
     eval_rows: int = 32768
     eval_fraction: float = 0.05
     checkpoint_dir: str | None = None
@@ -101,7 +115,7 @@ class TrainConfig:
         # (e.g. a numeric checkpoint_dir only when the first snapshot is written)
         for name in ("data", "eval_data", "sharding"):
             object.__setattr__(self, name, _paths(name, getattr(self, name)))
-        for name in ("model", "sparse_optimizer", "dense_optimizer", "device"):
+        for name in ("model", "sparse_optimizer", "dense_optimizer", "device", "init"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{_key(name)} must be a string, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None:
@@ -129,9 +143,12 @@ class TrainConfig:
         for name in ("embedding_dim", "batch_size", "epochs", "eval_rows", "synthetic_rows", "prefetch", "log_every"):
             positive(name, allow_zero=name == "prefetch")
         positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
+        positive("admit_min_count")
+        positive("lr_count_scale", allow_none=True)
+        check_initializer_spec(self.init, "init")
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
             positive(name, allow_none=True)
-        positive("eval_every", allow_zero=True)
+        positive("eval_every", allow_zero=True, allow_none=True)
         positive("memory_budget", allow_none=True)
         if self.storage_dir is not None:
             if isinstance(self.storage_dir, os.PathLike):

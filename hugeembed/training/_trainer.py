@@ -28,7 +28,7 @@ from ..metrics import MetricSet
 from ..models import make_model
 from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
-from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
+from ._config import DENSE_OPTIMIZER_CLASSES, EVAL_POINTS, TrainConfig
 from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics, run_info,
                            sharded_factory, wrap_ddp)
@@ -103,7 +103,8 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
                                       "are not sharded yet; train them in one process")
         factory = _tiered_factory(cfg)
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity, collection_factory=factory)
+                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init, admit_min_count=cfg.admit_min_count,
+                      lr_count_scale=cfg.lr_count_scale, collection_factory=factory)
 
 
 def seed_everything(seed: int) -> None:
@@ -153,6 +154,8 @@ class Trainer:
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
         total = self.total_steps()
         self._record_every = config.log_every if total is None else max(1, min(config.log_every, total // 50))
+        self._eval_every = config.eval_every if config.eval_every is not None else \
+            100 if total is None else max(1, total // EVAL_POINTS)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -219,7 +222,7 @@ class Trainer:
             for batch in self._with_prefetch(self.source.train_batches(st.epoch, skip=st.step_in_epoch)):
                 any_batch = True
                 self._train_step(batch)
-                if cfg.eval_every and st.step % cfg.eval_every == 0 and (total is None or st.step < total):
+                if self._eval_every and st.step % self._eval_every == 0 and (total is None or st.step < total):
                     self.evaluate()
                 if cfg.checkpoint_dir and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
                     self.save()
@@ -324,6 +327,7 @@ class Trainer:
         st.history["eval_step"].append(st.step)
         st.history["auc"].append(metrics["auc"])
         st.history["logloss"].append(metrics["logloss"])
+        st.history["copc"].append(metrics["copc"])
         self.progress("eval", {"step": st.step, **metrics})
         return metrics
 
@@ -358,7 +362,8 @@ class Trainer:
         snap = ckpt.latest(root)
         record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
         saved = record.config
-        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed")
+        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
+                               "lr_count_scale")
                    if getattr(saved, k) != getattr(self.cfg, k)]
         msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r})" for k in changed]
         # any number of processes may resume, but the data position counts global batches
