@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)
     p.add_argument("--batch-size", type=int, help="per process")
-    p.add_argument("--steps", type=int, help="training steps (default 400; with --epochs: until the epochs end)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; with --epochs: until the epochs end)")
     p.add_argument("--epochs", type=int)
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
     p.add_argument("--sparse-lr", type=float)

@@ -255,7 +255,7 @@ class EmbeddingCollection(nn.Module):
         prep = self.lookup.prepare(features, storages, deduplicate=dedup)  # checks the batch; changes nothing
         if training:
             self._evict_expired(step)
-        slots = self._fetch(prep, training, step)
+        slots, shared = self._fetch(prep, training, step)
         storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
         pool = self._slots_lookup if self._tiered else self.lookup
         if not training and self._moving:
@@ -272,28 +272,33 @@ class EmbeddingCollection(nn.Module):
             if scale_by is not None and n:
                 # hits so far, this batch included; in the order the hook gets the rows (ids with a row)
                 scale = count_lr_scale(self._stores[t].hit_counts(prep.keys_of(t)), scale_by)
-                if self._shared[t]:  # the shared row takes every rare id's gradient at the full lr
-                    scale[slots[b : b + n] == self._shared_slot(t)] = 1.0
+                if t in shared:  # the shared row takes every rare id's gradient at the full lr
+                    scale[slots[b : b + n] == shared[t]] = 1.0
                 flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
-    def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
-        """Row slots of every unique id (the fetch stage): -1 where a row reads zeros."""
+    def _fetch(self, prep, training: bool, step: int) -> tuple[torch.Tensor, dict[int, int]]:
+        """Row slots of every unique id (the fetch stage): -1 where a row reads zeros; and the slot
+        of each shared row this batch used (ids without a row of their own read it instead of zeros).
+
+        The shared row's key goes into the same store call as the batch's ids: a second call could
+        move a tiered table's cached rows."""
         slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
+        shared: dict[int, int] = {}
         if training:  # every table in one call: the native hash tables run side by side
             ts = [t for t in range(len(self._stores)) if prep.unique_count[t]]
             keys, counts = [prep.keys_of(t) for t in ts], [prep.counts_of(t) for t in ts]
             for i, t in enumerate(ts):
                 if self._shared[t]:  # the shared row is seen with every batch, admitted at once
-                    shared = torch.tensor([SHARED_ROW_KEY], dtype=keys[i].dtype, device=keys[i].device)
-                    keys[i] = torch.cat([keys[i], shared])
-                    counts[i] = torch.cat([counts[i], torch.full_like(shared, self.tables[t].admit_min_count)])
+                    keys[i] = _with_shared_key(keys[i])
+                    counts[i] = torch.cat([counts[i], counts[i].new_full((1,), self.tables[t].admit_min_count)])
             got = find_or_insert_many([self._stores[t] for t in ts], keys, step, counts=counts)
             for t, g in zip(ts, got):
                 if self._shared[t]:
+                    shared[t] = int(g[-1])
                     g = torch.where(g[:-1] < 0, g[-1], g[:-1])
                 slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
-            return slots
+            return slots, shared
         for t, (cfg, store) in enumerate(self.stores()):
             n = prep.unique_count[t]
             if n == 0:
@@ -302,17 +307,21 @@ class EmbeddingCollection(nn.Module):
             keys = prep.keys_of(t)
             if cfg.num_rows is not None and not cfg.tiered:
                 got = keys  # static: the id is the slot (range checked by prepare)
+            elif self._shared[t]:  # unknown and rare ids read the shared row (once training made it)
+                got = store.find(_with_shared_key(keys))
+                shared[t] = int(got[-1])
+                got = torch.where(got[:-1] < 0, got[-1], got[:-1])
             else:
                 got = store.find(keys)
-                if self._shared[t]:  # unknown and rare ids read the shared row (once training made it)
-                    got = torch.where(got < 0, self._shared_slot(t), got)
             slots[b : b + n] = got
-        return slots
+        return slots, shared
 
-    def _shared_slot(self, t: int) -> int:
-        """Slot of table `t`'s shared row, -1 before the first training step made it."""
-        key = torch.tensor([SHARED_ROW_KEY], dtype=torch.int64, device=self.device)
-        return int(self._stores[t].find(key)[0])
+    def _protected(self, t: int) -> torch.Tensor | None:
+        """Slots eviction must spare beyond the pinned ones: the shared row (norm or LFU would take it)."""
+        if not self._shared[t]:
+            return None
+        slot = self._stores[t].find(_with_shared_key(torch.empty(0, dtype=torch.int64, device=self.device)))
+        return slot if int(slot[0]) >= 0 else None
 
     # -- rows in flight and rows brought current ------------------------------------------
 
@@ -407,10 +416,6 @@ class EmbeddingCollection(nn.Module):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
                 store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below, protect=self._protected(t))
 
-    def _protected(self, t: int) -> torch.Tensor | None:
-        """Slots eviction must spare beyond the pinned ones: the shared row (norm or LFU would take it)."""
-        slot = self._shared_slot(t) if self._shared[t] else -1
-        return torch.tensor([slot], dtype=torch.int64, device=self.device) if slot >= 0 else None
 
     @property
     def has_tiered_tables(self) -> bool:
@@ -548,6 +553,11 @@ class EmbeddingCollection(nn.Module):
         # nn.Module marks every key that is not a registered tensor as unexpected: ours
         # are expected; keys of tables this collection does not have stay unexpected.
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
+
+
+def _with_shared_key(keys: torch.Tensor) -> torch.Tensor:
+    """`keys` and, last, the key of the table's shared row."""
+    return torch.cat([keys, keys.new_full((1,), SHARED_ROW_KEY)])
 
 
 class _RowsCopy(LayoutViews):

@@ -189,8 +189,6 @@ class TableConfig:
             if not self.prune_negative:
                 raise ConfigError(f"{who}: shared_row keeps its row under key -1, which a table with "
                                   f"prune_negative=False could receive as an id: keep prune_negative=True")
-            if self.storage_dir is not None:
-                raise ConfigError(f"{who}: shared_row is not supported on a disk-tiered table (storage_dir) yet")
             if self.admit_probability is not None:
                 raise ConfigError(f"{who}: shared_row goes with the counter filter (admit_min_count), not "
                                   f"admit_probability={self.admit_probability!r}")

@@ -138,7 +138,6 @@ def test_eviction_spares_the_shared_row_and_a_snapshot_keeps_it():
     (dict(num_rows=10, shared_row=True), "dynamic tables"),
     (dict(shared_row=True, prune_negative=False), "prune_negative"),
     (dict(shared_row=True, admit_probability=0.5), "admit_probability"),
-    (dict(shared_row=True, storage_dir="/tmp/x", memory_budget=1 << 20), "disk-tiered"),
     (dict(lr_count_scale=0), "lr_count_scale must be a positive int"),
     (dict(lr_count_scale=2, optimizer=FTRL(lr=0.1)), "'ftrl' is not"),
     (dict(lr_count_scale=2, optimizer=Adam(lr=0.1, mode="global")), "global mode"),
