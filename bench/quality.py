@@ -54,15 +54,19 @@ TARGET_CTR = 0.12
 VARIANTS: dict[str, dict[str, object]] = {
     # the defaults before issue 14: Adagrad lr 0.05, batch 1024, TF's truncated normal, a row per id
     "old_defaults": {"sparse_optimizer": "adagrad", "sparse_lr": 0.05, "batch_size": 1024,
-                     "init": "truncnormal:0.25", "admit_min_count": 1},
+                     "init": "truncnormal:0.25", "admit_min_count": 1, "lr_decay": 0.0},
     "admit1": {"admit_min_count": 1},
     "admit2": {"admit_min_count": 2},
     "admit5": {"admit_min_count": 5},
-    "lr_count_scale4": {"lr_count_scale": 4},
+    "lr_count_scale10": {"lr_count_scale": 10},
+    "admit1_lr_count_scale10": {"admit_min_count": 1, "lr_count_scale": 10},
     "init_truncnormal": {"init": "truncnormal:0.25"},
     "init_normal": {"init": "normal:0.01"},
     "init_uniform_rows": {"init": "uniform", "capacity": 1 << 21},
-    "adam": {"sparse_optimizer": "adam", "sparse_lr": 0.01},
+    "adam_global_step": {"sparse_optimizer": "adam", "sparse_lr": 0.02},
+    "adagrad": {"sparse_optimizer": "adagrad", "sparse_lr": 0.05},
+    "no_lr_decay": {"lr_decay": 0.0},
+    "init_uniform_0.01": {"init": "uniform:0.01"},
     "batch1024": {"batch_size": 1024},
 }
 

@@ -154,8 +154,12 @@ class Trainer:
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
         total = self.total_steps()
         self._record_every = config.log_every if total is None else max(1, min(config.log_every, total // 50))
+        expected = total if total is not None else None if self.source.estimated_steps_per_epoch is None else \
+            self.source.estimated_steps_per_epoch * config.epochs
+        self._expected_steps = expected
         self._eval_every = config.eval_every if config.eval_every is not None else \
-            100 if total is None else max(1, total // EVAL_POINTS)
+            100 if expected is None else max(1, expected // EVAL_POINTS)
+        self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
 
     # -- the loop ------------------------------------------------------------------
 
@@ -260,8 +264,22 @@ class Trainer:
             yield cur
             cur = nxt
 
+    def lr_factor(self, step: int) -> float:
+        """The learning rates' multiplier at training step `step` (0-based): 1, then falling
+        linearly to 0 over the last `lr_decay` of the expected steps (a pure function of the
+        step, so a resumed run decays as the uninterrupted one)."""
+        n, frac = self._expected_steps, self.cfg.lr_decay
+        if not n or frac <= 0.0:
+            return 1.0
+        tail = max(1, round(n * frac))
+        return min(1.0, max(0.0, (n - step) / tail))
+
     def _train_step(self, batch) -> None:
         st = self.state
+        f = self.lr_factor(st.step)
+        for opt, base in zip((self.dense_optimizer, self.collection.optimizer), self._base_lrs):
+            for group, lr in zip(opt.param_groups, base):
+                group["lr"] = lr * f
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
         try:
