@@ -416,7 +416,6 @@ class EmbeddingCollection(nn.Module):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
                 store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below, protect=self._protected(t))
 
-
     @property
     def has_tiered_tables(self) -> bool:
         """True when some table's rows live on disk (TableConfig.storage_dir)."""
