@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..models import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER, MODEL_NAMES
+from ..models import DEFAULT_INITIALIZER, MODEL_NAMES
 from ..store import check_initializer_spec
 from ..optim._registry import NAMES as _SPARSE_NAMES
 
@@ -47,6 +47,8 @@ class TrainConfig:
             ``truncnormal:STD``, or ``uniform`` (U(+-sqrt(1/n)) for n rows: needs `capacity`).
         admit_min_count: an id gets its own row at its k-th hit; rarer ids, and ids unseen
             in training, read one shared trainable row per table (1: a row at first sight).
+            None: 3 (make_model's default) in one process; 1 with several, whose sharded
+            tables do not support the shared row yet (the run says so in a note).
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         lr_decay: the last fraction of the run over which both learning rates fall linearly
@@ -92,7 +94,7 @@ class TrainConfig:
     sparse_optimizer: str = "adam_per_row"
     sparse_lr: float = 0.02
     init: str = DEFAULT_INITIALIZER
-    admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT
+    admit_min_count: int | None = None
     lr_count_scale: int | None = None
     dense_optimizer: str = "adam"
     dense_lr: float = 1e-3
@@ -156,7 +158,7 @@ class TrainConfig:
         for name in ("embedding_dim", "batch_size", "epochs", "eval_rows", "synthetic_rows", "prefetch", "log_every"):
             positive(name, allow_zero=name == "prefetch")
         positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
-        positive("admit_min_count")
+        positive("admit_min_count", allow_none=True)
         positive("lr_count_scale", allow_none=True)
         check_initializer_spec(self.init, "init")
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):

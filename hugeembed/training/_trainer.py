@@ -25,7 +25,7 @@ from .. import _native
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
-from ..models import make_model
+from ..models import DEFAULT_ADMIT_MIN_COUNT, make_model
 from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
 from ._config import DENSE_OPTIMIZER_CLASSES, EVAL_POINTS, TrainConfig
@@ -103,8 +103,17 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
                                       "are not sharded yet; train them in one process")
         factory = _tiered_factory(cfg)
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init, admit_min_count=cfg.admit_min_count,
-                      lr_count_scale=cfg.lr_count_scale, collection_factory=factory)
+                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
+                      admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
+                      collection_factory=factory)
+
+
+def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
+    """The run's admission threshold: the config's, or by default make_model's in one process and 1
+    (a row per id) with several, whose sharded tables have no shared row of rare ids yet."""
+    if cfg.admit_min_count is not None:
+        return cfg.admit_min_count
+    return DEFAULT_ADMIT_MIN_COUNT if world_size == 1 else 1
 
 
 def seed_everything(seed: int) -> None:
@@ -209,6 +218,10 @@ class Trainer:
         total = self.total_steps()
         for note in self.source.notes:
             self.progress("note", {"message": note})
+        if self.world_size > 1 and cfg.admit_min_count is None:
+            self.progress("note", {"message": "sharded tables give every id a row at first sight (admit-min-count 1): "
+                                              "the shared row of rare ids is not supported with several processes "
+                                              "yet"})
         if cfg.resume and st.step > 0 and (st.step >= total if total is not None else st.epoch >= cfg.epochs):
             # finished already: no second evaluation or snapshot of the last step
             self.progress("note", {"message": f"{cfg.checkpoint_dir}: the run is complete (step {st.step}"
