@@ -46,8 +46,8 @@ def lookup_bench(rows: list[int], dim: int, batch: int, iters: int, runs: int) -
         stored = quantize(weights, dtype)
 
         def step(i, stored=stored, dtype=dtype):
-            pooled_lookup(values[i % 4], offsets, stored, keys, list(range(T)), [0] * T, list(range(T)),
-                          list(range(T)), [0] * T, batch, dim, dtype)
+            pooled_lookup(values[i % 4], offsets, stored, keys, list(range(T)), [0] * T, [0] * T,
+                          list(range(T)), list(range(T)), [0] * T, batch, dim, dtype)
 
         t = measure(step, iters, runs)
         out.append([f"ours {dtype}", fmt_rate(batch * T / t.median_s), f"{stored.shape[1] * stored.element_size()}"])

@@ -118,8 +118,15 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def plot_history(path: str | Path, history: dict[str, list[float]], title: str) -> None:
-    """Loss and AUC curves to a PNG (needs matplotlib: pip install "hugeembed[plot]")."""
+def plot_history(path: str | Path, history: dict[str, list[float]], title: str,
+                 best_auc: float | None = None) -> None:
+    """The run's curves to a PNG (needs matplotlib: pip install "hugeembed[plot]"):
+
+    * log loss: training (mean since the previous point) and held-out, on one axis, so
+      overfitting shows as the two parting;
+    * held-out AUC, with the best possible AUC dashed when it is known (synthetic data);
+    * COPC (observed / predicted clicks) with 1 dashed: calibration drift over the run.
+    """
     try:
         import matplotlib
 
@@ -127,15 +134,22 @@ def plot_history(path: str | Path, history: dict[str, list[float]], title: str) 
         import matplotlib.pyplot as plt
     except ImportError:
         raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"') from None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(history["step"], history["loss"])
-    a.set_xlabel("step")
-    a.set_ylabel("training log loss")
-    a.grid(alpha=0.3)
-    b.plot(history["eval_step"], history["auc"], marker="o")
-    b.set_xlabel("step")
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    a.plot(history["step"], history["loss"], label="training")
+    a.plot(history["eval_step"], history["logloss"], marker="o", label="held-out")
+    a.set_ylabel("log loss")
+    a.legend()
+    b.plot(history["eval_step"], history["auc"], marker="o", label="held-out")
+    if best_auc is not None:
+        b.axhline(best_auc, linestyle="--", color="gray", label=f"best possible ({best_auc:.4f})")
     b.set_ylabel("held-out AUC")
-    b.grid(alpha=0.3)
+    b.legend()
+    c.plot(history["eval_step"], history.get("copc", []), marker="o")
+    c.axhline(1.0, linestyle="--", color="gray")
+    c.set_ylabel("held-out COPC (clicks / predicted)")
+    for ax in (a, b, c):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

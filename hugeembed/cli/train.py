@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..models import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER
 from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
 from ._output import Progress, check_output_paths, human_bytes, plot_history, print_summary, write_json
 
@@ -18,7 +19,7 @@ _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
-           "cache_policy")
+           "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -48,12 +49,23 @@ def add_parser(sub) -> None:
     p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)
     p.add_argument("--batch-size", type=int, help="per process")
-    p.add_argument("--steps", type=int, help="training steps (default 400; with --epochs: until the epochs end)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; with --epochs: until the epochs end)")
     p.add_argument("--epochs", type=int)
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
     p.add_argument("--sparse-lr", type=float)
+    r = p.add_argument_group("initial rows and rare ids", "defaults measured against a plain-PyTorch DLRM: "
+                             "docs/quality.md")
+    r.add_argument("--init", metavar="SPEC", help="initial rows: uniform:SCALE, normal:STD, truncnormal:STD, or "
+                   f"uniform (U(+-sqrt(1/n)) for n rows: needs --capacity); default {DEFAULT_INITIALIZER}")
+    r.add_argument("--admit-min-count", type=int, metavar="K", help="an id gets its own row at its K-th hit; rarer "
+                   "and unseen ids read one shared trainable row per table (1: a row at first sight; "
+                   f"default {DEFAULT_ADMIT_MIN_COUNT} in one process, 1 with several)")
+    r.add_argument("--lr-count-scale", type=int, metavar="N", help="per-row learning rate lr * min(1, hits / N): "
+                   "rows seen less than N times take smaller steps (default off)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
     p.add_argument("--dense-lr", type=float)
+    p.add_argument("--lr-decay", type=float, metavar="FRACTION", help="both learning rates fall linearly to 0 over "
+                   "this last fraction of the run (default 0.3; 0: constant)")
     p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
     p.add_argument("--eval-fraction", type=float, help="share of a file smaller than --eval-rows that is held out "
@@ -86,7 +98,8 @@ def add_parser(sub) -> None:
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="save loss and AUC curves")
+    p.add_argument("--plot", metavar="PATH.png", help="save the curves: training and held-out log loss, held-out "
+                   "AUC (with the best possible one on synthetic data), COPC")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -162,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if args.summary_json:
         write_json(args.summary_json, {k: v for k, v in summary.items()})
     if args.plot:
-        plot_history(args.plot, summary["history"], f"{cfg.model}, {summary['steps']} steps")
+        plot_history(args.plot, summary["history"], f"{cfg.model}, {summary['steps']} steps",
+                     best_auc=summary.get("bayes_auc"))
         print(f"curves saved to {Path(args.plot)}")
     return 0
 

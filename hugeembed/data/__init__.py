@@ -14,7 +14,7 @@ field; an empty categorical field of feature C{j+1} -> ``MISSING_IDS[j] = 2**32 
 from ._batch import Batch, sparse_from_ids
 from ._block import CriteoBlock, rebatch
 from ._convert import ConvertProgress, ConvertSummary, convert
-from ._criteo import CriteoReader, FileSummary, ReadSummary, read_criteo
+from ._criteo import CriteoReader, FileSummary, ReadSummary, count_lines, read_criteo
 from ._loader import Loader, rank_range
 from ._parse import native_parser_available, parse_buffer
 from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_ID_BASE, MISSING_IDS, N_CAT, N_DENSE, missing_id
@@ -30,6 +30,7 @@ __all__ = [
     "ReadSummary",
     "FileSummary",
     "read_criteo",
+    "count_lines",
     "native_parser_available",
     "parse_buffer",
     "convert",

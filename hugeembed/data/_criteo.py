@@ -21,7 +21,8 @@ from ..errors import ConfigError, InputError
 from ._block import CriteoBlock
 from ._parse import check_on_error, parse_buffer, reason
 
-__all__ = ["CriteoReader", "ReadSummary", "FileSummary", "read_criteo", "PathLike", "as_paths", "open_bytes"]
+__all__ = ["CriteoReader", "ReadSummary", "FileSummary", "read_criteo", "count_lines", "PathLike", "as_paths",
+           "open_bytes"]
 
 PathLike = Union[str, os.PathLike]
 _MAX_EXAMPLES = 20
@@ -50,6 +51,25 @@ def open_bytes(path: Path) -> tuple[IO[bytes], IO[bytes]]:
     if head == _GZIP_MAGIC:
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw
     return raw, raw
+
+
+def count_lines(paths: PathLike | Sequence[PathLike], chunk_bytes: int = 8 << 20) -> int:
+    """Lines of Criteo text files (plain or gzip; a last line without a newline counts), without
+    parsing: ~0.1 s per 250 MB plain (the trainer's estimate of a text file's run length)."""
+    total = 0
+    for path in as_paths(paths):
+        stream, raw = open_bytes(path)
+        last = b"\n"
+        try:
+            while chunk := stream.read(chunk_bytes):
+                total += chunk.count(b"\n")
+                last = chunk[-1:]
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise InputError(f"{path}: corrupt or truncated gzip data ({e})") from None
+        finally:
+            raw.close()
+        total += last != b"\n"
+    return total
 
 
 @dataclass

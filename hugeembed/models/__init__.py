@@ -10,7 +10,7 @@ from ._base import Fields, RecModel
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
 from ._dlrm import DLRM
-from ._factory import MODEL_NAMES, make_model
+from ._factory import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER, MODEL_NAMES, make_model
 from ._layers import MLP, CrossNetworkV2, DotInteraction, FactorizationMachine
 from ._tables import (
     CRITEO_NUM_DENSE,
@@ -21,6 +21,7 @@ from ._tables import (
     embedding_tables,
     first_order_tables,
     wide_and_deep_tables,
+    with_rare_id_options,
 )
 from ._widedeep import WIDE_AND_DEEP_PAPER_DEEP, WideAndDeep
 
@@ -44,6 +45,9 @@ __all__ = [
     "criteo_tables",
     "deepfm_tables",
     "wide_and_deep_tables",
+    "with_rare_id_options",
     "MODEL_NAMES",
+    "DEFAULT_INITIALIZER",
+    "DEFAULT_ADMIT_MIN_COUNT",
     "make_model",
 ]

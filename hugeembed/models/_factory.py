@@ -10,18 +10,31 @@ from torch import nn
 from ..errors import ConfigError
 from ..nn import EmbeddingCollection, TableConfig
 from ..optim import SparseOptimizer
+from ..store import Initializer, check_initializer_spec
 from ..types import Combiner
 from ._base import RecModel
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
 from ._dlrm import DLRM
 from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, Cardinalities, deepfm_tables, embedding_tables, \
-    wide_and_deep_tables
+    wide_and_deep_tables, with_rare_id_options
 from ._widedeep import WideAndDeep
 
-__all__ = ["MODEL_NAMES", "make_model"]
+__all__ = ["MODEL_NAMES", "DEFAULT_INITIALIZER", "DEFAULT_ADMIT_MIN_COUNT", "make_model"]
 
 MODEL_NAMES: tuple[str, ...] = ("dlrm", "deepfm", "widedeep", "dcn")
+
+# make_model's (and so the CLI's) rare-id defaults, measured by bench/quality.py against a
+# plain-PyTorch DLRM (nn.Embedding + SparseAdam) on synthetic Criteo files: see docs/quality.md.
+# Rows start small: TF's truncated normal with std 1/sqrt(D) = 0.25 gave every rare id a large
+# random vector (-0.01 AUC at 100 k rows); U(+-0.01) and U(+-0.05) tie at 200 k rows, and at 1 M
+# rows U(+-0.05) leads by 0.003 AUC (the dot interactions of near-zero rows start slowly).
+DEFAULT_INITIALIZER = "uniform:0.05"
+# Ids seen fewer than 3 times share one trainable row (TableConfig.shared_row), as the
+# reference's "unknown id" row: ids seen once or twice in an epoch get no row of their own
+# (fewer rows: less memory, less init work) at no loss of AUC, and unseen ids at eval read a
+# row trained on rare ids instead of zeros.
+DEFAULT_ADMIT_MIN_COUNT = 3
 
 # options each model takes beyond the common ones (anything else given is an error, not ignored)
 _OPTIONS = {
@@ -40,6 +53,8 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                deep: Sequence[int] | None = None, dropout: float | None = None, num_cross: int | None = None,
                low_rank: int | None = None, num_experts: int | None = None, structure: str | None = None,
                first_order_optimizer: SparseOptimizer | None = None,
+               initializer: Initializer | str | None = DEFAULT_INITIALIZER,
+               admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT, lr_count_scale: int | None = None,
                backend: str = "auto",
                collection_factory: Callable[..., EmbeddingCollection] | None = None
                ) -> tuple[RecModel, list[nn.Parameter]]:
@@ -64,6 +79,16 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         num_cross, low_rank, num_experts, structure: DCN-v2's cross network.
         first_order_optimizer: DeepFM / Wide&Deep: optimizer of the dim-1 tables
             (None: `sparse_optimizer`; the Wide&Deep paper uses FTRL).
+        initializer: initial rows of the embedding tables (the first-order tables of DeepFM
+            and Wide&Deep start at zeros): an Initializer or a spec, ``"uniform:SCALE"``,
+            ``"normal:STD"``, ``"truncnormal:STD"`` or ``"uniform"`` (U(+-sqrt(1/n)) for a table
+            of n rows: static tables, or dynamic ones with a capacity); None: each table
+            helper's own default.  Default :data:`DEFAULT_INITIALIZER`.
+        admit_min_count: dynamic tables: an id gets its own row at its k-th hit; rarer ids
+            (and ids unknown at eval) read one shared trainable row per table.  1: every id
+            gets a row at first sight.  Default :data:`DEFAULT_ADMIT_MIN_COUNT`.
+        lr_count_scale: per-row learning rate ``lr * min(1, hits / lr_count_scale)``
+            (TableConfig.lr_count_scale); None: the full lr for every row.
         backend: the collection's lookup backend.
         collection_factory: builds the collection from ``(tables, optimizer=, device=, seed=,
             backend=)`` instead of :class:`EmbeddingCollection` -- e.g. a
@@ -100,7 +125,12 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     if capacity is not None and not dynamic:
         raise ConfigError("capacity bounds dynamic tables; static tables have cardinalities")
 
-    common = dict(cardinalities=cardinalities, combiner=combiner, capacity=capacity)
+    if isinstance(initializer, str):
+        check_initializer_spec(initializer, "make_model: initializer")
+    elif initializer is not None and not isinstance(initializer, Initializer):
+        raise ConfigError(f"make_model: initializer must be a hugeembed.store initializer or a spec like "
+                          f"'uniform:0.01', got {type(initializer).__name__}")
+    common = dict(cardinalities=cardinalities, combiner=combiner, capacity=capacity, initializer=initializer)
     tables: list[TableConfig]
     if name == "deepfm":
         tables = deepfm_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
@@ -108,6 +138,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         tables = wide_and_deep_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
     else:
         tables = embedding_tables(features, embedding_dim, **common)
+    tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) for t in tables]
     device = torch.device(device)
     factory = EmbeddingCollection if collection_factory is None else collection_factory
     collection = factory(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)

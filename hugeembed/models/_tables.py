@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
-from ..store import Initializer, TruncatedNormal, Zeros
+from ..store import Initializer, TruncatedNormal, Zeros, initializer_from_spec
 from ..types import Combiner
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "criteo_tables",
     "deepfm_tables",
     "wide_and_deep_tables",
+    "with_rare_id_options",
 ]
 
 CRITEO_NUM_DENSE = 13
@@ -61,14 +63,27 @@ def _features(features: Sequence[str], who: str) -> tuple[str, ...]:
 
 
 def _table(name: str, dim: int, feature: str, rows: int | None, combiner: Combiner | str,
-           optimizer: SparseOptimizer | None, initializer: Initializer | None, capacity: int | None) -> TableConfig:
+           optimizer: SparseOptimizer | None, initializer: Initializer | str | None, capacity: int | None) -> TableConfig:
+    if isinstance(initializer, str):  # a spec (hugeembed.store.initializer_from_spec): "uniform" scales by the rows
+        initializer = initializer_from_spec(initializer, rows if rows is not None else capacity, table=name)
     return TableConfig(name, dim, num_rows=rows, features=(feature,), combiner=combiner, optimizer=optimizer,
                        initializer=initializer, capacity=capacity if rows is None else None)
 
 
+def with_rare_id_options(table: TableConfig, admit_min_count: int = 1, lr_count_scale: int | None = None
+                         ) -> TableConfig:
+    """`table` with the rare-id options of make_model and the CLI: on a dynamic table,
+    ``admit_min_count=k > 1`` gives ids their own row from their k-th hit and has the rarer
+    ones read a shared row (TableConfig.shared_row); `lr_count_scale` applies to every table."""
+    changes: dict = {"lr_count_scale": lr_count_scale}
+    if table.is_dynamic and admit_min_count != 1:
+        changes.update(admit_min_count=admit_min_count, shared_row=True)
+    return dataclasses.replace(table, **changes)
+
+
 def embedding_tables(features: Sequence[str], dim: int, *, cardinalities: Cardinalities = None,
                      combiner: Combiner | str = "sum", optimizer: SparseOptimizer | None = None,
-                     initializer: Initializer | None = None, capacity: int | None = None) -> list[TableConfig]:
+                     initializer: Initializer | str | None = None, capacity: int | None = None) -> list[TableConfig]:
     """One embedding table of dim D per feature, named like the feature.
 
     Args:
@@ -79,7 +94,10 @@ def embedding_tables(features: Sequence[str], dim: int, *, cardinalities: Cardin
             dynamic hash tables, any int64 id.
         combiner: how a bag of ids is pooled (``"sum"``, ``"mean"``, ``"sqrtn"``).
         optimizer: sparse optimizer of these tables (None: the collection's).
-        initializer: initial rows (None: TF's truncated normal, std 1/sqrt(D)).
+        initializer: initial rows, or a spec (``"uniform:0.01"``, ``"normal:0.01"``,
+            ``"truncnormal:0.25"``, ``"uniform"`` = U(+-sqrt(1/n)) for n rows or capacity;
+            see hugeembed.store.initializer_from_spec).  None: TF's truncated normal, std
+            1/sqrt(D) (``make_model`` passes its own default, docs/quality.md).
         capacity: dynamic tables: most rows kept each (None: unbounded).
     """
     features = _features(features, "embedding_tables")
@@ -89,7 +107,7 @@ def embedding_tables(features: Sequence[str], dim: int, *, cardinalities: Cardin
 
 def first_order_tables(features: Sequence[str], *, cardinalities: Cardinalities = None,
                        combiner: Combiner | str = "sum", optimizer: SparseOptimizer | None = None,
-                       initializer: Initializer | None = None, capacity: int | None = None,
+                       initializer: Initializer | str | None = None, capacity: int | None = None,
                        prefix: str = FIRST_ORDER_PREFIX) -> list[TableConfig]:
     """One dim-1 table per feature (a weight per id: the linear / wide / first-order term).
 
@@ -103,7 +121,7 @@ def first_order_tables(features: Sequence[str], *, cardinalities: Cardinalities 
 
 
 def criteo_tables(dim: int, *, cardinalities: Cardinalities = None, combiner: Combiner | str = "sum",
-                  optimizer: SparseOptimizer | None = None, initializer: Initializer | None = None,
+                  optimizer: SparseOptimizer | None = None, initializer: Initializer | str | None = None,
                   capacity: int | None = None) -> list[TableConfig]:
     """Embedding tables of dim D for Criteo's C1 .. C26 (DLRM, DCN-v2).
 
@@ -122,7 +140,7 @@ def criteo_tables(dim: int, *, cardinalities: Cardinalities = None, combiner: Co
 
 def deepfm_tables(features: Sequence[str], dim: int, *, cardinalities: Cardinalities = None,
                   combiner: Combiner | str = "sum", optimizer: SparseOptimizer | None = None,
-                  first_order_optimizer: SparseOptimizer | None = None, initializer: Initializer | None = None,
+                  first_order_optimizer: SparseOptimizer | None = None, initializer: Initializer | str | None = None,
                   capacity: int | None = None) -> list[TableConfig]:
     """Embedding tables (dim D) and first-order tables (dim 1) over the same features, for DeepFM.
 
@@ -147,7 +165,7 @@ def wide_and_deep_tables(features: Sequence[str], dim: int, *, wide_features: Se
                          cardinalities: Cardinalities = None, combiner: Combiner | str = "sum",
                          optimizer: SparseOptimizer | None = None,
                          first_order_optimizer: SparseOptimizer | None = None,
-                         initializer: Initializer | None = None, capacity: int | None = None) -> list[TableConfig]:
+                         initializer: Initializer | str | None = None, capacity: int | None = None) -> list[TableConfig]:
     """Deep embedding tables (dim D) over `features` and wide tables (dim 1) over `wide_features`.
 
     Args:

@@ -28,6 +28,7 @@ from ..store._layout import LayoutViews
 from ._config import TableConfig
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
+from ._rare import SHARED_ROW_KEY, check_count_scalable, coalesce, count_lr_scale, update_scaled
 
 __all__ = ["EmbeddingCollection"]
 
@@ -108,6 +109,8 @@ class EmbeddingCollection(nn.Module):
             if t.trainable and rule is None:
                 raise ConfigError(f"table {t.name!r} is trainable but has no optimizer: give one in its "
                                   f"TableConfig or EmbeddingCollection(optimizer=...), or set trainable=False")
+            if rule is not None and t.lr_count_scale is not None:
+                check_count_scalable(rule, t.name)
             self.rules.append(rule)
         # tables whose rule moves rows a batch did not touch (global Adam): their rows lag until caught up
         self._moving = [t for t, r in enumerate(self.rules) if r is not None and r.moves_untouched_rows]
@@ -127,6 +130,7 @@ class EmbeddingCollection(nn.Module):
             [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
             if self._moving or self._tiered else None
         self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
+        self._shared = [t.shared_row for t in tables]  # tables whose rare / unknown ids read one shared row
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True)
@@ -284,6 +288,14 @@ class EmbeddingCollection(nn.Module):
         flight = self._in_flight(step)
         for t, (b, n) in enumerate(zip(prep.unique_base, prep.unique_count)):
             flight.pin(t, slots, b, b + n)
+            scale_by = self.tables[t].lr_count_scale
+            if scale_by is not None and n:
+                # hits so far, this batch included; in the order the hook gets the rows (ids with a row)
+                scale = count_lr_scale(self._stores[t].hit_counts(prep.keys_of(t)), scale_by)
+                shared = self.shared_slot(t)
+                if shared is not None:  # the shared row takes every rare id's gradient at the full lr
+                    scale[slots[b : b + n] == shared] = 1.0
+                flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
@@ -318,9 +330,23 @@ class EmbeddingCollection(nn.Module):
         find: nothing inserted or counted (readers of global Adam tables go through
         :meth:`current_rows`)."""
         stores = [self._stores[t] for t in ts]
+        keys = list(keys)
+        counts = None if counts is None else list(counts)
+        shared = [i for i, t in enumerate(ts) if self._shared[t]]
+        for i in shared:
+            # The shared row's key goes into the same store call as the batch's ids (a second call
+            # could move a tiered table's cached rows); seen with every batch, admitted at once.
+            keys[i] = _with_shared_key(keys[i])
+            if counts is not None:
+                counts[i] = torch.cat([counts[i], counts[i].new_full((1,), self.tables[ts[i]].admit_min_count)])
         if training:
-            return find_or_insert_many(stores, list(keys), step, counts=None if counts is None else list(counts))
-        return [s.find(k) for s, k in zip(stores, keys)]
+            got = find_or_insert_many(stores, keys, step, counts=counts)
+        else:
+            got = [s.find(k) for s, k in zip(stores, keys)]
+        for i in shared:  # ids without a row of their own (rare, unknown) read the shared row, if any yet
+            g = got[i]
+            got[i] = torch.where(g[:-1] < 0, g[-1], g[:-1])
+        return got
 
     def update_rows(self, t: int, slots: torch.Tensor, grad: torch.Tensor, flight: InFlight) -> None:
         """Applies table `t`'s optimizer rule to its rows at `slots` (one gradient row each) at
@@ -328,8 +354,27 @@ class EmbeddingCollection(nn.Module):
         store = self._stores[t]
         flight.check(t, store, self.tables[t].name)
         rule = self.rules[t]
-        if rule is not None:  # None: a frozen table
+        if rule is None:  # a frozen table
+            return
+        scale = flight.lr_scales.pop(t, None)
+        if self._shared[t]:  # rare ids all read the shared row: one summed gradient for it
+            slots, grad, scale = coalesce(slots, grad, scale)
+        if scale is None:
             rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
+        else:
+            update_scaled(rule, store, slots, grad, lr=self._lr(t), step=flight.step, scale=scale)
+
+    def shared_slot(self, t: int) -> int | None:
+        """The slot of table `t`'s shared row (TableConfig.shared_row), None if it has none (yet)."""
+        if not self._shared[t]:
+            return None
+        slot = int(self._stores[t].find(_with_shared_key(torch.empty(0, dtype=torch.int64, device=self.device)))[0])
+        return slot if slot >= 0 else None
+
+    def _protected(self, t: int) -> torch.Tensor | None:
+        """Slots eviction must spare beyond the pinned ones: the shared row (norm or LFU would take it)."""
+        slot = self.shared_slot(t)
+        return None if slot is None else torch.tensor([slot], dtype=torch.int64, device=self.device)
 
     # -- rows in flight and rows brought current ------------------------------------------
 
@@ -410,9 +455,9 @@ class EmbeddingCollection(nn.Module):
     # -- eviction -----------------------------------------------------------------------
 
     def _evict_expired(self, step: int) -> None:
-        for cfg, store in self.stores():
+        for t, (cfg, store) in enumerate(self.stores()):
             if (cfg.ttl is not None or cfg.evict_norm_below is not None) and step % cfg.evict_interval == 0:
-                store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below)
+                store.evict(step, ttl=cfg.ttl, min_norm=cfg.evict_norm_below, protect=self._protected(t))
 
     @property
     def has_tiered_tables(self) -> bool:
@@ -471,9 +516,10 @@ class EmbeddingCollection(nn.Module):
         own eviction_policy.  Rows of batches whose backward has not run are never evicted.
         """
         out = {}
-        for cfg, store in self.stores():
+        for t, (cfg, store) in enumerate(self.stores()):
             if cfg.num_rows is None and (tables is None or cfg.name in tables):
-                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm)
+                out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm,
+                                            protect=self._protected(t))
         return out
 
     def _meta_forward(self, features: SparseFeatures) -> PooledEmbeddings:
@@ -553,6 +599,11 @@ class EmbeddingCollection(nn.Module):
         # nn.Module marks every key that is not a registered tensor as unexpected: ours
         # are expected; keys of tables this collection does not have stay unexpected.
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
+
+
+def _with_shared_key(keys: torch.Tensor) -> torch.Tensor:
+    """`keys` and, last, the key of the table's shared row."""
+    return torch.cat([keys, keys.new_full((1,), SHARED_ROW_KEY)])
 
 
 class _RowsCopy(LayoutViews):

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..optim import SparseOptimizer
 from ..store import Initializer, RowLayout
 from ..store._admit import check_admission
+from ._rare import check_count_scalable
 from ..types import Combiner, OutOfRange
 
 __all__ = ["TableConfig"]
@@ -59,6 +60,17 @@ class TableConfig:
         eviction_policy: ``"lfu"`` or ``"lru"``.
         admit_min_count: dynamic tables: an id gets a trainable row once seen this
             many times (DeepRec's counter filter); until then it reads zeros.
+        shared_row: dynamic tables: ids without a row of their own (waiting for admission
+            in training, unknown in eval) read one shared, trainable row instead of zeros,
+            as a reference model's "unknown id" row does (its key is -1, which no id reaches:
+            needs prune_negative).  With ``admit_min_count=k`` the ids seen fewer than k times
+            train this row together; eval reads it for every unseen id, so train and eval
+            see rare ids the same way (docs/quality.md).
+        lr_count_scale: per-row learning rate by the row's hit count n (ids seen so far,
+            this batch included): ``lr * min(1, n / lr_count_scale)``, so a row seen once
+            moves 1/lr_count_scale of a full step (None: every row the full lr).  The scale
+            applies to the row's weight change, so it needs a rule whose step is linear in
+            lr (every rule but FTRL and global Adam).
         admit_probability: dynamic tables: instead of counting, each sighting of an id
             without a row admits it with this probability (DeepRec's probability filter;
             reproducible per seed, id and step); an id not admitted reads zeros and
@@ -104,6 +116,8 @@ class TableConfig:
     eviction_policy: str = "lfu"
     admit_min_count: int = 1
     admit_probability: float | None = None
+    shared_row: bool = False
+    lr_count_scale: int | None = None
     max_pending: int | None = None
     ttl: int | None = None
     evict_norm_below: float | None = None
@@ -166,6 +180,29 @@ class TableConfig:
         if self.eviction_policy not in ("lfu", "lru"):
             raise ConfigError(f"{who}: eviction_policy must be 'lfu' or 'lru', got {self.eviction_policy!r}")
         check_admission(self.name, self.admit_min_count, self.admit_probability, self.max_pending)
+        if not isinstance(self.shared_row, bool):
+            raise ConfigError(f"{who}: shared_row must be True or False, got {self.shared_row!r}")
+        if self.shared_row:
+            if self.num_rows is not None:
+                raise ConfigError(f"{who}: shared_row applies to dynamic tables (num_rows=None) only; a static "
+                                  f"table maps unknown ids with out_of_range='default' and default_id")
+            if not self.prune_negative:
+                raise ConfigError(f"{who}: shared_row keeps its row under key -1, which a table with "
+                                  f"prune_negative=False could receive as an id: keep prune_negative=True")
+            if self.admit_probability is not None:
+                raise ConfigError(f"{who}: shared_row goes with the counter filter (admit_min_count), not "
+                                  f"admit_probability={self.admit_probability!r}")
+        if self.lr_count_scale is not None and (isinstance(self.lr_count_scale, bool) or not isinstance(
+                self.lr_count_scale, int) or self.lr_count_scale < 1):
+            raise ConfigError(f"{who}: lr_count_scale must be a positive int (hits) or None, got "
+                              f"{self.lr_count_scale!r}")
+        if self.lr_count_scale is not None:
+            if self.optimizer is not None:
+                check_count_scalable(self.optimizer, self.name)
+            if self.dtype not in (torch.float32, torch.float64) or self.stochastic_rounding:
+                raise ConfigError(f"{who}: lr_count_scale works on float32 / float64 tables without stochastic "
+                                  f"rounding, got dtype {self.dtype}"
+                                  + (" with stochastic_rounding" if self.stochastic_rounding else ""))
         if self.evict_norm_below is not None and (isinstance(self.evict_norm_below, bool) or not isinstance(
                 self.evict_norm_below, (int, float)) or not math.isfinite(self.evict_norm_below)
                 or self.evict_norm_below <= 0):

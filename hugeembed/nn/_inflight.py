@@ -40,6 +40,7 @@ class InFlight:
         self.applied = False  # some table's gradient was applied (its step is no longer pending)
         self._handles: dict[int, int] = {}
         self._released: dict[int, int] = {}  # table -> store eviction epoch when its pin was released
+        self.lr_scales: dict[int, torch.Tensor] = {}  # table -> per-row lr scale of its rows (lr_count_scale)
         self._finalizer = weakref.finalize(self, _unpin_all, self.stores, self._handles)
 
     def pin(self, t: int, slots: torch.Tensor, start: int = 0, stop: int | None = None) -> None:

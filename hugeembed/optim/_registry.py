@@ -28,6 +28,9 @@ NAMES: dict[str, tuple[type[SparseOptimizer], dict[str, Any]]] = {
     "rowwise_adagrad": (RowWiseAdagrad, {}),
     "adam": (Adam, {}),
     "lazy_adam": (Adam, {"mode": "lazy"}),
+    # torch.optim.Adam per row: bias correction by the row's own update count, so a new row's
+    # first step is lr, not the ~3 lr of a late-born row under global-step correction (docs/quality.md)
+    "adam_per_row": (Adam, {"mode": "lazy", "bias_correction": "per_row"}),
     "global_adam": (Adam, {"mode": "global"}),
     "ftrl": (FTRL, {}),
 }

@@ -52,6 +52,7 @@ class GroupSpec:
     tables: tuple[str, ...]
     table_keys: tuple[int, ...]  # index into the group's key list, -1: static
     table_rows: tuple[int, ...]  # static tables' num_rows (0 for dynamic ones)
+    table_shared: tuple[int, ...]  # 1: unknown ids read the table's shared row (TableConfig.shared_row)
     feature_pos: tuple[int, ...]
     feature_table: tuple[int, ...]
     combiners: tuple[int, ...]
@@ -74,8 +75,8 @@ def check_servable(collection: EmbeddingCollection) -> None:
                    if bad]
         if missing:
             raise NotImplementedError(f"table {t.name!r}: serving does not reproduce {', '.join(missing)} yet "
-                                      f"(the frozen lookup drops ids < 0, reads zeros for unknown ids and pools "
-                                      f"empty bags to zeros)")
+                                      f"(the frozen lookup drops ids < 0, reads zeros or the table's shared row "
+                                      f"for unknown ids and pools empty bags to zeros)")
 
 
 def serving_groups(collection: EmbeddingCollection) -> list[GroupSpec]:
@@ -95,6 +96,7 @@ def serving_groups(collection: EmbeddingCollection) -> list[GroupSpec]:
             dim=g.dim, tables=tuple(tables),
             table_keys=tuple(dynamic.index(n) if n in dynamic else -1 for n in tables),
             table_rows=tuple(cfgs[n].num_rows or 0 for n in tables),
+            table_shared=tuple(int(cfgs[n].shared_row) for n in tables),
             feature_pos=tuple(inputs.index(f.source_name) for f in feats),
             feature_table=tuple(tables.index(f.table) for f in feats),
             combiners=tuple(_COMBINERS[Combiner.parse(f.combiner, f.name)] for f in feats),
@@ -121,8 +123,8 @@ class _Program(torch.nn.Module):
     def forward(self, dense, values, offsets, rows: list[torch.Tensor], keys: list[list[torch.Tensor]]):
         B = dense.shape[0]
         blocks = [torch.ops.hugeembed_serve.pooled_lookup(
-            values, offsets, rows[g], keys[g], list(s.table_keys), list(s.table_rows), list(s.feature_pos),
-            list(s.feature_table), list(s.combiners), B, s.dim, self.dtype) for g, s in enumerate(self.groups)]
+            values, offsets, rows[g], keys[g], list(s.table_keys), list(s.table_rows), list(s.table_shared),
+            list(s.feature_pos), list(s.feature_table), list(s.combiners), B, s.dim, self.dtype) for g, s in enumerate(self.groups)]
         return self.model.forward_pooled(dense, self.model.embeddings.lookup.pooled_from_groups(blocks))
 
 

@@ -14,6 +14,9 @@ The lookup of all tables of one dim is one custom op, ``hugeembed_serve::pooled_
 (a ``torch.library`` op with a fake impl, so ``torch.export`` keeps the graph whole), and
 one kernel call: the tables of a dim group are stored as one row matrix (tables one after
 the other, then one zero row that unknown ids read), indexed per table by its sorted keys.
+A table trained with a shared row (``TableConfig.shared_row``) keeps it under the key
+``SHARED_ROW_KEY`` (-1, first in its sorted keys); ids it does not hold read that row
+instead of zeros, as the training model's eval does.
 
 Row formats (``dtype`` of the artifact):
 
@@ -44,6 +47,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = ("fp32", "fp16", "int8", "int4")
 COMBINERS = ("sum", "mean", "sqrtn")
+# hugeembed.nn._rare.SHARED_ROW_KEY (this file imports nothing from hugeembed; a test checks they agree)
+SHARED_ROW_KEY = -1
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8, "int64": torch.int64}
 
 
@@ -56,8 +61,9 @@ class ArtifactError(ValueError):
 
 @torch.library.custom_op("hugeembed_serve::pooled_lookup", mutates_args=())
 def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, keys: list[torch.Tensor],
-                  table_keys: list[int], table_rows: list[int], feature_pos: list[int], feature_table: list[int],
-                  combiners: list[int], batch_size: int, dim: int, dtype: str) -> torch.Tensor:
+                  table_keys: list[int], table_rows: list[int], table_shared: list[int], feature_pos: list[int],
+                  feature_table: list[int], combiners: list[int], batch_size: int, dim: int,
+                  dtype: str) -> torch.Tensor:
     """Pooled embeddings ``[B, F_g, D]`` (float32) of the features of one dim group.
 
     Args:
@@ -67,13 +73,16 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
         keys: sorted int64 keys of the group's dynamic tables.
         table_keys: per table of the group, its index into `keys`, or -1 for a static table.
         table_rows: per table, its rows (static tables: num_rows; dynamic: ignored, len of its keys).
+        table_shared: per table, 1 if ids it does not hold read its shared row (the key
+            SHARED_ROW_KEY, when it holds one), 0 if they read zeros.
         feature_pos: per output feature, the index of its input feature in the batch.
         feature_table: per output feature, the table it reads (index into the group's tables).
         combiners: per output feature, 0 sum, 1 mean, 2 sqrtn.
         batch_size: B.  dim: D.  dtype: ``fp32 | fp16 | int8 | int4`` (the format of `rows`).
 
-    Ids < 0 are dropped (not counted by mean/sqrtn); ids a table does not hold read the
-    zero row (and are counted, as a training model's eval reads them); empty bags pool to 0.
+    Ids < 0 are dropped (not counted by mean/sqrtn); ids a table does not hold read its
+    shared row or the zero row (and are counted, as a training model's eval reads them);
+    empty bags pool to 0.
     """
     B = batch_size
     sizes = [int(keys[k].numel()) if k >= 0 else n for k, n in zip(table_keys, table_rows)]
@@ -85,7 +94,7 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
         bags = offsets[pos * B: (pos + 1) * B + 1]
         ids = values[int(bags[0]): int(bags[-1])]
         lengths = bags[1:] - bags[:-1]
-        slot = _slots(ids, keys[table_keys[t]] if table_keys[t] >= 0 else None, sizes[t])
+        slot = _slots(ids, keys[table_keys[t]] if table_keys[t] >= 0 else None, sizes[t], bool(table_shared[t]))
         kept = ids >= 0
         idx_parts.append(torch.where(slot >= 0, slot + bases[t], zero_row))
         len_parts.append(lengths)
@@ -111,19 +120,22 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
 
 
 @pooled_lookup.register_fake
-def _(values, offsets, rows, keys, table_keys, table_rows, feature_pos, feature_table, combiners, batch_size, dim,
-      dtype):
+def _(values, offsets, rows, keys, table_keys, table_rows, table_shared, feature_pos, feature_table, combiners,
+      batch_size, dim, dtype):
     return values.new_empty((batch_size, len(feature_pos), dim), dtype=torch.float32)
 
 
-def _slots(ids: torch.Tensor, keys: torch.Tensor | None, num_rows: int) -> torch.Tensor:
-    """Row of each id in its table, -1 where the table does not hold it."""
+def _slots(ids: torch.Tensor, keys: torch.Tensor | None, num_rows: int, shared: bool) -> torch.Tensor:
+    """Row of each id in its table; where the table does not hold it, its shared row (`shared`
+    and the table has one: key SHARED_ROW_KEY, first of the sorted keys) or -1.  (Ids < 0 are
+    dropped by the caller whatever their row.)"""
     if keys is None:  # static table: the id is the row
         return torch.where((ids >= 0) & (ids < num_rows), ids, -1)
     if keys.numel() == 0:
         return torch.full_like(ids, -1)
     pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
-    return torch.where(keys[pos] == ids, pos, -1)
+    miss = 0 if shared and int(keys[0]) == SHARED_ROW_KEY else -1
+    return torch.where(keys[pos] == ids, pos, miss)
 
 
 def _embedding_bags(rows: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor | None,

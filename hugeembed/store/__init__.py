@@ -22,7 +22,8 @@ from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
 from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
 from ._layout import RowLayout, default_state_dtype
-from ._init import Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros
+from ._init import (INIT_KINDS, Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros,
+                    check_initializer_spec, initializer_from_spec)
 from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
 
 __all__ = [
@@ -49,5 +50,8 @@ __all__ = [
     "Constant",
     "Zeros",
     "FromCallable",
+    "INIT_KINDS",
+    "check_initializer_spec",
+    "initializer_from_spec",
     "allocate_rows",
 ]

@@ -117,6 +117,10 @@ class ArrayStore(LayoutViews):
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self._slots_of(as_keys(self.name, keys, self.device))
 
+    def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of `keys` so far (int64); changes nothing."""
+        return self._meta[self._slots_of(as_keys(self.name, keys, self.device)), 0].clone()
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self.local_rows, self.device))
 

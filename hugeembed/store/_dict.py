@@ -160,6 +160,12 @@ class DictStore(LayoutViews, Pinnable):
         ks = as_keys(self.name, keys, self.device).tolist()
         return torch.tensor([self._slot.get(k, -1) for k in ks], dtype=torch.int64, device=self.device)
 
+    def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of `keys` so far (admitted or pending; 0 for an unknown key); changes nothing."""
+        ks = as_keys(self.name, keys, self.device).tolist()
+        out = [self._count[self._slot[k]] if k in self._slot else self._pending.get(k, [0])[0] for k in ks]
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))
 

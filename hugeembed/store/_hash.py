@@ -35,7 +35,7 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
                       init_rows, make_layout, scatter_rows)
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
-from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets
+from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._native_store import NativeOps, run_batch
@@ -389,6 +389,20 @@ class HashStore(LayoutViews, Pinnable):
         if keys.numel() == 0:
             return keys.clone()
         return self._ops.find(self, keys, rows_only=True)
+
+    def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of `keys` so far (admitted or pending; 0 for an unknown key), int64; changes nothing.
+
+        One probe of the shared bucket array with torch ops, whatever the backend: the
+        per-row learning-rate scaling reads it once per table and step (TableConfig.lr_count_scale).
+        """
+        keys = as_keys(self.name, keys, self.device)
+        codes, pos = probe(self._buckets, keys)
+        out = torch.where(codes != -1, count_of(self._buckets[pos.clamp(min=0), 1]), 0)
+        side = keys == EMPTY
+        if bool(side.any()):
+            out[side] = int(count_of(self._st[_ST["side_word1"]])) if self._st_get("side_used") else 0
+        return out
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._storage, as_slots(self.name, slots, self._storage.shape[0], self.device))

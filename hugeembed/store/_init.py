@@ -39,7 +39,8 @@ from .. import _native
 from .._hashing import logical_shift_right, mix64, mix64_int
 from ..errors import ConfigError, InputError
 
-__all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros", "FromCallable"]
+__all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros", "FromCallable", "INIT_KINDS",
+           "check_initializer_spec", "initializer_from_spec"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -291,3 +292,57 @@ def init_rows_native(init: Initializer, keys: torch.Tensor, dim: int, seed: int,
     if rc != 0:
         raise RuntimeError(f"he_init_rows failed with code {rc}")
     return True
+
+
+# `--init` / TableConfig specs: the distributions a user picks by name, with their one scale.
+INIT_KINDS = ("uniform", "normal", "truncnormal")
+INIT_SPEC_HELP = ("uniform:SCALE (U(-SCALE, SCALE)), normal:STD, truncnormal:STD (cut at 2 std, TF's), "
+                  "or uniform (U(+-sqrt(1/n)) for a table of n rows)")
+
+
+def check_initializer_spec(spec: object, who: str = "init") -> str:
+    """`spec` if it names an initializer (:func:`initializer_from_spec`), else ConfigError naming `who`
+    and the value; checked without a table, so a config fails before anything is built."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"{who} must be a string like uniform:0.01, got {spec!r}")
+    kind, colon, scale = spec.partition(":")
+    if kind not in INIT_KINDS or (colon and not scale) or (not colon and kind != "uniform"):
+        raise ConfigError(f"{who} must be {INIT_SPEC_HELP}; got {spec!r}")
+    if colon:
+        try:
+            value = float(scale)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{who}: the scale of {spec!r} must be a positive number, got {scale!r}")
+    return spec
+
+
+def initializer_from_spec(spec: str, rows: int | None, *, table: str = "?", who: str = "init") -> Initializer:
+    """The initializer a spec names, for a table of `rows` rows (None: unbounded).
+
+    ``uniform:S`` is U(-S, S), ``normal:S`` N(0, S^2), ``truncnormal:S`` N(0, S^2) cut at
+    +-2 S (TF's truncated_normal); ``uniform`` alone is U(-sqrt(1/n), sqrt(1/n)) for a table
+    of n rows (torch.nn.Embedding-style reference DLRMs), which needs n: a static table's
+    rows or a dynamic table's capacity.
+
+    Example::
+
+        >>> initializer_from_spec("normal:0.01", None)
+        Normal(mean=0.0, std=0.01)
+        >>> initializer_from_spec("uniform", 100)
+        Uniform(low=-0.1, high=0.1)
+    """
+    kind, _, scale = check_initializer_spec(spec, who).partition(":")
+    if not scale:
+        if rows is None:
+            raise ConfigError(f"table {table!r}: {who} {spec!r} scales by the table's rows (U(+-sqrt(1/n))), but the "
+                              f"table is dynamic and unbounded: give it a capacity, or a scale (uniform:0.01)")
+        bound = math.sqrt(1.0 / rows)
+        return Uniform(-bound, bound)
+    s = float(scale)
+    if kind == "uniform":
+        return Uniform(-s, s)
+    if kind == "normal":
+        return Normal(0.0, s)
+    return TruncatedNormal(0.0, s)

@@ -132,6 +132,10 @@ class RowStore(Protocol):
         """Slots of `keys`, -1 where absent or not admitted; changes nothing."""
         ...
 
+    def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of `keys` so far (int64 [n]; 0 for a key never seen); changes nothing."""
+        ...
+
     def storage(self) -> torch.Tensor:
         """The live [R, W] row storage (re-read it after every find_or_insert: it may move)."""
         ...

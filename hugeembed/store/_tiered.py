@@ -181,6 +181,10 @@ class TieredStore(LayoutViews, Pinnable):
         self._fit_map()
         return self._bring_in(logical, keys, counts, training=True)
 
+    def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of `keys` so far (the key index keeps them); changes nothing."""
+        return self.index.hit_counts(keys)
+
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
         if keys.numel() == 0:

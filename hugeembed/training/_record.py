@@ -17,7 +17,7 @@ from ._config import TrainConfig
 
 __all__ = ["TrainState", "RunRecord"]
 
-_HISTORY_KEYS = ("step", "loss", "eval_step", "auc", "logloss")
+_HISTORY_KEYS = ("step", "loss", "eval_step", "auc", "logloss", "copc")
 
 
 @dataclass
@@ -58,14 +58,18 @@ class TrainState:
             if not _number(data[n]):
                 raise bad(n, "a finite number", data[n])
         hist = data["history"]
+        if isinstance(hist, Mapping) and set(hist) == set(_HISTORY_KEYS) - {"copc"} and isinstance(hist["auc"], list):
+            # saved before COPC was recorded per evaluation: unknown (NaN) at those points
+            hist = {**hist, "copc": [float("nan")] * len(hist["auc"])}
+            data = {**data, "history": hist}
         if not isinstance(hist, Mapping) or set(hist) != set(_HISTORY_KEYS):
             raise bad("history", f"a mapping with keys {list(_HISTORY_KEYS)}", hist)
         for k in _HISTORY_KEYS:
             if not isinstance(hist[k], list) or not all(_number(x, finite=False) for x in hist[k]):
                 raise bad(f"history.{k}", "a list of numbers", hist[k])
         if len(hist["step"]) != len(hist["loss"]) or not len(hist["eval_step"]) == len(hist["auc"]) == \
-                len(hist["logloss"]):
-            raise bad("history", "lists of matching lengths (step/loss, eval_step/auc/logloss)",
+                len(hist["logloss"]) == len(hist["copc"]):
+            raise bad("history", "lists of matching lengths (step/loss, eval_step/auc/logloss/copc)",
                       {k: len(v) for k, v in hist.items()})
         ev = data["last_eval"]
         if ev is not None and not (isinstance(ev, Mapping) and all(isinstance(k, str) and _number(v, finite=False)
@@ -95,6 +99,12 @@ class RunRecord:
         if not isinstance(saved, Mapping):
             raise CheckpointError(f"{where}: config must be a mapping, got {_short(saved)}")
         saved = {k: v for k, v in saved.items() if k != "extra"}  # a field of older versions, always empty
+        # configs saved before init / admit_min_count existed built their tables with TF's truncated
+        # normal (std 1/sqrt(D)) and a row for every id: resume them so, not with today's defaults
+        dim = saved.get("embedding_dim", 16)
+        if "init" not in saved and isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
+            saved["init"] = f"truncnormal:{1.0 / math.sqrt(dim)!r}"
+        saved.setdefault("admit_min_count", 1)
         try:
             config = TrainConfig.from_dict(saved, source=f"{where}: saved config")
         except ConfigError as e:

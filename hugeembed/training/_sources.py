@@ -12,7 +12,7 @@ import abc
 import itertools
 from typing import Iterator
 
-from ..data import Batch, BayesMetrics, Loader, SyntheticConfig, SyntheticCriteo
+from ..data import Batch, BayesMetrics, Loader, SyntheticConfig, SyntheticCriteo, count_lines
 from ..errors import ConfigError
 from ._config import TrainConfig
 
@@ -27,6 +27,9 @@ class DataSource(abc.ABC):
 
     description: str = ""
     steps_per_epoch: int | None = None
+    # steps per epoch as far as they can be told before reading (text files: from their line count);
+    # paces the lr decay and the evaluations, never decides when training stops
+    estimated_steps_per_epoch: int | None = None
     notes: tuple[str, ...] = ()  # what the user should be told before training (e.g. how a small file was split)
 
     @abc.abstractmethod
@@ -47,6 +50,7 @@ class SyntheticSource(DataSource):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.gen = SyntheticCriteo(SyntheticConfig(seed=cfg.seed, max_cardinality=cfg.synthetic_max_cardinality))
         self.steps_per_epoch = cfg.synthetic_rows // (cfg.batch_size * world_size)
+        self.estimated_steps_per_epoch = self.steps_per_epoch
         if self.steps_per_epoch < 1:
             raise ConfigError(f"synthetic-rows={cfg.synthetic_rows} is less than one global batch")
         self.description = (f"synthetic Criteo-like data (seed {cfg.seed}, {cfg.synthetic_rows} rows/epoch, "
@@ -93,7 +97,10 @@ class FileSource(DataSource):
         if not cfg.eval_data:
             self._plan_holdout(", ".join(paths))
         if self.loader.shards is not None:
-            self.steps_per_epoch = len(self.loader) - self.holdout
+            self.steps_per_epoch = self.estimated_steps_per_epoch = len(self.loader) - self.holdout
+        else:  # rank r reads lines i % world == r, in whole batches
+            rows = (count_lines(paths) + world_size - 1 - rank) // world_size
+            self.estimated_steps_per_epoch = max(0, rows // cfg.batch_size - self.holdout)
 
     def _plan_holdout(self, name: str) -> None:
         """How many of this rank's first batches are held out for evaluation."""

@@ -25,10 +25,10 @@ from .. import _native
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
-from ..models import make_model
+from ..models import DEFAULT_ADMIT_MIN_COUNT, make_model
 from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
-from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
+from ._config import DENSE_OPTIMIZER_CLASSES, EVAL_POINTS, TrainConfig
 from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
                            merged_tier_stats, run_info, sharded_factory, wrap_ddp)
@@ -112,7 +112,17 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
     else:
         factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity, collection_factory=factory)
+                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
+                      admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
+                      collection_factory=factory)
+
+
+def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
+    """The run's admission threshold: the config's, or by default make_model's in one process and 1
+    (a row per id) with several, whose sharded tables have no shared row of rare ids yet."""
+    if cfg.admit_min_count is not None:
+        return cfg.admit_min_count
+    return DEFAULT_ADMIT_MIN_COUNT if world_size == 1 else 1
 
 
 def seed_everything(seed: int) -> None:
@@ -162,6 +172,12 @@ class Trainer:
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
         total = self.total_steps()
         self._record_every = config.log_every if total is None else max(1, min(config.log_every, total // 50))
+        expected = total if total is not None else None if self.source.estimated_steps_per_epoch is None else \
+            self.source.estimated_steps_per_epoch * config.epochs
+        self._expected_steps = expected
+        self._eval_every = config.eval_every if config.eval_every is not None else \
+            100 if expected is None else max(1, expected // EVAL_POINTS)
+        self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
 
     # -- the loop ------------------------------------------------------------------
 
@@ -211,6 +227,10 @@ class Trainer:
         total = self.total_steps()
         for note in self.source.notes:
             self.progress("note", {"message": note})
+        if self.world_size > 1 and cfg.admit_min_count is None:
+            self.progress("note", {"message": "sharded tables give every id a row at first sight (admit-min-count 1): "
+                                              "the shared row of rare ids is not supported with several processes "
+                                              "yet"})
         if cfg.resume and st.step > 0 and (st.step >= total if total is not None else st.epoch >= cfg.epochs):
             # finished already: no second evaluation or snapshot of the last step
             self.progress("note", {"message": f"{cfg.checkpoint_dir}: the run is complete (step {st.step}"
@@ -228,7 +248,7 @@ class Trainer:
             for batch in self._with_prefetch(self.source.train_batches(st.epoch, skip=st.step_in_epoch)):
                 any_batch = True
                 self._train_step(batch)
-                if cfg.eval_every and st.step % cfg.eval_every == 0 and (total is None or st.step < total):
+                if self._eval_every and st.step % self._eval_every == 0 and (total is None or st.step < total):
                     self.evaluate()
                 if cfg.checkpoint_dir and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
                     self.save()
@@ -266,8 +286,22 @@ class Trainer:
             yield cur
             cur = nxt
 
+    def lr_factor(self, step: int) -> float:
+        """The learning rates' multiplier at training step `step` (0-based): 1, then falling
+        linearly to 0 over the last `lr_decay` of the expected steps (a pure function of the
+        step, so a resumed run decays as the uninterrupted one)."""
+        n, frac = self._expected_steps, self.cfg.lr_decay
+        if not n or frac <= 0.0:
+            return 1.0
+        tail = max(1, round(n * frac))
+        return min(1.0, max(0.0, (n - step) / tail))
+
     def _train_step(self, batch) -> None:
         st = self.state
+        f = self.lr_factor(st.step)
+        for opt, base in zip((self.dense_optimizer, self.collection.optimizer), self._base_lrs):
+            for group, lr in zip(opt.param_groups, base):
+                group["lr"] = lr * f
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
         try:
@@ -337,6 +371,7 @@ class Trainer:
         st.history["eval_step"].append(st.step)
         st.history["auc"].append(metrics["auc"])
         st.history["logloss"].append(metrics["logloss"])
+        st.history["copc"].append(metrics["copc"])
         self.progress("eval", {"step": st.step, **metrics})
         return metrics
 
@@ -371,7 +406,8 @@ class Trainer:
         snap = ckpt.latest(root)
         record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
         saved = record.config
-        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed")
+        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
+                               "lr_count_scale")
                    if getattr(saved, k) != getattr(self.cfg, k)]
         msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r})" for k in changed]
         # any number of processes may resume, but the data position counts global batches

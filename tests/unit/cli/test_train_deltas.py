@@ -13,8 +13,10 @@ from hugeembed import checkpoint as ckpt
 from hugeembed.cli import main
 from hugeembed.training import RunRecord, build_model, evaluate_snapshot
 
+# constant learning rates: the 6-step run that is resumed to 10 steps stands for a 10-step run that
+# stopped at step 6, which it is only when the rates do not follow the run's length (--lr-decay)
 FAST = ["--batch-size", "64", "--eval-rows", "128", "--threads", "1", "--synthetic-rows", "20000", "--embedding-dim",
-        "4", "--eval-every", "0", "--checkpoint-every", "2", "--full-checkpoint-every", "3"]
+        "4", "--eval-every", "0", "--checkpoint-every", "2", "--full-checkpoint-every", "3", "--lr-decay", "0"]
 
 
 def _kinds(ck) -> dict[int, str]:

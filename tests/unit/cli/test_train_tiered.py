@@ -14,6 +14,9 @@ import pytest
 
 from clihelp import ROOT, assert_one_line_error, run_cli
 
+# Holds two batches of rows of every table but not the tables: rows of the default optimizer (Adam,
+# per-row: weights + 2 D moments + a counter, 196 B at D = 16) need about 1 MiB for two batches here
+BUDGET = "1100KiB"
 BASE = ("train", "--steps", "24", "--batch-size", "128", "--eval-every", "8", "--eval-rows", "2048", "--quiet",
         "--synthetic-rows", "8192", "--seed", "3")
 
@@ -27,7 +30,7 @@ def summary(tmp_path, name, *extra):
 
 def test_a_tiered_run_equals_the_in_memory_run_and_reports_its_cache(tmp_path):
     mem = summary(tmp_path, "mem")
-    tier = summary(tmp_path, "tier", "--memory-budget", "700KiB", "--storage-dir", tmp_path / "rows",
+    tier = summary(tmp_path, "tier", "--memory-budget", BUDGET, "--storage-dir", tmp_path / "rows",
                    "--checkpoint-dir", tmp_path / "ck")
     for k in ("auc", "logloss", "copc", "final_train_loss", "history", "table_rows"):
         assert tier[k] == mem[k], k
@@ -43,7 +46,7 @@ def test_a_tiered_run_equals_the_in_memory_run_and_reports_its_cache(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_mid_training_then_resume_continues_exactly(tmp_path):
-    args = [*BASE[:2], "40", *BASE[3:], "--memory-budget", "700KiB", "--checkpoint-every", "10"]
+    args = [*BASE[:2], "40", *BASE[3:], "--memory-budget", BUDGET, "--checkpoint-every", "10"]
     ref = run_cli(*args, "--checkpoint-dir", tmp_path / "ck_ref", "--storage-dir", tmp_path / "rows_ref",
                   "--summary-json", tmp_path / "ref.json", timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -69,7 +72,7 @@ def test_another_runs_storage_dir_is_refused(tmp_path):
     d = tmp_path / "rows" / "C1"
     d.mkdir(parents=True)
     (d / "tier.json").write_text(json.dumps({"format": 1, "table": "C1", "layout": {"x": 1}, "owner": "other"}))
-    proc = run_cli(*BASE, "--memory-budget", "700KiB", "--storage-dir", tmp_path / "rows")
+    proc = run_cli(*BASE, "--memory-budget", BUDGET, "--storage-dir", tmp_path / "rows")
     assert_one_line_error(proc, "storage directory", "another table layout")
 
 

@@ -18,7 +18,7 @@ OTHER = dict(name="t2", dim=8, features=("a", "b"), combiner="sum", initializer=
              prune_negative=False, dtype=torch.float64, capacity=100, on_full="error", eviction_policy="lru",
              admit_min_count=2, admit_probability=0.5, max_pending=10, ttl=5, evict_norm_below=0.1,
              evict_interval=7, seed=11, state_dtype=torch.float16, stochastic_rounding=True,
-             storage_dir="/other", memory_budget=2048, cache_policy="lru")
+             storage_dir="/other", memory_budget=2048, cache_policy="lru", shared_row=True, lr_count_scale=4)
 TIERED = TableConfig("t", dim=4, storage_dir="/tier", memory_budget=1024)
 
 

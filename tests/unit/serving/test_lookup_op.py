@@ -14,6 +14,9 @@ from hugeembed.serving import dequantize, pooled_lookup, quantize
 def cases(draw):
     D = 4
     keys = sorted(draw(st.sets(st.integers(0, 1 << 40), min_size=0, max_size=6)))
+    shared = draw(st.booleans())  # unknown ids read the shared row, when the table holds one (key -1)
+    if draw(st.booleans()):
+        keys = [-1, *keys]
     static_rows = draw(st.integers(1, 5))
     B = draw(st.integers(1, 4))
     combiners = draw(st.lists(st.sampled_from([0, 1, 2]), min_size=3, max_size=3))
@@ -22,11 +25,12 @@ def cases(draw):
     rng = np.random.default_rng(draw(st.integers(0, 1 << 30)))
     dyn = torch.from_numpy(rng.normal(size=(len(keys), D)).astype(np.float32))
     stat = torch.from_numpy(rng.normal(size=(static_rows, D)).astype(np.float32))
-    return D, keys, dyn, stat, B, combiners, bags
+    return D, keys, dyn, stat, B, combiners, bags, shared
 
 
-def oracle(D, keys, dyn, stat, B, combiners, bags, read):
-    """Bags pooled one by one: feature 0 and 2 read the dynamic table, feature 1 the static one."""
+def oracle(D, keys, dyn, stat, B, combiners, bags, shared, read):
+    """Bags pooled one by one: feature 0 and 2 read the dynamic table, feature 1 the static one;
+    an unknown id of the dynamic table reads its shared row (key -1) when `shared` and it has one."""
     out = torch.zeros(B, 3, D)
     for f in range(3):
         for b in range(B):
@@ -37,6 +41,8 @@ def oracle(D, keys, dyn, stat, B, combiners, bags, read):
                     acc += read(stat)[i] if i < stat.shape[0] else 0
                 elif i in keys:
                     acc += read(dyn)[keys.index(i)]
+                elif shared and -1 in keys:
+                    acc += read(dyn)[keys.index(-1)]
             n = max(len(kept), 1)
             out[b, f] = acc / {0: 1.0, 1: n, 2: n ** 0.5}[combiners[f]] if kept else acc
     return out
@@ -44,20 +50,20 @@ def oracle(D, keys, dyn, stat, B, combiners, bags, read):
 
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
 def test_pooled_lookup_matches_the_oracle(case, dtype):
-    D, keys, dyn, stat, B, combiners, bags = case
+    D, keys, dyn, stat, B, combiners, bags, shared = case
     values = torch.tensor([i for f in bags for bag in f for i in bag], dtype=torch.int64)
     lengths = torch.tensor([len(bag) for f in bags for bag in f])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     # the group's matrix: dynamic table, static table, zero row
     rows = quantize(torch.cat([dyn, stat, torch.zeros(1, D)]), dtype)
     got = pooled_lookup(values, offsets, rows, [torch.tensor(keys, dtype=torch.int64)], [0, -1], [0, stat.shape[0]],
-                        [0, 1, 2], [0, 1, 0], combiners, B, D, dtype)
+                        [int(shared), 0], [0, 1, 2], [0, 1, 0], combiners, B, D, dtype)
 
     def read(w):  # what the stored rows hold, as float32
         return dequantize(quantize(w, dtype), dtype, D)
 
     tol = 1e-5 if dtype == "fp32" else 1e-2
-    torch.testing.assert_close(got, oracle(D, keys, dyn, stat, B, combiners, bags, read), atol=tol, rtol=tol)
+    torch.testing.assert_close(got, oracle(D, keys, dyn, stat, B, combiners, bags, shared, read), atol=tol, rtol=tol)
 
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),
@@ -71,3 +77,9 @@ def test_row_wise_quantization_error_is_half_a_step(n, dim, seed, spread):
     err4 = (dequantize(quantize(w, "int4"), "int4", dim) - w).abs()
     assert bool((err4 <= span / 15 / 2 * 1.01 + 2e-3 * (w.abs().max(1).values[:, None] + span)).all())
     assert quantize(w, "int8").shape == (n, dim + 8) and quantize(w, "int4").shape == (n, dim // 2 + 4)
+
+
+def test_the_runtime_names_the_shared_row_key_as_the_tables_do():
+    from hugeembed.nn._rare import SHARED_ROW_KEY
+    from hugeembed.serving import _runtime
+    assert _runtime.SHARED_ROW_KEY == SHARED_ROW_KEY

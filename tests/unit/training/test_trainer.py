@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -49,8 +51,12 @@ def test_checkpoint_resume_equals_uninterrupted_and_eval_reproduces(tmp_path):
     whole = Trainer(base)
     s_whole = whole.fit()
 
-    first = Trainer(base.replace(steps=10, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5))
+    # a run that stopped after its step-10 snapshot: the same run (its lr decay follows the run's
+    # length, so a 10-step run would be another run), its later snapshots gone
+    first = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5, keep_checkpoints=10))
     first.fit()
+    for late in ("step-000000015", "step-000000020", "step-000000024"):
+        shutil.rmtree(tmp_path / "ck" / late)
     resumed = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True))
     s_resumed = resumed.fit()
 
