@@ -1,5 +1,6 @@
 """Serving: lookup throughput of exported fp32 / int8 / int4 tables (vs TorchRec's QuantEmbeddingBagCollection
-int8 when installed), memory per row, and HTTP latency of `hugeembed serve` (1 / 64 / 1024 rows, 1 and 8 clients).
+int8 when installed), memory per row, the load time and RSS of a large artifact in a fresh process, and HTTP
+latency of `hugeembed serve` (1 / 64 / 1024 rows, 1 and 8 clients).
 
     python bench/serve.py --quick       # 1/20 of the rows, fewer requests
     python bench/serve.py               # Criteo-26 rows (capped at 10 M), d64
@@ -28,36 +29,43 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import criteo_batches, criteo_rows, fmt_rate, measure, print_table  # noqa: E402
+from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure, print_table  # noqa: E402
 
 from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
+from hugeembed.serving._runtime import MAX_PROBE, group_tables  # noqa: E402
 
 
 def lookup_bench(rows: list[int], dim: int, batch: int, iters: int, runs: int) -> list[list[str]]:
     batches = criteo_batches(rows, batch, 1, n_batches=4)
-    keys = [torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows]  # sorted, not the identity
+    keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
     weights = torch.empty(sum(rows) + 1, dim).uniform_(-0.05, 0.05)
     weights[-1] = 0
     offsets = torch.arange(len(rows) * batch + 1, dtype=torch.int64)
     values = [torch.cat([ids * 7 + 3 for ids in b]) for b in batches]
     T = len(rows)
+    group = {"table_keys": list(range(T)), "table_rows": [0] * T, "table_shared": [0] * T}
+    t0 = time.perf_counter()
+    _, _, index, meta = group_tables(group, rows, weights, keys)
+    print(f"# key index: {index.numel()} {index.dtype} slots for {keys.numel()} keys, max probe "
+          f"{int(meta[:, MAX_PROBE].max())}, built in {time.perf_counter() - t0:.1f} s")
     out = []
     for dtype in ("fp32", "int8", "int4"):
         stored = quantize(weights, dtype)
 
         def step(i, stored=stored, dtype=dtype):
-            pooled_lookup(values[i % 4], offsets, stored, keys, list(range(T)), [0] * T, [0] * T,
-                          list(range(T)), list(range(T)), [0] * T, batch, dim, dtype)
+            pooled_lookup(values[i % 4], offsets, stored, keys, index, meta, list(range(T)), list(range(T)), [0] * T,
+                          batch, dim, dtype)
 
         t = measure(step, iters, runs)
-        out.append([f"ours {dtype}", fmt_rate(batch * T / t.median_s), f"{stored.shape[1] * stored.element_size()}"])
+        out.append([f"ours {dtype}", fmt_rate(batch * T / t.median_s), _spread(batch * T, t),
+                    f"{stored.shape[1] * stored.element_size()}"])
     try:
         from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:
-        out.append(["torchrec QEBC int8", "not installed", "-"])
+        out.append(["torchrec QEBC int8", "not installed", "-", "-"])
         return out
     cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
                                data_type=DataType.INT8) for t, n in enumerate(rows)]
@@ -68,8 +76,13 @@ def lookup_bench(rows: list[int], dim: int, batch: int, iters: int, runs: int) -
     qebc = QEBC.from_float(ebc)
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
     t = measure(lambda i: qebc(kjts[i % 4]), iters, runs)
-    out.append(["torchrec QEBC int8", fmt_rate(batch * T / t.median_s), f"{dim + 8}"])
+    out.append(["torchrec QEBC int8", fmt_rate(batch * T / t.median_s), _spread(batch * T, t), f"{dim + 8}"])
     return out
+
+
+def _spread(items: int, t) -> str:
+    """The runs' slowest and fastest rates: how much the median can be trusted on a shared machine."""
+    return f"{fmt_rate(items / max(t.runs))}-{fmt_rate(items / min(t.runs))}"
 
 
 def _free_port() -> int:
@@ -137,6 +150,98 @@ def latency_bench(n_requests: int, work: Path) -> list[list[str]]:
         proc.wait(timeout=30)
 
 
+_LOAD_PROBE = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import torch
+from hugeembed.serving import ServingModel, _runtime
+t1 = time.perf_counter()
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) / 1024 for k, v in (l.split(":", 1) for l in f) if k in ("VmRSS", "RssFile", "RssAnon")}
+
+
+before = rss_mb()
+t2 = time.perf_counter()
+model = ServingModel.load(sys.argv[1])
+t3 = time.perf_counter()
+loaded = rss_mb()
+x = torch.load(sys.argv[2])
+t4 = time.perf_counter()
+model.logits_raw(x["dense"], x["values"], x["offsets"])
+t5 = time.perf_counter()
+looked = rss_mb()
+# verification alone (the files are hashed again: the same work load did first)
+m = model.manifest
+t6 = time.perf_counter()
+for rec in m["files"].values():
+    _runtime.verify_file(model.directory / rec["file"], rec)
+t7 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "load_s": t3 - t2, "verify_s": t7 - t6, "first_batch_s": t5 - t4,
+                  "rss_before": before, "rss_loaded": loaded, "rss_after_batch": looked}))
+"""
+
+
+def load_bench(rows: list[int], dim: int, batch: int, work: Path) -> list[list[str]]:
+    """A large int8 artifact (the given table sizes) loaded in a fresh process: load time (and how much of
+    it is sha256 verification), RSS after load and after one lookup batch.  The artifact is a small
+    trained export whose tables are replaced by big random ones through the export's own writers."""
+    import json
+
+    from hugeembed import checkpoint as ckpt
+    from hugeembed.serving import export
+    from hugeembed.serving._export import GroupSpec, write_group
+    from hugeembed.training import TrainConfig, Trainer
+
+    Trainer(TrainConfig(steps=2, batch_size=256, embedding_dim=dim, checkpoint_dir=str(work / "run"),
+                        checkpoint_every=2, eval_every=0, eval_rows=1024, synthetic_max_cardinality=1000),
+            progress=None).fit()
+    art = export(work / "run", work / "art", dtype="int8")
+    m = json.loads((art / "manifest.json").read_text())
+    if len(m["groups"]) != 1:
+        raise SystemExit(f"load bench: expected one dim group, the export has {len(m['groups'])}")
+    spec = GroupSpec.from_dict(m["groups"][0])
+    by_name = {f"C{i + 1}": n for i, n in enumerate(rows)}
+    sizes = [by_name[t] for t in spec.tables]
+    t0 = time.perf_counter()
+    stored = torch.randint(0, 256, (sum(sizes) + 1, dim + 8), dtype=torch.uint8)
+    scale_bias = stored[:, dim:].view(torch.float32)  # per row float32 scale and bias after the D bytes
+    scale_bias[:, 0] = 1e-3
+    scale_bias[:, 1] = -0.128
+    stored[-1] = 0  # the zero row (scale 0, bias 0)
+    keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in sizes])
+    for f in ("g0.rows.npy", "g0.keys.npy", "g0.index.npy"):
+        (art / "tables" / f).unlink()
+    m["files"].update(write_group(art, 0, spec, sizes, stored, keys))
+    for t in m["tables"]:
+        t["rows"] = by_name[t["name"]]
+    ckpt.write_bytes(art / "manifest.json", json.dumps(m, indent=1, sort_keys=True).encode())
+    built = time.perf_counter() - t0
+    size_gb = sum(rec["bytes"] for rec in m["files"].values()) / 1e9
+    index_gb = m["files"]["index.0"]["bytes"] / 1e9
+    del stored, scale_bias, keys
+    free_memory()
+    # one batch: `batch` rows, one id per feature, Zipf ids over each table (as the lookup bench)
+    ids = criteo_batches(rows, batch, 1, n_batches=1)[0]
+    feats = m["features"]["sparse"]
+    values = torch.cat([ids[int(f[1:]) - 1] * 7 + 3 for f in feats])
+    torch.save({"dense": torch.zeros(batch, m["features"]["dense"]), "values": values,
+                "offsets": torch.arange(len(feats) * batch + 1, dtype=torch.int64)}, work / "in.pt")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(art), str(work / "in.pt")], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"load bench: the probe failed: {proc.stderr[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [[f"{sum(sizes) / 1e6:.1f} M rows, {size_gb:.2f} GB ({index_gb:.2f} GB index), built in {built:.0f} s",
+             f"{r['import_s']:.2f}", f"{r['load_s']:.2f}", f"{r['verify_s']:.2f}",
+             f"{r['rss_before']['VmRSS']:.0f}", f"{r['rss_loaded']['VmRSS']:.0f}",
+             f"{r['rss_after_batch']['VmRSS']:.0f} ({r['rss_after_batch']['RssFile']:.0f} file)",
+             f"{r['first_batch_s'] * 1000:.0f}"]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -144,12 +249,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-latency", action="store_true")
+    p.add_argument("--no-load", action="store_true", help="skip exporting and loading the large artifact")
+    p.add_argument("--no-lookup", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = criteo_rows(scale=0.05 if args.quick else 1.0)
-    print(f"# lookup: Criteo-26, {sum(rows) / 1e6:.1f} M rows, d{args.dim}, batch {args.batch}, P1, "
-          f"{args.threads} threads")
-    print_table(["impl", "ids/s", "bytes/row"], lookup_bench(rows, args.dim, args.batch, 5 if args.quick else 10, 3))
+    if not args.no_lookup:
+        print(f"# lookup: Criteo-26, {sum(rows) / 1e6:.1f} M rows, d{args.dim}, batch {args.batch}, P1, "
+              f"{args.threads} threads (range: the slowest and fastest of 3 runs)")
+        print_table(["impl", "ids/s", "range", "bytes/row"],
+                    lookup_bench(rows, args.dim, args.batch, 5 if args.quick else 10, 3))
+    if not args.no_load:
+        print(f"\n# load: an int8 d{args.dim} artifact of these tables in a fresh process (s; RSS MiB; warm page "
+              f"cache: the files were just written); verify: sha256 of every file, part of load")
+        with tempfile.TemporaryDirectory() as d:
+            print_table(["artifact", "import", "load", "verify", "RSS start", "RSS loaded",
+                         f"RSS after {args.batch} rows", "batch ms"], load_bench(rows, args.dim, args.batch, Path(d)))
     if not args.no_latency:
         print("\n# server latency (int8 DLRM d64, JSON bodies; ms; parse/model: the server's own p50)")
         with tempfile.TemporaryDirectory() as d:

@@ -14,8 +14,9 @@ parent -- the name, step and manifest sha256 of the training snapshot served::
 
 Keys that became pending again (evicted, then seen since) are removed: they read zeros,
 as in the training model's eval.  Applying a delta builds new tables beside the served
-ones (a copy of each group's rows: after a delta the rows live in memory, not in the
-mapped file) and swaps them in with the program in one assignment.
+ones (a copy of each group's rows, keys and a hash index rebuilt for the merged keys:
+after a delta they live in memory, not in the mapped files) and swaps them in with the
+program in one assignment.
 """
 
 from __future__ import annotations
@@ -158,15 +159,15 @@ def apply_delta(base_manifest: dict[str, Any], served: Served, path: Path) -> Se
     files = m["files"]
     arrays = {k: _runtime.read_array(path / rec["file"], rec) for k, rec in files.items() if k != "program"}
     program = _runtime.load_program(path / files["program"]["file"], files["program"])
-    rows_out, keys_out = [], []
-    for g, spec in enumerate(GroupSpec.from_dict(d) for d in base_manifest["groups"]):
-        rows, keys = served.tables.rows[g], served.tables.keys[g]
-        parts, new_keys, base = [], [], 0
+    out: list[list[torch.Tensor]] = [[], [], [], []]
+    for g, group in enumerate(base_manifest["groups"]):
+        spec = GroupSpec.from_dict(group)
+        rows, keys, meta = served.tables.rows[g], served.tables.keys[g], served.tables.meta[g].tolist()
+        parts, new_keys = [], []
         for t, name in enumerate(spec.tables):
             k = spec.table_keys[t]
-            n = int(keys[k].numel()) if k >= 0 else spec.table_rows[t]
+            base, n, key_base = meta[t][_runtime.ROW_BASE], meta[t][_runtime.NUM], meta[t][_runtime.KEY_BASE]
             block = rows[base: base + n]
-            base += n
             up_k, up_r = arrays[f"upsert_keys.{name}"], arrays[f"upsert_rows.{name}"]
             if up_r.shape[1:] != rows.shape[1:]:
                 raise _runtime.ArtifactError(f"{path}: table {name!r}: rows of {list(up_r.shape[1:])} columns, the "
@@ -176,12 +177,16 @@ def apply_delta(base_manifest: dict[str, Any], served: Served, path: Path) -> Se
                 block[up_k] = up_r
                 parts.append(block)
                 continue
-            old = keys[k]
+            old = keys[key_base: key_base + n]
             keep = ~torch.isin(old, torch.cat([arrays[f"removed_keys.{name}"], up_k]))
             merged = torch.cat([old[keep], up_k])
             order = torch.argsort(merged)
-            new_keys.append(merged[order].contiguous())
+            new_keys.append(merged[order])
             parts.append(torch.cat([block[keep], up_r])[order])
-        rows_out.append(torch.cat([*parts, rows[-1:]]).contiguous())
-        keys_out.append(new_keys)
-    return Served(_runtime.Tables(rows_out, keys_out), program, m["source"], served.deltas + (path.name,))
+        # the index is rebuilt for the merged keys here, before the swap: the old tables keep their own
+        built = _runtime.group_tables(group, [int(p.shape[0]) for p in parts],
+                                      torch.cat([*parts, rows[-1:]]).contiguous(),
+                                      torch.cat(new_keys) if new_keys else torch.zeros(0, dtype=torch.int64))
+        for part, x in zip(out, built):
+            part.append(x)
+    return Served(_runtime.Tables(*out), program, m["source"], served.deltas + (path.name,))

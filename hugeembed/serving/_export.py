@@ -8,7 +8,9 @@
       program.pt2         the dense part (torch.export), lookups as hugeembed_serve::pooled_lookup
       runtime.py          the op and a reader, torch + numpy only (a copy of _runtime.py)
       tables/g<k>.rows.npy   the rows of dim group k: its tables one after the other, then a zero row
-      tables/<table>.keys.npy  a dynamic table's keys, ascending (row i of the table holds key i)
+      tables/g<k>.keys.npy   the keys of group k's dynamic tables, table after table, each ascending
+                             (row i of a table holds its key i)
+      tables/g<k>.index.npy  group k's hash index over those keys (_runtime.build_index)
       deltas/<snapshot>/  increments (export --delta), applied in order by the loader
 
 Rows are the model's rows brought current (``catch_up_rows``: global Adam's lag), in the
@@ -39,7 +41,7 @@ from . import _runtime
 from ._quant import quantize
 
 __all__ = ["export", "GroupSpec", "serving_groups", "table_weights", "export_program", "write_array", "publish_dir",
-           "source_record"]
+           "source_record", "write_group"]
 
 _COMBINERS = {Combiner.SUM: 0, Combiner.MEAN: 1, Combiner.SQRTN: 2}
 
@@ -120,17 +122,19 @@ class _Program(torch.nn.Module):
         super().__init__()
         self.model, self.groups, self.dtype = model, groups, dtype
 
-    def forward(self, dense, values, offsets, rows: list[torch.Tensor], keys: list[list[torch.Tensor]]):
+    def forward(self, dense, values, offsets, rows: list[torch.Tensor], keys: list[torch.Tensor],
+                index: list[torch.Tensor], meta: list[torch.Tensor]):
         B = dense.shape[0]
         blocks = [torch.ops.hugeembed_serve.pooled_lookup(
-            values, offsets, rows[g], keys[g], list(s.table_keys), list(s.table_rows), list(s.table_shared),
-            list(s.feature_pos), list(s.feature_table), list(s.combiners), B, s.dim, self.dtype) for g, s in enumerate(self.groups)]
+            values, offsets, rows[g], keys[g], index[g], meta[g], list(s.feature_pos), list(s.feature_table),
+            list(s.combiners), B, s.dim, self.dtype) for g, s in enumerate(self.groups)]
         return self.model.forward_pooled(dense, self.model.embeddings.lookup.pooled_from_groups(blocks))
 
 
 def export_program(model: RecModel, groups: list[GroupSpec], dtype: str, width: list[int], path: Path
                    ) -> dict[str, Any]:
-    """torch.export of the dense part with symbolic batch, ids, rows and keys; saved to `path`."""
+    """torch.export of the dense part with symbolic batch, ids, rows, keys and index slots; saved to `path`.
+    (The index's dtype, int32 or int64, is not part of the traced graph: the op reads either.)"""
     from torch.export import Dim
 
     from ._quant import storage_dtype
@@ -140,9 +144,10 @@ def export_program(model: RecModel, groups: list[GroupSpec], dtype: str, width: 
     example = (torch.zeros(B, model.num_dense), torch.zeros(2 * F * B, dtype=torch.int64),
                torch.arange(F * B + 1, dtype=torch.int64) * 2,
                [torch.zeros(5, w, dtype=storage_dtype(dtype)) for w in width],
-               [[torch.arange(4, dtype=torch.int64) for k in g.table_keys if k >= 0] for g in groups])
+               [torch.arange(4, dtype=torch.int64) for _ in groups], [torch.full((8,), -1, dtype=torch.int32) for _ in groups],
+               [torch.zeros(len(g.tables), 5, dtype=torch.int64) for g in groups])
     shapes = {"dense": {0: dyn}, "values": {0: dyn}, "offsets": {0: dyn}, "rows": [{0: dyn} for _ in groups],
-              "keys": [[{0: dyn} for k in g.table_keys if k >= 0] for g in groups]}
+              "keys": [{0: dyn} for _ in groups], "index": [{0: dyn} for _ in groups], "meta": [None for _ in groups]}
     was = model.training
     model.eval()
     try:
@@ -167,6 +172,18 @@ def write_array(directory: Path, rel: str, t: torch.Tensor) -> dict[str, Any]:
 def group_rows(parts: list[torch.Tensor], dtype: str, dim: int) -> torch.Tensor:
     """A group's row matrix: the tables' weights quantized, one after the other, then the zero row."""
     return quantize(torch.cat([*(p.to(torch.float32) for p in parts), torch.zeros(1, dim)]), dtype)
+
+
+def write_group(directory: Path, g: int, spec: GroupSpec, sizes: list[int], rows: torch.Tensor,
+                keys: torch.Tensor) -> dict[str, Any]:
+    """Writes group g's rows, keys and hash index (built here) under directory/tables; their file records.
+    The index record carries the max probe length of each table (the lookup's bound)."""
+    _, _, index, meta = _runtime.group_tables(asdict(spec), sizes, rows, keys)
+    files = {f"rows.{g}": write_array(directory, f"tables/g{g}.rows.npy", rows),
+             f"keys.{g}": write_array(directory, f"tables/g{g}.keys.npy", keys),
+             f"index.{g}": write_array(directory, f"tables/g{g}.index.npy", index)}
+    files[f"index.{g}"]["max_probe"] = meta[:, _runtime.MAX_PROBE].tolist()
+    return files
 
 
 def source_record(snap: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -222,15 +239,16 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
         files: dict[str, Any] = {}
         tables = []
         for g, spec in enumerate(groups):
-            parts = []
+            parts, keys_parts = [], []
             for name in spec.tables:
                 keys, w = table_weights(ec, name)
                 parts.append(w)
                 if keys is not None:
-                    files[f"keys.{name}"] = write_array(tmp, f"tables/{name}.keys.npy", keys)
+                    keys_parts.append(keys.to(torch.int64))
                 tables.append({"name": name, "group": g, "dim": spec.dim, "rows": int(w.shape[0]),
                                "dynamic": keys is not None})
-            files[f"rows.{g}"] = write_array(tmp, f"tables/g{g}.rows.npy", group_rows(parts, dtype, spec.dim))
+            files.update(write_group(tmp, g, spec, [int(p.shape[0]) for p in parts], group_rows(parts, dtype, spec.dim),
+                                     torch.cat(keys_parts) if keys_parts else torch.zeros(0, dtype=torch.int64)))
         files["program"] = export_program(model, groups, dtype, [row_width(dtype, s.dim) for s in groups],
                                           tmp / "program.pt2")
         shutil.copyfile(_runtime.__file__, tmp / "runtime.py")

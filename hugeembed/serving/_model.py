@@ -137,7 +137,7 @@ class ServingModel:
         """The program on checked inputs: ids feature-major in the order of :attr:`features`."""
         s = self._served if served is None else served  # read once: one version per call
         with torch.no_grad():
-            return s.program(dense, values, offsets, s.tables.rows, s.tables.keys)
+            return s.program(dense, values, offsets, *s.tables.args())
 
     def check(self, dense: torch.Tensor, sparse: SparseFeatures) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, offsets) of `sparse` in the artifact's feature order; InputError naming what is wrong."""

@@ -13,7 +13,9 @@ can load the artifact and run its program::
 The lookup of all tables of one dim is one custom op, ``hugeembed_serve::pooled_lookup``
 (a ``torch.library`` op with a fake impl, so ``torch.export`` keeps the graph whole), and
 one kernel call: the tables of a dim group are stored as one row matrix (tables one after
-the other, then one zero row that unknown ids read), indexed per table by its sorted keys.
+the other, then one zero row that unknown ids read); the keys of its dynamic tables are one
+key array (table after table, each ascending) with one hash index over all of them (open
+addressing, linear probing: an id is found in one or two slot reads; see build_index).
 A table trained with a shared row (``TableConfig.shared_row``) keeps it under the key
 ``SHARED_ROW_KEY`` (-1, first in its sorted keys); ids it does not hold read that row
 instead of zeros, as the training model's eval does.
@@ -40,10 +42,10 @@ import numpy as np
 import torch
 
 __all__ = ["ArtifactError", "pooled_lookup", "load", "Artifact", "Tables", "verify_file", "read_array",
-           "DTYPES", "COMBINERS", "FORMAT", "FORMAT_VERSION", "MANIFEST"]
+           "build_index", "table_meta", "group_tables", "DTYPES", "COMBINERS", "FORMAT", "FORMAT_VERSION", "MANIFEST"]
 
 FORMAT = "hugeembed-serving"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one key array and a hash index per dim group (1: sorted keys per table)
 MANIFEST = "manifest.json"
 DTYPES = ("fp32", "fp16", "int8", "int4")
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -60,21 +62,23 @@ class ArtifactError(ValueError):
 
 
 @torch.library.custom_op("hugeembed_serve::pooled_lookup", mutates_args=())
-def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, keys: list[torch.Tensor],
-                  table_keys: list[int], table_rows: list[int], table_shared: list[int], feature_pos: list[int],
-                  feature_table: list[int], combiners: list[int], batch_size: int, dim: int,
-                  dtype: str) -> torch.Tensor:
+def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                  index: torch.Tensor, meta: torch.Tensor, feature_pos: list[int], feature_table: list[int],
+                  combiners: list[int], batch_size: int, dim: int, dtype: str) -> torch.Tensor:
     """Pooled embeddings ``[B, F_g, D]`` (float32) of the features of one dim group.
 
     Args:
         values, offsets: the batch's ids, feature-major jagged (``SparseFeatures`` layout:
             bag ``f * B + b`` is ``values[offsets[f*B+b] : offsets[f*B+b+1]]``).
         rows: the group's row matrix (tables in order, then one zero row).
-        keys: sorted int64 keys of the group's dynamic tables.
-        table_keys: per table of the group, its index into `keys`, or -1 for a static table.
-        table_rows: per table, its rows (static tables: num_rows; dynamic: ignored, len of its keys).
-        table_shared: per table, 1 if ids it does not hold read its shared row (the key
-            SHARED_ROW_KEY, when it holds one), 0 if they read zeros.
+        keys: int64, the keys of the group's dynamic tables, one table after the other, each
+            ascending (a dynamic table's row i holds its key i).
+        index: int32 or int64 ``[C]`` (C a power of two), the group's hash index: a position in
+            `keys` or -1 per slot (see build_index).
+        meta: int64 ``[T, 5]``, per table of the group (table_meta): its first row in `rows`, its
+            rows, its first key in `keys` (-1: a static table, the id is the row), the row an id it
+            does not hold reads (its shared row, the key SHARED_ROW_KEY, or the zero row), and its
+            max probe length in `index`.
         feature_pos: per output feature, the index of its input feature in the batch.
         feature_table: per output feature, the table it reads (index into the group's tables).
         combiners: per output feature, 0 sum, 1 mean, 2 sqrtn.
@@ -82,73 +86,201 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
 
     Ids < 0 are dropped (not counted by mean/sqrtn); ids a table does not hold read its
     shared row or the zero row (and are counted, as a training model's eval reads them);
-    empty bags pool to 0.
+    empty bags pool to 0.  All features of the group are looked up at once: one probe pass
+    over all their ids, one kernel call.
     """
-    B = batch_size
-    sizes = [int(keys[k].numel()) if k >= 0 else n for k, n in zip(table_keys, table_rows)]
-    bases = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    B, F = batch_size, len(feature_pos)
     zero_row = rows.shape[0] - 1
-    idx_parts, len_parts, w_parts = [], [], []
-    any_weight = any(c != 0 for c in combiners)
-    for pos, t, comb in zip(feature_pos, feature_table, combiners):
-        bags = offsets[pos * B: (pos + 1) * B + 1]
-        ids = values[int(bags[0]): int(bags[-1])]
-        lengths = bags[1:] - bags[:-1]
-        slot = _slots(ids, keys[table_keys[t]] if table_keys[t] >= 0 else None, sizes[t], bool(table_shared[t]))
-        kept = ids >= 0
-        idx_parts.append(torch.where(slot >= 0, slot + bases[t], zero_row))
-        len_parts.append(lengths)
-        if any_weight:
-            w = kept.to(torch.float32)
-            if comb != 0:
-                bag_of = torch.repeat_interleave(torch.arange(B), lengths, output_size=ids.numel())
-                n = torch.zeros(B, dtype=torch.float32).index_add_(0, bag_of, w)
-                scale = 1.0 / n.clamp(min=1.0) if comb == 1 else torch.rsqrt(n.clamp(min=1.0))
-                w = w * scale[bag_of]
-            w_parts.append(w)
-        elif not bool(kept.all()):  # sum: a dropped id adds nothing, as the zero row does
-            idx_parts[-1] = torch.where(kept, idx_parts[-1], zero_row)
-    idx = torch.cat(idx_parts) if idx_parts else torch.zeros(0, dtype=torch.int64)
-    lens = torch.cat(len_parts) if len_parts else torch.zeros(0, dtype=torch.int64)
-    starts = torch.zeros(lens.numel(), dtype=torch.int64)
-    if lens.numel() > 1:
-        torch.cumsum(lens[:-1], 0, out=starts[1:])
-    weights = torch.cat(w_parts) if any_weight and w_parts else None
-    F = len(feature_pos)
-    out = _embedding_bags(rows, idx, starts, weights, dtype, dim)
-    return out.view(F, B, dim).transpose(0, 1).contiguous()
+    if F == 0 or B == 0:
+        return torch.zeros(B, F, dim)
+    # the group's bags, [F * B + 1] offsets into its ids
+    p0 = feature_pos[0]
+    if feature_pos == list(range(p0, p0 + F)):  # consecutive input features: one slice
+        bounds = offsets[p0 * B: (p0 + F) * B + 1]
+        first = int(bounds[0])
+        ids = values[first: int(bounds[-1])]
+        starts = bounds[:-1] - first
+        per_feature = bounds[B::B] - bounds[:-B:B]
+        lengths = bounds[1:] - bounds[:-1]
+    else:
+        at = (torch.tensor(feature_pos, dtype=torch.int64) * B)[:, None] + torch.arange(B + 1)
+        bounds = offsets[at]  # [F, B + 1]
+        lengths = (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)
+        per_feature = bounds[:, -1] - bounds[:, 0]
+        n = int(per_feature.sum())
+        begin = torch.cumsum(per_feature, 0) - per_feature  # where each feature's ids go
+        ids = values[torch.arange(n) + torch.repeat_interleave(bounds[:, 0] - begin, per_feature, output_size=n)]
+        starts = torch.cumsum(lengths, 0) - lengths
+    n = ids.numel()
+    table = torch.repeat_interleave(torch.tensor(feature_table, dtype=torch.int64), per_feature, output_size=n)
+    m = meta.index_select(0, table)  # [n, 5]: each id's table record
+    static = m[:, KEY_BASE] < 0
+    if bool(static.any()):  # the id is the row, range checked
+        local = torch.where(static, ids, _find(ids, table, keys, index, m) - m[:, KEY_BASE])
+        hit = torch.where(static, (ids >= 0) & (ids < m[:, NUM]), local >= 0)
+    else:
+        pos = _find(ids, table, keys, index, m)
+        hit = pos >= 0
+        local = pos - m[:, KEY_BASE]
+    idx = torch.where(hit, local + m[:, ROW_BASE], m[:, MISS_ROW])
+    dropped = ids < 0
+    any_dropped = bool(dropped.any())
+    if any_dropped:  # a dropped id adds nothing, as the zero row does
+        idx.masked_fill_(dropped, zero_row)
+    out = _embedding_bags(rows, idx, starts, dtype, dim).view(F, B, dim)
+    if any(c != 0 for c in combiners):  # mean / sqrtn: scale each bag's sum by its count of kept ids
+        if any_dropped:
+            kept = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(~dropped, 0, out=kept[1:])
+            count = kept[starts + lengths] - kept[starts]
+        else:
+            count = lengths
+        count = count.view(F, B).clamp(min=1).to(torch.float32)
+        comb = torch.tensor(combiners)[:, None]
+        scale = torch.where(comb == 1, count.reciprocal(), torch.where(comb == 2, count.rsqrt(), 1.0))
+        out = out * scale[:, :, None]
+    return out.transpose(0, 1).contiguous()
 
 
 @pooled_lookup.register_fake
-def _(values, offsets, rows, keys, table_keys, table_rows, table_shared, feature_pos, feature_table, combiners,
-      batch_size, dim, dtype):
+def _(values, offsets, rows, keys, index, meta, feature_pos, feature_table, combiners, batch_size, dim, dtype):
     return values.new_empty((batch_size, len(feature_pos), dim), dtype=torch.float32)
 
 
-def _slots(ids: torch.Tensor, keys: torch.Tensor | None, num_rows: int, shared: bool) -> torch.Tensor:
-    """Row of each id in its table; where the table does not hold it, its shared row (`shared`
-    and the table has one: key SHARED_ROW_KEY, first of the sorted keys) or -1.  (Ids < 0 are
-    dropped by the caller whatever their row.)"""
-    if keys is None:  # static table: the id is the row
-        return torch.where((ids >= 0) & (ids < num_rows), ids, -1)
-    if keys.numel() == 0:
-        return torch.full_like(ids, -1)
-    pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
-    miss = 0 if shared and int(keys[0]) == SHARED_ROW_KEY else -1
-    return torch.where(keys[pos] == ids, pos, miss)
-
-
-def _embedding_bags(rows: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor | None,
-                    dtype: str, dim: int) -> torch.Tensor:
-    """One kernel over every bag: ``[bags, D]`` float32 sums of (weighted) rows."""
+def _embedding_bags(rows: torch.Tensor, idx: torch.Tensor, starts: torch.Tensor, dtype: str, dim: int
+                    ) -> torch.Tensor:
+    """One kernel over every bag: ``[bags, D]`` float32 sums of rows."""
     if dtype in ("fp32", "fp16"):
-        out = torch.nn.functional.embedding_bag(idx, rows, starts, mode="sum", per_sample_weights=weights
-                                                if weights is None else weights.to(rows.dtype))
-        return out.float()
+        return torch.nn.functional.embedding_bag(idx, rows, starts, mode="sum").float()
     op = (torch.ops.quantized.embedding_bag_byte_rowwise_offsets if dtype == "int8"
           else torch.ops.quantized.embedding_bag_4bit_rowwise_offsets)
-    out = op(rows, idx, starts, False, 0, False, weights, None, False)
+    out = op(rows, idx, starts, False, 0, False, None, None, False)
     return out[:, :dim]
+
+
+# -- the key index --------------------------------------------------------------------------------------------------
+#
+# One open-addressing hash index per dim group over the keys of all its dynamic tables: `index[C]`
+# (C a power of two, >= 2 keys: load factor <= 0.5) holds at each slot a position into the group's
+# `keys` (the dynamic tables' keys one table after the other) or -1 (empty).  The slot of (key, table)
+# is found by linear probing from mix64(key + (table + 1) * GOLDEN) & (C - 1); a hit checks the key at
+# that position and that the position lies in the table's key range, so one key held by two tables
+# of the group finds each table's own row.  Every probe sequence ends at an empty slot (the build
+# fills a slot only after every slot before it on the key's path is taken), and at the table's max
+# probe length (recorded at build): an id no key of its table has is known missing after as many
+# probes as the longest present key needed.  The hash is part of the format: changing it needs a
+# new FORMAT_VERSION (ServingModel reads artifacts with the installed runtime, not their copy).
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants, as signed int64 (torch wraps on overflow)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_EMPTY = -1
+# meta columns: one row per table of the group (see pooled_lookup)
+ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE = range(5)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: mask off the copied sign bits)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def hash_slots(ids: torch.Tensor, table: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Home slot of each (id, table): splitmix64's finalizer of id + (table + 1) * GOLDEN, masked."""
+    z = table + 1
+    z *= _GOLDEN
+    z += ids
+    z ^= _srl(z, 30)
+    z *= _MIX1
+    z ^= _srl(z, 27)
+    z *= _MIX2
+    z ^= _srl(z, 31)
+    return z.bitwise_and_(capacity - 1)
+
+
+def index_capacity(num_keys: int) -> int:
+    """The smallest power of two >= 2 * num_keys (and >= 2): load factor <= 0.5."""
+    return 1 << max(1, (2 * num_keys - 1).bit_length())
+
+
+def build_index(keys: torch.Tensor, table_of: torch.Tensor, num_tables: int) -> tuple[torch.Tensor, list[int]]:
+    """(slots, max probes per table) of a group's keys; ``table_of[i]``: the table (index in the group)
+    key i belongs to.  Vectorized and deterministic: round r places every unplaced key at its home + r
+    if that slot is free, the lowest key position winning a slot several keys want (scatter amin);
+    the others move on.  Slots are int32 when the positions fit (< 2^31), else int64."""
+    n = int(keys.numel())
+    cap = index_capacity(n)
+    slots = torch.full((cap,), _EMPTY, dtype=torch.int64)
+    probes = torch.zeros(num_tables, dtype=torch.int64)
+    home = hash_slots(keys.to(torch.int64), table_of.to(torch.int64), cap)
+    pending = torch.arange(n, dtype=torch.int64)
+    r = 0
+    while pending.numel():
+        at = (home.index_select(0, pending) + r).bitwise_and_(cap - 1)
+        free = slots.index_select(0, at) == _EMPTY
+        want, where = pending[free], at[free]
+        slots.index_fill_(0, where, n)  # above every position: amin leaves the lowest contender
+        slots.scatter_reduce_(0, where, want, "amin")
+        won = torch.zeros_like(free)
+        won[free] = slots.index_select(0, where) == want
+        done = pending[won]
+        probes.scatter_reduce_(0, table_of.index_select(0, done).to(torch.int64),
+                               torch.full_like(done, r + 1), "amax")
+        pending = pending[~won]
+        r += 1
+    return (slots.to(torch.int32) if n < (1 << 31) else slots), probes.tolist()
+
+
+def table_meta(table_keys: list[int], table_rows: list[int], table_shared: list[int], sizes: list[int],
+               keys: torch.Tensor, max_probe: list[int]) -> torch.Tensor:
+    """The lookup's per-table record (int64 [T, 5]: ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE) of a
+    group whose tables hold `sizes` rows (dynamic tables: their keys, in `keys` one after the other)."""
+    zero_row = sum(sizes)
+    out, row, key = [], 0, 0
+    for k, n, shared, size, probe in zip(table_keys, table_rows, table_shared, sizes, max_probe):
+        if k < 0:
+            if size != n:
+                raise ArtifactError(f"a static table of {n} rows holds {size}")
+            out.append([row, n, -1, zero_row, 0])
+        else:
+            # the shared row is the key SHARED_ROW_KEY, first of the table's ascending keys (others are >= 0)
+            has = bool(shared) and size > 0 and int(keys[key]) == SHARED_ROW_KEY
+            out.append([row, size, key, row if has else zero_row, probe])
+            key += size
+        row += size
+    if key != keys.numel():
+        raise ArtifactError(f"the tables hold {key} keys, the key array {keys.numel()}")
+    return torch.tensor(out, dtype=torch.int64).reshape(len(out), 5)
+
+
+def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, m: torch.Tensor
+          ) -> torch.Tensor:
+    """Position in `keys` of each (id, table) (``m``: the tables' meta rows, one per id), or -1.
+    Probe rounds over the ids not yet resolved: a round reads one slot and one key per id."""
+    cap = index.numel()
+    found = torch.full_like(ids, -1)
+    live: torch.Tensor | None = None  # positions in `ids` still probing (None: all)
+    h = hash_slots(ids, table, cap)
+    lo = m[:, KEY_BASE]
+    hi = lo + m[:, NUM]
+    limit = m[:, MAX_PROBE]
+    rounds = int(limit.max()) if limit.numel() else 0
+    for r in range(rounds):
+        s = index.index_select(0, h).to(torch.int64)
+        hit = (s >= lo) & (s < hi)  # in the id's table (an empty slot, -1, is in none)
+        hit &= keys.index_select(0, s.clamp(min=0)) == ids
+        go = ~hit
+        go &= s != _EMPTY
+        go &= limit > r + 1
+        if live is None:
+            found = torch.where(hit, s, found)
+            live = go.nonzero().squeeze(1)
+        else:
+            found.index_copy_(0, live[hit], s[hit])
+            live = live[go]
+        if live.numel() == 0:
+            break
+        h, ids, lo, hi, limit = ((h[go] + 1).bitwise_and_(cap - 1), ids[go], lo[go], hi[go], limit[go])
+    return found
 
 
 # -- files ----------------------------------------------------------------------------------------------------------
@@ -219,10 +351,37 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 class Tables:
-    """The rows and key indexes of every dim group, as the program takes them (immutable once built)."""
+    """The rows, keys, hash index and table records of every dim group, as the program takes them
+    (immutable once built: a delta builds new ones)."""
 
-    def __init__(self, rows: list[torch.Tensor], keys: list[list[torch.Tensor]]) -> None:
-        self.rows, self.keys = rows, keys
+    def __init__(self, rows: list[torch.Tensor], keys: list[torch.Tensor], index: list[torch.Tensor],
+                 meta: list[torch.Tensor]) -> None:
+        self.rows, self.keys, self.index, self.meta = rows, keys, index, meta
+
+    def args(self) -> tuple[list[torch.Tensor], ...]:
+        """The program's table arguments, after dense, values and offsets."""
+        return self.rows, self.keys, self.index, self.meta
+
+
+def group_tables(group: dict[str, Any], sizes: list[int], rows: torch.Tensor, keys: torch.Tensor,
+                 index: torch.Tensor | None = None, max_probe: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, keys, index, meta) of one dim group (`group`: its manifest record) whose tables hold
+    `sizes` rows; the index is built from the keys unless given (with its max probes)."""
+    if index is None or max_probe is None:
+        dyn = [t for t, k in enumerate(group["table_keys"]) if k >= 0]
+        table_of = torch.repeat_interleave(torch.tensor(dyn, dtype=torch.int64),
+                                           torch.tensor([sizes[t] for t in dyn], dtype=torch.int64),
+                                           output_size=int(keys.numel()))
+        index, max_probe = build_index(keys, table_of, len(sizes))
+    cap = int(index.numel())
+    if cap < 2 or cap & (cap - 1) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
+        raise ArtifactError(f"a key index of {index.dtype} {list(index.shape)}: expected int32 or int64 slots, "
+                            f"a power of two of them")
+    if rows.shape[0] != sum(sizes) + 1:
+        raise ArtifactError(f"a group's tables hold {sum(sizes)} rows, its row matrix {rows.shape[0]} (+1: the zero row)")
+    meta = table_meta(group["table_keys"], group["table_rows"], group["table_shared"], sizes, keys, max_probe)
+    return rows, keys, index, meta
 
 
 class Artifact:
@@ -237,7 +396,7 @@ class Artifact:
                tables: Tables | None = None) -> torch.Tensor:
         """Logits ``[B]``; ids feature-major in the order of ``features`` (``offsets``: F*B + 1)."""
         t = self.tables if tables is None else tables
-        return self.program(dense, values, offsets, t.rows, t.keys)
+        return self.program(dense, values, offsets, *t.args())
 
 
 def load_program(path: Path, rec: dict[str, Any]):
@@ -250,14 +409,23 @@ def load_program(path: Path, rec: dict[str, Any]):
 
 
 def load_tables(directory: Path, manifest: dict[str, Any]) -> Tables:
-    """Every group's rows and sorted keys from the artifact's files (verified, memory-mapped)."""
+    """Every group's rows, keys and hash index from the artifact's files (verified, memory-mapped)."""
     files = manifest["files"]
-    rows, keys = [], []
+    sizes = {t["name"]: int(t["rows"]) for t in manifest["tables"]}
+    out: list[list[torch.Tensor]] = [[], [], [], []]
     for g, group in enumerate(manifest["groups"]):
-        rows.append(read_array(directory / files[f"rows.{g}"]["file"], files[f"rows.{g}"]))
-        keys.append([read_array(directory / files[f"keys.{name}"]["file"], files[f"keys.{name}"])
-                     for name in group["tables"] if f"keys.{name}" in files])
-    return Tables(rows, keys)
+        arrays = []
+        for what in ("rows", "keys", "index"):
+            rec = files.get(f"{what}.{g}")
+            if rec is None:
+                raise ArtifactError(f"{directory / MANIFEST}: file {what}.{g} is missing (a damaged manifest)")
+            arrays.append(read_array(directory / rec["file"], rec))
+        probe = files[f"index.{g}"].get("max_probe")
+        if not isinstance(probe, list) or len(probe) != len(group["tables"]):
+            raise ArtifactError(f"{directory / MANIFEST}: index.{g} has no max probe per table (a damaged manifest)")
+        for part, t in zip(out, group_tables(group, [sizes[n] for n in group["tables"]], *arrays, max_probe=probe)):
+            part.append(t)
+    return Tables(*out)
 
 
 def load(directory: str | os.PathLike) -> Artifact:

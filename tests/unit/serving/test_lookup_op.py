@@ -4,66 +4,123 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hugeembed.serving import dequantize, pooled_lookup, quantize
+from hugeembed.serving import _runtime, dequantize, pooled_lookup, quantize
+
+
+I64_MAX = (1 << 63) - 1
+I64_MIN = -(1 << 63)
+
+
+def colliding_keys(n: int, table: int = 0) -> list[int]:
+    """`n` keys whose home slot (table `table`, the index of 2n keys) is one and the same."""
+    cap = _runtime.index_capacity(2 * n)
+    cand = torch.arange(1 << 16, dtype=torch.int64) * 1_000_003 + 17
+    home = _runtime.hash_slots(cand, torch.full_like(cand, table), cap)
+    return cand[home == home[0]][:n].tolist()
+
+
+key_values = st.one_of(st.integers(0, 1 << 40), st.integers(I64_MAX - 8, I64_MAX), st.sampled_from(colliding_keys(12)))
 
 
 @st.composite
 def cases(draw):
+    """Group tables: 0 dynamic (maybe with a shared row), 1 static, 2 dynamic (maybe empty, maybe
+    holding keys of table 0); 4 group features read tables 0, 1, 0, 2 from input features at
+    `pos` (a permutation of 5 input features, so the group's features are not consecutive)."""
     D = 4
-    keys = sorted(draw(st.sets(st.integers(0, 1 << 40), min_size=0, max_size=6)))
+    keys = sorted(draw(st.sets(key_values, min_size=0, max_size=12)))
     shared = draw(st.booleans())  # unknown ids read the shared row, when the table holds one (key -1)
     if draw(st.booleans()):
         keys = [-1, *keys]
+    keys2 = sorted(draw(st.sets(st.one_of(key_values, st.sampled_from(keys or [3])), max_size=6)))
     static_rows = draw(st.integers(1, 5))
     B = draw(st.integers(1, 4))
-    combiners = draw(st.lists(st.sampled_from([0, 1, 2]), min_size=3, max_size=3))
-    pool = keys + [static_rows + 3, (1 << 41) + 7, -1, 0, 1]
-    bags = [[draw(st.lists(st.sampled_from(pool), max_size=4)) for _ in range(B)] for _ in range(3)]
+    combiners = draw(st.lists(st.sampled_from([0, 1, 2]), min_size=4, max_size=4))
+    pos = draw(st.permutations(range(5)))[:4] if draw(st.booleans()) else [0, 1, 2, 3]
+    pool = keys + keys2 + [static_rows + 3, (1 << 41) + 7, -1, 0, 1, I64_MAX, I64_MIN, I64_MIN + 1, -7]
+    bags = [[draw(st.lists(st.sampled_from(pool), max_size=4)) for _ in range(B)] for _ in range(5)]
     rng = np.random.default_rng(draw(st.integers(0, 1 << 30)))
     dyn = torch.from_numpy(rng.normal(size=(len(keys), D)).astype(np.float32))
     stat = torch.from_numpy(rng.normal(size=(static_rows, D)).astype(np.float32))
-    return D, keys, dyn, stat, B, combiners, bags, shared
+    dyn2 = torch.from_numpy(rng.normal(size=(len(keys2), D)).astype(np.float32))
+    return D, (keys, keys2), (dyn, stat, dyn2), B, combiners, bags, shared, pos
 
 
-def oracle(D, keys, dyn, stat, B, combiners, bags, shared, read):
-    """Bags pooled one by one: feature 0 and 2 read the dynamic table, feature 1 the static one;
-    an unknown id of the dynamic table reads its shared row (key -1) when `shared` and it has one."""
-    out = torch.zeros(B, 3, D)
-    for f in range(3):
+def oracle(D, keys, weights, B, combiners, bags, shared, pos, read):
+    """Bags pooled one by one: group feature f reads input feature pos[f] and table (0, 1, 0, 2)[f];
+    an unknown id of table 0 reads its shared row (key -1) when `shared` and it has one."""
+    dyn, stat, dyn2 = (read(w) if w.shape[0] else w for w in weights)
+    out = torch.zeros(B, 4, D)
+    for f, table in enumerate((0, 1, 0, 2)):
         for b in range(B):
-            kept = [i for i in bags[f][b] if i >= 0]
+            kept = [i for i in bags[pos[f]][b] if i >= 0]
             acc = torch.zeros(D)
             for i in kept:
-                if f == 1:
-                    acc += read(stat)[i] if i < stat.shape[0] else 0
-                elif i in keys:
-                    acc += read(dyn)[keys.index(i)]
-                elif shared and -1 in keys:
-                    acc += read(dyn)[keys.index(-1)]
+                if table == 1:
+                    acc += stat[i] if i < stat.shape[0] else 0
+                elif table == 2:
+                    acc += dyn2[keys[1].index(i)] if i in keys[1] else 0
+                elif i in keys[0]:
+                    acc += dyn[keys[0].index(i)]
+                elif shared and -1 in keys[0]:
+                    acc += dyn[keys[0].index(-1)]
             n = max(len(kept), 1)
             out[b, f] = acc / {0: 1.0, 1: n, 2: n ** 0.5}[combiners[f]] if kept else acc
     return out
 
 
+@settings(max_examples=200, deadline=None)
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
 def test_pooled_lookup_matches_the_oracle(case, dtype):
-    D, keys, dyn, stat, B, combiners, bags, shared = case
+    D, keys, weights, B, combiners, bags, shared, pos = case
     values = torch.tensor([i for f in bags for bag in f for i in bag], dtype=torch.int64)
     lengths = torch.tensor([len(bag) for f in bags for bag in f])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-    # the group's matrix: dynamic table, static table, zero row
-    rows = quantize(torch.cat([dyn, stat, torch.zeros(1, D)]), dtype)
-    got = pooled_lookup(values, offsets, rows, [torch.tensor(keys, dtype=torch.int64)], [0, -1], [0, stat.shape[0]],
-                        [int(shared), 0], [0, 1, 2], [0, 1, 0], combiners, B, D, dtype)
+    # the group's matrix: dynamic table, static table, dynamic table, zero row; keys of tables 0 and 2
+    rows = quantize(torch.cat([*weights, torch.zeros(1, D)]), dtype)
+    group = {"table_keys": [0, -1, 1], "table_rows": [0, weights[1].shape[0], 0], "table_shared": [int(shared), 0, 0]}
+    args = _runtime.group_tables(group, [w.shape[0] for w in weights], rows,
+                                 torch.tensor(keys[0] + keys[1], dtype=torch.int64))
+    got = pooled_lookup(values, offsets, *args, pos, [0, 1, 0, 2], combiners, B, D, dtype)
 
     def read(w):  # what the stored rows hold, as float32
         return dequantize(quantize(w, dtype), dtype, D)
 
     tol = 1e-5 if dtype == "fp32" else 1e-2
-    torch.testing.assert_close(got, oracle(D, keys, dyn, stat, B, combiners, bags, shared, read), atol=tol, rtol=tol)
+    torch.testing.assert_close(got, oracle(D, keys, weights, B, combiners, bags, shared, pos, read), atol=tol, rtol=tol)
+
+
+def splitmix64(key: int, table: int, cap: int) -> int:
+    """The index's hash in plain Python integers (mod 2^64), as the format defines it."""
+    m = (1 << 64) - 1
+    z = (key + (table + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) & (cap - 1)
+
+
+@given(st.lists(st.integers(I64_MIN, I64_MAX), min_size=1, max_size=20), st.integers(0, 30))
+def test_the_hash_is_splitmix64_of_key_and_table(keys, table):
+    cap = 1 << 20
+    got = _runtime.hash_slots(torch.tensor(keys, dtype=torch.int64), torch.full((len(keys),), table), cap).tolist()
+    assert got == [splitmix64(k, table, cap) for k in keys]
+
+
+def test_index_build_is_deterministic_and_finds_every_key_when_all_collide():
+    keys = torch.tensor(sorted(colliding_keys(40)), dtype=torch.int64)
+    table_of = torch.zeros(40, dtype=torch.int64)
+    a, probes = _runtime.build_index(keys, table_of, 1)
+    b, _ = _runtime.build_index(keys.clone(), table_of, 1)
+    assert torch.equal(a, b) and a.dtype == torch.int32 and a.numel() == 128
+    assert probes == [40]  # one home slot: the keys lie one after the other
+    meta = _runtime.table_meta([0], [0], [0], [40], keys, probes).index_select(0, table_of)
+    found = _runtime._find(keys, table_of, keys, a, meta)
+    assert torch.equal(found, torch.arange(40))
+    absent = torch.tensor([I64_MAX, 5, 0], dtype=torch.int64)
+    assert _runtime._find(absent, torch.zeros(3, dtype=torch.int64), keys, a, meta[:3]).tolist() == [-1] * 3
 
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),
