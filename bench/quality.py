@@ -68,6 +68,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "no_lr_decay": {"lr_decay": 0.0},
     "init_uniform_0.01": {"init": "uniform:0.01"},
     "batch1024": {"batch_size": 1024},
+    "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3},  # the defaults before 2026-11-24 (docs/quality.md)
 }
 
 

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--lr-decay", type=float, metavar="FRACTION", help="both learning rates fall linearly to 0 over "
-                   "this last fraction of the run (default 0.3; 0: constant)")
+                   "this last fraction of the run (default 0.2; 0: constant)")
     p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
     p.add_argument("--eval-fraction", type=float, help="share of a file smaller than --eval-rows that is held out "
