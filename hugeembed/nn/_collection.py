@@ -322,7 +322,8 @@ class EmbeddingCollection(nn.Module):
 
     def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
                     counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Row slots of the distinct ids ``keys[i]`` of table ``ts[i]``, -1 where a row reads zeros.
+        """Row slots of the distinct ids ``keys[i]`` of table ``ts[i]``, -1 where a row reads zeros
+        (a table with a shared row: ids without a row of their own get the shared row's slot).
 
         Training: one find_or_insert_many over the tables (the native hash tables run side by
         side; new ids get rows, hits counted by `counts`; a tiered table brings rows into its
