@@ -12,8 +12,8 @@ parent -- the name, step and manifest sha256 of the training snapshot served::
       program.pt2     the dense part at that step (small: written whole)
       tables/<table>.upsert_keys.npy  <table>.upsert_rows.npy  <table>.removed_keys.npy
 
-Keys that became pending again (evicted, then seen since) are removed: they read zeros,
-as in the training model's eval.  Applying a delta builds new tables beside the served
+Keys that became pending again (evicted, then seen since) are removed: they read zeros, or
+the table's shared row when it has one, as in the training model's eval.  Applying a delta builds new tables beside the served
 ones (a copy of each group's rows, keys and a hash index rebuilt for the merged keys:
 after a delta they live in memory, not in the mapped files) and swaps them in with the
 program in one assignment.
