@@ -32,7 +32,7 @@ from _common import print_table  # noqa: E402
 
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
-from hugeembed.optim import Adagrad  # noqa: E402
+from hugeembed.optim import Adagrad, SparseOptimizer  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
@@ -62,9 +62,10 @@ def batch(tables: int, samples: int, rows: int, step: int) -> SparseFeatures:
 
 
 def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim: int = 16,
-               rows: int = 1000, warmup: int = 5) -> CountOps:
+               rows: int = 1000, warmup: int = 5, optimizer: SparseOptimizer | None = None) -> CountOps:
+    """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`)."""
     ec = EmbeddingCollection([TableConfig(f"f{t}", dim, num_rows=None if dynamic else rows, combiner="sum")
-                              for t in range(tables)], optimizer=Adagrad(lr=0.05), backend=backend)
+                              for t in range(tables)], optimizer=optimizer or Adagrad(lr=0.05), backend=backend)
     for s in range(warmup):  # steady state: rows exist, buffers sized
         ec(batch(tables, samples, rows, s)).stacked().sum().backward()
     sf = batch(tables, samples, rows, warmup)

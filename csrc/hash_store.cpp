@@ -472,3 +472,47 @@ HE_API int64_t he_hs_find_or_insert_many(int64_t* desc, int64_t count, int64_t s
   });
   return 0;
 }
+
+// Columns of one static table's row in he_array_touch_many's descriptor.
+// Must match hugeembed/store/_array.py::TOUCH_COLUMNS.
+enum TouchCol : int { tMeta, tRows, tKeys, tCounts, tN, tOut, tRc, tBadPos, tCols };
+
+// The training fetch of many static tables (ArrayStore, key k at slot k) at once: for
+// each table, every key checked against [0, rows) and then, only if every key of every
+// table is in range, slot = key copied to `out`, meta[slot][0] += count (1 without
+// counts) and meta[slot][1] = step.  A table with a bad key or count gets rc 1 / 2 and
+// the position in bad_pos; then nothing anywhere is written and the call returns the
+// number of such tables (the caller raises with the details, table by table).
+HE_API int64_t he_array_touch_many(int64_t* desc, int64_t count, int64_t step, int64_t nthreads) {
+  std::atomic<int64_t> bad{0};
+  he::run_items(count, nthreads, [&](int64_t d) {
+    int64_t* b = desc + d * tCols;
+    const int64_t* keys = reinterpret_cast<const int64_t*>(b[tKeys]);
+    const int64_t* counts = reinterpret_cast<const int64_t*>(b[tCounts]);
+    const int64_t n = b[tN], rows = b[tRows];
+    b[tRc] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (keys[i] < 0 || keys[i] >= rows || (counts && counts[i] < 1)) {
+        b[tRc] = (keys[i] < 0 || keys[i] >= rows) ? 1 : 2;
+        b[tBadPos] = i;
+        bad.fetch_add(1);
+        return;
+      }
+    }
+  });
+  if (bad.load()) return bad.load();
+  he::run_items(count, nthreads, [&](int64_t d) {
+    const int64_t* b = desc + d * tCols;
+    int64_t* meta = reinterpret_cast<int64_t*>(b[tMeta]);
+    const int64_t* keys = reinterpret_cast<const int64_t*>(b[tKeys]);
+    const int64_t* counts = reinterpret_cast<const int64_t*>(b[tCounts]);
+    int64_t* out = reinterpret_cast<int64_t*>(b[tOut]);
+    for (int64_t i = 0, n = b[tN]; i < n; ++i) {
+      const int64_t k = keys[i];
+      out[i] = k;
+      meta[2 * k] += counts ? counts[i] : 1;
+      meta[2 * k + 1] = step;
+    }
+  });
+  return 0;
+}

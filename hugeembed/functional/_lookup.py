@@ -232,9 +232,10 @@ class _LookupRun:
         self.dtypes = []
         for group in owner.plan.groups:
             ts = {owner.plan.feature_table[f] for f in group.pooled + group.unpooled}
-            dt = storages[min(ts)].dtype
-            for t in ts:
-                dt = torch.promote_types(dt, storages[t].dtype)
+            dts = {storages[t].dtype for t in ts}
+            dt = dts.pop()
+            for other in dts:  # (promote_types is an op: only where the tables' dtypes differ)
+                dt = torch.promote_types(dt, other)
             self.dtypes.append(dt)
 
     def forward(self) -> list[torch.Tensor]:
@@ -271,11 +272,14 @@ class _LookupRun:
         else:
             table_grads = backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled)
         out: list[torch.Tensor | None] = [None] * len(self.params)
+        table_slots = prep.per_table(self.slots)
+        # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
+        # all tables (one host sync per step), per table only when some id has no row
+        some_unknown = bool((torch.cat(table_slots) < 0).any()) if table_slots else False
         for t, grad in enumerate(table_grads):
-            b, n = prep.unique_base[t], prep.unique_count[t]
-            slots = self.slots[b : b + n]
-            known = slots >= 0
-            if n and not bool(known.all()):
+            slots = table_slots[t]
+            if some_unknown and slots.numel():
+                known = slots >= 0
                 slots, grad = slots[known], grad[known]
             if self.hook is not None:
                 if slots.numel():

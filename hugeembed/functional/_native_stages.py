@@ -204,11 +204,17 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
                 grad_ptr[f] = gu.data_ptr() + row * D * 4
                 grad_stride[f] = D
                 row += n
+    # Tables of one dim lie side by side in the gradient buffer: their [U_t, D] blocks come
+    # out of one view and one split per dim, not two ops per table.
     dims = [t.dim for t in plan.tables]
-    gbase, total = [], 0
+    by_dim: dict[int, list[int]] = {}
     for t in range(T):
-        gbase.append(total)
-        total += prep.unique_count[t] * dims[t]
+        by_dim.setdefault(dims[t], []).append(t)
+    gbase, total = [0] * T, 0
+    for D, ts in by_dim.items():
+        for t in ts:
+            gbase[t] = total
+            total += prep.unique_count[t] * D
     gbuf = torch.empty(total, dtype=torch.float32)
     addr, stride = _addresses(storages)
     # every array handed to the kernel is held by a local: a pointer to a temporary
@@ -225,5 +231,10 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
        nat.ptr(a["combiner"]), nat.ptr(unique_base), nat.ptr(unique_count), nat.ptr(a["dims"]), nat.ptr(grad_ptr_t),
        nat.ptr(grad_stride_t), nat.ptr(gbuf), nat.ptr(gbase_t), nat.nthreads())
     del keep_alive
-    return [gbuf[gbase[t] : gbase[t] + prep.unique_count[t] * dims[t]].view(prep.unique_count[t], dims[t])
-            for t in range(T)]
+    out: list[torch.Tensor] = [gbuf] * T
+    for D, ts in by_dim.items():
+        start, rows = gbase[ts[0]], [prep.unique_count[t] for t in ts]
+        block = gbuf[start : start + sum(rows) * D].view(-1, D)
+        for t, g in zip(ts, block.split(rows) if len(ts) > 1 else (block,)):
+            out[t] = g
+    return out

@@ -136,6 +136,19 @@ class Prepared:
         b = self.unique_base[t]
         return self.unique_counts[b : b + self.unique_count[t]]
 
+    def per_table(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Table t's part ``x[unique_base[t] : unique_base[t] + unique_count[t]]`` of an array laid
+        out like `unique_keys` (``capacity`` long), for every table: views made by one split op,
+        not one slice per table (each op is a kernel launch on a GPU)."""
+        sizes, pos = [], 0
+        for b, n in zip(self.unique_base, self.unique_count):
+            if b < pos:  # parts out of table order (never made by prepare): slice them one by one
+                return [x[b : b + n] for b, n in zip(self.unique_base, self.unique_count)]
+            sizes += [b - pos, n]
+            pos = b + n
+        sizes.append(x.shape[0] - pos)
+        return list(x.split(sizes)[1::2])
+
 
 class LookupPlan:
     """Tables and features of a fused lookup, validated and indexed for the kernels.

@@ -299,29 +299,30 @@ class EmbeddingCollection(nn.Module):
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
-        """Row slots of every unique id of a prepared batch: -1 where a row reads zeros."""
-        slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
-        ts = []
-        for t, cfg in enumerate(self.tables):
-            n = prep.unique_count[t]
-            if n == 0:
-                continue
-            if not training and cfg.num_rows is not None and not cfg.tiered:
-                b = prep.unique_base[t]
-                slots[b : b + n] = prep.keys_of(t)  # static: the id is the slot (range checked by prepare)
-            else:
-                ts.append(t)
-        counts = [prep.counts_of(t) for t in ts] if training else None
-        got = self.fetch_slots(ts, [prep.keys_of(t) for t in ts], step, training, counts)
-        for t, g in zip(ts, got):
-            slots[prep.unique_base[t] : prep.unique_base[t] + prep.unique_count[t]] = g
+        """Row slots of every unique id of a prepared batch: -1 where a row reads zeros.
+
+        The per-table parts of the batch's arrays are views made by one split each (no op per
+        table), and the stores write the slots straight into their part of the result."""
+        if training or not any(t.num_rows is not None and not t.tiered for t in self.tables):
+            slots = torch.empty(prep.capacity, dtype=torch.int64, device=prep.unique_keys.device)
+        else:  # static tables' slots are their ids (range checked by prepare); the rest are overwritten
+            slots = prep.unique_keys.clone()
+        ts = [t for t, cfg in enumerate(self.tables) if prep.unique_count[t] and
+              (training or cfg.num_rows is None or cfg.tiered)]
+        if not ts:
+            return slots
+        keys, into = prep.per_table(prep.unique_keys), prep.per_table(slots)
+        counts = prep.per_table(prep.unique_counts.to(torch.int64)) if training else None
+        self.fetch_slots(ts, [keys[t] for t in ts], step, training, None if counts is None else [counts[t] for t in ts],
+                         out=[into[t] for t in ts])
         return slots
 
     # -- the fetch and update stages of every route --------------------------------------
     # (this collection's lookup and the owners of each sharded route call these two)
 
     def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
-                    counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    counts: Sequence[torch.Tensor] | None = None,
+                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Row slots of the distinct ids ``keys[i]`` of table ``ts[i]``, -1 where a row reads zeros
         (a table with a shared row: ids without a row of their own get the shared row's slot).
 
@@ -329,10 +330,11 @@ class EmbeddingCollection(nn.Module):
         side; new ids get rows, hits counted by `counts`; a tiered table brings rows into its
         cache).  The caller pins the slots (InFlight) before anything else fetches.  Otherwise
         find: nothing inserted or counted (readers of global Adam tables go through
-        :meth:`current_rows`)."""
+        :meth:`current_rows`).  `out`: int64 tensors the slots are written into (returned)."""
         stores = [self._stores[t] for t in ts]
         keys = list(keys)
         counts = None if counts is None else list(counts)
+        outs = [None] * len(ts) if out is None else list(out)
         shared = [i for i, t in enumerate(ts) if self._shared[t]]
         for i in shared:
             # The shared row's key goes into the same store call as the batch's ids (a second call
@@ -340,13 +342,18 @@ class EmbeddingCollection(nn.Module):
             keys[i] = _with_shared_key(keys[i])
             if counts is not None:
                 counts[i] = torch.cat([counts[i], counts[i].new_full((1,), self.tables[ts[i]].admit_min_count)])
+        into = [None if i in shared else o for i, o in enumerate(outs)]
         if training:
-            got = find_or_insert_many(stores, keys, step, counts=counts)
+            got = find_or_insert_many(stores, keys, step, counts=counts, out=into)
         else:
             got = [s.find(k) for s, k in zip(stores, keys)]
         for i in shared:  # ids without a row of their own (rare, unknown) read the shared row, if any yet
             g = got[i]
             got[i] = torch.where(g[:-1] < 0, g[-1], g[:-1])
+        for i, o in enumerate(outs):
+            if o is not None and got[i] is not o:
+                o.copy_(got[i])
+                got[i] = o
         return got
 
     def update_rows(self, t: int, slots: torch.Tensor, grad: torch.Tensor, flight: InFlight) -> None:

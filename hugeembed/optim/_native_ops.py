@@ -46,11 +46,11 @@ def run(kernel: str, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Ten
             f"hugeembed's native kernels lack {kernel} (a build older than csrc/optim.cpp); "
             "rebuild them with `pip install -e .`"
         ) from None
-    err = torch.zeros(2, dtype=torch.int64)
+    err = (ctypes.c_int64 * 2)()  # not a tensor: no torch op per table and step
     rc = f(_native.ptr(storage), rows, width, dim, _native.ptr(slots), n, _native.ptr(grad), *hyper,
-           _native.nthreads(), ctypes.c_void_p(err.data_ptr()))
+           _native.nthreads(), err)
     if rc == 1:
-        pos, slot = err.tolist()
+        pos, slot = err[0], err[1]
         raise IndexError(f"slot {slot} at position {pos} is out of range for a table of {rows} rows")
     if rc != 0:
         raise RuntimeError(f"{kernel} returned unexpected code {rc}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _native
 from ..errors import ConfigError, InputError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
@@ -20,9 +21,12 @@ from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._init import Initializer, default_initializer, init_rows_native
 from ._protocol import ExportIndex, StoreExport
 
-__all__ = ["ArrayStore"]
+__all__ = ["ArrayStore", "touch_many"]
 
 _INIT_CHUNK = 1 << 20
+
+# Columns of he_array_touch_many's descriptor (csrc/hash_store.cpp::TouchCol).
+TOUCH_COLUMNS = ("meta", "rows", "keys", "counts", "n", "out", "rc", "bad_pos")
 
 
 class ArrayStore(LayoutViews):
@@ -117,6 +121,21 @@ class ArrayStore(LayoutViews):
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self._slots_of(as_keys(self.name, keys, self.device))
 
+    def _touch_row(self, keys: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor) -> list[int] | None:
+        """This store's row of a he_array_touch_many descriptor (find_or_insert of int64 `keys`
+        into `out`, both contiguous CPU tensors of one length), or None when it takes its own
+        find_or_insert (a shard of a table, not on the CPU, no kernels)."""
+        if self._num_shards != 1 or self.device.type != "cpu" or not _native.available() or \
+                not self._meta.is_contiguous():
+            return None
+        n = keys.numel()
+        if counts is not None:
+            _native.check(counts, torch.int64, f"table '{self.name}' counts", n)
+        _native.check(out, torch.int64, f"table '{self.name}' slots", n)
+        return [self._meta.data_ptr(), self.local_rows, _native.check(keys, torch.int64, f"table '{self.name}' keys",
+                                                                       n).data_ptr(),
+                0 if counts is None else counts.data_ptr(), n, out.data_ptr(), 0, 0]
+
     def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
         """Hits of `keys` so far (int64); changes nothing."""
         return self._meta[self._slots_of(as_keys(self.name, keys, self.device)), 0].clone()
@@ -179,3 +198,18 @@ class ArrayStore(LayoutViews):
     def __repr__(self) -> str:
         return (f"ArrayStore(name={self.name!r}, num_rows={self.num_rows}, dim={self.dim}, "
                 f"state_width={self.state_width}, device={self.device})")
+
+
+def touch_many(rows: list[list[int]], step: int) -> int | None:
+    """Runs he_array_touch_many over descriptor rows (ArrayStore._touch_row): the training fetch
+    of many static tables in one call.  None if done; else the index of the first row with a
+    bad key or count, and nothing anywhere was written."""
+    if any(len(r) != len(TOUCH_COLUMNS) for r in rows):  # the kernel reads exactly this many columns
+        raise InputError(f"touch_many: descriptor rows must have {len(TOUCH_COLUMNS)} columns (internal error)")
+    desc = torch.tensor(rows, dtype=torch.int64)
+    bad = _native.fn("he_array_touch_many", _native.PTR, _native.I64, _native.I64, _native.I64)(
+        desc.data_ptr(), len(rows), int(step), _native.nthreads())
+    if bad == 0:
+        return None
+    rc = desc[:, TOUCH_COLUMNS.index("rc")].tolist()
+    return next(i for i, r in enumerate(rc) if r != 0)

@@ -33,6 +33,7 @@ from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
                       init_rows, make_layout, scatter_rows)
+from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
@@ -330,8 +331,9 @@ class HashStore(LayoutViews, Pinnable):
     # table on one thread: right for a collection's many small per-table batches).
     _BATCH_MAX_KEYS = 1 << 16
 
-    def _batch_row(self, keys: torch.Tensor, counts: torch.Tensor | None):
-        """This store's row of a find_or_insert_many descriptor and its output tensor, or None
+    def _batch_row(self, keys: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor | None = None):
+        """This store's row of a find_or_insert_many descriptor and its output tensor (`out` if
+        given: contiguous int64 of the keys' length), or None
         when it takes the single-table path (torch backend, an initializer without a kernel,
         an init_state not marked row_independent, a large batch)."""
         if self._ops.name != "native" or not self.has_rows or not 0 < keys.numel() <= self._BATCH_MAX_KEYS or \
@@ -349,7 +351,7 @@ class HashStore(LayoutViews, Pinnable):
         kind, params = spec
         bits = struct.unpack("<6q", struct.pack("<6d", *(list(params) + [0.0] * (6 - len(params)))))
         limit = self.capacity if self.capacity is not None else _MAX_SLOTS
-        return self._ops.batch_row(self, keys, counts, limit, (kind, *bits), _signed(self.seed), state_row)
+        return self._ops.batch_row(self, keys, counts, limit, (kind, *bits), _signed(self.seed), state_row, out)
 
     def _state_template(self) -> torch.Tensor | None:
         """One row of the optimizer state a new row starts with, or None when init_state is not
@@ -582,18 +584,24 @@ class HashStore(LayoutViews, Pinnable):
 
 
 
-def find_or_insert_many(stores, keys, step: int, counts=None) -> list[torch.Tensor]:
+def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[torch.Tensor]:
     """``[store.find_or_insert(k, step, counts=c) for ...]`` over many distinct stores at once.
 
     Native HashStores run in one kernel call, the tables spread over the threads (a
     collection's per-table batches are each too small to split): new rows initialised
-    there too.  Every other store, and any table that must grow, evict or raise first,
-    takes its own find_or_insert; results and errors are those of the loop above.
+    there too; native static ArrayStores in one more (slot = key, hits counted).  Every
+    other store, and any table that must grow, evict or raise first, takes its own
+    find_or_insert; results and errors are those of the loop above.
+
+    `out`: optional int64 tensors (one per store, each of its keys' length, or None) the
+    slots are written into; the result holds them (no copy on the native paths).
     """
     stores, keys = list(stores), list(keys)
     counts = [None] * len(stores) if counts is None else list(counts)
-    if not len(stores) == len(keys) == len(counts):
-        raise InputError(f"find_or_insert_many: {len(stores)} stores, {len(keys)} key tensors, {len(counts)} counts")
+    outs = [None] * len(stores) if out is None else list(out)
+    if not len(stores) == len(keys) == len(counts) == len(outs):
+        raise InputError(f"find_or_insert_many: {len(stores)} stores, {len(keys)} key tensors, {len(counts)} counts, "
+                         f"{len(outs)} outputs")
     for s in stores:
         if not hasattr(s, "find_or_insert"):
             raise InputError(f"find_or_insert_many: {type(s).__name__} is not a row store")
@@ -607,27 +615,53 @@ def find_or_insert_many(stores, keys, step: int, counts=None) -> list[torch.Tens
         step = None
     if step is None:
         raise InputError("find_or_insert_many: step must be an int")
-    out: list[torch.Tensor | None] = [None] * len(stores)
-    batch, rows = [], []
+    got: list[torch.Tensor | None] = [None] * len(stores)
+    batch, rows, touched, touch_rows = [], [], [], []
     for i, s in enumerate(stores):
+        o = outs[i]
+        if o is not None and not (o.dtype == torch.int64 and o.is_contiguous() and o.shape == (keys[i].numel(),)
+                                  and o.device == s.device):
+            o = None  # a buffer the kernels cannot write: the result is copied into it below
         if isinstance(s, HashStore):
             k = as_keys(s.name, keys[i], s.device)
             c = counts[i]
             if c is not None:  # shape / dtype / device here; the kernel checks the values (rc 5)
                 c = as_counts(s.name, c, k.numel(), s.device, check_values=False)
             keys[i], counts[i] = k, c
-            got = s._batch_row(k, c)
-            if got is not None:
-                batch.append((i, got[1]))
-                rows.append(got[0])
+            row = s._batch_row(k, c, o)
+            if row is not None:
+                batch.append((i, row[1]))
+                rows.append(row[0])
+        elif isinstance(s, ArrayStore) and keys[i].device.type == "cpu":
+            k = as_keys(s.name, keys[i], s.device)
+            c = counts[i]
+            if c is not None:
+                c = as_counts(s.name, c, k.numel(), s.device, check_values=False)
+            o = o if o is not None else torch.empty_like(k)
+            row = s._touch_row(k, c, o)
+            if row is not None:
+                touched.append((i, o))
+                touch_rows.append(row)
     if len(batch) > 1:
         for (i, codes), (rc, _) in zip(batch, run_batch(rows, step)):
             if rc == 0:
-                out[i] = codes
+                got[i] = codes
                 stores[i].forget_pending(step)
             elif rc == 4:
                 raise StoreError(f"table '{stores[i].name}': hash store arrays are inconsistent")
+    if touch_rows:
+        bad = touch_many(touch_rows, step)
+        if bad is not None:  # nothing written to any static table: the bad one raises with the details
+            i = touched[bad][0]
+            stores[i].find_or_insert(keys[i], step, counts=counts[i])
+            raise StoreError(f"table '{stores[i].name}': he_array_touch_many refused keys find_or_insert takes "
+                             "(internal error)")
+        for i, o in touched:
+            got[i] = o
     for i, s in enumerate(stores):
-        if out[i] is None:
-            out[i] = s.find_or_insert(keys[i], step, counts=counts[i])
-    return out
+        if got[i] is None:
+            got[i] = s.find_or_insert(keys[i], step, counts=counts[i])
+        if outs[i] is not None and got[i] is not outs[i]:
+            outs[i].copy_(got[i])
+            got[i] = outs[i]
+    return got

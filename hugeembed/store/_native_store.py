@@ -104,16 +104,18 @@ class NativeOps:
         made = need[3]
         return rc, out, new[0, :made], new[1, :made], list(need)
 
-    def batch_row(self, s, keys, counts, row_limit, init_bits, seed, state_row) -> tuple[list[int], torch.Tensor]:
+    def batch_row(self, s, keys, counts, row_limit, init_bits, seed, state_row,
+                  out: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
         """One table's row of a multi-table find-or-insert descriptor, and the tensor its codes land in.
 
-        `keys` / `counts` are contiguous int64 CPU tensors (as_keys / as_counts); the kernel
-        checks the store's arrays and the counts itself (rc 4 / 5).  The tensors the row
-        points into stay alive with the caller (keys, counts, out) and the store.
+        `keys` / `counts` are contiguous int64 CPU tensors (as_keys / as_counts), `out` one like
+        `keys` or None (a new one); the kernel checks the store's arrays and the counts itself
+        (rc 4 / 5).  The tensors the row points into stay alive with the caller (keys, counts,
+        out) and the store.
         """
         n = keys.numel()
         buf, dup_set = self._buf(n)  # this store's own scratch: tables run in parallel, stores never share
-        out = torch.empty_like(keys)
+        out = torch.empty_like(keys) if out is None else _native.check(out, torch.int64, f"table '{s.name}' slots", n)
         storage, buckets = s._storage, s._buckets
         row = [buckets.data_ptr(), buckets.shape[0], storage.shape[0], s._free.data_ptr(), s._free.numel(),
                s._st.data_ptr(), keys.data_ptr(), 0 if counts is None else counts.data_ptr(), n, s.admit_min_count,

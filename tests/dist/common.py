@@ -170,7 +170,8 @@ def metrics_model(collection_factory=None):
     """A small DLRM over the test tables (seeded: the same dense weights in every process)."""
     from hugeembed.models import make_model
 
-    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=OPTIMIZERS["adagrad"](), seed=1,
+    # a row per id (admit_min_count=1): a sharded collection refuses the default shared row
+    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=OPTIMIZERS["adagrad"](), seed=1, admit_min_count=1,
                           features=("user", "item", "country", "page"), num_dense=3, bottom_mlp=(8,), top_mlp=(8,),
                           collection_factory=collection_factory)
     return model

@@ -32,6 +32,7 @@ def make_stores():
         HashStore("custom_state", 2, 1, init_state=unmarked, seed=6),
         HashStore("callable_init", 2, seed=7, initializer=FromCallable(lambda k, d: k[:, None].float().expand(-1, d))),
         ArrayStore("static", 50, 3, seed=8),
+        ArrayStore("static2", 50, 2, seed=10),
         DictStore("dict", 2, seed=9),
     ]
 
@@ -49,17 +50,28 @@ def batch(g: torch.Generator, store, n: int):
 
 @native
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), size=st.integers(0, 60), with_counts=st.booleans())
-def test_many_equals_a_loop_of_find_or_insert(seed, steps, size, with_counts):
+@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 8), size=st.integers(0, 60), with_counts=st.booleans(),
+       into=st.sampled_from(["none", "views", "strided"]))
+def test_many_equals_a_loop_of_find_or_insert(seed, steps, size, with_counts, into):
+    """`into`: where the slots go (new tensors; views of one buffer, as the collection passes;
+    buffers the kernels cannot write, copied into)."""
     ours, loop = make_stores(), make_stores()
     g = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
         work = [batch(g, s, size) for s in ours]
         counts = [c for _, c in work] if with_counts else None
-        got = find_or_insert_many(ours, [k for k, _ in work], step, counts=counts)
+        sizes = [k.numel() for k, _ in work]
+        out = None
+        if into == "views":
+            out = list(torch.full((sum(sizes),), -7, dtype=torch.int64).split(sizes))
+        elif into == "strided":
+            out = [torch.full((2 * n,), -7, dtype=torch.int64)[::2] for n in sizes]
+        got = find_or_insert_many(ours, [k for k, _ in work], step, counts=counts, out=out)
         want = [s.find_or_insert(k, step, counts=c if with_counts else None) for s, (k, c) in zip(loop, work)]
-        for s, a, b in zip(ours, got, want):
+        for i, (s, a, b) in enumerate(zip(ours, got, want)):
             assert torch.equal(a, b), s.name
+            if out is not None:
+                assert a is out[i] and torch.equal(out[i], b), s.name
     for a, b in zip(ours, loop):
         ea, eb = a.export(), b.export()
         for f in ea.__dataclass_fields__:
@@ -98,6 +110,20 @@ def test_errors_name_the_table():
     full = HashStore("full", 2, capacity=2, on_full="error", initial_rows=2)
     with pytest.raises(CapacityError, match="'full'"):
         find_or_insert_many([a, full], [torch.tensor([7]), torch.tensor([1, 2, 3])], 4)
+
+
+@native
+def test_a_bad_static_key_names_its_table_and_touches_no_static_table():
+    a, b = ArrayStore("a", 10, 2), ArrayStore("b", 10, 2)
+    before = [s.export_index() for s in (a, b)]
+    with pytest.raises(InputError, match="'b': key 10 is outside"):
+        find_or_insert_many([a, b], [torch.tensor([1, 2]), torch.tensor([3, 10])], 1)
+    with pytest.raises(InputError, match="'a'.*counts must be >= 1"):
+        find_or_insert_many([a, b], [torch.tensor([1]), torch.tensor([3])], 1,
+                            counts=[torch.tensor([0]), torch.tensor([1])])
+    for s, e in zip((a, b), before):
+        after = s.export_index()
+        assert torch.equal(after.counts, e.counts) and torch.equal(after.last_step, e.last_step), s.name
 
 
 @native
