@@ -272,8 +272,12 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- forward ------------------------------------------------------------------------
 
-    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
+    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int,
+                      runs: list | None = None) -> PooledEmbeddings:
         """input_dist -> compute -> output_dist -> local pooling (the base forward checked the batch)."""
+        if runs is not None:
+            raise NotImplementedError("a sharded collection inside torch.compile / torch.export is not supported "
+                                      "yet (its all-to-alls are not custom ops): compile the dense part only")
         w = features.weights_or_none()
         if w is not None and w.requires_grad and torch.is_grad_enabled():
             # table-wise owners pool with the weights they receive: no gradient would come back

@@ -25,6 +25,7 @@ import numbers
 from typing import Iterator, Sequence
 
 import torch
+import torch.utils._pytree as _pytree
 
 from ..errors import InputError
 from ._convert import TensorConverters
@@ -382,3 +383,24 @@ def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(total, dtype=torch.int64, device=starts.device)
     owner = torch.repeat_interleave(torch.arange(sizes.numel(), device=starts.device), sizes)
     return idx - seg_first[owner] + starts[owner]
+
+
+# SparseFeatures as a pytree node (its tensors the leaves, names and batch size the context), so
+# torch.export takes it as a model input and torch.compile guards on it like on a tensor tuple.
+def _flatten(sf: SparseFeatures):
+    return [sf._values, sf._offsets, sf._weights], (sf._keys, sf._batch_size)
+
+
+def _flatten_with_keys(sf: SparseFeatures):
+    leaves, context = _flatten(sf)
+    return [(_pytree.GetAttrKey(k), v) for k, v in zip(("values", "offsets", "weights"), leaves)], context
+
+
+def _unflatten(leaves, context) -> SparseFeatures:
+    values, offsets, weights = leaves
+    keys, batch_size = context
+    return SparseFeatures(keys, values, offsets=offsets, weights=weights, batch_size=batch_size)
+
+
+_pytree.register_pytree_node(SparseFeatures, _flatten, _unflatten, serialized_type_name="hugeembed.SparseFeatures",
+                             flatten_with_keys_fn=_flatten_with_keys)

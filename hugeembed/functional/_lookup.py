@@ -157,12 +157,24 @@ class FusedEmbeddingLookup:
             groups.append(out)
         return PooledEmbeddings(plan.pooled_names(), groups, self._where, {})
 
+    def output_dtypes(self, storages: Sequence[torch.Tensor]) -> list[torch.dtype]:
+        """Per dim group, the dtype of its outputs: its tables' row dtypes promoted."""
+        out = []
+        for group in self.plan.groups:
+            dts = {storages[self.plan.feature_table[f]].dtype for f in group.pooled + group.unpooled}
+            dt = dts.pop() if dts else torch.float32
+            for other in dts:  # (promote_types is an op: only where the tables' dtypes differ)
+                dt = torch.promote_types(dt, other)
+            out.append(dt)
+        return out
+
     def static_slots(self, prep: Prepared) -> torch.Tensor:
         """Slots of static tables: the ids themselves (already range-checked by prepare)."""
         return prep.unique_keys
 
     def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
-               params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None) -> PooledEmbeddings:
+               params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None,
+               runs: list | None = None) -> PooledEmbeddings:
         """Pools the prepared batch from the row storages, with autograd.
 
         Args:
@@ -174,6 +186,8 @@ class FusedEmbeddingLookup:
             row_grad_hook: if given, called in backward per table with
                 ``(table_index, slots, grad_rows)`` and no gradient is returned for params;
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
+            runs: with a hook, no autograd graph: the lookup's state is appended here and its
+                ``backward(grads, False)`` later runs the hook (a custom op's backward, nn/_ops.py).
         """
         self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
@@ -191,6 +205,9 @@ class FusedEmbeddingLookup:
             raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
                              "their gradient cannot be computed: call prepare() with grad enabled")
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
+        if runs is not None and row_grad_hook is not None and not weights_grad:
+            runs.append(run)
+            return run.wrap(run.forward())
         outs = _LookupFunction.apply(run, prep.weights if weights_grad else None, *params)
         return run.wrap(outs)
 
@@ -229,14 +246,7 @@ class _LookupRun:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
         self.params, self.hook = params, hook
         self.native = prep.native and _storages_native_ok(storages)
-        self.dtypes = []
-        for group in owner.plan.groups:
-            ts = {owner.plan.feature_table[f] for f in group.pooled + group.unpooled}
-            dts = {storages[t].dtype for t in ts}
-            dt = dts.pop()
-            for other in dts:  # (promote_types is an op: only where the tables' dtypes differ)
-                dt = torch.promote_types(dt, other)
-            self.dtypes.append(dt)
+        self.dtypes = owner.output_dtypes(storages)
 
     def forward(self) -> list[torch.Tensor]:
         plan, prep = self.owner.plan, self.prep

@@ -26,6 +26,7 @@ from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, 
                      find_or_insert_many)
 from ..store._layout import LayoutViews
 from ._config import TableConfig
+from . import _ops
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
 from ._rare import SHARED_ROW_KEY, check_count_scalable, coalesce, count_lr_scale, update_scaled
@@ -140,6 +141,7 @@ class EmbeddingCollection(nn.Module):
         self._inflight: weakref.WeakSet[InFlight] = weakref.WeakSet()  # training forwards not yet applied
         self._tables_in_state_dict = True
         self.optimizer = EmbeddingOptimizer(self)
+        self._handle = _ops.register(self)  # names this collection in the custom ops (torch.compile)
 
     # -- construction -----------------------------------------------------------------
 
@@ -255,14 +257,40 @@ class EmbeddingCollection(nn.Module):
             raise InputError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
                              f"{self.device}: move it with batch.to(device) (pin_memory + non_blocking on GPU)")
         training = self.training and torch.is_grad_enabled()
+        if torch.compiler.is_compiling():  # one custom op in the graph (nn/_ops.py), the same lookup inside
+            return self.lookup.pooled_from_groups(_ops.lookup_op(self, self._op_handle(), features, training))
         step = self._step + 1 if training else self._step
         out = self._lookup_batch(features, training, step)
         if training:  # only once the lookup succeeded: a failed forward takes no step
             self._step = step
         return out
 
-    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int) -> PooledEmbeddings:
-        """The lookup of one checked batch at `step` (the sharded collection overrides this)."""
+    def _op_handle(self) -> int:
+        return self._handle
+
+    def _op_forward(self, features: SparseFeatures, training: bool, runs: list) -> PooledEmbeddings:
+        """The eager forward as the custom op runs it: the lookup's state for the backward op is
+        appended to `runs` (no autograd graph: the op's registered backward applies it)."""
+        if features.device != self.device:
+            raise InputError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
+                             f"{self.device}: move it with batch.to(device)")
+        w = features.weights_or_none()
+        if training and w is not None and w.requires_grad:
+            raise NotImplementedError("per-id weights that require grad inside torch.compile: not supported yet")
+        step = self._step + 1 if training else self._step
+        out = self._lookup_batch(features, training, step, runs=runs)
+        if training:
+            self._step = step
+        return out
+
+    def group_dtypes(self) -> list[torch.dtype]:
+        """The dtype of each dim group's pooled output (its tables' dtypes promoted)."""
+        return self.lookup.output_dtypes([s.lookup_rows() for s in self._stores])
+
+    def _lookup_batch(self, features: SparseFeatures, training: bool, step: int,
+                      runs: list | None = None) -> PooledEmbeddings:
+        """The lookup of one checked batch at `step` (the sharded collection overrides this).
+        `runs`: the training lookup's state goes there instead of into an autograd graph."""
         storages = [s.lookup_rows() for s in self._stores]
         # Dedup serves the backward (one gradient row per id) and the hash tables (one
         # probe per distinct id); a forward over static tables alone needs neither.
@@ -296,7 +324,7 @@ class EmbeddingCollection(nn.Module):
                 if shared is not None:  # the shared row takes every rare id's gradient at the full lr
                     scale[slots[b : b + n] == shared] = 1.0
                 flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
-        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight))
+        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight), runs=runs)
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
         """Row slots of every unique id of a prepared batch: -1 where a row reads zeros.

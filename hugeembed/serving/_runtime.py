@@ -2,7 +2,8 @@
 
 This file imports nothing from hugeembed: an export copies it into the artifact
 (``runtime.py``), so a process without hugeembed's training code (or without hugeembed)
-can load the artifact and run its program::
+can load the artifact and run its program (``hugeembed.serving`` itself plugs its compiled
+key index probe in, ``find_accelerator``: the same positions, faster)::
 
     import importlib.util
     spec = importlib.util.spec_from_file_location("he_runtime", "model.export/runtime.py")
@@ -116,10 +117,10 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
     m = meta.index_select(0, table)  # [n, 5]: each id's table record
     static = m[:, KEY_BASE] < 0
     if bool(static.any()):  # the id is the row, range checked
-        local = torch.where(static, ids, _find(ids, table, keys, index, m) - m[:, KEY_BASE])
+        local = torch.where(static, ids, _find(ids, table, keys, index, meta) - m[:, KEY_BASE])
         hit = torch.where(static, (ids >= 0) & (ids < m[:, NUM]), local >= 0)
     else:
-        pos = _find(ids, table, keys, index, m)
+        pos = _find(ids, table, keys, index, meta)
         hit = pos >= 0
         local = pos - m[:, KEY_BASE]
     idx = torch.where(hit, local + m[:, ROW_BASE], m[:, MISS_ROW])
@@ -259,10 +260,26 @@ def table_meta(table_keys: list[int], table_rows: list[int], table_shared: list[
     return torch.tensor(out, dtype=torch.int64).reshape(len(out), 5)
 
 
-def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, m: torch.Tensor
+# A compiled probe with _find's results (hugeembed.serving installs csrc/serve.cpp's where its kernels
+# are built; this file imports nothing from hugeembed): fn(ids, table, keys, index, meta) -> positions,
+# or None where it cannot run (then the torch rounds do).
+find_accelerator: Any = None
+
+
+def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor
           ) -> torch.Tensor:
-    """Position in `keys` of each (id, table) (``m``: the tables' meta rows, one per id), or -1.
-    Probe rounds over the ids not yet resolved: a round reads one slot and one key per id."""
+    """Position in `keys` of each (id, table) (``meta``: the group's [T, 5] table records), or -1."""
+    if find_accelerator is not None:
+        got = find_accelerator(ids, table, keys, index, meta)
+        if got is not None:
+            return got
+    return _find_torch(ids, table, keys, index, meta.index_select(0, table))
+
+
+def _find_torch(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, m: torch.Tensor
+                ) -> torch.Tensor:
+    """_find with torch ops (``m``: the tables' meta rows, one per id).  Probe rounds over the ids
+    not yet resolved: a round reads one slot and one key per id."""
     cap = index.numel()
     found = torch.full_like(ids, -1)
     live: torch.Tensor | None = None  # positions in `ids` still probing (None: all)

@@ -136,7 +136,9 @@ def _close_fd(fd: int, path: Path) -> None:
 # open a table's directory twice (load_state_dict builds the new store before dropping
 # the old one); each store then has its own rows file.
 _held: dict[str, list] = {}
-_held_lock = threading.Lock()
+# Reentrant: a TableDir's finalizer (_release) may run from the garbage collector while this thread
+# holds the lock (any allocation under it can collect a dead TableDir); a plain Lock deadlocked there.
+_held_lock = threading.RLock()
 
 
 class TableDir:

@@ -116,11 +116,46 @@ def test_index_build_is_deterministic_and_finds_every_key_when_all_collide():
     b, _ = _runtime.build_index(keys.clone(), table_of, 1)
     assert torch.equal(a, b) and a.dtype == torch.int32 and a.numel() == 128
     assert probes == [40]  # one home slot: the keys lie one after the other
-    meta = _runtime.table_meta([0], [0], [0], [40], keys, probes).index_select(0, table_of)
-    found = _runtime._find(keys, table_of, keys, a, meta)
-    assert torch.equal(found, torch.arange(40))
-    absent = torch.tensor([I64_MAX, 5, 0], dtype=torch.int64)
-    assert _runtime._find(absent, torch.zeros(3, dtype=torch.int64), keys, a, meta[:3]).tolist() == [-1] * 3
+    meta = _runtime.table_meta([0], [0], [0], [40], keys, probes)
+    for find in FINDS:
+        found = find(keys, table_of, keys, a, meta)
+        assert torch.equal(found, torch.arange(40))
+        absent = torch.tensor([I64_MAX, 5, 0], dtype=torch.int64)
+        assert find(absent, torch.zeros(3, dtype=torch.int64), keys, a, meta).tolist() == [-1] * 3
+
+
+def _torch_find(ids, table, keys, index, meta):
+    return _runtime._find_torch(ids, table, keys, index, meta.index_select(0, table))
+
+
+FINDS = [_runtime._find, _torch_find]  # the native probe (where built) and the torch rounds
+
+
+@settings(max_examples=40)
+@given(st.lists(st.lists(st.integers(-50, 50) | st.integers(I64_MIN, I64_MAX), max_size=30, unique=True),
+                min_size=1, max_size=4), st.lists(st.integers(-60, 60) | st.integers(I64_MIN, I64_MAX), max_size=60),
+       st.booleans(), st.data())
+def test_the_native_probe_finds_what_the_torch_rounds_find(tables, queries, with_static, data):
+    """Several dynamic tables (one key may be in several), a static one, ids present and absent,
+    int32 slots: he_serve_find (csrc/serve.cpp) against _find_torch, position for position."""
+    keys = torch.tensor([k for t in tables for k in sorted(t)], dtype=torch.int64)
+    table_of = torch.tensor([i for i, t in enumerate(tables) for _ in t], dtype=torch.int64)
+    index, probes = _runtime.build_index(keys, table_of, len(tables))
+    sizes = [len(t) for t in tables]
+    meta = _runtime.table_meta([0] * len(tables), [0] * len(tables), [0] * len(tables), sizes, keys, probes)
+    if with_static:  # a static table's ids are rows, never probed
+        meta = torch.cat([meta, torch.tensor([[sum(sizes), 10, -1, sum(sizes) + 10, 0]])])
+    T = meta.shape[0]
+    ids = torch.tensor(queries + keys.tolist(), dtype=torch.int64)
+    table = torch.tensor(data.draw(st.lists(st.integers(0, T - 1), min_size=ids.numel(), max_size=ids.numel())),
+                         dtype=torch.int64)
+    want = _torch_find(ids, table, keys, index, meta)
+    got = _runtime._find(ids, table, keys, index, meta)
+    dynamic = meta[table, _runtime.KEY_BASE] >= 0  # (the torch rounds' result for a static id is unused)
+    assert torch.equal(got[dynamic], want[dynamic])
+    assert bool((got[~dynamic] == -1).all())
+    own = torch.arange(len(queries), ids.numel())  # every key found in its own table
+    assert torch.equal(_runtime._find(ids[own], table_of, keys, index, meta), torch.arange(keys.numel()))
 
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),

@@ -371,3 +371,25 @@ def test_delta_snapshots_of_tiered_tables_load_bit_for_bit(tmp_path):
     back = EmbeddingCollection(tables(tmp_path / "tier2", 20, rule, capacity=45), optimizer=Adagrad(lr=0.2), seed=6)
     load(tmp_path / "ck", back)
     assert_same_tables(tier, back)
+
+
+def test_a_table_dirs_finalizer_run_while_its_lock_is_held_does_not_deadlock(tmp_path):
+    """The garbage collector may finalize a dead TableDir (releasing its directory) on a thread that
+    holds the directories' lock: any allocation under it can collect.  It once deadlocked there."""
+    import threading
+
+    from hugeembed.store import _tier_file
+
+    d = _tier_file.TableDir(tmp_path, "t", {"dim": 2}, owner="me")
+    done = threading.Event()
+
+    def under_the_lock():
+        with _tier_file._held_lock:
+            d.close()  # what a collection run under the lock does
+        done.set()
+
+    t = threading.Thread(target=under_the_lock, daemon=True)
+    t.start()
+    t.join(20)
+    assert done.is_set()
+    assert not (tmp_path / "t" / "tier.json").exists()  # released: the directory is left empty

@@ -1,0 +1,143 @@
+"""torch.compile and torch.export of models holding an EmbeddingCollection (nn/_ops.py): the lookup
+is one custom op in the graph, so a whole model compiles with fullgraph=True and trains exactly as
+eager does (oracle: the same model run eagerly from the same seed)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hugeembed.errors import InputError
+from hugeembed.features import SparseFeatures
+from hugeembed.models import make_model
+from hugeembed.nn import EmbeddingCollection, TableConfig, _ops
+from hugeembed.optim import Adagrad, Adam
+
+FEATURES = ("a", "b", "c")
+B = 16
+
+
+def build(dynamic: bool, backend: str, rule):
+    model, dense = make_model("dlrm", embedding_dim=8, sparse_optimizer=rule, seed=1, features=FEATURES, num_dense=3,
+                              bottom_mlp=(8,), top_mlp=(8,), backend=backend, dynamic=dynamic,
+                              cardinalities=None if dynamic else [50] * len(FEATURES))
+    return model, torch.optim.SGD(dense, lr=0.1)
+
+
+def batch(i: int, batch_size: int = B):
+    g = torch.Generator().manual_seed(i)
+    n = len(FEATURES) * batch_size
+    sf = SparseFeatures(FEATURES, torch.randint(0, 50, (n,), generator=g), offsets=torch.arange(n + 1),
+                        batch_size=batch_size)
+    return torch.randn(batch_size, 3, generator=g), sf, torch.randint(0, 2, (batch_size,), generator=g).float()
+
+
+def train(model, opt, steps, batch_sizes=None):
+    losses = []
+    for i in range(steps):
+        d, sf, y = batch(i, (batch_sizes or [B] * steps)[i])
+        loss = F.binary_cross_entropy_with_logits(model(d, sf), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def tables_of(model):
+    return {c.name: s.export() for c, s in model.embeddings.stores()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic,backend,rule", [(True, "auto", Adagrad(lr=0.05)), (False, "torch", Adam(lr=0.01))],
+                         ids=["dynamic-native-adagrad", "static-torch-adam"])
+def test_compiled_training_equals_eager_bit_for_bit(dynamic, backend, rule):
+    """aot_eager runs the traced aten ops as they are: any difference would come from the op path."""
+    eager, eager_opt = build(dynamic, backend, rule)
+    want = train(eager, eager_opt, 4, [B, B, B, 5])  # a smaller last batch: recompiles, same numbers
+    model, opt = build(dynamic, backend, rule)
+    torch._dynamo.reset()
+    got = train(torch.compile(model, fullgraph=True, backend="aot_eager"), opt, 4, [B, B, B, 5])
+    assert torch.equal(got, want)
+    assert model.embeddings.step == eager.embeddings.step == 4
+    for name, e in tables_of(eager).items():
+        c = tables_of(model)[name]
+        for field in e.__dataclass_fields__:
+            assert torch.equal(getattr(c, field), getattr(e, field)), (name, field)
+    assert not _ops._runs  # every lookup's state was applied and dropped
+
+
+@pytest.mark.slow
+def test_inductor_compiled_training_matches_eager():
+    """Inductor fuses the dense part's float ops differently: equal to float tolerance, same rows touched."""
+    eager, eager_opt = build(True, "auto", Adagrad(lr=0.05))
+    want = train(eager, eager_opt, 3)
+    model, opt = build(True, "auto", Adagrad(lr=0.05))
+    torch._dynamo.reset()
+    got = train(torch.compile(model, fullgraph=True), opt, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, e in tables_of(eager).items():
+        c = tables_of(model)[name]
+        assert torch.equal(c.keys, e.keys) and torch.equal(c.counts, e.counts), name
+        torch.testing.assert_close(c.rows, e.rows, rtol=1e-5, atol=1e-6)
+
+
+def test_the_graph_holds_one_lookup_op_whatever_the_number_of_tables():
+    seen = []
+
+    def backend(gm, inputs):
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    names = [f"f{t}" for t in range(12)]
+    ec = EmbeddingCollection([TableConfig(n, 4) for n in names], optimizer=Adagrad(lr=0.1))
+    sf = SparseFeatures(names, torch.arange(12 * 4) % 7, offsets=torch.arange(12 * 4 + 1), batch_size=4)
+    torch._dynamo.reset()
+    out = torch.compile(lambda s: ec(s).stacked().sum(), fullgraph=True, backend=backend)(sf)
+    out.backward()
+    assert len(seen) == 1
+    assert seen[0].count(torch.ops.hugeembed.collection_lookup.default) == 1
+    assert ec.step == 1 and not _ops._runs
+
+
+def test_export_of_an_eval_model_equals_eager():
+    model, opt = build(True, "auto", Adagrad(lr=0.05))
+    train(model, opt, 2)
+    model.eval()
+    d, sf, _ = batch(7)
+    with torch.no_grad():
+        want = model(d, sf)
+    ep = torch.export.export(model, (d, sf))
+    ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.hugeembed.collection_lookup.default) == 1
+    assert torch.equal(ep.module()(d, sf), want)
+    assert model.embeddings.step == 2  # eval: nothing inserted, no step
+
+
+def test_a_training_graph_dropped_without_backward_releases_its_rows():
+    model, _ = build(True, "auto", Adagrad(lr=0.05))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    d, sf, _ = batch(0)
+    out = compiled(d, sf)
+    assert len(_ops._runs) == 1
+    del out
+    gc.collect()
+    assert not _ops._runs
+    assert model.embeddings.applied_step() == 1  # nothing left in flight
+
+
+def test_sequence_features_inside_compile_are_refused_by_name():
+    ec = EmbeddingCollection([TableConfig("hist", 4, combiner=None)], optimizer=Adagrad(lr=0.1))
+    sf = SparseFeatures(["hist"], torch.arange(6), offsets=torch.tensor([0, 2, 6]), batch_size=2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="'hist'.*sequence .unpooled. features"):
+        torch.compile(lambda s: ec(s).unpooled["hist"].values.sum(), fullgraph=True, backend="aot_eager")(sf)
+
+
+def test_an_op_naming_a_dead_collection_says_so():
+    with pytest.raises(InputError, match="no longer exists"):
+        _ops._collection(10**9)
