@@ -8,9 +8,10 @@ from ._export import export
 from ._model import Served, ServingModel
 from ._quant import dequantize, quantize
 from . import _runtime
-from ._native_find import native_find
+from ._native_find import native_bags, native_find
 from ._runtime import DTYPES, pooled_lookup
 
-_runtime.find_accelerator = native_find  # the installed runtime probes with the kernels; artifacts' copies do not
+# the installed runtime maps ids to rows with the kernels; artifacts' copies keep their torch path
+_runtime.find_accelerator, _runtime.bags_accelerator = native_find, native_bags
 
 __all__ = ["export", "export_delta", "ServingModel", "Served", "quantize", "dequantize", "pooled_lookup", "DTYPES"]

@@ -1,7 +1,8 @@
-"""The serving key index probe on the native kernels (csrc/serve.cpp): ``_runtime._find``'s results.
+"""The serving lookup's id -> row pass on the native kernels (csrc/serve.cpp): the results of
+``_runtime._find`` and of pooled_lookup's torch pass.
 
-Installed into the runtime as ``find_accelerator`` by ``hugeembed.serving`` (the runtime, copied
-into every artifact, imports nothing from hugeembed and keeps its torch probe).
+Installed into the runtime as ``find_accelerator`` / ``bags_accelerator`` by ``hugeembed.serving``
+(the runtime, copied into every artifact, imports nothing from hugeembed and keeps its torch path).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 
 from .. import _native
 
-__all__ = ["native_find"]
+__all__ = ["native_find", "native_bags"]
 
 
 def native_find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
@@ -33,3 +34,41 @@ def native_find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, inde
     rc = fn(_native.ptr(ids), _native.ptr(table), ids.numel(), _native.ptr(keys), keys.numel(), _native.ptr(index),
             index.element_size(), index.numel(), _native.ptr(meta), meta.shape[0], _native.ptr(out), _native.nthreads())
     return out if rc == 0 else None
+
+
+def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
+                meta: torch.Tensor, feature_pos: list[int], feature_table: list[int], batch_size: int,
+                n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row of each id in batch-major bag order, first id of each bag, kept ids per bag) of one dim
+    group (see he_serve_bags), or None when the kernels cannot run here or refuse the arguments."""
+    tensors = (values, offsets, keys, index, meta)
+    if not _native.available() or any(t.device.type != "cpu" for t in tensors) or \
+            index.dtype not in (torch.int32, torch.int64) or meta.dim() != 2 or meta.shape[1] != 5:
+        return None
+    values, offsets, keys, meta = (t.to(torch.int64).contiguous() for t in (values, offsets, keys, meta))
+    index = index.contiguous()
+    B, F = batch_size, len(feature_pos)
+    pos = torch.tensor(feature_pos, dtype=torch.int64)
+    table = torch.tensor(feature_table, dtype=torch.int64)
+    if len(set(feature_pos)) == F:  # each input bag read once: at most every id
+        capacity = values.numel()
+    else:
+        first = pos * B
+        if first.numel() and (int(first.max()) + B >= offsets.numel() or int(first.min()) < 0):
+            return None
+        capacity = int((offsets[first + B] - offsets[first]).clamp(min=0).sum())
+    starts = torch.empty(B * F, dtype=torch.int64)
+    kept = torch.empty(B * F, dtype=torch.int64)
+    idx = torch.empty(capacity, dtype=torch.int64)
+    P, I = _native.PTR, _native.I64
+    try:
+        fn = _native.fn("he_serve_bags", P, I, P, I, I, I, P, P, P, I, P, I, I, P, I, I, P, P, I, P, I)
+    except AttributeError:  # kernels built before he_serve_bags
+        return None
+    n = fn(_native.ptr(values), values.numel(), _native.ptr(offsets), offsets.numel(), B, F, _native.ptr(pos),
+           _native.ptr(table), _native.ptr(keys), keys.numel(), _native.ptr(index), index.element_size(),
+           index.numel(), _native.ptr(meta), meta.shape[0], n_rows, _native.ptr(starts), _native.ptr(idx), capacity,
+           _native.ptr(kept), _native.nthreads())
+    if n < 0:
+        return None
+    return idx[:n], starts, kept

@@ -94,6 +94,12 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
     zero_row = rows.shape[0] - 1
     if F == 0 or B == 0:
         return torch.zeros(B, F, dim)
+    if bags_accelerator is not None:  # hugeembed's kernels: the whole id -> row pass in one call
+        got = bags_accelerator(values, offsets, keys, index, meta, feature_pos, feature_table, B, rows.shape[0])
+        if got is not None:
+            idx, bstart, kept = got
+            out = _embedding_bags(rows, idx, bstart, dtype, dim).view(B, F, dim)
+            return _scale_bags(out, kept.view(B, F), combiners)
     # the group's bags, [F * B + 1] offsets into its ids
     p0 = feature_pos[0]
     if feature_pos == list(range(p0, p0 + F)):  # consecutive input features: one slice
@@ -136,18 +142,25 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
     bstart = torch.cumsum(blen, 0) - blen
     src = torch.repeat_interleave(starts.index_select(0, order) - bstart, blen, output_size=n) + torch.arange(n)
     out = _embedding_bags(rows, idx.index_select(0, src), bstart, dtype, dim).view(B, F, dim)
-    if any(c != 0 for c in combiners):  # mean / sqrtn: scale each bag's sum by its count of kept ids
-        if any_dropped:
-            kept = torch.zeros(n + 1, dtype=torch.int64)
-            torch.cumsum(~dropped, 0, out=kept[1:])
-            count = kept[starts + lengths] - kept[starts]
-        else:
-            count = lengths
-        count = count.view(F, B).t().clamp(min=1).to(torch.float32)  # [B, F]
-        comb = torch.tensor(combiners)[None, :]
-        scale = torch.where(comb == 1, count.reciprocal(), torch.where(comb == 2, count.rsqrt(), 1.0))
-        out = out * scale[:, :, None]
-    return out
+    if not any(c != 0 for c in combiners):
+        return out
+    if any_dropped:
+        kept = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(~dropped, 0, out=kept[1:])
+        count = kept[starts + lengths] - kept[starts]
+    else:
+        count = lengths
+    return _scale_bags(out, count.view(F, B).t(), combiners)
+
+
+def _scale_bags(out: torch.Tensor, count: torch.Tensor, combiners: list[int]) -> torch.Tensor:
+    """mean / sqrtn: each bag's sum ``out [B, F, D]`` scaled by its count of kept ids ``count [B, F]``."""
+    if not any(c != 0 for c in combiners):
+        return out
+    count = count.clamp(min=1).to(torch.float32)
+    comb = torch.tensor(combiners)[None, :]
+    scale = torch.where(comb == 1, count.reciprocal(), torch.where(comb == 2, count.rsqrt(), 1.0))
+    return out * scale[:, :, None]
 
 
 @pooled_lookup.register_fake
@@ -264,6 +277,10 @@ def table_meta(table_keys: list[int], table_rows: list[int], table_shared: list[
 # are built; this file imports nothing from hugeembed): fn(ids, table, keys, index, meta) -> positions,
 # or None where it cannot run (then the torch rounds do).
 find_accelerator: Any = None
+# The same for pooled_lookup's whole id -> row pass: fn(values, offsets, keys, index, meta, feature_pos,
+# feature_table, B, n_rows) -> (row of each id, bags batch-major; each bag's first id; each bag's kept
+# ids), or None.
+bags_accelerator: Any = None
 
 
 def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor

@@ -9,15 +9,11 @@ test is a strict xfail that turns red the day it meets the bounds (then make it 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from hugeembed.optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, RowWiseAdagrad
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._load import load_bench
 
 RULES = {"sgd": SGD(lr=0.1), "momentum": MomentumSGD(lr=0.1, momentum=0.9), "adagrad": Adagrad(lr=0.05),
          "rowwise_adagrad": RowWiseAdagrad(lr=0.05), "lazy_adam": Adam(lr=0.01, mode="lazy"),
@@ -26,11 +22,7 @@ RULES = {"sgd": SGD(lr=0.1), "momentum": MomentumSGD(lr=0.1, momentum=0.9), "ada
 
 @pytest.fixture(scope="module")
 def ops():
-    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its _common helper
-    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "bench" / "ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("ops")
 
 
 def _check_bounds(ops, dynamic: bool, backend: str, rule) -> None:

@@ -3,10 +3,7 @@ training file with index 0 for missing and unseen ids, U(+-sqrt(1/n)) tables, an
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,16 +11,12 @@ import pytest
 from hugeembed.data import MISSING_ID_BASE
 from hugeembed.training import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._load import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its _common helper
-    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("quality")
 
 
 def test_vocabulary_indices_are_1_based_with_0_for_missing_and_unseen(bench):

@@ -4,22 +4,16 @@ CI dependency: that part skips without it), and its id generator is what it clai
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._load import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_tiered", ROOT / "bench" / "tiered.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("tiered")
 
 
 def test_zipf_ranks_follow_the_bounded_zipf_law(bench):

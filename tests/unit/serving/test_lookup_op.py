@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hugeembed.serving import _runtime, dequantize, pooled_lookup, quantize
@@ -72,9 +73,21 @@ def oracle(D, keys, weights, B, combiners, bags, shared, pos, read):
     return out
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.fixture(params=["kernels", "torch"])
+def id_pass(request, monkeypatch):
+    """pooled_lookup with hugeembed's kernels plugged in (csrc/serve.cpp), and with the torch path
+    an artifact's own runtime copy runs."""
+    if request.param == "torch":
+        monkeypatch.setattr(_runtime, "bags_accelerator", None)
+        monkeypatch.setattr(_runtime, "find_accelerator", None)
+    else:
+        assert _runtime.bags_accelerator is not None and _runtime.find_accelerator is not None
+    return request.param
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
-def test_pooled_lookup_matches_the_oracle(case, dtype):
+def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     D, keys, weights, B, combiners, bags, shared, pos = case
     values = torch.tensor([i for f in bags for bag in f for i in bag], dtype=torch.int64)
     lengths = torch.tensor([len(bag) for f in bags for bag in f])
