@@ -25,8 +25,8 @@ from ..optim import SparseOptimizer
 from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, StoreExport, TieredStore,
                      find_or_insert_many)
 from ..store._layout import LayoutViews
-from ._config import TableConfig
 from . import _ops
+from ._config import TableConfig
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
 from ._rare import SHARED_ROW_KEY, check_count_scalable, coalesce, count_lr_scale, update_scaled
@@ -258,6 +258,10 @@ class EmbeddingCollection(nn.Module):
                              f"{self.device}: move it with batch.to(device) (pin_memory + non_blocking on GPU)")
         training = self.training and torch.is_grad_enabled()
         if torch.compiler.is_compiling():  # one custom op in the graph (nn/_ops.py), the same lookup inside
+            w = features.weights_or_none()
+            if w is not None and w.requires_grad and torch.is_grad_enabled():  # (the op gives them no gradient)
+                raise NotImplementedError(f"features {list(features.keys())}: per-id weights that require grad "
+                                          "inside torch.compile are not supported yet; run the collection eagerly")
             return self.lookup.pooled_from_groups(_ops.lookup_op(self, self._op_handle(), features, training))
         step = self._step + 1 if training else self._step
         out = self._lookup_batch(features, training, step)
@@ -270,13 +274,8 @@ class EmbeddingCollection(nn.Module):
 
     def _op_forward(self, features: SparseFeatures, training: bool, runs: list) -> PooledEmbeddings:
         """The eager forward as the custom op runs it: the lookup's state for the backward op is
-        appended to `runs` (no autograd graph: the op's registered backward applies it)."""
-        if features.device != self.device:
-            raise InputError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
-                             f"{self.device}: move it with batch.to(device)")
-        w = features.weights_or_none()
-        if training and w is not None and w.requires_grad:
-            raise NotImplementedError("per-id weights that require grad inside torch.compile: not supported yet")
+        appended to `runs` (no autograd graph: the op's registered backward applies it).  forward
+        checked the batch's device while tracing."""
         step = self._step + 1 if training else self._step
         out = self._lookup_batch(features, training, step, runs=runs)
         if training:

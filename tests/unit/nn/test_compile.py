@@ -141,3 +141,14 @@ def test_sequence_features_inside_compile_are_refused_by_name():
 def test_an_op_naming_a_dead_collection_says_so():
     with pytest.raises(InputError, match="no longer exists"):
         _ops._collection(10**9)
+
+
+def test_weights_that_require_grad_inside_compile_are_refused():
+    """The op computes no gradient for per-id weights: refused, never silently dropped."""
+    ec = EmbeddingCollection([TableConfig("a", 4, combiner="sum")], optimizer=Adagrad(lr=0.1))
+    w = torch.ones(4, requires_grad=True)
+    sf = SparseFeatures(["a"], torch.arange(4), offsets=torch.arange(5), weights=w, batch_size=4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="per-id weights that require grad"):
+        torch.compile(lambda s: ec(s).stacked().sum(), fullgraph=True, backend="aot_eager")(sf)
+    assert ec.step == 0
