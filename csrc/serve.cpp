@@ -25,33 +25,7 @@ inline uint64_t splitmix64(uint64_t z) {
   return z;
 }
 
-template <class Slot>
-void find(const int64_t* ids, const int64_t* table, int64_t n, const int64_t* keys, int64_t nkeys, const Slot* index,
-          int64_t cap, const int64_t* meta, int64_t T, int64_t* out, int64_t nthreads) {
-  const uint64_t mask = (uint64_t)cap - 1;
-  he::parallel_for(n, (int)nthreads, 8192, [&](int64_t b, int64_t e, int) {
-    for (int64_t i = b; i < e; ++i) {
-      out[i] = -1;
-      const int64_t t = table[i];
-      if (t < 0 || t >= T) continue;
-      const int64_t* m = meta + 5 * t;  // ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE
-      const int64_t lo = m[2], hi = m[2] + m[1], limit = m[4];
-      if (lo < 0) continue;
-      const int64_t id = ids[i];
-      uint64_t h = splitmix64((uint64_t)(t + 1) * kGolden + (uint64_t)id) & mask;
-      for (int64_t r = 0; r < limit; ++r) {
-        const int64_t s = (int64_t)index[h];
-        if (s < 0) break;  // empty: every probe sequence ends at one
-        if (s >= lo && s < hi && s < nkeys && keys[s] == id) {
-          out[i] = s;
-          break;
-        }
-        h = (h + 1) & mask;
-      }
-    }
-  });
-}
-
+// One (id, table t) through the index: its position in `keys`, or -1 (m: table t's meta row).
 template <class Slot>
 int64_t probe(int64_t id, int64_t t, const int64_t* m, const int64_t* keys, int64_t nkeys, const Slot* index,
               uint64_t mask) {
@@ -64,6 +38,20 @@ int64_t probe(int64_t id, int64_t t, const int64_t* m, const int64_t* keys, int6
     h = (h + 1) & mask;
   }
   return -1;
+}
+
+// The position in `keys` of each (id, table), or -1 (static tables and tables outside [0, T): -1).
+template <class Slot>
+void find(const int64_t* ids, const int64_t* table, int64_t n, const int64_t* keys, int64_t nkeys, const Slot* index,
+          int64_t cap, const int64_t* meta, int64_t T, int64_t* out, int64_t nthreads) {
+  const uint64_t mask = (uint64_t)cap - 1;
+  he::parallel_for(n, (int)nthreads, 8192, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t t = table[i];
+      const bool dynamic = t >= 0 && t < T && meta[5 * t + 2] >= 0;
+      out[i] = dynamic ? probe(ids[i], t, meta + 5 * t, keys, nkeys, index, mask) : -1;
+    }
+  });
 }
 
 template <class Slot>
