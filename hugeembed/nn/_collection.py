@@ -371,6 +371,9 @@ class EmbeddingCollection(nn.Module):
                 counts[i] = torch.cat([counts[i], counts[i].new_full((1,), self.tables[ts[i]].admit_min_count)])
         into = [None if i in shared else o for i, o in enumerate(outs)]
         if training:
+            for s, k in zip(stores, keys):  # disk writes first: a full disk fails before any table changed
+                if hasattr(s, "reserve"):
+                    s.reserve(k)
             got = find_or_insert_many(stores, keys, step, counts=counts, out=into)
         else:
             got = [s.find(k) for s, k in zip(stores, keys)]

@@ -9,8 +9,9 @@ TieredStore is one table made of three parts, each with one job::
         (the table's logical capacity); reports the slots it frees
     resident rows (the cache: ``storage()`` is [C, W], C = what the byte budget holds)
         logical slot <-> cache slot, dirty bits, LRU / LFU order
-    backing tier (RowFile: record r of one file = the row of logical slot r)
-        reads missing rows in, takes evicted dirty rows back
+    backing tier (RowFile: fixed-size records in one file; RecordSpace: which record
+        holds which row) reads missing rows in, takes evicted dirty rows back, appended
+        as one sequential run (store/_tier_space.py)
 
 ``find_or_insert`` returns *cache* slots: the fused lookup and the optimizer rules work on
 ``storage()`` exactly as for an in-memory store, so a tiered table trains bit for bit as
@@ -45,6 +46,7 @@ from ._layout import LayoutViews, check_import_rows
 from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 from ._tier_file import IO_THREADS, RowFile, TableDir
+from ._tier_space import RecordSpace
 
 __all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for"]
 
@@ -53,8 +55,9 @@ CACHE_POLICIES = ("lru", "lfu")
 # stack (int64 each), the row's accesses (int32: the LFU order, read without touching the
 # per-logical-row map), dirty (bool).
 SLOT_METADATA_BYTES = 37
-# Per logical row in the tier map: its cache slot (int32), accesses (int32), on disk (bool).
-_MAP_BYTES = 9
+# Per logical row in the tier map: its cache slot (int32) and accesses (int32); its record in the file
+# (int32) is RecordSpace's.
+_MAP_BYTES = 8
 _EVICT_SLACK = 64
 _CHUNK_ROWS = 1 << 16  # rows per chunk when streaming a table in or out
 
@@ -119,11 +122,13 @@ class TieredStore(LayoutViews, Pinnable):
         self._nfree = cap
         self._where = torch.zeros(0, dtype=torch.int32)  # logical slot -> cache slot (-1: not resident)
         self._freq = torch.zeros(0, dtype=torch.int32)
-        self._on_disk = torch.zeros(0, dtype=torch.bool)
-        self.stats = {"accesses": 0, "hits": 0, "rows_read": 0, "rows_written": 0, "rows_prefetched": 0}
+        self._space = RecordSpace(lay.row_bytes, name)
+        self.stats = {"accesses": 0, "hits": 0, "rows_read": 0, "rows_written": 0, "rows_prefetched": 0,
+                      "rows_relocated": 0}
         self._pool: ThreadPoolExecutor | None = None
         # reads started by prefetch, oldest first, at most 2: (future, logical, rows, stale logical slots)
         self._staged: list[tuple[Future, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
+        self._reserved: torch.Tensor | None = None  # keys the cache made room for (reserve)
         index.on_free = self._drop_logical
         index.row_norms = self._logical_norms
 
@@ -145,9 +150,8 @@ class TieredStore(LayoutViews, Pinnable):
 
     @property
     def stored_rows(self) -> int:
-        """Rows written to the tier (the file's live records)."""
-        self._fit_map()
-        return int(self._on_disk.sum())
+        """Rows whose current value is in the tier's file (its live records)."""
+        return self._space.n_live
 
     def _logical_rows(self) -> int:
         return self.index.storage().shape[0]
@@ -158,8 +162,8 @@ class TieredStore(LayoutViews, Pinnable):
         have = self._where.numel()
         if n > have:
             grow = lambda t, fill: torch.cat([t, torch.full((n - have,), fill, dtype=t.dtype)])  # noqa: E731
-            self._where, self._freq, self._on_disk = grow(self._where, -1), grow(self._freq, 0), \
-                grow(self._on_disk, False)
+            self._where, self._freq = grow(self._where, -1), grow(self._freq, 0)
+            self._space.grow(n)
 
     # -------------------------------------------------------------- protocol
     def storage(self) -> torch.Tensor:
@@ -176,10 +180,23 @@ class TieredStore(LayoutViews, Pinnable):
         counts = as_counts(self.name, counts, keys.numel(), self.device)
         if keys.numel() == 0:
             return keys.clone()
-        self._make_room_for(self.index.find(keys))
+        reserved, self._reserved = self._reserved, None
+        if reserved is None or not (reserved.shape == keys.shape and torch.equal(reserved, keys)):
+            self._make_room_for(self.index.find(keys))
         logical = self.index.find_or_insert(keys, step, counts=counts)
         self._fit_map()
         return self._bring_in(logical, keys, counts, training=True)
+
+    def reserve(self, keys: torch.Tensor) -> None:
+        """Makes room in the cache for `keys` (victims written back) ahead of ``find_or_insert(keys)``:
+        a collection reserves in every tiered table before any table counts or inserts, so a write
+        that fails (the disk full) fails the whole fetch before it changed anything.  Changes no row,
+        key or count; the next ``find_or_insert`` of the same keys skips making room again."""
+        keys = as_keys(self.name, keys, self.device)
+        self._reserved = None
+        if keys.numel():
+            self._make_room_for(self.index.find(keys))
+        self._reserved = keys
 
     def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
         """Hits of `keys` so far (the key index keeps them); changes nothing."""
@@ -200,7 +217,7 @@ class TieredStore(LayoutViews, Pinnable):
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         slots = as_slots(self.name, slots, self.capacity_rows, self.device)
         scatter_rows(self.name, self._rows, slots, rows)
-        self._dirty[slots[slots >= 0]] = True
+        self._set_dirty(slots[slots >= 0])
 
     # ------------------------------------------------------------ the cache
     def _make_room_for(self, logical: torch.Tensor) -> None:
@@ -239,19 +256,39 @@ class TieredStore(LayoutViews, Pinnable):
         self._release_slots(victims)
         self._cache_epoch += 1
 
+    def _set_dirty(self, slots: torch.Tensor) -> None:
+        """The cached rows at `slots` are (about to be) newer than any copy on disk: their records are
+        garbage from now on (a dirty row has none; it gets a new one when written back)."""
+        self._dirty[slots] = True
+        self._space.release(self._owner[slots])
+
     def _write_back(self, slots: torch.Tensor) -> None:
-        """Writes the dirty rows among cache `slots` to the tier, in file order; they stay resident."""
+        """Writes the dirty rows among cache `slots` to the tier as one run of fresh records (after moving
+        the rows of the segments the space cleans to make room); they stay resident.  A failed read or
+        write changes no row: records are committed after their write, and a move keeps values."""
         d = slots[self._dirty[slots]]
         if d.numel() == 0:
             return
         own = self._owner[d]
-        order = own.argsort()
-        d, own = d[order], own[order]
-        self.file.write(own, self._rows.index_select(0, d))
+        rows = self._rows.index_select(0, d)
+        move = self._space.to_clean(d.numel())
+        if move.numel():  # first the rows of the segments cleaned: their values do not change
+            rec = self._space.records_of(move)
+            order = rec.argsort()
+            move = move[order]
+            moved = self.layout.empty(move.numel())
+            self.file.read(rec[order], moved)
+            plan = self._space.plan(move.numel())
+            self.file.write(plan.records, moved)
+            self._space.commit(plan, move)
+            self._mark_stale(move)
+        plan = self._space.plan(own.numel())
+        self.file.write(plan.records, rows)
+        self._space.commit(plan, own)
         self._mark_stale(own)
-        self._on_disk[own] = True
         self._dirty[d] = False
         self.stats["rows_written"] += d.numel()
+        self.stats["rows_relocated"] += move.numel()
 
     def _release_slots(self, slots: torch.Tensor) -> None:
         """Cache slots back to the free stack (their rows are on disk or not needed)."""
@@ -286,7 +323,7 @@ class TieredStore(LayoutViews, Pinnable):
         if n_miss:
             ml, mk = lv[miss], kv[miss]
             slots = self._take_slots(n_miss)
-            fresh = ~self._on_disk[ml]
+            fresh = ~self._space.on_disk(ml)
             read = ~fresh
             try:
                 if bool(read.any()):
@@ -307,7 +344,7 @@ class TieredStore(LayoutViews, Pinnable):
         self._clock += 1
         self._tick[cs] = self._clock
         if training:
-            self._dirty[cs] = True
+            self._set_dirty(cs)
             c = torch.ones_like(lv) if cv is None else cv
             f = (self._freq[lv].to(torch.int64) + c).clamp_(max=2**31 - 1).to(torch.int32)
             self._freq[lv] = f
@@ -325,10 +362,11 @@ class TieredStore(LayoutViews, Pinnable):
         rest = ~got
         if bool(rest.any()):
             lg, sl = logical[rest], slots[rest]
-            order = lg.argsort()
+            rec = self._space.records_of(lg)
+            order = rec.argsort()
             lg, sl = lg[order], sl[order]
             buf = self.layout.empty(lg.numel())
-            self.file.read(lg, buf)
+            self.file.read(rec[order], buf)
             self._rows.index_copy_(0, sl, buf)
             self.stats["rows_read"] += lg.numel()
 
@@ -340,7 +378,7 @@ class TieredStore(LayoutViews, Pinnable):
         if cs.numel():
             self._release_slots(cs)
             self._cache_epoch += 1
-        self._on_disk[freed] = False
+        self._space.release(freed)
         self._freq[freed] = 0
         self._mark_stale(freed)
 
@@ -358,14 +396,17 @@ class TieredStore(LayoutViews, Pinnable):
         logical = self.index.find(torch.unique(keys))
         self._fit_map()
         logical = logical[logical >= 0]
-        logical = logical[(self._where[logical] < 0) & self._on_disk[logical]]
+        logical = logical[(self._where[logical] < 0) & self._space.on_disk(logical)]
         if logical.numel() == 0:
             return 0
         logical = logical.sort().values
         buf = self.layout.empty(logical.numel())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tier-{self.name}")
-        self._staged.append((self._pool.submit(self.file.read, logical, buf), logical, buf, []))
+        # A record read here is never overwritten while it is some row's current one (writes go to
+        # fresh records); a row rewritten, moved or freed before its fetch is marked stale.
+        rec = self._space.records_of(logical)
+        self._staged.append((self._pool.submit(self.file.read, rec, buf), logical, buf, []))
         return logical.numel()
 
     def _join_staged(self, keep: int = 0) -> None:
@@ -414,12 +455,12 @@ class TieredStore(LayoutViews, Pinnable):
         res = cs >= 0
         if bool(res.any()):
             out[res] = self._rows.index_select(0, cs[res])
-        disk = ~res & self._on_disk[logical]
+        disk = ~res & self._space.on_disk(logical)
         if bool(disk.any()):
-            lg = logical[disk]
-            order = lg.argsort()
-            buf = self.layout.empty(lg.numel())
-            self.file.read(lg[order], buf)
+            rec = self._space.records_of(logical[disk])
+            order = rec.argsort()
+            buf = self.layout.empty(rec.numel())
+            self.file.read(rec[order], buf)
             part = torch.empty_like(buf)
             part[order] = buf
             out[disk] = part
@@ -515,13 +556,14 @@ class TieredStore(LayoutViews, Pinnable):
             res = cs >= 0
             if bool(res.any()):
                 self._rows[cs[res]] = rows[res]
-                self._dirty[cs[res]] = True
+                self._set_dirty(cs[res])
             disk = ~res
             if bool(disk.any()):
-                lg, r = logical[disk], rows[disk]
-                order = lg.argsort()
-                self.file.write(lg[order], r[order].contiguous())
-                self._on_disk[lg] = True
+                lg, r = logical[disk], rows[disk].contiguous()
+                plan = self._space.plan(lg.numel())
+                self.file.write(plan.records, r)
+                self._space.commit(plan, lg)
+                self._mark_stale(lg)
         self._cache_epoch += 1
 
     def update_all(self, fn) -> None:
@@ -531,7 +573,7 @@ class TieredStore(LayoutViews, Pinnable):
         chunk = max(1, (self.capacity_rows - (len(self._pins.slots() or ()) if len(self._pins) else 0)) // 2)
         for a in range(0, keys.numel(), chunk):
             slots = self.find(keys[a : a + chunk])
-            self._dirty[slots] = True
+            self._set_dirty(slots)
             fn(slots)
 
     def flush(self) -> None:
@@ -542,11 +584,12 @@ class TieredStore(LayoutViews, Pinnable):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes in memory by part.  `resident_rows` + `cache_metadata` are what `memory_budget` bounds;
         `index` (the key index: keys, slots, counts, last steps) and `tier_map` (per logical row: cache
-        slot, accesses, on-disk bit) are beside it."""
+        slot, accesses, record in the file; per file segment its live count) are beside it."""
         self._fit_map()
         return {"resident_rows": self._rows.numel() * self._rows.element_size(),
                 "cache_metadata": SLOT_METADATA_BYTES * self.capacity_rows,
-                "index": self.index.memory_bytes(), "tier_map": _MAP_BYTES * self._where.numel()}
+                "index": self.index.memory_bytes(),
+                "tier_map": _MAP_BYTES * self._where.numel() + self._space.memory_bytes()}
 
     def memory_bytes(self) -> int:
         return sum(self.memory_breakdown().values())
@@ -556,7 +599,8 @@ class TieredStore(LayoutViews, Pinnable):
         return b["index"] + b["tier_map"] + b["cache_metadata"]
 
     def stored_bytes(self) -> int:
-        """Bytes of rows in the tier's file (rows written, whole records)."""
+        """Bytes of rows in the tier's file (live records; the file also holds garbage records, at most
+        ~25% beside them, see store/_tier_space.py)."""
         return self.stored_rows * self.layout.row_bytes
 
     def cache_stats(self) -> dict[str, float | int]:

@@ -393,3 +393,55 @@ def test_a_table_dirs_finalizer_run_while_its_lock_is_held_does_not_deadlock(tmp
     t.join(20)
     assert done.is_set()
     assert not (tmp_path / "t" / "tier.json").exists()  # released: the directory is left empty
+
+
+@pytest.mark.parametrize("rule", ["rowwise", "adam"])
+def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch, rule):
+    """Segments of 16 records: the write-backs soon have to clean (move live rows out of the emptiest
+    segments); training equals the in-memory table, a snapshot too, and a write that fails while
+    cleaning changes nothing."""
+    import hugeembed.store._tier_space as space_mod
+
+    monkeypatch.setattr(space_mod, "_SEGMENT_BYTES", 1)  # the minimum: 16 records a segment
+    mem = EmbeddingCollection(tables(None, 0, None), optimizer=RULES[rule](), seed=3)
+    tier = EmbeddingCollection(tables(tmp_path, 18, RULES[rule]()), optimizer=RULES[rule](), seed=3)
+    g = torch.Generator().manual_seed(5)
+    fs = [batch(g, hi_d=200) for _ in range(40)]
+    for f in fs[:30]:
+        step(mem, f), step(tier, f)
+    assert_same_tables(mem, tier)
+    moved = {t: tier.store(t).cache_stats()["rows_relocated"] for t in ("s", "d")}
+    assert all(v > 0 for v in moved.values()), moved
+    for t in ("s", "d"):  # the file stays bounded: live rows, garbage beside them
+        sp = tier.store(t)._space
+        assert sp.records <= 2 * max(sp.n_live, 1) + 8 * sp.S
+    store = tier.store("d")
+    real_write, calls = store.file.write, []
+
+    def second_fails(records, rows):  # the move succeeds, the write of the evicted rows fails
+        calls.append(records.numel())
+        if len(calls) > 1:
+            raise _io_error("d", f"writing {records.numel()} rows", errno.ENOSPC, store.file.path)
+        real_write(records, rows)
+
+    k, failed = 30, False
+    monkeypatch.setattr(store.file, "write", second_fails)
+    try:
+        while k < len(fs):
+            calls.clear()
+            step(tier, fs[k])
+            step(mem, fs[k])
+            k += 1
+    except StoreError as e:
+        assert "ENOSPC" in str(e) and "table 'd'" in str(e)
+        failed = True
+    assert failed, "no write-back moved rows in the last steps: the case did not run"
+    monkeypatch.setattr(store.file, "write", real_write)
+    assert tier.step == mem.step == k
+    for f in fs[k:]:
+        step(mem, f), step(tier, f)
+    assert_same_tables(mem, tier)
+    snap = save(tmp_path / "snap", tier)
+    back = EmbeddingCollection(tables(None, 0, None), optimizer=RULES[rule](), seed=3)
+    load(snap, back)
+    assert_same_tables(mem, back)

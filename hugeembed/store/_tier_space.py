@@ -1,0 +1,192 @@
+"""Where the disk tier keeps each row: records appended in segments, garbage reclaimed by cleaning.
+
+A row written back to the tier goes to a *fresh* record, never over a live one: the
+write-back of a batch of evicted rows is then one sequential run of records (a few
+large ``pwrite`` calls) instead of one small write per row at the row's fixed place.
+Measured on this project's 2-core VM: 10.7 k rows of 260 B written one per record at
+random places of a 1.5 GiB file cost ~75 ms of kernel time (a page-cache walk per row);
+written as one run, ~1-2 ms.  This is OneFlow's persistent table (rows appended to chunk
+files, the key index in memory) rather than a rewrite-in-place file or an LSM store.
+
+The file is a sequence of segments of S records (about 1 MiB each).  Per logical row
+(the key index's slot) ``rec`` holds its record (-1: none on disk); per segment ``live``
+counts the records that are some row's current one.  Writes fill the open segment,
+then empty segments (every record garbage), then new segments at the end of the file.
+When the file would grow past ``(1 + SLACK)`` times the live records, the emptiest
+segments are cleaned first: their live rows are read and written again with the batch
+(so their segments become empty), which bounds the disk to ~1.25x the rows it holds.
+
+A row whose cached copy is dirty has no record (``release``): its old record is garbage
+from the moment the cache holds a newer value, so segments drain as rows are read back.
+
+Nothing here touches the file: TieredStore reads and writes records with RowFile and
+calls ``commit`` only after a write succeeded, so a failed write (the disk full) leaves
+every row where it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import StoreError
+
+__all__ = ["RecordSpace", "SLACK"]
+
+SLACK = 0.25  # garbage the file may hold beside its live records before segments are cleaned
+_SEGMENT_BYTES = 1 << 20
+_MAX_RECORDS = 2**31 - 1  # rec is int32
+_CLEAN_MAX_LIVE = 0.875  # a segment fuller than this is not worth cleaning: the file grows instead
+
+
+class Plan:
+    """Records for a write of n rows, and the allocator's state once they are committed."""
+
+    __slots__ = ("records", "open_seg", "open_next", "free", "nseg")
+
+    def __init__(self, records, open_seg, open_next, free, nseg) -> None:
+        self.records, self.open_seg, self.open_next, self.free, self.nseg = records, open_seg, open_next, free, nseg
+
+
+class RecordSpace:
+    """The tier file's record map and allocator (see the module docstring)."""
+
+    def __init__(self, record_bytes: int, table: str, segment_bytes: int | None = None) -> None:
+        self.table = table
+        self.S = max(16, int(segment_bytes or _SEGMENT_BYTES) // int(record_bytes))
+        self.rec = torch.zeros(0, dtype=torch.int32)  # logical row -> record (-1: not on disk)
+        self.live = torch.zeros(0, dtype=torch.int64)  # per segment
+        self.owner = torch.zeros(0, dtype=torch.int32)  # record -> the logical row written there last
+        self.n_live = 0
+        self.nseg = 0
+        self.open_seg, self.open_next = -1, 0  # records open_seg*S + open_next.. are the next to write
+        self.free: list[int] = []  # empty segments (not the open one), reused smallest last
+        self.relocated = 0  # rows moved by cleaning, ever
+
+    # ----------------------------------------------------------------- sizes
+    def grow(self, n_logical: int) -> None:
+        have = self.rec.numel()
+        if n_logical > have:
+            self.rec = torch.cat([self.rec, torch.full((n_logical - have,), -1, dtype=torch.int32)])
+
+    @property
+    def records(self) -> int:
+        """Records the file spans (live or garbage)."""
+        return self.nseg * self.S
+
+    def memory_bytes(self) -> int:
+        return self.rec.numel() * 4 + self.owner.numel() * 4 + self.live.numel() * 8
+
+    # ----------------------------------------------------------------- reading
+    def records_of(self, logical: torch.Tensor) -> torch.Tensor:
+        """int64 records of `logical` rows (-1: not on disk)."""
+        return self.rec[logical].to(torch.int64)
+
+    def on_disk(self, logical: torch.Tensor) -> torch.Tensor:
+        return self.rec[logical] >= 0
+
+    # ----------------------------------------------------------------- changes
+    def release(self, logical: torch.Tensor) -> None:
+        """These rows' records become garbage (the row is dirty in the cache, or gone)."""
+        if logical.numel() == 0:
+            return
+        old = self.rec[logical]
+        had = old >= 0
+        if not bool(had.any()):
+            return
+        old = old[had].to(torch.int64)
+        self.rec[logical[had]] = -1
+        self._drop(old)
+
+    def _drop(self, records: torch.Tensor) -> None:
+        segs = records // self.S
+        self.live.index_add_(0, segs, torch.full_like(segs, -1))
+        self.n_live -= records.numel()
+        touched = torch.unique(segs)
+        self._add_free(touched[self.live[touched] == 0].tolist())
+
+    def _add_free(self, empty: list[int]) -> None:
+        """Empty segments join the free list (not the open one, none twice)."""
+        if empty:
+            have = set(self.free)
+            self.free.extend(s for s in empty if s != self.open_seg and s not in have)
+
+    def plan(self, n: int) -> Plan:
+        """Records for n rows: the rest of the open segment, then empty segments, then new ones at the
+        end of the file.  Changes nothing until ``commit``."""
+        parts = []
+        open_seg, open_next, free, nseg = self.open_seg, self.open_next, list(self.free), self.nseg
+        left = n
+        while left > 0:
+            if open_seg < 0 or open_next >= self.S:
+                if free:
+                    open_seg = free.pop()
+                else:
+                    open_seg, nseg = nseg, nseg + 1
+                    if nseg * self.S > _MAX_RECORDS:
+                        raise StoreError(f"table '{self.table}': the tier file would pass {_MAX_RECORDS} records")
+                open_next = 0
+            take = min(left, self.S - open_next)
+            start = open_seg * self.S + open_next
+            parts.append(torch.arange(start, start + take, dtype=torch.int64))
+            open_next += take
+            left -= take
+        records = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return Plan(records, open_seg, open_next, free, nseg)
+
+    def commit(self, plan: Plan, logical: torch.Tensor) -> None:
+        """Rows `logical` now live at ``plan.records`` (written); their old records become garbage."""
+        if self.live.numel() < plan.nseg:
+            grow = plan.nseg - self.live.numel()
+            self.live = torch.cat([self.live, torch.zeros(grow, dtype=torch.int64)])
+            self.owner = torch.cat([self.owner, torch.full((grow * self.S,), -1, dtype=torch.int32)])
+        old = self.rec[logical]
+        had = old >= 0
+        was_open = self.open_seg
+        self.open_seg, self.open_next, self.free, self.nseg = plan.open_seg, plan.open_next, plan.free, plan.nseg
+        self.rec[logical] = plan.records.to(torch.int32)
+        self.owner[plan.records] = logical.to(torch.int32)
+        segs = plan.records // self.S
+        self.live.index_add_(0, segs, torch.ones_like(segs))
+        self.n_live += plan.records.numel()
+        if bool(had.any()):
+            self._drop(old[had].to(torch.int64))
+        if 0 <= was_open != self.open_seg and int(self.live[was_open]) == 0:  # emptied while it was open
+            self._add_free([was_open])
+
+    # ----------------------------------------------------------------- cleaning
+    def to_clean(self, n: int) -> torch.Tensor:
+        """Logical rows to move before a write of n rows, so that the file stays within ~(1 + SLACK) x
+        its live records: the rows of the emptiest segments.  Empty while the write fits in the room
+        there is (open segment, empty segments) or the file may still grow.
+
+        The caller writes the moved rows first (their segments are then empty), then the n rows.
+        Enough segments are cleaned that the room left afterwards holds the next move of this size:
+        in steady state the file stops growing."""
+        room = (self.S - self.open_next if self.open_seg >= 0 else 0) + len(self.free) * self.S
+        bound = int((self.n_live + n) * (1 + SLACK)) + 2 * self.S
+        if self.records + max(0, n - room) <= bound or self.nseg == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        live = self.live[: self.nseg].clone()
+        if self.open_seg >= 0:
+            live[self.open_seg] = self.S  # never the open one
+        if self.free:
+            live[torch.tensor(self.free, dtype=torch.int64)] = self.S
+        lv, order = torch.sort(live, stable=True)
+        # Segments nearly full are not worth their moves while the file is near its bound; past it
+        # by half the slack, any segment with garbage is (the disk is the harder limit).
+        full = self.S - 1 if self.records > bound * (1 + SLACK / 2) else int(self.S * _CLEAN_MAX_LIVE)
+        worth = int((lv <= full).sum())
+        if worth == 0:  # every segment full: the file grows
+            return torch.zeros(0, dtype=torch.int64)
+        moved = lv[:worth].cumsum(0)
+        freed = self.S * torch.arange(1, worth + 1)
+        room_after = freed - n + (room - moved).clamp(min=0)  # after the move, then the write
+        ok = (room_after >= moved + self.S).nonzero()
+        k = int(ok[0]) + 1 if ok.numel() else worth
+        segs = order[:k]
+        recs = (segs.unsqueeze(1) * self.S + torch.arange(self.S)).reshape(-1)
+        lg = self.owner[recs].to(torch.int64)
+        ok = lg >= 0
+        lg, recs = lg[ok], recs[ok]
+        moved = lg[self.rec[lg].to(torch.int64) == recs]  # the record is still that row's current one
+        return moved
