@@ -6,13 +6,12 @@ Layout (measured against a RocksDB tier in bench/tiered.py)::
         tier.json        which table, row layout and run own the directory
         LOCK             flock'ed while a process has the table open
         rows-<id>.bin    record r (one row: weights then optimizer state, the layout's
-                         storage dtype) at byte r * record_bytes; r is the row's slot in the
-                         key index, so a row keeps its place for its whole life
+                         storage dtype) at byte r * record_bytes; which record holds
+                         which row is RecordSpace's (store/_tier_space.py): rows written
+                         back are appended as one run, in segments a cleaner reuses
 
-A row is rewritten in place when the cache evicts it dirty: no log to compact (an LSM
-store such as RocksDB rewrites every row on compaction, competing with training for
-the cores), at the price of random writes, which the write-back issues in file order.
-The key index never goes to disk: it stays in memory (reported as the index's bytes).
+The key index and the record map never go to disk: they stay in memory (reported
+beside the budget).
 
 The rows file is scratch: a snapshot holds the table, and a run that resumes rebuilds
 its tier from it.  A cleanly closed table leaves its directory empty; one left behind by
