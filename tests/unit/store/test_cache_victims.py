@@ -88,22 +88,24 @@ def test_an_excluded_slot_out_of_range_is_refused():
     assert run([0, 1], [0, 0], [1, 2], None, [0], 0, 1)[1].tolist() == [1]  # and nothing was left marked
 
 
-def test_many_ties_at_scale_match_a_sort():
+@pytest.mark.parametrize("tick_span", [20, 2**40])  # one histogram round per column; rounds past its window
+def test_many_candidates_match_a_sort(tick_span):
     g = torch.Generator().manual_seed(0)
-    cap = 200_003
-    owner = torch.where(torch.rand(cap, generator=g) < 0.9, torch.arange(cap), -1)
-    tick = torch.randint(0, 20, (cap,), generator=g)
+    cap = 300_007  # enough candidates for the widest histogram
+    owner = torch.where(torch.rand(cap, generator=g) < 0.95, torch.arange(cap), -1)
+    tick = torch.randint(0, tick_span, (cap,), generator=g)
     keys = torch.randperm(cap, generator=g) * 7 - cap
     freq = torch.randint(0, 4, (cap,), generator=g, dtype=torch.int32)
     exclude = torch.randint(-1, cap, (5000,), generator=g)
     for f in (None, freq):
-        n, got = cache_victims(owner, tick, keys, f, exclude, 10, 3125)
-        cand = (owner >= 0).clone()
-        cand[exclude[exclude >= 0]] = False
-        idx = cand.nonzero().squeeze(1)
-        assert n == idx.numel()
-        cols = [tick[idx], keys[idx]] if f is None else [f[idx].long(), tick[idx], keys[idx]]
-        order = torch.arange(idx.numel())
-        for c in reversed(cols):  # stable sorts, last column first: a lexicographic order
-            order = order[c[order].sort(stable=True).indices]
-        assert torch.equal(got, idx[order[:3125]].sort().values)
+        for want in (1, 4700, 150_000):
+            n, got = cache_victims(owner, tick, keys, f, exclude, 10, want)
+            cand = (owner >= 0).clone()
+            cand[exclude[exclude >= 0]] = False
+            idx = cand.nonzero().squeeze(1)
+            assert n == idx.numel()
+            cols = [tick[idx], keys[idx]] if f is None else [f[idx].long(), tick[idx], keys[idx]]
+            order = torch.arange(idx.numel())
+            for c in reversed(cols):  # stable sorts, last column first: a lexicographic order
+                order = order[c[order].sort(stable=True).indices]
+            assert torch.equal(got, idx[order[:want]].sort().values)
