@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .. import _native
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from ._common import (as_counts, as_keys, as_slots, check_step, direct_write, gather_rows, init_rows, lowest_k,
                       scatter_rows)
@@ -65,6 +66,29 @@ _CHUNK_ROWS = 1 << 16  # rows per chunk when streaming a table in or out
 def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
     """Rows a cache of `memory_budget` bytes holds (each row with its slot metadata)."""
     return int(memory_budget) // (int(row_bytes) + SLOT_METADATA_BYTES)
+
+
+def cache_victims(owner: torch.Tensor, tick: torch.Tensor, keys: torch.Tensor, freq: torch.Tensor | None,
+                  exclude: torch.Tensor, min_take: int, want: int) -> tuple[int, torch.Tensor]:
+    """he_cache_victims (csrc/tier_cache.cpp): among cache slots s with ``owner[s] >= 0`` not in `exclude`
+    (entries < 0 ignored), the ``min(candidates, want)`` smallest by (freq[s], tick[s], keys[s]) --
+    (tick[s], keys[s]) when `freq` is None -- in ascending slot order.  Returns (candidates, victims);
+    victims is empty when there are fewer than `min_take` candidates, or n < 0 for bad arguments."""
+    cap = owner.numel()
+    owner = _native.check(owner, torch.int64, "cache owners")
+    tick = _native.check(tick, torch.int64, "cache ticks", cap)
+    keys = _native.check(keys, torch.int64, "cache keys", cap)
+    if freq is not None:
+        freq = _native.check(freq, torch.int32, "cache counts", cap)
+    exclude = _native.check(exclude.reshape(-1).to(torch.int64).contiguous(), torch.int64, "excluded cache slots")
+    out = torch.empty(max(0, min(int(want), cap)), dtype=torch.int64)
+    P, I64 = _native.PTR, _native.I64
+    n = int(_native.fn("he_cache_victims", I64, P, P, P, P, P, I64, I64, I64, P)(
+        cap, _native.ptr(owner), _native.ptr(tick), _native.ptr(keys), _native.ptr(freq), _native.ptr(exclude),
+        exclude.numel(), int(min_take), int(want), _native.ptr(out)))
+    if n < 0 or n < min_take:
+        return n, out[:0]
+    return n, out[: min(n, out.numel())]
 
 
 class TieredStore(LayoutViews, Pinnable):
@@ -231,9 +255,40 @@ class TieredStore(LayoutViews, Pinnable):
         if need <= self._nfree:
             return
         short = need - self._nfree
-        used = self._owner >= 0
-        cand = used.clone()
         mine = res[res >= 0]
+        want = short + self.capacity_rows // _EVICT_SLACK
+        if _native.available():
+            victims = self._victims_native(mine, need, short, want)
+        else:
+            victims = self._victims_torch(mine, need, short, want)
+        self._write_back(victims)
+        self._release_slots(victims)
+        self._cache_epoch += 1
+
+    def _capacity_error(self, need: int, mine: torch.Tensor, candidates: int) -> CapacityError:
+        used = int((self._owner >= 0).sum())
+        return CapacityError(
+            f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
+            f"more resident beside its {mine.numel()}, and only {candidates} can leave the cache "
+            f"({used - candidates - mine.numel()} are pinned by batches whose backward has not "
+            f"run): raise memory_budget")
+
+    def _victims_native(self, mine: torch.Tensor, need: int, short: int, want: int) -> torch.Tensor:
+        """The victims (ascending cache slots) chosen by he_cache_victims (csrc/tier_cache.cpp): one pass
+        over the slots' metadata and a selection, no tensor over all C slots."""
+        pinned = self._pins.slots()
+        exclude = mine if pinned is None else torch.cat([mine, pinned.to(torch.int64)])
+        freq = None if self.cache_policy == "lru" else self._slot_freq
+        n, victims = cache_victims(self._owner, self._tick, self._keys, freq, exclude, short, want)
+        if n < 0:
+            raise StoreError(f"table '{self.name}': he_cache_victims failed with code {n} (internal error)")
+        if n < short:
+            raise self._capacity_error(need, mine, n)
+        return victims
+
+    def _victims_torch(self, mine: torch.Tensor, need: int, short: int, want: int) -> torch.Tensor:
+        """The plain-PyTorch twin of _victims_native (the kernels not built or disabled)."""
+        cand = self._owner >= 0
         cand[mine] = False
         pinned = self._pins.slots()
         if pinned is not None:
@@ -241,20 +296,13 @@ class TieredStore(LayoutViews, Pinnable):
             cand[p] = False
         idx = cand.nonzero().squeeze(1)
         if idx.numel() < short:
-            raise CapacityError(
-                f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
-                f"more resident beside its {mine.numel()}, and only {idx.numel()} can leave the cache "
-                f"({int(used.sum()) - idx.numel() - mine.numel()} are pinned by batches whose backward has not "
-                f"run): raise memory_budget")
-        take = min(idx.numel(), short + self.capacity_rows // _EVICT_SLACK)
+            raise self._capacity_error(need, mine, idx.numel())
+        take = min(idx.numel(), want)
         if self.cache_policy == "lru":
             cols = [self._tick[idx], self._keys[idx]]
         else:  # the slots' own copy: a gather over the logical map per eviction cost ~27 ms at 700 k slots
             cols = [self._slot_freq[idx].to(torch.int64), self._tick[idx], self._keys[idx]]
-        victims = idx[lowest_k(cols, take)]
-        self._write_back(victims)
-        self._release_slots(victims)
-        self._cache_epoch += 1
+        return idx[lowest_k(cols, take)]
 
     def _set_dirty(self, slots: torch.Tensor) -> None:
         """The cached rows at `slots` are (about to be) newer than any copy on disk: their records are
