@@ -30,21 +30,24 @@ import torch
 
 from ..errors import StoreError
 
-__all__ = ["RecordSpace", "SLACK"]
+__all__ = ["RecordSpace", "SLACK", "EVICTED", "MOVED"]
 
+EVICTED, MOVED = 0, 1  # the write streams (see RecordSpace.open_seg)
 SLACK = 0.25  # garbage the file may hold beside its live records before segments are cleaned
 _SEGMENT_BYTES = 1 << 20
 _MAX_RECORDS = 2**31 - 1  # rec is int32
+_AHEAD = 4  # room kept ahead, in write-backs
 _CLEAN_MAX_LIVE = 0.875  # a segment fuller than this is not worth cleaning: the file grows instead
 
 
 class Plan:
     """Records for a write of n rows, and the allocator's state once they are committed."""
 
-    __slots__ = ("records", "open_seg", "open_next", "free", "nseg")
+    __slots__ = ("records", "stream", "open_seg", "open_next", "free", "nseg")
 
-    def __init__(self, records, open_seg, open_next, free, nseg) -> None:
-        self.records, self.open_seg, self.open_next, self.free, self.nseg = records, open_seg, open_next, free, nseg
+    def __init__(self, records, stream, open_seg, open_next, free, nseg) -> None:
+        self.records, self.stream, self.open_seg, self.open_next = records, stream, open_seg, open_next
+        self.free, self.nseg = free, nseg
 
 
 class RecordSpace:
@@ -58,7 +61,11 @@ class RecordSpace:
         self.owner = torch.zeros(0, dtype=torch.int32)  # record -> the logical row written there last
         self.n_live = 0
         self.nseg = 0
-        self.open_seg, self.open_next = -1, 0  # records open_seg*S + open_next.. are the next to write
+        # Per stream (EVICTED: rows written back; MOVED: rows a cleaning moved, the ones that stayed
+        # live in their segment: colder), its open segment and the next record to write there.  Two
+        # streams keep cold rows apart from rows likely to be read back soon, so segments of the
+        # first stay full and segments of the second drain: cleaning then finds more garbage.
+        self.open_seg, self.open_next = [-1, -1], [0, 0]
         self.free: list[int] = []  # empty segments (not the open one), reused smallest last
         self.relocated = 0  # rows moved by cleaning, ever
 
@@ -108,13 +115,14 @@ class RecordSpace:
         """Empty segments join the free list (not the open one, none twice)."""
         if empty:
             have = set(self.free)
-            self.free.extend(s for s in empty if s != self.open_seg and s not in have)
+            self.free.extend(s for s in empty if s not in self.open_seg and s not in have)
 
-    def plan(self, n: int) -> Plan:
-        """Records for n rows: the rest of the open segment, then empty segments, then new ones at the
-        end of the file.  Changes nothing until ``commit``."""
+    def plan(self, n: int, stream: int = 0) -> Plan:
+        """Records for n rows of `stream` (EVICTED or MOVED): the rest of its open segment, then empty
+        segments, then new ones at the end of the file.  Changes nothing until ``commit``."""
         parts = []
-        open_seg, open_next, free, nseg = self.open_seg, self.open_next, list(self.free), self.nseg
+        open_seg, open_next = self.open_seg[stream], self.open_next[stream]
+        free, nseg = list(self.free), self.nseg
         left = n
         while left > 0:
             if open_seg < 0 or open_next >= self.S:
@@ -131,7 +139,7 @@ class RecordSpace:
             open_next += take
             left -= take
         records = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        return Plan(records, open_seg, open_next, free, nseg)
+        return Plan(records, stream, open_seg, open_next, free, nseg)
 
     def commit(self, plan: Plan, logical: torch.Tensor) -> None:
         """Rows `logical` now live at ``plan.records`` (written); their old records become garbage."""
@@ -141,8 +149,9 @@ class RecordSpace:
             self.owner = torch.cat([self.owner, torch.full((grow * self.S,), -1, dtype=torch.int32)])
         old = self.rec[logical]
         had = old >= 0
-        was_open = self.open_seg
-        self.open_seg, self.open_next, self.free, self.nseg = plan.open_seg, plan.open_next, plan.free, plan.nseg
+        was_open = self.open_seg[plan.stream]
+        self.open_seg[plan.stream], self.open_next[plan.stream] = plan.open_seg, plan.open_next
+        self.free, self.nseg = plan.free, plan.nseg
         self.rec[logical] = plan.records.to(torch.int32)
         self.owner[plan.records] = logical.to(torch.int32)
         segs = plan.records // self.S
@@ -150,25 +159,30 @@ class RecordSpace:
         self.n_live += plan.records.numel()
         if bool(had.any()):
             self._drop(old[had].to(torch.int64))
-        if 0 <= was_open != self.open_seg and int(self.live[was_open]) == 0:  # emptied while it was open
+        if 0 <= was_open != plan.open_seg and int(self.live[was_open]) == 0:  # emptied while it was open
             self._add_free([was_open])
 
     # ----------------------------------------------------------------- cleaning
     def to_clean(self, n: int) -> torch.Tensor:
         """Logical rows to move before a write of n rows, so that the file stays within ~(1 + SLACK) x
-        its live records: the rows of the emptiest segments.  Empty while the write fits in the room
-        there is (open segment, empty segments) or the file may still grow.
+        its live records: the rows of the emptiest segments.  Empty while the file may still grow, or
+        the room there is (open segment, empty segments) holds this write and a reserve of a few
+        more: cleaning as late as that finds the most garbage in the segments it cleans.
 
         The caller writes the moved rows first (their segments are then empty), then the n rows.
-        Enough segments are cleaned that the room left afterwards holds the next move of this size:
-        in steady state the file stops growing."""
-        room = (self.S - self.open_next if self.open_seg >= 0 else 0) + len(self.free) * self.S
+        Enough segments are cleaned to keep room for a few write-backs ahead, so that a move finds
+        its room; a call moves at most that room's worth (bounded work per step).  The file stops
+        growing once the emptiest segments are at most ~4/5 live (at the latest near 1.4x)."""
+        room = len(self.free) * self.S + sum(self.S - nx for sg, nx in zip(self.open_seg, self.open_next) if sg >= 0)
         bound = int((self.n_live + n) * (1 + SLACK)) + 2 * self.S
-        if self.records + max(0, n - room) <= bound or self.nseg == 0:
-            return torch.zeros(0, dtype=torch.int64)
+        reserve = _AHEAD * n + self.S
+        if self.records + max(0, n - room) <= bound or room >= reserve + n or self.nseg == 0:
+            return torch.zeros(0, dtype=torch.int64)  # grow within the bound, or write into the room
+
         live = self.live[: self.nseg].clone()
-        if self.open_seg >= 0:
-            live[self.open_seg] = self.S  # never the open one
+        for sg in self.open_seg:
+            if sg >= 0:
+                live[sg] = self.S  # never an open one
         if self.free:
             live[torch.tensor(self.free, dtype=torch.int64)] = self.S
         lv, order = torch.sort(live, stable=True)
@@ -179,10 +193,13 @@ class RecordSpace:
         if worth == 0:  # every segment full: the file grows
             return torch.zeros(0, dtype=torch.int64)
         moved = lv[:worth].cumsum(0)
-        freed = self.S * torch.arange(1, worth + 1)
-        room_after = freed - n + (room - moved).clamp(min=0)  # after the move, then the write
-        ok = (room_after >= moved + self.S).nonzero()
-        k = int(ok[0]) + 1 if ok.numel() else worth
+        gain = self.S * torch.arange(1, worth + 1) - moved
+        # Keep room ahead (a next write-back and a full move fit without growing the file), but
+        # move at most what that room (or 4 write-backs) holds per call: bounded work per step.
+        need = n + reserve - room
+        k_max = max(1, int((moved <= max(room, _AHEAD * n)).sum()))
+        ok = (gain[:k_max] >= need).nonzero()
+        k = int(ok[0]) + 1 if ok.numel() else k_max
         segs = order[:k]
         recs = (segs.unsqueeze(1) * self.S + torch.arange(self.S)).reshape(-1)
         lg = self.owner[recs].to(torch.int64)

@@ -47,7 +47,7 @@ from ._layout import LayoutViews, check_import_rows
 from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 from ._tier_file import IO_THREADS, RowFile, TableDir
-from ._tier_space import RecordSpace
+from ._tier_space import MOVED, RecordSpace
 
 __all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for"]
 
@@ -321,12 +321,8 @@ class TieredStore(LayoutViews, Pinnable):
         rows = self._rows.index_select(0, d)
         move = self._space.to_clean(d.numel())
         if move.numel():  # first the rows of the segments cleaned: their values do not change
-            rec = self._space.records_of(move)
-            order = rec.argsort()
-            move = move[order]
-            moved = self.layout.empty(move.numel())
-            self.file.read(rec[order], moved)
-            plan = self._space.plan(move.numel())
+            moved = self._read_segments_rows(move)
+            plan = self._space.plan(move.numel(), MOVED)
             self.file.write(plan.records, moved)
             self._space.commit(plan, move)
             self._mark_stale(move)
@@ -337,6 +333,17 @@ class TieredStore(LayoutViews, Pinnable):
         self._dirty[d] = False
         self.stats["rows_written"] += d.numel()
         self.stats["rows_relocated"] += move.numel()
+
+    def _read_segments_rows(self, logical: torch.Tensor) -> torch.Tensor:
+        """The rows of `logical` (on disk, a cleaning's moves: most records of a few segments), read as
+        whole segments (a few large sequential reads instead of one per run of live records)."""
+        S = self._space.S
+        rec = self._space.records_of(logical)
+        segs, where = torch.unique(rec // S, return_inverse=True)
+        whole = (segs.unsqueeze(1) * S + torch.arange(S)).reshape(-1)
+        buf = self.layout.empty(whole.numel())
+        self.file.read(whole, buf)
+        return buf.index_select(0, where * S + rec % S)
 
     def _release_slots(self, slots: torch.Tensor) -> None:
         """Cache slots back to the free stack (their rows are on disk or not needed)."""

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hugeembed.store._tier_space import SLACK, RecordSpace
+from hugeembed.store._tier_space import MOVED, SLACK, RecordSpace
 
 ROWS = 400
 
@@ -24,7 +24,7 @@ def write(space: RecordSpace, file: dict, rows: dict, logical: list[int], value:
     live_before = {int(space.rec[r]) for r in range(ROWS) if int(space.rec[r]) >= 0}
     if move.numel():  # first the moves (values unchanged), then the rows
         moved_vals = [file[int(space.rec[m])] for m in move.tolist()]
-        plan = space.plan(move.numel())
+        plan = space.plan(move.numel(), MOVED)
         assert not live_before & set(plan.records.tolist()), "a move over a live record"
         for r, v in zip(plan.records.tolist(), moved_vals):
             file[r] = v
@@ -53,7 +53,7 @@ def check(space: RecordSpace, file: dict, rows: dict) -> None:
     assert space.live[: space.nseg].tolist() == counts
     empty = {s for s in range(space.nseg) if counts[s] == 0}
     assert set(space.free) <= empty and len(space.free) == len(set(space.free))
-    assert empty - set(space.free) <= {space.open_seg}, "an empty segment is neither free nor open: leaked"
+    assert empty - set(space.free) <= set(space.open_seg), "an empty segment is neither free nor open: leaked"
 
 
 @settings(max_examples=40)
