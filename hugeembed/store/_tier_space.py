@@ -117,9 +117,10 @@ class RecordSpace:
             have = set(self.free)
             self.free.extend(s for s in empty if s not in self.open_seg and s not in have)
 
-    def plan(self, n: int, stream: int = 0) -> Plan:
-        """Records for n rows of `stream` (EVICTED or MOVED): the rest of its open segment, then empty
-        segments, then new ones at the end of the file.  Changes nothing until ``commit``."""
+    def plan(self, logical: torch.Tensor, stream: int = EVICTED) -> Plan:
+        """Records for the rows `logical` of `stream` (EVICTED or MOVED): the rest of its open segment,
+        then empty segments, then new ones at the end of the file.  Changes nothing until ``commit``."""
+        n = logical.numel()
         parts = []
         open_seg, open_next = self.open_seg[stream], self.open_next[stream]
         free, nseg = list(self.free), self.nseg
@@ -143,10 +144,14 @@ class RecordSpace:
 
     def commit(self, plan: Plan, logical: torch.Tensor) -> None:
         """Rows `logical` now live at ``plan.records`` (written); their old records become garbage."""
-        if self.live.numel() < plan.nseg:
-            grow = plan.nseg - self.live.numel()
-            self.live = torch.cat([self.live, torch.zeros(grow, dtype=torch.int64)])
-            self.owner = torch.cat([self.owner, torch.full((grow * self.S,), -1, dtype=torch.int32)])
+        if self.live.numel() < plan.nseg:  # grown by half at a time: a file grows a segment at a time
+            have = self.live.numel()
+            keep = max(plan.nseg, have + have // 2 + 16)
+            live = torch.zeros(keep, dtype=torch.int64)
+            live[:have] = self.live
+            owner = torch.full((keep * self.S,), -1, dtype=torch.int32)
+            owner[: self.owner.numel()] = self.owner
+            self.live, self.owner = live, owner
         old = self.rec[logical]
         had = old >= 0
         was_open = self.open_seg[plan.stream]

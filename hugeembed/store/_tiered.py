@@ -317,22 +317,26 @@ class TieredStore(LayoutViews, Pinnable):
         d = slots[self._dirty[slots]]
         if d.numel() == 0:
             return
-        own = self._owner[d]
-        rows = self._rows.index_select(0, d)
-        move = self._space.to_clean(d.numel())
-        if move.numel():  # first the rows of the segments cleaned: their values do not change
+        self._append(self._owner[d], self._rows.index_select(0, d))
+        self._dirty[d] = False
+        self.stats["rows_written"] += d.numel()
+
+    def _append(self, logical: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes `rows` as the rows of `logical` to fresh records, first moving the rows of the segments
+        the space cleans to make room (their values do not change).  Records are committed after their
+        write: a failure leaves every row readable where it was."""
+        move = self._space.to_clean(logical.numel())
+        if move.numel():
             moved = self._read_segments_rows(move)
-            plan = self._space.plan(move.numel(), MOVED)
+            plan = self._space.plan(move, MOVED)
             self.file.write(plan.records, moved)
             self._space.commit(plan, move)
             self._mark_stale(move)
-        plan = self._space.plan(own.numel())
+            self.stats["rows_relocated"] += move.numel()
+        plan = self._space.plan(logical)
         self.file.write(plan.records, rows)
-        self._space.commit(plan, own)
-        self._mark_stale(own)
-        self._dirty[d] = False
-        self.stats["rows_written"] += d.numel()
-        self.stats["rows_relocated"] += move.numel()
+        self._space.commit(plan, logical)
+        self._mark_stale(logical)
 
     def _read_segments_rows(self, logical: torch.Tensor) -> torch.Tensor:
         """The rows of `logical` (on disk, a cleaning's moves: most records of a few segments), read as
@@ -614,11 +618,7 @@ class TieredStore(LayoutViews, Pinnable):
                 self._set_dirty(cs[res])
             disk = ~res
             if bool(disk.any()):
-                lg, r = logical[disk], rows[disk].contiguous()
-                plan = self._space.plan(lg.numel())
-                self.file.write(plan.records, r)
-                self._space.commit(plan, lg)
-                self._mark_stale(lg)
+                self._append(logical[disk], rows[disk].contiguous())
         self._cache_epoch += 1
 
     def update_all(self, fn) -> None:

@@ -24,13 +24,13 @@ def write(space: RecordSpace, file: dict, rows: dict, logical: list[int], value:
     live_before = {int(space.rec[r]) for r in range(ROWS) if int(space.rec[r]) >= 0}
     if move.numel():  # first the moves (values unchanged), then the rows
         moved_vals = [file[int(space.rec[m])] for m in move.tolist()]
-        plan = space.plan(move.numel(), MOVED)
+        plan = space.plan(move, MOVED)
         assert not live_before & set(plan.records.tolist()), "a move over a live record"
         for r, v in zip(plan.records.tolist(), moved_vals):
             file[r] = v
         space.commit(plan, move)
         live_before = {int(space.rec[r]) for r in range(ROWS) if int(space.rec[r]) >= 0}
-    plan = space.plan(len(own))
+    plan = space.plan(torch.tensor(own, dtype=torch.int64))
     assert not live_before & set(plan.records.tolist()), "a write over a live record"
     for i, r in enumerate(plan.records.tolist()):
         file[r] = value + i
