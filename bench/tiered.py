@@ -352,7 +352,7 @@ def case2(args, root: Path) -> None:
         keys = len(store)
         print_table(["memory", "bytes", "per key held" if args.scale_dynamic else "per row"], [
             ["resident rows (cache)", mib(mb["resident_rows"]), f"{rb} B per cached row"],
-            ["cache metadata", mib(mb["cache_metadata"]), "25 B per cached row"],
+            ["cache metadata", mib(mb["cache_metadata"]), f"{SLOT_METADATA_BYTES} B per cached row"],
             ["key index (memory_breakdown()['index'])", mib(mb["index"]), f"{mb['index'] / keys:.1f} B"],
             ["tier map", mib(mb["tier_map"]), f"{mb['tier_map'] / keys:.1f} B"],
             ["target: budget + index + 1 GiB", mib(limit), ""],

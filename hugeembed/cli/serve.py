@@ -11,7 +11,9 @@ def add_parser(sub) -> None:
     p.add_argument("artifact", metavar="PATH", help="directory written by `hugeembed export`")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="longest a request waits to be batched with others")
+    p.add_argument("--max-wait-ms", type=float, default=0.0,
+                   help="longest a model call waits for more requests (0: requests queued while the previous call "
+                        "ran join it, a lone one does not wait)")
     p.add_argument("--max-batch-rows", type=int, default=4096, help="rows per model call")
     p.add_argument("--watch", type=float, default=5.0, metavar="SECONDS",
                    help="look for new deltas under PATH/deltas this often (0: only POST /reload)")

@@ -8,8 +8,9 @@
     POST /reload    applies the deltas written since (also done every --watch seconds)
 
 Requests are parsed in the event loop (InputError -> 400 with its one line), then queued;
-one batcher task takes the first waiting request, gathers others for at most `max_wait_ms`
-(or until `max_batch_rows`), runs the model once on their concatenation in a worker thread
+one batcher task takes the first waiting request with the others already queued (they arrived
+while the previous call ran), gathers more for at most `max_wait_ms` (default 0: a lone request
+does not wait), up to `max_batch_rows`, runs the model once on their concatenation in a worker thread
 and hands each request its slice.  One model call reads one served version: every
 response (it names its version) comes from the old model or the new one, never a mix.
 """
@@ -36,11 +37,12 @@ __all__ = ["make_app", "serve", "ServerConfig", "Metrics"]
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Args: max_wait_ms: longest a request waits for others to join its batch; max_batch_rows: rows
+    """Args: max_wait_ms: longest a call waits for more requests to join it (0: none; requests that
+    arrived while the previous call ran join it anyway, so batches form under load); max_batch_rows: rows
     per model call (a bigger request runs alone); watch_s: seconds between looks for new deltas
     (0: only POST /reload); max_body_bytes: larger bodies get 413."""
 
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0
     max_batch_rows: int = 4096
     watch_s: float = 5.0
     max_body_bytes: int = MAX_BODY_BYTES
@@ -92,9 +94,12 @@ class _Batcher:
             rows = batch[0].dense.shape[0]
             deadline = loop.time() + self.cfg.max_wait_ms / 1000
             while rows < self.cfg.max_batch_rows:
+                left = deadline - loop.time()
+                if self.queue.empty() and left <= 0:  # nothing queued, no (more) wait: start the call
+                    break
                 try:
                     nxt = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(
-                        self.queue.get(), max(0.0, deadline - loop.time()))
+                        self.queue.get(), left)
                 except (asyncio.TimeoutError, TimeoutError):
                     break
                 batch.append(nxt)

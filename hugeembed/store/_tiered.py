@@ -141,7 +141,7 @@ class TieredStore(LayoutViews, Pinnable):
         self._keys = torch.zeros(cap, dtype=torch.int64)
         self._tick = torch.zeros(cap, dtype=torch.int64)
         self._dirty = torch.zeros(cap, dtype=torch.bool)
-        self._slot_freq = torch.zeros(cap, dtype=torch.int32)  # = _freq[_owner] of resident rows
+        self._slot_freq = torch.zeros(cap, dtype=torch.int32)  # accesses of resident rows (_freq: the others')
         self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # a stack: smallest slot on top
         self._nfree = cap
         self._where = torch.zeros(0, dtype=torch.int32)  # logical slot -> cache slot (-1: not resident)
@@ -307,8 +307,9 @@ class TieredStore(LayoutViews, Pinnable):
     def _set_dirty(self, slots: torch.Tensor) -> None:
         """The cached rows at `slots` are (about to be) newer than any copy on disk: their records are
         garbage from now on (a dirty row has none; it gets a new one when written back)."""
-        self._dirty[slots] = True
-        self._space.release(self._owner[slots])
+        new = slots[~self._dirty[slots]]  # rows dirty already have no record
+        self._dirty[new] = True
+        self._space.release(self._owner[new])
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Writes the dirty rows among cache `slots` to the tier as one run of fresh records (after moving
@@ -353,7 +354,9 @@ class TieredStore(LayoutViews, Pinnable):
         """Cache slots back to the free stack (their rows are on disk or not needed)."""
         if slots.numel() == 0:
             return
-        self._where[self._owner[slots]] = -1
+        own = self._owner[slots]
+        self._freq[own] = self._slot_freq[slots]
+        self._where[own] = -1
         self._owner[slots] = -1
         self._dirty[slots] = False
         n = slots.numel()
@@ -405,9 +408,8 @@ class TieredStore(LayoutViews, Pinnable):
         if training:
             self._set_dirty(cs)
             c = torch.ones_like(lv) if cv is None else cv
-            f = (self._freq[lv].to(torch.int64) + c).clamp_(max=2**31 - 1).to(torch.int32)
-            self._freq[lv] = f
-            self._slot_freq[cs] = f
+            # counted on the cache slot (a small array): the logical map gets it when the row leaves
+            self._slot_freq[cs] = (self._slot_freq[cs].to(torch.int64) + c).clamp_(max=2**31 - 1).to(torch.int32)
         total = int(cv.sum()) if cv is not None else lv.numel()
         missed = (int(cv[miss].sum()) if cv is not None else n_miss) if n_miss else 0
         self.stats["accesses"] += total
