@@ -58,7 +58,7 @@ def run(owner, tick, keys, freq, exclude, min_take, want):
                          t(exclude), min_take, want)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(caches())
 def test_victims_are_the_smallest_candidates_in_lexicographic_order(cache):
     n, got = run(*cache)
