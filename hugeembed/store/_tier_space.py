@@ -5,16 +5,17 @@ write-back of a batch of evicted rows is then one sequential run of records (a f
 large ``pwrite`` calls) instead of one small write per row at the row's fixed place.
 Measured on this project's 2-core VM: 10.7 k rows of 260 B written one per record at
 random places of a 1.5 GiB file cost ~75 ms of kernel time (a page-cache walk per row);
-written as one run, ~1-2 ms.  This is OneFlow's persistent table (rows appended to chunk
+written as one run, ~2-4 ms.  This is OneFlow's persistent table (rows appended to chunk
 files, the key index in memory) rather than a rewrite-in-place file or an LSM store.
 
 The file is a sequence of segments of S records (about 1 MiB each).  Per logical row
 (the key index's slot) ``rec`` holds its record (-1: none on disk); per segment ``live``
 counts the records that are some row's current one.  Writes fill the open segment,
 then empty segments (every record garbage), then new segments at the end of the file.
-When the file would grow past ``(1 + SLACK)`` times the live records, the emptiest
-segments are cleaned first: their live rows are read and written again with the batch
-(so their segments become empty), which bounds the disk to ~1.25x the rows it holds.
+When the file would grow past ``(1 + SLACK)`` times the live records and the room left is
+short, the emptiest segments are cleaned first: their live rows are read (whole segments)
+and written to a second stream of segments before the batch (so their segments become
+empty), which keeps the disk near 1.25x the rows it holds.
 
 A row whose cached copy is dirty has no record (``release``): its old record is garbage
 from the moment the cache holds a newer value, so segments drain as rows are read back.
@@ -66,8 +67,7 @@ class RecordSpace:
         # streams keep cold rows apart from rows likely to be read back soon, so segments of the
         # first stay full and segments of the second drain: cleaning then finds more garbage.
         self.open_seg, self.open_next = [-1, -1], [0, 0]
-        self.free: list[int] = []  # empty segments (not the open one), reused smallest last
-        self.relocated = 0  # rows moved by cleaning, ever
+        self.free: list[int] = []  # empty segments (not an open one), reused last in, first out
 
     # ----------------------------------------------------------------- sizes
     def grow(self, n_logical: int) -> None:
