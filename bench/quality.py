@@ -51,10 +51,12 @@ from hugeembed.training import TrainConfig, Trainer  # noqa: E402
 TARGET_CTR = 0.12
 
 # Named variants: TrainConfig settings added to the defaults (each measures one option).
+# torch.optim.Adam's betas / eps, and the last step's dense parameters: the run's settings before 2026-11-25
+_BEFORE_1125 = {"sparse_betas": (0.9, 0.999), "sparse_eps": 1e-8, "average_dense": False}
 VARIANTS: dict[str, dict[str, object]] = {
     # the defaults before issue 14: Adagrad lr 0.05, batch 1024, TF's truncated normal, a row per id
     "old_defaults": {"sparse_optimizer": "adagrad", "sparse_lr": 0.05, "batch_size": 1024,
-                     "init": "truncnormal:0.25", "admit_min_count": 1, "lr_decay": 0.0},
+                     "init": "truncnormal:0.25", "admit_min_count": 1, "lr_decay": 0.0, "average_dense": False},
     "admit1": {"admit_min_count": 1},
     "admit2": {"admit_min_count": 2},
     "admit5": {"admit_min_count": 5},
@@ -68,7 +70,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "no_lr_decay": {"lr_decay": 0.0},
     "init_uniform_0.01": {"init": "uniform:0.01"},
     "batch1024": {"batch_size": 1024},
-    "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3},  # the defaults before 2026-11-24 (docs/quality.md)
+    "torch_adam": {"sparse_betas": (0.9, 0.999), "sparse_eps": 1e-8},  # torch.optim.Adam's betas and eps
+    "beta1_0.9": {"sparse_betas": (0.9, 0.999)},
+    "eps1e-8": {"sparse_eps": 1e-8},
+    "no_average": {"average_dense": False},  # the last step's dense parameters
+    "defaults_1124": dict(_BEFORE_1125),  # the defaults of 2026-11-24 (docs/quality.md)
+    "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3, **_BEFORE_1125},  # the defaults before 2026-11-24
 }
 
 
@@ -177,6 +184,21 @@ def hugeembed(train: Path, test: Path, seed: int, overrides: dict[str, object]) 
     return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")}
 
 
+def _setting(value: str) -> object:
+    """A setting's value: true / false, an int, a float, numbers separated by / (a tuple:
+    ``sparse_betas=0.5/0.999``) or a string."""
+    if "/" in value:
+        return tuple(_setting(v) for v in value.split("/"))
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            continue
+    return value
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, object]]:
     """``"name:key=value,key=value"`` (values as TOML scalars would read) or a built-in name."""
     if ":" not in text:
@@ -189,14 +211,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
         key, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"--variant {text!r}: settings look like key=value, got {item!r}")
-        for conv in (int, float):
-            try:
-                out[key] = conv(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
+        out[key] = _setting(value)
     return name, out
 
 
@@ -210,7 +225,8 @@ def main() -> None:
                     "(default: Criteo Kaggle's counts, up to 10 M; the CLI's synthetic data caps at 1 M)")
     ap.add_argument("--variants", nargs="*", default=[], metavar="NAME", help=f"built in: {', '.join(VARIANTS)}")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                    help="an ad-hoc variant: TrainConfig settings over the defaults")
+                    help="an ad-hoc variant: TrainConfig settings over the defaults "
+                    "(A/B: a pair, e.g. sparse_betas=0.5/0.999)")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
     ap.add_argument("--quick", action="store_true", help="one seed, 100k training rows, 20k test rows")
     ap.add_argument("--workdir", help="where the data files are cached (default: a temporary directory)")

@@ -19,7 +19,8 @@ _FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
-           "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay")
+           "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
+           "sparse_eps", "average_dense")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -53,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=int)
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
     p.add_argument("--sparse-lr", type=float)
+    p.add_argument("--sparse-betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="Adam optimizers' betas "
+                   "(default 0 0.999: measured, docs/quality.md)")
+    p.add_argument("--sparse-eps", type=float, metavar="EPS", help="Adam optimizers' eps (default 1e-5: measured)")
     r = p.add_argument_group("initial rows and rare ids", "defaults measured against a plain-PyTorch DLRM: "
                              "docs/quality.md")
     r.add_argument("--init", metavar="SPEC", help="initial rows: uniform:SCALE, normal:STD, truncnormal:STD, or "
@@ -66,6 +70,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--lr-decay", type=float, metavar="FRACTION", help="both learning rates fall linearly to 0 over "
                    "this last fraction of the run (default 0.2; 0: constant)")
+    p.add_argument("--average-dense", action=argparse.BooleanOptionalAction, default=None,
+                   help="end the run with the dense parameters' mean over the --lr-decay phase (default on)")
     p.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     p.add_argument("--eval-rows", type=int, help="rows of the held-out set when no --eval-data is given")
     p.add_argument("--eval-fraction", type=float, help="share of a file smaller than --eval-rows that is held out "

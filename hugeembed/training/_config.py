@@ -21,6 +21,16 @@ __all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS", "MODELS"]
 DENSE_OPTIMIZER_CLASSES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 DENSE_OPTIMIZERS = tuple(DENSE_OPTIMIZER_CLASSES)
 SPARSE_OPTIMIZERS = tuple(_SPARSE_NAMES)  # every name hugeembed.optim.make_optimizer accepts
+# The sparse optimizers with Adam's betas and eps (the ones sparse_betas / sparse_eps apply to).
+ADAM_OPTIMIZERS = tuple(n for n, (rule, _) in _SPARSE_NAMES.items() if rule.name == "adam")
+# A training run's Adam settings when sparse_betas / sparse_eps are not given, measured by
+# bench/quality.py against a plain-PyTorch DLRM (docs/quality.md): no first moment (beta1 0) and
+# eps 1e-5 gave +0.004 to +0.007 AUC at 200 k rows (three seeds) and +0.0014 / +0.005 at 1 M rows
+# over torch's (0.9, 0.999) / 1e-8.  A row is updated only in the steps that hit it, so its first
+# moment mixes gradients of far-apart steps; eps 1e-5, against gradients of ~1e-5 to 1e-3 per
+# coordinate, makes a row's step smaller when its gradients are small.
+TRAIN_ADAM_BETAS = (0.0, 0.999)
+TRAIN_ADAM_EPS = 1e-5
 MODELS = MODEL_NAMES
 # Evaluations over a run by default (eval_every None): 10 points draw the held-out curves and the
 # COPC drift; each costs one pass over eval_rows (32 k rows: ~0.5 s on 2 cores for DLRM).
@@ -43,6 +53,10 @@ class TrainConfig:
         steps: training steps (None: `epochs` passes over the data; the synthetic data
             is endless, so it then uses `synthetic_rows` rows per epoch).
         sparse_optimizer, sparse_lr: the tables' optimizer (applied in backward).
+        sparse_betas, sparse_eps: Adam's betas and eps for the Adam optimizers (``adam``,
+            ``lazy_adam``, ``adam_per_row``, ``global_adam``); None: TRAIN_ADAM_BETAS (0, 0.999)
+            and TRAIN_ADAM_EPS 1e-5, measured (not torch's (0.9, 0.999), 1e-8).  Other
+            optimizers take neither.
         init: initial rows of the embedding tables: ``uniform:SCALE``, ``normal:STD``,
             ``truncnormal:STD``, or ``uniform`` (U(+-sqrt(1/n)) for n rows: needs `capacity`).
         admit_min_count: an id gets its own row at its k-th hit; rarer ids, and ids unseen
@@ -57,6 +71,10 @@ class TrainConfig:
         eval_every: evaluate every this many steps (0: only at the end; None: about
             EVAL_POINTS times over a run of known length, every 100 steps otherwise), so
             the curves of a short run (``--plot``) still show a trend.
+        average_dense: over the lr-decay phase, keep the mean of the dense parameters after each
+            step; the run's last step replaces the dense parameters by that mean (Polyak
+            averaging).  The end-of-run calibration then follows the whole phase, not its last
+            few batches.  Needs lr_decay > 0 and a run of known length (else it does nothing).
         checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable);
             pruning keeps every snapshot a kept delta needs.
         full_checkpoint_every: every this many snapshots one is full and the others are
@@ -96,6 +114,8 @@ class TrainConfig:
     epochs: int = 1
     sparse_optimizer: str = "adam_per_row"
     sparse_lr: float = 0.04
+    sparse_betas: tuple[float, float] | None = None
+    sparse_eps: float | None = None
     init: str = DEFAULT_INITIALIZER
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
@@ -106,6 +126,11 @@ class TrainConfig:
     # constant-lr run is as noisy as its middle); at lr 0.04, 1 M rows, seed 0 the last 10%, 20%,
     # 30% gave COPC 1.058, 0.999, 1.033 (docs/quality.md)
     lr_decay: float = 0.2
+    # measured by bench/quality.py: the held-out COPC of the last step's model was 0.977 / 1.034 /
+    # 1.029 (200 k rows seeds 0 and 1, 1 M rows seed 0) where the training batches scored before
+    # their update gave 1.008 / 0.989 / 1.004 over the decay phase; the averaged model gave
+    # 1.011 / 1.017 / 1.010 at the same AUC (docs/quality.md)
+    average_dense: bool = True
     eval_every: int | None = None
     eval_rows: int = 32768
     eval_fraction: float = 0.05
@@ -143,8 +168,9 @@ class TrainConfig:
             if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
                 raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                                   f"got {self.checkpoint_dir!r}")
-        if not isinstance(self.resume, bool):
-            raise ConfigError(f"resume must be true or false, got {self.resume!r}")
+        for name in ("resume", "average_dense"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{_key(name)} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 
@@ -193,6 +219,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive number, got {v!r}")
+        self._check_adam_settings()
         if isinstance(self.lr_decay, bool) or not (isinstance(self.lr_decay, (int, float))
                                                    and 0.0 <= self.lr_decay <= 1.0):
             raise ConfigError(f"lr-decay must be a fraction of the run in [0, 1], got {self.lr_decay!r}")
@@ -219,6 +246,31 @@ class TrainConfig:
                               "held-out rows (give --data too, or leave --eval-data out)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
+
+    def _check_adam_settings(self) -> None:
+        if self.sparse_betas is not None:
+            b = self.sparse_betas
+            if isinstance(b, list):
+                b = tuple(b)
+                object.__setattr__(self, "sparse_betas", b)
+            if not (isinstance(b, tuple) and len(b) == 2 and all(_real(x) and 0.0 <= x < 1.0 for x in b)):
+                raise ConfigError(f"sparse-betas must be two numbers in [0, 1) (beta1 beta2), got {b!r}")
+            object.__setattr__(self, "sparse_betas", (float(b[0]), float(b[1])))
+        if self.sparse_eps is not None and not (_real(self.sparse_eps) and self.sparse_eps > 0):
+            raise ConfigError(f"sparse-eps must be a positive number, got {self.sparse_eps!r}")
+        given = [_key(n) for n in ("sparse_betas", "sparse_eps") if getattr(self, n) is not None]
+        if given and self.sparse_optimizer not in ADAM_OPTIMIZERS:
+            raise ConfigError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to the Adam optimizers ({', '.join(ADAM_OPTIMIZERS)}), "
+                              f"not to sparse optimizer {self.sparse_optimizer!r}")
+
+    def sparse_optimizer_options(self) -> dict[str, Any]:
+        """The sparse optimizer's settings: its lr, and for Adam its betas and eps (the measured
+        training defaults where not given)."""
+        out: dict[str, Any] = {"lr": self.sparse_lr}
+        if self.sparse_optimizer in ADAM_OPTIMIZERS:
+            out["betas"] = self.sparse_betas if self.sparse_betas is not None else TRAIN_ADAM_BETAS
+            out["eps"] = self.sparse_eps if self.sparse_eps is not None else TRAIN_ADAM_EPS
+        return out
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
@@ -256,10 +308,16 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
+        if self.sparse_betas is not None:
+            d["sparse_betas"] = list(self.sparse_betas)
         return d
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _key(name: str) -> str:

@@ -12,8 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
+
 from ..errors import CheckpointError, ConfigError
-from ._config import TrainConfig
+from ._config import ADAM_OPTIMIZERS, TrainConfig
 
 __all__ = ["TrainState", "RunRecord"]
 
@@ -33,6 +35,10 @@ class TrainState:
     loss_count: int = 0
     history: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in _HISTORY_KEYS})
     last_eval: dict[str, float] | None = None
+    # TrainConfig.average_dense: the mean of the dense parameters over the decay phase so far
+    # (in the dense optimizer's parameter order) and the steps it covers; None outside the phase
+    dense_average: list[torch.Tensor] | None = None
+    dense_average_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,11 +52,13 @@ class TrainState:
         if not isinstance(data, Mapping):
             raise CheckpointError(f"{where}: train_state must be a mapping, got {_short(data)}")
         names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(data, Mapping) and "dense_average" not in data and "dense_average_steps" not in data:
+            data = {**data, "dense_average": None, "dense_average_steps": 0}  # saved before averaging existed
         missing = [n for n in names if n not in data]
         unknown = sorted(set(map(str, data)) - set(names))
         if missing or unknown:
             raise CheckpointError(f"{where}: train_state has missing fields {missing} / unknown fields {unknown}")
-        for n in ("step", "epoch", "step_in_epoch", "samples", "loss_count"):
+        for n in ("step", "epoch", "step_in_epoch", "samples", "loss_count", "dense_average_steps"):
             v = data[n]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(n, "a non-negative integer", v)
@@ -75,6 +83,11 @@ class TrainState:
         if ev is not None and not (isinstance(ev, Mapping) and all(isinstance(k, str) and _number(v, finite=False)
                                                                    for k, v in ev.items())):
             raise bad("last_eval", "null or a mapping of metric names to numbers", ev)
+        avg = data["dense_average"]
+        if avg is not None and not (isinstance(avg, list) and all(isinstance(t, torch.Tensor) for t in avg)):
+            raise bad("dense_average", "null or a list of tensors", avg)
+        if (avg is None) != (data["dense_average_steps"] == 0):
+            raise bad("dense_average_steps", "0 exactly when dense_average is null", data["dense_average_steps"])
         return cls(**{n: data[n] for n in names})
 
 
@@ -105,6 +118,12 @@ class RunRecord:
         if "init" not in saved and isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
             saved["init"] = f"truncnormal:{1.0 / math.sqrt(dim)!r}"
         saved.setdefault("admit_min_count", 1)
+        # saved before the training defaults of Adam's betas / eps and dense averaging: torch's
+        # Adam settings and the last step's dense parameters
+        if saved.get("sparse_optimizer", "adagrad") in ADAM_OPTIMIZERS:
+            saved.setdefault("sparse_betas", [0.9, 0.999])
+            saved.setdefault("sparse_eps", 1e-8)
+        saved.setdefault("average_dense", False)
         try:
             config = TrainConfig.from_dict(saved, source=f"{where}: saved config")
         except ConfigError as e:

@@ -106,7 +106,7 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
     With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
     process group's ranks (collective: every rank builds its model).
     """
-    rule = make_optimizer(cfg.sparse_optimizer, lr=cfg.sparse_lr)
+    rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
     if cfg.memory_budget is not None:
         factory = _tiered_factory(cfg, world_size)
     else:
@@ -264,6 +264,7 @@ class Trainer:
             if cfg.steps is None and st.epoch >= cfg.epochs:
                 break
         self._record_loss()  # the curve ends at the last step
+        self._apply_dense_average()
         self.evaluate()
         if cfg.checkpoint_dir:
             self.save()
@@ -317,6 +318,8 @@ class Trainer:
             raise
         self.dense_optimizer.step()
         self.collection.optimizer.step()
+        if self.cfg.average_dense and f < 1.0:
+            self._add_to_dense_average()
         value = float(loss.detach())
         st.train_seconds += time.perf_counter() - t0
         st.step += 1
@@ -328,6 +331,33 @@ class Trainer:
         st.loss_count += 1
         if st.step % self._record_every == 0 or st.step == 1:
             self._record_loss()
+
+    def _dense_params(self) -> list[torch.Tensor]:
+        return [p for g in self.dense_optimizer.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def _add_to_dense_average(self) -> None:
+        """The running mean of the dense parameters over the decay phase's steps so far (kept in
+        the train state, so a snapshot mid-phase resumes it exactly)."""
+        st = self.state
+        params = self._dense_params()
+        if st.dense_average is None:
+            st.dense_average, st.dense_average_steps = [p.detach().clone() for p in params], 1
+            return
+        st.dense_average_steps += 1
+        w = 1.0 / st.dense_average_steps
+        for avg, p in zip(st.dense_average, params):
+            avg.lerp_(p.detach(), w)
+
+    @torch.no_grad()
+    def _apply_dense_average(self) -> None:
+        """The end of the run: the dense parameters become their mean over the decay phase."""
+        st = self.state
+        if st.dense_average is None:
+            return
+        for avg, p in zip(st.dense_average, self._dense_params()):
+            p.copy_(avg)
+        st.dense_average, st.dense_average_steps = None, 0
 
     def _record_loss(self) -> None:
         """Appends the mean loss since the last record to the history (and reports it)."""
@@ -407,9 +437,13 @@ class Trainer:
         record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
         saved = record.config
         changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
-                               "lr_count_scale")
+                               "lr_count_scale", "average_dense")
                    if getattr(saved, k) != getattr(self.cfg, k)]
         msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r})" for k in changed]
+        # Adam's betas / eps as the runs resolve them (a snapshot of older code: torch's)
+        theirs, mine = ({k: v for k, v in c.sparse_optimizer_options().items() if k != "lr"} for c in (saved, self.cfg))
+        if "sparse_optimizer" not in changed and theirs != mine:
+            msgs.append(f"sparse optimizer settings ({theirs} vs {mine}: give --sparse-betas / --sparse-eps as saved)")
         # any number of processes may resume, but the data position counts global batches
         if saved.batch_size * record.world_size != self.cfg.batch_size * self.world_size:
             msgs.append(f"global batch ({saved.batch_size} x {record.world_size} processes vs "

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import gzip
 import math
+import shutil
 
 import pytest
+import torch
 
+from hugeembed.errors import CheckpointError, ConfigError
 from hugeembed.data import Loader, count_lines, write_criteo_tsv
 from hugeembed.training import TrainConfig, Trainer
 from hugeembed.training._sources import FileSource
@@ -65,3 +68,115 @@ def test_a_text_files_estimated_steps_are_the_batches_it_trains_on(tmp_path, wor
         assert src.estimated_steps_per_epoch == trained
         assert src.steps_per_epoch is None  # text: never used to stop training
         assert trained == len(list(Loader(str(path), 100, drop_last=True, rank=rank, world_size=world))) - src.holdout
+
+
+# -- Adam's training defaults, dense averaging over the decay phase ------------------------------
+
+def _dense(t: Trainer) -> list:
+    return [p.detach().clone() for g in t.dense_optimizer.param_groups for p in g["params"]]
+
+
+def test_adam_rules_get_the_measured_betas_and_eps_unless_given():
+    from hugeembed.training._config import TRAIN_ADAM_BETAS, TRAIN_ADAM_EPS
+
+    t = Trainer(TrainConfig(steps=1, **SMALL))
+    assert {(r.betas, r.eps, r.bias_correction) for r in t.collection.rules} == \
+        {(TRAIN_ADAM_BETAS, TRAIN_ADAM_EPS, "per_row")} == {((0.0, 0.999), 1e-5, "per_row")}
+    t = Trainer(TrainConfig(steps=1, sparse_optimizer="global_adam", sparse_betas=(0.5, 0.99), sparse_eps=1e-7,
+                            **SMALL))
+    assert {(r.betas, r.eps, r.mode) for r in t.collection.rules} == {((0.5, 0.99), 1e-7, "global")}
+    t = Trainer(TrainConfig(steps=1, sparse_optimizer="adagrad", **SMALL))
+    assert {r.name for r in t.collection.rules} == {"adagrad"}
+    with pytest.raises(ConfigError, match="sparse-betas and sparse-eps apply to the Adam optimizers .* 'adagrad'"):
+        TrainConfig(sparse_optimizer="adagrad", sparse_betas=(0.9, 0.999), sparse_eps=1e-8)
+    with pytest.raises(ConfigError, match=r"sparse-betas must be two numbers in \[0, 1\).*\(0.9, 1.0\)"):
+        TrainConfig(sparse_betas=(0.9, 1.0))
+    with pytest.raises(ConfigError, match="sparse-eps must be a positive number, got -1e-05"):
+        TrainConfig(sparse_eps=-1e-5)
+
+
+def test_cli_flags_of_adam_settings_and_dense_averaging():
+    from hugeembed.cli import build_parser
+    from hugeembed.cli.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--sparse-betas", "0.5", "0.99", "--sparse-eps", "1e-6",
+                                      "--no-average-dense"])
+    cfg = config_from_args(args)
+    assert (cfg.sparse_betas, cfg.sparse_eps, cfg.average_dense) == ((0.5, 0.99), 1e-6, False)
+    cfg = config_from_args(build_parser().parse_args(["train"]))
+    assert (cfg.sparse_betas, cfg.sparse_eps, cfg.average_dense) == (None, None, True)
+
+
+@pytest.mark.parametrize("model", ["dlrm", "deepfm"])
+def test_average_dense_ends_the_run_with_the_mean_over_the_decay_phase(model):
+    # 8 steps, a tail of round(8 * 0.5) = 4: the rates are below 1 at steps 5, 6, 7 (0-based)
+    cfg = TrainConfig(model=model, steps=8, lr_decay=0.5, eval_every=0, **SMALL)
+    plain = Trainer(cfg.replace(average_dense=False))
+    after: list[list] = []
+    step = plain._train_step
+
+    def record(batch):
+        step(batch)
+        after.append(_dense(plain))
+
+    plain._train_step = record
+    s_plain = plain.fit()
+    assert [plain.lr_factor(i) < 1 for i in range(8)] == [False] * 5 + [True] * 3
+    oracle = [sum(a[k].double() for a in after[5:]) / 3 for k in range(len(after[0]))]
+
+    avg = Trainer(cfg)
+    s_avg = avg.fit()
+    for p, o, last in zip(_dense(avg), oracle, after[-1]):
+        torch.testing.assert_close(p.double(), o, rtol=0, atol=2e-7)
+    assert any(not torch.equal(p, last) for p, last in zip(_dense(avg), after[-1]))
+    # averaging reads the trajectory, it does not change it: same losses, same table rows
+    assert s_avg["history"]["loss"] == s_plain["history"]["loss"]
+    rows = {c.name: s.export() for c, s in avg.collection.stores()}
+    for c, store in plain.collection.stores():
+        a, b = store.export(), rows[c.name]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.rows, b.rows), c.name
+    assert avg.state.dense_average is None  # applied, and not carried into a later snapshot
+
+
+def test_a_run_without_decay_is_not_averaged():
+    cfg = TrainConfig(steps=4, lr_decay=0.0, eval_every=0, **SMALL)
+    a, b = Trainer(cfg), Trainer(cfg.replace(average_dense=False))
+    a.fit(), b.fit()
+    assert all(torch.equal(x, y) for x, y in zip(_dense(a), _dense(b)))
+
+
+def test_resume_inside_the_decay_phase_equals_the_uninterrupted_run(tmp_path):
+    # 16 steps, tail 8: averaging from step 9 on; the snapshot at step 12 holds 4 steps of the mean
+    base = TrainConfig(steps=16, lr_decay=0.5, eval_every=0, **SMALL)
+    whole = Trainer(base)
+    s_whole = whole.fit()
+    first = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4, keep_checkpoints=10))
+    first.fit()
+    shutil.rmtree(tmp_path / "ck" / "step-000000016")
+    resumed = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True))
+    s_resumed = resumed.fit()
+    assert s_resumed["auc"] == s_whole["auc"] and s_resumed["copc"] == s_whole["copc"]
+    assert all(torch.equal(a, b) for a, b in zip(_dense(whole), _dense(resumed)))
+    # a run resumed with other Adam settings or without averaging is another run
+    with pytest.raises(CheckpointError, match=r"sparse optimizer settings .*'betas': \(0.0, 0.999\).*\(0.9, 0.999\)"):
+        Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True, sparse_betas=(0.9, 0.999))).fit()
+    with pytest.raises(CheckpointError, match=r"average_dense \(True vs False\)"):
+        Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True, average_dense=False)).fit()
+
+
+def test_a_record_saved_before_these_settings_keeps_torch_adam_and_the_last_step():
+    from hugeembed.training._record import RunRecord, TrainState
+
+    cfg = TrainConfig().to_dict()
+    for key in ("sparse_betas", "sparse_eps", "average_dense"):
+        del cfg[key]
+    state = TrainState().to_dict()
+    del state["dense_average"], state["dense_average_steps"]
+    rec = RunRecord.from_dict({"config": cfg, "train_state": state}, "old")
+    assert (rec.config.sparse_betas, rec.config.sparse_eps, rec.config.average_dense) == ((0.9, 0.999), 1e-8, False)
+    assert rec.state.dense_average is None
+    bad = {**TrainState().to_dict(), "dense_average": [torch.zeros(2)], "dense_average_steps": 0}
+    with pytest.raises(CheckpointError, match="dense_average_steps must be 0 exactly when dense_average is null"):
+        TrainState.from_dict(bad, "snap")
+    cfg_adagrad = {**cfg, "sparse_optimizer": "adagrad"}
+    assert RunRecord.from_dict({"config": cfg_adagrad, "train_state": state}, "old").config.sparse_betas is None
