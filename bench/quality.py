@@ -74,8 +74,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "beta1_0.9": {"sparse_betas": (0.9, 0.999)},
     "eps1e-8": {"sparse_eps": 1e-8},
     "no_average": {"average_dense": False},  # the last step's dense parameters
-    "defaults_1124": dict(_BEFORE_1125),  # the defaults of 2026-11-24 (docs/quality.md)
+    "defaults_1124": {"sparse_lr": 0.04, **_BEFORE_1125},  # the defaults of 2026-11-24 (docs/quality.md)
     "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3, **_BEFORE_1125},  # the defaults before 2026-11-24
+    "lr0.04": {"sparse_lr": 0.04},
 }
 
 
