@@ -74,7 +74,8 @@ class TrainConfig:
         average_dense: over the lr-decay phase, keep the mean of the dense parameters after each
             step; the run's last step replaces the dense parameters by that mean (Polyak
             averaging).  The end-of-run calibration then follows the whole phase, not its last
-            few batches.  Needs lr_decay > 0 and a run of known length (else it does nothing).
+            few batches.  Needs lr_decay > 0 and a run whose length is known (steps, or epochs of
+            data whose rows are counted or estimated); else it does nothing.
         checkpoint_dir, checkpoint_every, keep_checkpoints: snapshots (atomic, resumable);
             pruning keeps every snapshot a kept delta needs.
         full_checkpoint_every: every this many snapshots one is full and the others are

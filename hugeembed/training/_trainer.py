@@ -232,6 +232,15 @@ class Trainer:
                                               "the shared row of rare ids is not supported with several processes "
                                               "yet"})
         if cfg.resume and st.step > 0 and (st.step >= total if total is not None else st.epoch >= cfg.epochs):
+            if st.dense_average is not None:
+                # a snapshot of the last step saved before the run ended (an epoch's last batch), and
+                # the process died before the averaged model was saved: finish that now
+                self._apply_dense_average()
+                self.evaluate()
+                self.save()
+                summary = self.summary()
+                self.progress("end", summary)
+                return summary
             # finished already: no second evaluation or snapshot of the last step
             self.progress("note", {"message": f"{cfg.checkpoint_dir}: the run is complete (step {st.step}"
                                               + (f" of {total}" if total is not None else f", epoch {st.epoch}")
@@ -250,9 +259,11 @@ class Trainer:
                 self._train_step(batch)
                 if self._eval_every and st.step % self._eval_every == 0 and (total is None or st.step < total):
                     self.evaluate()
-                if cfg.checkpoint_dir and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
+                last = total is not None and st.step >= total
+                # the run's last snapshot is saved after the loop, with the averaged dense layers
+                if cfg.checkpoint_dir and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0 and not last:
                     self.save()
-                if total is not None and st.step >= total:
+                if last:
                     done = True
                     break
             if done:
@@ -439,7 +450,9 @@ class Trainer:
         changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
                                "lr_count_scale", "average_dense")
                    if getattr(saved, k) != getattr(self.cfg, k)]
-        msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r})" for k in changed]
+        msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r}"
+                + (f": give --{'' if saved.average_dense else 'no-'}average-dense as saved)" if k == "average_dense"
+                   else ")") for k in changed]
         # Adam's betas / eps as the runs resolve them (a snapshot of older code: torch's)
         theirs, mine = ({k: v for k, v in c.sparse_optimizer_options().items() if k != "lr"} for c in (saved, self.cfg))
         if "sparse_optimizer" not in changed and theirs != mine:
@@ -450,9 +463,32 @@ class Trainer:
                         f"{self.cfg.batch_size} x {self.world_size})")
         if msgs:
             raise CheckpointError(f"{snap} was saved by a run with different " + ", ".join(msgs))
+        params = self._dense_params()
+        avg = record.state.dense_average
+        if avg is not None and (len(avg) != len(params) or any(a.shape != p.shape for a, p in zip(avg, params))):
+            raise CheckpointError(f"{snap}: train_state.dense_average holds {len(avg)} tensors of shapes "
+                                  f"{[tuple(a.shape) for a in avg][:4]}..., not the model's dense parameters")
         ckpt.load(snap, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
         self.state = record.state
+        self._resume_dense_average(params)
         return True
+
+    def _resume_dense_average(self, params: list[torch.Tensor]) -> None:
+        """Keeps a resumed mean only if it covers this run's decay phase from its first step: a
+        resume that changed the run's length or its decay has another phase (the mean restarts
+        there), and the mean moves to the parameters' device (snapshots load on the CPU)."""
+        st = self.state
+        if st.dense_average is None:
+            return
+        first = st.step - st.dense_average_steps  # the step index the mean started at
+        starts_phase = self.lr_factor(first) < 1.0 and (first == 0 or self.lr_factor(first - 1) >= 1.0)
+        if not starts_phase:
+            if st.step > 0 and self.lr_factor(st.step - 1) < 1.0:  # inside the new phase: part of it is lost
+                self.progress("note", {"message": f"the run's length or lr decay changed on resume: the dense "
+                                                  f"average restarts at step {st.step + 1}"})
+            st.dense_average, st.dense_average_steps = None, 0
+            return
+        st.dense_average = [a.to(device=p.device, dtype=p.dtype) for a, p in zip(st.dense_average, params)]
 
     # -- reporting -------------------------------------------------------------------
 

@@ -160,7 +160,7 @@ def test_resume_inside_the_decay_phase_equals_the_uninterrupted_run(tmp_path):
     # a run resumed with other Adam settings or without averaging is another run
     with pytest.raises(CheckpointError, match=r"sparse optimizer settings .*'betas': \(0.0, 0.999\).*\(0.9, 0.999\)"):
         Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True, sparse_betas=(0.9, 0.999))).fit()
-    with pytest.raises(CheckpointError, match=r"average_dense \(True vs False\)"):
+    with pytest.raises(CheckpointError, match=r"average_dense \(True vs False: give --average-dense as saved\)"):
         Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True, average_dense=False)).fit()
 
 
@@ -180,3 +180,46 @@ def test_a_record_saved_before_these_settings_keeps_torch_adam_and_the_last_step
         TrainState.from_dict(bad, "snap")
     cfg_adagrad = {**cfg, "sparse_optimizer": "adagrad"}
     assert RunRecord.from_dict({"config": cfg_adagrad, "train_state": state}, "old").config.sparse_betas is None
+
+
+def test_a_resume_that_changes_the_runs_length_restarts_the_mean_in_its_own_phase(tmp_path):
+    # 10 steps, tail 5: the mean starts at step index 6; the step-8 snapshot holds 2 steps of it
+    cfg = TrainConfig(steps=10, lr_decay=0.5, eval_every=0, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4,
+                      keep_checkpoints=10, **SMALL)
+    Trainer(cfg).fit()
+    shutil.rmtree(tmp_path / "ck" / "step-000000010")
+    same = Trainer(cfg.replace(resume=True))
+    assert same.resume() and same.state.dense_average_steps == 2
+    longer = Trainer(cfg.replace(resume=True, steps=30))  # its decay starts at step 24: the mean is dropped
+    assert longer.resume() and longer.state.dense_average is None and longer.state.dense_average_steps == 0
+    notes = []
+    other = Trainer(cfg.replace(resume=True, steps=12), progress=lambda e, i: notes.append((e, i)))
+    assert other.resume() and other.state.dense_average is None  # its phase begins at step 7, not 6
+    assert any("dense average restarts at step 9" in i.get("message", "") for e, i in notes if e == "note")
+
+
+def test_a_finished_run_whose_averaged_model_was_not_saved_saves_it_on_resume(tmp_path):
+    # an epoch of a text file ends at its last batch: the loop's snapshot of that step holds the
+    # mean not yet applied; a process that dies there leaves that snapshot as the newest
+    path = tmp_path / "d.tsv"
+    write_criteo_tsv(path, 3000, seed=2)
+    cfg = TrainConfig(data=(str(path),), steps=None, epochs=1, batch_size=256, eval_rows=512, eval_every=0,
+                      lr_decay=0.5, threads=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
+    whole = Trainer(cfg.replace(checkpoint_dir=str(tmp_path / "whole")))
+    s_whole = whole.fit()
+    dying = Trainer(cfg)
+
+    def die():
+        raise KeyboardInterrupt("killed")
+
+    dying._apply_dense_average = die
+    with pytest.raises(KeyboardInterrupt):
+        dying.fit()
+    resumed = Trainer(cfg.replace(resume=True))
+    s_resumed = resumed.fit()
+    assert s_resumed["steps"] == s_whole["steps"] and s_resumed["auc"] == s_whole["auc"]
+    assert all(torch.equal(a, b) for a, b in zip(_dense(whole), _dense(resumed)))
+    again = Trainer(cfg.replace(resume=True))  # the snapshot now holds the averaged model
+    again.resume()
+    assert again.state.dense_average is None
+    assert all(torch.equal(a, b) for a, b in zip(_dense(whole), _dense(again)))
