@@ -251,19 +251,17 @@ class TrainConfig:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
 
     def _check_adam_settings(self) -> None:
-        if self.sparse_betas is not None:
-            b = self.sparse_betas
-            if isinstance(b, list):
-                b = tuple(b)
-                object.__setattr__(self, "sparse_betas", b)
-            if not (isinstance(b, tuple) and len(b) == 2 and all(_real(x) and 0.0 <= x < 1.0 for x in b)):
+        b = self.sparse_betas
+        if b is not None:  # a TOML file gives a list
+            if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_real(x) and 0.0 <= x < 1.0 for x in b)):
                 raise ConfigError(f"sparse-betas must be two numbers in [0, 1) (beta1 beta2), got {b!r}")
             object.__setattr__(self, "sparse_betas", (float(b[0]), float(b[1])))
         if self.sparse_eps is not None and not (_real(self.sparse_eps) and self.sparse_eps > 0):
             raise ConfigError(f"sparse-eps must be a positive number, got {self.sparse_eps!r}")
         given = [_key(n) for n in ("sparse_betas", "sparse_eps") if getattr(self, n) is not None]
         if given and self.sparse_optimizer not in ADAM_OPTIMIZERS:
-            raise ConfigError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to the Adam optimizers ({', '.join(ADAM_OPTIMIZERS)}), "
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ConfigError(f"{' and '.join(given)} {verb} to the Adam optimizers ({', '.join(ADAM_OPTIMIZERS)}), "
                               f"not to sparse optimizer {self.sparse_optimizer!r}")
 
     def sparse_optimizer_options(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class TrainState:
         if not isinstance(data, Mapping):
             raise CheckpointError(f"{where}: train_state must be a mapping, got {_short(data)}")
         names = [f.name for f in dataclasses.fields(cls)]
-        if isinstance(data, Mapping) and "dense_average" not in data and "dense_average_steps" not in data:
+        if "dense_average" not in data and "dense_average_steps" not in data:
             data = {**data, "dense_average": None, "dense_average_steps": 0}  # saved before averaging existed
         missing = [n for n in names if n not in data]
         unknown = sorted(set(map(str, data)) - set(names))

@@ -235,12 +235,7 @@ class Trainer:
             if st.dense_average is not None:
                 # a snapshot of the last step saved before the run ended (an epoch's last batch), and
                 # the process died before the averaged model was saved: finish that now
-                self._apply_dense_average()
-                self.evaluate()
-                self.save()
-                summary = self.summary()
-                self.progress("end", summary)
-                return summary
+                return self._finish()
             # finished already: no second evaluation or snapshot of the last step
             self.progress("note", {"message": f"{cfg.checkpoint_dir}: the run is complete (step {st.step}"
                                               + (f" of {total}" if total is not None else f", epoch {st.epoch}")
@@ -275,9 +270,13 @@ class Trainer:
             if cfg.steps is None and st.epoch >= cfg.epochs:
                 break
         self._record_loss()  # the curve ends at the last step
+        return self._finish()
+
+    def _finish(self) -> dict[str, Any]:
+        """The end of a run: the averaged dense layers, the last evaluation and snapshot, the summary."""
         self._apply_dense_average()
         self.evaluate()
-        if cfg.checkpoint_dir:
+        if self.cfg.checkpoint_dir:
             self.save()
         summary = self.summary()
         self.progress("end", summary)
