@@ -82,26 +82,39 @@ def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2) -
     per_iter = []
     k = warmup  # timed iterations see fresh batches, not the warm-up ones again
     for _ in range(runs):
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn(k)
             k += 1
+        sync()  # GPU work is asynchronous: a run ends when the device has finished it
         per_iter.append((time.perf_counter() - t0) / iters)
     return Timing(statistics.median(per_iter), per_iter)
 
 
+def sync() -> None:
+    """Wait for queued GPU work (a no-op where CUDA was never used)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def free_memory() -> None:
     gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
-def fbgemm_available() -> bool:
+def fbgemm_available(cuda: bool = False) -> bool:
+    """FBGEMM's TBE importable (and, with `cuda`, built with CUDA: fbgemm-gpu-cpu is not)."""
     try:
         import fbgemm_gpu  # noqa: F401
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
             SplitTableBatchedEmbeddingBagsCodegen,
         )
+        if cuda:
+            torch.ops.fbgemm.split_embedding_codegen_lookup_sgd_function_cuda  # noqa: B018
     except Exception as e:  # any import failure means "not installed properly here"
-        print(f"# fbgemm_gpu not usable: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"# fbgemm_gpu{' (CUDA)' if cuda else ''} not usable: {type(e).__name__}: {e}", file=sys.stderr)
         return False
     return True
 

@@ -9,6 +9,8 @@ Prints samples/s, ids/s and the ratio of ours to each reference (median of --run
 
     python bench/lookup.py                      # full: dims 16 64 128, pooling 1 and 20
     python bench/lookup.py --quick              # 1/20 of the rows, d16 only, a few seconds
+    python bench/lookup.py --device cuda        # on a GPU: ours (torch backend) vs EmbeddingBag on CUDA
+                                                # (FBGEMM's CUDA TBE when fbgemm_gpu with CUDA is installed)
 """
 
 from __future__ import annotations
@@ -31,26 +33,28 @@ from hugeembed.store import allocate_rows  # noqa: E402
 LR = 0.01
 
 
-def make_tables(rows: list[int], dim: int, huge_pages: bool = True) -> list[torch.Tensor]:
+def make_tables(rows: list[int], dim: int, huge_pages: bool = True, device: str = "cpu") -> list[torch.Tensor]:
     """Our tables (also wrapped, without a copy, by the EmbeddingBag reference)."""
+    if device != "cpu":
+        return [torch.empty(n, dim, device=device).uniform_(-0.05, 0.05) for n in rows]
     alloc = allocate_rows if huge_pages else (lambda n, d: torch.empty(n, d))
     return [alloc(n, dim).uniform_(-0.05, 0.05) for n in rows]
 
 
 def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeatures:
-    lengths = torch.full((len(ids) * batch,), pooling, dtype=torch.int64)
+    lengths = torch.full((len(ids) * batch,), pooling, dtype=torch.int64, device=ids[0].device)
     return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
 
 
 def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool):
-    dim = tables[0].size(1)
+    dim, device = tables[0].size(1), tables[0].device
     specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
     feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
     lookup = FusedEmbeddingLookup(specs, feats)
     sfs = [to_features(b, batch, pooling) for b in batches]
-    grad = torch.randn(batch, len(tables), dim)
+    grad = torch.randn(batch, len(tables), dim, device=device)
     sgd = _sgd_hook(tables)
-    anchor = torch.zeros(0, requires_grad=True)
+    anchor = torch.zeros(0, requires_grad=True, device=device)
 
     def step(i):
         sf = sfs[i % len(sfs)]
@@ -78,8 +82,9 @@ def _sgd_hook(tables):
 def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool):
     bags = [torch.nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in tables]
     opt = torch.optim.SGD([b.weight for b in bags], lr=LR)
-    offsets = torch.arange(0, batch * pooling, pooling)
-    grad = torch.randn(batch, len(tables) * tables[0].size(1))
+    device = tables[0].device
+    offsets = torch.arange(0, batch * pooling, pooling, device=device)
+    grad = torch.randn(batch, len(tables) * tables[0].size(1), device=device)
 
     def step(i):
         ids = batches[i % len(batches)]
@@ -101,12 +106,16 @@ def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool):
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
                                                                         SplitTableBatchedEmbeddingBagsCodegen)
 
+    device = batches[0][0].device
+    where = ((EmbeddingLocation.HOST, ComputeDevice.CPU) if device.type == "cpu"
+             else (EmbeddingLocation.DEVICE, ComputeDevice.CUDA))
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows],
-        optimizer=OptimType.EXACT_SGD, learning_rate=LR, pooling_mode=PoolingMode.SUM)
+        embedding_specs=[(n, dim, *where) for n in rows],
+        optimizer=OptimType.EXACT_SGD, learning_rate=LR, pooling_mode=PoolingMode.SUM,
+        **({} if device.type == "cpu" else {"device": device}))
     indices = [torch.cat(b) for b in batches]
-    offsets = torch.arange(0, len(rows) * batch * pooling + 1, pooling)
-    grad = torch.randn(batch, len(rows) * dim)
+    offsets = torch.arange(0, len(rows) * batch * pooling + 1, pooling, device=device)
+    grad = torch.randn(batch, len(rows) * dim, device=device)
 
     def step(i):
         idx = indices[i % len(indices)]
@@ -130,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: every implementation on the GPU")
     p.add_argument("--no-hugepages", action="store_true",
                    help="plain 4 KiB pages for our tables (and the EmbeddingBag loop, which shares them)")
     args = p.parse_args(argv)
@@ -137,19 +147,25 @@ def main(argv=None) -> int:
         args.dims, args.pooling, args.row_scale, args.runs = [16], [1], 0.05, 3
     torch.set_num_threads(args.threads)
     tuned = tune_malloc()  # for every implementation alike: they share this process
-    impls = [i for i in args.impls if i != "fbgemm" or fbgemm_available()]
+    gpu = args.device != "cpu"
+    impls = [i for i in args.impls if i != "fbgemm" or fbgemm_available(cuda=gpu)]
     rows = criteo_rows(scale=args.row_scale)
-    print(f"# Criteo-26: {sum(rows) / 1e6:.1f} M rows, batch {args.batch}, threads {args.threads}, "
+    where = torch.cuda.get_device_name(args.device) if gpu else f"threads {args.threads}"
+    print(f"# Criteo-26: {sum(rows) / 1e6:.1f} M rows, batch {args.batch}, {where}, "
           f"torch {torch.__version__}, runs {args.runs} (median), malloc tuned: {tuned}, "
-          f"huge pages for ours+ebag tables: {not args.no_hugepages}")
+          f"huge pages for ours+ebag tables: {not args.no_hugepages and not gpu}, "
+          f"FBGEMM TBE: {'fbgemm' in impls}")
     results = []
     for pooling in args.pooling:
         batches = criteo_batches(rows, args.batch, pooling, n_batches=4)
+        batches = [[ids.to(args.device) for ids in b] for b in batches]
         ids_per_batch = args.batch * pooling * len(rows)
         for dim in args.dims:
-            iters = args.iters or max(1, int(2 if pooling == 1 else 1) * (2 if dim <= 16 else 1))
+            # a GPU step takes milliseconds: more of them per timed run
+            iters = args.iters or (20 if gpu else max(1, int(2 if pooling == 1 else 1) * (2 if dim <= 16 else 1)))
             rates = {}
-            tables = make_tables(rows, dim, not args.no_hugepages) if ("ours" in impls or "ebag" in impls) else None
+            tables = (make_tables(rows, dim, not args.no_hugepages, args.device)
+                      if ("ours" in impls or "ebag" in impls) else None)
             for train in (False, True):
                 for impl in impls:
                     if impl == "fbgemm":

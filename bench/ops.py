@@ -12,6 +12,7 @@ the torch ops around them.
 
     python bench/ops.py                  # the table
     python bench/ops.py --tables 2 32    # some sizes only
+    python bench/ops.py --device cuda    # on a GPU: the torch backend, and the step time vs tables
 
 Issue 13's targets: ops for 32 tables <= 1.2x those for 2 tables, and at most 2 syncs per
 step, on every row of this table.
@@ -20,7 +21,9 @@ step, on every row of this table.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -54,43 +57,84 @@ class CountOps(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op in SYNC_OPS)
 
 
-def batch(tables: int, samples: int, rows: int, step: int) -> SparseFeatures:
+def batch(tables: int, samples: int, rows: int, step: int, device: str = "cpu") -> SparseFeatures:
     g = torch.Generator().manual_seed(1000 + step)
     ids = {f"f{t}": torch.randint(0, rows, (samples,), generator=g) for t in range(tables)}
     return SparseFeatures(list(ids), torch.cat(list(ids.values())),
-                          offsets=torch.arange(0, tables * samples + 1), batch_size=samples)
+                          offsets=torch.arange(0, tables * samples + 1), batch_size=samples).to(device)
+
+
+def collection(tables: int, dynamic: bool, backend: str, dim: int, rows: int, optimizer: SparseOptimizer | None,
+               device: str) -> EmbeddingCollection:
+    return EmbeddingCollection([TableConfig(f"f{t}", dim, num_rows=None if dynamic else rows, combiner="sum")
+                                for t in range(tables)], optimizer=optimizer or Adagrad(lr=0.05), backend=backend,
+                               device=device)
 
 
 def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim: int = 16,
-               rows: int = 1000, warmup: int = 5, optimizer: SparseOptimizer | None = None) -> CountOps:
+               rows: int = 1000, warmup: int = 5, optimizer: SparseOptimizer | None = None,
+               device: str = "cpu") -> CountOps:
     """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`)."""
-    ec = EmbeddingCollection([TableConfig(f"f{t}", dim, num_rows=None if dynamic else rows, combiner="sum")
-                              for t in range(tables)], optimizer=optimizer or Adagrad(lr=0.05), backend=backend)
+    ec = collection(tables, dynamic, backend, dim, rows, optimizer, device)
     for s in range(warmup):  # steady state: rows exist, buffers sized
-        ec(batch(tables, samples, rows, s)).stacked().sum().backward()
-    sf = batch(tables, samples, rows, warmup)
+        ec(batch(tables, samples, rows, s, device)).stacked().sum().backward()
+    sf = batch(tables, samples, rows, warmup, device)
     with CountOps() as counter:
         ec(sf).stacked().sum().backward()
     return counter
 
 
+def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: int, dim: int = 16,
+              rows: int = 100_000, warmup: int = 5, steps: int = 20) -> float:
+    """Median seconds of one steady-state training step (the device synchronized around each)."""
+    ec = collection(tables, dynamic, backend, dim, rows, None, device)
+    sfs = [batch(tables, samples, rows, s, device) for s in range(warmup + steps)]
+    times = []
+    for i, sf in enumerate(sfs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ec(sf).stacked().sum().backward()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tables", type=int, nargs="+", default=[2, 8, 32, 128])
-    ap.add_argument("--backends", nargs="+", default=["native", "torch"], choices=["native", "torch"])
+    ap.add_argument("--backends", nargs="+", default=None, choices=["native", "torch"],
+                    help="default: native and torch on cpu, torch on cuda (the native kernels are CPU code)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--time-samples", type=int, nargs="+", default=[256, 8192],
+                    help="on cuda: batch sizes of the timed steps")
     args = ap.parse_args(argv)
+    gpu = args.device != "cpu"
+    backends = args.backends or (["torch"] if gpu else ["native", "torch"])
     header = ["backend", "tables"] + [f"{n} tables" for n in args.tables] + [
         f"ops {args.tables[-1]}/{args.tables[0]}", f"syncs at {args.tables[-1]}"]
     out = []
-    for backend in args.backends:
+    for backend in backends:
         for dynamic in (False, True):
-            counts = [count_step(n, dynamic, backend) for n in args.tables]
+            counts = [count_step(n, dynamic, backend, device=args.device) for n in args.tables]
             ops = [sum(c.ops.values()) for c in counts]
             out.append([backend, "dynamic" if dynamic else "static",
                         *[f"{o:,} ops / {c.syncs()} syncs" for o, c in zip(ops, counts)],
                         f"{ops[-1] / ops[0]:.1f}x", str(counts[-1].syncs())])
-    print("ops and host syncs per training step (forward + backward, Adagrad in backward), 256 samples, d16")
+    print(f"ops and host syncs per training step (forward + backward, Adagrad in backward), 256 samples, d16, "
+          f"{args.device}")
     print_table(header, out)
+    if gpu:
+        out = []
+        for samples in args.time_samples:
+            for backend in backends:
+                for dynamic in (False, True):
+                    ms = [time_step(n, dynamic, backend, args.device, samples) * 1e3 for n in args.tables]
+                    out.append([f"{samples}", backend, "dynamic" if dynamic else "static",
+                                *[f"{m:.2f} ms" for m in ms], f"{ms[-1] / ms[0]:.1f}x"])
+        print(f"\nstep time on {torch.cuda.get_device_name(args.device)} (median of 20 steps), d16, 100 k rows/table")
+        print_table(["samples", "backend", "tables", *[f"{n} tables" for n in args.tables],
+                     f"{args.tables[-1]}/{args.tables[0]}"], out)
 
 
 if __name__ == "__main__":

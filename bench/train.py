@@ -13,6 +13,7 @@ Cases (all in this run, same synthetic Criteo-like data, same dense layers, SGD 
 
     python bench/train.py                 # d16 and d64, batch 2048 and 8192
     python bench/train.py --quick         # d16, batch 2048, few steps
+    python bench/train.py --device cuda   # on a GPU (torchrec only where its CUDA build is installed)
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class _BagAdapter(torch.nn.Module):
         for f in self.plan.features:
             t = self.plan.tables[self.plan.table_index[f.table]]
             rows = cardinalities[f.source_name]
-            self.bags[f.name] = torch.nn.EmbeddingBag(rows, t.dim, mode="sum", sparse=True)
+            self.bags[f.name] = torch.nn.EmbeddingBag(rows, t.dim, mode="sum", sparse=True,
+                                                      device=collection.device)
         self.rows = cardinalities
 
     def forward(self, sparse) -> PooledEmbeddings:
@@ -90,16 +92,17 @@ class _FixedPooled(torch.nn.Module):
     def __init__(self, collection, batch: int) -> None:
         super().__init__()
         plan = collection.lookup.plan
-        self.groups = [torch.randn(batch, len(g.pooled), g.dim) * 0.01 for g in plan.groups]
+        self.groups = [torch.randn(batch, len(g.pooled), g.dim, device=collection.device) * 0.01 for g in plan.groups]
         self.names, self.where = plan.pooled_names(), collection.lookup._where
 
     def forward(self, sparse) -> PooledEmbeddings:
         return PooledEmbeddings(self.names, [g.detach().requires_grad_() for g in self.groups], self.where)
 
 
-def build(model_name: str, dim: int, kind: str, batch: int, cards: dict[str, int]):
+def build(model_name: str, dim: int, kind: str, batch: int, cards: dict[str, int], device: str = "cpu"):
     kw = {"deep": (256, 128)} if model_name == "widedeep" else {}
-    model, dense_params = make_model(model_name, embedding_dim=dim, sparse_optimizer=SGD(lr=LR), seed=0, **kw)
+    model, dense_params = make_model(model_name, embedding_dim=dim, sparse_optimizer=SGD(lr=LR), seed=0,
+                                     device=device, **kw)
     params = list(dense_params)
     if kind == "ebag":
         model.embeddings = _BagAdapter(model.embeddings, cards)
@@ -175,7 +178,9 @@ def main(argv=None) -> int:
                         "their steady state (new ids still arrive) instead of the first steps of a run")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "hugeembed-bench"))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: models, tables and batches on the GPU")
     args = p.parse_args(argv)
+    dev = args.device
     if args.quick:
         args.dims, args.batches, args.runs, args.iters, args.warmup_batches = [16], [2048], 3, 2, 4
     torch.set_num_threads(args.threads)
@@ -184,13 +189,14 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     gen = synthetic(0)
     cards = {f"C{j + 1}": c for j, c in enumerate(gen.cardinalities)}
-    print(f"# threads {args.threads}, torch {torch.__version__}, SGD lr {LR}, synthetic Criteo (cards <= {MAX_CARD})")
+    where = torch.cuda.get_device_name(dev) if dev != "cpu" else f"threads {args.threads}"
+    print(f"# {where}, torch {torch.__version__}, SGD lr {LR}, synthetic Criteo (cards <= {MAX_CARD})")
     rows_out = []
     for batch in args.batches:
         warm = args.warmup_batches
         n_steps = warm + 3 + args.runs * args.iters  # warm-up batches, measure()'s 2, the runs
         total_rows = (n_steps + 2) * batch
-        mem = [Batch.from_block(gen.rows(i * batch, batch)) for i in range(n_steps + 2)]
+        mem = [Batch.from_block(gen.rows(i * batch, batch)).to(dev) for i in range(n_steps + 2)]
         at = lambda i: mem[i % len(mem)]
         shard_dir = shards(total_rows, workdir) if "ours" in args.cases else None
         for dim in args.dims:
@@ -198,20 +204,23 @@ def main(argv=None) -> int:
             for case in args.cases:
                 try:
                     if case == "torchrec":
+                        if dev != "cpu":
+                            raise NotImplementedError("the TorchRec reference runs on cpu only in this bench")
                         t = bench_torchrec(dim, batch, mem, cards, args.iters, args.runs, warm)
                     elif case == "ours":
-                        model, opt = build("dlrm", dim, "ours", batch, cards)
-                        it = iter(Loader(shard_dir, batch, drop_last=True, prefetch=4))
+                        model, opt = build("dlrm", dim, "ours", batch, cards, dev)
+                        it = (b.to(dev, non_blocking=True) for b in Loader(shard_dir, batch, drop_last=True,
+                                                                        prefetch=4, pin_memory=dev != "cpu"))
                         t = measure(warmed(step_fn(model, opt, lambda i: next(it)), warm), args.iters, args.runs)
                     elif case == "widedeep":
                         for kind in ("ours", "ebag", "dense"):
-                            model, opt = build("widedeep", dim, kind, batch, cards)
+                            model, opt = build("widedeep", dim, kind, batch, cards, dev)
                             tt = measure(warmed(step_fn(model, opt, at), warm), args.iters, args.runs)
                             res[f"widedeep-{kind}"] = tt.rate(batch)
                         continue
                     else:
                         kind = "ours" if case == "ours-mem" else case
-                        model, opt = build("dlrm", dim, kind, batch, cards)
+                        model, opt = build("dlrm", dim, kind, batch, cards, dev)
                         t = measure(warmed(step_fn(model, opt, at), warm), args.iters, args.runs)
                     res[case] = t.rate(batch)
                 except Exception as e:  # a reference that cannot run here is reported, not fatal

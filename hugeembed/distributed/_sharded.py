@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from .._device import canonical_device
 from ..errors import ConfigError, ShardingError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, PooledEmbeddings, TableSpec
@@ -89,7 +90,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
                  storage_owner: str | None = None) -> None:
         tables = list(tables)
-        device = torch.device(device)
+        device = canonical_device(device)
         rare = [t.name for t in tables if isinstance(t, TableConfig) and (t.shared_row or t.lr_count_scale)]
         if rare:  # the owners' fetch and update do not map rare ids to a shared row nor scale rows yet
             raise ConfigError(f"tables {rare}: shared_row and lr_count_scale are not supported in a sharded "
@@ -218,8 +219,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             self._routes.append(pooling)
             col += pooling.header_cols
         self._header_cols = col
-        self._pool_anchor = torch.zeros(0, requires_grad=True)
-        self._inner_anchor = torch.zeros(0, requires_grad=True)
+        self._pool_anchor = torch.zeros(0, requires_grad=True, device=device)
+        self._inner_anchor = torch.zeros(0, requires_grad=True, device=device)
         # how each output group of the full plan is assembled: pooled names per group, each
         # from the local lookup or from a table-wise owner; a whole local group is reused as is
         local_groups = {}

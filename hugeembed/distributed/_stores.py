@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .._device import canonical_device
 from ..errors import ConfigError, ShardingError
 from ..store import ArrayStore, ExportIndex, Initializer, RowLayout, StoreExport
 from ..store._common import make_layout
@@ -81,7 +82,7 @@ class AbsentShard(LayoutViews):
                  layout: RowLayout | None = None) -> None:
         layout = make_layout(name, dim, state_width, dtype, layout)
         self.name, self.layout, self.dim, self.state_width = name, layout, dim, state_width
-        self.width, self.dtype, self.device, self.seed = layout.width, dtype, torch.device(device), int(seed)
+        self.width, self.dtype, self.device, self.seed = layout.width, dtype, canonical_device(device), int(seed)
         self.initializer = initializer if initializer is not None else default_initializer(dim)
         self.owners = owners
         self._storage = torch.empty(0, self.width, dtype=layout.storage_dtype, device=self.device)

@@ -13,6 +13,7 @@ from typing import NoReturn, Sequence
 
 import torch
 
+from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from ..types import Combiner, OutOfRange
 
@@ -207,7 +208,7 @@ class LookupPlan:
 
     def arrays(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Per-feature and per-table index arrays on `device` (cached)."""
-        device = torch.device(device)
+        device = canonical_device(device)
         cached = self._arrays.get(device)
         if cached is not None:
             return cached

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .._device import canonical_device
 from ..errors import ConfigError
 from ..nn import EmbeddingCollection, TableConfig
 from ..optim import SparseOptimizer
@@ -139,27 +140,31 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     else:
         tables = embedding_tables(features, embedding_dim, **common)
     tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) for t in tables]
-    device = torch.device(device)
+    device = canonical_device(device)
     factory = EmbeddingCollection if collection_factory is None else collection_factory
     collection = factory(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
     if not isinstance(collection, EmbeddingCollection):
         raise ConfigError(f"collection_factory must build an EmbeddingCollection (or a subclass), "
                           f"got {type(collection).__name__}")
-    # dense weights from `seed`, without disturbing the caller's random state
-    fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork, device_type="cuda"):
+    # Dense weights from `seed`, without disturbing the caller's random state, drawn on the
+    # CPU and then moved: the same seed gives the same model on every device (the tables'
+    # rows already are a function of seed and id).
+    init_on = device if device.type == "meta" else torch.device("cpu")
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: RecModel
         if name == "dlrm":
-            model = DLRM(collection, num_dense, device=device, **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
+            model = DLRM(collection, num_dense, device=init_on, **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
         elif name == "deepfm":
-            model = DeepFM(collection, num_dense, device=device, **_given(deep=deep, dropout=dropout))
+            model = DeepFM(collection, num_dense, device=init_on, **_given(deep=deep, dropout=dropout))
         elif name == "widedeep":
-            model = WideAndDeep(collection, num_dense, device=device, **_given(deep=deep, dropout=dropout))
+            model = WideAndDeep(collection, num_dense, device=init_on, **_given(deep=deep, dropout=dropout))
         else:
-            model = DCNv2(collection, num_dense, device=device,
+            model = DCNv2(collection, num_dense, device=init_on,
                           **_given(deep=deep, dropout=dropout, num_cross=num_cross, low_rank=low_rank,
                                    num_experts=num_experts, structure=structure))
+    if init_on != device:
+        model.to(device)  # the dense layers only: the collection is there already
     return model, model.dense_parameters()
 
 

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
@@ -103,7 +104,7 @@ class EmbeddingCollection(nn.Module):
         self.backend = backend
         # names the run in a tiered table's directory: a crashed run's leftovers are reused by it only
         self.storage_owner = storage_owner
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.rules: list[SparseOptimizer | None] = []
         for t in tables:
             rule = t.optimizer if t.optimizer is not None else (optimizer if t.trainable else None)
@@ -134,7 +135,7 @@ class EmbeddingCollection(nn.Module):
         self._shared = [t.shared_row for t in tables]  # tables whose rare / unknown ids read one shared row
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
-        self._anchor = torch.zeros(0, requires_grad=True)
+        self._anchor = torch.zeros(0, requires_grad=True, device=self.device)
         self._step = 0
         self._tables_version = 0  # see tables_version
         self._write_stamp = max(getattr(s, "write_stamp", 0) for s in self._stores)

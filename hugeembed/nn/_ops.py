@@ -89,8 +89,9 @@ def _lookup_fake(handle, training, names, batch_size, values, offsets, weights, 
         raise NotImplementedError(f"tables {[t.name for t in plan.tables]}: sequence (unpooled) features inside "
                                   "torch.compile / torch.export are not supported yet; run the collection eagerly")
     dtypes = ec.group_dtypes()
+    # the token stays on the CPU on every device: backward reads it on the host
     return [values.new_empty((batch_size, len(g.pooled), g.dim), dtype=dt) for g, dt in zip(plan.groups, dtypes)] + \
-        [values.new_empty((), dtype=torch.int64)]
+        [values.new_empty((), dtype=torch.int64, device="cpu")]
 
 
 @torch.library.custom_op("hugeembed::collection_backward", mutates_args=())
@@ -110,13 +111,14 @@ def _backward_fake(handle, token, grads):
 
 def _setup_context(ctx, inputs, output):
     ctx.handle = inputs[0]
-    ctx.pooled = [(o.shape, o.dtype) for o in output[:-1]]  # for outputs the loss does not use
+    ctx.pooled = [(o.shape, o.dtype, o.device) for o in output[:-1]]  # for outputs the loss does not use
     ctx.save_for_backward(output[-1])
 
 
 def _backward(ctx, grads):
     (token,) = ctx.saved_tensors
-    pooled = [g if g is not None else token.new_zeros(shape, dtype=dt) for g, (shape, dt) in zip(grads, ctx.pooled)]
+    pooled = [g if g is not None else torch.zeros(shape, dtype=dt, device=dev)
+              for g, (shape, dt, dev) in zip(grads, ctx.pooled)]
     return None, None, None, None, None, None, None, _backward_op(ctx.handle, token, pooled)
 
 

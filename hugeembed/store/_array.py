@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._device import canonical_device
 from .. import _native
 from ..errors import ConfigError, InputError
 from . import _alloc
@@ -61,7 +62,7 @@ class ArrayStore(LayoutViews):
             raise ConfigError(f"table '{name}': num_rows must be a positive int, got {num_rows!r}")
         self.layout = make_layout(name, dim, state_width, dtype, layout)
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
-        self.num_rows, self.dtype, self.device = num_rows, dtype, torch.device(device)
+        self.num_rows, self.dtype, self.device = num_rows, dtype, canonical_device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         n = self.local_rows = len(range(self._shard, num_rows, self._num_shards))
         lay = self.layout
@@ -189,7 +190,7 @@ class ArrayStore(LayoutViews):
     def to(self, device: torch.device | str) -> ArrayStore:
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
-        out.device = torch.device(device)
+        out.device = canonical_device(device)
         out._storage = _alloc.empty(tuple(self._storage.shape), self._storage.dtype, out.device)
         out._storage.copy_(self._storage)
         out._meta = self._meta.to(out.device, copy=True)

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
@@ -45,7 +46,7 @@ class DictStore(LayoutViews, Pinnable):
         check_admission(name, admit_min_count, admit_probability, max_pending)
         self.layout = make_layout(name, dim, state_width, dtype, layout)
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, canonical_device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
         self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
@@ -282,7 +283,7 @@ class DictStore(LayoutViews, Pinnable):
         out = DictStore.__new__(DictStore)
         out.__dict__.update({k: (v.copy() if isinstance(v, (dict, list)) else v) for k, v in self.__dict__.items()})
         out._pending = {k: list(v) for k, v in self._pending.items()}
-        out.device = torch.device(device)
+        out.device = canonical_device(device)
         out._pins = PinnedRows()
         out._storage = self._storage.to(out.device, copy=True)
         return out

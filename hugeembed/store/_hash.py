@@ -28,6 +28,7 @@ import struct
 
 import torch
 
+from .._device import canonical_device
 from .. import _native
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
@@ -136,7 +137,7 @@ class HashStore(LayoutViews, Pinnable):
             raise ConfigError(f"table '{name}': init_state must be callable or None")
         self.layout = make_layout(name, dim, state_width, dtype, layout)
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, canonical_device(device)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
         self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
@@ -562,7 +563,7 @@ class HashStore(LayoutViews, Pinnable):
 
     def to(self, device: torch.device | str) -> "HashStore":
         """A copy of this store on `device` (native backend on CPU when available)."""
-        device = torch.device(device)
+        device = canonical_device(device)
         out = HashStore.__new__(HashStore)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         out.device = device

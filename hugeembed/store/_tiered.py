@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .._device import canonical_device
 from .. import _native
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from ._common import (as_counts, as_keys, as_slots, check_step, direct_write, gather_rows, init_rows, lowest_k,
@@ -669,7 +670,7 @@ class TieredStore(LayoutViews, Pinnable):
         return s
 
     def to(self, device) -> "TieredStore":
-        if torch.device(device) != self.device:
+        if canonical_device(device) != self.device:
             raise ConfigError(f"table '{self.name}': a disk-tiered table stays on the CPU (asked: {device})")
         return self
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._device import canonical_device
 from .. import _native
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError, ConfigError, InputError
@@ -41,11 +42,11 @@ ProgressFn = Callable[[str, dict[str, Any]], None]
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return canonical_device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} asked for, but CUDA is not available here")
-    return device
+    return canonical_device(device)
 
 
 def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:

@@ -9,8 +9,16 @@ from hypothesis import given, strategies as st
 from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec, safe_embedding_lookup_sparse
 from hugeembed.features import SparseFeatures
 
+from tests.conftest import DEVICES
+
+from .test_safe_lookup import batches, skip_native_on_accelerator, to_tensors, tol
 from .tf_oracle import clean_bag
-from .test_safe_lookup import batches, to_tensors
+
+
+def nondet_tol(device: torch.device | str) -> float:
+    """gradcheck's tolerance between two backward runs: 0 on the CPU; on CUDA the row gradients are
+    summed by atomic adds in no fixed order (float64: differences of ~1e-16)."""
+    return 0.0 if torch.device(device).type == "cpu" else 1e-12
 
 
 def dense_reference(W: torch.Tensor, bags, combiner, default_id, max_norm, wt: torch.Tensor | None = None):
@@ -48,19 +56,22 @@ def dense_reference(W: torch.Tensor, bags, combiner, default_id, max_norm, wt: t
     return torch.stack(out) if out else torch.zeros(0, W.shape[1], dtype=W.dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(case=batches(), combiner=st.sampled_from(["sum", "mean", "sqrtn"]), use_default=st.booleans(),
        max_norm=st.sampled_from([None, 0.8]))
-def test_sparse_gradient_matches_dense_autograd(case, combiner, use_default, max_norm):
+def test_sparse_gradient_matches_dense_autograd(device, case, combiner, use_default, max_norm):
     rows, bags, with_weights = case
     W = torch.randn(rows, 4, dtype=torch.float64)
     default_id = 0 if use_default else None
     v, o, w = to_tensors(bags, with_weights)
-    w = None if w is None else w.double()
+    w = None if w is None else w.double().to(device)
     upstream = torch.randn(len(bags), 4, dtype=torch.float64)
 
-    ours = W.clone().requires_grad_()
-    out = safe_embedding_lookup_sparse(ours, (v, o, w), combiner=combiner, default_id=default_id, max_norm=max_norm)
-    (out * upstream).sum().backward()
+    # ours on `device`, the dense reference on the CPU (float64 everywhere: the tolerance holds on CUDA)
+    ours = W.clone().to(device).requires_grad_()
+    out = safe_embedding_lookup_sparse(ours, (v.to(device), o.to(device), w), combiner=combiner,
+                                       default_id=default_id, max_norm=max_norm)
+    (out * upstream.to(device)).sum().backward()
 
     ref = W.clone().requires_grad_()
     ref_loss = (dense_reference(ref, bags, combiner, default_id, max_norm) * upstream).sum()
@@ -78,23 +89,25 @@ def test_sparse_gradient_matches_dense_autograd(case, combiner, use_default, max
     if default_id is not None and any(not clean_bag(bag, rows) for bag in bags):
         expected_touched.add(default_id)
     assert touched == expected_touched  # exactly the rows read, never a dense gradient
-    torch.testing.assert_close(g.to_dense(), ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g.to_dense().cpu(), ref.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_native_float32_gradient_matches_float64_reference(backend):
+def test_native_float32_gradient_matches_float64_reference(backend, device):
+    skip_native_on_accelerator(backend, device)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(30, 8, generator=g)
     bags = [[(int(i), float(x)) for i, x in zip(torch.randint(0, 30, (k,), generator=g), torch.rand(k, generator=g) + 0.1)]
             for k in [3, 0, 5, 1, 7, 2]]
     v, o, w = to_tensors(bags, True)
-    ours = W.clone().requires_grad_()
-    out = safe_embedding_lookup_sparse(ours, (v, o, w), combiner="sqrtn", max_norm=1.5, default_id=4, backend=backend)
+    ours = W.clone().to(device).requires_grad_()
+    out = safe_embedding_lookup_sparse(ours, (v.to(device), o.to(device), w.to(device)), combiner="sqrtn", max_norm=1.5,
+                                       default_id=4, backend=backend)
     up = torch.randn(out.shape, generator=g)
-    (out * up).sum().backward()
+    (out * up.to(device)).sum().backward()
     ref = W.double().clone().requires_grad_()
     (dense_reference(ref, bags, "sqrtn", 4, 1.5) * up.double()).sum().backward()
-    torch.testing.assert_close(ours.grad.to_dense().double(), ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.grad.to_dense().cpu().double(), ref.grad, rtol=1e-5, atol=tol(device, 1e-6))
 
 
 class _Densify(torch.autograd.Function):
@@ -115,13 +128,13 @@ class _Densify(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_gradcheck_float64(combiner):
-    W = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.tensor([1, 2, 2, 5, -1, 6, 6, 0])
-    o = torch.tensor([0, 3, 3, 5, 8])
-    w = torch.tensor([0.5, 1.0, 2.0, 1.5, 1.0, 0.2, 0.7, 3.0], dtype=torch.float64)
+def test_gradcheck_float64(combiner, device):
+    W = torch.randn(7, 3, dtype=torch.float64).to(device).requires_grad_()
+    v = torch.tensor([1, 2, 2, 5, -1, 6, 6, 0], device=device)
+    o = torch.tensor([0, 3, 3, 5, 8], device=device)
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5, 1.0, 0.2, 0.7, 3.0], dtype=torch.float64, device=device)
     fn = lambda X: safe_embedding_lookup_sparse(X, (v, o, w), combiner=combiner, max_norm=0.9, default_id=3)
-    assert torch.autograd.gradcheck(lambda X: _Densify.apply(X, fn), (W,))
+    assert torch.autograd.gradcheck(lambda X: _Densify.apply(X, fn), (W,), nondet_tol=nondet_tol(device))
 
 
 def _two_table_lookup(backend):
@@ -132,17 +145,19 @@ def _two_table_lookup(backend):
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_hook_receives_unique_rows_with_summed_gradients(backend):
+def test_hook_receives_unique_rows_with_summed_gradients(backend, device):
+    skip_native_on_accelerator(backend, device)
     lookup = _two_table_lookup(backend)
     sf = SparseFeatures(["x", "y", "z"], torch.tensor([3, 3, 4, 3, 9, 1, 1, 1]),
-                        lengths=torch.tensor([2, 1, 1, 1, 1, 2]))
-    Wa, Wb = torch.randn(10, 4), torch.randn(6, 4)
+                        lengths=torch.tensor([2, 1, 1, 1, 1, 2])).to(device)
+    Wa, Wb = torch.randn(10, 4, device=device), torch.randn(6, 4, device=device)
     seen = {}
 
     def hook(t, slots, grad):
+        assert slots.device == grad.device == Wa.device
         seen[t] = (slots.clone(), grad.clone())
 
-    anchor = torch.zeros(0, requires_grad=True)
+    anchor = torch.zeros(0, device=device, requires_grad=True)
     prep = lookup.prepare(sf, [Wa, Wb])
     out = lookup.lookup(prep, [Wa, Wb], lookup.static_slots(prep), params=[anchor], row_grad_hook=hook)
     out.concat().sum().backward()
@@ -156,31 +171,32 @@ def test_hook_receives_unique_rows_with_summed_gradients(backend):
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_sgd_in_hook_equals_torch_optim_sgd(backend):
+def test_sgd_in_hook_equals_torch_optim_sgd(backend, device):
     """Three steps of SGD applied inside backward equal torch.optim.SGD on the dense problem."""
-    g = torch.Generator().manual_seed(1)
+    skip_native_on_accelerator(backend, device)
+    g = torch.Generator().manual_seed(1)  # every draw on the CPU (the reference runs there), moved for ours
     lookup = _two_table_lookup(backend)
     Wa, Wb = torch.randn(10, 4, generator=g), torch.randn(6, 4, generator=g)
     ref = [Wa.clone().double().requires_grad_(), Wb.clone().double().requires_grad_()]
     opt = torch.optim.SGD(ref, lr=0.1)
-    ours = [Wa.clone(), Wb.clone()]
-    anchor = torch.zeros(0, requires_grad=True)
+    ours = [Wa.clone().to(device), Wb.clone().to(device)]
+    anchor = torch.zeros(0, device=device, requires_grad=True)
 
     def hook(t, slots, grad):
         ours[t].index_add_(0, slots, grad, alpha=-0.1)
 
     for step in range(3):
         values = torch.randint(0, 6, (12,), generator=g)
-        sf = SparseFeatures(["x", "y", "z"], values, lengths=torch.tensor([2, 2, 2, 2, 2, 2]))
+        sf = SparseFeatures(["x", "y", "z"], values, lengths=torch.tensor([2, 2, 2, 2, 2, 2])).to(device)
         prep = lookup.prepare(sf, ours)
         out = lookup.lookup(prep, ours, lookup.static_slots(prep), params=[anchor], row_grad_hook=hook)
         target = torch.randn(out.concat().shape, generator=g)
-        ((out.concat() - target) ** 2).sum().backward()
+        ((out.concat() - target.to(device)) ** 2).sum().backward()
         # reference: the same model with dense autograd and torch.optim.SGD
         opt.zero_grad()
         xa, ya, zb = ref[0][values[:4]].view(2, 2, 4), ref[0][values[4:8]].view(2, 2, 4), ref[1][values[8:]].view(2, 2, 4)
         pooled = torch.cat([xa.sum(1), ya.mean(1), zb.sum(1)], dim=1)
         ((pooled - target.double()) ** 2).sum().backward()
         opt.step()
-    torch.testing.assert_close(ours[0].double(), ref[0].detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours[1].double(), ref[1].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[0].cpu().double(), ref[0].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1].cpu().double(), ref[1].detach(), rtol=1e-5, atol=1e-5)

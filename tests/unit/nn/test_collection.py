@@ -12,6 +12,11 @@ from hugeembed.optim import SGD, Adagrad, MomentumSGD
 from hugeembed.store import Uniform, Zeros
 
 
+def tol(device: torch.device, cpu: float) -> float:
+    """`cpu` on the CPU; at least 1e-5 on an accelerator (float32 sums in another order there)."""
+    return cpu if device.type == "cpu" else max(cpu, 1e-5)
+
+
 def batch(user, item, B=None):
     return SparseFeatures.from_lists({"user": user, "item": item})
 
@@ -47,12 +52,13 @@ def torch_reference(init_user, init_item, opt_factory, batches, targets):
     (SGD(lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
     (Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)),
 ])
-def test_training_matches_embedding_bag_and_torch_optim(dynamic, rule, ref):
+def test_training_matches_embedding_bag_and_torch_optim(dynamic, rule, ref, device):
     rows, B = 12, 6
     num_rows = None if dynamic else rows
     ec = EmbeddingCollection([TableConfig("user", 4, num_rows=num_rows, combiner="sum"),
-                              TableConfig("item", 4, num_rows=num_rows, combiner="mean")], optimizer=rule, seed=3)
-    # the tables' deterministic initial rows for ids 0..rows-1 seed the reference
+                              TableConfig("item", 4, num_rows=num_rows, combiner="mean")], optimizer=rule, seed=3,
+                             device=device)
+    # the tables' deterministic initial rows for ids 0..rows-1 seed the reference (which runs on the CPU)
     ids = torch.arange(rows)
     init = torch.stack([ec.store(n).initializer.generate(ids, 4, ec.store(n).seed) for n in ("user", "item")], 1)
     probe = SparseFeatures.from_lists({"user": [[i] for i in range(rows)], "item": [[i] for i in range(rows)]})
@@ -60,68 +66,71 @@ def test_training_matches_embedding_bag_and_torch_optim(dynamic, rule, ref):
     g = torch.Generator().manual_seed(9)
     targets = [torch.randn(B, 2, 4, generator=g) for _ in batches]
     for sf, y in zip(batches, targets):
-        ((ec(sf).stacked() - y) ** 2).sum().backward()
+        ((ec(sf.to(device)).stacked() - y.to(device)) ** 2).sum().backward()
     ru, ri = torch_reference(init[:, 0], init[:, 1], ref, batches, targets)
     ec.eval()
-    got = ec(probe).stacked()
+    got = ec(probe.to(device)).stacked().cpu()
     # rows never touched keep their initial value in both; dynamic tables read them as zeros
     touched_u = sorted({i for sf in batches for i in sf["user"].values.tolist()})
     touched_i = sorted({i for sf in batches for i in sf["item"].values.tolist()})
-    torch.testing.assert_close(got[touched_u, 0].double(), ru[touched_u], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got[touched_i, 1].double(), ri[touched_i], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[touched_u, 0].double(), ru[touched_u], rtol=1e-5, atol=tol(device, 1e-6))
+    torch.testing.assert_close(got[touched_i, 1].double(), ri[touched_i], rtol=1e-5, atol=tol(device, 1e-6))
     assert ec.step == len(batches)
 
 
-def test_dynamic_table_on_ids_below_n_equals_static_table():
-    """Same initial rows for the same ids, so training gives identical tables."""
+def test_dynamic_table_on_ids_below_n_equals_static_table(device):
+    """Same initial rows for the same ids, so training gives identical tables (bit for bit on the
+    CPU; on CUDA the gradient sums are atomic adds in no fixed order: to float32 rounding)."""
     rows = 20
     cfg = dict(dim=8, combiner="sum", initializer=Uniform(-0.1, 0.1))
     make = lambda n: EmbeddingCollection([TableConfig("user", num_rows=n, **cfg), TableConfig("item", num_rows=n, **cfg)],
-                                         optimizer=MomentumSGD(lr=0.05, momentum=0.9), seed=7)
+                                         optimizer=MomentumSGD(lr=0.05, momentum=0.9), seed=7, device=device)
     static, dynamic = make(rows), make(None)
     for sf in random_batches(6, 5, rows, seed=1):
         for ec in (static, dynamic):
-            (ec(sf).stacked() ** 2).sum().backward()
+            (ec(sf.to(device)).stacked() ** 2).sum().backward()
     for name in ("user", "item"):
         d = dynamic.store(name)
         keys = d.export().keys
-        torch.testing.assert_close(d.export().rows, static.store(name).storage()[keys], rtol=0, atol=0)
+        torch.testing.assert_close(d.export().rows, static.store(name).storage()[keys], rtol=tol(device, 0),
+                                   atol=tol(device, 0))
 
 
-def test_eval_mode_reads_unknown_ids_as_zeros_and_inserts_nothing():
+def test_eval_mode_reads_unknown_ids_as_zeros_and_inserts_nothing(device):
     ec = EmbeddingCollection([TableConfig("user", 4, combiner="sum"), TableConfig("item", 4, combiner="sum")],
-                             optimizer=SGD(lr=0.1))
-    ec(batch([[1]], [[2]])).stacked().sum().backward()
+                             optimizer=SGD(lr=0.1), device=device)
+    ec(batch([[1]], [[2]]).to(device)).stacked().sum().backward()
     counts_before = ec.store("user").export().counts.clone()
     ec.eval()
-    out = ec(batch([[1, 99]], [[2]]))
+    out = ec(batch([[1, 99]], [[2]]).to(device))
     assert ec.num_rows() == {"user": 1, "item": 1}
     assert torch.equal(ec.store("user").export().counts, counts_before)
     ec.train()
     with torch.no_grad():
-        ec2 = ec(batch([[1]], [[2]]))
+        ec2 = ec(batch([[1]], [[2]]).to(device))
     torch.testing.assert_close(out["user"], ec2["user"])  # 99 contributed zeros
     assert not out.stacked().requires_grad
 
 
-def test_admission_reads_zeros_until_admitted_and_gets_no_update():
+def test_admission_reads_zeros_until_admitted_and_gets_no_update(device):
     ec = EmbeddingCollection([TableConfig("user", 4, combiner="sum", admit_min_count=3),
-                              TableConfig("item", 4, combiner="sum")], optimizer=SGD(lr=0.1))
+                              TableConfig("item", 4, combiner="sum")], optimizer=SGD(lr=0.1), device=device)
     for k in range(2):
-        out = ec(batch([[5]], [[1]]))
+        out = ec(batch([[5]], [[1]]).to(device))
         assert torch.count_nonzero(out["user"]) == 0
         out.stacked().sum().backward()
     ex = ec.store("user").export()
     assert ex.keys.numel() == 0 and ex.pending_keys.tolist() == [5] and ex.pending_counts.tolist() == [2]
-    out = ec(batch([[5]], [[1]]))  # third sighting: admitted, fresh initial row
+    out = ec(batch([[5]], [[1]]).to(device))  # third sighting: admitted, fresh initial row
     assert torch.count_nonzero(out["user"]) > 0
 
 
-def test_feature_read_by_two_tables_and_sequence_features():
+def test_feature_read_by_two_tables_and_sequence_features(device):
     ec = EmbeddingCollection([TableConfig("wide", 1, features=("user",), combiner="sum"),
                               TableConfig("deep", 4, features=("user", "item"), combiner="mean"),
-                              TableConfig("hist", 3, features=("clicks",), combiner="none")], optimizer=SGD(lr=0.1))
-    sf = SparseFeatures.from_lists({"user": [[1], [2, 3]], "item": [[4], []], "clicks": [[7, 8, 9], [7]]})
+                              TableConfig("hist", 3, features=("clicks",), combiner="none")], optimizer=SGD(lr=0.1),
+                             device=device)
+    sf = SparseFeatures.from_lists({"user": [[1], [2, 3]], "item": [[4], []], "clicks": [[7, 8, 9], [7]]}).to(device)
     out = ec(sf)
     assert out.keys() == ("user@wide", "user@deep", "item")
     assert out["user@wide"].shape == (2, 1) and out["item"].shape == (2, 4)
@@ -133,42 +142,43 @@ def test_feature_read_by_two_tables_and_sequence_features():
     assert ec.num_rows() == {"wide": 3, "deep": 4, "hist": 3}
 
 
-def test_lr_scheduler_drives_the_backward_update():
+def test_lr_scheduler_drives_the_backward_update(device):
     ec = EmbeddingCollection([TableConfig("user", 2, num_rows=4, combiner="sum", initializer=Zeros())],
-                             optimizer=SGD(lr=1.0))
+                             optimizer=SGD(lr=1.0), device=device)
     sched = torch.optim.lr_scheduler.StepLR(ec.optimizer, step_size=1, gamma=0.5)
-    sf = SparseFeatures.from_lists({"user": [[1]]})
+    sf = SparseFeatures.from_lists({"user": [[1]]}).to(device)
     for _ in range(3):
         ec(sf)["user"].sum().backward()
         ec.optimizer.step()  # a no-op (updates ran in backward); keeps the usual loop shape
         sched.step()
     # lr 1, 0.5, 0.25 applied to a gradient of ones
-    torch.testing.assert_close(ec.store("user").storage()[1], torch.tensor([-1.75, -1.75]))
+    torch.testing.assert_close(ec.store("user").storage()[1].cpu(), torch.tensor([-1.75, -1.75]))
 
 
-def test_frozen_table_is_not_updated():
+def test_frozen_table_is_not_updated(device):
     ec = EmbeddingCollection([TableConfig("user", 2, num_rows=4, trainable=False),
-                              TableConfig("item", 2, num_rows=4)], optimizer=SGD(lr=1.0))
+                              TableConfig("item", 2, num_rows=4)], optimizer=SGD(lr=1.0), device=device)
     before = ec.store("user").storage().clone()
-    sf = SparseFeatures.from_lists({"user": [[1]], "item": [[2]]})
+    sf = SparseFeatures.from_lists({"user": [[1]], "item": [[2]]}).to(device)
     ec(sf).stacked().sum().backward()
     assert torch.equal(ec.store("user").storage(), before)
     assert len(ec.optimizer.param_groups) == 1
 
 
-def test_ttl_eviction_by_config():
-    ec = EmbeddingCollection([TableConfig("user", 2, ttl=2, evict_interval=1)], optimizer=SGD(lr=0.1))
+def test_ttl_eviction_by_config(device):
+    ec = EmbeddingCollection([TableConfig("user", 2, ttl=2, evict_interval=1)], optimizer=SGD(lr=0.1), device=device)
     for ids in ([1], [2], [3], [3], [3]):
-        ec(SparseFeatures.from_lists({"user": [ids]}))["user"].sum().backward()
+        ec(SparseFeatures.from_lists({"user": [ids]}).to(device))["user"].sum().backward()
     assert ec.store("user").export().keys.tolist() == [3]
 
 
-def test_state_dict_round_trip_and_mismatch_errors():
+def test_state_dict_round_trip_and_mismatch_errors(device):
     make = lambda dim=4, rule=Adagrad(lr=0.1): EmbeddingCollection(
-        [TableConfig("user", dim, combiner="sum"), TableConfig("item", dim, num_rows=10)], optimizer=rule)
+        [TableConfig("user", dim, combiner="sum"), TableConfig("item", dim, num_rows=10)], optimizer=rule,
+        device=device)
     ec = make()
     for sf in random_batches(3, 4, 10):
-        ec(sf).stacked().sum().backward()
+        ec(sf.to(device)).stacked().sum().backward()
     other = make()
     assert other.load_state_dict(ec.state_dict()).missing_keys == []
     assert other.step == ec.step
