@@ -11,6 +11,7 @@ step time with and without the embedding layer's work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -23,8 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import sync  # noqa: E402
 
 from hugeembed.data import Batch, SyntheticConfig, SyntheticCriteo  # noqa: E402
+from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.models import make_model  # noqa: E402
 from hugeembed.optim import Adagrad  # noqa: E402
+
+
+def _fold(sf: SparseFeatures, cards: list[int]) -> SparseFeatures:
+    values = torch.cat([sf.feature(k).values % c for k, c in zip(sf.keys(), cards)])
+    return SparseFeatures(list(sf.keys()), values, offsets=sf.offsets(), batch_size=sf.batch_size)
 
 
 def main(argv=None) -> int:
@@ -39,8 +46,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     gen = SyntheticCriteo(SyntheticConfig(seed=0, max_cardinality=1_000_000))
     n = args.warmup + args.steps
-    batches = [Batch.from_block(gen.rows(i * args.batch, args.batch)).to(args.device) for i in range(n)]
-    kw = {} if not args.static else {"dynamic": False, "cardinalities": list(gen.cardinalities)}
+    batches = [Batch.from_block(gen.rows(i * args.batch, args.batch)) for i in range(n)]
+    kw = {}
+    if args.static:  # the raw ids are hashes: fold them into each feature's cardinality
+        cards = list(gen.cardinalities)
+        kw = {"dynamic": False, "cardinalities": cards}
+        batches = [dataclasses.replace(b, sparse=_fold(b.sparse, cards)) for b in batches]
+    batches = [b.to(args.device) for b in batches]
     model, dense = make_model("dlrm", embedding_dim=args.dim, sparse_optimizer=Adagrad(lr=0.05), seed=0,
                               device=args.device, **kw)
     opt = torch.optim.Adagrad(dense, lr=0.01)

@@ -6,6 +6,8 @@ with vectorised sorts (no loop per id) and raise InputError naming the offending
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -69,11 +71,17 @@ def sort_into_bags(bags: torch.Tensor, cols: torch.Tensor | None, values: torch.
                 "one id per position"
             )
     sorted_bags = bags[order]
-    try:  # a row index of 2**40 without a dense_shape asks for that many samples
+    # A row index of 2**40 without a dense_shape asks for that many samples.  Checked against
+    # the device's memory first: where the OS overcommits, the allocation itself succeeds and
+    # writing it gets the process killed.
+    too_many = f"{what}: {num_bags} bags (the batch size times the features) do not fit in memory; " \
+               "check the row indices and dense_shape"
+    if 3 * 8 * (num_bags + 1) > _device_memory(bags.device):  # edges, bounds and lengths, int64
+        raise InputError(too_many)
+    try:
         edges = torch.arange(num_bags + 1, dtype=torch.int64, device=bags.device)
     except RuntimeError as e:  # torch.OutOfMemoryError is one
-        raise InputError(f"{what}: {num_bags} bags (the batch size times the features) do not fit in memory; "
-                         f"check the row indices and dense_shape ({type(e).__name__})") from None
+        raise InputError(f"{too_many} ({type(e).__name__})") from None
     bounds = torch.searchsorted(sorted_bags, edges)
     return values[order], None if weights is None else weights[order], bounds[1:] - bounds[:-1]
 
@@ -103,3 +111,15 @@ def sparse_parts(t: Any, what: str, ids: bool = True) -> tuple[torch.Tensor, tor
     if not ids and not vals.dtype.is_floating_point:
         raise InputError(f"{what}: must be floating point, got {vals.dtype}")
     return t._indices(), vals
+
+
+def _device_memory(device: torch.device) -> float:
+    """Bytes of memory on `device` (physical memory for the CPU; unbounded where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):  # a platform without these names
+            pass
+    return math.inf

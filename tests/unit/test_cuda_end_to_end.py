@@ -44,6 +44,10 @@ pytestmark = pytest.mark.skipif(torch.device(DEV).type == "cuda" and not torch.c
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order (GPU atomics, other kernels)
 METRIC_ATOL = 2e-3  # AUC / log loss of two runs that differ only by float rounding
+# Trainer runs (Adam on the dense layers and the tables, a dozen steps): Adam divides by
+# sqrt(v), so a gradient at the rounding level moves a weight by up to lr either way; seen on an
+# H200: 10 of 6656 dense weights 4e-4 apart after 12 steps, losses 1.5e-3 relative.
+RUN_RTOL, RUN_ATOL = 1e-2, 2e-3
 
 FEATURES = ("a", "b", "c")
 NUM_DENSE = 4
@@ -92,11 +96,11 @@ def assert_dense_equal(a_params, b_params) -> None:
         assert torch.equal(cpu(a), cpu(b)), f"dense param {i} differs at the start"
 
 
-def assert_dense_close(a_params, b_params) -> None:
+def assert_dense_close(a_params, b_params, rtol: float = RTOL, atol: float = ATOL) -> None:
     a_params, b_params = list(a_params), list(b_params)
     assert len(a_params) == len(b_params)
     for i, (a, b) in enumerate(zip(a_params, b_params)):
-        torch.testing.assert_close(cpu(a), cpu(b), rtol=RTOL, atol=ATOL, msg=lambda m: f"dense param {i}: {m}")
+        torch.testing.assert_close(cpu(a), cpu(b), rtol=rtol, atol=atol, msg=lambda m: f"dense param {i}: {m}")
 
 
 def exports(collection) -> dict:
@@ -104,7 +108,7 @@ def exports(collection) -> dict:
     return {cfg.name: store.export() for cfg, store in collection.stores()}
 
 
-def assert_tables_close(a_collection, b_collection) -> None:
+def assert_tables_close(a_collection, b_collection, rtol: float = RTOL, atol: float = ATOL) -> None:
     """Same keys, counts, steps and pending ids; rows (weights and optimizer state) close."""
     ea, eb = exports(a_collection), exports(b_collection)
     assert ea.keys() == eb.keys()
@@ -112,7 +116,7 @@ def assert_tables_close(a_collection, b_collection) -> None:
         a, b = ea[name], eb[name]
         for field in ("keys", "counts", "last_step", "pending_keys", "pending_counts", "pending_last_step"):
             assert torch.equal(cpu(getattr(a, field)), cpu(getattr(b, field))), (name, field)
-        torch.testing.assert_close(cpu(a.rows), cpu(b.rows), rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(cpu(a.rows), cpu(b.rows), rtol=rtol, atol=atol,
                                    msg=lambda m: f"table {name!r} rows: {m}")
     sa, sb = a_collection.state_dict(), b_collection.state_dict()  # the state_dict carries the same
     assert sa.keys() == sb.keys()
@@ -150,7 +154,7 @@ def assert_runs_close(sa: dict, sb: dict) -> None:
     la, lb = sa["history"]["loss"], sb["history"]["loss"]
     assert len(la) == len(lb)
     torch.testing.assert_close(torch.tensor(la, dtype=torch.float64), torch.tensor(lb, dtype=torch.float64),
-                               rtol=RTOL, atol=ATOL)
+                               rtol=RUN_RTOL, atol=RUN_ATOL)
 
 
 # -- 0. device names -------------------------------------------------------------------------------
@@ -327,8 +331,8 @@ def test_trainer_run_on_device_matches_cpu(tmp_path):
     (tc, sc), (td, sd) = runs["cpu"], runs[DEV]
     assert td.device.type == torch.device(DEV).type
     assert_runs_close(sd, sc)
-    assert_dense_close(td.model.dense_parameters(), tc.model.dense_parameters())
-    assert_tables_close(td.collection, tc.collection)
+    assert_dense_close(td.model.dense_parameters(), tc.model.dense_parameters(), RUN_RTOL, RUN_ATOL)
+    assert_tables_close(td.collection, tc.collection, RUN_RTOL, RUN_ATOL)
     # the device run's snapshot, scored again on the CPU and on the device: its final evaluation
     for where in ("cpu", DEV):
         m = evaluate_snapshot(tmp_path / DEV.replace(":", "_"), device=where)
@@ -409,8 +413,8 @@ def test_snapshot_resumes_on_the_other_device(tmp_path, first, then):
 
     assert resumed["steps"] == 12 and resumed["device"] == str(resumed_t.device)
     assert_runs_close_final(resumed, whole)
-    assert_dense_close(resumed_t.model.dense_parameters(), whole_t.model.dense_parameters())
-    assert_tables_close(resumed_t.collection, whole_t.collection)
+    assert_dense_close(resumed_t.model.dense_parameters(), whole_t.model.dense_parameters(), RUN_RTOL, RUN_ATOL)
+    assert_tables_close(resumed_t.collection, whole_t.collection, RUN_RTOL, RUN_ATOL)
     assert ckpt.latest(ck).name == "step-000000012"
 
 
@@ -422,7 +426,8 @@ def assert_runs_close_final(resumed: dict, whole: dict) -> None:
         assert abs(resumed[key] - whole[key]) <= METRIC_ATOL, (key, resumed[key], whole[key])
     assert resumed["history"]["step"] == whole["history"]["step"]
     torch.testing.assert_close(torch.tensor(resumed["history"]["loss"], dtype=torch.float64),
-                               torch.tensor(whole["history"]["loss"], dtype=torch.float64), rtol=RTOL, atol=ATOL)
+                               torch.tensor(whole["history"]["loss"], dtype=torch.float64), rtol=RUN_RTOL,
+                               atol=RUN_ATOL)
 
 
 # -- 5. tiered tables stay on the CPU -------------------------------------------------------------
@@ -442,7 +447,7 @@ def test_cli_tiered_run_on_a_device_is_a_one_line_error(tmp_path, capsys):
     if torch.device(DEV).type == "cpu":
         pytest.skip("tiered tables are allowed on the CPU; the refusal is checked on CUDA")
     rc = main(["train", "--steps", "2", "--device", DEV, "--batch-size", "64", "--eval-rows", "128",
-               "--synthetic-rows", "20000", "--embedding-dim", "4", "--memory-budget", "100000", "--storage-dir",
+               "--synthetic-rows", "20000", "--embedding-dim", "4", "--memory-budget", "10000000", "--storage-dir",
                str(tmp_path / "tier"), "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2, err

@@ -41,7 +41,8 @@ def test_dense_padded_to_coo_to_csr_and_back(device, batch, extra, rnd):
     csr = via_coo.to_csr()
     back = SparseFeatures.from_csr(csr, batch_size=b)
     assert back.keys() == tuple(keys) and back.batch_size == b and lists_of(back) == ids
-    assert back.device.type == device.type
+    if keys:  # a batch of no features has no tensor to carry its device through a dict of features
+        assert back.device.type == device.type
     if weights is not None:
         assert weight_lists_of(back) == weights
     # and out again as compact dense: ids first, then padding
