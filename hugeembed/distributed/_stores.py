@@ -57,9 +57,12 @@ class ShardArrayStore(ArrayStore):
     def num_shards(self) -> int:
         return self._num_shards
 
+    def _bad_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        return (keys < 0) | (keys >= self.num_rows) | (keys % self.num_shards != self.shard)
+
     def _check_range(self, keys: torch.Tensor) -> None:
         if keys.numel():
-            bad = (keys < 0) | (keys >= self.num_rows) | (keys % self.num_shards != self.shard)
+            bad = self._bad_keys(keys)
             if bool(bad.any()):
                 k = int(keys[bad][0])
                 raise ShardingError(f"table '{self.name}': key {k} does not belong to shard {self.shard} of "

@@ -398,8 +398,9 @@ class EmbeddingCollection(nn.Module):
         scale = flight.lr_scales.pop(t, None)
         if self._shared[t]:  # rare ids all read the shared row: one summed gradient for it
             slots, grad, scale = coalesce(slots, grad, scale)
+        # the store's own slots of this step (pinned by `flight`, unknown ids dropped): in range
         if scale is None:
-            rule.update(store, slots, grad, lr=self._lr(t), step=flight.step)
+            rule.update(store, slots, grad, lr=self._lr(t), step=flight.step, slots_checked=True)
         else:
             update_scaled(rule, store, slots, grad, lr=self._lr(t), step=flight.step, scale=scale)
 

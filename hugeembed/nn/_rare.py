@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..functional import add_at
 from ..optim import SparseOptimizer
 
 __all__ = ["SHARED_ROW_KEY", "check_count_scalable", "count_lr_scale", "update_scaled", "coalesce"]
@@ -44,7 +45,7 @@ def coalesce(slots: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None
     uniq, inv = torch.unique(slots, return_inverse=True)
     if uniq.numel() == slots.numel():
         return slots, grad, scale
-    summed = torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device).index_add_(0, inv, grad)
+    summed = add_at(torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device), inv, grad)
     if scale is not None:
         scale = torch.empty(uniq.numel(), dtype=scale.dtype, device=scale.device).scatter_(0, inv, scale)
     return uniq, summed, scale
@@ -58,7 +59,7 @@ def update_scaled(rule: SparseOptimizer, store, slots: torch.Tensor, grad: torch
     Plain float layouts only (TableConfig checks it): the weights are the first D columns."""
     dim = store.dim
     before = store.storage().index_select(0, slots)[:, :dim].clone()
-    rule.update(store, slots, grad, lr=lr, step=step)
+    rule.update(store, slots, grad, lr=lr, step=step, slots_checked=True)  # the store's own slots
     storage = store.storage()
     after = storage.index_select(0, slots)[:, :dim]
     s = scale.to(after.dtype).unsqueeze(1)

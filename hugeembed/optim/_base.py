@@ -198,7 +198,8 @@ class SparseOptimizer(abc.ABC):
         (called when the table is built; the default: any layout)."""
 
     # ------------------------------------------------------------------ update
-    def update(self, store, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
+    def update(self, store, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int,
+               slots_checked: bool = False) -> None:
         """Updates rows `slots` of `store` (a RowStore) in place: THE update path of every caller.
 
         Reads the weights and state through ``store.layout``'s typed views.  A plain layout
@@ -206,20 +207,25 @@ class SparseOptimizer(abc.ABC):
         ``store.storage()``: the native kernel when it can run.  Otherwise the torch twin
         computes in ``layout.compute_dtype`` and writes the weights back rounded to the
         weight dtype (nearest, or stochastic with the store's seed, `step` and the slot).
+
+        `slots_checked`: the caller vouches that every slot is in range (the store's own
+        slots of this step); the torch twin then skips its range check, a host sync on a GPU.
         """
         lay = store.layout
         storage = store.storage()
         if not lay.packed and not lay.stochastic_rounding:
-            self.apply(storage, slots, grad, lr=lr, step=step)
+            self.apply(storage, slots, grad, lr=lr, step=step, slots_checked=slots_checked)
             return
         slots, grad, lr, step = self._check_update(lay.dim, lay.state_width, storage, slots, grad, lr, step)
         if slots.numel() == 0:
             return
-        check_slots_torch(slots, storage.shape[0])
+        if not slots_checked:
+            check_slots_torch(slots, storage.shape[0])
         with torch.no_grad():
             self._apply_torch(RowIO.of_store(store, step), slots, grad, lr, step)
 
-    def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int) -> None:
+    def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int,
+              slots_checked: bool = False) -> None:
         """Updates rows `slots` of `storage` (weight and state) in place.
 
         Args:
@@ -228,6 +234,7 @@ class SparseOptimizer(abc.ABC):
             grad: ``[U, D]`` gradient of each touched row (duplicate ids already summed).
             lr: the learning rate of this step (a schedule's current value).
             step: 1-based count of optimizer applications on this table (the global step).
+            slots_checked: as for :meth:`update`.
 
         Uses the native kernel when storage is a contiguous CPU float32 tensor, grad is
         float32 and the kernels are built; otherwise the plain-PyTorch twin.  Slots are
@@ -240,7 +247,8 @@ class SparseOptimizer(abc.ABC):
         if self._native_ok(storage, grad):
             self._apply_native(storage, slots.contiguous(), grad.contiguous(), lr, step)
         else:
-            check_slots_torch(slots, storage.shape[0])
+            if not slots_checked:
+                check_slots_torch(slots, storage.shape[0])
             with torch.no_grad():  # storage may be a Parameter: the update is not part of any graph
                 self._apply_torch(RowIO.plain(storage, grad.shape[1], self.state_width(grad.shape[1])), slots,
                                   grad, lr, step)

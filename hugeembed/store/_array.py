@@ -90,8 +90,12 @@ class ArrayStore(LayoutViews):
         """The keys this store holds, ascending (slot order)."""
         return self._keys_of(torch.arange(self.local_rows, device=self.device))
 
+    def _bad_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Where `keys` name no row of this store."""
+        return (keys < 0) | (keys >= self.num_rows)
+
     def _check_range(self, keys: torch.Tensor) -> None:
-        bad = (keys < 0) | (keys >= self.num_rows)
+        bad = self._bad_keys(keys)
         if keys.numel() and bool(bad.any()):
             key = int(keys[bad][0])
             raise InputError(f"table '{self.name}': key {key} is outside [0, {self.num_rows}) "
@@ -99,9 +103,26 @@ class ArrayStore(LayoutViews):
 
     def _slots_of(self, keys: torch.Tensor) -> torch.Tensor:
         self._check_range(keys)
+        return self._slots_unchecked(keys)
+
+    def _slots_unchecked(self, keys: torch.Tensor) -> torch.Tensor:
         if self._num_shards == 1:
             return keys.clone()
         return torch.div(keys, self._num_shards, rounding_mode="floor")
+
+    def _invalid(self, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """0-d bool on the device: a key outside the table or a count < 1 (no host sync;
+        find_or_insert_many reads these flags of many tables at once)."""
+        bad = self._bad_keys(keys).any()
+        return bad if counts is None else bad | (counts < 1).any()
+
+    def _touch(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None) -> torch.Tensor:
+        """find_or_insert of checked keys and counts: counts the hits, stamps the step."""
+        slots = self._slots_unchecked(keys)
+        c = counts if counts is not None else torch.ones_like(slots)
+        self._meta[:, 0].index_add_(0, slots, c)
+        self._meta[slots, 1] = step
+        return slots
 
     def __len__(self) -> int:
         return self.local_rows
@@ -113,11 +134,8 @@ class ArrayStore(LayoutViews):
         keys = as_keys(self.name, keys, self.device)
         step = check_step(self.name, step)
         counts = as_counts(self.name, counts, keys.numel(), self.device)
-        slots = self._slots_of(keys)
-        c = counts if counts is not None else torch.ones_like(slots)
-        self._meta[:, 0].index_add_(0, slots, c)
-        self._meta[slots, 1] = step
-        return slots
+        self._check_range(keys)
+        return self._touch(keys, step, counts)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self._slots_of(as_keys(self.name, keys, self.device))

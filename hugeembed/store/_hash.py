@@ -28,8 +28,8 @@ import struct
 
 import torch
 
-from .._device import canonical_device
 from .. import _native
+from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
@@ -659,6 +659,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
                              "(internal error)")
         for i, o in touched:
             got[i] = o
+    _touch_static_on_device(stores, keys, counts, step, got)
     for i, s in enumerate(stores):
         if got[i] is None:
             got[i] = s.find_or_insert(keys[i], step, counts=counts[i])
@@ -666,3 +667,27 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
             outs[i].copy_(got[i])
             got[i] = outs[i]
     return got
+
+
+def _touch_static_on_device(stores, keys, counts, step: int, got: list) -> None:
+    """find_or_insert of the static tables the kernels did not take (on a GPU), into `got`.
+
+    Their range and count checks read the device once for all of them, not once per table;
+    when one fails, that table's own find_or_insert raises (naming the key) before any table
+    has changed.
+    """
+    todo = [i for i, s in enumerate(stores) if got[i] is None and isinstance(s, ArrayStore)]
+    if len(todo) < 2 or len({stores[i].device for i in todo}) != 1:
+        return
+    ks = [as_keys(stores[i].name, keys[i], stores[i].device) for i in todo]
+    cs = [None if counts[i] is None else as_counts(stores[i].name, counts[i], k.numel(), stores[i].device,
+                                                   check_values=False) for i, k in zip(todo, ks)]
+    step = check_step(stores[todo[0]].name, step)
+    bad = torch.stack([stores[i]._invalid(k, c) for i, k, c in zip(todo, ks, cs)])
+    if bool(bad.any()):  # the one host sync
+        i = todo[int(bad.to(torch.uint8).argmax())]
+        stores[i].find_or_insert(keys[i], step, counts=counts[i])
+        raise StoreError(f"table '{stores[i].name}': its keys failed the batched check but not its own (internal "
+                         "error)")
+    for i, k, c in zip(todo, ks, cs):
+        got[i] = stores[i]._touch(k, step, c)

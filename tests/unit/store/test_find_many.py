@@ -13,6 +13,8 @@ from hugeembed.store import ArrayStore, DictStore, FromCallable, HashStore, Unif
 
 from store_helpers import SPECIAL_KEYS, check_layout
 
+from tests.conftest import DEVICES
+
 native = pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
 
 
@@ -154,3 +156,44 @@ def test_more_bad_arguments_are_clear_errors():
         find_or_insert_many([a, 3], [torch.tensor([1]), torch.tensor([2])], 1)
     with pytest.raises(InputError, match="step must be an int"):
         find_or_insert_many([a], [torch.tensor([1])], "x")
+
+
+def _static_stores(device):
+    return [ArrayStore(f"s{i}", 20 + i, 2, seed=i, device=device) for i in range(4)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_tables_without_kernels_checked_at_once_and_equal_the_loop(device, monkeypatch):
+    """Static tables the kernels do not take (on a GPU; here the kernels switched off): one
+    batched range / count check, then the same slots, hit counts and steps as find_or_insert."""
+    monkeypatch.setattr(_native, "available", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    keys = [torch.randint(0, 20, (9,), generator=g).unique().to(device) for _ in range(4)]
+    counts = [torch.randint(1, 4, (k.numel(),), generator=g).to(device) for k in keys]
+    many, loop = _static_stores(device), _static_stores(device)
+    got = find_or_insert_many(many, keys, 5, counts=counts)
+    for s, k, c, out in zip(loop, keys, counts, got):
+        assert torch.equal(out.cpu(), s.find_or_insert(k, 5, counts=c).cpu())
+    for a, b in zip(many, loop):
+        assert torch.equal(a.hit_counts(torch.arange(a.num_rows, device=device)).cpu(),
+                           b.hit_counts(torch.arange(b.num_rows, device=device)).cpu())
+        assert torch.equal(a.export().last_step.cpu(), b.export().last_step.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", ["key", "count"])
+def test_static_tables_without_kernels_bad_input_changes_no_table(device, bad, monkeypatch):
+    monkeypatch.setattr(_native, "available", lambda: False)
+    stores = _static_stores(device)
+    keys = [torch.tensor([0, 3, 5], device=device) for _ in stores]
+    counts = [torch.ones(3, dtype=torch.int64, device=device) for _ in stores]
+    if bad == "key":
+        keys[2] = torch.tensor([1, 22, 4], device=device)  # table s2 has 22 rows
+        match = r"table 's2': key 22 is outside \[0, 22\)"
+    else:
+        counts[3] = torch.tensor([1, 0, 1], device=device)
+        match = r"table 's3': counts must be >= 1 .* got 0"
+    with pytest.raises(InputError, match=match):
+        find_or_insert_many(stores, keys, 1, counts=counts)
+    for s in stores:  # no table counted a hit
+        assert int(s.hit_counts(torch.arange(s.num_rows, device=device)).sum()) == 0
