@@ -116,7 +116,9 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- construction -----------------------------------------------------------------
 
-    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None):
+    _share_static_storage = False  # its static tables are shards (ShardArrayStore)
+
+    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None, block=None):
         p = self.plan[t.name]
         if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
             layout = t.row_layout(rule)

@@ -22,6 +22,8 @@ from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torc
 
 __all__ = ["FusedEmbeddingLookup", "RowGradHook"]
 
+# Called in backward per table with (table index, slots, gradient rows).  A hook that also has
+# a method ``many(items)`` gets every table's ``(t, slots, grad)`` in one call instead.
 RowGradHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 """Called in backward once per table with rows touched: ``hook(table_index, slots [U], grad [U, D])``.
 
@@ -174,7 +176,8 @@ class FusedEmbeddingLookup:
 
     def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
                params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None,
-               runs: list | None = None) -> PooledEmbeddings:
+               runs: list | None = None,
+               row_blocks: Sequence[tuple[torch.Tensor, int] | None] | None = None) -> PooledEmbeddings:
         """Pools the prepared batch from the row storages, with autograd.
 
         Args:
@@ -188,6 +191,9 @@ class FusedEmbeddingLookup:
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
             runs: with a hook, no autograd graph: the lookup's state is appended here and its
                 ``backward(grads, False)`` later runs the hook (a custom op's backward, nn/_ops.py).
+            row_blocks: per table, ``(block, first_row)`` when ``storages[t]`` is rows
+                ``[first_row, first_row + R_t)`` of one ``block`` tensor shared by several tables
+                (a RowBlock), else None: the torch path then gathers their rows in one op.
         """
         self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
@@ -204,7 +210,7 @@ class FusedEmbeddingLookup:
             # prepared under no_grad: its weights lost their graph, their gradient would be lost silently
             raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
                              "their gradient cannot be computed: call prepare() with grad enabled")
-        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook)
+        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)
             return run.wrap(run.forward())
@@ -242,9 +248,10 @@ class FusedEmbeddingLookup:
 class _LookupRun:
     """State of one lookup between forward and backward."""
 
-    def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook) -> None:
+    def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook,
+                 blocks=None) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
-        self.params, self.hook = params, hook
+        self.params, self.hook, self.blocks = params, hook, blocks
         self.native = prep.native and _storages_native_ok(storages)
         self.dtypes = owner.output_dtypes(storages)
 
@@ -255,11 +262,11 @@ class _LookupRun:
             cdt = _compute_dtype(self.dtypes[g])
             if group.pooled:
                 o = (pool_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt))
+                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.blocks))
                 outs.append(o.to(self.dtypes[g]))
             if group.unpooled:
                 o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt))
+                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.blocks))
                 outs.append(o.to(self.dtypes[g]))
         return outs
 
@@ -273,7 +280,7 @@ class _LookupRun:
             pooled.append(next(it).to(cdt) if group.pooled else None)
             unpooled.append(next(it).to(cdt) if group.unpooled else None)
         # before the hook: the optimizer it runs changes the rows this gradient reads
-        gw = (weights_backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled)
+        gw = (weights_backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled, self.blocks)
               if weights_grad else None)
         if self.hook is None and not self.params:
             return gw, []
@@ -286,6 +293,10 @@ class _LookupRun:
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
         # all tables (one host sync per step), per table only when some id has no row
         some_unknown = bool((torch.cat(table_slots) < 0).any()) if table_slots else False
+        # a hook with a `many` method takes every table's rows in one call (it may update
+        # tables that share storage together)
+        many = getattr(self.hook, "many", None)
+        items = []
         for t, grad in enumerate(table_grads):
             slots = table_slots[t]
             if some_unknown and slots.numel():
@@ -293,10 +304,15 @@ class _LookupRun:
                 slots, grad = slots[known], grad[known]
             if self.hook is not None:
                 if slots.numel():
-                    self.hook(t, slots, grad)
+                    if many is not None:
+                        items.append((t, slots, grad))
+                    else:
+                        self.hook(t, slots, grad)
             elif self.params and slots.numel():  # a table no id reached gets no gradient at all
                 p = self.params[t]
                 out[t] = torch.sparse_coo_tensor(slots.unsqueeze(0), grad.to(p.dtype), p.shape, check_invariants=False)
+        if items:
+            many(items)
         return gw, out
 
     def wrap(self, outs) -> PooledEmbeddings:

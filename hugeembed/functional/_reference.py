@@ -14,7 +14,7 @@ from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
-           "clip_rows_backward", "add_at"]
+           "clip_rows_backward", "add_at", "repeat_each"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -30,6 +30,22 @@ def add_at(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.T
     if out.device.type == "cpu":
         return out.index_add_(0, index, src)
     return out.index_put_((index,), src, accumulate=True)
+
+
+def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host.
+
+    torch.repeat_interleave would read sizes held on a GPU back to the host; here each
+    element finds its segment by a search over the segments' starts (the last start at or
+    before it: an empty segment starts where the next one does).
+    """
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += n
+    vals = torch.tensor(values, dtype=torch.int64, device=device)
+    at = torch.tensor(starts, dtype=torch.int64, device=device)
+    return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
 
 
 def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -154,8 +170,11 @@ def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float |
     return torch.where(clipped, projected, grad)
 
 
-def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype) -> torch.Tensor:
+def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, blocks=None) -> torch.Tensor:
     """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped."""
+    emb = _block_rows(plan, prep, slots, dim, dtype, blocks)
+    if emb is not None:
+        return emb
     dev = prep.offsets.device
     emb = torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
     for t, spec in enumerate(plan.tables):
@@ -165,6 +184,31 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
         b = prep.unique_base[t]
         emb[b : b + n] = clip_rows(_rows_at(storages[t], slots[b : b + n], dim, dtype), spec.max_norm)
     return emb
+
+
+def _block_rows(plan: LookupPlan, prep: Prepared, slots, dim: int, dtype, blocks) -> torch.Tensor | None:
+    """`_unique_rows` in one gather when every table with keys in the batch keeps its rows in
+    one block (``blocks[t] = (block, first_row)``), has this dim and clips nothing; else None."""
+    if blocks is None:
+        return None
+    used = [t for t, n in enumerate(prep.unique_count) if n]
+    if not used or blocks[used[0]] is None:
+        return None
+    block = blocks[used[0]][0]
+    for t in used:
+        spec = plan.tables[t]
+        if blocks[t] is None or blocks[t][0] is not block or spec.dim != dim or spec.max_norm:
+            return None
+    dev, total = slots.device, sum(prep.unique_count)
+    offset = repeat_each([blocks[t][1] if blocks[t] is not None else 0 for t in range(plan.num_tables)],
+                         prep.unique_count, dev)
+    own = slots[:total]
+    known = own >= 0  # -1: an id that reads zeros
+    rows = block.index_select(0, torch.where(known, own + offset, 0))[:, :dim].to(dtype)
+    rows = rows * known.unsqueeze(1).to(dtype)
+    if total == prep.capacity:
+        return rows
+    return torch.cat([rows, torch.zeros(prep.capacity - total, dim, dtype=dtype, device=dev)])
 
 
 def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> torch.Tensor:
@@ -213,22 +257,24 @@ def _combine(rows: torch.Tensor, w: torch.Tensor, out_bag: torch.Tensor, denom: 
     return add_at(out, out_bag, rows * w.unsqueeze(1)) / denom.unsqueeze(1)
 
 
-def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
+def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
+               blocks=None) -> torch.Tensor:
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
     dev = prep.offsets.device
     if n == 0 or B == 0:
         return torch.zeros(B, n, D, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, D, dtype)
+    emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
     pos, owner, sample = _group_ids(prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
     return _combine(emb[prep.inverse[pos].long()], w, out_bag, denom, B * n).view(B, n, D)
 
 
-def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype) -> torch.Tensor:
+def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
+                   blocks=None) -> torch.Tensor:
     dev = prep.offsets.device
     if not group.unpooled:
         return torch.zeros(0, group.dim, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype)
+    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, blocks)
     pos, _, _ = _group_ids(prep, group.unpooled)
     rows = emb[prep.inverse[pos].long()]
     if prep.weights is not None:
@@ -268,7 +314,7 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
 
 
 def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads,
-                           unpooled_grads) -> torch.Tensor:
+                           unpooled_grads, blocks=None) -> torch.Tensor:
     """Gradient w.r.t. ``prep.weights`` (the kept per-id weights): TF's pooling differentiated.
 
     With e_i the (clipped) row of id i, g its bag's output gradient and out the bag's output:
@@ -284,7 +330,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
         if group.pooled and prep.batch_size:
             go_all = pooled_grads[g]
             dtype = go_all.dtype
-            emb = _unique_rows(plan, prep, storages, slots, D, dtype)
+            emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
             pos, owner, sample = _group_ids(prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
             e = emb[prep.inverse[pos].long()]
@@ -299,7 +345,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             gw[pos] = grad.to(gw.dtype)
         if group.unpooled:
             go = unpooled_grads[g]
-            emb = _unique_rows(plan, prep, storages, slots, D, go.dtype)
+            emb = _unique_rows(plan, prep, storages, slots, D, go.dtype, blocks)
             pos, _, _ = _group_ids(prep, group.unpooled)
             gw[pos] = (go * emb[prep.inverse[pos].long()]).sum(1).to(gw.dtype)
     return gw

@@ -21,9 +21,9 @@ from torch import nn
 from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
-from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
+from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, repeat_each
 from ..optim import SparseOptimizer
-from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowLayout, RowStore, StoreExport, TieredStore,
+from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowBlock, RowLayout, RowStore, StoreExport, TieredStore,
                      find_or_insert_many)
 from ..store._layout import LayoutViews
 from . import _ops
@@ -34,6 +34,41 @@ from ._rare import SHARED_ROW_KEY, check_count_scalable, coalesce, count_lr_scal
 
 __all__ = ["EmbeddingCollection"]
 
+
+
+class _RowUpdates:
+    """A training lookup's row_grad_hook: applies each table's rule to the rows its batch read.
+
+    ``many`` (the whole backward at once) first checks every table's rows are still where the
+    forward read them, then updates the tables that share a RowBlock, a rule and an lr in one
+    rule call on the block, the others one by one.
+    """
+
+    def __init__(self, collection: "EmbeddingCollection", flight: InFlight) -> None:
+        self.collection, self.flight = collection, flight
+
+    def __call__(self, t: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        self.collection.update_rows(t, slots, grad, self.flight)
+        self.flight.release(t)
+
+    def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        c, flight = self.collection, self.flight
+        for t, _, _ in items:  # before any update: a failure changes no table
+            flight.check(t, c._stores[t], c.tables[t].name)
+        shared: dict[tuple, list] = {}
+        alone = []
+        for item in items:
+            key = c._block_update_key(item[0])
+            (alone if key is None else shared.setdefault(key, [])).append(item)
+        for group in shared.values():
+            if len(group) == 1:
+                alone.extend(group)
+            else:
+                c._update_block(group, flight.step)
+        for t, slots, grad in alone:
+            c.update_rows(t, slots, grad, flight)
+        for t, _, _ in items:
+            flight.release(t)
 
 
 def output_names(tables: Sequence[TableConfig]) -> list[tuple[str, str, str]]:
@@ -131,7 +166,9 @@ class EmbeddingCollection(nn.Module):
         self._slots_lookup = FusedEmbeddingLookup(
             [TableSpec(t.name, t.dim, max_norm=t.max_norm) for t in tables], feats, backend=backend) \
             if self._moving or self._tiered else None
-        self._stores: list[RowStore] = [self._make_store(t, r) for t, r in zip(tables, self.rules)]
+        blocks = self._static_blocks(tables, self.rules)
+        self._stores: list[RowStore] = [self._make_store(t, r, blocks.get(i))
+                                        for i, (t, r) in enumerate(zip(tables, self.rules))]
         self._shared = [t.shared_row for t in tables]  # tables whose rare / unknown ids read one shared row
         # Autograd needs one tensor that requires grad to route backward into the
         # lookup; it is not a Parameter, so dense optimizers and DDP never see it.
@@ -146,16 +183,40 @@ class EmbeddingCollection(nn.Module):
 
     # -- construction -----------------------------------------------------------------
 
-    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None) -> RowStore:
+    # static tables of one row width and dtype keep their rows in one RowBlock (off in the
+    # sharded collection, whose stores are shards)
+    _share_static_storage = True
+
+    def _static_blocks(self, tables: Sequence[TableConfig],
+                       rules: Sequence[SparseOptimizer | None]) -> dict[int, tuple[RowBlock, int]]:
+        """Table index -> (block, first row) for static tables that share a RowBlock: those of one
+        row width and storage dtype, at least two of them (not tiered: their rows are in a tier)."""
+        if not self._share_static_storage or self.device.type == "meta":
+            return {}
+        kinds: dict[tuple, list[int]] = {}
+        for i, (t, rule) in enumerate(zip(tables, rules)):
+            if t.num_rows is not None and not t.tiered:
+                lay = t.row_layout(rule)
+                kinds.setdefault((lay.width, lay.storage_dtype), []).append(i)
+        out = {}
+        for (width, dtype), members in kinds.items():
+            if len(members) > 1:
+                places = RowBlock.for_tables([tables[i].num_rows for i in members], width, dtype, self.device)
+                out.update(zip(members, places))
+        return out
+
+    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None,
+                    block: tuple[RowBlock, int] | None = None) -> RowStore:
         """Table `t`'s store: its key index with the rows, or, for a disk-tiered table, the index
         without rows under a TieredStore holding them (the sharded collection overrides
-        ``_make_index`` and ``_tier_dir``)."""
+        ``_make_index`` and ``_tier_dir``).  `block`: where a static table keeps its rows."""
         if self.device.type == "meta":
             return _MetaStore(t.name, t.row_layout(rule))
         if t.tiered and self.device.type != "cpu":
             raise ConfigError(f"table {t.name!r}: a disk-tiered table (storage_dir) lives on the CPU, "
                               f"the collection is on {self.device}")
-        index = self._make_index(t, rule, rows=not t.tiered)  # a tiered table's rows live in its tier
+        # a tiered table's rows live in its tier
+        index = self._make_index(t, rule, rows=not t.tiered, **({} if block is None else {"block": block}))
         if not t.tiered:
             return index
         return TieredStore(index, initializer=index.initializer, init_state=None if rule is None else rule.init_state,
@@ -167,12 +228,13 @@ class EmbeddingCollection(nn.Module):
         return dict(initializer=t.initializer, init_state=None if rule is None else rule.init_state, dtype=t.dtype,
                     layout=t.row_layout(rule), device=self.device, seed=t.resolved_seed(self.seed), rows=rows)
 
-    def _make_index(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool) -> RowStore:
+    def _make_index(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool,
+                    block: tuple[RowBlock, int] | None = None) -> RowStore:
         """Table `t`'s key index (with its rows unless `rows` is False)."""
         common = self._store_options(t, rule, rows)
         state = common["layout"].state_width
         if t.num_rows is not None:
-            return ArrayStore(t.name, t.num_rows, t.dim, state, **common)
+            return ArrayStore(t.name, t.num_rows, t.dim, state, block=block, **common)
         backend = None if self.backend == "auto" else self.backend
         return HashStore(t.name, t.dim, state, capacity=t.capacity, on_full=t.on_full,
                          eviction_policy=t.eviction_policy, admit_min_count=t.admit_min_count, backend=backend,
@@ -311,8 +373,9 @@ class EmbeddingCollection(nn.Module):
                 b, n = prep.unique_base[t], prep.unique_count[t]
                 storages[t], slots[b : b + n] = self.current_rows(t, slots[b : b + n])
             return self._slots_lookup.lookup(prep, storages, slots)
+        blocks = self._row_blocks()
         if not training or not any(self.rules):
-            return pool.lookup(prep, storages, slots)
+            return pool.lookup(prep, storages, slots, row_blocks=blocks)
         flight = self._in_flight(step)
         for t, (b, n) in enumerate(zip(prep.unique_base, prep.unique_count)):
             flight.pin(t, slots, b, b + n)
@@ -324,7 +387,17 @@ class EmbeddingCollection(nn.Module):
                 if shared is not None:  # the shared row takes every rare id's gradient at the full lr
                     scale[slots[b : b + n] == shared] = 1.0
                 flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
-        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight), runs=runs)
+        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight), runs=runs,
+                           row_blocks=blocks)
+
+    def _row_blocks(self) -> list[tuple[torch.Tensor, int] | None] | None:
+        """Per table, (its RowBlock's storage, first row) while its rows are that block's view;
+        None when no table's are (FusedEmbeddingLookup.lookup's row_blocks)."""
+        out = []
+        for s in self._stores:
+            b = s.block_rows() if isinstance(s, ArrayStore) else None
+            out.append(None if b is None else (b[0].storage, b[1]))
+        return out if any(b is not None for b in out) else None
 
     def _fetch(self, prep, training: bool, step: int) -> torch.Tensor:
         """Row slots of every unique id of a prepared batch: -1 where a row reads zeros.
@@ -428,12 +501,32 @@ class EmbeddingCollection(nn.Module):
         self._inflight.add(flight)
         return flight
 
-    def _hook(self, flight: InFlight):
-        def apply(t: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
-            self.update_rows(t, slots, grad, flight)
-            flight.release(t)
+    def _hook(self, flight: InFlight) -> "_RowUpdates":
+        return _RowUpdates(self, flight)
 
-        return apply
+    def _block_update_key(self, t: int) -> tuple | None:
+        """What table `t`'s update may share with other tables' (one rule call on their RowBlock):
+        the block, the rule and the lr; None when it takes its own (``update_rows``)."""
+        rule, store = self.rules[t], self._stores[t]
+        if rule is None or self._shared[t] or self.tables[t].lr_count_scale is not None or \
+                rule.moves_untouched_rows or not isinstance(store, ArrayStore):
+            return None
+        lay, b = store.layout, store.block_rows()
+        if b is None or lay.packed or lay.stochastic_rounding:  # update() reads these through the store
+            return None
+        return id(b[0]), id(rule), self._lr(t)
+
+    def _update_block(self, items: list[tuple[int, torch.Tensor, torch.Tensor]], step: int) -> None:
+        """One rule call for tables that share a RowBlock, a rule and an lr (``_block_update_key``):
+        each table's slots offset by its first row in the block."""
+        t0 = items[0][0]
+        block = self._stores[t0].block_rows()[0]
+        offset = repeat_each([self._stores[t].block_rows()[1] for t, _, _ in items], [s.numel() for _, s, _ in items],
+                             block.storage.device)
+        slots = torch.cat([s for _, s, _ in items]) + offset
+        grad = torch.cat([g for _, _, g in items])
+        # the stores' own slots of this step: in range
+        self.rules[t0].apply(block.storage, slots, grad, lr=self._lr(t0), step=step, slots_checked=True)
 
     def applied_step(self) -> int:
         """The last step every backward before it has applied (rows are current as of it)."""

@@ -17,7 +17,7 @@ Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
 """
 
 from ._alloc import allocate_rows
-from ._array import ArrayStore
+from ._array import ArrayStore, RowBlock
 from ._dict import DictStore
 from ._hash import HashStore, find_or_insert_many
 from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
@@ -38,6 +38,7 @@ __all__ = [
     "find_or_insert_many",
     "row_independent",
     "ArrayStore",
+    "RowBlock",
     "DictStore",
     "TieredStore",
     "CACHE_POLICIES",

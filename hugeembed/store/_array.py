@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .._device import canonical_device
 from .. import _native
+from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
@@ -22,12 +22,38 @@ from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._init import Initializer, default_initializer, init_rows_native
 from ._protocol import ExportIndex, StoreExport
 
-__all__ = ["ArrayStore", "touch_many"]
+__all__ = ["ArrayStore", "RowBlock", "touch_many"]
 
 _INIT_CHUNK = 1 << 20
 
 # Columns of he_array_touch_many's descriptor (csrc/hash_store.cpp::TouchCol).
 TOUCH_COLUMNS = ("meta", "rows", "keys", "counts", "n", "out", "rc", "bad_pos")
+
+
+def _row_ptr(t: torch.Tensor, row: int) -> int:
+    """Address of row `row` of a 2-D tensor."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
+class RowBlock:
+    """One ``[R, W]`` storage and one ``[R, 2]`` metadata tensor holding the rows of several
+    static tables (an EmbeddingCollection gives its static tables of one row width and dtype one
+    block).  Each table's rows are a view of rows ``[first, first + n)``, so the torch path
+    (any device) gathers, counts and updates the rows of all of them with one op each instead
+    of one per table: the ``num_rows`` of the table before it offsets its slots.
+    """
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.storage = _alloc.empty((rows, width), dtype, device)
+        self.meta = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+
+    @classmethod
+    def for_tables(cls, num_rows: list[int], width: int, dtype: torch.dtype,
+                   device: torch.device | str) -> list[tuple["RowBlock", int]]:
+        """A block for tables of `num_rows` rows each, with each table's first row."""
+        block = cls(sum(num_rows), width, dtype, device)
+        firsts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+        return [(block, f) for f in firsts]
 
 
 class ArrayStore(LayoutViews):
@@ -39,6 +65,8 @@ class ArrayStore(LayoutViews):
         dim, state_width, initializer, init_state, dtype, device, seed, layout: as for HashStore.
         rows: False makes this store the key index of a tiered table (store/_tiered.py): the
             range check and the per-row counts, no rows.
+        block: ``(RowBlock, first_row)``: keep the rows and counts in that block's rows
+            ``[first_row, first_row + num_rows)`` rather than in tensors of their own.
 
     Example::
 
@@ -54,7 +82,7 @@ class ArrayStore(LayoutViews):
     def __init__(self, name: str, num_rows: int, dim: int, state_width: int = 0, *,
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None,
-                 rows: bool = True):
+                 rows: bool = True, block: tuple[RowBlock, int] | None = None):
         if initializer is None and isinstance(dim, int) and dim > 0:
             initializer = default_initializer(dim)
         check_table_config(name, dim, state_width, dtype, initializer)
@@ -67,8 +95,20 @@ class ArrayStore(LayoutViews):
         n = self.local_rows = len(range(self._shard, num_rows, self._num_shards))
         lay = self.layout
         self.has_rows = bool(rows)
-        self._storage = _alloc.empty((n, self.width if rows else 0), lay.storage_dtype, self.device)
-        self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
+        self._block = None
+        if block is None:
+            self._storage = _alloc.empty((n, self.width if rows else 0), lay.storage_dtype, self.device)
+            self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
+        else:
+            blk, first = block
+            if not rows or blk.storage.shape[1] != self.width or blk.storage.dtype != lay.storage_dtype or \
+                    blk.storage.device != self.device or not 0 <= first <= blk.storage.shape[0] - n:
+                raise ConfigError(f"table '{name}': its rows do not fit the block given (rows {first}..{first + n} "
+                                  f"of width {self.width}, {lay.storage_dtype} on {self.device}; the block has "
+                                  f"{blk.storage.shape[0]} rows of width {blk.storage.shape[1]}, "
+                                  f"{blk.storage.dtype} on {blk.storage.device})")
+            self._block = block
+            self._storage, self._meta = blk.storage[first:first + n], blk.meta[first:first + n]
         # On "meta" (shape-only planning) there is nothing to initialise; a key index has no rows.
         for start in range(0, n if self.device.type != "meta" and rows else 0, _INIT_CHUNK):
             end = min(n, start + _INIT_CHUNK)
@@ -82,6 +122,17 @@ class ArrayStore(LayoutViews):
                 state.zero_()
                 if init_state is not None:
                     init_state(state)
+
+    def block_rows(self) -> tuple[RowBlock, int] | None:
+        """``(block, first_row)`` while this store's rows and counts are still that RowBlock's
+        views (a load or a move gives the store tensors of its own), else None."""
+        if self._block is None:
+            return None
+        blk, first = self._block
+        if (self._storage.data_ptr() == _row_ptr(blk.storage, first) and self._storage.shape[1] == blk.storage.shape[1]
+                and self._meta.data_ptr() == _row_ptr(blk.meta, first)):
+            return self._block
+        return None
 
     def _keys_of(self, slots: torch.Tensor) -> torch.Tensor:
         return slots if self._num_shards == 1 else slots * self._num_shards + self._shard
@@ -209,6 +260,7 @@ class ArrayStore(LayoutViews):
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.device = canonical_device(device)
+        out._block = None  # tensors of its own on the new device
         out._storage = _alloc.empty(tuple(self._storage.shape), self._storage.dtype, out.device)
         out._storage.copy_(self._storage)
         out._meta = self._meta.to(out.device, copy=True)

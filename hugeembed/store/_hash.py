@@ -31,6 +31,7 @@ import torch
 from .. import _native
 from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError, StoreError
+from ..functional import repeat_each
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
                       init_rows, make_layout, scatter_rows)
@@ -674,20 +675,49 @@ def _touch_static_on_device(stores, keys, counts, step: int, got: list) -> None:
 
     Their range and count checks read the device once for all of them, not once per table;
     when one fails, that table's own find_or_insert raises (naming the key) before any table
-    has changed.
+    has changed.  Tables whose rows share a RowBlock are checked and counted together, with
+    one op each for all of them.
     """
     todo = [i for i, s in enumerate(stores) if got[i] is None and isinstance(s, ArrayStore)]
     if len(todo) < 2 or len({stores[i].device for i in todo}) != 1:
         return
-    ks = [as_keys(stores[i].name, keys[i], stores[i].device) for i in todo]
-    cs = [None if counts[i] is None else as_counts(stores[i].name, counts[i], k.numel(), stores[i].device,
-                                                   check_values=False) for i, k in zip(todo, ks)]
+    ks = {i: as_keys(stores[i].name, keys[i], stores[i].device) for i in todo}
+    cs = {i: None if counts[i] is None else as_counts(stores[i].name, counts[i], ks[i].numel(), stores[i].device,
+                                                      check_values=False) for i in todo}
     step = check_step(stores[todo[0]].name, step)
-    bad = torch.stack([stores[i]._invalid(k, c) for i, k, c in zip(todo, ks, cs)])
-    if bool(bad.any()):  # the one host sync
+    by_block: dict[int, list[int]] = {}
+    alone = []
+    for i in todo:
+        b = stores[i].block_rows() if type(stores[i]) is ArrayStore else None  # a shard is no block's
+        (alone if b is None else by_block.setdefault(id(b[0]), [])).append(i)
+    groups = [g for g in by_block.values() if len(g) > 1]
+    alone += [i for g in by_block.values() if len(g) == 1 for i in g]
+    joined = [_joined_touch(stores, g, ks, cs) for g in groups]
+    flags = [j[-1] for j in joined] + [stores[i]._invalid(ks[i], cs[i]) for i in alone]
+    if bool(torch.stack(flags).any()):  # the one host sync
+        bad = torch.stack([stores[i]._invalid(ks[i], cs[i]) for i in todo])
         i = todo[int(bad.to(torch.uint8).argmax())]
         stores[i].find_or_insert(keys[i], step, counts=counts[i])
         raise StoreError(f"table '{stores[i].name}': its keys failed the batched check but not its own (internal "
                          "error)")
-    for i, k, c in zip(todo, ks, cs):
-        got[i] = stores[i]._touch(k, step, c)
+    for g, (block, keys_all, slots, hits, _) in zip(groups, joined):
+        block.meta[:, 0].index_add_(0, slots, hits)
+        block.meta[slots, 1] = step
+        for i, own in zip(g, keys_all.split([ks[i].numel() for i in g])):
+            got[i] = own  # a static table's slot is its key
+    for i in alone:
+        got[i] = stores[i]._touch(ks[i], step, cs[i])
+
+
+def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
+    """For static tables of one RowBlock: (block, their keys joined, the keys' rows in the block,
+    their counts joined, a 0-d bool: some key out of range or count < 1)."""
+    block = stores[members[0]].block_rows()[0]
+    dev = block.meta.device
+    sizes = [ks[i].numel() for i in members]
+    keys_all = torch.cat([ks[i] for i in members])
+    limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
+    hits = torch.cat([cs[i] if cs[i] is not None else torch.ones_like(ks[i]) for i in members])
+    bad = ((keys_all < 0) | (keys_all >= limit)).any() | (hits < 1).any()
+    slots = keys_all + repeat_each([stores[i].block_rows()[1] for i in members], sizes, dev)
+    return block, keys_all, slots, hits, bad

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from hugeembed import _native
 from hugeembed.errors import CapacityError, InputError
 from hugeembed.optim import FTRL, Adagrad
-from hugeembed.store import ArrayStore, DictStore, FromCallable, HashStore, Uniform, find_or_insert_many
+from hugeembed.store import ArrayStore, DictStore, FromCallable, HashStore, RowBlock, Uniform, find_or_insert_many
 
 from store_helpers import SPECIAL_KEYS, check_layout
 
@@ -158,19 +158,25 @@ def test_more_bad_arguments_are_clear_errors():
         find_or_insert_many([a], [torch.tensor([1])], "x")
 
 
-def _static_stores(device):
-    return [ArrayStore(f"s{i}", 20 + i, 2, seed=i, device=device) for i in range(4)]
+def _static_stores(device, blocked=False):
+    """Four static tables; `blocked`: the first three keep their rows in one RowBlock."""
+    places = RowBlock.for_tables([20, 21, 22], 2, torch.float32, device) if blocked else [None] * 3
+    return [ArrayStore(f"s{i}", 20 + i, 2, seed=i, device=device, block=places[i] if i < 3 else None)
+            for i in range(4)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_static_tables_without_kernels_checked_at_once_and_equal_the_loop(device, monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_static_tables_without_kernels_checked_at_once_and_equal_the_loop(device, blocked, monkeypatch):
     """Static tables the kernels do not take (on a GPU; here the kernels switched off): one
-    batched range / count check, then the same slots, hit counts and steps as find_or_insert."""
+    batched range / count check, then the same slots, hit counts and steps as find_or_insert
+    (tables of one RowBlock counted together)."""
     monkeypatch.setattr(_native, "available", lambda: False)
     g = torch.Generator().manual_seed(3)
     keys = [torch.randint(0, 20, (9,), generator=g).unique().to(device) for _ in range(4)]
     counts = [torch.randint(1, 4, (k.numel(),), generator=g).to(device) for k in keys]
-    many, loop = _static_stores(device), _static_stores(device)
+    many, loop = _static_stores(device, blocked), _static_stores(device)
+    assert all((s.block_rows() is not None) == (blocked and i < 3) for i, s in enumerate(many))
     got = find_or_insert_many(many, keys, 5, counts=counts)
     for s, k, c, out in zip(loop, keys, counts, got):
         assert torch.equal(out.cpu(), s.find_or_insert(k, 5, counts=c).cpu())
@@ -182,17 +188,18 @@ def test_static_tables_without_kernels_checked_at_once_and_equal_the_loop(device
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", ["key", "count"])
-def test_static_tables_without_kernels_bad_input_changes_no_table(device, bad, monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_static_tables_without_kernels_bad_input_changes_no_table(device, bad, blocked, monkeypatch):
     monkeypatch.setattr(_native, "available", lambda: False)
-    stores = _static_stores(device)
+    stores = _static_stores(device, blocked)
     keys = [torch.tensor([0, 3, 5], device=device) for _ in stores]
     counts = [torch.ones(3, dtype=torch.int64, device=device) for _ in stores]
     if bad == "key":
         keys[2] = torch.tensor([1, 22, 4], device=device)  # table s2 has 22 rows
         match = r"table 's2': key 22 is outside \[0, 22\)"
     else:
-        counts[3] = torch.tensor([1, 0, 1], device=device)
-        match = r"table 's3': counts must be >= 1 .* got 0"
+        counts[1] = torch.tensor([1, 0, 1], device=device)
+        match = r"table 's1': counts must be >= 1 .* got 0"
     with pytest.raises(InputError, match=match):
         find_or_insert_many(stores, keys, 1, counts=counts)
     for s in stores:  # no table counted a hit
