@@ -78,15 +78,15 @@ def main(argv=None) -> int:
             sync()
             ts.append(time.perf_counter() - t0)
         times[name] = statistics.median(ts)
+    kind = "static" if args.static else "dynamic"
+    print(f"# DLRM d{args.dim}, batch {args.batch}, {kind} tables, {args.device}, torch {torch.__version__}")
+    for name, t in times.items():
+        print(f"{name}: {t * 1e3:.2f} ms median ({args.batch / t / 1e3:.0f} k samples/s)", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     with profile(activities=acts) as prof:
         for b in batches[args.warmup:]:
             step(b)
         sync()
-    kind = "static" if args.static else "dynamic"
-    print(f"# DLRM d{args.dim}, batch {args.batch}, {kind} tables, {args.device}, torch {torch.__version__}")
-    for name, t in times.items():
-        print(f"{name}: {t * 1e3:.2f} ms median ({args.batch / t / 1e3:.0f} k samples/s)")
     sort = "self_cuda_time_total" if args.device != "cpu" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.top))
     if args.device != "cpu":

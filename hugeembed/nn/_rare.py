@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..functional import add_at
 from ..optim import SparseOptimizer
 
 __all__ = ["SHARED_ROW_KEY", "check_count_scalable", "count_lr_scale", "update_scaled", "coalesce"]
@@ -45,7 +44,7 @@ def coalesce(slots: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None
     uniq, inv = torch.unique(slots, return_inverse=True)
     if uniq.numel() == slots.numel():
         return slots, grad, scale
-    summed = add_at(torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device), inv, grad)
+    summed = torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device).index_add_(0, inv, grad)
     if scale is not None:
         scale = torch.empty(uniq.numel(), dtype=scale.dtype, device=scale.device).scatter_(0, inv, scale)
     return uniq, summed, scale

@@ -43,11 +43,12 @@ pytestmark = pytest.mark.skipif(torch.device(DEV).type == "cuda" and not torch.c
                                 reason="needs CUDA (HUGEEMBED_TEST_CUDA_AS=cpu runs these tests cpu against cpu)")
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 sums in another order (GPU atomics, other kernels)
-METRIC_ATOL = 2e-3  # AUC / log loss of two runs that differ only by float rounding
 # Trainer runs (Adam on the dense layers and the tables, a dozen steps): Adam divides by
-# sqrt(v), so a gradient at the rounding level moves a weight by up to lr either way; seen on an
-# H200: 10 of 6656 dense weights 4e-4 apart after 12 steps, losses 1.5e-3 relative.
-RUN_RTOL, RUN_ATOL = 1e-2, 2e-3
+# sqrt(v), so a gradient at the rounding level moves a weight by up to lr either way.  Seen on
+# an H200 after 12 steps: 10 of 6656 dense weights 4e-4 apart (one 2.4e-3), losses 1.5e-3
+# relative, AUC on the small eval set 2.3e-3 apart.
+METRIC_ATOL = 5e-3  # AUC / log loss of two runs that differ only by float rounding
+RUN_RTOL, RUN_ATOL = 1e-2, 5e-3
 
 FEATURES = ("a", "b", "c")
 NUM_DENSE = 4
