@@ -128,6 +128,7 @@ class Prepared:
     deduplicated: bool = True  # False: one entry per id (forward only: no backward may use it)
     weights_require_grad: bool = False  # the batch's weights did; `weights` carries their graph only if
     #                                      prepared with grad enabled, by the torch path
+    feature_starts: list[int] | None = None  # offsets[f * B] for f in 0..F, on the host (the torch path's)
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]

@@ -91,7 +91,7 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     v, bag = v[keep], bag[keep]
     if w is not None:
         w = w[keep]
-    lengths = torch.bincount(bag, minlength=F * B) if F * B else torch.zeros(0, dtype=torch.int64, device=dev)
+    lengths = _count(bag, F * B)
     # empty pooled bags with a default_id get that id, weight 1
     bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
     fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
@@ -126,14 +126,23 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     unique_keys = vs[new]
     unique_tables = ts[new]
     n_unique = unique_keys.numel()
-    unique_counts = torch.bincount(uid_sorted, minlength=n_unique) if n_unique else uid_sorted[:0]
-    per_table = torch.bincount(unique_tables, minlength=T).tolist() if T else []
+    unique_counts = _count(uid_sorted, n_unique)
+    # the keys per table and each feature's first kept id: one read of the device for both
+    edges = out_offsets[:: max(B, 1)] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
+    host = torch.cat([_count(unique_tables, T), edges]).tolist()
+    per_table, feature_starts = host[:T], host[T:]
     base, acc = [], 0
     for n in per_table:
         base.append(acc)
         acc += n
     return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate)
+                    deduplicated=deduplicate, feature_starts=feature_starts)
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: occurrences of each value in [0, n) in `index` (bincount would read the
+    device for its output size)."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
 def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -215,9 +224,16 @@ def _group_ids(prep: Prepared, feats: tuple[int, ...]):
     dev = prep.offsets.device
     B = prep.batch_size
     f = torch.tensor(feats, dtype=torch.int64, device=dev)
-    starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
-    pos = _ranges(starts, ends - starts)
-    owner = torch.repeat_interleave(torch.arange(len(feats), device=dev), ends - starts)
+    if prep.feature_starts is None:
+        starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
+        pos = _ranges(starts, ends - starts)
+        owner = torch.repeat_interleave(torch.arange(len(feats), device=dev), ends - starts)
+    else:  # the features' extents known on the host: no read of the device
+        fs = prep.feature_starts
+        sizes = [fs[k + 1] - fs[k] for k in feats]
+        owner = repeat_each(list(range(len(feats))), sizes, dev)
+        skip = [fs[k] - sum(sizes[:i]) for i, k in enumerate(feats)]  # position minus rank in the group
+        pos = torch.arange(sum(sizes), device=dev) + torch.tensor(skip, dtype=torch.int64, device=dev)[owner]
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B
     return pos, owner, sample

@@ -660,7 +660,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
                              "(internal error)")
         for i, o in touched:
             got[i] = o
-    _touch_static_on_device(stores, keys, counts, step, got)
+    _touch_static_on_device(stores, keys, counts, outs, step, got)
     for i, s in enumerate(stores):
         if got[i] is None:
             got[i] = s.find_or_insert(keys[i], step, counts=counts[i])
@@ -670,7 +670,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
     return got
 
 
-def _touch_static_on_device(stores, keys, counts, step: int, got: list) -> None:
+def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) -> None:
     """find_or_insert of the static tables the kernels did not take (on a GPU), into `got`.
 
     Their range and count checks read the device once for all of them, not once per table;
@@ -703,8 +703,17 @@ def _touch_static_on_device(stores, keys, counts, step: int, got: list) -> None:
     for g, (block, keys_all, slots, hits, _) in zip(groups, joined):
         block.meta[:, 0].index_add_(0, slots, hits)
         block.meta[slots, 1] = step
-        for i, own in zip(g, keys_all.split([ks[i].numel() for i in g])):
-            got[i] = own  # a static table's slot is its key
+        # a static table's slot is its key: into the caller's buffers when they lie end to end
+        # (a collection's do: one copy), else into one new tensor
+        region = _end_to_end([outs[i] if outs[i] is not None and outs[i].dtype == torch.int64 and
+                              outs[i].shape == ks[i].shape and outs[i].device == ks[i].device else None for i in g])
+        if region is not None:
+            region.copy_(keys_all)
+            for i in g:
+                got[i] = outs[i]
+        else:
+            for i, own in zip(g, keys_all.clone().split([ks[i].numel() for i in g])):
+                got[i] = own
     for i in alone:
         got[i] = stores[i]._touch(ks[i], step, cs[i])
 
@@ -715,9 +724,27 @@ def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
     block = stores[members[0]].block_rows()[0]
     dev = block.meta.device
     sizes = [ks[i].numel() for i in members]
-    keys_all = torch.cat([ks[i] for i in members])
+    keys_all = _end_to_end([ks[i] for i in members])  # a collection's keys are parts of one tensor
+    if keys_all is None:
+        keys_all = torch.cat([ks[i] for i in members])
     limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
     hits = torch.cat([cs[i] if cs[i] is not None else torch.ones_like(ks[i]) for i in members])
     bad = ((keys_all < 0) | (keys_all >= limit)).any() | (hits < 1).any()
     slots = keys_all + repeat_each([stores[i].block_rows()[1] for i in members], sizes, dev)
     return block, keys_all, slots, hits, bad
+
+
+def _end_to_end(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One 1-D view over `parts` when they lie end to end in one storage (each contiguous,
+    one dtype, starting where the one before ends), else None.  Lets a caller's per-table
+    views of one array be read or written with one op."""
+    if not parts or any(p is None or p.dim() != 1 or not p.is_contiguous() for p in parts):
+        return None
+    first = parts[0]
+    at = first.data_ptr()
+    for p in parts:
+        if p.dtype != first.dtype or p.device != first.device or p.data_ptr() != at or \
+                p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += p.numel() * p.element_size()
+    return first.as_strided((sum(p.numel() for p in parts),), (1,), first.storage_offset())
