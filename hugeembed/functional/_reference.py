@@ -168,7 +168,7 @@ def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float |
 
 def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, blocks=None) -> torch.Tensor:
     """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped."""
-    emb = _block_rows(plan, prep, slots, dim, dtype, blocks)
+    emb = _block_rows(plan, prep, storages, slots, dim, dtype, blocks)
     if emb is not None:
         return emb
     dev = prep.offsets.device
@@ -182,18 +182,24 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
     return emb
 
 
-def _block_rows(plan: LookupPlan, prep: Prepared, slots, dim: int, dtype, blocks) -> torch.Tensor | None:
-    """`_unique_rows` in one gather when every table with keys in the batch keeps its rows in
-    one block (``blocks[t] = (block, first_row)``), has this dim and clips nothing; else None."""
-    if blocks is None:
+def _block_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, blocks) -> torch.Tensor | None:
+    """`_unique_rows` in one gather when every table with keys in the batch has this dim, clips
+    nothing and reads its rows (``storages[t]``) as rows ``[first_row, ...)`` of one block
+    (``blocks[t] = (block, first_row)``), and the tables' unique keys lie end to end; else None."""
+    if blocks is None or prep.unique_base != [sum(prep.unique_count[:t]) for t in range(len(prep.unique_count))]:
         return None
     used = [t for t, n in enumerate(prep.unique_count) if n]
     if not used or blocks[used[0]] is None:
         return None
     block = blocks[used[0]][0]
     for t in used:
-        spec = plan.tables[t]
+        spec, s = plan.tables[t], storages[t]
         if blocks[t] is None or blocks[t][0] is not block or spec.dim != dim or spec.max_norm:
+            return None
+        first = blocks[t][1]
+        # the very rows the table reads (not, say, a packed table's decoded copy)
+        if s.dtype != block.dtype or s.dim() != 2 or s.stride() != block.stride() or \
+                s.data_ptr() != block.data_ptr() + first * block.stride(0) * block.element_size():
             return None
     dev, total = slots.device, sum(prep.unique_count)
     offset = repeat_each([blocks[t][1] if blocks[t] is not None else 0 for t in range(plan.num_tables)],

@@ -11,6 +11,7 @@ One training step (docs/architecture.md)::
 
 from __future__ import annotations
 
+import copy
 import weakref
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -395,7 +396,8 @@ class EmbeddingCollection(nn.Module):
         None when no table's are (FusedEmbeddingLookup.lookup's row_blocks)."""
         out = []
         for s in self._stores:
-            b = s.block_rows() if isinstance(s, ArrayStore) else None
+            # a packed table's rows are decoded before they are read: not the block's
+            b = s.block_rows() if isinstance(s, ArrayStore) and not s.layout.packed else None
             out.append(None if b is None else (b[0].storage, b[1]))
         return out if any(b is not None for b in out) else None
 
@@ -676,7 +678,14 @@ class EmbeddingCollection(nn.Module):
         # a table keeps the dtype of its config).
         target = fn(torch.empty(0, device=self.device)).device
         if target != self.device and self.device.type != "meta" and target.type != "meta":
-            self._stores = [s.to(target) for s in self._stores]
+            moved: dict[int, RowBlock] = {}  # a RowBlock's tables move into one block there
+            for i, s in enumerate(self._stores):
+                b = s.block_rows() if isinstance(s, ArrayStore) else None
+                if b is None:
+                    self._stores[i] = s.to(target)
+                else:
+                    block = moved.setdefault(id(b[0]), b[0].like(target))
+                    self._stores[i] = s.to(target, block)
             self.device = target
             self._anchor = torch.zeros(0, requires_grad=True, device=target)
         return super()._apply(fn, recurse)
@@ -725,7 +734,14 @@ class EmbeddingCollection(nn.Module):
                     f"table {cfg.name!r}: saved rows have {export.width} columns, this table needs {store.width} "
                     f"(layout {store.layout.describe()}); dim, dtypes or optimizer differ")
                 continue
-            fresh = self._make_store(cfg, self.rules[i])
+            if isinstance(store, ArrayStore) and store.block_rows() is not None and \
+                    torch.equal(export.keys, torch.arange(store.num_rows, device=export.keys.device)):
+                # every row of a table in a RowBlock: written over in place, in a new store object
+                # (a backward in flight sees the table replaced); a second copy of every table
+                # in memory at once would double the peak of a load
+                fresh = copy.copy(store)
+            else:
+                fresh = self._make_store(cfg, self.rules[i])
             fresh.import_(export)
             self._stores[i] = fresh
             self._tables_version += 1

@@ -47,6 +47,11 @@ class RowBlock:
         self.storage = _alloc.empty((rows, width), dtype, device)
         self.meta = torch.zeros(rows, 2, dtype=torch.int64, device=device)
 
+    def like(self, device: torch.device | str) -> "RowBlock":
+        """An empty block of this one's shape and dtype on `device` (its tables' stores move there
+        with ``ArrayStore.to(device, block)``)."""
+        return RowBlock(self.storage.shape[0], self.storage.shape[1], self.storage.dtype, device)
+
     @classmethod
     def for_tables(cls, num_rows: list[int], width: int, dtype: torch.dtype,
                    device: torch.device | str) -> list[tuple["RowBlock", int]]:
@@ -256,10 +261,21 @@ class ArrayStore(LayoutViews):
         """Bytes beyond weights + state: the per-row (count, last step) metadata."""
         return self._meta.numel() * self._meta.element_size()
 
-    def to(self, device: torch.device | str) -> ArrayStore:
+    def to(self, device: torch.device | str, block: RowBlock | None = None) -> ArrayStore:
+        """A copy on `device`; `block` (on that device, laid out as this store's block): its rows
+        go to the same rows of that block, else to tensors of their own."""
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.device = canonical_device(device)
+        here = self.block_rows()
+        if block is not None and here is not None and block.storage.shape == here[0].storage.shape and \
+                block.storage.dtype == here[0].storage.dtype and block.storage.device == out.device:
+            first, n = here[1], self._storage.shape[0]
+            out._block = (block, first)
+            out._storage, out._meta = block.storage[first:first + n], block.meta[first:first + n]
+            out._storage.copy_(self._storage)
+            out._meta.copy_(self._meta)
+            return out
         out._block = None  # tensors of its own on the new device
         out._storage = _alloc.empty(tuple(self._storage.shape), self._storage.dtype, out.device)
         out._storage.copy_(self._storage)

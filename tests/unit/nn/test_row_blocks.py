@@ -78,13 +78,55 @@ def test_tables_in_a_block_train_as_tables_apart(device, kernels, tables, optimi
     assert any(r is not None for r in gathers) == (tables == "uniform" and torch_path)
 
 
-def test_a_block_is_left_when_a_table_is_loaded_or_moved(monkeypatch):
-    """A store whose rows were replaced (load_state_dict, .to()) no longer counts as the block's:
-    the lookup takes its own rows, and training stays exact."""
-    blocked = build("cpu", "torch", "adagrad", True, monkeypatch)
-    apart = build("cpu", "torch", "adagrad", False, monkeypatch)
-    blocked.load_state_dict(apart.state_dict())  # rows copied in place or replaced: either way exact
-    for sf in batches("cpu", n=3):
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_packed_tables_share_a_block_and_read_their_own_rows(optimizer, monkeypatch):
+    """float16 tables with float32 optimizer state are packed: their rows are decoded before a
+    lookup reads them, so the one-gather path must not read the block's raw columns."""
+    cfgs = lambda: [TableConfig(n, 8, num_rows=20, dtype=torch.float16) for n in "ab"]  # noqa: E731
+    outs = []
+    for blocks in (True, False):
+        monkeypatch.setattr(EmbeddingCollection, "_share_static_storage", blocks)
+        ec = EmbeddingCollection(cfgs(), optimizer=make_optimizer(optimizer, lr=0.05), seed=4)
+        sf = SparseFeatures.from_lists({"a": [[1, 2], [3]], "b": [[4], [5, 6]]})
+        ec(sf).concat().sum().backward()
+        ec.eval()
+        outs.append((ec(sf).concat(), ec.state_dict()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for k, v in outs[0][1].items():
+        assert torch.equal(v, outs[1][1][k]), k
+
+
+def test_rows_not_end_to_end_take_the_per_table_gather():
+    """A Prepared whose tables' keys leave gaps (the native prepare's layout) is not gathered in
+    one go: the one-gather path reads keys end to end."""
+    from hugeembed.functional import Prepared
+
+    block = torch.randn(30, 4)
+    prep = Prepared(1, torch.zeros(2, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), None,
+                    torch.zeros(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64), [0, 5], [2, 3], 8, native=True)
+    plan = type("Plan", (), {"tables": [type("T", (), {"dim": 4, "max_norm": None})()] * 2, "num_tables": 2})()
+    storages = [block[0:10], block[10:30]]
+    assert _reference._block_rows(plan, prep, storages, torch.zeros(8, dtype=torch.int64), 4, torch.float32,
+                                  [(block, 0), (block, 10)]) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_or_a_move_keeps_the_block_and_training_exact(device, monkeypatch):
+    """load_state_dict writes a block's tables in place (no second copy of them in memory) and
+    .to(device) moves a block as a block: the one-op paths stay on, and training stays exact."""
+    monkeypatch.setattr(_native, "available", lambda: False)
+    blocked = build("cpu", "auto", "adagrad", True, monkeypatch, UNIFORM)
+    apart = build("cpu", "auto", "adagrad", False, monkeypatch, UNIFORM)
+    for sf in batches("cpu", n=2, tables=UNIFORM):
+        apart(sf).concat().pow(2).sum().backward()
+    before = blocked._row_blocks()
+    blocked.load_state_dict(apart.state_dict())
+    after = blocked._row_blocks()
+    assert after is not None and [b[0] for b in after] == [b[0] for b in before]  # the same block, written over
+    blocked.to(device)
+    apart.to(device)
+    assert blocked._row_blocks() is not None
+    for sf in batches(device, n=3, tables=UNIFORM):
         for c in (blocked, apart):
             c(sf).concat().pow(2).sum().backward()
     for k, v in blocked.state_dict().items():
