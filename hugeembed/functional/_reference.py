@@ -14,7 +14,7 @@ from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
-           "clip_rows_backward", "repeat_each"]
+           "clip_rows_backward", "repeat_each", "joined_view"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -33,6 +33,23 @@ def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> to
     vals = torch.tensor(values, dtype=torch.int64, device=device)
     at = torch.tensor(starts, dtype=torch.int64, device=device)
     return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
+
+
+def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One view over `parts` when they lie end to end in one storage (each contiguous, of one
+    dtype and row shape, starting where the one before ends), else None: per-table views of
+    one array read or written with one op, without a copy."""
+    if not parts or any(p is None or p.dim() == 0 or not p.is_contiguous() for p in parts):
+        return None
+    first = parts[0]
+    at = first.data_ptr()
+    for p in parts:
+        if p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] or \
+                p.data_ptr() != at or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += p.numel() * p.element_size()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

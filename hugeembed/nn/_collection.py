@@ -22,7 +22,7 @@ from torch import nn
 from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
-from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, repeat_each
+from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, joined_view, repeat_each
 from ..optim import SparseOptimizer
 from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowBlock, RowLayout, RowStore, StoreExport, TieredStore,
                      find_or_insert_many)
@@ -61,15 +61,19 @@ class _RowUpdates:
         for item in items:
             key = c._block_update_key(item[0])
             (alone if key is None else shared.setdefault(key, [])).append(item)
-        for group in shared.values():
-            if len(group) == 1:
-                alone.extend(group)
-            else:
+        blocks = [group for group in shared.values() if len(group) > 1]
+        alone += [item for group in shared.values() if len(group) == 1 for item in group]
+        done: list[int] = []
+        try:
+            for group in blocks:
                 c._update_block(group, flight.step)
-        for t, slots, grad in alone:
-            c.update_rows(t, slots, grad, flight)
-        for t, _, _ in items:
-            flight.release(t)
+                done += [t for t, _, _ in group]
+            for t, slots, grad in alone:
+                c.update_rows(t, slots, grad, flight)
+                done.append(t)
+        finally:  # the rows of the tables updated may go (an update that raised keeps its pins)
+            for t in done:
+                flight.release(t)
 
 
 def output_names(tables: Sequence[TableConfig]) -> list[tuple[str, str, str]]:
@@ -526,7 +530,9 @@ class EmbeddingCollection(nn.Module):
         offset = repeat_each([self._stores[t].block_rows()[1] for t, _, _ in items], [s.numel() for _, s, _ in items],
                              block.storage.device)
         slots = torch.cat([s for _, s, _ in items]) + offset
-        grad = torch.cat([g for _, _, g in items])
+        grad = joined_view([g for _, _, g in items])  # the tables' gradients are parts of one array
+        if grad is None:
+            grad = torch.cat([g for _, _, g in items])
         # the stores' own slots of this step: in range
         self.rules[t0].apply(block.storage, slots, grad, lr=self._lr(t0), step=step, slots_checked=True)
 

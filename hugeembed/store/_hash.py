@@ -31,7 +31,7 @@ import torch
 from .. import _native
 from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError, StoreError
-from ..functional import repeat_each
+from ..functional import joined_view, repeat_each
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
                       init_rows, make_layout, scatter_rows)
@@ -705,7 +705,7 @@ def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) ->
         block.meta[slots, 1] = step
         # a static table's slot is its key: into the caller's buffers when they lie end to end
         # (a collection's do: one copy), else into one new tensor
-        region = _end_to_end([outs[i] if outs[i] is not None and outs[i].dtype == torch.int64 and
+        region = joined_view([outs[i] if outs[i] is not None and outs[i].dtype == torch.int64 and
                               outs[i].shape == ks[i].shape and outs[i].device == ks[i].device else None for i in g])
         if region is not None:
             region.copy_(keys_all)
@@ -724,7 +724,7 @@ def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
     block = stores[members[0]].block_rows()[0]
     dev = block.meta.device
     sizes = [ks[i].numel() for i in members]
-    keys_all = _end_to_end([ks[i] for i in members])  # a collection's keys are parts of one tensor
+    keys_all = joined_view([ks[i] for i in members])  # a collection's keys are parts of one tensor
     if keys_all is None:
         keys_all = torch.cat([ks[i] for i in members])
     limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
@@ -733,18 +733,3 @@ def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
     slots = keys_all + repeat_each([stores[i].block_rows()[1] for i in members], sizes, dev)
     return block, keys_all, slots, hits, bad
 
-
-def _end_to_end(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """One 1-D view over `parts` when they lie end to end in one storage (each contiguous,
-    one dtype, starting where the one before ends), else None.  Lets a caller's per-table
-    views of one array be read or written with one op."""
-    if not parts or any(p is None or p.dim() != 1 or not p.is_contiguous() for p in parts):
-        return None
-    first = parts[0]
-    at = first.data_ptr()
-    for p in parts:
-        if p.dtype != first.dtype or p.device != first.device or p.data_ptr() != at or \
-                p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-        at += p.numel() * p.element_size()
-    return first.as_strided((sum(p.numel() for p in parts),), (1,), first.storage_offset())

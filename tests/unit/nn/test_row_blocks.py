@@ -131,3 +131,23 @@ def test_a_load_or_a_move_keeps_the_block_and_training_exact(device, monkeypatch
             c(sf).concat().pow(2).sum().backward()
     for k, v in blocked.state_dict().items():
         assert torch.equal(v, apart.state_dict()[k]), k
+
+
+def test_joined_view_and_repeat_each_against_cat_and_repeat_interleave():
+    from hugeembed.functional import joined_view, repeat_each
+
+    x = torch.arange(40.0).view(10, 4)
+    parts = list(x.split([3, 0, 2, 5]))
+    j = joined_view([parts[0], parts[2], parts[3]])  # an empty part may lie anywhere: skipped here
+    assert torch.equal(j, torch.cat([parts[0], parts[2], parts[3]])) and j.data_ptr() == x.data_ptr()
+    j[0, 0] = -1.0  # a view: writes land in x
+    assert x[0, 0] == -1.0
+    assert joined_view([x[0:2], x[3:5]]) is None  # a gap
+    assert joined_view([x[0:2], x[0:2].clone()]) is None  # another storage
+    assert joined_view([x[0:2], None]) is None and joined_view([]) is None
+    ids = torch.arange(12)
+    assert torch.equal(joined_view(list(ids.split([4, 8]))), ids)
+    sizes = [2, 0, 3, 1]
+    assert torch.equal(repeat_each([5, 7, 9, 11], sizes, torch.device("cpu")),
+                       torch.repeat_interleave(torch.tensor([5, 7, 9, 11]), torch.tensor(sizes)))
+    assert repeat_each([1, 2], [0, 0], torch.device("cpu")).numel() == 0
