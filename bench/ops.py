@@ -6,7 +6,9 @@ the hash tables neither grow nor see only new ids), 256 samples, dim 16, one id 
 for 2, 8, 32 and 128 tables, static and dynamic, on the native and the torch backends.
 
 "syncs" are the ops whose output size or value the host must read before going on
-(``.item()``, ``nonzero``, ``unique``, boolean masking, ...): on a GPU each is a stall.
+(``.item()``, ``.tolist()``, ``nonzero``, ``unique``, boolean masking, ...): on a GPU each is a
+stall.  On the CPU they are plain reads of memory, but counted alike: the count is what a GPU
+would pay (the native kernels run on the CPU only, so their reads never stall a device).
 Native kernels called through ctypes are not torch ops, so a native step shows only
 the torch ops around them.
 
@@ -39,18 +41,46 @@ from hugeembed.optim import Adagrad, SparseOptimizer  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
-            "unique_dim", "masked_select", "item", "is_nonzero", "equal", "bincount", "repeat_interleave"}
+            "unique_dim", "masked_select", "item", "is_nonzero", "equal", "bincount", "repeat_interleave",
+            "tolist", "numpy", "index(mask)", "index_put(mask)", "index_put_(mask)", "_index_put_impl_(mask)"}
 
 
 class CountOps(TorchDispatchMode):
-    """Counts every aten op dispatched inside the context, by name."""
+    """Counts every aten op dispatched inside the context, by name.
+
+    ``Tensor.tolist()`` and ``Tensor.numpy()`` read a tensor to the host without dispatching an
+    op: they are counted too (as "tolist" / "numpy"), by wrapping them while the context is open.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self):
+        for name in ("tolist", "numpy"):
+            original = self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+    def _counting(self, name, original):
+        def read(tensor, *args, **kwargs):
+            self.ops[name] += 1
+            return original(tensor, *args, **kwargs)
+        return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        # x[mask] and x[mask] = y: the result's size is the mask's count, read to the host
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            name = f"{name}(mask)"
+        self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
     def syncs(self) -> int:

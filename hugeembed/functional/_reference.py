@@ -52,14 +52,21 @@ def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
-def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(starts[i], starts[i] + sizes[i])."""
-    total = int(sizes.sum()) if sizes.numel() else 0
+def _ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The concatenation of ``arange(starts[i], starts[i] + sizes[i])`` (sizes >= 0), and the i
+    of each of its elements.  `total`: ``sizes.sum()`` when the caller has it (else read from
+    the device); the owners are found by a search, not a repeat_interleave, which would read
+    the sizes back too."""
+    dev = starts.device
+    if total is None:
+        total = int(sizes.sum()) if sizes.numel() else 0
     if total == 0:
-        return torch.zeros(0, dtype=torch.int64, device=starts.device)
-    owner = torch.repeat_interleave(torch.arange(sizes.numel(), device=starts.device), sizes)
-    first = torch.cumsum(sizes, 0) - sizes
-    return torch.arange(total, device=starts.device) - first[owner] + starts[owner]
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return none, none
+    cum = torch.cumsum(sizes, 0)
+    at = torch.arange(total, device=dev)
+    owner = torch.searchsorted(cum, at, right=True)  # the segment whose end is past the element
+    return at - (cum - sizes)[owner] + starts[owner], owner
 
 
 def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
@@ -76,12 +83,14 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     # every bag in [0, len(values)], none decreasing, and the ends exactly 0 and len(values):
     # one device sync for all of it (check_batch reads the ends itself only on CPU)
     bad_bags = (in_lengths < 0) | (offsets[1:] > values.numel()) | (offsets[:-1] < 0)
-    if bool(bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != values.numel())):
-        raise_offsets_error(sf)
+    bad_bags = bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != values.numel())
     bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
     lens = in_lengths[bag_src]
-    pos = _ranges(offsets[:-1][bag_src], lens)
-    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lens)
+    # the offsets' check and the number of ids the plan reads: one read of the device
+    bad, total = torch.stack([bad_bags.to(torch.int64), lens.sum()]).tolist()
+    if bad:
+        raise_offsets_error(sf)
+    pos, bag = _ranges(offsets[:-1][bag_src], lens, total)
     v = values[pos]
     f_of = torch.div(bag, B, rounding_mode="floor") if B else bag
     t_of = a["table"][f_of]
@@ -99,20 +108,22 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
     pol = a["oor"][f_of]
     err = oob & (pol == 0)
-    if bool(err.any()):
+    keep &= ~(oob & (pol == 1))
+    lengths = torch.zeros(F * B, dtype=torch.int64, device=dev).index_add_(0, bag, keep.to(torch.int64))
+    # empty pooled bags with a default_id get that id, weight 1
+    bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
+    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
+    # an id out of range, and bags to fill: one read of the device
+    bad_id, fill_any = torch.stack([err.any(), fill.any()]).tolist()
+    if bad_id:
         bad_f, bad_pos = f_of[err], pos[err]
         j = int(torch.argmin(bad_f * (values.numel() + 1) + bad_pos))  # first by (feature, position)
         raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
-    keep &= ~(oob & (pol == 1))
     v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
     v, bag = v[keep], bag[keep]
     if w is not None:
         w = w[keep]
-    lengths = _count(bag, F * B)
-    # empty pooled bags with a default_id get that id, weight 1
-    bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
-    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
-    if bool(fill.any()):
+    if fill_any:
         fill_bags = torch.nonzero(fill).flatten()
         v = torch.cat([v, a["default_id"][fill_bags // B]])
         if w is not None:
@@ -249,8 +260,7 @@ def _group_ids(prep: Prepared, feats: tuple[int, ...]):
     f = torch.tensor(feats, dtype=torch.int64, device=dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
-        pos = _ranges(starts, ends - starts)
-        owner = torch.repeat_interleave(torch.arange(len(feats), device=dev), ends - starts)
+        pos, owner = _ranges(starts, ends - starts)
     else:  # the features' extents known on the host: no read of the device
         fs = prep.feature_starts
         sizes = [fs[k + 1] - fs[k] for k in feats]
