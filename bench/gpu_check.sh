@@ -7,6 +7,8 @@
 # "tests": every test whose id names cuda (the `device` fixture's cuda case and
 # tests/unit/test_cuda_end_to_end.py); "suite": the rest of the suite with xdist; "bench": bench/ops.py,
 # bench/lookup.py, bench/train.py and bench/step_profile.py on cuda. Logs go to OUTDIR (default ./gpu-check).
+# "all" stays under ~9 minutes (each part has a timeout: CUDA_TESTS_S, SUITE_S, OPS_S, LOOKUP_S,
+# TRAIN_S, PROFILE_S), one call of a 15-minute device budget: `bash bench/gpu_check.sh all $OUT`.
 set -uo pipefail
 what=${1:-all}
 out=${2:-gpu-check}
@@ -20,30 +22,30 @@ xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 if [[ $what == tests || $what == all ]]; then
     echo "== CUDA cases"
     # -v: a run cut short by the timeout still shows each result
-    timeout ${CUDA_TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist -k cuda tests/unit \
+    timeout ${CUDA_TESTS_S:-150} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist -k cuda tests/unit \
         -o addopts="-ra" >"$out/cuda_tests.log" 2>&1
     echo "rc $?"; grep -E "(passed|failed).* in " "$out/cuda_tests.log" | tail -2
     grep -E "(FAILED|ERROR) " "$out/cuda_tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -60
 fi
 if [[ $what == suite || $what == all ]]; then
     echo "== whole suite (CUDA visible: device=auto picks it)"
-    timeout ${SUITE_S:-200} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist tests -o addopts="-ra" \
+    timeout ${SUITE_S:-120} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist tests -o addopts="-ra" \
         -k "not cuda" >"$out/suite.log" 2>&1
     echo "rc $?"; grep -E "(passed|failed).* in " "$out/suite.log" | tail -2
     grep -E "(FAILED|ERROR) " "$out/suite.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -80
 fi
 if [[ $what == bench || $what == all ]]; then
-    [[ ${OPS_S:-120} == 0 ]] || echo "== bench/ops.py"
-    [[ ${OPS_S:-120} == 0 ]] || timeout ${OPS_S:-120} python3 bench/ops.py --device cuda ${OPS_ARGS:---tables 2 8 32 128} 2>&1 | tee "$out/ops.log" | tail -16
+    [[ ${OPS_S:-60} == 0 ]] || echo "== bench/ops.py"
+    [[ ${OPS_S:-60} == 0 ]] || timeout ${OPS_S:-60} python3 bench/ops.py --device cuda ${OPS_ARGS:---tables 2 8 32 --time-samples 8192} 2>&1 | tee "$out/ops.log" | tail -16
     echo "== bench/lookup.py"
-    timeout ${LOOKUP_S:-200} python3 bench/lookup.py --device cuda --runs 5 ${LOOKUP_ARGS:-} 2>&1 \
+    timeout ${LOOKUP_S:-90} python3 bench/lookup.py --device cuda ${LOOKUP_ARGS:---dims 16 64 --runs 3} 2>&1 \
         | tee "$out/lookup.log" | grep -v "^#" | tail -16
     echo "== bench/train.py"
-    timeout ${TRAIN_S:-150} python3 bench/train.py --device cuda --cases ${TRAIN_CASES:-dense ours-mem ebag widedeep} \
-        --runs 3 --iters 10 --warmup-batches 10 ${TRAIN_ARGS:-} 2>&1 | tee "$out/train.log" | tail -8
+    timeout ${TRAIN_S:-60} python3 bench/train.py --device cuda --cases ${TRAIN_CASES:-dense ours-mem ebag} \
+        --runs 3 --iters 10 --warmup-batches 10 ${TRAIN_ARGS:---dims 16 --batches 8192} 2>&1 | tee "$out/train.log" | tail -8
     echo "== bench/step_profile.py"
     for kind in --static ""; do
-        timeout ${PROFILE_S:-60} python3 bench/step_profile.py --device cuda $kind --top 15 >"$out/profile$kind.log" 2>&1
+        timeout ${PROFILE_S:-30} python3 bench/step_profile.py --device cuda $kind --top 15 >"$out/profile$kind.log" 2>&1
         grep -E "^(#|step|embeddings)" "$out/profile$kind.log"
     done
 fi
