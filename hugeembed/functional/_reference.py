@@ -8,13 +8,15 @@ per-table row gathers are a loop over tables.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
-           "clip_rows_backward", "repeat_each", "joined_view"]
+           "clip_rows_backward", "repeat_each", "joined_view", "joined"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -50,6 +52,13 @@ def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
         at += p.numel() * p.element_size()
     rows = sum(p.shape[0] for p in parts)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`parts` as one tensor: their joined_view when they lie end to end (no copy), else
+    torch.cat.  For reading: a write to it may land in the parts."""
+    view = joined_view(parts)
+    return torch.cat(parts) if view is None else view
 
 
 def _ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +223,7 @@ def _block_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dty
     """`_unique_rows` in one gather when every table with keys in the batch has this dim, clips
     nothing and reads its rows (``storages[t]``) as rows ``[first_row, ...)`` of one block
     (``blocks[t] = (block, first_row)``), and the tables' unique keys lie end to end; else None."""
-    if blocks is None or prep.unique_base != [sum(prep.unique_count[:t]) for t in range(len(prep.unique_count))]:
+    if blocks is None or prep.unique_base != [0, *itertools.accumulate(prep.unique_count)][:-1]:
         return None
     used = [t for t, n in enumerate(prep.unique_count) if n]
     if not used or blocks[used[0]] is None:
@@ -264,9 +273,8 @@ def _group_ids(prep: Prepared, feats: tuple[int, ...]):
     else:  # the features' extents known on the host: no read of the device
         fs = prep.feature_starts
         sizes = [fs[k + 1] - fs[k] for k in feats]
-        owner = repeat_each(list(range(len(feats))), sizes, dev)
-        skip = [fs[k] - sum(sizes[:i]) for i, k in enumerate(feats)]  # position minus rank in the group
-        pos = torch.arange(sum(sizes), device=dev) + torch.tensor(skip, dtype=torch.int64, device=dev)[owner]
+        pos, owner = _ranges(torch.tensor([fs[k] for k in feats], dtype=torch.int64, device=dev),
+                             torch.tensor(sizes, dtype=torch.int64, device=dev), sum(sizes))
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B
     return pos, owner, sample

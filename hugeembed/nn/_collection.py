@@ -22,7 +22,7 @@ from torch import nn
 from .._device import canonical_device
 from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
-from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, joined_view, repeat_each
+from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, joined, repeat_each
 from ..optim import SparseOptimizer
 from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowBlock, RowLayout, RowStore, StoreExport, TieredStore,
                      find_or_insert_many)
@@ -529,10 +529,9 @@ class EmbeddingCollection(nn.Module):
         block = self._stores[t0].block_rows()[0]
         offset = repeat_each([self._stores[t].block_rows()[1] for t, _, _ in items], [s.numel() for _, s, _ in items],
                              block.storage.device)
-        slots = torch.cat([s for _, s, _ in items]) + offset
-        grad = joined_view([g for _, _, g in items])  # the tables' gradients are parts of one array
-        if grad is None:
-            grad = torch.cat([g for _, _, g in items])
+        # the tables' slots and gradients are parts of one array each (unless some were filtered)
+        slots = joined([s for _, s, _ in items]) + offset
+        grad = joined([g for _, _, g in items])
         # the stores' own slots of this step: in range
         self.rules[t0].apply(block.storage, slots, grad, lr=self._lr(t0), step=step, slots_checked=True)
 

@@ -10,6 +10,8 @@ HashStore trained on ids in [0, n) holds exactly the rows of an ArrayStore(n)::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .. import _native
@@ -57,8 +59,7 @@ class RowBlock:
                    device: torch.device | str) -> list[tuple["RowBlock", int]]:
         """A block for tables of `num_rows` rows each, with each table's first row."""
         block = cls(sum(num_rows), width, dtype, device)
-        firsts = [sum(num_rows[:i]) for i in range(len(num_rows))]
-        return [(block, f) for f in firsts]
+        return [(block, first) for first in [0, *itertools.accumulate(num_rows)][:-1]]
 
 
 class ArrayStore(LayoutViews):
@@ -105,6 +106,9 @@ class ArrayStore(LayoutViews):
             self._storage = _alloc.empty((n, self.width if rows else 0), lay.storage_dtype, self.device)
             self._meta = torch.zeros(n, 2, dtype=torch.int64, device=self.device)
         else:
+            if not (isinstance(block, tuple) and len(block) == 2 and isinstance(block[0], RowBlock)
+                    and isinstance(block[1], int) and not isinstance(block[1], bool)):
+                raise ConfigError(f"table '{name}': block must be (RowBlock, first_row), got {block!r}")
             blk, first = block
             if not rows or blk.storage.shape[1] != self.width or blk.storage.dtype != lay.storage_dtype or \
                     blk.storage.device != self.device or not 0 <= first <= blk.storage.shape[0] - n:

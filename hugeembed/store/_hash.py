@@ -31,7 +31,7 @@ import torch
 from .. import _native
 from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError, StoreError
-from ..functional import joined_view, repeat_each
+from ..functional import joined, joined_view, repeat_each
 from . import _alloc
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
                       init_rows, make_layout, scatter_rows)
@@ -724,11 +724,9 @@ def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
     block = stores[members[0]].block_rows()[0]
     dev = block.meta.device
     sizes = [ks[i].numel() for i in members]
-    keys_all = joined_view([ks[i] for i in members])  # a collection's keys are parts of one tensor
-    if keys_all is None:
-        keys_all = torch.cat([ks[i] for i in members])
+    keys_all = joined([ks[i] for i in members])  # a collection's keys and counts are parts of one tensor
     limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
-    hits = torch.cat([cs[i] if cs[i] is not None else torch.ones_like(ks[i]) for i in members])
+    hits = joined([cs[i] if cs[i] is not None else torch.ones_like(ks[i]) for i in members])
     bad = ((keys_all < 0) | (keys_all >= limit)).any() | (hits < 1).any()
     slots = keys_all + repeat_each([stores[i].block_rows()[1] for i in members], sizes, dev)
     return block, keys_all, slots, hits, bad

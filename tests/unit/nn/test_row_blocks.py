@@ -151,3 +151,16 @@ def test_joined_view_and_repeat_each_against_cat_and_repeat_interleave():
     assert torch.equal(repeat_each([5, 7, 9, 11], sizes, torch.device("cpu")),
                        torch.repeat_interleave(torch.tensor([5, 7, 9, 11]), torch.tensor(sizes)))
     assert repeat_each([1, 2], [0, 0], torch.device("cpu")).numel() == 0
+
+
+def test_a_bad_block_is_a_clear_error():
+    from hugeembed import ConfigError
+    from hugeembed.store import ArrayStore, RowBlock
+
+    with pytest.raises(ConfigError, match=r"table 't': block must be \(RowBlock, first_row\), got \('x', 0\)"):
+        ArrayStore("t", 5, 2, block=("x", 0))
+    place = RowBlock.for_tables([4, 6], 2, torch.float32, "cpu")[1]  # rows 4..10 of a block of 10
+    with pytest.raises(ConfigError, match=r"table 't': its rows do not fit the block given \(rows 4\.\.11"):
+        ArrayStore("t", 7, 2, block=place)
+    with pytest.raises(ConfigError, match="width 2"):
+        ArrayStore("t", 6, 3, block=place)
