@@ -8,7 +8,8 @@
 # tests/unit/test_cuda_end_to_end.py); "suite": the rest of the suite with xdist; "bench": bench/ops.py,
 # bench/lookup.py, bench/train.py and bench/step_profile.py on cuda. Logs go to OUTDIR (default ./gpu-check).
 # "all" stays under ~9 minutes (each part has a timeout: CUDA_TESTS_S, SUITE_S, OPS_S, LOOKUP_S,
-# TRAIN_S, PROFILE_S), one call of a 15-minute device budget: `bash bench/gpu_check.sh all $OUT`.
+# TRAIN_S, PROFILE_S; OPS_S=0 or LOOKUP_S=0 leaves that benchmark out), one call of a 15-minute
+# device budget: `bash bench/gpu_check.sh all $OUT`.
 set -uo pipefail
 what=${1:-all}
 out=${2:-gpu-check}
@@ -37,9 +38,11 @@ fi
 if [[ $what == bench || $what == all ]]; then
     [[ ${OPS_S:-60} == 0 ]] || echo "== bench/ops.py"
     [[ ${OPS_S:-60} == 0 ]] || timeout ${OPS_S:-60} python3 bench/ops.py --device cuda ${OPS_ARGS:---tables 2 8 32 --time-samples 8192} 2>&1 | tee "$out/ops.log" | tail -16
-    echo "== bench/lookup.py"
-    timeout ${LOOKUP_S:-90} python3 bench/lookup.py --device cuda ${LOOKUP_ARGS:---dims 16 64 --runs 3} 2>&1 \
-        | tee "$out/lookup.log" | grep -v "^#" | tail -16
+    if [[ ${LOOKUP_S:-90} != 0 ]]; then
+        echo "== bench/lookup.py"
+        timeout ${LOOKUP_S:-90} python3 bench/lookup.py --device cuda ${LOOKUP_ARGS:---dims 16 64 --runs 3} 2>&1 \
+            | tee "$out/lookup.log" | grep -v "^#" | tail -16
+    fi
     echo "== bench/train.py"
     timeout ${TRAIN_S:-60} python3 bench/train.py --device cuda --cases ${TRAIN_CASES:-dense ours-mem ebag} \
         --runs 3 --iters 10 --warmup-batches 10 ${TRAIN_ARGS:---dims 16 --batches 8192} 2>&1 | tee "$out/train.log" | tail -8

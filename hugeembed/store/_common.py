@@ -121,14 +121,18 @@ def scatter_rows(name: str, storage: torch.Tensor, slots: torch.Tensor, rows: to
 
 
 def init_rows(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, layout: RowLayout,
-              initializer: Initializer, init_state, seed: int) -> None:
-    """Writes the initial weights of `keys` and fresh optimizer state into storage rows `slots`."""
+              initializer: Initializer, init_state, seed: int, weights: torch.Tensor | None = None) -> None:
+    """Writes the initial weights of `keys` and fresh optimizer state into storage rows `slots`.
+
+    `weights`: those initial weights, when the caller made them already (``generate_many``)."""
     n = keys.numel()
     if n == 0:
         return
+    if weights is not None:
+        layout.weights(storage)[slots] = weights.to(layout.dtype)
     # The native initializer writes float32 weights at the start of each row: right only
     # when the weights are the storage's own float32 columns.
-    if layout.packed or not init_rows_native(initializer, keys, layout.dim, seed, storage, slots):
+    elif layout.packed or not init_rows_native(initializer, keys, layout.dim, seed, storage, slots):
         layout.weights(storage)[slots] = initializer.generate(keys, layout.dim, seed).to(layout.dtype)
     if layout.state_width:
         state = torch.zeros(n, layout.state_width, dtype=layout.state_dtype, device=storage.device)

@@ -38,6 +38,7 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
 from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
+from ._hash_group import find_or_insert_group, write_into
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
@@ -661,6 +662,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
         for i, o in touched:
             got[i] = o
     _touch_static_on_device(stores, keys, counts, outs, step, got)
+    _find_or_insert_torch_tables(stores, keys, counts, outs, step, got)
     for i, s in enumerate(stores):
         if got[i] is None:
             got[i] = s.find_or_insert(keys[i], step, counts=counts[i])
@@ -668,6 +670,23 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
             outs[i].copy_(got[i])
             got[i] = outs[i]
     return got
+
+
+def _find_or_insert_torch_tables(stores, keys, counts, outs, step: int, got: list) -> None:
+    """find_or_insert of the torch-backend hash tables (a GPU's dynamic tables) in one pass
+    (store/_hash_group.py), into `got`; a table that must grow, evict or raise is left to
+    its own call (its `got` stays None)."""
+    todo = [i for i, s in enumerate(stores) if got[i] is None and type(s) is HashStore and s._ops.name == "torch"
+            and s.has_rows and (s.admit_probability is None or s.admit_probability >= 1.0)]
+    if len(todo) < 2 or len({stores[i].device for i in todo}) != 1:
+        return
+    step = check_step(stores[todo[0]].name, step)
+    ks = [as_keys(stores[i].name, keys[i], stores[i].device) for i in todo]
+    cs = [None if counts[i] is None else as_counts(stores[i].name, counts[i], k.numel(), stores[i].device,
+                                                   check_values=False) for i, k in zip(todo, ks)]
+    for i, g in zip(todo, find_or_insert_group([stores[i] for i in todo], ks, cs, step)):
+        got[i] = g
+    write_into(outs, got, todo)
 
 
 def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) -> None:

@@ -51,69 +51,120 @@ def _home(keys: torch.Tensor, nbuckets: int) -> torch.Tensor:
     return logical_shift_right(logical_shift_right(mix64(keys), 32) * nbuckets, 32)
 
 
-def probe(buckets: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor | None = None,
+          size: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """codes int64 [n] (row >= 0, pending -2, absent -1) and pos int64 [n] (bucket of the
-    key, or first empty bucket on its probe path).  Keys equal to EMPTY are left at -1."""
-    n, nb = keys.numel(), buckets.shape[0]
+    key, or first empty bucket on its probe path).  Keys equal to EMPTY are left at -1.
+
+    `base`, `size` (int64 [n], optional): each key's table is ``buckets[base:base + size]``, so
+    the keys of several tables whose buckets are parts of one array probe in one loop (positions
+    are of `buckets`); default: one table, all of `buckets`."""
+    n = keys.numel()
     dev = keys.device
     codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
     pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
     idx = (keys != EMPTY).nonzero().squeeze(1)
     k = keys[idx]
-    p = _home(k, nb)
+    at = _Tables(buckets.shape[0], base, size, idx)
+    p = _home(k, at.size)
     width = 1
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     while idx.numel():
-        win = (p[:, None] + ar[:width]) % nb
+        win = at.window(p, ar[:width])
         bk = bkeys[win]
         stop = (bk == k[:, None]) | (bk == EMPTY)
         done = stop.any(1)
         first = stop.to(torch.uint8).argmax(1)
         q = win.gather(1, first[:, None]).squeeze(1)
         hit = bk.gather(1, first[:, None]).squeeze(1) == k
-        di, dq, dh = idx[done], q[done], hit[done]
-        codes[di] = torch.where(dh, code_of(buckets[dq, 1]), -1)
+        d, kept = _split(done)  # one read of the device per round
+        di, dq = idx[d], q[d]
+        codes[di] = torch.where(hit[d], code_of(buckets[dq, 1]), -1)
         pos[di] = dq
-        keep = ~done
-        idx, p, k = idx[keep], (p[keep] + width) % nb, k[keep]
+        idx, k = idx[kept], k[kept]
+        p = at.keep(kept, p + width)
         width = min(2 * width, _MAX_WINDOW)
     return codes, pos
 
 
-def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None = None) -> None:
+def _split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions where `mask` holds and where it does not, with one read of the device (the
+    count) instead of one per boolean index."""
+    n_true = int(mask.sum())
+    order = torch.argsort(~mask, stable=True)
+    return order[:n_true], order[n_true:]
+
+
+class _Tables:
+    """Where each probing key's table lies in the bucket array: all of it (scalar size, base 0),
+    or per key ``[base, base + size)`` (tensors, filtered along with the keys)."""
+
+    def __init__(self, nbuckets: int, base: torch.Tensor | None, size: torch.Tensor | None,
+                 idx: torch.Tensor | None = None):
+        if (base is None) != (size is None):
+            raise ValueError("probe: base and size go together")
+        self.base = 0 if base is None else (base if idx is None else base[idx])
+        self.size = nbuckets if size is None else (size if idx is None else size[idx])
+
+    def window(self, p: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+        """Bucket positions of the `ar` buckets from each key's local position `p` on (wrapping in its table)."""
+        if isinstance(self.size, int):
+            return (p[:, None] + ar) % self.size
+        return (p[:, None] + ar) % self.size[:, None] + self.base[:, None]
+
+    def local(self, q: torch.Tensor) -> torch.Tensor:
+        return q - self.base
+
+    def keep(self, keep: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Filters the per-key tables by `keep`, and returns p[keep] wrapped in them."""
+        if isinstance(self.size, int):
+            return p[keep] % self.size
+        self.base, self.size = self.base[keep], self.size[keep]
+        return p[keep] % self.size
+
+
+def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None = None,
+          base: torch.Tensor | None = None, size: torch.Tensor | None = None) -> None:
     """Puts records int64 [n, 3] of unique keys known to be absent (none EMPTY) into the buckets.
 
     `start` is where each key's search for an empty bucket may begin (its home, or
-    the first empty bucket a probe met): every bucket before it is occupied.
+    the first empty bucket a probe met): every bucket before it is occupied.  `base`, `size`:
+    each record's table within `buckets`, as for :func:`probe` (`start` is then a position
+    in `buckets`, inside the record's table).
     """
-    n, nb = records.shape[0], buckets.shape[0]
+    n = records.shape[0]
     if n == 0:
         return
     dev = records.device
-    idx = torch.arange(n, device=dev)
-    p = _home(records[:, 0], nb) if start is None else start.clone()
+    idx = torch.arange(n, device=dev)  # ascending, and stays so as it is filtered
+    at = _Tables(buckets.shape[0], base, size)
+    p = _home(records[:, 0], at.size) if start is None else at.local(start)
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     width = 1
     while idx.numel():
-        win = (p[:, None] + ar[:width]) % nb
+        win = at.window(p, ar[:width])
         empty = bkeys[win] == EMPTY
         has = empty.any(1)
         q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
-        ci, cq = idx[has], q[has]
-        # Several keys may want the same empty bucket: the lowest batch index wins.
-        uq, inv = torch.unique(cq, return_inverse=True)
-        winner = torch.full((uq.numel(),), n, dtype=torch.int64, device=dev)
-        winner.scatter_reduce_(0, inv, ci, "amin")
-        won = winner[inv] == ci
-        buckets[cq[won]] = records[ci[won]]
+        # Several keys may want the same empty bucket: the lowest batch index wins (idx is
+        # ascending, so the first of each run of a stable sort by bucket).
+        want = torch.where(has, q, -1)
+        order = torch.argsort(want, stable=True)
+        ws = want[order]
+        first = torch.ones_like(has)
+        first[1:] = ws[1:] != ws[:-1]
+        won = torch.zeros_like(has)
+        won[order] = first
+        won &= has
         # Losers retry right after the bucket they lost; keys with no empty in
         # their window skip the whole window (all of it was occupied).
-        nxt = torch.where(has, q + 1, p + width) % nb
-        keep = torch.ones(idx.numel(), dtype=torch.bool, device=dev)
-        keep[has.nonzero().squeeze(1)[won]] = False
-        idx, p = idx[keep], nxt[keep]
+        nxt = torch.where(has, at.local(q) + 1, p + width)
+        w, kept = _split(won)  # one read of the device per round
+        buckets[q[w]] = records[idx[w]]
+        idx = idx[kept]
+        p = at.keep(kept, nxt)
         width = min(2 * width, _MAX_WINDOW)
 
 

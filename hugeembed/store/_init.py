@@ -52,8 +52,13 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
+def seed_mix(seed: int) -> int:
+    """What a table's seed contributes to every key's stream (xor-ed into the key before mixing)."""
+    return mix64_int((seed + _GOLDEN) & _MASK64)
+
+
 def _base(keys: torch.Tensor, seed: int) -> torch.Tensor:
-    return mix64(keys ^ mix64_int((seed + _GOLDEN) & _MASK64))
+    return mix64(keys ^ seed_mix(seed))
 
 
 def _unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,12 @@ class Initializer(abc.ABC):
     def generate(self, keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
         """Rows for `keys` (int64 [n]) -> float32 [n, dim] on keys.device."""
 
+    def rows_from_bases(self, bases: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """The rows whose keys' streams start at `bases` (``_base(keys, seed)``, int64 [n]), or None
+        for an initializer that is not a function of the stream alone: with a base per key, the
+        new rows of many tables (each its own seed) come from one call (:func:`generate_many`)."""
+        return None
+
     def _native_spec(self) -> tuple[int, tuple[float, ...]] | None:
         return None
 
@@ -149,7 +160,10 @@ class Constant(Initializer):
             raise ConfigError(f"Constant initializer: value must be finite, got {self.value}")
 
     def generate(self, keys, dim, seed):
-        return torch.full((keys.numel(), dim), float(self.value), dtype=torch.float32, device=keys.device)
+        return self.rows_from_bases(keys, dim)
+
+    def rows_from_bases(self, bases, dim):
+        return torch.full((bases.numel(), dim), float(self.value), dtype=torch.float32, device=bases.device)
 
     def _native_spec(self):
         return 0, (float(self.value), 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -178,7 +192,10 @@ class Uniform(Initializer):
             raise ConfigError(f"Uniform initializer: need finite low < high, got low={self.low}, high={self.high}")
 
     def generate(self, keys, dim, seed):
-        u = _unit(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device))
+        return self.rows_from_bases(_base(keys, seed), dim)
+
+    def rows_from_bases(self, bases, dim):
+        u = _unit(bases[:, None], torch.arange(dim, device=bases.device))
         return (self.low + (self.high - self.low) * u).to(torch.float32)
 
     def _native_spec(self):
@@ -197,7 +214,10 @@ class Normal(Initializer):
             raise ConfigError(f"Normal initializer: need finite mean and std > 0, got mean={self.mean}, std={self.std}")
 
     def generate(self, keys, dim, seed):
-        z = inverse_normal_cdf(_open_unit(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device)))
+        return self.rows_from_bases(_base(keys, seed), dim)
+
+    def rows_from_bases(self, bases, dim):
+        z = inverse_normal_cdf(_open_unit(bases[:, None], torch.arange(dim, device=bases.device)))
         return (self.mean + self.std * z).to(torch.float32)
 
     def _native_spec(self):
@@ -230,8 +250,11 @@ class TruncatedNormal(Initializer):
                               "in float64; choose bounds within about 37 standard deviations of the mean")
 
     def generate(self, keys, dim, seed):
+        return self.rows_from_bases(_base(keys, seed), dim)
+
+    def rows_from_bases(self, bases, dim):
         pa, pb = _std_normal_cdf(self.a), _std_normal_cdf(self.b)
-        u = _open_unit(_base(keys, seed)[:, None], torch.arange(dim, device=keys.device))
+        u = _open_unit(bases[:, None], torch.arange(dim, device=bases.device))
         z = inverse_normal_cdf(pa + u * (pb - pa)).clamp(self.a, self.b)
         return (self.mean + self.std * z).to(torch.float32)
 

@@ -31,7 +31,7 @@ def load_snapshot_model(path: str | Path, *, device: str = "auto", batch_size: i
     if batch_size is not None:
         changes["batch_size"] = batch_size
     cfg = saved.replace(**changes)
-    model, _ = build_model(cfg, resolve_device(cfg.device))
+    model, _ = build_model(cfg, resolve_device(cfg.device, tiered=cfg.memory_budget is not None))
     info = ckpt.load(snap, model.embeddings, model=model, restore_rng=False)
     model.eval()
     return model, cfg, info
@@ -53,7 +53,7 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
     Nothing is inserted or counted: unknown ids read as zeros.
     """
     model, cfg, info = load_snapshot_model(path, device=device, batch_size=batch_size)
-    dev = resolve_device(cfg.device)
+    dev = resolve_device(cfg.device, tiered=cfg.memory_budget is not None)
     if data:
         paths = [str(p) for p in data]
         batches = iter(Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, prefetch=2))

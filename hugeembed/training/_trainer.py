@@ -40,9 +40,11 @@ __all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "b
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, *, tiered: bool = False) -> torch.device:
+    """The device `name` names; "auto" is CUDA when present, except for a run with disk-tiered
+    tables (`tiered`), whose rows live in host memory and files: it runs on the CPU."""
     if name == "auto":
-        return canonical_device("cuda" if torch.cuda.is_available() else "cpu")
+        return canonical_device("cuda" if torch.cuda.is_available() and not tiered else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} asked for, but CUDA is not available here")
@@ -156,7 +158,7 @@ class Trainer:
         self.cfg = config
         self.rank, self.world_size = rank, world_size
         self.progress = progress or (lambda event, info: None)
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, tiered=config.memory_budget is not None)
         if config.threads:
             torch.set_num_threads(config.threads)
         _native.tune_malloc()

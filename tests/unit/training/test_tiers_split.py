@@ -117,3 +117,15 @@ def test_shard_traffic_counts_the_ids_each_rank_holds():
     want = {r: {k: sum(v) / len(v) for k, v in per.items()} for r, per in want.items()}
     assert got == want
     assert got[0]["st"] == 2.5 and got[1]["st"] == 2.0  # (4 + 1) / 2 and (1 + 3) / 2: not an even split
+
+
+def test_auto_device_keeps_a_tiered_run_on_the_cpu(monkeypatch):
+    """--device auto picks CUDA when present, but a run with disk-tiered tables (rows in host memory
+    and files, CPU only) runs on the CPU instead of being refused."""
+    from hugeembed.training._trainer import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("auto", tiered=True) == torch.device("cpu")
+    assert resolve_device("cpu", tiered=True) == torch.device("cpu")

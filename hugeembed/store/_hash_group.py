@@ -1,0 +1,239 @@
+"""find_or_insert of many torch-backend hash tables in one pass (the GPU path's dynamic tables).
+
+Each HashStore probes its own bucket array; over 32 tables that is 32 probe loops, each
+round of each a read of the device.  Here the stores of one call join a
+:class:`BucketGroup`: their bucket arrays become parts of one ``[sum B_t + 1, 3]`` array
+(the last bucket a write-only sink for masked writes) and their scalars rows of one host
+``[T, K]`` tensor, each store keeping views of its part, so every layout-reading path of
+the store works unchanged.  The keys of all tables then probe together, each within its
+own part (``_hash_torch.probe`` with a base and size per key), the tables' admission and
+capacity counts come back in one host read, and the accepted tables' records, counts and
+scalars are written with one op each.
+
+A table that must grow, evict, or raise (a duplicate key, a count < 1, the key equal to the
+empty-bucket sentinel) is left to its own find_or_insert, exactly as before; the others'
+results are those of their own calls.  A store leaves the group's array when it rehashes
+(or is loaded or moved): the next call joins the stores again (one copy of the buckets).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from ..functional import joined, joined_view, repeat_each
+from . import _alloc
+from .. import _native
+from .._hashing import mix64
+from ._common import init_rows
+from ._hash_torch import EMPTY, PENDING, claim, count_of, new_buckets, pack, probe
+from ._init import Initializer, seed_mix
+
+__all__ = ["BucketGroup", "find_or_insert_group"]
+
+
+class BucketGroup:
+    """The bucket arrays and scalars of `stores`, joined: each store's ``_buckets`` and ``_st``
+    become views of ``buckets`` and ``stats`` (contents copied, unchanged)."""
+
+    def __init__(self, stores) -> None:
+        dev = stores[0].device
+        self.sizes = [s.num_buckets for s in stores]
+        self.bases = [0, *accumulate(self.sizes)][:-1]
+        total = sum(self.sizes)
+        self.buckets = new_buckets(total + 1, dev, out=_alloc.empty((total + 1, 3), torch.int64, dev))
+        self.stats = torch.stack([s._st for s in stores])
+        for i, s in enumerate(stores):
+            self.buckets[self.bases[i] : self.bases[i] + self.sizes[i]] = s._buckets
+        for i, s in enumerate(stores):
+            s._buckets = self.buckets[self.bases[i] : self.bases[i] + self.sizes[i]]
+            s._st = self.stats[i]
+            s._bucket_group = (self, i)
+        self.sink = total  # a bucket in no table: where writes masked off land
+        self.base_t = torch.tensor(self.bases, dtype=torch.int64, device=dev)
+        self.size_t = torch.tensor(self.sizes, dtype=torch.int64, device=dev)
+
+    def index_of(self, store) -> int | None:
+        """The store's row in this group while its arrays are still this group's views, else None."""
+        g = getattr(store, "_bucket_group", None)
+        if g is None or g[0] is not self:
+            return None
+        i = g[1]
+        b, st = store._buckets, store._st
+        if (b.shape[0] != self.sizes[i] or b.untyped_storage().data_ptr() != self.buckets.untyped_storage().data_ptr()
+                or b.storage_offset() != self.bases[i] * 3 or st.storage_offset() != i * self.stats.shape[1]
+                or st.untyped_storage().data_ptr() != self.stats.untyped_storage().data_ptr()):
+            return None
+        return i
+
+    @staticmethod
+    def of(stores) -> tuple["BucketGroup", list[int]]:
+        """The group all `stores` are views of (and their rows in it), joining them anew when
+        they are not (first call, a rehash, a load, a move)."""
+        g = getattr(stores[0], "_bucket_group", None)
+        rows = None if g is None else [g[0].index_of(s) for s in stores]
+        if rows is None or None in rows:
+            g = (BucketGroup(stores), 0)
+            rows = list(range(len(stores)))
+        return g[0], rows
+
+
+def _stats_of(stores) -> torch.Tensor:
+    """The stores' scalars as one [T, K] host tensor: rows of their group's (one op) while joined."""
+    g = getattr(stores[0], "_bucket_group", None)
+    if g is not None:
+        rows = [g[0].index_of(s) for s in stores]
+        if None not in rows:
+            return g[0].stats[rows]
+    return torch.stack([s._st for s in stores])
+
+
+def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor | None]:
+    """find_or_insert of torch-backend HashStores (distinct, one device, rows kept, no probability
+    filter) in one pass: for each store the slots of its (validated int64) keys, or None where
+    that store must take its own find_or_insert (grow, evict, or raise)."""
+    from ._hash import _MAX_SLOTS, _ST  # (_hash imports this module)
+
+    sizes = [k.numel() for k in keys]
+    entries = _stats_of(stores)[:, _ST["entries"]].tolist()
+    for s, m, e in zip(stores, sizes, entries):
+        # room for every key being new, known without reading the device: a table that must grow
+        # its index grows here (sooner than alone by at most one batch), then all join at once
+        if e + m > s._max_entries():
+            s._grow_for(m, 0)
+    group, rows = BucketGroup.of(stores)
+    dev = stores[0].device
+    T = len(stores)
+    n = sum(sizes)
+    out: list[torch.Tensor | None] = [None] * T
+    if n == 0:
+        return [k.clone() for k in keys]
+    key = joined(list(keys))  # a collection's per-table keys are parts of one tensor: a view
+    c = torch.ones(n, dtype=torch.int64, device=dev) if all(ct is None for ct in counts) else \
+        joined([ct if ct is not None else torch.ones_like(k) for k, ct in zip(keys, counts)])
+    tid = repeat_each(list(range(T)), sizes, dev)
+    gid = torch.tensor(rows, dtype=torch.int64, device=dev)[tid]
+    base, size = group.base_t[gid], group.size_t[gid]
+    codes, pos = probe(group.buckets, key, base, size)
+
+    side = key == EMPTY  # the sentinel key's record is a scalar of its store: its own path
+    found = codes != -1
+    w1 = torch.where(found & ~side, group.buckets[pos.clamp(min=0), 1], 0)
+    new_count = torch.where(found, count_of(w1), 0) + c
+    todo = codes < 0
+    is_a = codes == -1
+    kmin = repeat_each([s.admit_min_count for s in stores], sizes, dev)
+    need_row = todo & torch.where(is_a, c >= kmin, new_count >= kmin)
+    pend_new = is_a & ~need_row
+    promoted = need_row & ~is_a
+    # a key twice among one table's new keys: its own path raises (naming it)
+    order = key.argsort(stable=True)
+    order = order[tid[order].argsort(stable=True)]
+    ko, to, do = key[order], tid[order], todo[order]
+    dup = torch.zeros(n, dtype=torch.bool, device=dev)
+    dup[order[1:]] = (ko[1:] == ko[:-1]) & (to[1:] == to[:-1]) & do[1:]
+    flags = torch.stack([side | dup | (c < 1), is_a & ~side, need_row, pend_new, promoted], 1).to(torch.int64)
+    per = torch.zeros(T, 5, dtype=torch.int64, device=dev).index_add_(0, tid, flags)
+    per_t, st = per.tolist(), group.stats[rows].tolist()  # the one read of the device
+
+    ok, take, hwm, first = [], [], [], []
+    new_rows_total = 0
+    for t, s in enumerate(stores):
+        bad, new_entries, new_rows, new_pend, prom = per_t[t]
+        v = st[t]
+        limit = s.capacity if s.capacity is not None else _MAX_SLOTS
+        fits = not bad and v[_ST["rows"]] + new_rows <= limit and v[_ST["entries"]] + new_entries <= s._max_entries()
+        if fits and v[_ST["row_hwm"]] + max(0, new_rows - v[_ST["num_free"]]) > s._storage.shape[0]:
+            s._grow_for(0, new_rows)  # more row storage only (the buckets, probed above, stay)
+        ok.append(fits)
+        tk = min(new_rows, v[_ST["num_free"]]) if fits else 0
+        take.append(tk)
+        hwm.append(v[_ST["row_hwm"]])
+        first.append(new_rows_total)
+        new_rows_total += new_rows if fits else 0
+    if not any(ok):
+        return out
+    okk = torch.tensor(ok, dtype=torch.bool, device=dev)[tid]
+    row_ok = need_row & okk
+    # slots handed out in batch order per table: free ones (smallest first), then fresh ones
+    r = row_ok.cumsum(0) - 1 - repeat_each(first, sizes, dev)
+    tk = repeat_each(take, sizes, dev)
+    slot = repeat_each(hwm, sizes, dev) + r - tk
+    if any(take):
+        free = torch.cat([s._free[v[_ST["num_free"]] - k : v[_ST["num_free"]]].flip(0).to(torch.int64)
+                          for s, v, k in zip(stores, st, take) if k])
+        fstart = repeat_each(list(accumulate([0, *take]))[:-1], sizes, dev)
+        slot = torch.where(r < tk, free[(fstart + r).clamp(0, max(free.numel() - 1, 0))], slot)
+    code_now = torch.where(row_ok, slot, torch.where(pend_new & okk, PENDING, codes))
+    # found keys: counts added, last step set; new keys: a record each; both only in accepted tables
+    upd = found & ~side & okk
+    at = torch.where(upd, pos, group.sink)
+    group.buckets[at, 1:] = torch.stack([pack(code_now, new_count), torch.full_like(at, step)], 1)
+    new = (is_a & ~side & okk).nonzero().squeeze(1)
+    if new.numel():
+        rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
+        claim(group.buckets, rec, pos[new], base[new], size[new])
+    new_rows_at = row_ok.nonzero().squeeze(1)
+    new_slots, new_keys = slot[new_rows_at], key[new_rows_at]
+    res = torch.where(code_now >= 0, code_now, -1)
+    # scalars of the accepted tables, from the values read above
+    upd_rows, upd_vals = [], []
+    for t, s in enumerate(stores):
+        if not ok[t]:
+            continue
+        _, new_entries, new_rows, new_pend, prom = per_t[t]
+        v = list(st[t])
+        v[_ST["entries"]] += new_entries
+        v[_ST["rows"]] += new_rows
+        v[_ST["pending"]] += new_pend - prom
+        v[_ST["num_free"]] -= take[t]
+        v[_ST["row_hwm"]] += new_rows - take[t]
+        upd_rows.append(rows[t])
+        upd_vals.append(v)
+    group.stats[upd_rows] = torch.tensor(upd_vals, dtype=torch.int64)
+    # new rows: initial weights and optimizer state, per store (each its own storage)
+    made = [per_t[t][2] if ok[t] else 0 for t in range(T)]
+    weights = _initial_weights(stores, made, new_keys)
+    for s, sl, k, w in zip(stores, new_slots.split(made), new_keys.split(made), weights):
+        if sl.numel():
+            init_rows(s._storage, sl, k, s.layout, s.initializer, s.init_state, s.seed, weights=w)
+    for t, (s, part) in enumerate(zip(stores, res.split(sizes))):
+        if ok[t]:
+            s.forget_pending(step)
+            out[t] = part
+    return out
+
+
+def _initial_weights(stores, made: list[int], new_keys: torch.Tensor) -> list[torch.Tensor | None]:
+    """The initial weights of each store's new keys (``new_keys`` split by `made`), made with one
+    call per initializer and width for all stores sharing them (each key's stream seeded by
+    its own table's seed); None where the store initialises its own rows (a packed layout, an
+    initializer that is not a function of the key's stream)."""
+    out: list[torch.Tensor | None] = [None] * len(stores)
+    if stores[0].device.type == "cpu" and _native.available():
+        return out  # the native initializer, per store, makes no torch op at all
+    kinds: dict[tuple, list[int]] = {}
+    for t, s in enumerate(stores):
+        if made[t] and not s.layout.packed and type(s.initializer).rows_from_bases is not Initializer.rows_from_bases:
+            kinds.setdefault((s.initializer, s.layout.dim), []).append(t)
+    if not kinds:
+        return out
+    starts = [0, *accumulate(made)]
+    for (init, dim), ts in kinds.items():
+        parts = [new_keys[starts[t] : starts[t + 1]] for t in ts]
+        keys = joined(parts)
+        seeds = repeat_each([seed_mix(stores[t].seed) for t in ts], [made[t] for t in ts], keys.device)
+        rows = init.rows_from_bases(mix64(keys ^ seeds), dim)
+        for t, w in zip(ts, rows.split([made[t] for t in ts])):
+            out[t] = w
+    return out
+
+
+def write_into(outs, got, members) -> None:
+    """Copies the results of `members` into the caller's buffers with one copy when they lie end to end."""
+    region = joined_view([outs[i] for i in members])
+    if region is not None and all(got[i] is not None for i in members):
+        region.copy_(joined([got[i] for i in members]))
+        for i in members:
+            got[i] = outs[i]

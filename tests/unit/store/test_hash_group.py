@@ -1,0 +1,133 @@
+"""Torch-backend hash tables fetched together (store/_hash_group.py: one probe loop, one host
+read, one write of counts and records for all of them) against a plain loop of find_or_insert
+on twin stores: the same slots, and afterwards the same buckets, rows, scalars and free lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hugeembed.errors import CapacityError, InputError
+from hugeembed.optim import Adagrad
+from hugeembed.store import HashStore, find_or_insert_many
+from hugeembed.store._hash_group import BucketGroup
+
+from store_helpers import SPECIAL_KEYS, check_layout
+
+from tests.conftest import DEVICES
+
+
+def make_stores(device):
+    """Each way a table can take the shared pass, or leave it for its own call."""
+    ada = Adagrad(lr=0.1, initial_accumulator_value=0.25)
+    return [
+        HashStore("plain", 3, seed=1, backend="torch", device=device),
+        HashStore("adagrad", 4, ada.state_width(4), init_state=ada.init_state, seed=2, backend="torch",
+                  device=device, initial_rows=8),  # grows (rehash: leaves the group, joins again)
+        HashStore("admit3", 2, seed=3, admit_min_count=3, max_pending=20, backend="torch", device=device),
+        HashStore("capped", 2, seed=4, capacity=40, eviction_policy="lru", backend="torch", device=device),
+        HashStore("special", 2, seed=5, backend="torch", device=device),  # the sentinel key: its own path
+        HashStore("lfu", 3, seed=6, capacity=60, backend="torch", device=device, admit_min_count=2),
+    ]
+
+
+def batch(g: torch.Generator, store, n: int, device):
+    keys = torch.randint(-120, 120, (n,), generator=g).unique()
+    if store.name == "special":
+        keys = torch.cat([keys, torch.tensor(SPECIAL_KEYS)]).unique()
+    if store.name == "capped":
+        keys = keys[:30]
+    counts = torch.randint(1, 4, (keys.numel(),), generator=g)
+    perm = torch.randperm(keys.numel(), generator=g)
+    return keys[perm].to(device), counts[perm].to(device)
+
+
+def assert_same_store(a: HashStore, b: HashStore) -> None:
+    """The same keys, rows, counts and steps, in the same slots (the shared pass may grow an index
+    up to one batch sooner, so its bucket order may differ)."""
+    ea, eb = a.export(), b.export()  # (keys ascending)
+    for f in ea.__dataclass_fields__:
+        assert torch.equal(getattr(ea, f).cpu(), getattr(eb, f).cpu()), (a.name, f)
+    assert torch.equal(a.find(ea.keys), b.find(ea.keys)), a.name
+    assert a._st.tolist() == b._st.tolist(), a.name
+    nf = a._st_get("num_free")
+    assert torch.equal(a._free[:nf].cpu(), b._free[:nf].cpu()), a.name
+    hwm = a._st_get("row_hwm")
+    assert torch.equal(a._storage[:hwm].cpu(), b._storage[:hwm].cpu()), a.name
+    check_layout(a)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 7), size=st.integers(0, 50), with_counts=st.booleans())
+def test_tables_fetched_together_equal_a_loop_of_find_or_insert(device, seed, steps, size, with_counts):
+    ours, loop = make_stores(device), make_stores(device)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        work = [batch(g, s, size, device) for s in ours]
+        counts = [c for _, c in work] if with_counts else None
+        sizes = [k.numel() for k, _ in work]
+        out = list(torch.full((sum(sizes),), -7, dtype=torch.int64, device=device).split(sizes))
+        got = find_or_insert_many(ours, [k for k, _ in work], step, counts=counts, out=out)
+        for s, (k, c), a, o in zip(loop, work, got, out):
+            want = s.find_or_insert(k, step, counts=c if with_counts else None)
+            assert a is o and torch.equal(a, want), s.name
+    for a, b in zip(ours, loop):
+        assert_same_store(a, b)
+
+
+def test_the_group_is_joined_once_and_rejoined_after_a_rehash():
+    stores = [HashStore(f"t{i}", 2, backend="torch", initial_rows=32) for i in range(3)]
+    find_or_insert_many(stores, [torch.arange(4) + i for i in range(3)], 1)
+    group, rows = BucketGroup.of(stores)
+    assert rows == [0, 1, 2] and all(s._buckets.untyped_storage().data_ptr() ==
+                                     group.buckets.untyped_storage().data_ptr() for s in stores)
+    find_or_insert_many(stores, [torch.arange(4, 8) for _ in range(3)], 2)
+    assert BucketGroup.of(stores)[0] is group  # still joined: no copy
+    stores[1].find_or_insert(torch.arange(1000, 1400), 3)  # grows its buckets alone: it leaves the group
+    assert group.index_of(stores[1]) is None
+    find_or_insert_many(stores, [torch.arange(8, 12) for _ in range(3)], 4)
+    again, _ = BucketGroup.of(stores)
+    assert again is not group and all(again.index_of(s) is not None for s in stores)
+    for s, first, extra in zip(stores, (0, 1, 2), (0, 400, 0)):
+        assert len(s) == 12 - first + extra, s.name
+        assert bool((s.find(torch.arange(first, 12)) >= 0).all()), s.name
+        check_layout(s)
+
+
+def test_a_bad_table_takes_its_own_path_and_raises_naming_itself():
+    a, b = (HashStore(n, 2, backend="torch", initial_rows=16) for n in "ab")
+    with pytest.raises(InputError, match="'b': key 5 is given twice"):
+        find_or_insert_many([a, b], [torch.tensor([1, 2]), torch.tensor([5, 5])], 1)
+    assert len(b) == 0 and b._st_get("entries") == 0  # the refused table changed nothing
+    with pytest.raises(InputError, match="'a'.*counts must be >= 1"):
+        find_or_insert_many([a, b], [torch.tensor([3]), torch.tensor([6])], 2,
+                            counts=[torch.tensor([0]), torch.tensor([1])])
+    assert a.find(torch.tensor([3])).item() == -1
+    full = HashStore("full", 2, capacity=2, on_full="error", backend="torch", initial_rows=2)
+    with pytest.raises(CapacityError, match="'full'"):
+        find_or_insert_many([a, full], [torch.tensor([7]), torch.tensor([1, 2, 3])], 3)
+    assert len(full) == 0
+
+
+def test_ops_of_the_shared_pass_do_not_grow_with_the_tables():
+    """The probe, the checks and the writes are one op each for all tables: only the per-table
+    row initialisation (new ids) and argument checks grow with them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    from ops import CountOps
+
+    def ops_for(tables: int) -> tuple[int, int]:
+        stores = [HashStore(f"t{i}", 4, backend="torch", initial_rows=256) for i in range(tables)]
+        keys = [torch.arange(100) * (i + 1) for i in range(tables)]
+        find_or_insert_many(stores, keys, 1)  # rows exist: the steady state (hits, no new rows)
+        with CountOps() as c:
+            find_or_insert_many(stores, keys, 2)
+        return sum(c.ops.values()), c.syncs()
+
+    (o2, s2), (o32, s32) = ops_for(2), ops_for(32)
+    assert s32 == s2, (s2, s32)
+    assert o32 <= 1.2 * o2 + 4 * 30, (o2, o32)  # a few per-table argument checks
