@@ -25,7 +25,7 @@ from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec, joined, repeat_each
 from ..optim import SparseOptimizer
 from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowBlock, RowLayout, RowStore, StoreExport, TieredStore,
-                     find_or_insert_many)
+                     find_many, find_or_insert_many)
 from ..store._layout import LayoutViews
 from . import _ops
 from ._config import TableConfig
@@ -456,7 +456,7 @@ class EmbeddingCollection(nn.Module):
                     s.reserve(k)
             got = find_or_insert_many(stores, keys, step, counts=counts, out=into)
         else:
-            got = [s.find(k) for s, k in zip(stores, keys)]
+            got = find_many(stores, keys)
         for i in shared:  # ids without a row of their own (rare, unknown) read the shared row, if any yet
             g = got[i]
             got[i] = torch.where(g[:-1] < 0, g[-1], g[:-1])

@@ -19,7 +19,7 @@ Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
 from ._alloc import allocate_rows
 from ._array import ArrayStore, RowBlock
 from ._dict import DictStore
-from ._hash import HashStore, find_or_insert_many
+from ._hash import HashStore, find_many, find_or_insert_many
 from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
 from ._layout import RowLayout, default_state_dtype
 from ._init import (INIT_KINDS, Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros,
@@ -36,6 +36,7 @@ __all__ = [
     "EvictionPolicy",
     "HashStore",
     "find_or_insert_many",
+    "find_many",
     "row_independent",
     "ArrayStore",
     "RowBlock",

@@ -38,7 +38,7 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
 from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
-from ._hash_group import find_or_insert_group, write_into
+from ._hash_group import find_group, find_or_insert_group, write_into
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
@@ -46,7 +46,7 @@ from ._native_store import NativeOps, run_batch
 from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 
-__all__ = ["HashStore", "find_or_insert_many", "MAX_LOAD", "AUTO_EVICT_SLACK"]
+__all__ = ["HashStore", "find_or_insert_many", "find_many", "MAX_LOAD", "AUTO_EVICT_SLACK"]
 
 # The buckets grow (x1.5, or to what a batch needs) when they would be fuller
 # than this.  Measured (docs/store.md): find at load 0.49 / 0.59 / 0.69 / 0.78 runs
@@ -670,6 +670,24 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
             outs[i].copy_(got[i])
             got[i] = outs[i]
     return got
+
+
+def find_many(stores, keys) -> list[torch.Tensor]:
+    """``[store.find(k) for ...]`` over many distinct stores: torch-backend hash tables (a GPU's
+    dynamic tables) probe in one loop (store/_hash_group.py), every other store alone."""
+    stores, keys = list(stores), list(keys)
+    if len(stores) != len(keys):
+        raise InputError(f"find_many: {len(stores)} stores, {len(keys)} key tensors")
+    together = [i for i, s in enumerate(stores) if type(s) is HashStore and s._ops.name == "torch"]
+    if len(together) < 2 or len({stores[i].device for i in together}) != 1 or \
+            len({id(stores[i]._ops) for i in together}) != len(together):
+        together = []
+    got: list[torch.Tensor | None] = [None] * len(stores)
+    if together:
+        ks = [as_keys(stores[i].name, keys[i], stores[i].device) for i in together]
+        for i, g in zip(together, find_group([stores[i] for i in together], ks)):
+            got[i] = g
+    return [g if g is not None else s.find(k) for s, k, g in zip(stores, keys, got)]
 
 
 def _find_or_insert_torch_tables(stores, keys, counts, outs, step: int, got: list) -> None:

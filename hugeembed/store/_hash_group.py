@@ -27,10 +27,10 @@ from . import _alloc
 from .. import _native
 from .._hashing import mix64
 from ._common import init_rows
-from ._hash_torch import EMPTY, PENDING, claim, count_of, new_buckets, pack, probe
+from ._hash_torch import EMPTY, PENDING, claim, code_of, count_of, new_buckets, pack, probe
 from ._init import Initializer, seed_mix
 
-__all__ = ["BucketGroup", "find_or_insert_group"]
+__all__ = ["BucketGroup", "find_or_insert_group", "find_group"]
 
 
 class BucketGroup:
@@ -203,6 +203,28 @@ def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor |
             s.forget_pending(step)
             out[t] = part
     return out
+
+
+def find_group(stores, keys) -> list[torch.Tensor]:
+    """``[s.find(k) for ...]`` of torch-backend HashStores (distinct, one device; keys validated
+    int64) in one probe loop: each key's row slot, -1 where it has none (absent or pending).
+    Nothing is inserted or counted (the stores join a group: their contents are unchanged)."""
+    from ._hash import _ST  # (_hash imports this module)
+
+    sizes = [k.numel() for k in keys]
+    if sum(sizes) == 0:
+        return [k.clone() for k in keys]
+    group, rows = BucketGroup.of(stores)
+    dev = stores[0].device
+    key = joined(list(keys))
+    tid = repeat_each(list(range(len(stores))), sizes, dev)
+    gid = torch.tensor(rows, dtype=torch.int64, device=dev)[tid]
+    codes, _ = probe(group.buckets, key, group.base_t[gid], group.size_t[gid])
+    # the sentinel key's record is a scalar of its store (host memory: no read of the device)
+    st = group.stats[rows]
+    side = torch.where(st[:, _ST["side_used"]] != 0, code_of(st[:, _ST["side_word1"]]), -1)
+    codes = torch.where(key == EMPTY, side.to(dev)[tid], codes)
+    return list(codes.clamp_(min=-1).split(sizes))
 
 
 def _initial_weights(stores, made: list[int], new_keys: torch.Tensor) -> list[torch.Tensor | None]:

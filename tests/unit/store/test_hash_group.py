@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hugeembed.errors import CapacityError, InputError
 from hugeembed.optim import Adagrad
-from hugeembed.store import HashStore, find_or_insert_many
+from hugeembed.store import HashStore, find_many, find_or_insert_many
 from hugeembed.store._hash_group import BucketGroup
 
 from store_helpers import SPECIAL_KEYS, check_layout
@@ -131,3 +131,29 @@ def test_ops_of_the_shared_pass_do_not_grow_with_the_tables():
     (o2, s2), (o32, s32) = ops_for(2), ops_for(32)
     assert s32 == s2, (s2, s32)
     assert o32 <= 1.2 * o2 + 4 * 30, (o2, o32)  # a few per-table argument checks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_many_equals_a_loop_of_find_and_changes_nothing(device):
+    """The eval path: torch tables probed together read the same slots as each alone (rows,
+    pending keys -1, unknown -1, the sentinel key's side record), and insert or count nothing."""
+    stores, twins = make_stores(device), make_stores(device)
+    g = torch.Generator().manual_seed(7)
+    for step in (1, 2, 3):
+        work = [batch(g, s, 40, device) for s in stores]
+        find_or_insert_many(stores, [k for k, _ in work], step, counts=[c for _, c in work])
+        for t, (k, c) in zip(twins, work):
+            t.find_or_insert(k, step, counts=c)
+    before = [s.export() for s in stores]
+    probe_keys = [torch.cat([batch(g, s, 60, device)[0], torch.tensor(SPECIAL_KEYS, device=device)]).unique()
+                  for s in stores]
+    got = find_many(stores, probe_keys)
+    for s, t, k, a in zip(stores, twins, probe_keys, got):
+        assert torch.equal(a, t.find(k)), s.name
+        assert bool((a >= -1).all()), s.name  # pending keys read -1
+    for s, e in zip(stores, before):
+        after = s.export()
+        for f in e.__dataclass_fields__:
+            assert torch.equal(getattr(e, f), getattr(after, f)), (s.name, f)
+    with pytest.raises(InputError, match="2 stores, 1 key tensors"):
+        find_many(stores[:2], probe_keys[:1])
