@@ -121,10 +121,12 @@ def scatter_rows(name: str, storage: torch.Tensor, slots: torch.Tensor, rows: to
 
 
 def init_rows(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, layout: RowLayout,
-              initializer: Initializer, init_state, seed: int, weights: torch.Tensor | None = None) -> None:
+              initializer: Initializer, init_state, seed: int, weights: torch.Tensor | None = None,
+              state: torch.Tensor | None = None) -> None:
     """Writes the initial weights of `keys` and fresh optimizer state into storage rows `slots`.
 
-    `weights`: those initial weights, when the caller made them already (``generate_many``)."""
+    `weights`, `state`: those values, when the caller made them already (before writing
+    anything else, so that a failing initializer changes nothing)."""
     n = keys.numel()
     if n == 0:
         return
@@ -135,9 +137,10 @@ def init_rows(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, la
     elif layout.packed or not init_rows_native(initializer, keys, layout.dim, seed, storage, slots):
         layout.weights(storage)[slots] = initializer.generate(keys, layout.dim, seed).to(layout.dtype)
     if layout.state_width:
-        state = torch.zeros(n, layout.state_width, dtype=layout.state_dtype, device=storage.device)
-        if init_state is not None:
-            init_state(state)
+        if state is None:
+            state = torch.zeros(n, layout.state_width, dtype=layout.state_dtype, device=storage.device)
+            if init_state is not None:
+                init_state(state)
         layout.state(storage)[slots] = state
 
 

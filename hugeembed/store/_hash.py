@@ -186,16 +186,24 @@ class HashStore(LayoutViews, Pinnable):
         """Makes room for `n` more keys in the worst case (all new, all admitted)."""
         self._grow_for(n, n)
 
+    def _buckets_for(self, entries: int, new_entries: int) -> int | None:
+        """The bucket count the index grows to for `new_entries` more keys than `entries` (to under
+        MAX_LOAD, at least x1.5), or None when it need not grow."""
+        need = entries + new_entries
+        nb = self.num_buckets
+        if need <= int(nb * MAX_LOAD):
+            return None
+        nb = max(math.ceil(need / MAX_LOAD), int(nb * _BUCKET_GROWTH))
+        nb = -(-nb // 64) * 64
+        if nb > _MAX_BUCKETS:
+            raise CapacityError(f"table '{self.name}': {need} keys exceed the index limit of one store "
+                                f"({int(_MAX_BUCKETS * MAX_LOAD)})")
+        return nb
+
     def _grow_for(self, new_entries: int, new_rows: int) -> None:
         """Grows the buckets (to under MAX_LOAD, at least x1.5) and the rows (x1.5) to fit this many more."""
-        need = self._st_get("entries") + new_entries
-        nb = self.num_buckets
-        if need > int(nb * MAX_LOAD):
-            nb = max(math.ceil(need / MAX_LOAD), int(nb * _BUCKET_GROWTH))
-            nb = -(-nb // 64) * 64
-            if nb > _MAX_BUCKETS:
-                raise CapacityError(f"table '{self.name}': {need} keys exceed the index limit of one store "
-                                    f"({int(_MAX_BUCKETS * MAX_LOAD)})")
+        nb = self._buckets_for(self._st_get("entries"), new_entries)
+        if nb is not None:
             self._rehash(nb)
         hwm = self._st_get("row_hwm") + max(0, new_rows - self._st_get("num_free"))
         if self.capacity is not None:

@@ -10,14 +10,17 @@ own part (``_hash_torch.probe`` with a base and size per key), the tables' admis
 capacity counts come back in one host read, and the accepted tables' records, counts and
 scalars are written with one op each.
 
-A table that must grow, evict, or raise (a duplicate key, a count < 1, the key equal to the
-empty-bucket sentinel) is left to its own find_or_insert, exactly as before; the others'
-results are those of their own calls.  A store leaves the group's array when it rehashes
+A table that must grow its index, evict, or raise (a duplicate key, a count < 1, the key equal
+to the empty-bucket sentinel) is left to its own find_or_insert, exactly as before; the others'
+results, rows and buckets are those of their own calls.  The new rows' values are made before
+anything is written, so an initializer that raises changes no table.  A store leaves the group's array when it rehashes
 (or is loaded or moved): the next call joins the stores again (one copy of the buckets).
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import fields
 from itertools import accumulate
 
 import torch
@@ -25,10 +28,11 @@ import torch
 from ..functional import joined, joined_view, repeat_each
 from . import _alloc
 from .. import _native
+from ..errors import CapacityError
 from .._hashing import mix64
 from ._common import init_rows
-from ._hash_torch import EMPTY, PENDING, claim, code_of, count_of, new_buckets, pack, probe
-from ._init import Initializer, seed_mix
+from ._hash_torch import EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe
+from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
 __all__ = ["BucketGroup", "find_or_insert_group", "find_group"]
 
@@ -37,15 +41,27 @@ class BucketGroup:
     """The bucket arrays and scalars of `stores`, joined: each store's ``_buckets`` and ``_st``
     become views of ``buckets`` and ``stats`` (contents copied, unchanged)."""
 
-    def __init__(self, stores) -> None:
+    def __init__(self, stores, sizes: list[int] | None = None) -> None:
+        """`sizes`: bucket counts to give the stores (default: theirs); a store given more is
+        rehashed into its new part (all such stores' records placed by one claim loop, in the
+        order the store's own rehash places them: the same buckets)."""
         dev = stores[0].device
-        self.sizes = [s.num_buckets for s in stores]
+        self.sizes = [s.num_buckets for s in stores] if sizes is None else list(sizes)
         self.bases = [0, *accumulate(self.sizes)][:-1]
         total = sum(self.sizes)
         self.buckets = new_buckets(total + 1, dev, out=_alloc.empty((total + 1, 3), torch.int64, dev))
         self.stats = torch.stack([s._st for s in stores])
+        moved, where = [], []
         for i, s in enumerate(stores):
-            self.buckets[self.bases[i] : self.bases[i] + self.sizes[i]] = s._buckets
+            if self.sizes[i] == s.num_buckets:
+                self.buckets[self.bases[i] : self.bases[i] + self.sizes[i]] = s._buckets
+            else:
+                moved.append(entries(s._buckets))
+                where.append(i)
+        if moved:
+            counts = [m.shape[0] for m in moved]
+            claim(self.buckets, torch.cat(moved), None, repeat_each([self.bases[i] for i in where], counts, dev),
+                  repeat_each([self.sizes[i] for i in where], counts, dev))
         for i, s in enumerate(stores):
             s._buckets = self.buckets[self.bases[i] : self.bases[i] + self.sizes[i]]
             s._st = self.stats[i]
@@ -79,29 +95,13 @@ class BucketGroup:
         return g[0], rows
 
 
-def _stats_of(stores) -> torch.Tensor:
-    """The stores' scalars as one [T, K] host tensor: rows of their group's (one op) while joined."""
-    g = getattr(stores[0], "_bucket_group", None)
-    if g is not None:
-        rows = [g[0].index_of(s) for s in stores]
-        if None not in rows:
-            return g[0].stats[rows]
-    return torch.stack([s._st for s in stores])
-
-
-def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor | None]:
+def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False) -> list[torch.Tensor | None]:
     """find_or_insert of torch-backend HashStores (distinct, one device, rows kept, no probability
     filter) in one pass: for each store the slots of its (validated int64) keys, or None where
     that store must take its own find_or_insert (grow, evict, or raise)."""
     from ._hash import _MAX_SLOTS, _ST  # (_hash imports this module)
 
     sizes = [k.numel() for k in keys]
-    entries = _stats_of(stores)[:, _ST["entries"]].tolist()
-    for s, m, e in zip(stores, sizes, entries):
-        # room for every key being new, known without reading the device: a table that must grow
-        # its index grows here (sooner than alone by at most one batch), then all join at once
-        if e + m > s._max_entries():
-            s._grow_for(m, 0)
     group, rows = BucketGroup.of(stores)
     dev = stores[0].device
     T = len(stores)
@@ -137,6 +137,29 @@ def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor |
     per = torch.zeros(T, 5, dtype=torch.int64, device=dev).index_add_(0, tid, flags)
     per_t, st = per.tolist(), group.stats[rows].tolist()  # the one read of the device
 
+    if not regrown:
+        # tables whose index must grow (and that will not evict or raise): grown as each alone
+        # would grow, all rehashed into a new group at once, then every key probed again
+        sizes_now, grow = list(group.sizes), False
+        for t, s in enumerate(stores):
+            bad, new_entries, new_rows = per_t[t][:3]
+            v = st[t]
+            limit = s.capacity if s.capacity is not None else _MAX_SLOTS
+            if not bad and v[_ST["rows"]] + new_rows <= limit and new_entries:
+                try:
+                    nb = s._buckets_for(v[_ST["entries"]], new_entries)
+                except CapacityError:
+                    nb = None  # its own call raises
+                if nb is not None:
+                    sizes_now[rows[t]], grow = nb, True
+        if grow:
+            members = [None] * len(group.sizes)
+            for t, s in enumerate(stores):
+                members[rows[t]] = s
+            if None not in members:
+                BucketGroup([m for m in members], sizes_now)
+                return find_or_insert_group(stores, keys, counts, step, regrown=True)
+
     ok, take, hwm, first = [], [], [], []
     new_rows_total = 0
     for t, s in enumerate(stores):
@@ -165,6 +188,12 @@ def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor |
                           for s, v, k in zip(stores, st, take) if k])
         fstart = repeat_each(list(accumulate([0, *take]))[:-1], sizes, dev)
         slot = torch.where(r < tk, free[(fstart + r).clamp(0, max(free.numel() - 1, 0))], slot)
+    # the new rows' initial values, made before anything is written: an initializer or an
+    # init_state that raises leaves every table as it was
+    made = [per_t[t][2] if ok[t] else 0 for t in range(T)]
+    new_rows_at = row_ok.nonzero().squeeze(1)
+    new_slots, new_keys = slot[new_rows_at], key[new_rows_at]
+    values = _new_row_values(stores, made, new_keys)
     code_now = torch.where(row_ok, slot, torch.where(pend_new & okk, PENDING, codes))
     # found keys: counts added, last step set; new keys: a record each; both only in accepted tables
     upd = found & ~side & okk
@@ -174,8 +203,6 @@ def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor |
     if new.numel():
         rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
         claim(group.buckets, rec, pos[new], base[new], size[new])
-    new_rows_at = row_ok.nonzero().squeeze(1)
-    new_slots, new_keys = slot[new_rows_at], key[new_rows_at]
     res = torch.where(code_now >= 0, code_now, -1)
     # scalars of the accepted tables, from the values read above
     upd_rows, upd_vals = [], []
@@ -193,14 +220,13 @@ def find_or_insert_group(stores, keys, counts, step: int) -> list[torch.Tensor |
         upd_vals.append(v)
     group.stats[upd_rows] = torch.tensor(upd_vals, dtype=torch.int64)
     # new rows: initial weights and optimizer state, per store (each its own storage)
-    made = [per_t[t][2] if ok[t] else 0 for t in range(T)]
-    weights = _initial_weights(stores, made, new_keys)
-    for s, sl, k, w in zip(stores, new_slots.split(made), new_keys.split(made), weights):
+    for s, sl, k, (w, state) in zip(stores, new_slots.split(made), new_keys.split(made), values):
         if sl.numel():
-            init_rows(s._storage, sl, k, s.layout, s.initializer, s.init_state, s.seed, weights=w)
+            init_rows(s._storage, sl, k, s.layout, s.initializer, s.init_state, s.seed, weights=w, state=state)
     for t, (s, part) in enumerate(zip(stores, res.split(sizes))):
         if ok[t]:
-            s.forget_pending(step)
+            if sizes[t]:  # (a table given no keys forgets no pending keys, as its own call)
+                s.forget_pending(step)
             out[t] = part
     return out
 
@@ -227,29 +253,44 @@ def find_group(stores, keys) -> list[torch.Tensor]:
     return list(codes.clamp_(min=-1).split(sizes))
 
 
-def _initial_weights(stores, made: list[int], new_keys: torch.Tensor) -> list[torch.Tensor | None]:
-    """The initial weights of each store's new keys (``new_keys`` split by `made`), made with one
-    call per initializer and width for all stores sharing them (each key's stream seeded by
-    its own table's seed); None where the store initialises its own rows (a packed layout, an
-    initializer that is not a function of the key's stream)."""
-    out: list[torch.Tensor | None] = [None] * len(stores)
-    if stores[0].device.type == "cpu" and _native.available():
-        return out  # the native initializer, per store, makes no torch op at all
+# Initializers whose rows are a function of each key's stream alone (``rows_from_bases``): the
+# built-in ones, by exact type (a user's subclass may override generate)
+_STREAM_KINDS = (Constant, Zeros, Uniform, Normal, TruncatedNormal)
+
+
+def _new_row_values(stores, made: list[int], new_keys: torch.Tensor) -> list[tuple]:
+    """(initial weights, optimizer state) of each store's new keys (``new_keys`` split by `made`);
+    weights None where the native initializer writes them into the storage itself (CPU).  The
+    weights of all stores sharing a built-in initializer and width come from one call (each
+    key's stream seeded by its own table's seed)."""
+    out: list[list] = [[None, None] for _ in stores]
+    native = stores[0].device.type == "cpu" and _native.available()
+    starts = [0, *accumulate(made)]
     kinds: dict[tuple, list[int]] = {}
     for t, s in enumerate(stores):
-        if made[t] and not s.layout.packed and type(s.initializer).rows_from_bases is not Initializer.rows_from_bases:
-            kinds.setdefault((s.initializer, s.layout.dim), []).append(t)
-    if not kinds:
-        return out
-    starts = [0, *accumulate(made)]
-    for (init, dim), ts in kinds.items():
-        parts = [new_keys[starts[t] : starts[t + 1]] for t in ts]
-        keys = joined(parts)
+        if not made[t]:
+            continue
+        lay, init = s.layout, s.initializer
+        if native and not lay.packed and init._native_spec() is not None and s._storage.dtype == torch.float32:
+            pass  # init_rows' kernel: no torch op, cannot fail on its input
+        elif type(init) in _STREAM_KINDS:
+            # by value, bit for bit (Constant(0.0) == Constant(-0.0) as dataclasses)
+            bits = tuple(struct.pack("<d", float(getattr(init, f.name))) for f in fields(init))
+            kinds.setdefault((type(init), bits, lay.dim), []).append(t)
+        else:
+            out[t][0] = init.generate(new_keys[starts[t] : starts[t + 1]], lay.dim, s.seed)
+        if lay.state_width:
+            state = torch.zeros(made[t], lay.state_width, dtype=lay.state_dtype, device=new_keys.device)
+            if s.init_state is not None:
+                s.init_state(state)
+            out[t][1] = state
+    for (_, _, dim), ts in kinds.items():
+        keys = joined([new_keys[starts[t] : starts[t + 1]] for t in ts])
         seeds = repeat_each([seed_mix(stores[t].seed) for t in ts], [made[t] for t in ts], keys.device)
-        rows = init.rows_from_bases(mix64(keys ^ seeds), dim)
+        rows = stores[ts[0]].initializer.rows_from_bases(mix64(keys ^ seeds), dim)
         for t, w in zip(ts, rows.split([made[t] for t in ts])):
-            out[t] = w
-    return out
+            out[t][0] = w
+    return [tuple(v) for v in out]
 
 
 def write_into(outs, got, members) -> None:

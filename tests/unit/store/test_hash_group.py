@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hugeembed.errors import CapacityError, InputError
 from hugeembed.optim import Adagrad
-from hugeembed.store import HashStore, find_many, find_or_insert_many
+from hugeembed.store import FromCallable, HashStore, Uniform, find_many, find_or_insert_many
 from hugeembed.store._hash_group import BucketGroup
 
 from store_helpers import SPECIAL_KEYS, check_layout
@@ -44,12 +44,12 @@ def batch(g: torch.Generator, store, n: int, device):
 
 
 def assert_same_store(a: HashStore, b: HashStore) -> None:
-    """The same keys, rows, counts and steps, in the same slots (the shared pass may grow an index
-    up to one batch sooner, so its bucket order may differ)."""
+    """The same keys, rows, counts and steps, in the same slots and the same buckets."""
     ea, eb = a.export(), b.export()  # (keys ascending)
     for f in ea.__dataclass_fields__:
         assert torch.equal(getattr(ea, f).cpu(), getattr(eb, f).cpu()), (a.name, f)
     assert torch.equal(a.find(ea.keys), b.find(ea.keys)), a.name
+    assert torch.equal(a._buckets.cpu(), b._buckets.cpu()), a.name  # the very same probe layout
     assert a._st.tolist() == b._st.tolist(), a.name
     nf = a._st_get("num_free")
     assert torch.equal(a._free[:nf].cpu(), b._free[:nf].cpu()), a.name
@@ -109,6 +109,58 @@ def test_a_bad_table_takes_its_own_path_and_raises_naming_itself():
     with pytest.raises(CapacityError, match="'full'"):
         find_or_insert_many([a, full], [torch.tensor([7]), torch.tensor([1, 2, 3])], 3)
     assert len(full) == 0
+
+
+def test_a_failing_call_changes_no_table_it_refuses_and_no_table_after_a_failing_initializer():
+    """A table that raises is left exactly as it was (not even its index grown), and an
+    initializer that raises does so before any table's keys are written."""
+    a, b = (HashStore(n, 2, backend="torch") for n in "ab")
+    nb = a.num_buckets
+    with pytest.raises(InputError, match="'a': key 1 is given twice"):
+        find_or_insert_many([a, b], [torch.tensor([1, 1] + list(range(2, 100))), torch.tensor([7])], 1)
+    assert a.num_buckets == nb and len(a) == 0
+    bad = {"on": False}
+
+    def wrong_shape(keys, dim):
+        return torch.zeros(keys.numel() + bad["on"], dim)
+
+    c = HashStore("c", 2, backend="torch", initializer=FromCallable(wrong_shape))
+    d = HashStore("d", 2, backend="torch")
+    d.find_or_insert(torch.tensor([100]), 1)
+    d.scatter(d.find(torch.tensor([100])), torch.full((1, 2), 42.0))
+    d.remove(torch.tensor([100]))  # its slot (and its trained values) wait in the free list
+    bad["on"] = True
+    with pytest.raises(InputError, match="FromCallable"):
+        find_or_insert_many([c, d], [torch.tensor([1]), torch.tensor([7])], 2)
+    assert len(c) == len(d) == 0 and d.find(torch.tensor([7])).item() == -1
+
+
+def test_a_table_given_no_keys_forgets_no_pending_keys():
+    """As its own call (which returns at once for no keys): pending keys beyond max_pending stay
+    until the table is given keys (here: after an import from a run with a larger max_pending)."""
+    src = HashStore("src", 2, backend="torch", admit_min_count=3, max_pending=100)
+    src.find_or_insert(torch.arange(10), 1)
+    a = HashStore("a", 2, backend="torch", admit_min_count=3, max_pending=4)
+    a.import_(src.export())
+    b = HashStore("b", 2, backend="torch")
+    find_or_insert_many([a, b], [torch.zeros(0, dtype=torch.int64), torch.tensor([5, 6])], 2)
+    assert a.num_pending == 10
+
+
+def test_a_subclass_of_a_built_in_initializer_keeps_its_own_generate(monkeypatch):
+    from hugeembed import _native
+
+    monkeypatch.setattr(_native, "available", lambda: False)  # the GPU path, where generate runs
+
+    class Sevens(Uniform):
+        def generate(self, keys, dim, seed):
+            return torch.full((keys.numel(), dim), 7.0)
+
+    a, b = HashStore("a", 2, backend="torch", initializer=Sevens()), HashStore("b", 2, backend="torch")
+    got = find_or_insert_many([a, b], [torch.tensor([1, 2]), torch.tensor([3])], 1)
+    assert bool((a.gather(got[0]) == 7.0).all())
+    ref = HashStore("b", 2, backend="torch")
+    assert torch.equal(b.gather(got[1]), ref.gather(ref.find_or_insert(torch.tensor([3]), 1)))
 
 
 def test_ops_of_the_shared_pass_do_not_grow_with_the_tables():
