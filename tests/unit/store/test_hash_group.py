@@ -209,3 +209,29 @@ def test_find_many_equals_a_loop_of_find_and_changes_nothing(device):
             assert torch.equal(getattr(e, f), getattr(after, f)), (s.name, f)
     with pytest.raises(InputError, match="2 stores, 1 key tensors"):
         find_many(stores[:2], probe_keys[:1])
+
+
+def test_tables_whose_index_grows_are_rehashed_together_into_the_buckets_they_get_alone(monkeypatch):
+    from hugeembed.store import _hash as hash_mod
+    from hugeembed.store import _hash_group
+
+    passes = []
+    inner = _hash_group.find_or_insert_group
+
+    def spy(*args, **kwargs):
+        passes.append(kwargs.get("regrown", False))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(_hash_group, "find_or_insert_group", spy)
+    monkeypatch.setattr(hash_mod, "find_or_insert_group", spy)
+    ours = [HashStore(f"t{i}", 2, backend="torch") for i in range(3)]
+    loop = [HashStore(f"t{i}", 2, backend="torch") for i in range(3)]
+    for step in range(1, 6):
+        keys = [torch.arange(step * 30) * (i + 1) for i in range(3)]
+        find_or_insert_many(ours, keys, step)
+        for s, k in zip(loop, keys):
+            s.find_or_insert(k, step)
+    assert passes.count(True) >= 2  # grown (64 -> ... buckets) in the shared pass, several times
+    for a, b in zip(ours, loop):
+        assert a.num_buckets == b.num_buckets > 64
+        assert_same_store(a, b)
