@@ -122,16 +122,18 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     # empty pooled bags with a default_id get that id, weight 1
     bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
     fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
-    # an id out of range, and bags to fill: one read of the device
-    bad_id, fill_any = torch.stack([err.any(), fill.any()]).tolist()
+    # an id out of range, bags to fill, and how many ids are kept: one read of the device
+    bad_id, fill_any, n_keep = torch.stack([err.any().to(torch.int64), fill.any().to(torch.int64),
+                                            keep.sum()]).tolist()
     if bad_id:
         bad_f, bad_pos = f_of[err], pos[err]
         j = int(torch.argmin(bad_f * (values.numel() + 1) + bad_pos))  # first by (feature, position)
         raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
     v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
-    v, bag = v[keep], bag[keep]
+    kept = kept_positions(keep, n_keep)
+    v, bag = v[kept], bag[kept]
     if w is not None:
-        w = w[keep]
+        w = w[kept]
     if fill_any:
         fill_bags = torch.nonzero(fill).flatten()
         v = torch.cat([v, a["default_id"][fill_bags // B]])
@@ -160,20 +162,30 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
     inverse = torch.empty_like(uid_sorted)
     inverse[perm] = uid_sorted
-    unique_keys = vs[new]
-    unique_tables = ts[new]
-    n_unique = unique_keys.numel()
-    unique_counts = _count(uid_sorted, n_unique)
     # the keys per table and each feature's first kept id: one read of the device for both
     edges = out_offsets[:: max(B, 1)] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
-    host = torch.cat([_count(unique_tables, T), edges]).tolist()
+    per_table_t = torch.zeros(T, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))
+    host = torch.cat([per_table_t, edges]).tolist()
     per_table, feature_starts = host[:T], host[T:]
+    n_unique = sum(per_table)
+    unique_keys = vs[kept_positions(new, n_unique)]
+    unique_counts = _count(uid_sorted, n_unique)
     base, acc = [], 0
     for n in per_table:
         base.append(acc)
         acc += n
     return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False,
                     deduplicated=deduplicate, feature_starts=feature_starts)
+
+
+def kept_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
+    """The positions where 1-D `mask` holds, ascending, given their count `n_true` (known on
+    the host): ``mask.nonzero()`` without reading the device (each kept element finds its place
+    by a running count; the others go to a spare slot past the end)."""
+    dest = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, n_true)
+    out = torch.empty(n_true + 1, dtype=torch.int64, device=mask.device)
+    out.index_put_((dest,), torch.arange(mask.numel(), device=mask.device))
+    return out[:n_true]
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:

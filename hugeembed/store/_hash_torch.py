@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._hashing import logical_shift_right, mix64
+from ..functional import kept_positions
 
 __all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of"]
 
@@ -92,8 +93,7 @@ def _split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions where `mask` holds and where it does not, with one read of the device (the
     count) instead of one per boolean index."""
     n_true = int(mask.sum())
-    order = torch.argsort(~mask, stable=True)
-    return order[:n_true], order[n_true:]
+    return kept_positions(mask, n_true), kept_positions(~mask, mask.numel() - n_true)
 
 
 class _Tables:

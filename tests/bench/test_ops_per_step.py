@@ -7,7 +7,7 @@ counted since the counter also sees ``.tolist()``): its test asserts the ops bou
 and dynamic tables and every optimizer, and that its reads do not grow with the tables.
 The torch backend (what a GPU runs) does not meet the bounds yet: static tables share a RowBlock
 (ops grow <= 1.2x and reads stay constant, checked below) but a step still reads the device
-about 9 times; dynamic tables are probed together (reads constant, checked below, about 20 a
+5 times; dynamic tables are probed together (reads constant, checked below, about 13 a
 step) but keep their rows in storage of their own, so their gathers and updates are per table.
 Its test is a strict xfail that turns red the day it meets the bounds (then make it a plain test).
 """
@@ -58,7 +58,7 @@ def test_torch_step_ops_do_not_grow_with_tables(ops, dynamic):
 def test_torch_static_step_ops_and_syncs_do_not_grow_with_tables(ops, rule, monkeypatch):
     """What is met of the bound on the torch path (what a GPU runs; here the kernels switched
     off): static tables share a RowBlock, so a step's ops grow <= 1.2x from 2 to 32 tables and
-    its host reads not at all (there are still about 9 of them: the strict xfail above)."""
+    its host reads not at all (there are still 5 of them on a GPU: the strict xfail above)."""
     from hugeembed import _native
 
     monkeypatch.setattr(_native, "available", lambda: False)

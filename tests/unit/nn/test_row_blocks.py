@@ -9,6 +9,8 @@ checks against torch.optim and EmbeddingBag).
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from hugeembed import _native
@@ -181,3 +183,13 @@ def test_a_bad_block_is_a_clear_error():
         ArrayStore("t", 7, 2, block=place)
     with pytest.raises(ConfigError, match="width 2"):
         ArrayStore("t", 6, 3, block=place)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.lists(st.booleans(), max_size=70))
+def test_kept_positions_against_nonzero(bits):
+    from hugeembed.functional import kept_positions
+
+    mask = torch.tensor(bits, dtype=torch.bool)
+    want = mask.nonzero().squeeze(1)
+    assert torch.equal(kept_positions(mask, want.numel()), want)
