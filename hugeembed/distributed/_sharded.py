@@ -117,6 +117,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
     # -- construction -----------------------------------------------------------------
 
     _share_static_storage = False  # its static tables are shards (ShardArrayStore)
+    _share_dynamic_storage = False
 
     def _make_store(self, t: TableConfig, rule: SparseOptimizer | None, block=None):
         p = self.plan[t.name]

@@ -26,6 +26,7 @@ from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, Ta
 from ..optim import SparseOptimizer
 from ..store import (EXPORT_FIELDS, ArrayStore, HashStore, RowBlock, RowLayout, RowStore, StoreExport, TieredStore,
                      find_many, find_or_insert_many)
+from ..store._hash_group import DynamicRows
 from ..store._layout import LayoutViews
 from . import _ops
 from ._config import TableConfig
@@ -191,6 +192,9 @@ class EmbeddingCollection(nn.Module):
     # static tables of one row width and dtype keep their rows in one RowBlock (off in the
     # sharded collection, whose stores are shards)
     _share_static_storage = True
+    # dynamic tables on the torch backend likewise keep their rows in one DynamicRows block
+    # (off in the sharded collection, like the above)
+    _share_dynamic_storage = True
 
     def _static_blocks(self, tables: Sequence[TableConfig],
                        rules: Sequence[SparseOptimizer | None]) -> dict[int, tuple[RowBlock, int]]:
@@ -371,6 +375,7 @@ class EmbeddingCollection(nn.Module):
         if training:
             self._evict_expired(step)
         slots = self._fetch(prep, training, step)
+        self._join_dynamic_rows()
         storages = [s.lookup_rows() for s in self._stores]  # inserts may have grown them
         pool = self._slots_lookup if self._tiered else self.lookup
         if not training and self._moving:
@@ -395,13 +400,28 @@ class EmbeddingCollection(nn.Module):
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight), runs=runs,
                            row_blocks=blocks)
 
+    def _join_dynamic_rows(self) -> None:
+        """Dynamic tables on the torch backend (a GPU's) of one row width and dtype keep their rows
+        in one DynamicRows block (joined again after a table outgrew its part, a load or a move),
+        so their gather and update are one op each, as static tables' in a RowBlock."""
+        if not self._share_dynamic_storage:
+            return
+        kinds: dict[tuple, list] = {}
+        for s in self._stores:
+            if type(s) is HashStore and s._ops.name == "torch" and s.has_rows and not s.layout.packed and \
+                    s._storage.shape[0]:
+                kinds.setdefault((s._storage.shape[1], s._storage.dtype, s._storage.device), []).append(s)
+        for members in kinds.values():
+            if len(members) > 1:
+                DynamicRows.join(members)
+
     def _row_blocks(self) -> list[tuple[torch.Tensor, int] | None] | None:
-        """Per table, (its RowBlock's storage, first row) while its rows are that block's view;
-        None when no table's are (FusedEmbeddingLookup.lookup's row_blocks)."""
+        """Per table, (its RowBlock's or DynamicRows' storage, first row) while its rows are that
+        block's view; None when no table's are (FusedEmbeddingLookup.lookup's row_blocks)."""
         out = []
         for s in self._stores:
             # a packed table's rows are decoded before they are read: not the block's
-            b = s.block_rows() if isinstance(s, ArrayStore) and not s.layout.packed else None
+            b = s.block_rows() if type(s) in (ArrayStore, HashStore) and not s.layout.packed else None
             out.append(None if b is None else (b[0].storage, b[1]))
         return out if any(b is not None for b in out) else None
 
@@ -515,7 +535,7 @@ class EmbeddingCollection(nn.Module):
         the block, the rule and the lr; None when it takes its own (``update_rows``)."""
         rule, store = self.rules[t], self._stores[t]
         if rule is None or self._shared[t] or self.tables[t].lr_count_scale is not None or \
-                rule.moves_untouched_rows or not isinstance(store, ArrayStore):
+                rule.moves_untouched_rows or type(store) not in (ArrayStore, HashStore):
             return None
         lay, b = store.layout, store.block_rows()
         if b is None or lay.packed or lay.stochastic_rounding:  # update() reads these through the store

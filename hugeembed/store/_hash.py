@@ -38,7 +38,7 @@ from ._common import (as_counts, as_keys, as_slots, check_step, check_table_conf
 from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
-from ._hash_group import find_group, find_or_insert_group, write_into
+from ._hash_group import DynamicRows, find_group, find_or_insert_group, write_into
 from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
@@ -287,6 +287,12 @@ class HashStore(LayoutViews, Pinnable):
 
     def storage(self) -> torch.Tensor:
         return self._storage
+
+    def block_rows(self):
+        """``(block, first_row)`` while this store's rows are a view of a
+        :class:`~hugeembed.store._hash_group.DynamicRows` block (an EmbeddingCollection joins a
+        GPU's dynamic tables so), else None."""
+        return DynamicRows.rows_of(self)
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)

@@ -30,11 +30,12 @@ from . import _alloc
 from .. import _native
 from ..errors import CapacityError
 from .._hashing import mix64
+from ._array import _row_ptr
 from ._common import init_rows
 from ._hash_torch import EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe
 from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
-__all__ = ["BucketGroup", "find_or_insert_group", "find_group"]
+__all__ = ["BucketGroup", "DynamicRows", "find_or_insert_group", "find_group"]
 
 
 class BucketGroup:
@@ -93,6 +94,58 @@ class BucketGroup:
             g = (BucketGroup(stores), 0)
             rows = list(range(len(stores)))
         return g[0], rows
+
+
+class DynamicRows:
+    """One ``[R, W]`` storage holding the rows of several torch-backend hash tables of one row
+    width and dtype, each store's ``_storage`` a view of its part (``HashStore.block_rows()``),
+    so a collection gathers and updates their rows with one op each, as a RowBlock's.
+
+    A store's part is its storage with `headroom` more rows (within its capacity): a store that
+    outgrows it takes storage of its own (its ``_grow_rows``) and leaves the block; the next
+    :meth:`join` copies all members into a new block, each again with room to grow, so a run
+    rebuilds the block about log_headroom(growth) times, copying about 1/(headroom - 1) times
+    the final rows in all.
+    """
+
+    def __init__(self, stores, headroom: float = 1.5) -> None:
+        parts = []
+        for s in stores:
+            n = s._storage.shape[0]
+            want = max(n, int(n * headroom))
+            parts.append(max(n, min(want, s.capacity)) if s.capacity is not None else want)
+        firsts = [0, *accumulate(parts)][:-1]
+        first = stores[0]._storage
+        # zeros: the spare rows touched now, as a store's own growth does (page faults cost more
+        # than the writes, better paid here than per batch)
+        self.storage = torch.zeros(sum(parts), first.shape[1], dtype=first.dtype, device=first.device)
+        for s, f, p in zip(stores, firsts, parts):
+            used = s._st_get("row_hwm")  # rows past it were never handed out
+            self.storage[f : f + used] = s._storage[:used]
+            s._storage = self.storage[f : f + p]
+            s._row_block = (self, f)
+
+    @staticmethod
+    def rows_of(store) -> tuple["DynamicRows", int] | None:
+        """``(block, first_row)`` while `store`'s rows are still that block's view, else None."""
+        g = store.__dict__.get("_row_block")
+        if g is None:
+            return None
+        blk, first = g
+        st = blk.storage
+        if (store._storage.data_ptr() == _row_ptr(st, first) and store._storage.shape[1] == st.shape[1]
+                and store._storage.untyped_storage().data_ptr() == st.untyped_storage().data_ptr()):
+            return g
+        return None
+
+    @staticmethod
+    def join(stores) -> None:
+        """Makes `stores` (torch-backend hash tables with rows, one row width, dtype and device)
+        parts of one block, unless they already are."""
+        got = [DynamicRows.rows_of(s) for s in stores]
+        if all(g is not None and g[0] is got[0][0] for g in got):
+            return
+        DynamicRows(stores)
 
 
 def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False) -> list[torch.Tensor | None]:

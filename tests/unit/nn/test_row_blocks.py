@@ -193,3 +193,46 @@ def test_kept_positions_against_nonzero(bits):
     mask = torch.tensor(bits, dtype=torch.bool)
     want = mask.nonzero().squeeze(1)
     assert torch.equal(kept_positions(mask, want.numel()), want)
+
+
+DYNAMIC = [("u", 8, None), ("v", 8, None), ("w", 4, None), ("x", 8, None), ("y", 4, None)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", sorted(NAMES))
+def test_dynamic_tables_in_a_block_train_as_tables_apart(device, optimizer, monkeypatch):
+    """Torch-backend dynamic tables of one row width share a DynamicRows block (one gather, one
+    update for all): bit for bit the same outputs and state as with storage of their own, while
+    they grow past their parts (the block is rebuilt), evict (capacity) and admit new ids."""
+    def make(share: bool) -> EmbeddingCollection:
+        cfgs = [TableConfig(n, d, num_rows=None, capacity=60 if n == "x" else None,
+                            combiner="mean" if n == "v" else "sum") for n, d, _ in DYNAMIC]
+        ec = EmbeddingCollection(cfgs, optimizer=make_optimizer(optimizer, lr=0.05), device=device, seed=4,
+                                 backend="torch")
+        ec._share_dynamic_storage = share  # (read at each forward)
+        return ec
+
+    blocked, apart = make(True), make(False)
+    g = torch.Generator().manual_seed(5)
+    names = [n for n, _, _ in DYNAMIC]
+    rebuilt = set()
+    for step, sf in enumerate(batches(device, n=8, B=12, tables=DYNAMIC)):
+        ob, oa = blocked(sf), apart(sf)
+        for k in names:
+            assert torch.equal(ob[k], oa[k]), (step, k)
+        y = torch.randn(ob.concat().shape, generator=g).to(device)
+        for o in (ob, oa):
+            ((o.concat() - y) ** 2).sum().backward()
+        rebuilt |= {id(s.block_rows()[0]) for s in blocked._stores if s.block_rows() is not None}
+    assert apart._row_blocks() is None
+    assert all(s.block_rows() is not None for s in blocked._stores)  # two blocks: width 8 and width 4
+    assert len(rebuilt) > 2  # the tables outgrew their parts: blocks were rebuilt on the way
+    blocked.eval()
+    apart.eval()
+    for sf in batches(device, n=2, B=12, tables=DYNAMIC):
+        ob, oa = blocked(sf), apart(sf)
+        assert all(torch.equal(ob[k], oa[k]) for k in names)
+    sb, sa = blocked.state_dict(), apart.state_dict()
+    assert sb.keys() == sa.keys()
+    for k in sb:
+        assert torch.equal(sb[k], sa[k]), k
