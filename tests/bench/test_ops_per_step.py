@@ -54,19 +54,26 @@ def test_torch_step_ops_do_not_grow_with_tables(ops, dynamic):
     _check_bounds(ops, dynamic, "torch", Adagrad(lr=0.05))
 
 
+def _torch_path_counts(ops, dynamic: bool, rule, warmup: int, monkeypatch):
+    """The counts of a 2- and a 32-table step on the torch path (what a GPU runs; here the
+    kernels switched off), after asserting its ops grow <= 1.2x between them."""
+    from hugeembed import _native
+
+    monkeypatch.setattr(_native, "available", lambda: False)
+    few = ops.count_step(2, dynamic, "torch", samples=64, rows=128, warmup=warmup, optimizer=rule)
+    many = ops.count_step(32, dynamic, "torch", samples=64, rows=128, warmup=warmup, optimizer=rule)
+    n_few, n_many = sum(few.ops.values()), sum(many.ops.values())
+    grown = {op: (few.ops.get(op, 0), n) for op, n in many.ops.items() if n > few.ops.get(op, 0)}
+    assert n_many <= 1.2 * n_few, f"{n_few} ops for 2 tables, {n_many} for 32; grown: {grown}"
+    return few, many
+
+
 @pytest.mark.parametrize("rule", list(RULES), ids=list(RULES))
 def test_torch_static_step_ops_and_syncs_do_not_grow_with_tables(ops, rule, monkeypatch):
     """What is met of the bound on the torch path (what a GPU runs; here the kernels switched
     off): static tables share a RowBlock, so a step's ops grow <= 1.2x from 2 to 32 tables and
     its host reads not at all (there are still 5 of them on a GPU: the strict xfail above)."""
-    from hugeembed import _native
-
-    monkeypatch.setattr(_native, "available", lambda: False)
-    few = ops.count_step(2, False, "torch", samples=64, rows=128, warmup=3, optimizer=RULES[rule])
-    many = ops.count_step(32, False, "torch", samples=64, rows=128, warmup=3, optimizer=RULES[rule])
-    n_few, n_many = sum(few.ops.values()), sum(many.ops.values())
-    grown = {op: (few.ops.get(op, 0), n) for op, n in many.ops.items() if n > few.ops.get(op, 0)}
-    assert n_many <= 1.2 * n_few, f"{n_few} ops for 2 tables, {n_many} for 32; grown: {grown}"
+    few, many = _torch_path_counts(ops, False, RULES[rule], 3, monkeypatch)
     assert many.syncs() == few.syncs(), (few.syncs(), many.syncs())
 
 
@@ -76,15 +83,8 @@ def test_torch_dynamic_step_ops_do_not_grow_with_tables_and_reads_barely(ops, ru
     (store/_hash_group.py: BucketGroup) and their rows live in one block per row width
     (DynamicRows: one gather, one update), so a step's ops grow <= 1.2x from 2 to 32 tables;
     its host reads are one per probe round (about 13; each table probed alone made 74)."""
-    from hugeembed import _native
-
-    monkeypatch.setattr(_native, "available", lambda: False)
     # 16 warm-up steps: every one of the 128 ids seen (e^-8 unseen), the tables grown
-    few = ops.count_step(2, True, "torch", samples=64, rows=128, warmup=16, optimizer=RULES[rule])
-    many = ops.count_step(32, True, "torch", samples=64, rows=128, warmup=16, optimizer=RULES[rule])
-    n_few, n_many = sum(few.ops.values()), sum(many.ops.values())
-    grown = {op: (few.ops.get(op, 0), n) for op, n in many.ops.items() if n > few.ops.get(op, 0)}
-    assert n_many <= 1.2 * n_few, f"{n_few} ops for 2 tables, {n_many} for 32; grown: {grown}"
+    few, many = _torch_path_counts(ops, True, RULES[rule], 16, monkeypatch)
     # one read per probe round: more keys may make the longest probe path a round longer
     assert many.syncs() <= few.syncs() + 3, (few.syncs(), many.syncs())
 
