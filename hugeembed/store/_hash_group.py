@@ -101,19 +101,20 @@ class DynamicRows:
     width and dtype, each store's ``_storage`` a view of its part (``HashStore.block_rows()``),
     so a collection gathers and updates their rows with one op each, as a RowBlock's.
 
-    A store's part is its storage with `headroom` more rows (within its capacity): a store that
-    outgrows it takes storage of its own (its ``_grow_rows``) and leaves the block; the next
-    :meth:`join` copies all members into a new block, each again with room to grow, so a run
-    rebuilds the block about log_headroom(growth) times, copying about 1/(headroom - 1) times
-    the final rows in all.
+    A store's part is `headroom` times the rows it has handed out (at least 64 more; within its
+    capacity): a store that outgrows it takes storage of its own (its ``_grow_rows``) and leaves
+    the block; the next :meth:`join` copies all members into a new block, each part again sized
+    by its own use (so a table that does not grow keeps the same part).  Each table rebuilds the
+    block once per 1.5x of its growth: T tables growing alike copy about 3.4 T times their final
+    rows over a run, and a rebuild holds the old and the new block at once.
     """
 
     def __init__(self, stores, headroom: float = 1.5) -> None:
         parts = []
         for s in stores:
-            n = s._storage.shape[0]
-            want = max(n, int(n * headroom))
-            parts.append(max(n, min(want, s.capacity)) if s.capacity is not None else want)
+            used = s._st_get("row_hwm")
+            want = max(int(used * headroom), used + 64)
+            parts.append(max(used, min(want, s.capacity)) if s.capacity is not None else want)
         firsts = [0, *accumulate(parts)][:-1]
         first = stores[0]._storage
         # zeros: the spare rows touched now, as a store's own growth does (page faults cost more

@@ -242,3 +242,20 @@ def test_dynamic_tables_in_a_block_train_as_tables_apart(device, optimizer, monk
     assert sb.keys() == sa.keys()
     for k in sb:
         assert torch.equal(sb[k], sa[k]), k
+
+
+def test_dynamic_row_parts_follow_each_tables_own_use():
+    """A block rebuilt because one table grows gives every table a part sized by its own rows
+    (1.5x, at least 64 more), so a table that does not grow does not grow with the rebuilds."""
+    cfgs = [TableConfig(n, 4, num_rows=None) for n in ("big", "small")]
+    ec = EmbeddingCollection(cfgs, optimizer=make_optimizer("sgd", lr=0.05), seed=1, backend="torch")
+    blocks = set()
+    for step in range(12):
+        big = torch.arange(step * 200, step * 200 + 200)  # 200 new ids a step
+        sf = SparseFeatures.from_lists({"big": [big.tolist()], "small": [[1, 2, 3]]})
+        ec(sf).concat().sum().backward()
+        blocks |= {id(s.block_rows()[0]) for s in ec._stores if s.block_rows() is not None}
+    big_s, small_s = ec._stores
+    assert len(blocks) >= 4  # rebuilt as "big" grew
+    assert small_s.block_rows() is not None and small_s.storage().shape[0] <= 3 + 64
+    assert big_s.storage().shape[0] <= 1.5 * 2 * len(big_s)  # its own growth, not compounded
