@@ -238,6 +238,7 @@ class HashStore(LayoutViews, Pinnable):
         # writes themselves (docs/architecture.md), better paid at growth than per batch.
         storage[used:] = 0
         self._storage = storage
+        self.__dict__.pop("_row_block", None)  # out of its DynamicRows block: do not keep that alive
 
     # ------------------------------------------------------- slot bookkeeping
     def _take_rows(self, m: int) -> torch.Tensor:

@@ -259,3 +259,18 @@ def test_dynamic_row_parts_follow_each_tables_own_use():
     assert len(blocks) >= 4  # rebuilt as "big" grew
     assert small_s.block_rows() is not None and small_s.storage().shape[0] <= 3 + 64
     assert big_s.storage().shape[0] <= 1.5 * 2 * len(big_s)  # its own growth, not compounded
+
+
+def test_a_table_that_leaves_its_dynamic_block_does_not_keep_it_alive():
+    import weakref
+
+    cfgs = [TableConfig(n, 4, num_rows=None) for n in "ab"]
+    ec = EmbeddingCollection(cfgs, optimizer=make_optimizer("sgd", lr=0.05), seed=1, backend="torch")
+    ec(SparseFeatures.from_lists({"a": [[1, 2]], "b": [[3]]})).concat().sum().backward()
+    block = weakref.ref(ec._stores[0].block_rows()[0])
+    ec._share_dynamic_storage = False  # no more joins: each table grows storage of its own
+    for step in range(3):
+        ids = list(range(1000 * step, 1000 * step + 400))
+        ec(SparseFeatures.from_lists({"a": [ids], "b": [ids]})).concat().sum().backward()
+    assert all(s.block_rows() is None for s in ec._stores)
+    assert block() is None
