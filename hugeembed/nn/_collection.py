@@ -534,8 +534,8 @@ class EmbeddingCollection(nn.Module):
         """What table `t`'s update may share with other tables' (one rule call on their RowBlock):
         the block, the rule and the lr; None when it takes its own (``update_rows``)."""
         rule, store = self.rules[t], self._stores[t]
-        if rule is None or self._shared[t] or self.tables[t].lr_count_scale is not None or \
-                rule.moves_untouched_rows or type(store) not in (ArrayStore, HashStore):
+        if rule is None or self.tables[t].lr_count_scale is not None or rule.moves_untouched_rows or \
+                type(store) not in (ArrayStore, HashStore):
             return None
         lay, b = store.layout, store.block_rows()
         if b is None or lay.packed or lay.stochastic_rounding:  # update() reads these through the store
@@ -552,6 +552,10 @@ class EmbeddingCollection(nn.Module):
         # the tables' slots and gradients are parts of one array each (unless some were filtered)
         slots = joined([s for _, s, _ in items]) + offset
         grad = joined([g for _, _, g in items])
+        if any(self._shared[t] for t, _, _ in items):
+            # rare ids all read their table's shared row: one summed gradient per row, found for
+            # every table at once (the tables' slots are apart in the block)
+            slots, grad, _ = coalesce(slots, grad, None)
         # the stores' own slots of this step: in range
         self.rules[t0].apply(block.storage, slots, grad, lr=self._lr(t0), step=step, slots_checked=True)
 
