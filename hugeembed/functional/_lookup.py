@@ -177,7 +177,8 @@ class FusedEmbeddingLookup:
     def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
                params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None,
                runs: list | None = None,
-               row_blocks: Sequence[tuple[torch.Tensor, int] | None] | None = None) -> PooledEmbeddings:
+               row_blocks: Sequence[tuple[torch.Tensor, int] | None] | None = None,
+               slots_known: bool = False) -> PooledEmbeddings:
         """Pools the prepared batch from the row storages, with autograd.
 
         Args:
@@ -194,6 +195,8 @@ class FusedEmbeddingLookup:
             row_blocks: per table, ``(block, first_row)`` when ``storages[t]`` is rows
                 ``[first_row, first_row + R_t)`` of one ``block`` tensor shared by several tables
                 (a RowBlock), else None: the torch path then gathers their rows in one op.
+            slots_known: the caller vouches that no slot is -1 (every id has a row): the
+                backward then skips its check for ids without a row (a read of the device).
         """
         self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
@@ -210,7 +213,7 @@ class FusedEmbeddingLookup:
             # prepared under no_grad: its weights lost their graph, their gradient would be lost silently
             raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
                              "their gradient cannot be computed: call prepare() with grad enabled")
-        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks)
+        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks, slots_known)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)
             return run.wrap(run.forward())
@@ -249,9 +252,9 @@ class _LookupRun:
     """State of one lookup between forward and backward."""
 
     def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook,
-                 blocks=None) -> None:
+                 blocks=None, slots_known: bool = False) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
-        self.params, self.hook, self.blocks = params, hook, blocks
+        self.params, self.hook, self.blocks, self.slots_known = params, hook, blocks, slots_known
         self.native = prep.native and _storages_native_ok(storages)
         self.dtypes = owner.output_dtypes(storages)
 
@@ -291,8 +294,9 @@ class _LookupRun:
         out: list[torch.Tensor | None] = [None] * len(self.params)
         table_slots = prep.per_table(self.slots)
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
-        # all tables (one host sync per step), per table only when some id has no row
-        some_unknown = bool((torch.cat(table_slots) < 0).any()) if table_slots else False
+        # all tables (one host sync per step, none when the caller knows every id has a row), per
+        # table only when some id has no row
+        some_unknown = False if self.slots_known or not table_slots else bool((torch.cat(table_slots) < 0).any())
         # a hook with a `many` method takes every table's rows in one call (it may update
         # tables that share storage together)
         many = getattr(self.hook, "many", None)

@@ -398,7 +398,22 @@ class EmbeddingCollection(nn.Module):
                     scale[slots[b : b + n] == shared] = 1.0
                 flight.lr_scales[t] = scale[slots[b : b + n] >= 0]
         return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=self._hook(flight), runs=runs,
-                           row_blocks=blocks)
+                           row_blocks=blocks, slots_known=self._every_id_has_a_row(prep))
+
+    def _every_id_has_a_row(self, prep) -> bool:
+        """Whether a training fetch gave every id of `prep` a row (no slot -1), known from the
+        tables' settings alone: static tables (ids range-checked by prepare), and dynamic ones
+        that admit every id at once or map the others to their shared row.  Tiered tables and
+        admission filters may leave ids without a row."""
+        for t, cfg in enumerate(self.tables):
+            if not prep.unique_count[t]:
+                continue
+            if cfg.tiered:
+                return False
+            if cfg.num_rows is None and not cfg.shared_row and (
+                    cfg.admit_min_count > 1 or (cfg.admit_probability is not None and cfg.admit_probability < 1.0)):
+                return False
+        return True
 
     def _join_dynamic_rows(self) -> None:
         """Dynamic tables on the torch backend (a GPU's) of one row width and dtype keep their rows
@@ -441,7 +456,7 @@ class EmbeddingCollection(nn.Module):
         keys, into = prep.per_table(prep.unique_keys), prep.per_table(slots)
         counts = prep.per_table(prep.unique_counts.to(torch.int64)) if training else None
         self.fetch_slots(ts, [keys[t] for t in ts], step, training, None if counts is None else [counts[t] for t in ts],
-                         out=[into[t] for t in ts])
+                         out=[into[t] for t in ts], keys_checked=True)
         return slots
 
     # -- the fetch and update stages of every route --------------------------------------
@@ -449,7 +464,7 @@ class EmbeddingCollection(nn.Module):
 
     def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
                     counts: Sequence[torch.Tensor] | None = None,
-                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    out: Sequence[torch.Tensor] | None = None, keys_checked: bool = False) -> list[torch.Tensor]:
         """Row slots of the distinct ids ``keys[i]`` of table ``ts[i]``, -1 where a row reads zeros
         (a table with a shared row: ids without a row of their own get the shared row's slot).
 
@@ -457,7 +472,9 @@ class EmbeddingCollection(nn.Module):
         side; new ids get rows, hits counted by `counts`; a tiered table brings rows into its
         cache).  The caller pins the slots (InFlight) before anything else fetches.  Otherwise
         find: nothing inserted or counted (readers of global Adam tables go through
-        :meth:`current_rows`).  `out`: int64 tensors the slots are written into (returned)."""
+        :meth:`current_rows`).  `out`: int64 tensors the slots are written into (returned).
+        `keys_checked`: the keys come from this collection's prepare (static ids range-checked,
+        counts >= 1): the static tables' range check is not repeated (a read of the device)."""
         stores = [self._stores[t] for t in ts]
         keys = list(keys)
         counts = None if counts is None else list(counts)
@@ -474,7 +491,7 @@ class EmbeddingCollection(nn.Module):
             for s, k in zip(stores, keys):  # disk writes first: a full disk fails before any table changed
                 if hasattr(s, "reserve"):
                     s.reserve(k)
-            got = find_or_insert_many(stores, keys, step, counts=counts, out=into)
+            got = find_or_insert_many(stores, keys, step, counts=counts, out=into, keys_checked=keys_checked)
         else:
             got = find_many(stores, keys)
         for i in shared:  # ids without a row of their own (rare, unknown) read the shared row, if any yet

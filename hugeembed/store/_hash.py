@@ -602,7 +602,7 @@ class HashStore(LayoutViews, Pinnable):
 
 
 
-def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[torch.Tensor]:
+def find_or_insert_many(stores, keys, step: int, counts=None, out=None, keys_checked: bool = False) -> list[torch.Tensor]:
     """``[store.find_or_insert(k, step, counts=c) for ...]`` over many distinct stores at once.
 
     Native HashStores run in one kernel call, the tables spread over the threads (a
@@ -613,6 +613,9 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
 
     `out`: optional int64 tensors (one per store, each of its keys' length, or None) the
     slots are written into; the result holds them (no copy on the native paths).
+    `keys_checked`: the caller vouches that static tables' keys are in range and counts >= 1
+    (a collection's, from its prepare): the static tables without kernels (a GPU's) then skip
+    their range check, a read of the device.
     """
     stores, keys = list(stores), list(keys)
     counts = [None] * len(stores) if counts is None else list(counts)
@@ -676,7 +679,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None) -> list[
                              "(internal error)")
         for i, o in touched:
             got[i] = o
-    _touch_static_on_device(stores, keys, counts, outs, step, got)
+    _touch_static_on_device(stores, keys, counts, outs, step, got, keys_checked)
     _find_or_insert_torch_tables(stores, keys, counts, outs, step, got)
     for i, s in enumerate(stores):
         if got[i] is None:
@@ -722,7 +725,7 @@ def _find_or_insert_torch_tables(stores, keys, counts, outs, step: int, got: lis
     write_into(outs, got, todo)
 
 
-def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) -> None:
+def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list, checked: bool = False) -> None:
     """find_or_insert of the static tables the kernels did not take (on a GPU), into `got`.
 
     Their range and count checks read the device once for all of them, not once per table;
@@ -744,9 +747,9 @@ def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) ->
         (alone if b is None else by_block.setdefault(id(b[0]), [])).append(i)
     groups = [g for g in by_block.values() if len(g) > 1]
     alone += [i for g in by_block.values() if len(g) == 1 for i in g]
-    joined = [_joined_touch(stores, g, ks, cs) for g in groups]
-    flags = [j[-1] for j in joined] + [stores[i]._invalid(ks[i], cs[i]) for i in alone]
-    if bool(torch.stack(flags).any()):  # the one host sync
+    joined = [_joined_touch(stores, g, ks, cs, checked) for g in groups]
+    if not checked and bool(torch.stack([j[-1] for j in joined] + [stores[i]._invalid(ks[i], cs[i])
+                                         for i in alone]).any()):  # the one host sync
         bad = torch.stack([stores[i]._invalid(ks[i], cs[i]) for i in todo])
         i = todo[int(bad.to(torch.uint8).argmax())]
         stores[i].find_or_insert(keys[i], step, counts=counts[i])
@@ -770,16 +773,18 @@ def _touch_static_on_device(stores, keys, counts, outs, step: int, got: list) ->
         got[i] = stores[i]._touch(ks[i], step, cs[i])
 
 
-def _joined_touch(stores, members: list[int], ks: dict, cs: dict):
+def _joined_touch(stores, members: list[int], ks: dict, cs: dict, checked: bool = False):
     """For static tables of one RowBlock: (block, their keys joined, the keys' rows in the block,
-    their counts joined, a 0-d bool: some key out of range or count < 1)."""
+    their counts joined, a 0-d bool: some key out of range or count < 1; None when `checked`)."""
     block = stores[members[0]].block_rows()[0]
     dev = block.meta.device
     sizes = [ks[i].numel() for i in members]
     keys_all = joined([ks[i] for i in members])  # a collection's keys and counts are parts of one tensor
-    limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
     hits = joined([cs[i] if cs[i] is not None else torch.ones_like(ks[i]) for i in members])
-    bad = ((keys_all < 0) | (keys_all >= limit)).any() | (hits < 1).any()
+    bad = None
+    if not checked:
+        limit = repeat_each([stores[i].num_rows for i in members], sizes, dev)
+        bad = ((keys_all < 0) | (keys_all >= limit)).any() | (hits < 1).any()
     slots = keys_all + repeat_each([stores[i].block_rows()[1] for i in members], sizes, dev)
     return block, keys_all, slots, hits, bad
 
