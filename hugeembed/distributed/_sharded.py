@@ -222,8 +222,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             self._routes.append(pooling)
             col += pooling.header_cols
         self._header_cols = col
-        self._pool_anchor = torch.zeros(0, requires_grad=True, device=device)
-        self._inner_anchor = torch.zeros(0, requires_grad=True, device=device)
+        self._pool_anchor = torch.zeros(0, requires_grad=True, device=self.device)
+        self._inner_anchor = torch.zeros(0, requires_grad=True, device=self.device)
         # how each output group of the full plan is assembled: pooled names per group, each
         # from the local lookup or from a table-wise owner; a whole local group is reused as is
         local_groups = {}
