@@ -214,6 +214,7 @@ class FusedEmbeddingLookup:
             raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
                              "their gradient cannot be computed: call prepare() with grad enabled")
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks, slots_known)
+        run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)
             return run.wrap(run.forward())
@@ -257,6 +258,8 @@ class _LookupRun:
         self.params, self.hook, self.blocks, self.slots_known = params, hook, blocks, slots_known
         self.native = prep.native and _storages_native_ok(storages)
         self.dtypes = owner.output_dtypes(storages)
+        self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
+        self.weights_grad = False  # the per-id weights get a gradient (set by lookup)
 
     def forward(self) -> list[torch.Tensor]:
         plan, prep = self.owner.plan, self.prep
@@ -271,7 +274,27 @@ class _LookupRun:
                 o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native
                      else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.blocks))
                 outs.append(o.to(self.dtypes[g]))
+        self._keep_rows_read()
         return outs
+
+    def _keep_rows_read(self) -> None:
+        """Copies the rows this forward read when its backward differentiates at them (max_norm's
+        clip, the per-id weights' gradient): another batch's update may change the tables before
+        this backward runs (several batches in flight), and the gradient is the one at the rows
+        the forward read."""
+        plan, prep = self.owner.plan, self.prep
+        trains = self.hook is not None or any(p.requires_grad for p in self.params)
+        if not (self.weights_grad or (trains and any(t.max_norm for t in plan.tables))):
+            return
+        storages, slots = list(self.storages), self.slots.clone()
+        for t in range(plan.num_tables):
+            b, n = prep.unique_base[t], prep.unique_count[t]
+            if n == 0 or self.storages[t].size(0) == 0:  # nothing read (an empty table reads zeros)
+                continue
+            own = self.slots[b : b + n]
+            storages[t] = self.storages[t].index_select(0, own.clamp(min=0))
+            slots[b : b + n] = torch.where(own >= 0, torch.arange(n, device=own.device), -1)
+        self.read = (storages, slots)
 
     def backward(self, grads: tuple[torch.Tensor, ...], weights_grad: bool) -> tuple[torch.Tensor | None, list]:
         """(gradient of the kept per-id weights or None, gradient per param)."""
@@ -282,15 +305,17 @@ class _LookupRun:
             cdt = _compute_dtype(self.dtypes[g])
             pooled.append(next(it).to(cdt) if group.pooled else None)
             unpooled.append(next(it).to(cdt) if group.unpooled else None)
-        # before the hook: the optimizer it runs changes the rows this gradient reads
-        gw = (weights_backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled, self.blocks)
+        # at the rows the forward read (a copy, when the gradient depends on them)
+        storages, slots, blocks = (self.storages, self.slots, self.blocks) if self.read is None else \
+            (*self.read, None)
+        gw = (weights_backward_torch(plan, prep, storages, slots, pooled, unpooled, blocks)
               if weights_grad else None)
         if self.hook is None and not self.params:
             return gw, []
-        if self.native:
-            table_grads = backward_native(plan, prep, self.storages, self.slots, pooled, unpooled)
+        if self.native and (self.read is None or _storages_native_ok(storages)):
+            table_grads = backward_native(plan, prep, storages, slots, pooled, unpooled)
         else:
-            table_grads = backward_torch(plan, prep, self.storages, self.slots, pooled, unpooled)
+            table_grads = backward_torch(plan, prep, storages, slots, pooled, unpooled)
         out: list[torch.Tensor | None] = [None] * len(self.params)
         table_slots = prep.per_table(self.slots)
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for

@@ -218,3 +218,33 @@ def test_a_second_backward_after_an_import_moved_rows_is_refused():
     with pytest.raises(StoreError, match="second backward"):
         loss.backward()
     assert torch.equal(rows_of(ec, [1, 2]), rows)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("what", ["weights", "max_norm"])
+def test_an_older_backward_differentiates_at_the_rows_its_forward_read(backend, what):
+    """Batches A then B forward, then B's backward (its update changes rows A read), then A's:
+    A's gradient is taken at the rows A read (max_norm's clip, the per-id weights' gradient),
+    not at the rows B's update left.  Oracle: the same two forwards with the backwards in
+    forward order (A's then at unchanged rows); SGD's updates add up alike in either order."""
+    def make():
+        return EmbeddingCollection([TableConfig("u", 4, num_rows=None, max_norm=0.5 if what == "max_norm" else None)],
+                                   optimizer=SGD(lr=0.5), seed=2, backend=backend)
+
+    results = []
+    for b_backward_first in (True, False):
+        ec = make()
+        ec(SparseFeatures.from_lists({"u": [[1, 2, 3]]})).concat().sum().backward()  # rows exist
+        base = SparseFeatures.from_lists({"u": [[1, 2], [2, 3]]})
+        wa = torch.tensor([1.0, 2.0, 0.5, 1.5], requires_grad=what == "weights")
+        sa = SparseFeatures(base.keys(), base.values(), offsets=base.offsets(), weights=wa, batch_size=2)
+        la = (ec(sa).concat() * torch.arange(8.0).view(2, 4)).sum()
+        lb = (ec(SparseFeatures.from_lists({"u": [[2, 3], [1]]})).concat() ** 2).sum()
+        for loss in ((lb, la) if b_backward_first else (la, lb)):
+            loss.backward()
+        rows = ec._stores[0].gather(ec._stores[0].find(torch.tensor([1, 2, 3])))
+        results.append((rows, wa.grad))
+    (rows_1, gw_1), (rows_2, gw_2) = results
+    if what == "weights":
+        assert torch.equal(gw_1, gw_2)
+    torch.testing.assert_close(rows_1, rows_2, rtol=1e-6, atol=1e-7)
