@@ -39,7 +39,7 @@ from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_group import DynamicRows, find_group, find_or_insert_group, write_into
-from ._hash_torch import EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
+from ._hash_torch import _MAX_SLOTS, _ST, EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._native_store import NativeOps, run_batch
@@ -61,10 +61,6 @@ _MAX_BUCKETS = 2**32
 _ROW_GROWTH = 1.5
 _MIN_BUCKETS = 64
 _MIN_ROWS = 64
-_MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
-# Must match csrc/store_table.h::StoreScalar.
-_ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "side_used": 3, "side_word1": 4, "side_last": 5, "rows": 6,
-       "pending": 7}
 
 
 def _pick_backend(backend: str | None, device: torch.device) -> str:
@@ -167,6 +163,11 @@ class HashStore(LayoutViews, Pinnable):
 
     def _st_add(self, key: str, delta: int) -> None:
         self._st[_ST[key]] += delta
+
+    @property
+    def _row_limit(self) -> int:
+        """At most this many rows: the capacity, else the slots there are."""
+        return self.capacity if self.capacity is not None else _MAX_SLOTS
 
     def _max_entries(self) -> int:
         return int(self.num_buckets * MAX_LOAD)
@@ -323,7 +324,7 @@ class HashStore(LayoutViews, Pinnable):
         return out
 
     def _find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None) -> torch.Tensor:
-        limit = self.capacity if self.capacity is not None else _MAX_SLOTS
+        limit = self._row_limit
         evicted = grown = False
         while True:
             rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
@@ -368,7 +369,7 @@ class HashStore(LayoutViews, Pinnable):
                 return None
         kind, params = spec
         bits = struct.unpack("<6q", struct.pack("<6d", *(list(params) + [0.0] * (6 - len(params)))))
-        limit = self.capacity if self.capacity is not None else _MAX_SLOTS
+        limit = self._row_limit
         return self._ops.batch_row(self, keys, counts, limit, (kind, *bits), _signed(self.seed), state_row, out)
 
     def _state_template(self) -> torch.Tensor | None:
@@ -696,6 +697,9 @@ def find_many(stores, keys) -> list[torch.Tensor]:
     stores, keys = list(stores), list(keys)
     if len(stores) != len(keys):
         raise InputError(f"find_many: {len(stores)} stores, {len(keys)} key tensors")
+    for s in stores:
+        if not hasattr(s, "find"):
+            raise InputError(f"find_many: {type(s).__name__} is not a row store")
     together = [i for i, s in enumerate(stores) if type(s) is HashStore and s._ops.name == "torch"]
     if len(together) < 2 or len({stores[i].device for i in together}) != 1 or \
             len({id(stores[i]._ops) for i in together}) != len(together):

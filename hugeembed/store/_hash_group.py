@@ -32,7 +32,7 @@ from ..errors import CapacityError
 from .._hashing import mix64
 from ._array import _row_ptr
 from ._common import init_rows
-from ._hash_torch import EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe
+from ._hash_torch import _ST, EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe
 from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
 __all__ = ["BucketGroup", "DynamicRows", "find_or_insert_group", "find_group"]
@@ -153,8 +153,6 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     """find_or_insert of torch-backend HashStores (distinct, one device, rows kept, no probability
     filter) in one pass: for each store the slots of its (validated int64) keys, or None where
     that store must take its own find_or_insert (grow, evict, or raise)."""
-    from ._hash import _MAX_SLOTS, _ST  # (_hash imports this module)
-
     sizes = [k.numel() for k in keys]
     group, rows = BucketGroup.of(stores)
     dev = stores[0].device
@@ -198,8 +196,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
         for t, s in enumerate(stores):
             bad, new_entries, new_rows = per_t[t][:3]
             v = st[t]
-            limit = s.capacity if s.capacity is not None else _MAX_SLOTS
-            if not bad and v[_ST["rows"]] + new_rows <= limit and new_entries:
+            if not bad and v[_ST["rows"]] + new_rows <= s._row_limit and new_entries:
                 try:
                     nb = s._buckets_for(v[_ST["entries"]], new_entries)
                 except CapacityError:
@@ -211,7 +208,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
             for t, s in enumerate(stores):
                 members[rows[t]] = s
             if None not in members:
-                BucketGroup([m for m in members], sizes_now)
+                BucketGroup(members, sizes_now)
                 return find_or_insert_group(stores, keys, counts, step, regrown=True)
 
     ok, take, hwm, first = [], [], [], []
@@ -219,8 +216,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     for t, s in enumerate(stores):
         bad, new_entries, new_rows, new_pend, prom = per_t[t]
         v = st[t]
-        limit = s.capacity if s.capacity is not None else _MAX_SLOTS
-        fits = not bad and v[_ST["rows"]] + new_rows <= limit and v[_ST["entries"]] + new_entries <= s._max_entries()
+        fits = not bad and v[_ST["rows"]] + new_rows <= s._row_limit and v[_ST["entries"]] + new_entries <= s._max_entries()
         if fits and v[_ST["row_hwm"]] + max(0, new_rows - v[_ST["num_free"]]) > s._storage.shape[0]:
             s._grow_for(0, new_rows)  # more row storage only (the buckets, probed above, stay)
         ok.append(fits)
@@ -289,8 +285,6 @@ def find_group(stores, keys) -> list[torch.Tensor]:
     """``[s.find(k) for ...]`` of torch-backend HashStores (distinct, one device; keys validated
     int64) in one probe loop: each key's row slot, -1 where it has none (absent or pending).
     Nothing is inserted or counted (the stores join a group: their contents are unchanged)."""
-    from ._hash import _ST  # (_hash imports this module)
-
     sizes = [k.numel() for k in keys]
     if sum(sizes) == 0:
         return [k.clone() for k in keys]

@@ -20,6 +20,10 @@ from ..functional import kept_positions
 __all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of"]
 
 EMPTY = -(2**63)
+_MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
+# A store's scalars (HashStore._st): must match csrc/store_table.h::StoreScalar.
+_ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "side_used": 3, "side_word1": 4, "side_last": 5, "rows": 6,
+       "pending": 7}
 PENDING = -2
 _COUNT_MAX = 2**31 - 1
 _MAX_WINDOW = 32

@@ -209,6 +209,10 @@ def test_find_many_equals_a_loop_of_find_and_changes_nothing(device):
             assert torch.equal(getattr(e, f), getattr(after, f)), (s.name, f)
     with pytest.raises(InputError, match="2 stores, 1 key tensors"):
         find_many(stores[:2], probe_keys[:1])
+    with pytest.raises(InputError, match="int is not a row store"):
+        find_many([stores[0], 3], probe_keys[:2])
+    with pytest.raises(InputError, match="'plain'"):  # keys of a wrong dtype name the table
+        find_many(stores[:2], [probe_keys[0].float(), probe_keys[1]])
 
 
 def test_tables_whose_index_grows_are_rehashed_together_into_the_buckets_they_get_alone(monkeypatch):
