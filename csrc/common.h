@@ -1,14 +1,9 @@
 // Shared helpers for hugeembed's native kernels.
 //
-// Kernels are extern "C" functions over raw pointers, loaded with ctypes by
-// hugeembed/_native.py.  Conventions every kernel follows:
-//   * pointers are to contiguous CPU buffers whose dtype and length the Python
-//     wrapper has already checked;
-//   * a kernel never throws across the C boundary; a bad value found inside a
-//     kernel is reported through the return code (0 = ok) and an `int64_t* err`
-//     out-array that the wrapper turns into an exception naming the feature,
-//     table and value;
-//   * `nthreads` comes from torch.get_num_threads() so we obey the same knob.
+// Kernels are extern "C" functions called through ctypes by hugeembed/_native.py, all
+// in the one calling convention of call.h (buffers with their lengths and types,
+// integer and real arguments, a status with a message).  `nthreads` comes from
+// torch.get_num_threads() so we obey the same knob.
 #pragma once
 
 #include <algorithm>
@@ -21,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#define HE_API extern "C" __attribute__((visibility("default")))
+#include "call.h"
 
 namespace he {
 

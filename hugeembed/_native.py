@@ -1,9 +1,11 @@
-"""Loads hugeembed's native CPU kernels (csrc/*.cpp, built by ``pip install``).
+"""Loads hugeembed's native CPU kernels (csrc/*.cpp, built by ``pip install``) and calls them.
 
-The kernels are plain C functions over raw pointers called through ctypes, which
-releases the GIL for the duration of each call.  Every wrapper checks dtype,
-device, contiguity and length before handing a pointer over: a kernel never sees
-a buffer it could overrun.
+Every kernel is called one way, ``call(name, bufs, ints, reals)`` (csrc/call.h): the
+tensors go over as (pointer, element count, element type), so the kernel itself checks
+that each buffer is as long and of the type it needs; a kernel that fails reports a
+status, a message and the position of the bad value, and ``call`` raises
+``KernelError`` with them.  ctypes releases the GIL for the duration of each call.
+Here each tensor is checked to be a CPU tensor laid out as the kernel reads it.
 
 The library is loaded on first use, not at import, so that ``import hugeembed``
 works (and the torch code paths run) even where it was not built; a CPU fast path
@@ -13,24 +15,24 @@ that needs it then raises an ``ImportError`` saying how to build it.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import importlib.machinery
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["lib", "available", "fn", "ptr", "check", "nthreads", "tune_malloc", "I64", "I32", "F32", "F64", "PTR"]
+__all__ = ["lib", "available", "call", "rows", "KernelError", "Status", "nthreads", "tune_malloc"]
 
 I64 = ctypes.c_int64
-I32 = ctypes.c_int32
-F32 = ctypes.c_float
 F64 = ctypes.c_double
-PTR = ctypes.c_void_p
+I32, F32, PTR = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p  # TRANSITION: removed once every caller uses call()
 
 _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 # Must equal he_abi_version() in csrc/abi.cpp.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 _KERNELS_ENV = "HUGEEMBED_KERNELS"  # "portable" or "avx2" forces a build; default: the best this CPU runs
@@ -97,11 +99,120 @@ def lib() -> ctypes.CDLL:
     return loaded
 
 
+class Status(enum.IntEnum):
+    """How a kernel call ended (csrc/call.h::he_status)."""
+
+    OK = 0
+    BAD_CALL = 1  # the caller broke the convention: a bug of ours, never the user's
+    BAD_VALUE = 2  # a value in the input is invalid; detail says which
+    NO_MEMORY = 3
+    IO_ERROR = 4  # detail[0] = errno
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its input (it changed nothing): `status`, `detail` (kernel-specific
+    positions and values, see its comment in csrc/) and the kernel's own message."""
+
+    def __init__(self, kernel: str, status: int, detail: tuple[int, ...], message: str):
+        self.kernel, self.detail = kernel, detail
+        self.status = Status(status) if status in Status._value2member_map_ else status
+        super().__init__(message or f"{kernel} failed with status {status}")
+
+
+# Element types (csrc/call.h::he_type); uint8 buffers are raw bytes
+_TYPES = {torch.uint8: 0, torch.int8: 1, torch.int32: 2, torch.int64: 3, torch.float32: 4, torch.float64: 5}
+_NP_TYPES = {np.dtype(np.uint8): 0, np.dtype(np.int8): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3,
+             np.dtype(np.float32): 4, np.dtype(np.float64): 5}
+_DETAIL = 6
+_MESSAGE = 232
+
+
+class _Buf(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("numel", I64), ("type", I64)]
+
+
+class _Call(ctypes.Structure):  # csrc/call.h::he_call, field for field
+    _fields_ = [("bufs", ctypes.POINTER(_Buf)), ("nbufs", I64), ("ints", ctypes.POINTER(I64)), ("nints", I64),
+                ("reals", ctypes.POINTER(F64)), ("nreals", I64), ("nthreads", I64), ("status", I64),
+                ("detail", I64 * _DETAIL), ("message", ctypes.c_char * _MESSAGE)]
+
+
+class rows:  # noqa: N801 (reads as a marker at the call site: call(k, [rows(storage), ...]))
+    """A 2-D tensor whose rows may be spaced wider than they are long (a view of some
+    columns of a wider table): handed over as its span from the first element to the
+    last, with the row stride passed as an argument of its own."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+_kernels: dict[str, ctypes._CFuncPtr] = {}
+
+
+def _kernel(name: str):
+    f = _kernels.get(name)
+    if f is None:
+        try:
+            f = getattr(lib(), name)
+        except AttributeError:
+            raise ImportError(f"hugeembed's native kernels lack {name} (an older build); rebuild them with "
+                              "`pip install -e .`") from None
+        f.argtypes = [ctypes.POINTER(_Call)]
+        f.restype = I64
+        _kernels[name] = f
+    return f
+
+
+def _entry(name: str, k: int, b) -> tuple:
+    if b is None:
+        return (None, 0, 0)
+    if isinstance(b, torch.Tensor):
+        t, spanned = b, False
+    elif isinstance(b, rows):
+        t, spanned = b.t, True
+    elif isinstance(b, np.ndarray):
+        if not b.flags.c_contiguous or b.dtype not in _NP_TYPES:
+            raise ValueError(f"{name}: buffer {k} must be a C-contiguous array of a kernel type, got {b.dtype}")
+        return (b.ctypes.data if b.size else None, b.size, _NP_TYPES[b.dtype])
+    else:
+        raise ValueError(f"{name}: buffer {k} is a {type(b).__name__}, not a tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: buffer {k} must be a CPU tensor, got device {t.device}")
+    code = _TYPES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{name}: buffer {k} has dtype {t.dtype}, which no kernel reads")
+    n = t.numel()
+    if spanned:
+        if t.dim() != 2 or (t.stride(1) != 1 and t.size(1) > 1) or t.stride(0) < 0:
+            raise ValueError(f"{name}: buffer {k} must be 2-D with unit column stride")
+        n = 0 if n == 0 else (t.size(0) - 1) * t.stride(0) + t.size(1)
+    elif not t.is_contiguous():
+        raise ValueError(f"{name}: buffer {k} must be contiguous")
+    return (t.data_ptr() if n else None, n, code)
+
+
+def call(name: str, bufs=(), ints=(), reals=()) -> int:
+    """Runs kernel `name` (csrc/call.h); returns its result, raises KernelError when it fails.
+
+    `bufs`: tensors (contiguous, CPU), ``rows(t)`` for a row-strided 2-D tensor, numpy arrays,
+    or None for an absent optional buffer.  The caller keeps them alive for the call.
+    """
+    f = _kernel(name)
+    entries = [_entry(name, k, b) for k, b in enumerate(bufs)]
+    c = _Call((_Buf * len(entries))(*entries), len(entries), (I64 * len(ints))(*ints), len(ints),
+              (F64 * len(reals))(*reals), len(reals), nthreads())
+    result = f(ctypes.byref(c))
+    if c.status:
+        raise KernelError(name, c.status, tuple(c.detail), c.message.decode(errors="replace"))
+    return result
+
+
 _declared: dict[str, ctypes._CFuncPtr] = {}
 
 
-def fn(name: str, *argtypes, restype=I64):
-    """The kernel `name` with its ctypes signature declared (cached)."""
+def fn(name: str, *argtypes, restype=I64):  # TRANSITION: removed once every caller uses call()
     f = _declared.get(name)
     if f is None:
         f = getattr(lib(), name)
@@ -111,8 +222,7 @@ def fn(name: str, *argtypes, restype=I64):
     return f
 
 
-def check(t: torch.Tensor, dtype: torch.dtype, what: str, numel: int | None = None) -> torch.Tensor:
-    """Returns `t` if it is a contiguous CPU tensor of `dtype` (and `numel` elements)."""
+def check(t: torch.Tensor, dtype: torch.dtype, what: str, numel: int | None = None) -> torch.Tensor:  # TRANSITION
     if t.device.type != "cpu":
         raise ValueError(f"{what}: native kernel needs a CPU tensor, got device {t.device}")
     if t.dtype != dtype:
@@ -124,8 +234,7 @@ def check(t: torch.Tensor, dtype: torch.dtype, what: str, numel: int | None = No
     return t
 
 
-def ptr(t: torch.Tensor | None) -> int | None:
-    """Raw data pointer of a tensor (None for None or an empty tensor)."""
+def ptr(t: torch.Tensor | None) -> int | None:  # TRANSITION
     if t is None or t.numel() == 0:
         return None
     return t.data_ptr()

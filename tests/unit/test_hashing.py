@@ -17,8 +17,7 @@ def test_torch_mix64_matches_python_oracle(keys):
 def test_native_mix64_matches_python_oracle(keys):
     t = torch.tensor(keys, dtype=torch.int64)
     out = torch.empty_like(t)
-    f = _native.fn("he_mix64", _native.PTR, _native.I64, _native.PTR, restype=None)
-    f(_native.ptr(t), t.numel(), _native.ptr(out))
+    _native.call("he_mix64", [t, out])
     assert out.tolist() == [mix64_int(k) for k in keys]
 
 
