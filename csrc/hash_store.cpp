@@ -22,6 +22,10 @@
 
 namespace {
 
+// What a find-or-insert did (the caller grows, makes room or raises, and calls again).
+// Must match hugeembed/store/_native_store.py::Outcome.
+enum Outcome : int64_t { kDone = 0, kMustGrow = 1, kOverLimit = 2, kDuplicateKey = 3, kBadCount = 4 };
+
 using he::code_of;
 using he::count_of;
 using he::HsTable;
@@ -210,7 +214,7 @@ int64_t place_all(HsTable& t, int64_t n, Src&& src, int64_t nthreads) {
 
 // codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1); with
 // rows_only, pending keys read -1 too (what HashStore.find returns).
-HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t rows_only,
+static int64_t hs_find(const HsTable* t, const int64_t* keys, int64_t n, int64_t* codes, int64_t rows_only,
                           int64_t nthreads) {
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   he::run_items(nchunks, nthreads, [&](int64_t c) {
@@ -233,11 +237,11 @@ HE_API int64_t he_hs_find(const HsTable* t, const int64_t* keys, int64_t n, int6
 //   set_scratch [2 * set_cap]: the duplicate check's set; set_cap a power of two >= 2n
 //   new_slots, new_keys  [n]: rows created by this call (to be initialised)
 //   need       [4]: new bucket entries, new rows, new pending keys, rows created
-// Returns 0 ok; 1 the arrays must grow first (need[0..2] say by how much);
-// 2 the rows needed exceed row_limit (need[1] says how many, out holds the probe
-// codes); 3 a key that is not a live row is given twice (need[0] = the key).
-// On a non-zero return the store is exactly as before the call.
-HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64_t* counts, int64_t n, int64_t step,
+// Returns an Outcome: kDone; kMustGrow, the arrays must grow first (need[0..2] say by
+// how much); kOverLimit, the rows needed exceed row_limit (need[1] says how many, out
+// holds the probe codes); kDuplicateKey, a key that is not a live row is given twice
+// (need[0] = the key).  On any outcome but kDone the store is exactly as before the call.
+static int64_t hs_find_or_insert(HsTable* t, const int64_t* keys, const int64_t* counts, int64_t n, int64_t step,
                                     int64_t admit_k, int64_t row_limit, int64_t max_entries, int64_t* out,
                                     int64_t* scratch, int64_t* set_scratch, int64_t set_cap, int64_t* new_slots,
                                     int64_t* new_keys, int64_t* need, int64_t nthreads) {
@@ -268,12 +272,12 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
   int64_t rc = 0, dup = 0;
   if (all.todo.size() > 1 && find_duplicate(keys, all.todo, set_scratch, set_cap, &dup)) {
     need[0] = dup;
-    rc = 3;
+    rc = kDuplicateKey;
   } else if (st[he::kRows] + all.rows > row_limit) {
-    rc = 2;
+    rc = kOverLimit;
   } else if (st[he::kEntries] + all.entries > max_entries ||
              st[he::kRowHwm] + std::max<int64_t>(0, all.rows - st[he::kNumFree]) > t->r_cap) {
-    rc = 1;
+    rc = kMustGrow;
   }
   if (rc) {
     undo_hits(*t, keys, n, out, pos, saved1, saved2);
@@ -333,7 +337,7 @@ HE_API int64_t he_hs_find_or_insert(HsTable* t, const int64_t* keys, const int64
 
 // Inserts keys known to be absent and unique with their code (row slot or -2),
 // count and last step (import, rebuild).
-HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* codes, const int64_t* counts,
+static int64_t hs_insert(HsTable* t, const int64_t* keys, const int32_t* codes, const int64_t* counts,
                             const int64_t* lasts, int64_t n, int64_t nthreads) {
   for (int64_t i = 0; i < n; ++i) {
     if (keys[i] == kEmpty) {
@@ -356,7 +360,7 @@ HE_API int64_t he_hs_insert(HsTable* t, const int64_t* keys, const int32_t* code
 // Removes keys from the index by backward-shift deletion (no tombstones: probe
 // sequences stay as short as if the key had never been inserted).  Row
 // bookkeeping is the caller's.  Returns how many keys were not present.
-HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
+static int64_t hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
   const uint64_t nb = (uint64_t)t->nbuckets;
   int64_t* r = t->buckets;
   int64_t missing = 0;
@@ -397,7 +401,7 @@ HE_API int64_t he_hs_erase(HsTable* t, const int64_t* keys, int64_t n) {
 
 // Re-inserts every record of the old buckets (`on` of them) into `nt`, whose
 // buckets array is allocated, not filled.  Returns the records moved.
-HE_API int64_t he_hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t nthreads) {
+static int64_t hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t nthreads) {
   int64_t* nr = nt->buckets;
   const int64_t empty_w1 = pack(-1, 0);
   const int64_t fill_chunk = 1 << 16;
@@ -417,101 +421,252 @@ HE_API int64_t he_hs_rehash(const int64_t* old, int64_t on, HsTable* nt, int64_t
   }, nthreads);
 }
 
-HE_API int64_t he_init_rows(int64_t kind, const double* params, int64_t seed, const int64_t* keys, int64_t n,
-                            int64_t dim, float* out, int64_t stride, const int64_t* rows, int64_t nthreads);
+namespace he {
+int64_t init_rows(int64_t kind, const double* params, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
+                  float* out, int64_t stride, const int64_t* rows, int64_t nthreads);  // store_init.cpp
+}
 
-// Columns of one table's row in he_hs_find_or_insert_many's descriptor (int64 each;
-// pointers as addresses, the initializer's parameters as the bits of doubles).
-// Must match hugeembed/store/_native_store.py::BATCH_COLUMNS.
-enum BatchCol : int {
-  bBuckets, bNBuckets, bRCap, bFreeRows, bFreeLen, bSt,            // the table (HsTable + free_rows length)
-  bKeys, bCounts, bN, bAdmitK, bRowLimit, bMaxEntries,             // the call
-  bOut, bScratch, bSetScratch, bSetCap, bNewSlots, bNewKeys,       // its buffers
-  bInitKind, bInitP0, bSeed = bInitP0 + 6, bStorage, bStride, bDim, bStateRow, bStateWidth,  // new rows
-  bRc, bNeed, bCols = bNeed + 4,                                   // outputs
+// ---- the kernels (csrc/call.h) ----
+namespace {
+
+// A table is three buffers in a row, from buffer k: buckets int64 [B, 3], free_rows int32
+// [>= num_free], st int64 [kStLen]; with the row capacity r_cap (rows of its storage) as
+// an integer.  Arrays that do not fit together (a corrupt store) fail with HE_BAD_VALUE.
+constexpr int64_t kTableBufs = 3;
+
+HsTable table_of(const he::Call& call, int64_t k, int64_t r_cap) {
+  const int64_t words = call.numel(k);
+  if (words % 3 != 0 || words < 3 || words / 3 > (int64_t(1) << 32))
+    call.fail(HE_BAD_VALUE, "hash store arrays are inconsistent: %lld bucket words", (long long)words);
+  HsTable t{call.buf<int64_t>(k, words, "buckets"), words / 3, r_cap, call.opt<int32_t>(k + 1, 0, "free rows"),
+            call.buf<int64_t>(k + 2, he::kStLen, "scalars")};
+  if (t.st[he::kNumFree] < 0 || t.st[he::kNumFree] > call.numel(k + 1) || t.st[he::kRowHwm] < 0 ||
+      t.st[he::kRowHwm] > r_cap || r_cap < 0 || r_cap > INT32_MAX)
+    call.fail(HE_BAD_VALUE, "hash store arrays are inconsistent: %lld free rows listed in %lld, %lld of %lld rows used",
+              (long long)t.st[he::kNumFree], (long long)call.numel(k + 1), (long long)t.st[he::kRowHwm],
+              (long long)r_cap);
+  return t;
+}
+
+// Position of the first count below 1, or -1.
+int64_t first_bad_count(const int64_t* counts, int64_t n) {
+  for (int64_t i = 0; counts && i < n; ++i)
+    if (counts[i] < 1) return i;
+  return -1;
+}
+
+// A find-or-insert's buffers after the table: keys [n], counts [n] or empty, out [n],
+// scratch [8n] (its last 2n: the new rows' slots, then their keys), the duplicate set
+// [2 * set_cap], set_cap a power of two >= 2n.
+struct Insert {
+  const int64_t *keys, *counts;
+  int64_t n;
+  int64_t *out, *scratch, *set;
+  int64_t set_cap;
 };
 
-// Find-or-insert into many tables at once, the tables spread over the threads (one
-// table per thread at a time): a collection's per-table batches, each too small to
-// split, run side by side instead of one after another, and new rows are
-// initialised here too (weights by he_init_rows, then the optimizer state copied
-// from a one-row template).  Row d of `desc` ([count, bCols]) describes table d; its
-// rc is as he_hs_find_or_insert's, plus 4: the store's arrays are inconsistent, and
-// 5: a count below 1.  A table whose rc is not 0 is exactly as before the call (the
-// caller grows it, makes room or raises, alone).
-HE_API int64_t he_hs_find_or_insert_many(int64_t* desc, int64_t count, int64_t step, int64_t nthreads) {
-  he::run_items(count, nthreads, [&](int64_t d) {
-    int64_t* b = desc + d * bCols;
-    auto p = [&](int c) { return reinterpret_cast<int64_t*>(b[c]); };
-    HsTable t{p(bBuckets), b[bNBuckets], b[bRCap], reinterpret_cast<int32_t*>(b[bFreeRows]), p(bSt)};
-    const int64_t n = b[bN];
-    const int64_t* counts = p(bCounts);
-    if (t.nbuckets < 1 || t.st[he::kNumFree] > b[bFreeLen] || t.st[he::kRowHwm] > t.r_cap) {
-      b[bRc] = 4;
+Insert insert_args(const he::Call& call, int64_t k) {
+  Insert a{};
+  a.n = call.numel(k);
+  a.keys = call.buf<const int64_t>(k, a.n, "keys");
+  a.counts = call.opt<const int64_t>(k + 1, a.n, "counts");
+  a.out = call.buf<int64_t>(k + 2, a.n, "out");
+  a.scratch = call.buf<int64_t>(k + 3, 8 * a.n, "scratch");
+  a.set_cap = call.numel(k + 4) / 2;
+  if (a.set_cap < 2 * a.n || (a.set_cap & (a.set_cap - 1)) != 0)
+    call.fail(HE_BAD_CALL, "duplicate set of %lld slots for %lld keys", (long long)a.set_cap, (long long)a.n);
+  a.set = call.buf<int64_t>(k + 4, 2 * a.set_cap, "duplicate set");
+  return a;
+}
+
+}  // namespace
+
+// codes[i] = code of keys[i] (row slot >= 0, pending -2, absent -1); with rows_only,
+// pending keys read -1 too (what HashStore.find returns).
+//   bufs  table (3), keys int64 [n], codes int64 [n];  ints  r_cap, rows_only
+HE_KERNEL(he_hs_find) {
+  call.expect(kTableBufs + 2, 2, 0);
+  const HsTable t = table_of(call, 0, call.i(0));
+  const int64_t n = call.numel(3);
+  return hs_find(&t, call.buf<const int64_t>(3, n, "keys"), n, call.buf<int64_t>(4, n, "codes"), call.i(1),
+                 call.nthreads());
+}
+
+// Find-or-insert into one table, with admission; returns an Outcome (hs_find_or_insert).
+//   bufs  table (3), then as insert_args (5), need int64 [4]: new bucket entries, new rows,
+//         new pending keys, rows created (their slots and keys: scratch[6n, 7n), [7n, 8n))
+//   ints  r_cap, step, admit_k, row_limit, max_entries
+// A count below 1 fails with HE_BAD_VALUE, detail {position, count}.
+HE_KERNEL(he_hs_find_or_insert) {
+  call.expect(kTableBufs + 6, 5, 0);
+  HsTable t = table_of(call, 0, call.i(0));
+  const Insert a = insert_args(call, kTableBufs);
+  int64_t* need = call.buf<int64_t>(kTableBufs + 5, 4, "need");
+  const int64_t bad = first_bad_count(a.counts, a.n);
+  if (bad >= 0) {
+    call.detail({bad, a.counts[bad]});
+    call.fail(HE_BAD_VALUE, "count %lld at position %lld is below 1", (long long)a.counts[bad], (long long)bad);
+  }
+  return hs_find_or_insert(&t, a.keys, a.counts, a.n, call.i(1), call.i(2), call.i(3), call.i(4), a.out, a.scratch,
+                           a.set, a.set_cap, a.scratch + 6 * a.n, a.scratch + 7 * a.n, need, call.nthreads());
+}
+
+// Inserts keys known to be absent and unique with their code (row slot or -2), count and
+// last step (import, rebuild).
+//   bufs  table (3), keys int64 [n], codes int32 [n], counts int64 [n], lasts int64 [n];  ints  r_cap
+HE_KERNEL(he_hs_insert) {
+  call.expect(kTableBufs + 4, 1, 0);
+  HsTable t = table_of(call, 0, call.i(0));
+  const int64_t n = call.numel(3);
+  return hs_insert(&t, call.buf<const int64_t>(3, n, "keys"), call.buf<const int32_t>(4, n, "codes"),
+                   call.buf<const int64_t>(5, n, "counts"), call.buf<const int64_t>(6, n, "last steps"), n,
+                   call.nthreads());
+}
+
+// Removes keys from the index (row bookkeeping is the caller's); returns how many were
+// not present.   bufs  table (3), keys int64 [n];  ints  r_cap
+HE_KERNEL(he_hs_erase) {
+  call.expect(kTableBufs + 1, 1, 0);
+  HsTable t = table_of(call, 0, call.i(0));
+  const int64_t n = call.numel(3);
+  return hs_erase(&t, call.buf<const int64_t>(3, n, "keys"), n);
+}
+
+// Re-inserts every record of the old buckets into the table's new (unfilled) buckets;
+// returns the records moved.   bufs  new table (3), old buckets int64 [B_old, 3];  ints  r_cap
+HE_KERNEL(he_hs_rehash) {
+  call.expect(kTableBufs + 1, 1, 0);
+  HsTable t = table_of(call, 0, call.i(0));
+  const int64_t words = call.numel(3);
+  if (words % 3 != 0) call.fail(HE_BAD_CALL, "old buckets of %lld words", (long long)words);
+  return hs_rehash(call.buf<const int64_t>(3, words, "old buckets"), words / 3, &t, call.nthreads());
+}
+
+// Find-or-insert into many tables at once, the tables spread over the threads (one table
+// per thread at a time): a collection's per-table batches, each too small to split, run
+// side by side instead of one after another, and new rows are initialised here too
+// (weights by he::init_rows, then the optimizer state copied from a one-row template).
+//   bufs  per table (kManyBufs): table (3), as insert_args (5), storage float32 [R, W]
+//         (contiguous), state row float32 [state_width] or empty, initializer params
+//         float64 [6]; then outcomes int64 [T, 5]: per table its Outcome and need[4]
+//   ints  step, then per table (kManyInts): admit_k, row_limit, max_entries, init kind,
+//         seed, W, dim, state_width
+// Every table's arrays are checked before any table is touched (a corrupt one fails the
+// call, detail[0] = the table).  A table whose outcome is not kDone is exactly as before the call (the caller
+// grows it, makes room or raises, alone); kBadCount: a count below 1 (its own call raises
+// with the details).
+constexpr int64_t kManyBufs = kTableBufs + 8, kManyInts = 8;
+
+HE_KERNEL(he_hs_find_or_insert_many) {
+  if (call.nbufs() % kManyBufs != 1 || call.nints() != 1 + (call.nbufs() / kManyBufs) * kManyInts)
+    call.fail(HE_BAD_CALL, "%lld buffers and %lld ints do not make whole tables",
+                                      (long long)call.nbufs(), (long long)call.nints());
+  const int64_t T = call.nbufs() / kManyBufs, step = call.i(0);
+  int64_t* outcomes = call.buf<int64_t>(T * kManyBufs, 5 * T, "outcomes");
+  struct Table {
+    HsTable t;
+    Insert a;
+    const int64_t* ints;
+    float* storage;
+    const float* state_row;
+    const double* params;
+  };
+  std::vector<Table> tables(T);
+  for (int64_t d = 0; d < T; ++d) {  // every check before any write
+    const int64_t k = d * kManyBufs;
+    call.detail({d});  // which table a failing check is about
+    const int64_t* in = call.raw()->ints + 1 + d * kManyInts;
+    const int64_t W = in[5], dim = in[6], sw = in[7], words = call.numel(k + kTableBufs + 5);
+    if (W < 1 || dim < 0 || sw < 0 || dim + sw > W || words % W != 0 || in[3] < 0 || in[3] > 3)
+      call.fail(HE_BAD_CALL, "table %lld: storage of %lld floats is not [rows, %lld] holding %lld + %lld columns "
+                "(initializer %lld)", (long long)d, (long long)words, (long long)W, (long long)dim, (long long)sw,
+                (long long)in[3]);
+    Table& x = tables[d];
+    x.t = table_of(call, k, words / W);
+    x.a = insert_args(call, k + kTableBufs);
+    x.ints = in;
+    x.storage = call.buf<float>(k + kTableBufs + 5, words, "storage");
+    x.state_row = call.opt<const float>(k + kTableBufs + 6, sw, "state row");
+    if (sw > 0 && x.state_row == nullptr) call.fail(HE_BAD_CALL, "table %lld: no state row", (long long)d);
+    x.params = call.buf<const double>(k + kTableBufs + 7, 6, "initializer params");
+  }
+  he::run_items(T, call.nthreads(), [&](int64_t d) {
+    Table& x = tables[d];
+    const Insert& a = x.a;
+    const int64_t* in = x.ints;
+    int64_t* o = outcomes + 5 * d;
+    int64_t* need = o + 1;
+    for (int k = 0; k < 4; ++k) need[k] = 0;
+    if (first_bad_count(a.counts, a.n) >= 0) {
+      o[0] = kBadCount;
       return;
     }
-    for (int64_t i = 0; counts && i < n; ++i)
-      if (counts[i] < 1) {
-        b[bRc] = 5;
-        return;
-      }
-    int64_t* need = b + bNeed;
-    b[bRc] = he_hs_find_or_insert(&t, p(bKeys), counts, n, step, b[bAdmitK], b[bRowLimit], b[bMaxEntries], p(bOut),
-                                  p(bScratch), p(bSetScratch), b[bSetCap], p(bNewSlots), p(bNewKeys), need, 1);
-    const int64_t made = b[bRc] == 0 ? need[3] : 0;
+    int64_t* new_slots = a.scratch + 6 * a.n;
+    o[0] = hs_find_or_insert(&x.t, a.keys, a.counts, a.n, step, in[0], in[1], in[2], a.out, a.scratch, a.set,
+                             a.set_cap, new_slots, a.scratch + 7 * a.n, need, 1);
+    const int64_t made = o[0] == kDone ? need[3] : 0;
     if (made == 0) return;
-    double params[6];
-    std::memcpy(params, b + bInitP0, sizeof params);
-    float* storage = reinterpret_cast<float*>(b[bStorage]);
-    const int64_t stride = b[bStride], dim = b[bDim], sw = b[bStateWidth];
-    const int64_t* slots = p(bNewSlots);
-    he_init_rows(b[bInitKind], params, b[bSeed], p(bNewKeys), made, dim, storage, stride, slots, 1);
-    const float* state_row = reinterpret_cast<const float*>(b[bStateRow]);
+    const int64_t W = in[5], dim = in[6], sw = in[7];
+    he::init_rows(in[3], x.params, in[4], a.scratch + 7 * a.n, made, dim, x.storage, W, new_slots, 1);
     if (sw > 0)
-      for (int64_t j = 0; j < made; ++j) std::memcpy(storage + slots[j] * stride + dim, state_row, sw * sizeof(float));
+      for (int64_t j = 0; j < made; ++j) std::memcpy(x.storage + new_slots[j] * W + dim, x.state_row, sw * sizeof(float));
   });
   return 0;
 }
 
-// Columns of one static table's row in he_array_touch_many's descriptor.
-// Must match hugeembed/store/_array.py::TOUCH_COLUMNS.
-enum TouchCol : int { tMeta, tRows, tKeys, tCounts, tN, tOut, tRc, tBadPos, tCols };
-
 // The training fetch of many static tables (ArrayStore, key k at slot k) at once: for
 // each table, every key checked against [0, rows) and then, only if every key of every
 // table is in range, slot = key copied to `out`, meta[slot][0] += count (1 without
-// counts) and meta[slot][1] = step.  A table with a bad key or count gets rc 1 / 2 and
-// the position in bad_pos; then nothing anywhere is written and the call returns the
-// number of such tables (the caller raises with the details, table by table).
-HE_API int64_t he_array_touch_many(int64_t* desc, int64_t count, int64_t step, int64_t nthreads) {
-  std::atomic<int64_t> bad{0};
-  he::run_items(count, nthreads, [&](int64_t d) {
-    int64_t* b = desc + d * tCols;
-    const int64_t* keys = reinterpret_cast<const int64_t*>(b[tKeys]);
-    const int64_t* counts = reinterpret_cast<const int64_t*>(b[tCounts]);
-    const int64_t n = b[tN], rows = b[tRows];
-    b[tRc] = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (keys[i] < 0 || keys[i] >= rows || (counts && counts[i] < 1)) {
-        b[tRc] = (keys[i] < 0 || keys[i] >= rows) ? 1 : 2;
-        b[tBadPos] = i;
-        bad.fetch_add(1);
+// counts) and meta[slot][1] = step.
+//   bufs  per table: meta int64 [rows, 2], keys int64 [n], counts int64 [n] or empty, out int64 [n]
+//   ints  step, then per table its rows
+// A bad key or count fails with HE_BAD_VALUE, detail {table, position, 1 (key) or 2 (count)},
+// and nothing anywhere is written (the caller raises with the details, from the table's own call).
+HE_KERNEL(he_array_touch_many) {
+  const int64_t T = call.nbufs() / 4;
+  call.expect(4 * T, 1 + T, 0);
+  const int64_t step = call.i(0);
+  struct Table {
+    int64_t* meta;
+    const int64_t *keys, *counts;
+    int64_t* out;
+    int64_t n, rows;
+  };
+  std::vector<Table> tables(T);
+  for (int64_t d = 0; d < T; ++d) {
+    Table& x = tables[d];
+    x.rows = call.i(1 + d);
+    x.n = call.numel(4 * d + 1);
+    x.meta = call.buf<int64_t>(4 * d, 2 * std::max<int64_t>(x.rows, 0), "meta");
+    x.keys = call.buf<const int64_t>(4 * d + 1, x.n, "keys");
+    x.counts = call.opt<const int64_t>(4 * d + 2, x.n, "counts");
+    x.out = call.buf<int64_t>(4 * d + 3, x.n, "out");
+  }
+  std::vector<int64_t> bad(T, -1), kind(T, 0);
+  he::run_items(T, call.nthreads(), [&](int64_t d) {
+    const Table& x = tables[d];
+    for (int64_t i = 0; i < x.n; ++i) {
+      const bool key_bad = x.keys[i] < 0 || x.keys[i] >= x.rows;
+      if (key_bad || (x.counts && x.counts[i] < 1)) {
+        bad[d] = i;
+        kind[d] = key_bad ? 1 : 2;
         return;
       }
     }
   });
-  if (bad.load()) return bad.load();
-  he::run_items(count, nthreads, [&](int64_t d) {
-    const int64_t* b = desc + d * tCols;
-    int64_t* meta = reinterpret_cast<int64_t*>(b[tMeta]);
-    const int64_t* keys = reinterpret_cast<const int64_t*>(b[tKeys]);
-    const int64_t* counts = reinterpret_cast<const int64_t*>(b[tCounts]);
-    int64_t* out = reinterpret_cast<int64_t*>(b[tOut]);
-    for (int64_t i = 0, n = b[tN]; i < n; ++i) {
-      const int64_t k = keys[i];
-      out[i] = k;
-      meta[2 * k] += counts ? counts[i] : 1;
-      meta[2 * k + 1] = step;
+  for (int64_t d = 0; d < T; ++d)
+    if (bad[d] >= 0) {
+      call.detail({d, bad[d], kind[d]});
+      call.fail(HE_BAD_VALUE, "table %lld: %s at position %lld", (long long)d, kind[d] == 1 ? "key out of range" :
+                "count below 1", (long long)bad[d]);
+    }
+  he::run_items(T, call.nthreads(), [&](int64_t d) {
+    const Table& x = tables[d];
+    for (int64_t i = 0; i < x.n; ++i) {
+      const int64_t k = x.keys[i];
+      x.out[i] = k;
+      x.meta[2 * k] += x.counts ? x.counts[i] : 1;
+      x.meta[2 * k + 1] = step;
     }
   });
   return 0;

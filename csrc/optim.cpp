@@ -17,9 +17,8 @@
 // in a vanishingly rare tie.  The build uses no -ffast-math and ISO C++17 (so
 // GCC does not contract a*b+c into an FMA).
 //
-// Every kernel first checks all slots (0 <= slot < R) before writing anything:
-// on a bad slot it returns 1 with err[0] = position, err[1] = slot, and the table
-// is unchanged.
+// Every kernel first checks all slots (0 <= slot < R) before writing anything
+// (rows_of): on a bad slot it fails and the table is unchanged.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -28,16 +27,38 @@
 
 namespace {
 
-int64_t check_slots(const int64_t* slots, int64_t U, int64_t R, int64_t* err) {
-  for (int64_t i = 0; i < U; ++i) {
-    int64_t s = slots[i];
-    if (s < 0 || s >= R) {
-      err[0] = i;
-      err[1] = s;
-      return 1;
+// The arguments every rule takes (csrc/call.h): bufs storage float32 [R, W] (row-major),
+// slots int64 [U], grad float32 [U, D] (may be empty only where the rule says); ints W, D,
+// then the rule's own; reals the rule's hyperparameters.  All slots are checked before
+// anything is written: a bad one fails with HE_BAD_VALUE, detail = {position, slot},
+// and the table is unchanged.
+struct Rows {
+  float* storage;
+  int64_t R, W, D;
+  const int64_t* slots;
+  int64_t U;
+  const float* grad;
+};
+
+Rows rows_of(const he::Call& call, int64_t nints, int64_t nreals, bool grad_optional = false) {
+  call.expect(3, nints, nreals);
+  const int64_t W = call.i(0), D = call.i(1);
+  const int64_t n = call.numel(0);
+  if (W < 1 || D < 0 || D > W || n % W != 0)
+    call.fail(HE_BAD_CALL, "storage of %lld floats is not [rows, %lld] with dim %lld", (long long)n, (long long)W,
+              (long long)D);
+  Rows r{call.buf<float>(0, n, "storage"), n / W, W, D, nullptr, call.numel(1), nullptr};
+  r.slots = call.buf<const int64_t>(1, r.U, "slots");
+  r.grad = grad_optional ? call.opt<const float>(2, r.U * D, "grad") : call.buf<const float>(2, r.U * D, "grad");
+  for (int64_t i = 0; i < r.U; ++i) {
+    const int64_t slot = r.slots[i];
+    if (slot < 0 || slot >= r.R) {
+      call.detail({i, slot});
+      call.fail(HE_BAD_VALUE, "slot %lld at position %lld is out of range for a table of %lld rows", (long long)slot,
+                (long long)i, (long long)r.R);
     }
   }
-  return 0;
+  return r;
 }
 
 // Rows per thread so that a thread gets at least ~32k element updates: below
@@ -81,9 +102,8 @@ inline void store_counter(float* p, int64_t v) {
 }  // namespace
 
 // SGD: g' = g + wd * w (when wd != 0);  w = w - g' * lr.      (torch.optim.SGD)
-HE_API int64_t he_optim_sgd(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
-                            const float* grad, float lr, float weight_decay, int nthreads, int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+static int64_t he_optim_sgd_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                            const float* grad, float lr, float weight_decay, int nthreads) {
   he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
     for_rows(storage, W, D * 4, slots, b, e, [&](int64_t i) {
       float* w = storage + slots[i] * W;
@@ -100,10 +120,8 @@ HE_API int64_t he_optim_sgd(float* storage, int64_t R, int64_t W, int64_t D, con
 
 // Momentum SGD with dampening 0 (torch.optim.SGD), state buf at [D, 2D):
 //   g' = g + wd * w;  buf = buf * mu + g';  u = nesterov ? g' + buf * mu : buf;  w = w - u * lr.
-HE_API int64_t he_optim_momentum(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
-                                 const float* grad, float lr, float momentum, float weight_decay, int nesterov,
-                                 int nthreads, int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+static int64_t he_optim_momentum_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                                 const float* grad, float lr, float momentum, float weight_decay, int nesterov, int nthreads) {
   he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
     for_rows(storage, W, 2 * D * 4, slots, b, e, [&](int64_t i) {
       float* w = storage + slots[i] * W;
@@ -124,10 +142,8 @@ HE_API int64_t he_optim_momentum(float* storage, int64_t R, int64_t W, int64_t D
 
 // Adagrad (torch.optim.Adagrad), state sum at [D, 2D); clr = lr / (1 + (step-1) * lr_decay)
 // is computed by the caller:  g' = g + wd * w;  sum = sum + g' * g';  w = w - (g' * clr) / (sqrt(sum) + eps).
-HE_API int64_t he_optim_adagrad(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
-                                const float* grad, float clr, float eps, float weight_decay, int nthreads,
-                                int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+static int64_t he_optim_adagrad_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+                                const float* grad, float clr, float eps, float weight_decay, int nthreads) {
   he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
     for_rows(storage, W, 2 * D * 4, slots, b, e, [&](int64_t i) {
       float* w = storage + slots[i] * W;
@@ -149,10 +165,8 @@ HE_API int64_t he_optim_adagrad(float* storage, int64_t R, int64_t W, int64_t D,
 // FBGEMM EXACT_ROWWISE_ADAGRAD (weight_decay_mode L2), one accumulator at column D:
 //   g' = g + wd * w;  acc = acc + mean_d(g'^2)  (sum in double, rounded once);
 //   mult = lr / (sqrt(acc) + eps);  w = w * (1 - mult * wd) - g * mult.
-HE_API int64_t he_optim_rowwise_adagrad(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots,
-                                        int64_t U, const float* grad, float lr, float eps, float weight_decay,
-                                        int nthreads, int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+static int64_t he_optim_rowwise_adagrad_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots,
+                                        int64_t U, const float* grad, float lr, float eps, float weight_decay, int nthreads) {
   he::parallel_for(U, nthreads, rows_per_thread(D), [&](int64_t b, int64_t e, int) {
     for_rows(storage, W, (D + 1) * 4, slots, b, e, [&](int64_t i) {
       float* w = storage + slots[i] * W;
@@ -266,11 +280,10 @@ void adam_catch_up(const AdamArgs& a, float* w, float* m, float* v, int64_t D, i
 // One step (decoupled: w = w * (1 - lr wd) first; L2: g' = g + wd * w):
 //   m = m * b1 + g' * (1 - b1);  v = v * b2 + (g' * g') * (1 - b2);
 //   w = w - (m / (sqrt(v) / dscale + eps)) * step_scale.
-HE_API int64_t he_optim_adam(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+static int64_t he_optim_adam_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
                              const float* grad, double lr, double beta1, double beta2, double eps,
                              double weight_decay, int decoupled, int eps_tf, int mode, int has_grad, int64_t step,
-                             float tol, int nthreads, int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+                             float tol, int nthreads) {
   AdamArgs a{lr, beta1, beta2, eps, weight_decay, decoupled, eps_tf, mode, tol, 0.f, 0.f};
   a.bound_a = (float)(1.0 / (eps * (1.0 - beta1)));
   double r = beta2 > 0.0 ? beta1 / std::sqrt(beta2) : std::numeric_limits<double>::infinity();
@@ -326,10 +339,9 @@ HE_API int64_t he_optim_adam(float* storage, int64_t R, int64_t W, int64_t D, co
 //   gs = g + (2 l2_shrinkage) * w;  n' = n + g * g;  p(x) = x^(-lr_power) (sqrt when -0.5, in double);
 //   z = z + (gs - ((p(n') - p(n)) / lr) * w);
 //   w = (clamp(z, -l1, l1) - z) / (p(n') / lr + 2 l2);  n = n'.
-HE_API int64_t he_optim_ftrl(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
+static int64_t he_optim_ftrl_rows(float* storage, int64_t R, int64_t W, int64_t D, const int64_t* slots, int64_t U,
                              const float* grad, float lr, double lr_power, float l1, float two_l2,
-                             float two_l2_shrinkage, int nthreads, int64_t* err) {
-  if (check_slots(slots, U, R, err)) return 1;
+                             float two_l2_shrinkage, int nthreads) {
   const bool half = lr_power == -0.5;
   he::parallel_for(U, nthreads, rows_per_thread(D, 4), [&](int64_t b, int64_t e, int) {
     for_rows(storage, W, 3 * D * 4, slots, b, e, [&](int64_t i) {
@@ -362,4 +374,52 @@ HE_API int64_t he_optim_ftrl(float* storage, int64_t R, int64_t W, int64_t D, co
     });
   });
   return 0;
+}
+
+// The kernels (csrc/call.h): bufs and the first two ints as rows_of says, then per rule
+//   sgd               reals lr, weight_decay
+//   momentum          ints nesterov;  reals lr, momentum, weight_decay
+//   adagrad           reals clr, eps, weight_decay
+//   rowwise_adagrad   reals lr, eps, weight_decay
+//   adam              ints decoupled, eps_tf, mode, has_grad, step;  reals lr, beta1, beta2, eps,
+//                     weight_decay, tol  (grad empty only with has_grad = 0)
+//   ftrl              reals lr, lr_power, l1, two_l2, two_l2_shrinkage
+// A float32 hyperparameter is rounded once from the double, as the torch twins round it.
+#define HE_ROWS r.storage, r.R, r.W, r.D, r.slots, r.U, r.grad
+
+HE_KERNEL(he_optim_sgd) {
+  const Rows r = rows_of(call, 2, 2);
+  return he_optim_sgd_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), call.nthreads());
+}
+
+HE_KERNEL(he_optim_momentum) {
+  const Rows r = rows_of(call, 3, 3);
+  return he_optim_momentum_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2), (int)call.i(2),
+                                call.nthreads());
+}
+
+HE_KERNEL(he_optim_adagrad) {
+  const Rows r = rows_of(call, 2, 3);
+  return he_optim_adagrad_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2), call.nthreads());
+}
+
+HE_KERNEL(he_optim_rowwise_adagrad) {
+  const Rows r = rows_of(call, 2, 3);
+  return he_optim_rowwise_adagrad_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2),
+                                       call.nthreads());
+}
+
+HE_KERNEL(he_optim_adam) {
+  const bool has_grad = call.i(5) != 0;
+  const Rows r = rows_of(call, 7, 6, !has_grad);
+  if (!has_grad && call.i(4) != 2) call.fail(HE_BAD_CALL, "a call without a gradient is global mode's catch-up only");
+  return he_optim_adam_rows(HE_ROWS, call.r(0), call.r(1), call.r(2), call.r(3), call.r(4), (int)call.i(2),
+                            (int)call.i(3), (int)call.i(4), (int)has_grad, call.i(6), (float)call.r(5),
+                            call.nthreads());
+}
+
+HE_KERNEL(he_optim_ftrl) {
+  const Rows r = rows_of(call, 2, 5);
+  return he_optim_ftrl_rows(HE_ROWS, (float)call.r(0), call.r(1), (float)call.r(2), (float)call.r(3),
+                            (float)call.r(4), call.nthreads());
 }

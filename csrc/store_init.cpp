@@ -71,9 +71,9 @@ inline double inverse_normal_cdf(double p) {
 // kind: 0 constant(p0), 1 uniform(low p0, high p1), 2 normal(mean p0, std p1),
 // 3 truncated normal(mean p0, std p1, lo p2, hi p3 in std units, Phi(lo) p4, Phi(hi) p5).
 // Writes row i into out + (rows ? rows[i] : i) * stride, columns [0, dim).
-HE_API int64_t he_init_rows(int64_t kind, const double* params, int64_t seed, const int64_t* keys, int64_t n,
-                            int64_t dim, float* out, int64_t stride, const int64_t* rows, int64_t nthreads) {
-  if (kind < 0 || kind > 3) return 1;
+namespace he {
+int64_t init_rows(int64_t kind, const double* params, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
+                  float* out, int64_t stride, const int64_t* rows, int64_t nthreads) {
   const double p0 = params[0], p1 = params[1], p2 = params[2], p3 = params[3], p4 = params[4], p5 = params[5];
   const uint64_t seed_mix = he::mix64((uint64_t)seed + kGolden);
   const int64_t chunk = 512;  // rows per work item
@@ -101,4 +101,31 @@ HE_API int64_t he_init_rows(int64_t kind, const double* params, int64_t seed, co
     }
   });
   return 0;
+}
+}  // namespace he
+
+// The initializer as a kernel (csrc/call.h):
+//   bufs  keys int64 [n], out float32 (rows `stride` apart), rows int64 [n] or empty (then
+//         row i is row i of out), params float64 [6]
+//   ints  kind, seed, dim, stride
+// Every target row is checked to lie inside `out` before anything is written.
+HE_KERNEL(he_init_rows) {
+  call.expect(4, 4, 0);
+  const int64_t kind = call.i(0), dim = call.i(2), stride = call.i(3), n = call.numel(0);
+  if (kind < 0 || kind > 3 || dim < 0 || stride < dim)
+    call.fail(HE_BAD_CALL, "initializer kind %lld, dim %lld, stride %lld", (long long)kind, (long long)dim,
+              (long long)stride);
+  const int64_t* keys = call.buf<const int64_t>(0, n, "keys");
+  const int64_t* rows = call.opt<const int64_t>(2, n, "rows");
+  const int64_t extent = call.numel(1);
+  for (int64_t i = 0; i < n && dim > 0; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    if (r < 0 || extent < dim || r > (extent - dim) / stride) {
+      call.detail({i, r});
+      call.fail(HE_BAD_VALUE, "row %lld at position %lld lies outside the %lld-element output", (long long)r,
+                (long long)i, (long long)extent);
+    }
+  }
+  return he::init_rows(kind, call.buf<const double>(3, 6, "params"), call.i(1), keys, n, dim,
+                       call.opt<float>(1, 0, "out"), stride, rows, call.nthreads());
 }

@@ -64,8 +64,8 @@ class Adagrad(SparseOptimizer):
         return lr / (1 + (step - 1) * self.lr_decay)
 
     def _apply_native(self, storage, slots, grad, lr, step):
-        _native_ops.run("he_optim_adagrad", storage, slots, grad, grad.shape[1], self._clr(lr, step), self.eps,
-                        self.weight_decay)
+        _native_ops.run("he_optim_adagrad", storage, slots, grad, grad.shape[1],
+                        reals=(self._clr(lr, step), self.eps, self.weight_decay))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         w, acc = io.read(slots)
@@ -123,8 +123,8 @@ class RowWiseAdagrad(SparseOptimizer):
         state.fill_(self.initial_accumulator_value)
 
     def _apply_native(self, storage, slots, grad, lr, step):
-        _native_ops.run("he_optim_rowwise_adagrad", storage, slots, grad, grad.shape[1], lr, self.eps,
-                        self.weight_decay)
+        _native_ops.run("he_optim_rowwise_adagrad", storage, slots, grad, grad.shape[1],
+                        reals=(lr, self.eps, self.weight_decay))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         dim = grad.shape[1]

@@ -149,9 +149,10 @@ class Adam(SparseOptimizer):
 
     def _run_native(self, storage, slots, grad, dim, lr, step):
         b1, b2 = self.betas
-        _native_ops.run("he_optim_adam", storage, slots, grad, dim, lr, b1, b2, self.eps, self.weight_decay,
-                        int(self.decoupled_weight_decay), int(self.epsilon == "tf"), self._mode_code(),
-                        int(grad is not None), step, negligible_fraction(storage.dtype))
+        _native_ops.run("he_optim_adam", storage, slots, grad, dim,
+                        ints=(int(self.decoupled_weight_decay), int(self.epsilon == "tf"), self._mode_code(),
+                              int(grad is not None), step),
+                        reals=(lr, b1, b2, self.eps, self.weight_decay, negligible_fraction(storage.dtype)))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         self._check_counter_range(io.state, step)

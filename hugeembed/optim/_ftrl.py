@@ -74,8 +74,8 @@ class FTRL(SparseOptimizer):
 
     def _apply_native(self, storage, slots, grad, lr, step):
         two_l2, two_shrink = self._hyper(lr)
-        _native_ops.run("he_optim_ftrl", storage, slots, grad, grad.shape[1], lr, self.lr_power, self.l1, two_l2,
-                        two_shrink)
+        _native_ops.run("he_optim_ftrl", storage, slots, grad, grad.shape[1],
+                        reals=(lr, self.lr_power, self.l1, two_l2, two_shrink))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         two_l2, two_shrink = self._hyper(lr)

@@ -49,7 +49,7 @@ class SGD(SparseOptimizer):
         return range(1, 2)
 
     def _apply_native(self, storage, slots, grad, lr, step):
-        _native_ops.run("he_optim_sgd", storage, slots, grad, grad.shape[1], lr, self.weight_decay)
+        _native_ops.run("he_optim_sgd", storage, slots, grad, grad.shape[1], reals=(lr, self.weight_decay))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         w, _ = io.read(slots)
@@ -98,8 +98,8 @@ class MomentumSGD(SparseOptimizer):
         return dim
 
     def _apply_native(self, storage, slots, grad, lr, step):
-        _native_ops.run("he_optim_momentum", storage, slots, grad, grad.shape[1], lr, self.momentum,
-                        self.weight_decay, int(self.nesterov))
+        _native_ops.run("he_optim_momentum", storage, slots, grad, grad.shape[1], ints=(int(self.nesterov),),
+                        reals=(lr, self.momentum, self.weight_decay))
 
     def _apply_torch(self, io, slots, grad, lr, step):
         w, buf = io.read(slots)

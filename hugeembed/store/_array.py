@@ -28,8 +28,6 @@ __all__ = ["ArrayStore", "RowBlock", "touch_many"]
 
 _INIT_CHUNK = 1 << 20
 
-# Columns of he_array_touch_many's descriptor (csrc/hash_store.cpp::TouchCol).
-TOUCH_COLUMNS = ("meta", "rows", "keys", "counts", "n", "out", "rc", "bad_pos")
 
 
 def _row_ptr(t: torch.Tensor, row: int) -> int:
@@ -200,20 +198,14 @@ class ArrayStore(LayoutViews):
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self._slots_of(as_keys(self.name, keys, self.device))
 
-    def _touch_row(self, keys: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor) -> list[int] | None:
-        """This store's row of a he_array_touch_many descriptor (find_or_insert of int64 `keys`
-        into `out`, both contiguous CPU tensors of one length), or None when it takes its own
+    def _touch_row(self, keys: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor) -> tuple | None:
+        """This store's part of a he_array_touch_many call, (buffers, rows): find_or_insert of int64
+        `keys` into `out`, both contiguous CPU tensors of one length; or None when it takes its own
         find_or_insert (a shard of a table, not on the CPU, no kernels)."""
         if self._num_shards != 1 or self.device.type != "cpu" or not _native.available() or \
                 not self._meta.is_contiguous():
             return None
-        n = keys.numel()
-        if counts is not None:
-            _native.check(counts, torch.int64, f"table '{self.name}' counts", n)
-        _native.check(out, torch.int64, f"table '{self.name}' slots", n)
-        return [self._meta.data_ptr(), self.local_rows, _native.check(keys, torch.int64, f"table '{self.name}' keys",
-                                                                       n).data_ptr(),
-                0 if counts is None else counts.data_ptr(), n, out.data_ptr(), 0, 0]
+        return [self._meta, keys, counts, out], self.local_rows
 
     def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
         """Hits of `keys` so far (int64); changes nothing."""
@@ -291,16 +283,18 @@ class ArrayStore(LayoutViews):
                 f"state_width={self.state_width}, device={self.device})")
 
 
-def touch_many(rows: list[list[int]], step: int) -> int | None:
-    """Runs he_array_touch_many over descriptor rows (ArrayStore._touch_row): the training fetch
-    of many static tables in one call.  None if done; else the index of the first row with a
+def touch_many(parts: list[tuple[list, int]], step: int) -> int | None:
+    """Runs he_array_touch_many over the tables' parts (ArrayStore._touch_row): the training fetch
+    of many static tables in one call.  None if done; else the index of the first part with a
     bad key or count, and nothing anywhere was written."""
-    if any(len(r) != len(TOUCH_COLUMNS) for r in rows):  # the kernel reads exactly this many columns
-        raise InputError(f"touch_many: descriptor rows must have {len(TOUCH_COLUMNS)} columns (internal error)")
-    desc = torch.tensor(rows, dtype=torch.int64)
-    bad = _native.fn("he_array_touch_many", _native.PTR, _native.I64, _native.I64, _native.I64)(
-        desc.data_ptr(), len(rows), int(step), _native.nthreads())
-    if bad == 0:
-        return None
-    rc = desc[:, TOUCH_COLUMNS.index("rc")].tolist()
-    return next(i for i, r in enumerate(rc) if r != 0)
+    bufs, ints = [], [int(step)]
+    for b, rows in parts:
+        bufs += b
+        ints.append(rows)
+    try:
+        _native.call("he_array_touch_many", bufs, ints)
+    except _native.KernelError as e:
+        if e.status != _native.Status.BAD_VALUE:
+            raise
+        return e.detail[0]
+    return None

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 
@@ -39,7 +38,7 @@ from ._array import ArrayStore, touch_many
 from ._admit import DEFAULT_MAX_PENDING, admission_draw, check_admission, pending_victims
 from ._evict import select_victims
 from ._hash_group import DynamicRows, find_group, find_or_insert_group, write_into
-from ._hash_torch import _MAX_SLOTS, _ST, EMPTY, PENDING, TorchOps, code_of, count_of, entries, new_buckets, probe
+from ._hash_torch import _MAX_SLOTS, _ST, EMPTY, PENDING, Outcome, TorchOps, code_of, count_of, entries, new_buckets, probe
 from ._init import Initializer, _signed, default_initializer
 from ._layout import LayoutViews, RowLayout, check_import_rows
 from ._native_store import NativeOps, run_batch
@@ -328,18 +327,18 @@ class HashStore(LayoutViews, Pinnable):
         evicted = grown = False
         while True:
             rc, out, new_slots, new_keys, need = self._ops.find_or_insert(self, keys, counts, step, limit)
-            if rc == 0:
+            if rc == Outcome.DONE:
                 if self.has_rows:  # a key index's rows are made by its tier
                     init_rows(self._storage, new_slots, new_keys, self.layout, self.initializer, self.init_state,
                               self.seed)
                 return out
-            if rc == 3:
+            if rc == Outcome.DUPLICATE_KEY:
                 raise InputError(f"table '{self.name}': key {need[0]} is given twice to find_or_insert; "
                                  "keys must be unique (deduplicate the batch first)")
-            if rc == 1 and not grown:  # grow exactly as needed, then probe again
+            if rc == Outcome.MUST_GROW and not grown:  # grow exactly as needed, then probe again
                 self._grow_for(need[0], need[1])
                 grown = True
-            elif rc == 2:
+            elif rc == Outcome.OVER_LIMIT:
                 self._make_room(step, need[1], out, evicted)
                 evicted, grown = True, False
             else:
@@ -351,7 +350,7 @@ class HashStore(LayoutViews, Pinnable):
     _BATCH_MAX_KEYS = 1 << 16
 
     def _batch_row(self, keys: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor | None = None):
-        """This store's row of a find_or_insert_many descriptor and its output tensor (`out` if
+        """This store's part of a find_or_insert_many call and its output tensor (`out` if
         given: contiguous int64 of the keys' length), or None
         when it takes the single-table path (torch backend, an initializer without a kernel,
         an init_state not marked row_independent, a large batch)."""
@@ -368,9 +367,8 @@ class HashStore(LayoutViews, Pinnable):
             if state_row is None:
                 return None
         kind, params = spec
-        bits = struct.unpack("<6q", struct.pack("<6d", *(list(params) + [0.0] * (6 - len(params)))))
-        limit = self._row_limit
-        return self._ops.batch_row(self, keys, counts, limit, (kind, *bits), _signed(self.seed), state_row, out)
+        return self._ops.batch_row(self, keys, counts, self._row_limit, kind, params, _signed(self.seed), state_row,
+                                   out)
 
     def _state_template(self) -> torch.Tensor | None:
         """One row of the optimizer state a new row starts with, or None when init_state is not
@@ -665,12 +663,10 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None, keys_che
                 touched.append((i, o))
                 touch_rows.append(row)
     if len(batch) > 1:
-        for (i, codes), (rc, _) in zip(batch, run_batch(rows, step)):
-            if rc == 0:
+        for (i, codes), rc in zip(batch, run_batch(rows, step)):
+            if rc == Outcome.DONE:
                 got[i] = codes
                 stores[i].forget_pending(step)
-            elif rc == 4:
-                raise StoreError(f"table '{stores[i].name}': hash store arrays are inconsistent")
     if touch_rows:
         bad = touch_many(touch_rows, step)
         if bad is not None:  # nothing written to any static table: the bad one raises with the details

@@ -12,6 +12,8 @@ their batch index: the lowest index wins, the others move on to the next bucket.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .._hashing import logical_shift_right, mix64
@@ -25,6 +27,17 @@ _MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
 _ST = {"entries": 0, "row_hwm": 1, "num_free": 2, "side_used": 3, "side_word1": 4, "side_last": 5, "rows": 6,
        "pending": 7}
 PENDING = -2
+
+
+class Outcome(enum.IntEnum):
+    """What a find-or-insert did, on both backends (csrc/hash_store.cpp::Outcome): all but DONE
+    leave the store exactly as before, for the caller to grow it, make room or raise."""
+
+    DONE = 0
+    MUST_GROW = 1  # need[0..2]: new bucket entries, rows, pending keys
+    OVER_LIMIT = 2  # need[1]: the rows wanted beyond the row limit
+    DUPLICATE_KEY = 3  # need[0]: the key given twice
+    BAD_COUNT = 4  # (find_or_insert_many) a count below 1: the table's own call raises with the details
 _COUNT_MAX = 2**31 - 1
 _MAX_WINDOW = 32
 
@@ -211,7 +224,7 @@ class TorchOps:
             sk = tk.sort().values
             dup = sk[1:] == sk[:-1]
             if bool(dup.any()):
-                return 3, codes, None, None, [int(sk[1:][dup][0]), 0, 0, 0]
+                return Outcome.DUPLICATE_KEY, codes, None, None, [int(sk[1:][dup][0]), 0, 0, 0]
         k = s.admit_min_count
         is_a = codes[ti] == -1
         need_row = torch.where(is_a, c[ti] >= k, new_count[ti] >= k)
@@ -219,10 +232,10 @@ class TorchOps:
         new_pend = int((is_a & ~need_row).sum())
         need = [int((is_a & (tk != EMPTY)).sum()), new_rows, new_pend, 0]
         if s._st_get("rows") + new_rows > row_limit:
-            return 2, codes, None, None, need
+            return Outcome.OVER_LIMIT, codes, None, None, need
         if (s._st_get("entries") + need[0] > s._max_entries()
                 or s._st_get("row_hwm") + max(0, new_rows - s._st_get("num_free")) > s._storage.shape[0]):
-            return 1, codes, None, None, need
+            return Outcome.MUST_GROW, codes, None, None, need
 
         # Keys found (rows and pending): add counts, set last step.
         slots = s._take_rows(new_rows)  # handed out in batch order
@@ -249,7 +262,7 @@ class TorchOps:
         s._st_add("pending", new_pend - promoted)
         out = torch.where(code_now >= 0, code_now, -1)
         need[3] = new_rows
-        return 0, out, slots, tk[need_row], need
+        return Outcome.DONE, out, slots, tk[need_row], need
 
     def insert(self, s, keys, codes, counts, lasts) -> None:
         """Inserts unique keys known to be absent with their code, count and last step."""

@@ -303,17 +303,10 @@ def init_rows_native(init: Initializer, keys: torch.Tensor, dim: int, seed: int,
     n = keys.numel()
     if n == 0:
         return True
-    _native.check(keys, torch.int64, "init keys")
-    _native.check(out, torch.float32, "init out")
-    if rows is not None:
-        _native.check(rows, torch.int64, "init rows", n)
-    p = (_native.F64 * 6)(*params)
-    f = _native.fn("he_init_rows", _native.I64, _native.PTR, _native.I64, _native.PTR, _native.I64, _native.I64,
-                   _native.PTR, _native.I64, _native.PTR, _native.I64)
-    rc = f(kind, p, _signed(seed), _native.ptr(keys), n, dim, _native.ptr(out), out.shape[1] if out.dim() == 2 else dim,
-           _native.ptr(rows), _native.nthreads())
-    if rc != 0:
-        raise RuntimeError(f"he_init_rows failed with code {rc}")
+    stride = out.shape[1] if out.dim() == 2 else dim
+    params = torch.tensor(list(params) + [0.0] * (6 - len(params)), dtype=torch.float64)
+    _native.call("he_init_rows", [keys, _native.rows(out) if out.dim() == 2 else out, rows, params],
+                 [kind, _signed(seed), dim, stride])
     return True
 
 

@@ -57,3 +57,79 @@ def test_a_row_strided_view_goes_over_as_its_span():
     assert entry == (view.data_ptr(), 33, 4)
     with pytest.raises(ValueError, match="unit column stride"):
         _native._entry("k", 0, _native.rows(table[:, ::2]))
+
+
+# ---- the store and optimizer kernels under the convention ----
+
+from hugeembed.errors import StoreError  # noqa: E402
+from hugeembed.store import ArrayStore, HashStore, find_or_insert_many  # noqa: E402
+from hugeembed.store._array import touch_many  # noqa: E402
+from hugeembed.optim import _native_ops  # noqa: E402
+
+
+def _hash(name, **kw):
+    return HashStore(dim=4, name=name, backend="native", **kw)
+
+
+def _state(s):
+    return [t.clone() for t in (s._buckets, s._free, s._st, s._storage)]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_corrupt_hash_store_is_refused_by_the_kernel_and_left_as_it_was():
+    s = _hash("users")
+    s.find_or_insert(torch.arange(10), step=1)
+    s._st[2] = s._free.numel() + 5  # more free rows listed than the free list holds
+    before = _state(s)
+    with pytest.raises(StoreError, match="table 'users': he_hs_find.*inconsistent"):
+        s.find(torch.arange(3))
+    with pytest.raises(StoreError, match="table 'users': he_hs_find_or_insert.*inconsistent"):
+        s.find_or_insert(torch.arange(20, 25), step=2)
+    assert _same(_state(s), before)
+
+
+def test_many_tables_with_one_corrupt_change_none_and_name_it():
+    good, bad = _hash("items"), _hash("ads")
+    for s in (good, bad):
+        s.find_or_insert(torch.arange(5), step=1)
+    bad._st[1] = bad._storage.shape[0] + 1  # more rows handed out than the storage holds
+    before = [_state(good), _state(bad)]
+    with pytest.raises(StoreError, match="table 'ads': he_hs_find_or_insert_many.*inconsistent"):
+        find_or_insert_many([good, bad], [torch.arange(3, 9), torch.arange(3, 9)], step=2)
+    assert _same(_state(good), before[0]) and _same(_state(bad), before[1])
+
+
+def test_touch_many_with_a_bad_key_writes_no_table():
+    a, b = ArrayStore(num_rows=8, dim=2, name="a"), ArrayStore(num_rows=4, dim=2, name="b")
+    ka, kb = torch.arange(4), torch.tensor([0, 9])
+    oa, ob = torch.empty(4, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
+    meta = [a._meta.clone(), b._meta.clone()]
+    assert touch_many([a._touch_row(ka, None, oa), b._touch_row(kb, None, ob)], step=3) == 1
+    assert torch.equal(a._meta, meta[0]) and torch.equal(b._meta, meta[1])
+    assert touch_many([a._touch_row(ka, None, oa)], step=3) is None
+    assert torch.equal(oa, ka) and a._meta[:4, 1].eq(3).all()
+
+
+def test_init_rows_refuses_a_row_outside_its_output_and_writes_nothing():
+    out = torch.zeros(4, 6)
+    params = torch.tensor([0.5, 0, 0, 0, 0, 0], dtype=torch.float64)
+    keys, rows = torch.arange(2), torch.tensor([1, 4])
+    with pytest.raises(_native.KernelError, match="row 4 at position 1 lies outside") as info:
+        _native.call("he_init_rows", [keys, out, rows, params], [0, 7, 6, 6])
+    assert info.value.status == _native.Status.BAD_VALUE and info.value.detail[:2] == (1, 4)
+    assert out.eq(0).all()
+    _native.call("he_init_rows", [keys, _native.rows(out[:, 1:3]), rows[:1].repeat(2), params], [0, 7, 2, 6])
+    assert out[1, 1:3].eq(0.5).all() and out.sum() == 1.0  # the view's columns of row 1 only
+
+
+def test_an_optimizer_kernel_checks_its_gradient_and_slots_before_writing():
+    storage = torch.ones(6, 8)
+    slots = torch.tensor([0, 2])
+    with pytest.raises(_native.KernelError, match="buffer 2 \\(grad\\) holds 4 elements, needs 8"):
+        _native_ops.run("he_optim_sgd", storage, slots, torch.ones(4), 4, reals=(0.1, 0.0))
+    with pytest.raises(IndexError, match="slot 6 at position 1 is out of range for a table of 6 rows"):
+        _native_ops.run("he_optim_sgd", storage, torch.tensor([0, 6]), torch.ones(2, 4), 4, reals=(0.1, 0.0))
+    assert storage.eq(1).all()
