@@ -31,7 +31,7 @@ from .. import _native
 from .._device import canonical_device
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from ..functional import joined, joined_view, repeat_each
-from . import _alloc
+from . import _alloc, _ops
 from ._common import (as_counts, as_keys, as_slots, check_step, check_table_config, direct_write, gather_rows,
                       init_rows, make_layout, scatter_rows)
 from ._array import ArrayStore, touch_many
@@ -135,6 +135,7 @@ class HashStore(LayoutViews, Pinnable):
         self.layout = make_layout(name, dim, state_width, dtype, layout)
         self.name, self.dim, self.state_width, self.width = name, dim, state_width, self.layout.width
         self.dtype, self.device = dtype, canonical_device(device)
+        self._op_handle, self._op_version = _ops.register(self)  # its ops under torch.compile (store/_ops.py)
         self.initializer, self.init_state, self.seed = initializer, init_state, int(seed)
         self.capacity, self.on_full, self.eviction_policy = capacity, on_full, eviction_policy
         self.admit_min_count, self.admit_probability = admit_min_count, admit_probability
@@ -296,6 +297,8 @@ class HashStore(LayoutViews, Pinnable):
         return DynamicRows.rows_of(self)
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one custom op in the graph (store/_ops.py), this method inside
+            return _ops.find_or_insert_op(self, keys, step, counts)
         keys = as_keys(self.name, keys, self.device)
         step = check_step(self.name, step)
         counts = as_counts(self.name, counts, keys.numel(), self.device)
@@ -404,6 +407,8 @@ class HashStore(LayoutViews, Pinnable):
         return n
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _ops.find_op(self, keys)
         keys = as_keys(self.name, keys, self.device)
         if keys.numel() == 0:
             return keys.clone()
@@ -583,6 +588,7 @@ class HashStore(LayoutViews, Pinnable):
         out = HashStore.__new__(HashStore)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
         out.device = device
+        out._op_handle, out._op_version = _ops.register(out)
         out._pins = PinnedRows()  # pins name slots of this store's batches, not of the copy's
         for attr, v in self._arrays().items():
             if attr == "_st":
