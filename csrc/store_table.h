@@ -39,7 +39,7 @@ enum StoreScalar : int {
   kStLen = 8,
 };
 
-// Must match hugeembed/store/_native_store.py::_Table field for field.
+// A table's arrays as the kernels use them (built from the call's buffers, hash_store.cpp::table_of).
 struct HsTable {
   int64_t* buckets;
   int64_t nbuckets;

@@ -651,7 +651,7 @@ def find_or_insert_many(stores, keys, step: int, counts=None, out=None, keys_che
         if isinstance(s, HashStore):
             k = as_keys(s.name, keys[i], s.device)
             c = counts[i]
-            if c is not None:  # shape / dtype / device here; the kernel checks the values (rc 5)
+            if c is not None:  # shape / dtype / device here; the kernel checks the values (BAD_COUNT)
                 c = as_counts(s.name, c, k.numel(), s.device, check_values=False)
             keys[i], counts[i] = k, c
             row = s._batch_row(k, c, o)
