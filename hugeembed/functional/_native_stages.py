@@ -55,7 +55,7 @@ class _PlanBuffers:
     kernels"), built once per plan: each call then hands over two packed buffers, not ten
     tensors, and builds no per-group arrays (a call's cost grows with its buffers)."""
 
-    __slots__ = ("i64", "i8", "max_norm", "groups")
+    __slots__ = ("i64", "i8", "max_norm", "groups", "clipped")
 
     def __init__(self, plan: LookupPlan) -> None:
         a = plan.arrays("cpu")
@@ -63,12 +63,16 @@ class _PlanBuffers:
                               a["table_feat_ptr"]])
         self.i8 = torch.cat([a["prune_neg"], a["oor"], a["has_default"], a["combiner"]])
         self.max_norm = a["max_norm"]
-        # per dim group: pooled features, their output columns, unpooled features
-        self.groups: dict[DimGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.clipped = [t for t, spec in enumerate(plan.tables) if spec.max_norm]
+        # per dim group: pooled features, their output columns, unpooled features, and the
+        # tables each kind reads (None: all of them)
+        self.groups: dict[DimGroup, tuple] = {}
         for g in plan.groups:
-            pooled = torch.tensor(g.pooled, dtype=torch.int64)
-            self.groups[g] = (pooled, torch.arange(len(g.pooled), dtype=torch.int64) * g.dim,
-                              torch.tensor(g.unpooled, dtype=torch.int64))
+            reads = [sorted({plan.feature_table[f] for f in fs}) for fs in (g.pooled, g.unpooled)]
+            self.groups[g] = (torch.tensor(g.pooled, dtype=torch.int64),
+                              torch.arange(len(g.pooled), dtype=torch.int64) * g.dim,
+                              torch.tensor(g.unpooled, dtype=torch.int64),
+                              *(None if len(ts) == plan.num_tables else ts for ts in reads))
 
 
 _plan_buffers: weakref.WeakKeyDictionary[LookupPlan, _PlanBuffers] = weakref.WeakKeyDictionary()
@@ -81,9 +85,19 @@ def _buffers(plan: LookupPlan) -> _PlanBuffers:
     return cached
 
 
-def _tables(storages: Sequence[torch.Tensor]) -> tuple[list, list[int]]:
-    """The tables' rows as the kernels' trailing buffers, and their row strides (ints)."""
-    return [nat.rows(s) for s in storages], [s.stride(0) for s in storages]
+def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None) -> tuple[list, list[int]]:
+    """The tables' rows as the kernels' trailing buffers, and their row strides (ints).
+
+    A whole table goes over as itself (the same span as rows(), at a third of the cost per
+    call: a kernel call's cost is mostly its buffers), a view of some columns as rows().
+    `used`: only these tables' rows (the others go as None: the kernel reads no row of them).
+    """
+    bufs = [s if s.is_contiguous() else nat.rows(s) for s in storages] if used is None else [None] * len(storages)
+    if used is not None:
+        for t in used:
+            s = storages[t]
+            bufs[t] = s if s.is_contiguous() else nat.rows(s)
+    return bufs, [s.stride(0) for s in storages]
 
 
 def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -144,8 +158,8 @@ def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup, arrays=None) ->
     if n == 0 or B == 0:
         return out
     src = plan.source_indices(sf.keys())
-    feats, cols, _ = pb.groups[group]
-    rows, strides = _tables(storages)
+    feats, cols, _, reads, _ = pb.groups[group]
+    rows, strides = _tables(storages, reads)
     done = nat.call("he_lookup_pool_direct",
                     [pb.i64, pb.i8, pb.max_norm, feats, cols, values, offsets, weights, src, out, *rows],
                     (B, plan.num_features, plan.num_tables, D, n * D, *strides))
@@ -159,8 +173,8 @@ def pool_native(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGro
     out = torch.empty(B, n, D, dtype=torch.float32)
     if n == 0 or B == 0:
         return out
-    feats, cols, _ = pb.groups[group]
-    rows, strides = _tables(storages)
+    feats, cols, _, reads, _ = pb.groups[group]
+    rows, strides = _tables(storages, reads)
     nat.call("he_lookup_pool",
              [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
              (B, plan.num_features, plan.num_tables, D, prep.capacity, n * D, *strides))
@@ -180,9 +194,9 @@ def unpooled_native(plan: LookupPlan, prep: Prepared, storages, slots, group: Di
     out = torch.empty(sum(counts), group.dim, dtype=torch.float32)
     if not counts or out.numel() == 0:
         return out
-    _, _, feats = pb.groups[group]
+    _, _, feats, _, reads = pb.groups[group]
     row0 = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
-    rows, strides = _tables(storages)
+    rows, strides = _tables(storages, reads)
     nat.call("he_lookup_unpooled",
              [pb.i64, pb.i8, pb.max_norm, feats, row0, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
              (prep.batch_size, plan.num_features, plan.num_tables, group.dim, prep.capacity, *strides))
@@ -225,7 +239,7 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
             gbase[t] = total
             total += prep.unique_count[t] * D
     gbuf = torch.empty(total, dtype=torch.float32)
-    tables, strides = _tables(storages)
+    tables, strides = _tables(storages, pb.clipped)  # it reads rows only to differentiate max_norm
     nat.call("he_lookup_backward",
              [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, *grads, *tables],
              (B, F, T, prep.capacity, len(grads), *strides, *prep.unique_base, *prep.unique_count, *gbase, *where))
