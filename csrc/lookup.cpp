@@ -19,6 +19,9 @@
 //                        Jacobian of max_norm clipping.  Never a dense gradient.
 // The torch twin of each stage is hugeembed/functional/_reference.py; the tests
 // check both against a NumPy oracle of TF's documented semantics.
+//
+// Each stage is an internal function below; the exported kernels at the end of the
+// file unpack and check their arguments (csrc/call.h) and call it.
 #include <cmath>
 #include <mutex>
 
@@ -95,20 +98,15 @@ struct LookupContext {
   std::vector<he::DirectDedup> direct;  // per table
 };
 
-}  // namespace
-
-HE_API void* he_lookup_ctx_new() { return new LookupContext(); }
-HE_API void he_lookup_ctx_free(void* ctx) { delete static_cast<LookupContext*>(ctx); }
-
 // Stage 1.  out_lengths[f*B + b] = ids of bag (f, b) kept after cleaning.
 // Returns 0, or an error code with err[0..3] filled.
-HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const int64_t* offsets,
-                               const float* weights, int64_t B, int64_t F, const int64_t* src, const int64_t* table,
-                               const int64_t* num_rows, const int8_t* prune_neg, const int8_t* oor,
-                               const int8_t* has_default, const int64_t* default_id,
-                               const int8_t* combiner, int64_t* out_offsets, int64_t T,
-                               const int64_t* table_feat_ptr, const int64_t* table_feats, int64_t* unique_base,
-                               int64_t* totals, int64_t* err, int nthreads) {
+int64_t count_ids(const int64_t* values, int64_t n_values, const int64_t* offsets,
+                  const float* weights, int64_t B, int64_t F, const int64_t* src, const int64_t* table,
+                  const int64_t* num_rows, const int8_t* prune_neg, const int8_t* oor,
+                  const int8_t* has_default, const int64_t* default_id,
+                  const int8_t* combiner, int64_t* out_offsets, int64_t T,
+                  const int64_t* table_feat_ptr, const int64_t* table_feats, int64_t* unique_base,
+                  int64_t* totals, int64_t* err, int nthreads) {
   // Bag lengths go to out_offsets[1..], then a prefix sum turns them into offsets:
   // no torch op between the kernels (each would wake torch's OpenMP workers, which
   // then spin on the core our threads need).
@@ -158,8 +156,6 @@ HE_API int64_t he_lookup_count(const int64_t* values, int64_t n_values, const in
   return 0;
 }
 
-namespace {
-
 // The ids of table t's features, deduplicated by `d` (a LocalDedup or DirectDedup).
 template <class Dedup>
 void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* values, const int64_t* offsets,
@@ -201,25 +197,22 @@ void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* v
   unique_count[t] = d.count;
 }
 
-}  // namespace
-
 // Stage 2 (with deduplicate = 0: every kept id gets its own entry, for forward-only
 // lookups).  Writes, for each kept id at output position j (bags laid out by
 // out_offsets), inverse[j] = unique_base[t] + its index among table t's unique
 // keys and out_weights[j]; unique_keys/unique_counts[unique_base[t] + u] for
 // each table; unique_count[t] = number of unique keys of table t.
 // table_feat_ptr/table_feats list the plan features of each table (CSR).
-HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64_t* offsets,
-                               const float* weights, int64_t B, int64_t F, int64_t T,
-                               const int64_t* src, const int64_t* table, const int64_t* num_rows,
-                               const int8_t* prune_neg, const int8_t* oor,
-                               const int8_t* has_default, const int64_t* default_id,
-                               const int8_t* combiner, const int64_t* table_feat_ptr,
-                               const int64_t* table_feats, const int64_t* out_offsets,
-                               const int64_t* unique_base, int32_t* inverse, float* out_weights,
-                               int64_t* unique_keys, int32_t* unique_counts,
-                               int64_t* unique_count, int64_t deduplicate, int nthreads) {
-  auto* ctx = static_cast<LookupContext*>(ctx_ptr);
+void dedup_ids(LookupContext* ctx, const int64_t* values, const int64_t* offsets,
+               const float* weights, int64_t B, int64_t F, int64_t T,
+               const int64_t* src, const int64_t* table, const int64_t* num_rows,
+               const int8_t* prune_neg, const int8_t* oor,
+               const int8_t* has_default, const int64_t* default_id,
+               const int8_t* combiner, const int64_t* table_feat_ptr,
+               const int64_t* table_feats, const int64_t* out_offsets,
+               const int64_t* unique_base, int32_t* inverse, float* out_weights,
+               int64_t* unique_keys, int32_t* unique_counts,
+               int64_t* unique_count, int64_t deduplicate, int nthreads) {
   std::lock_guard<std::mutex> lock(ctx->mu);
   Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
   int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, T));
@@ -248,10 +241,7 @@ HE_API int64_t he_lookup_dedup(void* ctx_ptr, const int64_t* values, const int64
                   inverse, out_weights, unique_keys, unique_counts, unique_count);
     }
   });
-  return 0;
 }
-
-namespace {
 
 // TF's clip_by_norm, elementwise exactly as TF computes it:
 //   out = (x * c) / max(||x||, c)
@@ -415,17 +405,15 @@ void dispatch_dim(int64_t D, Body&& body) {
   }
 }
 
-}  // namespace
-
 // Stage 3.  Pools the plan features `feats` (all of dim D) into out: feature
 // feats[k], sample b goes to out + b*out_row_stride + out_col[k].  Threads take
 // ranges of samples; within a range each feature's ids are walked in order.
-HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
-                           const int64_t* out_offsets, const int32_t* inverse,
-                           const float* weights, const int64_t* slots, const int64_t* table,
-                           const int64_t* storage, const int64_t* row_stride,
-                           const float* max_norm, const int8_t* combiner, int64_t D, float* out,
-                           int64_t out_row_stride, const int64_t* out_col, int nthreads) {
+void pool_rows(int64_t B, int64_t n_feats, const int64_t* feats,
+               const int64_t* out_offsets, const int32_t* inverse,
+               const float* weights, const int64_t* slots, const int64_t* table,
+               const int64_t* storage, const int64_t* row_stride,
+               const float* max_norm, const int8_t* combiner, int64_t D, float* out,
+               int64_t out_row_stride, const int64_t* out_col, int nthreads) {
   PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
   int64_t n_ids = 0;
   for (int64_t k = 0; k < n_feats; ++k) n_ids += out_offsets[(feats[k] + 1) * B] - out_offsets[feats[k] * B];
@@ -439,12 +427,12 @@ HE_API void he_lookup_pool(int64_t B, int64_t n_feats, const int64_t* feats,
 
 // Unpooled (sequence) features: one output row per kept id, weighted and clipped.
 // Feature feats[k]'s rows start at out + out_row0[k]*D (row-major, D columns).
-HE_API void he_lookup_unpooled(int64_t B, int64_t n_feats, const int64_t* feats,
-                               const int64_t* out_offsets, const int32_t* inverse,
-                               const float* weights, const int64_t* slots, const int64_t* table,
-                               const int64_t* storage, const int64_t* row_stride,
-                               const float* max_norm, const int8_t* combiner, int64_t D,
-                               float* out, const int64_t* out_row0, int nthreads) {
+void unpooled_rows(int64_t B, int64_t n_feats, const int64_t* feats,
+                   const int64_t* out_offsets, const int32_t* inverse,
+                   const float* weights, const int64_t* slots, const int64_t* table,
+                   const int64_t* storage, const int64_t* row_stride,
+                   const float* max_norm, const int8_t* combiner, int64_t D,
+                   float* out, const int64_t* out_row0, int nthreads) {
   PoolArgs a{B, out_offsets, inverse, weights, slots, table, storage, row_stride, max_norm, combiner};
   for (int64_t k = 0; k < n_feats; ++k) {
     int64_t f = feats[k], t = table[f];
@@ -475,8 +463,6 @@ HE_API void he_lookup_unpooled(int64_t B, int64_t n_feats, const int64_t* feats,
 // for tables with max_norm, the transpose Jacobian of TF's clip_by_norm.
 // grad_ptr[f] is the address of feature f's gradient for sample 0 (pooled) or id
 // 0 (unpooled); grad_stride[f] the distance between samples (or ids).
-namespace {
-
 template <int DC>
 void backward_table(int64_t t, int64_t B, const int64_t* table_feat_ptr, const int64_t* table_feats,
                     const int64_t* out_offsets, const int32_t* inverse, const float* weights,
@@ -570,17 +556,15 @@ void backward_table(int64_t t, int64_t B, const int64_t* table_feat_ptr, const i
   }
 }
 
-}  // namespace
-
-HE_API void he_lookup_backward(int64_t B, int64_t F, int64_t T, const int64_t* table_feat_ptr,
-                               const int64_t* table_feats, const int64_t* out_offsets,
-                               const int32_t* inverse, const float* weights, const int64_t* slots,
-                               const int64_t* storage, const int64_t* row_stride,
-                               const float* max_norm, const int8_t* combiner,
-                               const int64_t* unique_base, const int64_t* unique_count,
-                               const int64_t* dims, const int64_t* grad_ptr,
-                               const int64_t* grad_stride, float* gbuf, const int64_t* gbase,
-                               int nthreads) {
+void backward_rows(int64_t B, int64_t F, int64_t T, const int64_t* table_feat_ptr,
+                   const int64_t* table_feats, const int64_t* out_offsets,
+                   const int32_t* inverse, const float* weights, const int64_t* slots,
+                   const int64_t* storage, const int64_t* row_stride,
+                   const float* max_norm, const int8_t* combiner,
+                   const int64_t* unique_base, const int64_t* unique_count,
+                   const int64_t* dims, const int64_t* grad_ptr,
+                   const int64_t* grad_stride, float* gbuf, const int64_t* gbase,
+                   int nthreads) {
   he::parallel_items(T, nthreads, [&](int64_t t, int) {
     dispatch_dim(dims[t], [&]<int DC>() {
       backward_table<DC>(t, B, table_feat_ptr, table_feats, out_offsets, inverse, weights, slots, storage,
@@ -589,8 +573,6 @@ HE_API void he_lookup_backward(int64_t B, int64_t F, int64_t T, const int64_t* t
     });
   });
 }
-
-namespace {
 
 // Pools bags [b0, b1) of plan feature f of a static table straight from the input
 // batch: the ids are cleaned as he_lookup_count cleans them and summed in the same
@@ -722,32 +704,35 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
   return true;
 }
 
-}  // namespace
+// What he_lookup_pool_direct did: pooled, or left it to the two-stage path (count +
+// dedup + pool) because a bag holds bad offsets, an id or a weight to report, or a
+// table is dynamic.  Must match hugeembed/functional/_native_stages.py::POOL_DIRECT_*.
+enum PoolDirect : int64_t { kPooledDirect = 0, kTwoStage = 1 };
 
 // Forward-only lookup of static tables in one pass over the input (no count, no
 // dedup, no intermediate arrays): for inference and evaluation, where no gradient
-// needs the per-table unique rows.  Same arguments as he_lookup_count (the plan) and
-// he_lookup_pool (the output) together.  Returns 0, or 1 when a bag holds bad offsets,
+// needs the per-table unique rows.  Same arguments as count_ids (the plan) and
+// pool_rows (the output) together.  Returns kTwoStage when a bag holds bad offsets,
 // an id or a weight the caller must report: it then runs the two-stage path, which
 // raises with the details (the output is then garbage).
-HE_API int64_t he_lookup_pool_direct(const int64_t* values, int64_t n_values, const int64_t* offsets,
-                                     const float* weights, int64_t B, int64_t F, const int64_t* src,
-                                     const int64_t* table, const int64_t* num_rows, const int8_t* prune_neg,
-                                     const int8_t* oor, const int8_t* has_default, const int64_t* default_id,
-                                     const int8_t* combiner, int64_t n_feats, const int64_t* feats,
-                                     const int64_t* storage, const int64_t* row_stride, const float* max_norm,
-                                     int64_t D, float* out, int64_t out_row_stride, const int64_t* out_col,
-                                     int nthreads) {
+int64_t pool_direct(const int64_t* values, int64_t n_values, const int64_t* offsets,
+                    const float* weights, int64_t B, int64_t F, const int64_t* src,
+                    const int64_t* table, const int64_t* num_rows, const int8_t* prune_neg,
+                    const int8_t* oor, const int8_t* has_default, const int64_t* default_id,
+                    const int8_t* combiner, int64_t n_feats, const int64_t* feats,
+                    const int64_t* storage, const int64_t* row_stride, const float* max_norm,
+                    int64_t D, float* out, int64_t out_row_stride, const int64_t* out_col,
+                    int nthreads) {
   Plan p{B, F, src, table, num_rows, prune_neg, oor, has_default, default_id, combiner};
   PoolArgs a{B, nullptr, nullptr, nullptr, nullptr, table, storage, row_stride, max_norm, combiner};
   for (int64_t k = 0; k < n_feats; ++k)
-    if (num_rows[table[feats[k]]] < 0) return 1;  // a dynamic table: not for this path
+    if (num_rows[table[feats[k]]] < 0) return kTwoStage;  // a dynamic table: not for this path
   std::atomic<bool> bad{false};
   int64_t n_ids = 0;
   for (int64_t k = 0; k < n_feats; ++k) {
     const int64_t f = feats[k];
     const int64_t lo = offsets[src[f] * B], hi = offsets[(src[f] + 1) * B];
-    if (lo < 0 || hi < lo || hi > n_values) return 1;
+    if (lo < 0 || hi < lo || hi > n_values) return kTwoStage;
     n_ids += hi - lo;
   }
   pool_items(B, n_feats, n_ids, nthreads, [&](int64_t k, int64_t b0, int64_t b1) {
@@ -759,5 +744,381 @@ HE_API int64_t he_lookup_pool_direct(const int64_t* values, int64_t n_values, co
         bad.store(true);
     });
   });
-  return bad.load() ? 1 : 0;
+  return bad.load() ? kTwoStage : kPooledDirect;
+}
+
+}  // namespace
+
+// ---- The exported kernels (csrc/call.h) -------------------------------------------
+//
+// Every kernel begins with the plan's constant arrays, packed once per plan by
+// hugeembed/functional/_native_stages.py::_plan_bufs (two buffers per call, not ten):
+//   buf 0  plan_i64  table[F] default_id[F] table_feats[F] num_rows[T] dims[T] table_feat_ptr[T+1]
+//   buf 1  plan_i8   prune_neg[F] oor[F] has_default[F] combiner[F]
+// and its ints with B, F, T.  The tables' row storages go over as T trailing buffers
+// (rows(): the span of a row-strided view) with their row strides W[T] among the ints;
+// each kernel builds its own array of row addresses from them.
+//
+// Checked here, before anything is written: every buffer's type and length against
+// B, F, T, D and the counts the earlier stages produced, and every index of the plan.
+// Trusted (written by the earlier stages of the same lookup, checked there): the
+// contents of out_offsets (he_lookup_count), of inverse (he_lookup_dedup: each entry <
+// capacity) and of slots (the caller: each a row of its table, or -1); checking each
+// of those per id would cost the hot loops.
+
+namespace {
+
+// Bounds on sizes and positions from the caller, which keep every product the checks
+// below form ((src+1)*B, F*B, row * stride + D, ...) inside int64.
+constexpr int64_t kMaxIndex = int64_t(1) << 40;
+constexpr int64_t kMaxDim = int64_t(1) << 20;
+
+struct PlanView {
+  int64_t B, F, T;
+  const int64_t *table, *default_id, *table_feats, *num_rows, *dims, *table_feat_ptr;
+  const int8_t *prune_neg, *oor, *has_default, *combiner;
+};
+
+PlanView plan_view(const he::Call& call) {
+  const int64_t B = call.i(0), F = call.i(1), T = call.i(2);
+  if (B < 0 || F < 0 || T < 0 || B > kMaxIndex || F > kMaxDim || T > kMaxDim)
+    call.fail(HE_BAD_CALL, "B %lld, F %lld, T %lld out of bounds", (long long)B, (long long)F, (long long)T);
+  const int64_t* p = call.buf<const int64_t>(0, 3 * F + 3 * T + 1, "plan_i64");
+  const int8_t* q = call.buf<const int8_t>(1, 4 * F, "plan_i8");
+  const PlanView v{B,         F,     T,         p,         p + F,     p + 2 * F, p + 3 * F, p + 3 * F + T,
+                   p + 3 * F + 2 * T, q, q + F, q + 2 * F, q + 3 * F};
+  for (int64_t f = 0; f < F; ++f)
+    if (v.table[f] < 0 || v.table[f] >= T)
+      call.fail(HE_BAD_CALL, "plan: feature %lld reads table %lld of %lld", (long long)f, (long long)v.table[f],
+                (long long)T);
+  for (int64_t t = 0; t < T; ++t)
+    if (v.dims[t] < 0 || v.dims[t] > kMaxDim)
+      call.fail(HE_BAD_CALL, "plan: table %lld has dim %lld", (long long)t, (long long)v.dims[t]);
+  if (v.table_feat_ptr[0] != 0 || v.table_feat_ptr[T] > F)
+    call.fail(HE_BAD_CALL, "plan: table_feat_ptr spans [%lld, %lld], not within [0, %lld]",
+              (long long)v.table_feat_ptr[0], (long long)v.table_feat_ptr[T], (long long)F);
+  for (int64_t t = 0; t < T; ++t)
+    if (v.table_feat_ptr[t + 1] < v.table_feat_ptr[t])
+      call.fail(HE_BAD_CALL, "plan: table_feat_ptr decreases at table %lld", (long long)t);
+  for (int64_t k = 0; k < v.table_feat_ptr[T]; ++k)
+    if (v.table_feats[k] < 0 || v.table_feats[k] >= F)
+      call.fail(HE_BAD_CALL, "plan: table_feats[%lld] = %lld, not a feature of %lld", (long long)k,
+                (long long)v.table_feats[k], (long long)F);
+  return v;
+}
+
+// The input batch: values [n_values], offsets (bags of input feature s are
+// offsets[s*B .. s*B + B]), weights [n_values] or empty, src [F].
+struct Batch {
+  const int64_t* values;
+  int64_t n_values;
+  const int64_t* offsets;
+  const float* weights;
+  const int64_t* src;
+};
+
+Batch batch_view(const he::Call& call, const PlanView& v, int64_t k_values, int64_t k_offsets, int64_t k_weights,
+                 int64_t k_src) {
+  Batch in;
+  in.n_values = call.numel(k_values);
+  in.values = call.buf<const int64_t>(k_values, in.n_values, "values");
+  in.weights = call.opt<const float>(k_weights, in.n_values, "weights");
+  in.src = call.buf<const int64_t>(k_src, v.F, "src");
+  const int64_t n_offsets = call.numel(k_offsets);
+  int64_t need = 1;
+  for (int64_t f = 0; f < v.F; ++f) {
+    const int64_t s = in.src[f];
+    if (s < 0 || (v.B > 0 && s >= n_offsets / v.B))
+      call.fail(HE_BAD_CALL, "src[%lld] = %lld: offsets of %lld entries hold no such feature for B %lld",
+                (long long)f, (long long)s, (long long)n_offsets, (long long)v.B);
+    need = std::max(need, (s + 1) * v.B + 1);
+  }
+  in.offsets = call.buf<const int64_t>(k_offsets, need, "offsets");
+  return in;
+}
+
+// Ids table t reads after cleaning (its share of the unique-key buffer).
+int64_t ids_of_table(const PlanView& v, const int64_t* out_offsets, int64_t t) {
+  int64_t n = 0;
+  for (int64_t k = v.table_feat_ptr[t]; k < v.table_feat_ptr[t + 1]; ++k) {
+    const int64_t f = v.table_feats[k];
+    n += out_offsets[(f + 1) * v.B] - out_offsets[f * v.B];
+  }
+  return n;
+}
+
+// out_offsets [F*B + 1] from he_lookup_count; returns n_kept (its last entry).
+int64_t kept_ids(const he::Call& call, const PlanView& v, int64_t k, const int64_t** out_offsets) {
+  *out_offsets = call.buf<const int64_t>(k, v.F * v.B + 1, "out_offsets");
+  const int64_t n_kept = (*out_offsets)[v.F * v.B];
+  if ((*out_offsets)[0] != 0 || n_kept < 0)
+    call.fail(HE_BAD_CALL, "out_offsets runs from %lld to %lld", (long long)(*out_offsets)[0], (long long)n_kept);
+  return n_kept;
+}
+
+// Integers k .. k+n-1 of the call.
+const int64_t* int_span(const he::Call& call, int64_t k, int64_t n, const char* what) {
+  if (n > 0) call.i(k + n - 1);  // fails when not given
+  (void)what;
+  return call.raw()->ints + k;
+}
+
+// Row addresses of the T tables (buffers first .. first+T-1, row strides W[T] from
+// int w0), as PoolArgs reads them.  Tables with used[t] must be given, with a row
+// stride of at least `dims[t]` and, when min_rows[t] > 0, that many rows.
+struct Tables {
+  std::vector<int64_t> addr;
+  const int64_t* stride;
+};
+
+template <class Used, class MinRows>
+Tables table_rows(const he::Call& call, const PlanView& v, int64_t first, int64_t w0, Used&& used,
+                  MinRows&& min_rows) {
+  Tables tabs{std::vector<int64_t>(v.T, 0), int_span(call, w0, v.T, "row strides")};
+  for (int64_t t = 0; t < v.T; ++t) {
+    if (!used(t)) continue;
+    const int64_t D = v.dims[t], W = tabs.stride[t], n = min_rows(t), numel = call.numel(first + t);
+    if (W < 0 || W > kMaxIndex || (W < D && numel > D))
+      call.fail(HE_BAD_CALL, "table %lld: row stride %lld for dim %lld", (long long)t, (long long)W, (long long)D);
+    const float* rows = call.buf<const float>(first + t, n > 0 ? (n - 1) * W + D : 0, "table rows");
+    tabs.addr[t] = reinterpret_cast<int64_t>(rows);
+  }
+  return tabs;
+}
+
+// Plan features feats[n] (buffer k) of dim D, each with an int64 position (buffer
+// k + 1: an output column or first output row, >= 0); returns n.
+int64_t feature_list(const he::Call& call, const PlanView& v, int64_t k, int64_t D, const int64_t** feats,
+                     const int64_t** where) {
+  const int64_t n = call.numel(k);
+  *feats = call.buf<const int64_t>(k, n, "feats");
+  *where = call.buf<const int64_t>(k + 1, n, "feature positions");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t f = (*feats)[i];
+    if (f < 0 || f >= v.F || v.dims[v.table[f]] != D || (*where)[i] < 0 || (*where)[i] > kMaxIndex)
+      call.fail(HE_BAD_CALL, "feats[%lld] = %lld (position %lld) is not a plan feature of dim %lld", (long long)i,
+                (long long)f, (long long)(*where)[i], (long long)D);
+  }
+  return n;
+}
+
+}  // namespace
+
+// Returns a new lookup context (dedup scratch, reused across batches), as an integer
+// handle: the one address that crosses the boundary, given back as int 4 of
+// he_lookup_dedup and to he_lookup_ctx_free (int 0), which deletes it.
+HE_KERNEL(he_lookup_ctx_new) {
+  call.expect(0, 0, 0);
+  return reinterpret_cast<int64_t>(new LookupContext());
+}
+
+HE_KERNEL(he_lookup_ctx_free) {
+  call.expect(0, 1, 0);
+  delete reinterpret_cast<LookupContext*>(call.i(0));
+  return 0;
+}
+
+// Stage 1 (count_ids).
+//   bufs  0, 1 plan  2 values  3 offsets  4 weights or empty  5 src [F]
+//         6 out_offsets [F*B + 1] (out)  7 unique_base [T] (out)  8 totals [2] (out: n_kept, capacity)
+//   ints  B F T
+// Fails with HE_BAD_VALUE for a bag the cleaning refuses, detail = {code, plan feature,
+// position, value}: code kErrOutOfRange or kErrWeight (position of the id in values,
+// the id), or kErrOffsets (the sample, offsets[bag + 1]); the first by (feature,
+// position).  out_offsets then holds partial counts (nothing else is written).
+HE_KERNEL(he_lookup_count) {
+  call.expect(9, 3, 0);
+  const PlanView v = plan_view(call);
+  const Batch in = batch_view(call, v, 2, 3, 4, 5);
+  int64_t* out_offsets = call.buf<int64_t>(6, v.F * v.B + 1, "out_offsets");
+  int64_t* unique_base = call.buf<int64_t>(7, v.T, "unique_base");
+  int64_t* totals = call.buf<int64_t>(8, 2, "totals");
+  int64_t err[4] = {0, 0, 0, 0};
+  if (count_ids(in.values, in.n_values, in.offsets, in.weights, v.B, v.F, in.src, v.table, v.num_rows, v.prune_neg,
+                v.oor, v.has_default, v.default_id, v.combiner, out_offsets, v.T, v.table_feat_ptr, v.table_feats,
+                unique_base, totals, err, call.nthreads())) {
+    call.detail({err[0], err[1], err[2], err[3]});
+    if (err[0] == kErrOffsets)
+      call.fail(HE_BAD_VALUE, "plan feature %lld: bag of sample %lld has bad offsets (next offset %lld)",
+                (long long)err[1], (long long)err[2], (long long)err[3]);
+    call.fail(HE_BAD_VALUE, "plan feature %lld: %s of id %lld at position %lld", (long long)err[1],
+              err[0] == kErrWeight ? "non-finite weight" : "out-of-range value", (long long)err[3],
+              (long long)err[2]);
+  }
+  return 0;
+}
+
+// Stage 2 (dedup_ids).
+//   bufs  0, 1 plan  2 values  3 offsets  4 weights or empty  5 src [F]
+//         6 out_offsets [F*B + 1]  7 unique_base [T] (from he_lookup_count)
+//         8 inverse int32 [n_kept] (out)  9 out_weights [n_kept] (out; read only with weights)
+//         10 unique_keys [capacity] (out)  11 unique_counts int32 [capacity] (out)  12 unique_count [T] (out)
+//   ints  B F T deduplicate ctx (he_lookup_ctx_new's handle)
+HE_KERNEL(he_lookup_dedup) {
+  call.expect(13, 5, 0);
+  const PlanView v = plan_view(call);
+  const Batch in = batch_view(call, v, 2, 3, 4, 5);
+  const int64_t* out_offsets;
+  const int64_t n_kept = kept_ids(call, v, 6, &out_offsets);
+  const int64_t* unique_base = call.buf<const int64_t>(7, v.T, "unique_base");
+  int64_t capacity = 0;
+  for (int64_t t = 0; t < v.T; ++t) {
+    if (unique_base[t] < 0) call.fail(HE_BAD_CALL, "unique_base[%lld] = %lld", (long long)t, (long long)unique_base[t]);
+    capacity = std::max(capacity, unique_base[t] + ids_of_table(v, out_offsets, t));
+  }
+  int32_t* inverse = call.buf<int32_t>(8, n_kept, "inverse");
+  float* out_weights = in.weights ? call.buf<float>(9, n_kept, "out_weights") : nullptr;
+  int64_t* unique_keys = call.buf<int64_t>(10, capacity, "unique_keys");
+  int32_t* unique_counts = call.buf<int32_t>(11, capacity, "unique_counts");
+  int64_t* unique_count = call.buf<int64_t>(12, v.T, "unique_count");
+  auto* ctx = reinterpret_cast<LookupContext*>(call.i(4));
+  if (!ctx) call.fail(HE_BAD_CALL, "no lookup context");
+  dedup_ids(ctx, in.values, in.offsets, in.weights, v.B, v.F, v.T, in.src, v.table, v.num_rows, v.prune_neg, v.oor,
+            v.has_default, v.default_id, v.combiner, v.table_feat_ptr, v.table_feats, out_offsets, unique_base,
+            inverse, out_weights, unique_keys, unique_counts, unique_count, call.i(3), call.nthreads());
+  return 0;
+}
+
+// Stage 3 (pool_rows): pools plan features feats (all of dim D): feature feats[k],
+// sample b goes to out[b*out_row_stride + out_col[k] .. + D].
+//   bufs  0, 1 plan  2 max_norm float32 [T]  3 feats [n]  4 out_col [n]  5 out_offsets [F*B + 1]
+//         6 inverse int32 [n_kept]  7 weights [n_kept] or empty  8 slots [capacity]  9 out (out)
+//         10 .. 10+T-1 the tables' rows
+//   ints  B F T D capacity out_row_stride W[T]
+HE_KERNEL(he_lookup_pool) {
+  const PlanView v = plan_view(call);
+  call.expect(10 + v.T, 6 + v.T, 0);
+  const int64_t D = call.i(3), capacity = call.i(4), ors = call.i(5);
+  const float* max_norm = call.buf<const float>(2, v.T, "max_norm");
+  const int64_t *feats, *out_col;
+  const int64_t n = feature_list(call, v, 3, D, &feats, &out_col);
+  const int64_t* out_offsets;
+  const int64_t n_kept = kept_ids(call, v, 5, &out_offsets);
+  const int32_t* inverse = call.buf<const int32_t>(6, n_kept, "inverse");
+  const float* weights = call.opt<const float>(7, n_kept, "weights");
+  const int64_t* slots = call.buf<const int64_t>(8, capacity, "slots");
+  int64_t need = 0;
+  if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
+  for (int64_t k = 0; k < n; ++k)
+    if (v.B > 0 && D > 0) need = std::max(need, (v.B - 1) * ors + out_col[k] + D);
+  float* out = call.buf<float>(9, need, "out");
+  std::vector<char> used(v.T, 0);
+  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
+  const Tables tabs = table_rows(call, v, 10, 6, [&](int64_t t) { return used[t] != 0; }, [](int64_t) { return 0; });
+  pool_rows(v.B, n, feats, out_offsets, inverse, weights, slots, v.table, tabs.addr.data(), tabs.stride, max_norm,
+            v.combiner, D, out, ors, out_col, call.nthreads());
+  return 0;
+}
+
+// Unpooled features (unpooled_rows): one row per kept id; feature feats[k]'s rows
+// start at out[out_row0[k] * D] (row-major, D columns).
+//   bufs  as he_lookup_pool, with 4 out_row0 [n] for out_col
+//   ints  B F T D capacity W[T]
+HE_KERNEL(he_lookup_unpooled) {
+  const PlanView v = plan_view(call);
+  call.expect(10 + v.T, 5 + v.T, 0);
+  const int64_t D = call.i(3), capacity = call.i(4);
+  const float* max_norm = call.buf<const float>(2, v.T, "max_norm");
+  const int64_t *feats, *out_row0;
+  const int64_t n = feature_list(call, v, 3, D, &feats, &out_row0);
+  const int64_t* out_offsets;
+  const int64_t n_kept = kept_ids(call, v, 5, &out_offsets);
+  const int32_t* inverse = call.buf<const int32_t>(6, n_kept, "inverse");
+  const float* weights = call.opt<const float>(7, n_kept, "weights");
+  const int64_t* slots = call.buf<const int64_t>(8, capacity, "slots");
+  int64_t need = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t f = feats[k];
+    need = std::max(need, (out_row0[k] + out_offsets[(f + 1) * v.B] - out_offsets[f * v.B]) * D);
+  }
+  float* out = call.buf<float>(9, need, "out");
+  std::vector<char> used(v.T, 0);
+  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
+  const Tables tabs = table_rows(call, v, 10, 5, [&](int64_t t) { return used[t] != 0; }, [](int64_t) { return 0; });
+  unpooled_rows(v.B, n, feats, out_offsets, inverse, weights, slots, v.table, tabs.addr.data(), tabs.stride,
+                max_norm, v.combiner, D, out, out_row0, call.nthreads());
+  return 0;
+}
+
+// Stage 4 (backward_rows): table t's gradient rows go to gbuf[gbase[t] ..
+// + unique_count[t] * dims[t]].  Feature f's output gradient is gradient buffer
+// g_f, from element off_f on, one sample (pooled) or kept id (unpooled) every
+// stride_f elements.
+//   bufs  0, 1 plan  2 max_norm float32 [T]  3 out_offsets [F*B + 1]  4 inverse int32 [n_kept]
+//         5 weights [n_kept] or empty  6 slots [capacity]  7 gbuf (out)
+//         8 .. 8+G-1 the output gradients (float32), then T buffers: the tables' rows
+//   ints  B F T capacity G  W[T]  unique_base[T]  unique_count[T]  gbase[T]  (g_f, off_f, stride_f) for each f
+HE_KERNEL(he_lookup_backward) {
+  const PlanView v = plan_view(call);
+  const int64_t T = v.T, F = v.F, B = v.B, capacity = call.i(3), G = call.i(4);
+  if (G < 0 || G > kMaxDim) call.fail(HE_BAD_CALL, "%lld gradient buffers", (long long)G);
+  call.expect(8 + G + T, 5 + 4 * T + 3 * F, 0);
+  const int64_t* unique_base = int_span(call, 5 + T, T, "unique_base");
+  const int64_t* unique_count = unique_base + T;
+  const int64_t* gbase = unique_count + T;
+  const int64_t* where = gbase + T;
+  const float* max_norm = call.buf<const float>(2, T, "max_norm");
+  const int64_t* out_offsets;
+  const int64_t n_kept = kept_ids(call, v, 3, &out_offsets);
+  const int32_t* inverse = call.buf<const int32_t>(4, n_kept, "inverse");
+  const float* weights = call.opt<const float>(5, n_kept, "weights");
+  const int64_t* slots = call.buf<const int64_t>(6, capacity, "slots");
+  int64_t need = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (unique_base[t] < 0 || unique_count[t] < 0 || unique_base[t] + unique_count[t] > capacity || gbase[t] < 0 ||
+        gbase[t] > kMaxIndex * kMaxDim)
+      call.fail(HE_BAD_CALL, "table %lld: unique rows [%lld, +%lld) of %lld, gbase %lld", (long long)t,
+                (long long)unique_base[t], (long long)unique_count[t], (long long)capacity, (long long)gbase[t]);
+    need = std::max(need, gbase[t] + unique_count[t] * v.dims[t]);
+  }
+  float* gbuf = call.buf<float>(7, need, "gbuf");
+  std::vector<int64_t> grad_ptr(F, 0), grad_stride(F, 0);
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t g = where[3 * f], off = where[3 * f + 1], stride = where[3 * f + 2];
+    const int64_t D = v.dims[v.table[f]];
+    // a pooled feature reads one gradient row per sample, an unpooled one per kept id
+    const int64_t n = v.combiner[f] == kNone ? out_offsets[(f + 1) * B] - out_offsets[f * B] : B;
+    if (g < 0 || g >= G || off < 0 || off > kMaxIndex || stride < 0 || stride > kMaxIndex)
+      call.fail(HE_BAD_CALL, "feature %lld: gradient %lld of %lld, offset %lld, stride %lld", (long long)f,
+                (long long)g, (long long)G, (long long)off, (long long)stride);
+    if (n == 0 || D == 0) continue;
+    const float* grad = call.buf<const float>(8 + g, off + (n - 1) * stride + D, "output gradient");
+    grad_ptr[f] = reinterpret_cast<int64_t>(grad + off);
+    grad_stride[f] = stride;
+  }
+  const Tables tabs =
+      table_rows(call, v, 8 + G, 5, [&](int64_t t) { return max_norm[t] > 0.0f; }, [](int64_t) { return 0; });
+  backward_rows(B, F, T, v.table_feat_ptr, v.table_feats, out_offsets, inverse, weights, slots, tabs.addr.data(),
+                tabs.stride, max_norm, v.combiner, unique_base, unique_count, v.dims, grad_ptr.data(), grad_stride.data(),
+                gbuf, gbase, call.nthreads());
+  return 0;
+}
+
+// The one-pass forward of static tables (pool_direct).  Returns kPooledDirect, or
+// kTwoStage: the caller then runs count + dedup + pool, which reports the bag at
+// fault (out is then garbage).  Every table it reads must hold its num_rows rows.
+//   bufs  0, 1 plan  2 max_norm float32 [T]  3 feats [n]  4 out_col [n]  5 values  6 offsets
+//         7 weights or empty  8 src [F]  9 out (out)  10 .. 10+T-1 the tables' rows
+//   ints  B F T D out_row_stride W[T]
+HE_KERNEL(he_lookup_pool_direct) {
+  const PlanView v = plan_view(call);
+  call.expect(10 + v.T, 5 + v.T, 0);
+  const int64_t D = call.i(3), ors = call.i(4);
+  const float* max_norm = call.buf<const float>(2, v.T, "max_norm");
+  const int64_t *feats, *out_col;
+  const int64_t n = feature_list(call, v, 3, D, &feats, &out_col);
+  const Batch in = batch_view(call, v, 5, 6, 7, 8);
+  int64_t need = 0;
+  if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
+  for (int64_t k = 0; k < n; ++k)
+    if (v.B > 0 && D > 0) need = std::max(need, (v.B - 1) * ors + out_col[k] + D);
+  float* out = call.buf<float>(9, need, "out");
+  std::vector<char> used(v.T, 0);
+  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
+  // ids are checked against num_rows in the loops: rows up to there are all it reads
+  const Tables tabs = table_rows(
+      call, v, 10, 5, [&](int64_t t) { return used[t] != 0; }, [&](int64_t t) { return v.num_rows[t]; });
+  return pool_direct(in.values, in.n_values, in.offsets, in.weights, v.B, v.F, in.src, v.table, v.num_rows,
+                     v.prune_neg, v.oor, v.has_default, v.default_id, v.combiner, n, feats, tabs.addr.data(),
+                     tabs.stride, max_norm, D, out, ors, out_col, call.nthreads());
 }

@@ -1,8 +1,9 @@
 """The clean/dedup, pool and backward stages on the native CPU kernels (csrc/lookup.cpp).
 
-Each function checks every tensor it hands to a kernel (dtype, device, length) so
-a kernel never reads past a buffer.  The torch twin of each stage is in
-_reference.py; both produce the same ``Prepared`` structure.
+Each kernel takes its tensors as buffers (hugeembed/_native.call) and checks their
+types and lengths itself, so none reads past a buffer; the tables' rows go over as
+buffers too, never as addresses.  The torch twin of each stage is in _reference.py;
+both produce the same ``Prepared`` structure.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from ._plan import DimGroup, LookupPlan, Prepared
 __all__ = ["NativeScratch", "prepare_native", "pool_native", "unpooled_native", "backward_native", "can_use_native",
            "can_use_native_storages", "unpooled_rows"]
 
-I64, I32, F32, PTR = nat.I64, nat.I32, nat.F32, nat.PTR
+# he_lookup_pool_direct's results (csrc/lookup.cpp::PoolDirect): pooled, or left to the
+# two-stage path, which reports the bag at fault
+POOL_DIRECT_POOLED, POOL_DIRECT_TWO_STAGE = 0, 1
 
 
 def can_use_native(sf, storages: Sequence[torch.Tensor]) -> bool:
@@ -42,40 +45,75 @@ class NativeScratch:
     """Owns the native dedup scratch (hash tables reused across batches) of one lookup."""
 
     def __init__(self) -> None:
-        new = nat.fn("he_lookup_ctx_new", restype=PTR)
-        free = nat.fn("he_lookup_ctx_free", PTR, restype=None)
-        self.handle = new()
-        self._finalizer = weakref.finalize(self, free, self.handle)
+        # the context's address is the one handle that crosses as an integer (he_lookup_ctx_new)
+        self.handle = nat.call("he_lookup_ctx_new")
+        self._finalizer = weakref.finalize(self, nat.call, "he_lookup_ctx_free", (), (self.handle,))
 
 
-def _addresses(storages: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    addr = torch.tensor([s.data_ptr() for s in storages], dtype=torch.int64)
-    stride = torch.tensor([s.stride(0) for s in storages], dtype=torch.int64)
-    return addr, stride
+class _PlanBuffers:
+    """A plan's constant arrays as the kernels take them (csrc/lookup.cpp, "The exported
+    kernels"), built once per plan: each call then hands over two packed buffers, not ten
+    tensors, and builds no per-group arrays (a call's cost grows with its buffers)."""
+
+    __slots__ = ("i64", "i8", "max_norm", "groups", "clipped")
+
+    def __init__(self, plan: LookupPlan) -> None:
+        a = plan.arrays("cpu")
+        self.i64 = torch.cat([a["table"], a["default_id"], a["table_feats"], a["num_rows"], a["dims"],
+                              a["table_feat_ptr"]])
+        self.i8 = torch.cat([a["prune_neg"], a["oor"], a["has_default"], a["combiner"]])
+        self.max_norm = a["max_norm"]
+        self.clipped = [t for t, spec in enumerate(plan.tables) if spec.max_norm]
+        # per dim group: pooled features, their output columns, unpooled features, and the
+        # tables each kind reads (None: all of them)
+        self.groups: dict[DimGroup, tuple] = {}
+        for g in plan.groups:
+            reads = [sorted({plan.feature_table[f] for f in fs}) for fs in (g.pooled, g.unpooled)]
+            self.groups[g] = (torch.tensor(g.pooled, dtype=torch.int64),
+                              torch.arange(len(g.pooled), dtype=torch.int64) * g.dim,
+                              torch.tensor(g.unpooled, dtype=torch.int64),
+                              *(None if len(ts) == plan.num_tables else ts for ts in reads))
+
+
+_plan_buffers: weakref.WeakKeyDictionary[LookupPlan, _PlanBuffers] = weakref.WeakKeyDictionary()
+
+
+def _buffers(plan: LookupPlan) -> _PlanBuffers:
+    cached = _plan_buffers.get(plan)
+    if cached is None:
+        cached = _plan_buffers[plan] = _PlanBuffers(plan)
+    return cached
+
+
+def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None) -> tuple[list, list[int]]:
+    """The tables' rows as the kernels' trailing buffers, and their row strides (ints).
+
+    A whole table goes over as itself (the same span as rows(), at a third of the cost per
+    call: a kernel call's cost is mostly its buffers), a view of some columns as rows().
+    `used`: only these tables' rows (the others go as None: the kernel reads no row of them).
+    """
+    bufs = [s if s.is_contiguous() else nat.rows(s) for s in storages] if used is None else [None] * len(storages)
+    if used is not None:
+        for t in used:
+            s = storages[t]
+            bufs[t] = s if s.is_contiguous() else nat.rows(s)
+    return bufs, [s.stride(0) for s in storages]
 
 
 def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(ids, int64 offsets, float32 weights or None) of a batch, as the kernels read them."""
-    values = nat.check(sf.values(), torch.int64, "ids")
+    values = sf.values()
     offsets = sf.offsets()
     if offsets.dtype != torch.int64 or not offsets.is_contiguous():
         offsets = offsets.to(torch.int64).contiguous()
     weights = sf.weights_or_none()
     if weights is not None:
-        weights = nat.check(weights.contiguous(), torch.float32, "weights")
+        weights = weights.contiguous()
     return values, offsets, weights
 
 
-def _pool_target(storages, group: DimGroup, B: int):
-    """(out [B, F_g, D], table addresses, row strides, plan features, output columns) of a pooling kernel."""
-    n, D = len(group.pooled), group.dim
-    addr, stride = _addresses(storages)
-    return (torch.empty(B, n, D, dtype=torch.float32), addr, stride, torch.tensor(group.pooled, dtype=torch.int64),
-            torch.arange(n, dtype=torch.int64) * D)
-
-
 def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bool = True) -> Prepared:
-    a = plan.arrays("cpu")
+    pb = _buffers(plan)
     values, offsets, weights = batch_arrays(sf)
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
     src = plan.source_indices(sf.keys())
@@ -85,16 +123,16 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
     out_offsets = torch.empty(F * B + 1, dtype=torch.int64)
     unique_base = torch.empty(T, dtype=torch.int64)
     totals = torch.empty(2, dtype=torch.int64)
-    err = torch.zeros(4, dtype=torch.int64)
-    count = nat.fn("he_lookup_count", PTR, I64, PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64,
-                   PTR, PTR, PTR, PTR, PTR, I32)
-    code = count(nat.ptr(values), values.numel(), nat.ptr(offsets), nat.ptr(weights), B, F, nat.ptr(src),
-                 nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
-                 nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(out_offsets), T,
-                 nat.ptr(a["table_feat_ptr"]), nat.ptr(a["table_feats"]), nat.ptr(unique_base), nat.ptr(totals),
-                 nat.ptr(err), nat.nthreads())
-    if code:
-        raise InputError(plan.describe_id_error(int(err[0]), int(err[1]), int(err[2]), int(err[3]), sf))
+    batch = [pb.i64, pb.i8, values, offsets, weights, src, out_offsets, unique_base]
+    bad = None
+    try:
+        nat.call("he_lookup_count", batch + [totals], (B, F, T))
+    except nat.KernelError as e:
+        if e.status != nat.Status.BAD_VALUE:
+            raise
+        bad = e.detail  # (code, plan feature, position, value): raised below, without the kernel's error as context
+    if bad is not None:
+        raise InputError(plan.describe_id_error(*bad[:4], sf))
     n_kept, capacity = totals.tolist()
     base = unique_base.tolist()
     inverse = torch.empty(n_kept, dtype=torch.int32)
@@ -102,12 +140,8 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
     unique_keys = torch.empty(capacity, dtype=torch.int64)
     unique_counts = torch.empty(capacity, dtype=torch.int32)
     unique_count = torch.zeros(T, dtype=torch.int64)
-    dedup = nat.fn("he_lookup_dedup", PTR, PTR, PTR, PTR, I64, I64, I64, *([PTR] * 17), I64, I32)
-    dedup(scratch.handle, nat.ptr(values), nat.ptr(offsets), nat.ptr(weights), B, F, T, nat.ptr(src),
-          nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
-          nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), nat.ptr(a["table_feat_ptr"]),
-          nat.ptr(a["table_feats"]), nat.ptr(out_offsets), nat.ptr(unique_base), nat.ptr(inverse), nat.ptr(out_w),
-          nat.ptr(unique_keys), nat.ptr(unique_counts), nat.ptr(unique_count), int(deduplicate), nat.nthreads())
+    nat.call("he_lookup_dedup", batch + [inverse, out_w, unique_keys, unique_counts, unique_count],
+             (B, F, T, int(deduplicate), scratch.handle))
     return Prepared(B, out_offsets, inverse, out_w, unique_keys, unique_counts, base, unique_count.tolist(),
                     capacity, native=True, deduplicated=deduplicate)
 
@@ -117,39 +151,33 @@ def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup, arrays=None) ->
     (forward only: no dedup, no intermediate arrays), bit-identical to prepare + pool.
     None when a bag holds something to report (the caller runs the two-stage path,
     which raises with the details).  `arrays`: batch_arrays(sf), read once for all groups."""
-    a = plan.arrays("cpu")
+    pb = _buffers(plan)
     values, offsets, weights = arrays if arrays is not None else batch_arrays(sf)
     B, D, n = sf.batch_size, group.dim, len(group.pooled)
-    out, addr, stride, feats, cols = _pool_target(storages, group, B)
+    out = torch.empty(B, n, D, dtype=torch.float32)
     if n == 0 or B == 0:
         return out
     src = plan.source_indices(sf.keys())
-    fn = nat.fn("he_lookup_pool_direct", PTR, I64, PTR, PTR, I64, I64, *([PTR] * 8), I64, PTR, PTR, PTR, PTR, I64, PTR,
-                I64, PTR, I32)
-    bad = fn(nat.ptr(values), values.numel(), nat.ptr(offsets), nat.ptr(weights), B, plan.num_features, nat.ptr(src),
-             nat.ptr(a["table"]), nat.ptr(a["num_rows"]), nat.ptr(a["prune_neg"]), nat.ptr(a["oor"]),
-             nat.ptr(a["has_default"]), nat.ptr(a["default_id"]), nat.ptr(a["combiner"]), n, nat.ptr(feats),
-             nat.ptr(addr), nat.ptr(stride), nat.ptr(a["max_norm"]), D, nat.ptr(out), n * D, nat.ptr(cols),
-             nat.nthreads())
-    return None if bad else out
-
-
-def _check_slots(prep: Prepared, slots: torch.Tensor) -> torch.Tensor:
-    return nat.check(slots, torch.int64, "slots", prep.capacity)
+    feats, cols, _, reads, _ = pb.groups[group]
+    rows, strides = _tables(storages, reads)
+    done = nat.call("he_lookup_pool_direct",
+                    [pb.i64, pb.i8, pb.max_norm, feats, cols, values, offsets, weights, src, out, *rows],
+                    (B, plan.num_features, plan.num_tables, D, n * D, *strides))
+    return out if done == POOL_DIRECT_POOLED else None
 
 
 def pool_native(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup) -> torch.Tensor:
     """Pooled output [B, F_g, D] of the group's pooled features."""
-    a = plan.arrays("cpu")
+    pb = _buffers(plan)
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
-    out, addr, stride, feats, cols = _pool_target(storages, group, B)
+    out = torch.empty(B, n, D, dtype=torch.float32)
     if n == 0 or B == 0:
         return out
-    pool = nat.fn("he_lookup_pool", I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, I64, PTR, I32,
-                  restype=None)
-    pool(B, n, nat.ptr(feats), nat.ptr(prep.offsets), nat.ptr(prep.inverse), nat.ptr(prep.weights),
-         nat.ptr(_check_slots(prep, slots)), nat.ptr(a["table"]), nat.ptr(addr), nat.ptr(stride), nat.ptr(a["max_norm"]),
-         nat.ptr(a["combiner"]), D, nat.ptr(out), n * D, nat.ptr(cols), nat.nthreads())
+    feats, cols, _, reads, _ = pb.groups[group]
+    rows, strides = _tables(storages, reads)
+    nat.call("he_lookup_pool",
+             [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
+             (B, plan.num_features, plan.num_tables, D, prep.capacity, n * D, *strides))
     return out
 
 
@@ -161,19 +189,17 @@ def unpooled_rows(prep: Prepared, group: DimGroup) -> list[int]:
 
 def unpooled_native(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup) -> torch.Tensor:
     """One row per kept id of the group's unpooled features, concatenated [sum n_f, D]."""
-    a = plan.arrays("cpu")
+    pb = _buffers(plan)
     counts = unpooled_rows(prep, group)
     out = torch.empty(sum(counts), group.dim, dtype=torch.float32)
     if not counts or out.numel() == 0:
         return out
-    addr, stride = _addresses(storages)
-    feats = torch.tensor(group.unpooled, dtype=torch.int64)
+    _, _, feats, _, reads = pb.groups[group]
     row0 = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
-    fn = nat.fn("he_lookup_unpooled", I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I32,
-                restype=None)
-    fn(prep.batch_size, len(counts), nat.ptr(feats), nat.ptr(prep.offsets), nat.ptr(prep.inverse),
-       nat.ptr(prep.weights), nat.ptr(_check_slots(prep, slots)), nat.ptr(a["table"]), nat.ptr(addr), nat.ptr(stride),
-       nat.ptr(a["max_norm"]), nat.ptr(a["combiner"]), group.dim, nat.ptr(out), nat.ptr(row0), nat.nthreads())
+    rows, strides = _tables(storages, reads)
+    nat.call("he_lookup_unpooled",
+             [pb.i64, pb.i8, pb.max_norm, feats, row0, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
+             (prep.batch_size, plan.num_features, plan.num_tables, group.dim, prep.capacity, *strides))
     return out
 
 
@@ -183,26 +209,23 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
     pooled_grads[g] is the gradient of group g's pooled output [B, F_g, D];
     unpooled_grads[g] that of its unpooled rows [sum n_f, D].
     """
-    a = plan.arrays("cpu")
+    pb = _buffers(plan)
     B, F, T = prep.batch_size, plan.num_features, plan.num_tables
-    grad_ptr = [0] * F
-    grad_stride = [0] * F
-    keep_alive = []
+    # each feature's gradient: (which of `grads`, its first element, elements between samples or ids);
+    # the kernel checks each against the length of its buffer
+    grads: list[torch.Tensor] = []
+    where = [0] * (3 * F)
     for g, group in enumerate(plan.groups):
         D = group.dim
         if group.pooled:
-            gp = nat.check(pooled_grads[g].contiguous(), torch.float32, "pooled gradient", B * len(group.pooled) * D)
-            keep_alive.append(gp)
+            grads.append(pooled_grads[g].contiguous())
             for k, f in enumerate(group.pooled):
-                grad_ptr[f] = gp.data_ptr() + k * D * 4
-                grad_stride[f] = len(group.pooled) * D
+                where[3 * f : 3 * f + 3] = (len(grads) - 1, k * D, len(group.pooled) * D)
         if group.unpooled:
-            gu = nat.check(unpooled_grads[g].contiguous(), torch.float32, "unpooled gradient")
-            keep_alive.append(gu)
+            grads.append(unpooled_grads[g].contiguous())
             row = 0
             for f, n in zip(group.unpooled, unpooled_rows(prep, group)):
-                grad_ptr[f] = gu.data_ptr() + row * D * 4
-                grad_stride[f] = D
+                where[3 * f : 3 * f + 3] = (len(grads) - 1, row * D, D)
                 row += n
     # Tables of one dim lie side by side in the gradient buffer: their [U_t, D] blocks come
     # out of one view and one split per dim, not two ops per table.
@@ -216,21 +239,10 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
             gbase[t] = total
             total += prep.unique_count[t] * D
     gbuf = torch.empty(total, dtype=torch.float32)
-    addr, stride = _addresses(storages)
-    # every array handed to the kernel is held by a local: a pointer to a temporary
-    # would dangle as soon as the temporary is collected
-    i64 = dict(dtype=torch.int64)
-    unique_base = torch.tensor(prep.unique_base, **i64)
-    unique_count = torch.tensor(prep.unique_count, **i64)
-    grad_ptr_t = torch.tensor(grad_ptr, **i64)
-    grad_stride_t = torch.tensor(grad_stride, **i64)
-    gbase_t = torch.tensor(gbase, **i64)
-    fn = nat.fn("he_lookup_backward", I64, I64, I64, *([PTR] * 17), I32, restype=None)
-    fn(B, F, T, nat.ptr(a["table_feat_ptr"]), nat.ptr(a["table_feats"]), nat.ptr(prep.offsets), nat.ptr(prep.inverse),
-       nat.ptr(prep.weights), nat.ptr(_check_slots(prep, slots)), nat.ptr(addr), nat.ptr(stride), nat.ptr(a["max_norm"]),
-       nat.ptr(a["combiner"]), nat.ptr(unique_base), nat.ptr(unique_count), nat.ptr(a["dims"]), nat.ptr(grad_ptr_t),
-       nat.ptr(grad_stride_t), nat.ptr(gbuf), nat.ptr(gbase_t), nat.nthreads())
-    del keep_alive
+    tables, strides = _tables(storages, pb.clipped)  # it reads rows only to differentiate max_norm
+    nat.call("he_lookup_backward",
+             [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, *grads, *tables],
+             (B, F, T, prep.capacity, len(grads), *strides, *prep.unique_base, *prep.unique_count, *gbase, *where))
     out: list[torch.Tensor] = [gbuf] * T
     for D, ts in by_dim.items():
         start, rows = gbase[ts[0]], [prep.unique_count[t] for t in ts]

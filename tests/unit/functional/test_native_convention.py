@@ -1,0 +1,141 @@
+"""The lookup kernels (csrc/lookup.cpp) in the one calling convention (csrc/call.h): each
+checks the buffers it is handed against the sizes it derives (B, F, T, D, the counts the
+earlier stages produced) and refuses a short one with BAD_CALL before writing anything; a
+bad id in the batch is BAD_VALUE, which the Python side turns into the same InputError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hugeembed import InputError, _native as nat
+from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec
+from hugeembed.functional import _native_stages as ns
+
+from .test_fused import make_batch
+
+pytestmark = pytest.mark.skipif(not nat.available(), reason="native kernels not built")
+
+B, D = 3, 4
+
+
+def _setup(combiner="sum", max_norm=None):
+    specs = [TableSpec("a", D, num_rows=6, max_norm=max_norm), TableSpec("b", D, num_rows=5)]
+    feats = [FeatureSpec("f", "a", combiner=combiner), FeatureSpec("g", "b", combiner=combiner)]
+    lookup = FusedEmbeddingLookup(specs, feats, backend="native")
+    tables = [torch.randn(6, D), torch.randn(5, D)]
+    sf = make_batch({"f": [[1, 2], [5], []], "g": [[0], [4, 4, 1], [2]]})
+    prep = lookup.prepare(sf, tables)
+    return lookup, tables, sf, prep
+
+
+def _pool_args(lookup, tables, prep, out, slots):
+    plan = lookup.plan
+    pb, group = ns._buffers(plan), plan.groups[0]
+    feats, cols, *_ = pb.groups[group]
+    bufs = [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, *tables]
+    ints = (B, plan.num_features, plan.num_tables, D, prep.capacity, len(group.pooled) * D,
+            *[t.stride(0) for t in tables])
+    return bufs, ints
+
+
+def test_the_call_as_the_stages_make_it_pools_what_pool_native_does():
+    lookup, tables, _, prep = _setup()
+    slots = lookup.static_slots(prep)
+    out = torch.full((B, 2, D), 7.0)
+    assert nat.call("he_lookup_pool", *_pool_args(lookup, tables, prep, out, slots)) == 0
+    assert torch.equal(out, ns.pool_native(lookup.plan, prep, tables, slots, lookup.plan.groups[0]))
+
+
+@pytest.mark.parametrize("short, says", [
+    ("out", "buffer 9 \\(out\\) holds 16 elements, needs 24"),
+    ("slots", "buffer 8 \\(slots\\) holds"),
+    ("inverse", "buffer 6 \\(inverse\\) holds"),
+])
+def test_pool_refuses_a_short_buffer_and_writes_nothing(short, says):
+    lookup, tables, _, prep = _setup()
+    slots = lookup.static_slots(prep)
+    out = torch.full((B, 2, D), 7.0)
+    if short == "out":  # one sample's row short
+        out = out.view(-1)[: (B - 1) * 2 * D].clone()
+    elif short == "slots":  # shorter than the capacity
+        slots = slots[:-1].clone()
+    else:
+        prep.inverse = prep.inverse[:-1].clone()
+    before = out.clone()
+    with pytest.raises(nat.KernelError, match=says) as info:
+        nat.call("he_lookup_pool", *_pool_args(lookup, tables, prep, out, slots))
+    assert info.value.status == nat.Status.BAD_CALL and info.value.kernel == "he_lookup_pool"
+    assert torch.equal(out, before)
+    # through the stage function too: the kernel's refusal, never a read past the buffer
+    if short == "slots":
+        with pytest.raises(nat.KernelError, match=says):
+            ns.pool_native(lookup.plan, prep, tables, slots, lookup.plan.groups[0])
+
+
+def test_unpooled_refuses_slots_shorter_than_the_capacity():
+    lookup, tables, _, prep = _setup(combiner="none")
+    slots = lookup.static_slots(prep)
+    with pytest.raises(nat.KernelError, match="slots") as info:
+        ns.unpooled_native(lookup.plan, prep, tables, slots[:-1].clone(), lookup.plan.groups[0])
+    assert info.value.status == nat.Status.BAD_CALL
+
+
+def test_backward_refuses_a_gradient_one_row_short():
+    lookup, tables, _, prep = _setup(max_norm=1.0)
+    slots = lookup.static_slots(prep)
+    grad = torch.randn(B, 2, D)
+    full = ns.backward_native(lookup.plan, prep, tables, slots, [grad], [None])
+    assert [tuple(g.shape) for g in full] == [(prep.unique_count[0], D), (prep.unique_count[1], D)]
+    with pytest.raises(nat.KernelError, match="output gradient") as info:
+        ns.backward_native(lookup.plan, prep, tables, slots, [grad[:-1]], [None])
+    assert info.value.status == nat.Status.BAD_CALL
+
+
+def test_count_refuses_short_outputs_and_one_pass_a_table_shorter_than_its_rows():
+    lookup, tables, sf, _ = _setup()
+    plan, pb = lookup.plan, ns._buffers(lookup.plan)
+    values, offsets, weights = ns.batch_arrays(sf)
+    src = plan.source_indices(sf.keys())
+    out_offsets = torch.zeros(2 * B)  # needs F*B + 1 = 7 int64
+    for wrong, says in ((out_offsets, "has element type 4, expected 3"),
+                        (out_offsets.long(), "buffer 6 \\(out_offsets\\) holds 6 elements, needs 7")):
+        with pytest.raises(nat.KernelError, match=says) as info:
+            nat.call("he_lookup_count", [pb.i64, pb.i8, values, offsets, weights, src, wrong,
+                                         torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64)],
+                     (B, plan.num_features, plan.num_tables))
+        assert info.value.status == nat.Status.BAD_CALL
+    # the one-pass forward checks ids against num_rows, so each table must hold that many rows
+    out = torch.zeros(B, 2, D)
+    with pytest.raises(nat.KernelError, match="buffer 10 \\(table rows\\) holds 20 elements, needs 24"):
+        nat.call("he_lookup_pool_direct",
+                 [pb.i64, pb.i8, pb.max_norm, *pb.groups[plan.groups[0]][:2], values, offsets, weights, src, out,
+                  tables[0][:5], tables[1]], (B, 2, 2, D, 2 * D, D, D))
+    assert not out.any()
+
+
+def test_a_bad_id_is_bad_value_with_its_detail_and_the_same_input_error():
+    lookup, tables, _, _ = _setup()
+    bad = make_batch({"f": [[1], [0, 7], []], "g": [[0], [1], [2]]})
+    plan, pb = lookup.plan, ns._buffers(lookup.plan)
+    values, offsets, weights = ns.batch_arrays(bad)
+    with pytest.raises(nat.KernelError, match="plan feature 0: out-of-range value of id 7 at position 2") as info:
+        nat.call("he_lookup_count", [pb.i64, pb.i8, values, offsets, weights, plan.source_indices(bad.keys()),
+                                     torch.empty(2 * B + 1, dtype=torch.int64), torch.empty(2, dtype=torch.int64),
+                                     torch.empty(2, dtype=torch.int64)], (B, 2, 2))
+    assert info.value.status == nat.Status.BAD_VALUE
+    assert info.value.detail[:4] == (1, 0, 2, 7)  # out of range, plan feature 0, position 2, id 7
+    says = "feature 'f': id 7 at sample 1 is out of range for table 'a' of 6 rows"
+    with pytest.raises(InputError, match=says) as caught:
+        lookup.prepare(bad, tables)
+    assert caught.value.__cause__ is None and caught.value.__context__ is None  # as before: no kernel error behind it
+    with pytest.raises(InputError, match=says):
+        lookup(tables, bad)  # the one-pass forward hands it to the two-stage path, which reports it
+    assert ns.pool_direct(plan, bad, tables, plan.groups[0]) is None  # POOL_DIRECT_TWO_STAGE: a result, not an error
+
+
+def test_the_lookup_context_is_an_integer_handle():
+    scratch = ns.NativeScratch()
+    assert isinstance(scratch.handle, int) and scratch.handle != 0
+    scratch._finalizer()  # frees it (he_lookup_ctx_free), once
+    assert not scratch._finalizer.alive
