@@ -88,6 +88,20 @@ void bags(const int64_t* values, const int64_t* offsets, int64_t B, int64_t F, c
   });
 }
 
+// bags() on the index's slot type; apart from the checked call (and compiled apart from it).
+__attribute__((noinline)) void run_bags(const int64_t* values, const int64_t* offsets, int64_t B, int64_t F,
+                                        const int64_t* feature_pos, const int64_t* feature_table, const int64_t* keys,
+                                        int64_t nkeys, const void* index, int64_t index_bytes, int64_t cap,
+                                        const int64_t* meta, int64_t zero_row, const int64_t* starts, int64_t* idx,
+                                        int64_t* kept, int64_t nthreads) {
+  if (index_bytes == 4)
+    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int32_t*>(index), cap, meta,
+         zero_row, starts, idx, kept, nthreads);
+  else
+    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int64_t*>(index), cap, meta,
+         zero_row, starts, idx, kept, nthreads);
+}
+
 }  // namespace
 
 // What a refused he_serve_bags / he_serve_find found inconsistent: detail[0] of its HE_BAD_VALUE.
@@ -134,7 +148,8 @@ int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* c
 // the arguments are inconsistent; then the caller takes its torch path.  detail[0] says which:
 //   kServeBadIndex    (capacity): the index capacity is not a power of two
 //   kServeBadRows     (n_rows): no zero row
-//   kServeBadMeta     (table t, its meta row's 5 values): a row or key range outside the arrays
+//   kServeBadMeta     (table t, its ROW_BASE, NUM, KEY_BASE, MISS_ROW): a row or key range outside the
+//                     arrays (or a negative MAX_PROBE)
 //   kServeBadFeature  (f, its table, its input feature): a table outside [0, T) or a negative position
 //   kServeBadOffsets  (bag j, input bag, its first and end offset): offsets outside the values
 //   kServeBadCapacity (ids read, idx length): idx too short for the ids the bags read
@@ -176,37 +191,35 @@ HE_KERNEL(he_serve_bags) {
       call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
                 (long long)feature_table[f], (long long)T, (long long)feature_pos[f]);
     }
-  int64_t total = 0;  // checked first, starts written after: a refused call writes nothing
-  for (int64_t j = 0; j < B * F; ++j) {
-    const int64_t b = j / F, f = j % F;
-    const int64_t in_bag = feature_pos[f] * B + b;
-    const bool inside = in_bag + 1 < n_offsets;
-    const int64_t i0 = inside ? offsets[in_bag] : -1, i1 = inside ? offsets[in_bag + 1] : -1;
-    if (!inside || i0 < 0 || i1 < i0 || i1 > n_values) {
-      call.detail({kServeBadOffsets, j, in_bag, i0, i1});
-      call.fail(HE_BAD_VALUE, "bag %lld (input bag %lld): offsets [%lld, %lld) outside %lld values (%lld offsets)",
-                (long long)j, (long long)in_bag, (long long)i0, (long long)i1, (long long)n_values,
-                (long long)n_offsets);
+  int64_t total = 0;  // checked first (feature-major: each feature's offsets in order), starts written after
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t in_bag = feature_pos[f] * B + b;
+      const bool inside = in_bag + 1 < n_offsets;
+      const int64_t i0 = inside ? offsets[in_bag] : -1, i1 = inside ? offsets[in_bag + 1] : -1;
+      if (!inside || i0 < 0 || i1 < i0 || i1 > n_values) {
+        const int64_t j = b * F + f;
+        call.detail({kServeBadOffsets, j, in_bag, i0, i1});
+        call.fail(HE_BAD_VALUE, "bag %lld (input bag %lld): offsets [%lld, %lld) outside %lld values (%lld offsets)",
+                  (long long)j, (long long)in_bag, (long long)i0, (long long)i1, (long long)n_values,
+                  (long long)n_offsets);
+      }
+      total += i1 - i0;
     }
-    total += i1 - i0;
-  }
   if (total > call.numel(8)) {
     call.detail({kServeBadCapacity, total, call.numel(8)});
     call.fail(HE_BAD_VALUE, "the bags read %lld ids, idx holds %lld", (long long)total, (long long)call.numel(8));
   }
   int64_t* idx = call.buf<int64_t>(8, total, "idx");
   total = 0;
-  for (int64_t j = 0; j < B * F; ++j) {
-    const int64_t in_bag = feature_pos[j % F] * B + j / F;
-    starts[j] = total;
-    total += offsets[in_bag + 1] - offsets[in_bag];
-  }
-  if (index_bytes == 4)
-    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int32_t*>(index), cap, meta,
-         n_rows - 1, starts, idx, kept, call.nthreads());
-  else
-    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int64_t*>(index), cap, meta,
-         n_rows - 1, starts, idx, kept, call.nthreads());
+  for (int64_t b = 0, j = 0; b < B; ++b)
+    for (int64_t f = 0; f < F; ++f, ++j) {
+      const int64_t in_bag = feature_pos[f] * B + b;
+      starts[j] = total;
+      total += offsets[in_bag + 1] - offsets[in_bag];
+    }
+  run_bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, index, index_bytes, cap, meta, n_rows - 1,
+           starts, idx, kept, call.nthreads());
   return total;
 }
 
