@@ -25,7 +25,8 @@ constexpr int kDense = 13;
 constexpr int kCats = 26;
 constexpr int kFields = 1 + kDense + kCats;
 
-// error codes, shared with hugeembed/data/_parse.py
+// the code of a malformed line (the detail of a failed he_criteo_parse, the `bad` entries of
+// skipped lines), shared with hugeembed/data/_parse_numpy.py (FIELD_COUNT ...)
 constexpr int64_t kOk = 0;
 constexpr int64_t kFieldCount = 1;
 constexpr int64_t kBadLabel = 2;
@@ -115,11 +116,17 @@ inline int64_t parse_line(const char* p, const char* end, const int64_t* missing
   return kOk;
 }
 
-}  // namespace
+// The text buffer k: raw bytes (uint8), all of it.
+const char* text_of(const he::Call& call, int64_t k, int64_t* len) {
+  *len = call.numel(k);
+  const char* buf = call.buf<const char>(k, *len, "text");
+  if (call.raw()->bufs[k].type != HE_BYTES)
+    call.fail(HE_BAD_CALL, "buffer %lld (text) must be bytes (uint8), has element type %lld", (long long)k,
+              (long long)call.raw()->bufs[k].type);
+  return buf;
+}
 
-// Number of lines in buf[0, len): the count of '\n', plus one when the buffer does not
-// end with '\n' (a last line without newline).  Used to size the output arrays.
-HE_API int64_t he_criteo_count_lines(const char* buf, int64_t len) {
+int64_t count_lines(const char* buf, int64_t len) {
   int64_t n = 0;
   const char* p = buf;
   const char* end = buf + len;
@@ -135,21 +142,49 @@ HE_API int64_t he_criteo_count_lines(const char* buf, int64_t len) {
   return n;
 }
 
-// Parses the lines of buf[0, len) into labels [cap], dense [cap, 13], cats [cap, 26].
-//   first_line : global index of the buffer's first line (for stride/phase selection)
-//   info (out, 8 values): rows written, lines seen, lines skipped as malformed,
-//        error line (index within the buffer), error line byte offset, error field,
-//        error code, fields found (count errors)
-//   bad (out, bad_cap x 3): (line index within buffer, code, field) of the first
-//        skipped lines, for the caller's summary
-// Returns 0 when every selected line parsed (or was skipped), 1 when it stopped at a
-// malformed line (skip_bad == 0), 2 when `cap` rows were not enough.
-HE_API int64_t he_criteo_parse(const char* buf, int64_t len, int64_t first_line, int64_t stride,
-                               int64_t phase, int64_t skip_bad, int64_t cap, const int64_t* missing_ids,
-                               float* labels, float* dense, int64_t* cats, int64_t* info, int64_t* bad,
-                               int64_t bad_cap) {
-  for (int i = 0; i < 8; ++i) info[i] = 0;
-  info[3] = -1;
+}  // namespace
+
+// Number of lines in the text: the count of '\n', plus one when it does not end with '\n'
+// (a last line without newline).  Used to size the output arrays.
+// bufs: text bytes [len].
+HE_KERNEL(he_criteo_count_lines) {
+  call.expect(1, 0, 0);
+  int64_t len = 0;
+  const char* buf = text_of(call, 0, &len);
+  return count_lines(buf, len);
+}
+
+// Parses the lines of the text into labels [cap], dense [cap, 13], cats [cap, 26].
+//   bufs: text bytes [len], missing_ids int64 [26], labels float32 [cap], dense float32 [cap * 13],
+//         cats int64 [cap * 26], counts int64 [2] (out: lines seen, lines skipped as malformed),
+//         bad int64 [bad_cap * 3] (out: (line index within the text, code, field) of the first
+//         bad_cap skipped lines, for the caller's summary)
+//   ints: first_line (global index of the text's first line, for stride/phase selection), stride,
+//         phase (0 <= phase < stride), skip_bad, cap, bad_cap
+// Returns the rows written.
+// Fails with HE_BAD_VALUE at the first malformed selected line unless skip_bad: detail = (line
+// index within the text, its byte offset, field (0 = label, 1..13 = I1..I13, 14..39 = C1..C26,
+// -1 = field count), code (kFieldCount, kBadLabel, kBadInt, kBadHex: _parse_numpy.py's
+// FIELD_COUNT ...), fields found (field count errors)).  With HE_BAD_CALL when `cap` rows are
+// not enough (detail = (line, cap)).  The rows before that line may have been written then
+// (the output arrays are the caller's scratch; checking every line first would parse twice).
+HE_KERNEL(he_criteo_parse) {
+  call.expect(7, 6, 0);
+  const int64_t first_line = call.i(0), stride = call.i(1), phase = call.i(2), skip_bad = call.i(3);
+  const int64_t cap = call.i(4), bad_cap = call.i(5);
+  if (stride < 1 || phase < 0 || phase >= stride || cap < 0 || bad_cap < 0 || cap > INT64_MAX / kCats ||
+      bad_cap > INT64_MAX / 3)
+    call.fail(HE_BAD_CALL, "stride %lld, phase %lld, cap %lld, bad_cap %lld: need 0 <= phase < stride, counts >= 0",
+              (long long)stride, (long long)phase, (long long)cap, (long long)bad_cap);
+  int64_t len = 0;
+  const char* buf = text_of(call, 0, &len);
+  const int64_t* missing_ids = call.buf<const int64_t>(1, kCats, "missing_ids");
+  float* labels = call.buf<float>(2, cap, "labels");
+  float* dense = call.buf<float>(3, cap * kDense, "dense");
+  int64_t* cats = call.buf<int64_t>(4, cap * kCats, "cats");
+  int64_t* counts = call.buf<int64_t>(5, 2, "counts");
+  int64_t* bad = call.buf<int64_t>(6, bad_cap * 3, "bad");
+
   int64_t rows = 0, line = 0, skipped = 0;
   const char* p = buf;
   const char* bend = buf + len;
@@ -161,10 +196,8 @@ HE_API int64_t he_criteo_parse(const char* buf, int64_t len, int64_t first_line,
       const char* cend = lend;
       if (cend > p && cend[-1] == '\r') --cend;
       if (rows >= cap) {
-        info[0] = rows;
-        info[1] = line;
-        info[2] = skipped;
-        return 2;
+        call.detail({line, cap});
+        call.fail(HE_BAD_CALL, "ran out of output rows at line %lld (cap %lld)", (long long)line, (long long)cap);
       }
       int64_t field = 0, nfields = 0;
       int64_t code = parse_line(p, cend, missing_ids, labels + rows, dense + rows * kDense,
@@ -179,15 +212,9 @@ HE_API int64_t he_criteo_parse(const char* buf, int64_t len, int64_t first_line,
         }
         ++skipped;
       } else {
-        info[0] = rows;
-        info[1] = line;
-        info[2] = skipped;
-        info[3] = line;
-        info[4] = (int64_t)(p - buf);
-        info[5] = field;
-        info[6] = code;
-        info[7] = nfields;
-        return 1;
+        call.detail({line, (int64_t)(p - buf), field, code, nfields});
+        call.fail(HE_BAD_VALUE, "line %lld: malformed (code %lld, field %lld)", (long long)line, (long long)code,
+                  (long long)field);
       }
     }
     ++line;
@@ -195,8 +222,7 @@ HE_API int64_t he_criteo_parse(const char* buf, int64_t len, int64_t first_line,
     if (!nl) break;
     p = nl + 1;
   }
-  info[0] = rows;
-  info[1] = line;
-  info[2] = skipped;
-  return 0;
+  counts[0] = line;
+  counts[1] = skipped;
+  return rows;
 }

@@ -128,30 +128,45 @@ inline int64_t list_candidates(int64_t cap, const int64_t* owner, const uint8_t*
 
 }  // namespace
 
-// Returns the number of candidates, or a negative code for bad arguments (-1: a
-// negative size, a cache of 2^32 slots or more, or a missing buffer; -2: an exclude
-// entry >= cap; nothing is written then).  When the count is >= min_take, writes the
-// min(count, want) smallest candidates to out (ascending slots); otherwise writes
-// nothing.  Entries of exclude that are < 0 are ignored; repeats are fine.
-HE_API int64_t he_cache_victims(int64_t cap, const int64_t* owner, const int64_t* tick, const int64_t* keys,
-                                const int32_t* freq, const int64_t* exclude, int64_t n_exclude, int64_t min_take,
-                                int64_t want, int64_t* out) {
-  if (cap < 0 || n_exclude < 0 || cap > (int64_t)UINT32_MAX) return -1;
-  if (cap > 0 && (owner == nullptr || tick == nullptr || keys == nullptr)) return -1;
-  if (n_exclude > 0 && exclude == nullptr) return -1;
+// The cache's victims.
+//   bufs: owner int64 [cap], tick int64 [cap], keys int64 [cap], freq int32 [cap] (optional:
+//         absent for LRU), exclude int64 [n_exclude], out int64 [min(cap, want)] (out)
+//   ints: min_take, want
+// Returns the number of candidates.  When it is >= min_take, writes the min(count, want)
+// smallest candidates to out (ascending slots); otherwise writes nothing.  Entries of exclude
+// that are < 0 are ignored; repeats are fine.
+// Fails, writing nothing, with HE_BAD_VALUE for a cache of 2^32 slots or more (detail = (cap)) or
+// an exclude entry >= cap (detail = (its index, its value, cap)).
+HE_KERNEL(he_cache_victims) {
+  call.expect(6, 2, 0);
+  const int64_t cap = call.numel(0), n_exclude = call.numel(4);
+  const int64_t min_take = call.i(0), want = call.i(1);
+  const int64_t* owner = call.buf<const int64_t>(0, cap, "owner");
+  const int64_t* tick = call.buf<const int64_t>(1, cap, "tick");
+  const int64_t* keys = call.buf<const int64_t>(2, cap, "keys");
+  const int32_t* freq = call.opt<const int32_t>(3, cap, "freq");
+  const int64_t* exclude = call.buf<const int64_t>(4, n_exclude, "exclude");
+  int64_t* out = call.buf<int64_t>(5, std::min(cap, std::max<int64_t>(want, 0)), "out");
+  if (cap > (int64_t)UINT32_MAX) {
+    call.detail({cap});
+    call.fail(HE_BAD_VALUE, "a cache of %lld slots: at most 2^32 - 1", (long long)cap);
+  }
   for (int64_t i = 0; i < n_exclude; ++i)
-    if (exclude[i] >= cap) return -2;
+    if (exclude[i] >= cap) {
+      call.detail({i, exclude[i], cap});
+      call.fail(HE_BAD_VALUE, "exclude[%lld] = %lld is not a slot of the cache (%lld slots)", (long long)i,
+                (long long)exclude[i], (long long)cap);
+    }
   if (cap == 0) return 0;
 
   std::vector<uint8_t>& maskv = t_mask;
   if ((int64_t)maskv.size() < cap) maskv.resize(cap, 0);
   uint8_t* mask = maskv.data();
-  for (int64_t i = 0; i < n_exclude; ++i)
-    if (exclude[i] >= 0) mask[exclude[i]] = 1;
-
-  std::vector<uint32_t>& candv = t_cand;
+  std::vector<uint32_t>& candv = t_cand;  // sized before the mask is marked: an allocation that fails leaves it clean
   if ((int64_t)candv.size() < cap + 1) candv.resize(cap + 1);
   uint32_t* c = candv.data();
+  for (int64_t i = 0; i < n_exclude; ++i)
+    if (exclude[i] >= 0) mask[exclude[i]] = 1;
   const int64_t n = list_candidates(cap, owner, mask, c);
 
   for (int64_t i = 0; i < n_exclude; ++i)  // the mask is all zero between calls
@@ -159,7 +174,6 @@ HE_API int64_t he_cache_victims(int64_t cap, const int64_t* owner, const int64_t
 
   const int64_t k = std::min(n, std::max<int64_t>(want, 0));
   if (n < min_take || k == 0) return n;
-  if (out == nullptr) return -1;
 
   int64_t m = n, r = k;  // choose the r smallest of c[0, m); 0 < r <= m
   std::vector<uint32_t>& chosenv = t_chosen;
@@ -188,7 +202,8 @@ HE_API int64_t he_cache_victims(int64_t cap, const int64_t* owner, const int64_t
   chosen.runs.push_back(chosen.n);
   std::copy(c, c + r, chosen.slots + chosen.n);
   chosen.n += r;
-  if (chosen.n != k) return -3;
+  if (chosen.n != k) call.fail(HE_BAD_CALL, "internal error: chose %lld victims of %lld, not %lld", (long long)chosen.n,
+                               (long long)n, (long long)k);
   // the runs (ascending each) merged into one ascending list: a few passes over the victims
   uint32_t* v = chosen.slots;
   for (size_t i = 1; i < chosen.runs.size(); ++i)

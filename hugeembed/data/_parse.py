@@ -48,26 +48,27 @@ class ParseResult:
     bad: np.ndarray
 
 
-def _parse_native(buf: np.ndarray, first_line: int, stride: int, phase: int, skip: bool):
-    count = _native.fn("he_criteo_count_lines", _native.PTR, _native.I64)
-    parse = _native.fn(
-        "he_criteo_parse",
-        _native.PTR, _native.I64, _native.I64, _native.I64, _native.I64, _native.I64, _native.I64,
-        _native.PTR, _native.PTR, _native.PTR, _native.PTR, _native.PTR, _native.PTR, _native.I64,
-    )
-    addr = buf.ctypes.data if buf.size else None
-    n_lines = int(count(addr, buf.size))
+def _parse_native(buf: np.ndarray, first_line: int, stride: int, phase: int, skip: bool, source: str,
+                  line_number: int):
+    """he_criteo_parse (csrc/criteo.cpp): (labels, dense, cats, lines, skipped, bad); raises
+    InputError at a malformed line (its detail says where) unless `skip`."""
+    n_lines = _native.call("he_criteo_count_lines", [buf])
     cap = n_lines // stride + 1
     labels = np.empty(cap, np.float32)
     dense = np.empty((cap, N_DENSE), np.float32)
     cats = np.empty((cap, N_CAT), np.int64)
-    info = np.zeros(8, np.int64)
+    counts = np.zeros(2, np.int64)  # lines seen, lines skipped
     bad = np.zeros((_BAD_CAP, 3), np.int64)
-    status = int(parse(addr, buf.size, first_line, stride, phase, int(skip), cap, _MISSING.ctypes.data,
-                       labels.ctypes.data, dense.ctypes.data, cats.ctypes.data, info.ctypes.data,
-                       bad.ctypes.data, _BAD_CAP))
-    rows = int(info[0])
-    return status, labels[:rows], dense[:rows], cats[:rows], info, bad[: min(int(info[2]), _BAD_CAP)]
+    try:
+        rows = _native.call("he_criteo_parse", [buf, _MISSING, labels, dense, cats, counts, bad],
+                            [first_line, stride, phase, int(skip), cap, _BAD_CAP])
+    except _native.KernelError as e:
+        if e.status != _native.Status.BAD_VALUE:  # cannot happen (cap counts every line): a bug is loud, not silent
+            raise RuntimeError(f"{source}: Criteo parser failed: {e}") from e
+        line, offset, field, code, nfields = e.detail[:5]
+        raise InputError(describe_error(buf, source, line_number + line, offset, code, field, nfields)) from None
+    lines, skipped = int(counts[0]), int(counts[1])
+    return labels[:rows], dense[:rows], cats[:rows], lines, skipped, bad[: min(skipped, _BAD_CAP)]
 
 
 def parse_buffer(buf: np.ndarray, *, source: str = "<buffer>", first_line: int = 0, line_number: int = 1,
@@ -94,10 +95,11 @@ def parse_buffer(buf: np.ndarray, *, source: str = "<buffer>", first_line: int =
     if native is None:
         native = _native.available()
     if native:
-        status, labels, dense, cats, info, bad = _parse_native(buf, first_line, stride, phase, skip)
-    else:
-        cap = count_lines_numpy(buf) // stride + 1
-        status, labels, dense, cats, info, bad = parse_numpy(buf, first_line, stride, phase, skip, cap, _MISSING, _BAD_CAP)
+        labels, dense, cats, lines, skipped, bad = _parse_native(buf, first_line, stride, phase, skip, source,
+                                                                 line_number)
+        return ParseResult(CriteoBlock(dense, cats, labels), lines, skipped, bad)
+    cap = count_lines_numpy(buf) // stride + 1
+    status, labels, dense, cats, info, bad = parse_numpy(buf, first_line, stride, phase, skip, cap, _MISSING, _BAD_CAP)
     if status == 2:  # cannot happen: cap counts every line; kept so a bug is loud, not silent
         raise RuntimeError(f"{source}: Criteo parser ran out of output rows")
     if status == 1:

@@ -26,14 +26,15 @@ def native_find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, inde
     ids, table, keys, meta = (t.to(torch.int64).contiguous() for t in (ids, table, keys, meta))
     index = index.contiguous()
     out = torch.empty_like(ids)
-    P, I = _native.PTR, _native.I64
     try:
-        fn = _native.fn("he_serve_find", P, P, I, P, I, P, I, I, P, I, P, I)
-    except AttributeError:  # kernels built before csrc/serve.cpp
+        _native.call("he_serve_find", [ids, table, keys, index, meta, out], [meta.shape[0]])
+    except ImportError:  # kernels built before csrc/serve.cpp
         return None
-    rc = fn(_native.ptr(ids), _native.ptr(table), ids.numel(), _native.ptr(keys), keys.numel(), _native.ptr(index),
-            index.element_size(), index.numel(), _native.ptr(meta), meta.shape[0], _native.ptr(out), _native.nthreads())
-    return out if rc == 0 else None
+    except _native.KernelError as e:  # an index the kernel refuses (BAD_VALUE): the torch rounds decide
+        if e.status != _native.Status.BAD_VALUE:
+            raise
+        return None
+    return out
 
 
 def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
@@ -60,15 +61,13 @@ def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
     starts = torch.empty(B * F, dtype=torch.int64)
     kept = torch.empty(B * F, dtype=torch.int64)
     idx = torch.empty(capacity, dtype=torch.int64)
-    P, I = _native.PTR, _native.I64
     try:
-        fn = _native.fn("he_serve_bags", P, I, P, I, I, I, P, P, P, I, P, I, I, P, I, I, P, P, I, P, I)
-    except AttributeError:  # kernels built before he_serve_bags
+        n = _native.call("he_serve_bags", [values, offsets, pos, table, keys, index, meta, starts, idx, kept],
+                         [B, meta.shape[0], n_rows])
+    except ImportError:  # kernels built before he_serve_bags
         return None
-    n = fn(_native.ptr(values), values.numel(), _native.ptr(offsets), offsets.numel(), B, F, _native.ptr(pos),
-           _native.ptr(table), _native.ptr(keys), keys.numel(), _native.ptr(index), index.element_size(),
-           index.numel(), _native.ptr(meta), meta.shape[0], n_rows, _native.ptr(starts), _native.ptr(idx), capacity,
-           _native.ptr(kept), _native.nthreads())
-    if n < 0:
+    except _native.KernelError as e:  # inconsistent arguments (BAD_VALUE, nothing written): the torch pass decides
+        if e.status != _native.Status.BAD_VALUE:
+            raise
         return None
     return idx[:n], starts, kept

@@ -20,7 +20,6 @@ a crash is reused only by the same run (its owner tag), and never for another la
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -71,12 +70,12 @@ class RowFile:
         """Runs he_tier_read / he_tier_write over all records; False when the kernels are not built."""
         if not _native.available():
             return False
-        err = (ctypes.c_int64 * 1)()
-        rc = _native.fn(kernel, _native.I64, _native.PTR, _native.I64, _native.I64, _native.PTR, _native.I64,
-                        _native.PTR)(self.fd, records.data_ptr(), records.numel(), self.record_bytes,
-                                     rows.data_ptr(), self.io_threads, err)
-        if rc:
-            raise _io_error(self.table, f"{what} {records.numel()} rows", -rc, self.path)
+        try:
+            _native.call(kernel, [records, rows.view(torch.uint8)], [self.fd, self.record_bytes, self.io_threads])
+        except _native.KernelError as e:
+            if e.status != _native.Status.IO_ERROR:
+                raise
+            raise _io_error(self.table, f"{what} {records.numel()} rows", e.detail[0], self.path) from None
         return True
 
     def read(self, records: torch.Tensor, out: torch.Tensor) -> None:

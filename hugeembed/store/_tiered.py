@@ -74,20 +74,13 @@ def cache_victims(owner: torch.Tensor, tick: torch.Tensor, keys: torch.Tensor, f
     """he_cache_victims (csrc/tier_cache.cpp): among cache slots s with ``owner[s] >= 0`` not in `exclude`
     (entries < 0 ignored), the ``min(candidates, want)`` smallest by (freq[s], tick[s], keys[s]) --
     (tick[s], keys[s]) when `freq` is None -- in ascending slot order.  Returns (candidates, victims);
-    victims is empty when there are fewer than `min_take` candidates, or n < 0 for bad arguments."""
+    victims is empty when there are fewer than `min_take` candidates.  Raises _native.KernelError
+    (BAD_VALUE) for an `exclude` entry that is no slot of the cache."""
     cap = owner.numel()
-    owner = _native.check(owner, torch.int64, "cache owners")
-    tick = _native.check(tick, torch.int64, "cache ticks", cap)
-    keys = _native.check(keys, torch.int64, "cache keys", cap)
-    if freq is not None:
-        freq = _native.check(freq, torch.int32, "cache counts", cap)
-    exclude = _native.check(exclude.reshape(-1).to(torch.int64).contiguous(), torch.int64, "excluded cache slots")
+    exclude = exclude.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(max(0, min(int(want), cap)), dtype=torch.int64)
-    P, I64 = _native.PTR, _native.I64
-    n = int(_native.fn("he_cache_victims", I64, P, P, P, P, P, I64, I64, I64, P)(
-        cap, _native.ptr(owner), _native.ptr(tick), _native.ptr(keys), _native.ptr(freq), _native.ptr(exclude),
-        exclude.numel(), int(min_take), int(want), _native.ptr(out)))
-    if n < 0 or n < min_take:
+    n = _native.call("he_cache_victims", [owner, tick, keys, freq, exclude, out], [int(min_take), int(want)])
+    if n < min_take:
         return n, out[:0]
     return n, out[: min(n, out.numel())]
 
@@ -280,9 +273,10 @@ class TieredStore(LayoutViews, Pinnable):
         pinned = self._pins.slots()
         exclude = mine if pinned is None else torch.cat([mine, pinned.to(torch.int64)])
         freq = None if self.cache_policy == "lru" else self._slot_freq
-        n, victims = cache_victims(self._owner, self._tick, self._keys, freq, exclude, short, want)
-        if n < 0:
-            raise StoreError(f"table '{self.name}': he_cache_victims failed with code {n} (internal error)")
+        try:
+            n, victims = cache_victims(self._owner, self._tick, self._keys, freq, exclude, short, want)
+        except _native.KernelError as e:
+            raise StoreError(f"table '{self.name}': he_cache_victims failed: {e} (internal error)") from None
         if n < short:
             raise self._capacity_error(need, mine, n)
         return victims

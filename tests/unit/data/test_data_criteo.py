@@ -216,3 +216,69 @@ def test_native_numpy_and_oracle_agree(text, skip):
         assert outcomes[0][0] == "error" and f"h.txt:{line_no}:" in outcomes[0][1]
         return
     assert outcomes[0][:5] == ("ok", labels, dense, cats, skipped), lines_text
+
+
+# -- the kernels' calling convention (csrc/call.h) -----------------------------------------------
+
+
+def _parse_call(text: bytes, cap: int, *, short: str | None = None, skip: bool = False, stride: int = 1):
+    """he_criteo_parse's buffers, one of them a row short where `short` names it."""
+    buf = np.frombuffer(text, np.uint8).copy()
+    out = {"labels": np.full(cap, -1.0, np.float32), "dense": np.full((cap, 13), -1.0, np.float32),
+           "cats": np.full((cap, 26), -1, np.int64), "counts": np.full(2, -1, np.int64),
+           "bad": np.full((4, 3), -1, np.int64)}
+    if short is not None:
+        out[short] = out[short][:-1].copy()
+    bufs = [buf, np.array(MISSING_IDS, np.int64)] + list(out.values())
+    return bufs, out, [0, stride, 0, int(skip), cap, 4]
+
+
+@pytest.mark.skipif(not _native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("short", ["labels", "dense", "cats", "counts", "bad"])
+def test_the_parser_refuses_a_too_short_buffer_and_writes_nothing(short):
+    bufs, out, ints = _parse_call(((line() + "\n") * 3).encode(), 3, short=short)
+    with pytest.raises(_native.KernelError, match=rf"\({short}\) holds") as e:
+        _native.call("he_criteo_parse", bufs, ints)
+    assert e.value.status == _native.Status.BAD_CALL
+    assert all((a == -1).all() for a in out.values())
+
+
+@pytest.mark.skipif(not _native.available(), reason="native kernels not built")
+def test_the_parser_kernel_refuses_text_that_is_not_bytes_and_a_bad_stride():
+    with pytest.raises(_native.KernelError, match=r"must be bytes \(uint8\)"):
+        _native.call("he_criteo_count_lines", [np.zeros(4, np.int32)])
+    bufs, _, ints = _parse_call(line().encode(), 1)
+    ints[1] = 0
+    with pytest.raises(_native.KernelError, match="need 0 <= phase < stride") as e:
+        _native.call("he_criteo_parse", bufs, ints)
+    assert e.value.status == _native.Status.BAD_CALL
+
+
+@pytest.mark.skipif(not _native.available(), reason="native kernels not built")
+def test_a_malformed_line_fails_the_kernel_with_where_it_is():
+    good = (line() + "\n").encode()
+    bufs, _, ints = _parse_call(good * 2 + line(label="2").encode() + b"\n" + good, 4)
+    with pytest.raises(_native.KernelError) as e:
+        _native.call("he_criteo_parse", bufs, ints)
+    assert e.value.status == _native.Status.BAD_VALUE
+    assert e.value.detail[:4] == (2, 2 * len(good), 0, 2)  # line, its offset, field label, BAD_LABEL
+    bufs, _, ints = _parse_call(good + line().encode() + b"\t\n", 4)
+    with pytest.raises(_native.KernelError) as e:
+        _native.call("he_criteo_parse", bufs, ints)
+    assert e.value.detail[:5] == (1, len(good), -1, 1, 41)  # ..., field count: FIELD_COUNT, fields found
+
+
+@pytest.mark.skipif(not _native.available(), reason="native kernels not built")
+def test_too_few_output_rows_is_a_loud_runtime_error(monkeypatch):
+    from hugeembed.data import _parse
+
+    text = ((line() + "\n") * 5).encode()
+    bufs, _, ints = _parse_call(text, 2)
+    with pytest.raises(_native.KernelError, match="ran out of output rows") as e:
+        _native.call("he_criteo_parse", bufs, ints)
+    assert e.value.status == _native.Status.BAD_CALL and e.value.detail[:2] == (2, 2)
+    real = _native.call
+    monkeypatch.setattr(_native, "call", lambda name, bufs, ints=(): 1 if name == "he_criteo_count_lines"
+                        else real(name, bufs, ints))  # a line count that is too small
+    with pytest.raises(RuntimeError, match="r.txt: Criteo parser failed: .*ran out of output rows"):
+        _parse.parse_buffer(np.frombuffer(text, np.uint8).copy(), source="r.txt", native=True)

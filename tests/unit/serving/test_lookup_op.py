@@ -188,3 +188,68 @@ def test_the_runtime_names_the_shared_row_key_as_the_tables_do():
     from hugeembed.nn._rare import SHARED_ROW_KEY
     from hugeembed.serving import _runtime
     assert _runtime.SHARED_ROW_KEY == SHARED_ROW_KEY
+
+
+# -- the kernels' calling convention (csrc/call.h) -----------------------------------------------
+
+native = pytest.mark.skipif(not _runtime.bags_accelerator, reason="native kernels not built")
+
+
+def _group():
+    """One dynamic table of 3 keys (rows 0..2, the zero row 3): keys, index, meta."""
+    keys = torch.tensor([10, 20, 30], dtype=torch.int64)
+    index, probes = _runtime.build_index(keys, torch.zeros(3, dtype=torch.int64), 1)
+    meta = _runtime.table_meta([0], [0], [0], [3], keys, probes)
+    return keys, index, meta
+
+
+@native
+def test_the_serve_kernels_refuse_a_too_short_buffer_and_write_nothing():
+    from hugeembed import _native
+
+    keys, index, meta = _group()
+    ids = torch.tensor([20, 5, 30])
+    out = torch.full((2,), -7, dtype=torch.int64)
+    with pytest.raises(_native.KernelError, match=r"\(out\) holds 2 elements, needs 3") as e:
+        _native.call("he_serve_find", [ids, torch.zeros(3, dtype=torch.int64), keys, index, meta, out], [1])
+    assert e.value.status == _native.Status.BAD_CALL and out.eq(-7).all()
+    offsets = torch.tensor([0, 2, 3])
+    starts, idx, kept = (torch.full((n,), -7, dtype=torch.int64) for n in (2, 3, 1))  # kept: 2 bags, room for 1
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(_native.KernelError, match=r"\(kept\) holds 1 elements, needs 2") as e:
+        _native.call("he_serve_bags", [ids, offsets, one, one, keys, index, meta, starts, idx, kept], [2, 1, 4])
+    assert e.value.status == _native.Status.BAD_CALL
+    assert all(t.eq(-7).all() for t in (starts, idx, kept))
+
+
+@native
+def test_arguments_the_bags_kernel_refuses_take_the_torch_path(monkeypatch):
+    """BAD_VALUE (nothing written): native_bags / native_find give None and pooled_lookup the torch
+    pass's result, as when the kernels returned their error code."""
+    from hugeembed import _native
+    from hugeembed.serving._native_find import native_bags, native_find
+
+    keys, index, meta = _group()
+    values, offsets = torch.tensor([20, 5, 30]), torch.tensor([0, 2, 3])
+    assert native_bags(values, offsets, keys, index, meta, [0], [0], 2, 4) is not None
+    bad_offsets = torch.tensor([0, 2, 9])  # past the values
+    with pytest.raises(_native.KernelError) as e:
+        _native.call("he_serve_bags", [values, bad_offsets, torch.zeros(1, dtype=torch.int64),
+                                       torch.zeros(1, dtype=torch.int64), keys, index, meta,
+                                       torch.empty(2, dtype=torch.int64), torch.empty(9, dtype=torch.int64),
+                                       torch.empty(2, dtype=torch.int64)], [2, 1, 4])
+    assert e.value.status == _native.Status.BAD_VALUE and e.value.detail[:5] == (5, 1, 1, 2, 9)
+    assert native_bags(values, bad_offsets, keys, index, meta, [0], [0], 2, 4) is None
+    assert native_bags(values, offsets, keys, index, meta, [0], [1], 2, 4) is None  # table 1 of 1
+    bad_meta = meta.clone()
+    bad_meta[0, 0] = 2  # rows 2..4 of 4
+    assert native_bags(values, offsets, keys, index, bad_meta, [0], [0], 2, 4) is None
+    odd = torch.cat([index, index[:1]])  # not a power of two
+    assert native_bags(values, offsets, keys, odd, meta, [0], [0], 2, 4) is None
+    assert native_find(values, torch.zeros(3, dtype=torch.int64), keys, odd, meta) is None
+    rows = torch.arange(16, dtype=torch.float32).view(4, 4)
+    args = (values, offsets, rows, keys, odd, meta, [0], [0], [0], 2, 4, "fp32")
+    got = pooled_lookup(*args)
+    monkeypatch.setattr(_runtime, "bags_accelerator", None)
+    monkeypatch.setattr(_runtime, "find_accelerator", None)
+    assert torch.equal(got, pooled_lookup(*args))

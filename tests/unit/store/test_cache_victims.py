@@ -83,9 +83,23 @@ def test_excluded_slots_are_candidates_again_in_the_next_call():
 
 
 def test_an_excluded_slot_out_of_range_is_refused():
-    n, got = run([0, 1], [0, 0], [1, 2], None, [2], 0, 1)
-    assert n == -2 and got.numel() == 0
+    with pytest.raises(_native.KernelError, match=r"exclude\[1\] = 2 is not a slot of the cache \(2 slots\)") as e:
+        run([0, 1], [0, 0], [1, 2], None, [0, 2], 0, 1)
+    assert e.value.status == _native.Status.BAD_VALUE and e.value.detail[:3] == (1, 2, 2)
     assert run([0, 1], [0, 0], [1, 2], None, [0], 0, 1)[1].tolist() == [1]  # and nothing was left marked
+    assert run([0, 1], [0, 0], [1, 2], None, [], 0, 1)[1].tolist() == [0]
+
+
+@pytest.mark.parametrize("short", ["tick", "keys", "freq", "out"])
+def test_a_too_short_buffer_is_refused_and_nothing_written(short):
+    t = lambda v, dt=torch.int64: torch.tensor(v, dtype=dt)  # noqa: E731
+    bufs = {"owner": t([0, 1, 2]), "tick": t([3, 2, 1]), "keys": t([1, 2, 3]), "freq": t([0, 0, 0], torch.int32),
+            "exclude": t([-1]), "out": torch.full((2,), -7, dtype=torch.int64)}
+    bufs[short] = bufs[short][:-1]
+    with pytest.raises(_native.KernelError, match=f"\\({short}\\) holds") as e:
+        _native.call("he_cache_victims", list(bufs.values()), [0, 2])
+    assert e.value.status == _native.Status.BAD_CALL
+    assert bufs["out"].eq(-7).all()
 
 
 @pytest.mark.parametrize("tick_span", [20, 2**40])  # one histogram round per column; rounds past its window

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hugeembed import CapacityError, ConfigError, StoreError
+from hugeembed import CapacityError, ConfigError, StoreError, _native
 from hugeembed.checkpoint import load, save
 from hugeembed.features import SparseFeatures
 from hugeembed.nn import EmbeddingCollection, TableConfig
@@ -250,6 +250,20 @@ def test_snapshot_of_a_tiered_table_resumes_bit_identically(tmp_path):
         step(mem, f), step(back, f), step(plain, f)
     assert_same_tables(mem, back)
     assert_same_tables(mem, plain)
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_a_victim_choice_the_kernel_refuses_is_an_internal_store_error(tmp_path, monkeypatch):
+    """he_cache_victims refuses a pinned slot outside the cache (KernelError BAD_VALUE): the store
+    says so as a StoreError naming the table, as it did for the kernel's error code."""
+    tier = EmbeddingCollection(tables(tmp_path, 18, SGD(lr=0.5)), optimizer=SGD(lr=0.5))
+    g = torch.Generator().manual_seed(9)
+    store = tier.store("s")
+    monkeypatch.setattr(store._pins, "slots", lambda: torch.tensor([store.capacity_rows + 5]))
+    with pytest.raises(StoreError, match=r"table 's': he_cache_victims failed: .*not a slot of the cache"
+                                         r".*\(internal error\)"):
+        for _ in range(10):
+            step(tier, batch(g))
 
 
 def test_a_full_disk_during_training_is_a_clear_error_and_loses_no_row(tmp_path, monkeypatch):
