@@ -101,6 +101,19 @@ class Call {
     if (k < c_->nbufs && c_->bufs[k].numel == 0) return nullptr;
     return buf<T>(k, numel_if_given, what);
   }
+  // Buffer k as raw bytes: it must be HE_BYTES (uint8), at least min_bytes long.
+  template <class T>
+  T* bytes(int64_t k, int64_t min_bytes, const char* what) const {
+    T* p = buf<T>(k, min_bytes, what);
+    if (c_->bufs[k].type != HE_BYTES)
+      fail(HE_BAD_CALL, "buffer %lld (%s) must be bytes (uint8), has element type %lld", (long long)k, what,
+           (long long)c_->bufs[k].type);
+    return p;
+  }
+  int64_t type(int64_t k) const {
+    if (k < 0 || k >= c_->nbufs) fail(HE_BAD_CALL, "buffer %lld not given", (long long)k);
+    return c_->bufs[k].type;
+  }
   int64_t numel(int64_t k) const {
     if (k < 0 || k >= c_->nbufs) fail(HE_BAD_CALL, "buffer %lld not given", (long long)k);
     return c_->bufs[k].numel;

@@ -119,11 +119,7 @@ inline int64_t parse_line(const char* p, const char* end, const int64_t* missing
 // The text buffer k: raw bytes (uint8), all of it.
 const char* text_of(const he::Call& call, int64_t k, int64_t* len) {
   *len = call.numel(k);
-  const char* buf = call.buf<const char>(k, *len, "text");
-  if (call.raw()->bufs[k].type != HE_BYTES)
-    call.fail(HE_BAD_CALL, "buffer %lld (text) must be bytes (uint8), has element type %lld", (long long)k,
-              (long long)call.raw()->bufs[k].type);
-  return buf;
+  return call.bytes<const char>(k, *len, "text");
 }
 
 int64_t count_lines(const char* buf, int64_t len) {

@@ -456,7 +456,7 @@ int64_t first_bad_count(const int64_t* counts, int64_t n) {
 }
 
 // A find-or-insert's buffers after the table: keys [n], counts [n] or empty, out [n],
-// scratch [8n] (its last 2n: the new rows' slots, then their keys), the duplicate set
+// scratch [>= 8n] (at 6n and 7n: the new rows' slots, then their keys), the duplicate set
 // [2 * set_cap], set_cap a power of two >= 2n.
 struct Insert {
   const int64_t *keys, *counts;

@@ -120,7 +120,7 @@ namespace {
 // detail = (kServeBadIndex, capacity)).  Returns the element size.
 int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* cap) {
   *cap = call.numel(k);
-  const int64_t type = call.raw()->bufs[k].type;
+  const int64_t type = call.type(k);
   if (type == HE_I32) *index = call.buf<const int32_t>(k, *cap, "index");
   else if (type == HE_I64) *index = call.buf<const int64_t>(k, *cap, "index");
   else call.fail(HE_BAD_CALL, "buffer %lld (index) has element type %lld, expected int32 or int64", (long long)k,

@@ -55,10 +55,7 @@ int64_t tier_io(const he::Call& call, const char* verb, F&& io) {
     call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld, %lld records", (long long)fd,
               (long long)record_bytes, (long long)io_threads, (long long)n);
   const int64_t* records = call.buf<const int64_t>(0, n, "records");
-  Row* rows = call.buf<Row>(1, n * record_bytes, "rows");
-  if (call.raw()->bufs[1].type != HE_BYTES)
-    call.fail(HE_BAD_CALL, "buffer 1 (rows) must be bytes (uint8), has element type %lld",
-              (long long)call.raw()->bufs[1].type);
+  Row* rows = call.bytes<Row>(1, n * record_bytes, "rows");
   int64_t where = -1;
   const int64_t e = for_runs(records, n, kMaxRun, io_threads, &where,
                              [&](int64_t a, int64_t b) { return io((int)fd, records, rows, record_bytes, a, b); });

@@ -29,7 +29,6 @@ __all__ = ["lib", "available", "call", "rows", "KernelError", "Status", "nthread
 
 I64 = ctypes.c_int64
 F64 = ctypes.c_double
-I32, F32, PTR = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p  # TRANSITION: removed once every caller uses call()
 
 _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 # Must equal he_abi_version() in csrc/abi.cpp.
@@ -214,37 +213,6 @@ def call(name: str, bufs=(), ints=(), reals=()) -> int:
     if c.status:
         raise KernelError(name, c.status, tuple(c.detail), c.message.decode(errors="replace"))
     return result
-
-
-_declared: dict[str, ctypes._CFuncPtr] = {}
-
-
-def fn(name: str, *argtypes, restype=I64):  # TRANSITION: removed once every caller uses call()
-    f = _declared.get(name)
-    if f is None:
-        f = getattr(lib(), name)
-        f.argtypes = list(argtypes)
-        f.restype = restype
-        _declared[name] = f
-    return f
-
-
-def check(t: torch.Tensor, dtype: torch.dtype, what: str, numel: int | None = None) -> torch.Tensor:  # TRANSITION
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: native kernel needs a CPU tensor, got device {t.device}")
-    if t.dtype != dtype:
-        raise ValueError(f"{what}: expected dtype {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: expected a contiguous tensor")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{what}: expected {numel} elements, got {t.numel()}")
-    return t
-
-
-def ptr(t: torch.Tensor | None) -> int | None:  # TRANSITION
-    if t is None or t.numel() == 0:
-        return None
-    return t.data_ptr()
 
 
 def nthreads() -> int:

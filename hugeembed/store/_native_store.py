@@ -80,7 +80,7 @@ class NativeOps:
         out = torch.empty_like(keys)
         buf, dup_set = self._buf(n)
         need = torch.zeros(4, dtype=torch.int64)
-        rc = Outcome(_call(s.name, "he_hs_find_or_insert", _table(s) + [keys, counts, out, buf[: 8 * n], dup_set, need],
+        rc = Outcome(_call(s.name, "he_hs_find_or_insert", _table(s) + [keys, counts, out, buf, dup_set, need],
                            [s._storage.shape[0], step, s.admit_min_count, row_limit, s._max_entries()]))
         need = need.tolist()
         made = need[3]
@@ -103,7 +103,8 @@ class NativeOps:
             padded = list(init_params) + [0.0] * (6 - len(init_params))
             self._params = (tuple(init_params), torch.tensor(padded, dtype=torch.float64))
         storage = s._storage
-        bufs = _table(s) + [keys, counts, out, buf[: 8 * n], dup_set, storage, state_row, self._params[1]]
+        # the scratch whole (>= 8n): a slice would be one more op per table and step
+        bufs = _table(s) + [keys, counts, out, buf, dup_set, storage, state_row, self._params[1]]
         ints = [s.admit_min_count, row_limit, s._max_entries(), init_kind, seed, storage.shape[1], s.dim,
                 0 if state_row is None else s.state_width]
         return (s.name, bufs, ints), out
