@@ -133,3 +133,38 @@ def test_an_optimizer_kernel_checks_its_gradient_and_slots_before_writing():
     with pytest.raises(IndexError, match="slot 6 at position 1 is out of range for a table of 6 rows"):
         _native_ops.run("he_optim_sgd", storage, torch.tensor([0, 6]), torch.ones(2, 4), 4, reals=(0.1, 0.0))
     assert storage.eq(1).all()
+
+
+def test_a_call_made_while_this_threads_frame_is_busy_gets_arrays_of_its_own():
+    # a finalizer run by the garbage collector inside a call calls a kernel itself
+    keys = torch.arange(6, dtype=torch.int64)
+    out, twin = torch.empty_like(keys), torch.empty_like(keys)
+    _native._frame.busy = True
+    try:
+        _native.call("he_mix64", [keys, out])
+    finally:
+        _native._frame.busy = False
+    _native.call("he_mix64", [keys, twin])
+    assert torch.equal(out, twin)
+
+
+def test_calls_on_other_threads_use_their_own_frames():
+    import threading
+    results = {}
+
+    def run(i):
+        keys = torch.arange(i, i + 50, dtype=torch.int64)
+        for _ in range(200):
+            out = torch.empty_like(keys)
+            _native.call("he_mix64", [keys, out])
+        results[i] = out
+
+    threads = [threading.Thread(target=run, args=(i * 1000,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, out in results.items():
+        want = torch.empty_like(out)
+        _native.call("he_mix64", [torch.arange(i, i + 50, dtype=torch.int64), want])
+        assert torch.equal(out, want)
