@@ -577,7 +577,7 @@ HE_KERNEL(he_hs_find_or_insert_many) {
     call.detail({d});  // which table a failing check is about
     const int64_t* in = call.raw()->ints + 1 + d * kManyInts;
     const int64_t W = in[5], dim = in[6], sw = in[7], words = call.numel(k + kTableBufs + 5);
-    if (W < 1 || dim < 0 || sw < 0 || dim + sw > W || words % W != 0 || in[3] < 0 || in[3] > 3)
+    if (W < 1 || dim < 0 || sw < 0 || dim > W || sw > W - dim || words % W != 0 || in[3] < 0 || in[3] > 3)
       call.fail(HE_BAD_CALL, "table %lld: storage of %lld floats is not [rows, %lld] holding %lld + %lld columns "
                 "(initializer %lld)", (long long)d, (long long)words, (long long)W, (long long)dim, (long long)sw,
                 (long long)in[3]);
@@ -637,7 +637,10 @@ HE_KERNEL(he_array_touch_many) {
     Table& x = tables[d];
     x.rows = call.i(1 + d);
     x.n = call.numel(4 * d + 1);
-    x.meta = call.buf<int64_t>(4 * d, 2 * std::max<int64_t>(x.rows, 0), "meta");
+    if (x.rows < 0 || x.rows > call.numel(4 * d) / 2)
+      call.fail(HE_BAD_CALL, "table %lld: %lld rows, meta holds %lld", (long long)d, (long long)x.rows,
+                (long long)call.numel(4 * d) / 2);
+    x.meta = call.buf<int64_t>(4 * d, 2 * x.rows, "meta");
     x.keys = call.buf<const int64_t>(4 * d + 1, x.n, "keys");
     x.counts = call.opt<const int64_t>(4 * d + 2, x.n, "counts");
     x.out = call.buf<int64_t>(4 * d + 3, x.n, "out");

@@ -40,13 +40,15 @@ struct Rows {
   const float* grad;
 };
 
-Rows rows_of(const he::Call& call, int64_t nints, int64_t nreals, bool grad_optional = false) {
+// `state(D)`: the rule's state columns after the weights (each row reads and writes D + state).
+template <class S>
+Rows rows_of(const he::Call& call, int64_t nints, int64_t nreals, S&& state, bool grad_optional = false) {
   call.expect(3, nints, nreals);
   const int64_t W = call.i(0), D = call.i(1);
   const int64_t n = call.numel(0);
-  if (W < 1 || D < 0 || D > W || n % W != 0)
-    call.fail(HE_BAD_CALL, "storage of %lld floats is not [rows, %lld] with dim %lld", (long long)n, (long long)W,
-              (long long)D);
+  if (W < 1 || D < 0 || D > W || state(D) > W - D || n % W != 0)
+    call.fail(HE_BAD_CALL, "storage of %lld floats is not [rows, %lld] holding dim %lld and %lld state columns",
+              (long long)n, (long long)W, (long long)D, (long long)state(std::min<int64_t>(std::max<int64_t>(D, 0), W)));
   Rows r{call.buf<float>(0, n, "storage"), n / W, W, D, nullptr, call.numel(1), nullptr};
   r.slots = call.buf<const int64_t>(1, r.U, "slots");
   r.grad = grad_optional ? call.opt<const float>(2, r.U * D, "grad") : call.buf<const float>(2, r.U * D, "grad");
@@ -388,30 +390,31 @@ static int64_t he_optim_ftrl_rows(float* storage, int64_t R, int64_t W, int64_t 
 #define HE_ROWS r.storage, r.R, r.W, r.D, r.slots, r.U, r.grad
 
 HE_KERNEL(he_optim_sgd) {
-  const Rows r = rows_of(call, 2, 2);
+  const Rows r = rows_of(call, 2, 2, [](int64_t) { return int64_t(0); });
   return he_optim_sgd_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), call.nthreads());
 }
 
 HE_KERNEL(he_optim_momentum) {
-  const Rows r = rows_of(call, 3, 3);
+  const Rows r = rows_of(call, 3, 3, [](int64_t d) { return d; });
   return he_optim_momentum_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2), (int)call.i(2),
                                 call.nthreads());
 }
 
 HE_KERNEL(he_optim_adagrad) {
-  const Rows r = rows_of(call, 2, 3);
+  const Rows r = rows_of(call, 2, 3, [](int64_t d) { return d; });
   return he_optim_adagrad_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2), call.nthreads());
 }
 
 HE_KERNEL(he_optim_rowwise_adagrad) {
-  const Rows r = rows_of(call, 2, 3);
+  const Rows r = rows_of(call, 2, 3, [](int64_t) { return int64_t(1); });
   return he_optim_rowwise_adagrad_rows(HE_ROWS, (float)call.r(0), (float)call.r(1), (float)call.r(2),
                                        call.nthreads());
 }
 
 HE_KERNEL(he_optim_adam) {
   const bool has_grad = call.i(5) != 0;
-  const Rows r = rows_of(call, 7, 6, !has_grad);
+  const int64_t mode = call.i(4);
+  const Rows r = rows_of(call, 7, 6, [mode](int64_t d) { return 2 * d + (mode ? 1 : 0); }, !has_grad);
   if (!has_grad && call.i(4) != 2) call.fail(HE_BAD_CALL, "a call without a gradient is global mode's catch-up only");
   return he_optim_adam_rows(HE_ROWS, call.r(0), call.r(1), call.r(2), call.r(3), call.r(4), (int)call.i(2),
                             (int)call.i(3), (int)call.i(4), (int)has_grad, call.i(6), (float)call.r(5),
@@ -419,7 +422,7 @@ HE_KERNEL(he_optim_adam) {
 }
 
 HE_KERNEL(he_optim_ftrl) {
-  const Rows r = rows_of(call, 2, 5);
+  const Rows r = rows_of(call, 2, 5, [](int64_t d) { return 2 * d; });
   return he_optim_ftrl_rows(HE_ROWS, (float)call.r(0), call.r(1), (float)call.r(2), (float)call.r(3),
                             (float)call.r(4), call.nthreads());
 }

@@ -124,6 +124,7 @@ _TYPES = {torch.uint8: 0, torch.int8: 1, torch.int32: 2, torch.int64: 3, torch.f
 _NP_TYPES = {np.dtype(np.uint8): 0, np.dtype(np.int8): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3,
              np.dtype(np.float32): 4, np.dtype(np.float64): 5}
 _DETAIL = 6
+_I64_MAX = 2**63 - 1
 _MESSAGE = 232
 
 
@@ -218,6 +219,8 @@ def call(name: str, bufs=(), ints=(), reals=()) -> int:
     or None for an absent optional buffer.  The caller keeps them alive for the call.
     """
     f = _kernels.get(name) or _kernel(name)
+    if ints and (max(ints) > _I64_MAX or min(ints) < -_I64_MAX - 1):  # a ctypes array would wrap it silently
+        raise OverflowError(f"{name}: an integer argument is outside int64: {list(ints)}")
     fr = _frame
     # Into this thread's frame (no allocation: see _Frame), unless it is in use (a finalizer
     # freeing a kernel's context, run by the garbage collector inside a call) or too short.
@@ -246,8 +249,13 @@ def call(name: str, bufs=(), ints=(), reals=()) -> int:
             fr.reals[: len(reals)] = reals
             c.nbufs, c.nints, c.nreals, c.nthreads = len(bufs), len(ints), len(reals), nthreads()
             result = f(fr.ref)
+            # read while the frame is still ours: a finalizer may call a kernel right after
+            failed = (c.status, tuple(c.detail), c.message) if c.status else None
         finally:
             fr.busy = False
+        if failed is None:
+            return result
+        raise KernelError(name, failed[0], failed[1], failed[2].decode(errors="replace"))
     if c.status:
         raise KernelError(name, c.status, tuple(c.detail), c.message.decode(errors="replace"))
     return result

@@ -582,6 +582,12 @@ class HashStore(LayoutViews, Pinnable):
         """Bytes beyond the weights + state of the live rows (index, metadata, spare rows)."""
         return self.memory_bytes() - len(self) * self.width * self._storage.element_size()
 
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.copy, deepcopy, pickle) is a store of its own for the compiled ops too:
+        # with the original's handle, a compiled find_or_insert on the copy would insert into it
+        self.__dict__.update(state)
+        self._op_handle, self._op_version = _ops.register(self)
+
     def to(self, device: torch.device | str) -> "HashStore":
         """A copy of this store on `device` (native backend on CPU when available)."""
         device = canonical_device(device)

@@ -303,7 +303,7 @@ def init_rows_native(init: Initializer, keys: torch.Tensor, dim: int, seed: int,
     n = keys.numel()
     if n == 0:
         return True
-    stride = out.shape[1] if out.dim() == 2 else dim
+    stride = out.stride(0) if out.dim() == 2 else dim  # a column view's rows lie stride(0) apart
     params = torch.tensor(list(params) + [0.0] * (6 - len(params)), dtype=torch.float64)
     _native.call("he_init_rows", [keys, _native.rows(out) if out.dim() == 2 else out, rows, params],
                  [kind, _signed(seed), dim, stride])

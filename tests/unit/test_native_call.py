@@ -125,6 +125,16 @@ def test_init_rows_refuses_a_row_outside_its_output_and_writes_nothing():
     assert out[1, 1:3].eq(0.5).all() and out.sum() == 1.0  # the view's columns of row 1 only
 
 
+def test_init_rows_native_writes_a_column_view_in_place():
+    from hugeembed.store import Constant
+    from hugeembed.store._init import init_rows_native
+    table = torch.zeros(4, 6)
+    assert init_rows_native(Constant(0.5), torch.arange(2), 4, 0, table[:, :4], torch.tensor([1, 3]))
+    want = torch.zeros(4, 6)
+    want[[1, 3], :4] = 0.5
+    assert torch.equal(table, want)
+
+
 def test_an_optimizer_kernel_checks_its_gradient_and_slots_before_writing():
     storage = torch.ones(6, 8)
     slots = torch.tensor([0, 2])
@@ -168,3 +178,26 @@ def test_calls_on_other_threads_use_their_own_frames():
         want = torch.empty_like(out)
         _native.call("he_mix64", [torch.arange(i, i + 50, dtype=torch.int64), want])
         assert torch.equal(out, want)
+
+
+def test_an_optimizer_kernel_refuses_rows_too_narrow_for_its_state():
+    storage = torch.ones(4, 8)  # Adam at dim 4 needs 4 + 2*4 (+1) columns
+    with pytest.raises(_native.KernelError, match="holding dim 4 and 8 state columns"):
+        _native_ops.run("he_optim_adam", storage, torch.tensor([3]), torch.ones(1, 4), 4, ints=(0, 0, 0, 1, 1),
+                        reals=(0.1, 0.9, 0.999, 1e-8, 0.0, 0.0))
+    with pytest.raises(_native.KernelError, match="holding dim 8 and 8 state columns"):
+        _native_ops.run("he_optim_momentum", storage, torch.tensor([3]), torch.ones(1, 8), 8, ints=(0,),
+                        reals=(0.1, 0.9, 0.0))
+    assert storage.eq(1).all()
+
+
+def test_touch_many_refuses_more_rows_than_its_meta_holds():
+    meta, keys, out = torch.zeros(1, 2, dtype=torch.int64), torch.tensor([5]), torch.empty(1, dtype=torch.int64)
+    with pytest.raises(_native.KernelError, match="rows, meta holds 1"):
+        _native.call("he_array_touch_many", [meta, keys, None, out], [1, 2**63 - 1])
+    assert meta.eq(0).all()
+
+
+def test_integer_arguments_outside_int64_are_refused_not_wrapped():
+    with pytest.raises(OverflowError, match="outside int64"):
+        _native.call("he_mix64", [torch.arange(2), torch.empty(2, dtype=torch.int64)], [2**64 + 5])

@@ -42,3 +42,18 @@ def test_the_ops_fake_gives_the_slots_shape_and_bad_input_still_raises_inside():
     with pytest.raises(Exception, match="given twice"):
         fn(store, torch.tensor([5, 5]))
     assert len(store) == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_copied_store_compiles_into_itself_not_its_original(how):
+    import copy
+    import pickle
+    original, _ = _twins()
+    original.find_or_insert(torch.arange(5), 1)
+    twin = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda s: pickle.loads(pickle.dumps(s))}[how](original)
+    if how == "copy":  # a shallow copy shares its arrays: only the handle must differ
+        assert twin._op_handle != original._op_handle
+        return
+    fn = torch.compile(lambda s, k: s.find_or_insert(k, 2), fullgraph=True, backend="aot_eager")
+    fn(twin, torch.arange(5, 10))
+    assert len(twin) == 10 and len(original) == 5
