@@ -11,7 +11,9 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -51,11 +53,23 @@ void run_items(int64_t n_items, int64_t nthreads, F&& fn) {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> active{0};
     std::atomic<bool> closed{false};
+    std::mutex lock;
+    std::exception_ptr error;  // the first item that threw: rethrown by the caller once all have left
   };
   auto shared = std::make_shared<Shared>();
-  auto* c = &call;
+  // An exception must not leave a helper (std::terminate) nor the caller while helpers still
+  // use its stack: every item runs guarded, and the caller rethrows after the wait.
+  auto guarded = [&call, s = shared.get()](int64_t i, int tid) {
+    try {
+      call(i, tid);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(s->lock);
+      if (!s->error) s->error = std::current_exception();
+    }
+  };
+  auto* c = &guarded;
   for (int64_t h = 0; h < helpers; ++h) {
-    // A helper owns a reference to `shared`, and touches the caller's stack (`call`)
+    // A helper owns a reference to `shared`, and touches the caller's stack (`guarded`)
     // only if it registered as active before the caller closed the call.
     std::thread([shared, c, n_items, tid = (int)(h + 1)] {
       shared->active.fetch_add(1);
@@ -65,11 +79,12 @@ void run_items(int64_t n_items, int64_t nthreads, F&& fn) {
       shared->active.fetch_sub(1);
     }).detach();
   }
-  for (int64_t i = shared->next.fetch_add(1); i < n_items; i = shared->next.fetch_add(1)) call(i, 0);
+  for (int64_t i = shared->next.fetch_add(1); i < n_items; i = shared->next.fetch_add(1)) guarded(i, 0);
   // Sequentially consistent: a helper that registers after this store sees closed
   // and leaves; one that registered before is running, so the wait is one item long.
   shared->closed.store(true);
   while (shared->active.load() != 0) std::this_thread::yield();
+  if (shared->error) std::rethrow_exception(shared->error);
 }
 
 // fn(begin, end, tid) over [0, n) in chunks of at least min_per_thread (about four
