@@ -157,9 +157,15 @@ int64_t count_ids(const int64_t* values, int64_t n_values, const int64_t* offset
 }
 
 // The ids of table t's features, deduplicated by `d` (a LocalDedup or DirectDedup).
+// Returns false, having written at most inside the bags it was given, when the batch
+// does not match out_offsets (a bag's offsets outside values, out_offsets decreasing or
+// past its feature's end, or a bag whose kept ids are more or fewer than out_offsets
+// counted): each bag's ids are written only to [out_offsets[f*B+b], out_offsets[f*B+b+1]),
+// which the caller checked lie inside its feature's span (kept_ids), so the unique keys
+// of table t number at most its share of the unique-key buffer.
 template <class Dedup>
-void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* values, const int64_t* offsets,
-                 const float* weights, const int64_t* table_feat_ptr, const int64_t* table_feats,
+bool dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* values, int64_t n_values,
+                 const int64_t* offsets, const float* weights, const int64_t* table_feat_ptr, const int64_t* table_feats,
                  const int64_t* out_offsets, const int64_t* unique_base, int32_t* inverse, float* out_weights,
                  int64_t* unique_keys, int32_t* unique_counts, int64_t* unique_count) {
   const int64_t base = unique_base[t];
@@ -178,23 +184,32 @@ void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* v
   };
   for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
     const int64_t f = table_feats[k];
+    const int64_t f_end = out_offsets[(f + 1) * B];
     for (int64_t b = 0; b < B; ++b) {
       const int64_t in_bag = p.src[f] * B + b;
-      int64_t j = out_offsets[f * B + b];
-      for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i) {
+      const int64_t lo = out_offsets[f * B + b], hi = out_offsets[f * B + b + 1];
+      const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
+      if (hi < lo || hi > f_end || i0 < 0 || i1 < i0 || i1 > n_values) return false;
+      int64_t j = lo;
+      for (int64_t i = i0; i < i1; ++i) {
         Verdict v = classify(p, f, values[i], weights, i);
         if (v != kKeep && v != kMapDefault) continue;  // errors were raised by stage 1
+        if (j == hi) return false;  // more kept ids than counted
         inverse[j] = add(v == kKeep ? values[i] : p.default_id[f]);
         if (out_weights) out_weights[j] = weights[i];
         ++j;
       }
-      if (j == out_offsets[f * B + b] && fills_empty(p, f)) {
+      if (j == lo && fills_empty(p, f)) {
+        if (j == hi) return false;
         inverse[j] = add(p.default_id[f]);
         if (out_weights) out_weights[j] = 1.0f;
+        ++j;
       }
+      if (j != hi) return false;  // fewer: inverse[j..hi) would stay unwritten
     }
   }
   unique_count[t] = d.count;
+  return true;
 }
 
 // Stage 2 (with deduplicate = 0: every kept id gets its own entry, for forward-only
@@ -202,8 +217,10 @@ void dedup_table(const Plan& p, Dedup& d, int64_t t, int64_t B, const int64_t* v
 // out_offsets), inverse[j] = unique_base[t] + its index among table t's unique
 // keys and out_weights[j]; unique_keys/unique_counts[unique_base[t] + u] for
 // each table; unique_count[t] = number of unique keys of table t.
-// table_feat_ptr/table_feats list the plan features of each table (CSR).
-void dedup_ids(LookupContext* ctx, const int64_t* values, const int64_t* offsets,
+// table_feat_ptr/table_feats list the plan features of each table (CSR).  Returns
+// false when the batch does not match out_offsets (dedup_table; the outputs are then
+// partly written).
+bool dedup_ids(LookupContext* ctx, const int64_t* values, int64_t n_values, const int64_t* offsets,
                const float* weights, int64_t B, int64_t F, int64_t T,
                const int64_t* src, const int64_t* table, const int64_t* num_rows,
                const int8_t* prune_neg, const int8_t* oor,
@@ -218,6 +235,7 @@ void dedup_ids(LookupContext* ctx, const int64_t* values, const int64_t* offsets
   int threads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, T));
   if ((int)ctx->dedup.size() < threads) ctx->dedup.resize(threads);
   if ((int64_t)ctx->direct.size() < T) ctx->direct.resize(T);
+  std::atomic<bool> ok{true};
   he::parallel_items(T, threads, [&](int64_t t, int tid) {
     int64_t n_ids = 0;
     for (int64_t k = table_feat_ptr[t]; k < table_feat_ptr[t + 1]; ++k) {
@@ -227,20 +245,24 @@ void dedup_ids(LookupContext* ctx, const int64_t* values, const int64_t* offsets
     const int64_t rows = num_rows[t];
     if (!deduplicate) {
       he::NoDedup d;
-      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
-                  inverse, out_weights, unique_keys, unique_counts, unique_count);
+      if (!dedup_table(p, d, t, B, values, n_values, offsets, weights, table_feat_ptr, table_feats, out_offsets,
+                       unique_base, inverse, out_weights, unique_keys, unique_counts, unique_count))
+        ok.store(false);
     } else if (rows >= 0 && rows <= kDirectMaxRows) {
       he::DirectDedup& d = ctx->direct[t];
       d.reset(rows);
-      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
-                  inverse, out_weights, unique_keys, unique_counts, unique_count);
+      if (!dedup_table(p, d, t, B, values, n_values, offsets, weights, table_feat_ptr, table_feats, out_offsets,
+                       unique_base, inverse, out_weights, unique_keys, unique_counts, unique_count))
+        ok.store(false);
     } else {
       he::LocalDedup& d = ctx->dedup[tid];
       d.reset(n_ids);
-      dedup_table(p, d, t, B, values, offsets, weights, table_feat_ptr, table_feats, out_offsets, unique_base,
-                  inverse, out_weights, unique_keys, unique_counts, unique_count);
+      if (!dedup_table(p, d, t, B, values, n_values, offsets, weights, table_feat_ptr, table_feats, out_offsets,
+                       unique_base, inverse, out_weights, unique_keys, unique_counts, unique_count))
+        ok.store(false);
     }
   });
+  return ok.load();
 }
 
 // TF's clip_by_norm, elementwise exactly as TF computes it:
@@ -762,7 +784,8 @@ int64_t pool_direct(const int64_t* values, int64_t n_values, const int64_t* offs
 // Checked here, before anything is written: every buffer's type and length against
 // B, F, T, D and the counts the earlier stages produced, and every index of the plan.
 // Trusted (written by the earlier stages of the same lookup, checked there): the
-// contents of out_offsets (he_lookup_count), of inverse (he_lookup_dedup: each entry <
+// contents of out_offsets within each feature's span (he_lookup_count; the spans
+// themselves are checked, O(F), and he_lookup_dedup checks every bag as it walks it), of inverse (he_lookup_dedup: each entry <
 // capacity) and of slots (the caller: each a row of its table, or -1); checking each
 // of those per id would cost the hot loops.
 
@@ -800,11 +823,32 @@ PlanView plan_view(const he::Call& call) {
   for (int64_t t = 0; t < T; ++t)
     if (v.table_feat_ptr[t + 1] < v.table_feat_ptr[t])
       call.fail(HE_BAD_CALL, "plan: table_feat_ptr decreases at table %lld", (long long)t);
-  for (int64_t k = 0; k < v.table_feat_ptr[T]; ++k)
-    if (v.table_feats[k] < 0 || v.table_feats[k] >= F)
-      call.fail(HE_BAD_CALL, "plan: table_feats[%lld] = %lld, not a feature of %lld", (long long)k,
-                (long long)v.table_feats[k], (long long)F);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = v.table_feat_ptr[t]; k < v.table_feat_ptr[t + 1]; ++k)
+      if (v.table_feats[k] < 0 || v.table_feats[k] >= F || v.table[v.table_feats[k]] != t)
+        call.fail(HE_BAD_CALL, "plan: table_feats[%lld] = %lld, not a feature of table %lld (of %lld features)",
+                  (long long)k, (long long)v.table_feats[k], (long long)t, (long long)F);
+  // num_rows bounds the row products (table_rows) and the direct dedup's scratch; a
+  // default_id a static table maps ids to must be one of its rows (the dedup indexes by it)
+  for (int64_t t = 0; t < T; ++t)
+    if (v.num_rows[t] < -1 || v.num_rows[t] > kMaxIndex)
+      call.fail(HE_BAD_CALL, "plan: table %lld has %lld rows", (long long)t, (long long)v.num_rows[t]);
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t n = v.num_rows[v.table[f]];
+    if (n >= 0 && (v.has_default[f] || v.oor[f] == kDefault) && (v.default_id[f] < 0 || v.default_id[f] >= n))
+      call.fail(HE_BAD_CALL, "plan: feature %lld: default_id %lld outside the %lld rows of table %lld", (long long)f,
+                (long long)v.default_id[f], (long long)n, (long long)v.table[f]);
+  }
   return v;
+}
+
+// a * b + c + d (sizes and positions the checks form), failing where it leaves int64.
+int64_t span(const he::Call& call, int64_t a, int64_t b, int64_t c, int64_t d, const char* what) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r) || __builtin_add_overflow(r, c, &r) || __builtin_add_overflow(r, d, &r))
+    call.fail(HE_BAD_CALL, "%s: %lld * %lld + %lld + %lld overflows", what, (long long)a, (long long)b, (long long)c,
+              (long long)d);
+  return r;
 }
 
 // The input batch: values [n_values], offsets (bags of input feature s are
@@ -853,6 +897,14 @@ int64_t kept_ids(const he::Call& call, const PlanView& v, int64_t k, const int64
   const int64_t n_kept = (*out_offsets)[v.F * v.B];
   if ((*out_offsets)[0] != 0 || n_kept < 0)
     call.fail(HE_BAD_CALL, "out_offsets runs from %lld to %lld", (long long)(*out_offsets)[0], (long long)n_kept);
+  // each feature's span inside [0, n_kept] (O(F); the bags within are trusted, or, in
+  // he_lookup_dedup, checked as it walks them)
+  for (int64_t f = 0; f < v.F; ++f) {
+    const int64_t lo = (*out_offsets)[f * v.B], hi = (*out_offsets)[(f + 1) * v.B];
+    if (lo < 0 || hi < lo || hi > n_kept)
+      call.fail(HE_BAD_CALL, "out_offsets: feature %lld spans [%lld, %lld) of %lld ids", (long long)f, (long long)lo,
+                (long long)hi, (long long)n_kept);
+  }
   return n_kept;
 }
 
@@ -880,7 +932,8 @@ Tables table_rows(const he::Call& call, const PlanView& v, int64_t first, int64_
     const int64_t D = v.dims[t], W = tabs.stride[t], n = min_rows(t), numel = call.numel(first + t);
     if (W < 0 || W > kMaxIndex || (W < D && numel > D))
       call.fail(HE_BAD_CALL, "table %lld: row stride %lld for dim %lld", (long long)t, (long long)W, (long long)D);
-    const float* rows = call.buf<const float>(first + t, n > 0 ? (n - 1) * W + D : 0, "table rows");
+    const float* rows = call.buf<const float>(first + t, n > 0 ? span(call, n - 1, W, D, 0, "table rows") : 0,
+                                              "table rows");
     tabs.addr[t] = reinterpret_cast<int64_t>(rows);
   }
   return tabs;
@@ -954,6 +1007,11 @@ HE_KERNEL(he_lookup_count) {
 //         8 inverse int32 [n_kept] (out)  9 out_weights [n_kept] (out; read only with weights)
 //         10 unique_keys [capacity] (out)  11 unique_counts int32 [capacity] (out)  12 unique_count [T] (out)
 //   ints  B F T deduplicate ctx (he_lookup_ctx_new's handle)
+// Fails with HE_BAD_CALL when the batch does not match out_offsets (a bag's offsets
+// outside values, or more or fewer kept ids than counted): found while walking the ids,
+// so, unlike the other kernels, it may then have written part of inverse, out_weights,
+// unique_keys, unique_counts and unique_count (always inside their bounds); the caller
+// discards them.  Checking before the walk would cost a second pass over every id.
 HE_KERNEL(he_lookup_dedup) {
   call.expect(13, 5, 0);
   const PlanView v = plan_view(call);
@@ -963,8 +1021,10 @@ HE_KERNEL(he_lookup_dedup) {
   const int64_t* unique_base = call.buf<const int64_t>(7, v.T, "unique_base");
   int64_t capacity = 0;
   for (int64_t t = 0; t < v.T; ++t) {
-    if (unique_base[t] < 0) call.fail(HE_BAD_CALL, "unique_base[%lld] = %lld", (long long)t, (long long)unique_base[t]);
-    capacity = std::max(capacity, unique_base[t] + ids_of_table(v, out_offsets, t));
+    int64_t end;
+    if (unique_base[t] < 0 || __builtin_add_overflow(unique_base[t], ids_of_table(v, out_offsets, t), &end))
+      call.fail(HE_BAD_CALL, "unique_base[%lld] = %lld", (long long)t, (long long)unique_base[t]);
+    capacity = std::max(capacity, end);
   }
   int32_t* inverse = call.buf<int32_t>(8, n_kept, "inverse");
   float* out_weights = in.weights ? call.buf<float>(9, n_kept, "out_weights") : nullptr;
@@ -973,9 +1033,10 @@ HE_KERNEL(he_lookup_dedup) {
   int64_t* unique_count = call.buf<int64_t>(12, v.T, "unique_count");
   auto* ctx = reinterpret_cast<LookupContext*>(call.i(4));
   if (!ctx) call.fail(HE_BAD_CALL, "no lookup context");
-  dedup_ids(ctx, in.values, in.offsets, in.weights, v.B, v.F, v.T, in.src, v.table, v.num_rows, v.prune_neg, v.oor,
+  if (!dedup_ids(ctx, in.values, in.n_values, in.offsets, in.weights, v.B, v.F, v.T, in.src, v.table, v.num_rows, v.prune_neg, v.oor,
             v.has_default, v.default_id, v.combiner, v.table_feat_ptr, v.table_feats, out_offsets, unique_base,
-            inverse, out_weights, unique_keys, unique_counts, unique_count, call.i(3), call.nthreads());
+                 inverse, out_weights, unique_keys, unique_counts, unique_count, call.i(3), call.nthreads()))
+    call.fail(HE_BAD_CALL, "the batch does not match out_offsets (not the batch he_lookup_count counted)");
   return 0;
 }
 
@@ -1000,7 +1061,7 @@ HE_KERNEL(he_lookup_pool) {
   int64_t need = 0;
   if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
   for (int64_t k = 0; k < n; ++k)
-    if (v.B > 0 && D > 0) need = std::max(need, (v.B - 1) * ors + out_col[k] + D);
+    if (v.B > 0 && D > 0) need = std::max(need, span(call, v.B - 1, ors, out_col[k], D, "out"));
   float* out = call.buf<float>(9, need, "out");
   std::vector<char> used(v.T, 0);
   for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
@@ -1029,7 +1090,7 @@ HE_KERNEL(he_lookup_unpooled) {
   int64_t need = 0;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t f = feats[k];
-    need = std::max(need, (out_row0[k] + out_offsets[(f + 1) * v.B] - out_offsets[f * v.B]) * D);
+    need = std::max(need, span(call, out_row0[k] + out_offsets[(f + 1) * v.B] - out_offsets[f * v.B], D, 0, 0, "out"));
   }
   float* out = call.buf<float>(9, need, "out");
   std::vector<char> used(v.T, 0);
@@ -1064,12 +1125,13 @@ HE_KERNEL(he_lookup_backward) {
   const float* weights = call.opt<const float>(5, n_kept, "weights");
   const int64_t* slots = call.buf<const int64_t>(6, capacity, "slots");
   int64_t need = 0;
+  if (capacity < 0) call.fail(HE_BAD_CALL, "capacity %lld", (long long)capacity);
   for (int64_t t = 0; t < T; ++t) {
-    if (unique_base[t] < 0 || unique_count[t] < 0 || unique_base[t] + unique_count[t] > capacity || gbase[t] < 0 ||
-        gbase[t] > kMaxIndex * kMaxDim)
+    if (unique_base[t] < 0 || unique_count[t] < 0 || unique_base[t] > capacity ||
+        unique_count[t] > capacity - unique_base[t] || gbase[t] < 0 || gbase[t] > kMaxIndex * kMaxDim)
       call.fail(HE_BAD_CALL, "table %lld: unique rows [%lld, +%lld) of %lld, gbase %lld", (long long)t,
                 (long long)unique_base[t], (long long)unique_count[t], (long long)capacity, (long long)gbase[t]);
-    need = std::max(need, gbase[t] + unique_count[t] * v.dims[t]);
+    need = std::max(need, span(call, unique_count[t], v.dims[t], gbase[t], 0, "gbuf"));
   }
   float* gbuf = call.buf<float>(7, need, "gbuf");
   std::vector<int64_t> grad_ptr(F, 0), grad_stride(F, 0);
@@ -1082,7 +1144,8 @@ HE_KERNEL(he_lookup_backward) {
       call.fail(HE_BAD_CALL, "feature %lld: gradient %lld of %lld, offset %lld, stride %lld", (long long)f,
                 (long long)g, (long long)G, (long long)off, (long long)stride);
     if (n == 0 || D == 0) continue;
-    const float* grad = call.buf<const float>(8 + g, off + (n - 1) * stride + D, "output gradient");
+    const float* grad = call.buf<const float>(8 + g, span(call, n - 1, stride, off, D, "output gradient"),
+                                              "output gradient");
     grad_ptr[f] = reinterpret_cast<int64_t>(grad + off);
     grad_stride[f] = stride;
   }
@@ -1111,7 +1174,7 @@ HE_KERNEL(he_lookup_pool_direct) {
   int64_t need = 0;
   if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
   for (int64_t k = 0; k < n; ++k)
-    if (v.B > 0 && D > 0) need = std::max(need, (v.B - 1) * ors + out_col[k] + D);
+    if (v.B > 0 && D > 0) need = std::max(need, span(call, v.B - 1, ors, out_col[k], D, "out"));
   float* out = call.buf<float>(9, need, "out");
   std::vector<char> used(v.T, 0);
   for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;

@@ -150,7 +150,8 @@ int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* c
 //   kServeBadRows     (n_rows): no zero row
 //   kServeBadMeta     (table t, its ROW_BASE, NUM, KEY_BASE, MISS_ROW): a row or key range outside the
 //                     arrays (or a negative MAX_PROBE)
-//   kServeBadFeature  (f, its table, its input feature): a table outside [0, T) or a negative position
+//   kServeBadFeature  (f, its table, its input feature): a table outside [0, T), or a position
+//                     negative or past the offsets (>= n_offsets / B)
 //   kServeBadOffsets  (bag j, input bag, its first and end offset): offsets outside the values
 //   kServeBadCapacity (ids read, idx length): idx too short for the ids the bags read
 HE_KERNEL(he_serve_bags) {
@@ -186,7 +187,8 @@ HE_KERNEL(he_serve_bags) {
     }
   }
   for (int64_t f = 0; f < F; ++f)
-    if (feature_table[f] < 0 || feature_table[f] >= T || feature_pos[f] < 0) {
+    if (feature_table[f] < 0 || feature_table[f] >= T || feature_pos[f] < 0 ||
+        (B > 0 && feature_pos[f] >= n_offsets / B)) {  // so feature_pos[f] * B + b stays in int64
       call.detail({kServeBadFeature, f, feature_table[f], feature_pos[f]});
       call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
                 (long long)feature_table[f], (long long)T, (long long)feature_pos[f]);

@@ -139,3 +139,97 @@ def test_the_lookup_context_is_an_integer_handle():
     assert isinstance(scratch.handle, int) and scratch.handle != 0
     scratch._finalizer()  # frees it (he_lookup_ctx_free), once
     assert not scratch._finalizer.alive
+
+
+# ---- Crafted calls that would read or write past a buffer: refused (BAD_CALL), nothing written.
+# A plan of one feature, as _plan_bufs packs it: i64 = table[F] default_id[F] table_feats[F]
+# num_rows[T] dims[T] table_feat_ptr[T+1]; i8 = prune_neg[F] oor[F] has_default[F] combiner[F].
+
+def _plan(num_rows=-1, default_id=0, has_default=0, table=(0,), table_feats=(0,), ptr=(0, 1), dims=(D,)):
+    F, T = len(table), len(ptr) - 1
+    i64 = torch.tensor([*table, *[default_id] * F, *table_feats, *[num_rows] * T, *dims, *ptr])
+    i8 = torch.tensor([0] * F + [0] * F + [has_default] * F + [0] * F, dtype=torch.int8)
+    return i64, i8
+
+
+def _refused(match, name, bufs, ints):
+    with pytest.raises(nat.KernelError, match=match) as info:
+        nat.call(name, bufs, ints)
+    assert info.value.status == nat.Status.BAD_CALL
+
+
+def _count_bufs(i64, i8, values, offsets, F=1, T=1, Bn=1):
+    guards = [torch.full((F * Bn + 1,), -7, dtype=torch.int64), torch.full((T,), -7, dtype=torch.int64),
+              torch.full((2,), -7, dtype=torch.int64)]
+    return [i64, i8, values, offsets, None, torch.zeros(F, dtype=torch.int64), *guards], guards
+
+
+def test_a_num_rows_past_the_bound_is_refused_before_its_row_product_wraps():
+    i64, i8 = _plan(num_rows=2**62)  # (n-1)*W + D wrapped to 0: a 1-row table passed for any id
+    out = torch.full((1, 1, D), 7.0)
+    _refused("table 0 has 4611686018427387904 rows", "he_lookup_pool_direct",
+             [i64, i8, torch.zeros(1), torch.tensor([0]), torch.tensor([0]), torch.tensor([10]), torch.tensor([0, 1]),
+              None, torch.tensor([0]), out, torch.zeros(1, D)], (1, 1, 1, D, D, D))
+    assert out.eq(7).all()
+
+
+@pytest.mark.parametrize("default_id", [-1, 9, 2**40])
+def test_a_default_id_outside_a_static_table_is_refused(default_id):
+    i64, i8 = _plan(num_rows=9, default_id=default_id, has_default=1)  # the direct dedup indexes by it
+    bufs, guards = _count_bufs(i64, i8, torch.empty(0, dtype=torch.int64), torch.tensor([0, 0]))
+    _refused(f"default_id {default_id} outside the 9 rows", "he_lookup_count", bufs, (1, 1, 1))
+    assert all(g.eq(-7).all() for g in guards)
+
+
+def test_a_feature_listed_under_a_table_it_does_not_read_is_refused():
+    # feature 0 reads table 1 (2^40 rows, hashed) but is listed under table 0 (2 rows, direct dedup)
+    i64 = torch.tensor([1, 0, 0, 2, 2**40, D, D, 0, 1, 1])
+    i8 = torch.zeros(4, dtype=torch.int8)
+    bufs, guards = _count_bufs(i64, i8, torch.tensor([2**39]), torch.tensor([0, 1]), T=2)
+    _refused("table_feats\\[0\\] = 0, not a feature of table 0", "he_lookup_count", bufs, (1, 1, 2))
+    assert all(g.eq(-7).all() for g in guards)
+
+
+def test_backward_refuses_unique_rows_whose_end_overflows():
+    i64, i8 = _plan()
+    gbuf = torch.full((16,), 7.0)
+    _refused("unique rows", "he_lookup_backward",
+             [i64, i8, torch.tensor([1.0]), torch.tensor([0, 0]), torch.empty(0, dtype=torch.int32), None,
+              torch.full((1,), -1, dtype=torch.int64), gbuf, torch.zeros(1, D), torch.ones(1, D)],
+             (1, 1, 1, 1, 1, D, 2**62, 2**62 + 4, 0, 0, 0, D))  # base + count wraps below capacity 1
+    assert gbuf.eq(7).all()
+
+
+@pytest.mark.parametrize("kernel", ["he_lookup_pool", "he_lookup_pool_direct"])
+def test_pool_refuses_an_output_span_that_overflows(kernel):
+    Bn, ors = 1 << 24, 1 << 40  # (B-1) * ors + D wraps
+    i64, i8 = _plan(num_rows=1 if kernel == "he_lookup_pool_direct" else -1)
+    out = torch.full((D,), 7.0)
+    head = [i64, i8, torch.zeros(1), torch.tensor([0]), torch.tensor([0])]
+    if kernel == "he_lookup_pool":
+        bufs = head + [torch.zeros(Bn + 1, dtype=torch.int64), torch.empty(0, dtype=torch.int32), None,
+                       torch.empty(0, dtype=torch.int64), out, torch.zeros(1, D)]
+        ints = (Bn, 1, 1, D, 0, ors, D)
+    else:
+        bufs = head + [torch.empty(0, dtype=torch.int64), torch.zeros(Bn + 1, dtype=torch.int64), None,
+                       torch.tensor([0]), out, torch.zeros(1, D)]
+        ints = (Bn, 1, 1, D, ors, D)
+    _refused("out: 16777215 \\* 1099511627776 \\+ 0 \\+ 4 overflows", kernel, bufs, ints)
+    assert out.eq(7).all()
+
+
+@pytest.mark.parametrize("n_values, counted", [(6, [0, 1]), (1, [0, 3]), (6, [0, 2, 1])])
+def test_dedup_refuses_a_batch_that_does_not_match_out_offsets(n_values, counted):
+    """More ids than counted (past inverse / unique_keys), fewer (inverse left unwritten), or
+    out_offsets decreasing: refused; the scratch outputs are written at most inside their bounds."""
+    Bn = len(counted) - 1
+    i64, i8 = _plan()
+    values, offsets = torch.arange(n_values), torch.tensor([0] + [n_values] * Bn)
+    n_kept = counted[-1]
+    inv, keys, cnt = (torch.full((16,), -7, dtype=t) for t in (torch.int32, torch.int64, torch.int32))
+    ctx = ns.NativeScratch()
+    _refused("does not match out_offsets|out_offsets", "he_lookup_dedup",
+             [i64, i8, values, offsets, None, torch.tensor([0]), torch.tensor(counted), torch.tensor([0]),
+              inv[:n_kept], None, keys[:n_kept], cnt[:n_kept], torch.zeros(1, dtype=torch.int64)],
+             (Bn, 1, 1, 1, ctx.handle))
+    assert all(t[n_kept:].eq(-7).all() for t in (inv, keys, cnt))

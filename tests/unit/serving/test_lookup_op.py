@@ -223,6 +223,24 @@ def test_the_serve_kernels_refuse_a_too_short_buffer_and_write_nothing():
 
 
 @native
+def test_the_bags_kernel_refuses_a_feature_position_whose_bags_wrap():
+    """feature_pos * B wrapping to -1 read offsets[-1]: a position past offsets / B is BAD_VALUE
+    (kServeBadFeature), nothing written, and native_bags leaves it to the torch pass."""
+    from hugeembed import _native
+
+    keys, index, meta = _group()
+    B = 3
+    fp = (2**64 - 1) // 3  # fp * 3 == -1 mod 2^64
+    values, offsets = torch.tensor([20]), torch.tensor([0, 0, 1, 1])
+    starts, idx, kept = (torch.full((n,), -7, dtype=torch.int64) for n in (B, 8, B))
+    with pytest.raises(_native.KernelError) as e:
+        _native.call("he_serve_bags", [values, offsets, torch.tensor([fp]), torch.zeros(1, dtype=torch.int64), keys,
+                                       index, meta, starts, idx, kept], [B, 1, 4])
+    assert e.value.status == _native.Status.BAD_VALUE and e.value.detail[:4] == (4, 0, 0, fp)
+    assert all(t.eq(-7).all() for t in (starts, idx, kept))
+
+
+@native
 def test_arguments_the_bags_kernel_refuses_take_the_torch_path(monkeypatch):
     """BAD_VALUE (nothing written): native_bags / native_find give None and pooled_lookup the torch
     pass's result, as when the kernels returned their error code."""
