@@ -955,6 +955,26 @@ int64_t feature_list(const he::Call& call, const PlanView& v, int64_t k, int64_t
   return n;
 }
 
+// The tables that plan features feats[n] read (the others' rows need not be given), as
+// table_rows; min_rows(t) rows each.
+template <class MinRows>
+Tables tables_read(const he::Call& call, const PlanView& v, int64_t first, int64_t w0, const int64_t* feats,
+                   int64_t n, MinRows&& min_rows) {
+  std::vector<char> used(v.T, 0);
+  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
+  return table_rows(call, v, first, w0, [&](int64_t t) { return used[t] != 0; }, min_rows);
+}
+
+// Buffer k as a pooled output: B rows `ors` apart, feature k's D columns at out_col[k].
+float* pooled_out(const he::Call& call, const PlanView& v, int64_t k, int64_t n, const int64_t* out_col, int64_t D,
+                  int64_t ors) {
+  if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
+  int64_t need = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (v.B > 0 && D > 0) need = std::max(need, span(call, v.B - 1, ors, out_col[i], D, "out"));
+  return call.buf<float>(k, need, "out");
+}
+
 }  // namespace
 
 // Returns a new lookup context (dedup scratch, reused across batches), as an integer
@@ -1058,14 +1078,8 @@ HE_KERNEL(he_lookup_pool) {
   const int32_t* inverse = call.buf<const int32_t>(6, n_kept, "inverse");
   const float* weights = call.opt<const float>(7, n_kept, "weights");
   const int64_t* slots = call.buf<const int64_t>(8, capacity, "slots");
-  int64_t need = 0;
-  if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
-  for (int64_t k = 0; k < n; ++k)
-    if (v.B > 0 && D > 0) need = std::max(need, span(call, v.B - 1, ors, out_col[k], D, "out"));
-  float* out = call.buf<float>(9, need, "out");
-  std::vector<char> used(v.T, 0);
-  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
-  const Tables tabs = table_rows(call, v, 10, 6, [&](int64_t t) { return used[t] != 0; }, [](int64_t) { return 0; });
+  float* out = pooled_out(call, v, 9, n, out_col, D, ors);
+  const Tables tabs = tables_read(call, v, 10, 6, feats, n, [](int64_t) { return 0; });
   pool_rows(v.B, n, feats, out_offsets, inverse, weights, slots, v.table, tabs.addr.data(), tabs.stride, max_norm,
             v.combiner, D, out, ors, out_col, call.nthreads());
   return 0;
@@ -1093,9 +1107,7 @@ HE_KERNEL(he_lookup_unpooled) {
     need = std::max(need, span(call, out_row0[k] + out_offsets[(f + 1) * v.B] - out_offsets[f * v.B], D, 0, 0, "out"));
   }
   float* out = call.buf<float>(9, need, "out");
-  std::vector<char> used(v.T, 0);
-  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
-  const Tables tabs = table_rows(call, v, 10, 5, [&](int64_t t) { return used[t] != 0; }, [](int64_t) { return 0; });
+  const Tables tabs = tables_read(call, v, 10, 5, feats, n, [](int64_t) { return 0; });
   unpooled_rows(v.B, n, feats, out_offsets, inverse, weights, slots, v.table, tabs.addr.data(), tabs.stride,
                 max_norm, v.combiner, D, out, out_row0, call.nthreads());
   return 0;
@@ -1171,16 +1183,9 @@ HE_KERNEL(he_lookup_pool_direct) {
   const int64_t *feats, *out_col;
   const int64_t n = feature_list(call, v, 3, D, &feats, &out_col);
   const Batch in = batch_view(call, v, 5, 6, 7, 8);
-  int64_t need = 0;
-  if (ors < 0 || ors > kMaxDim * kMaxDim) call.fail(HE_BAD_CALL, "out_row_stride %lld", (long long)ors);
-  for (int64_t k = 0; k < n; ++k)
-    if (v.B > 0 && D > 0) need = std::max(need, span(call, v.B - 1, ors, out_col[k], D, "out"));
-  float* out = call.buf<float>(9, need, "out");
-  std::vector<char> used(v.T, 0);
-  for (int64_t k = 0; k < n; ++k) used[v.table[feats[k]]] = 1;
+  float* out = pooled_out(call, v, 9, n, out_col, D, ors);
   // ids are checked against num_rows in the loops: rows up to there are all it reads
-  const Tables tabs = table_rows(
-      call, v, 10, 5, [&](int64_t t) { return used[t] != 0; }, [&](int64_t t) { return v.num_rows[t]; });
+  const Tables tabs = tables_read(call, v, 10, 5, feats, n, [&](int64_t t) { return v.num_rows[t]; });
   return pool_direct(in.values, in.n_values, in.offsets, in.weights, v.B, v.F, in.src, v.table, v.num_rows,
                      v.prune_neg, v.oor, v.has_default, v.default_id, v.combiner, n, feats, tabs.addr.data(),
                      tabs.stride, max_norm, D, out, ors, out_col, call.nthreads());
