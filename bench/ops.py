@@ -102,11 +102,11 @@ def collection(tables: int, dynamic: bool, backend: str, dim: int, rows: int, op
 
 
 def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim: int = 16,
-               rows: int = 1000, warmup: int = 40, optimizer: SparseOptimizer | None = None,
+               rows: int = 1000, warmup: int = 64, optimizer: SparseOptimizer | None = None,
                device: str = "cpu") -> CountOps:
     """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`)."""
     ec = collection(tables, dynamic, backend, dim, rows, optimizer, device)
-    for s in range(warmup):  # steady state: every id seen (1000 ids, 256 a step: e^-10 unseen), tables grown, buffers sized
+    for s in range(warmup):  # steady state: every id seen (1000 ids, 256 a step: e^-16 unseen), tables grown, buffers sized
         ec(batch(tables, samples, rows, s, device)).stacked().sum().backward()
     sf = batch(tables, samples, rows, warmup, device)
     with CountOps() as counter:

@@ -95,8 +95,9 @@ class FusedEmbeddingLookup:
         ``deduplicate=False`` gives every id its own entry: cheaper for a forward-only
         lookup (inference), which sums no gradient per row; such a batch refuses a backward.
         """
-        self.plan.check_batch(sf)
+        self.plan.check_batch(sf, ends=False)
         if self._native_ok(sf, storages):
+            self.plan.check_ends(sf)
             if self._scratch is None:
                 self._scratch = NativeScratch()
             prep = prepare_native(self.plan, sf, self._scratch, deduplicate)
@@ -146,10 +147,11 @@ class FusedEmbeddingLookup:
         plan = self.plan
         if any(t.num_rows is None for t in plan.tables) or any(g.unpooled for g in plan.groups):
             return None
-        plan.check_batch(sf)
+        plan.check_batch(sf, ends=False)
         self._check_storages(storages, sf.device)
         if not self._native_ok(sf, storages):
             return None
+        plan.check_ends(sf)
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:
             out = pool_direct(plan, sf, storages, group, arrays)

@@ -194,6 +194,7 @@ class LookupPlan:
         self.table_features = tuple(tuple(x) for x in by_table)
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._reads_cache: dict[tuple[str, ...], int] = {}
         self._unread_cache: dict[tuple[str, ...], list[tuple[int, int]]] = {}
 
     @property
@@ -246,16 +247,25 @@ class LookupPlan:
             missing = [f.source_name for f in self.features if f.source_name not in pos]
             if missing:
                 raise InputError(f"batch lacks features {missing} needed by the lookup; batch has {list(keys)}")
-            cached = torch.tensor([pos[f.source_name] for f in self.features], dtype=torch.int64)
+            src = [pos[f.source_name] for f in self.features]
+            cached = torch.tensor(src, dtype=torch.int64)
             self._source_cache[keys] = cached
+            self._reads_cache[keys] = max((src.count(i) for i in set(src)), default=0)
         return cached
 
-    def check_batch(self, sf) -> None:
-        """O(1) checks of a batch: dtypes, devices and, on CPU, where its offsets start and end.
+    def source_reads(self, keys: tuple[str, ...]) -> int:
+        """The most plan features that read one input feature of a batch with `keys` (usually 1):
+        the plan reads at most that many times the batch's ids."""
+        self.source_indices(keys)
+        return self._reads_cache[keys]
+
+    def check_batch(self, sf, ends: bool = True) -> None:
+        """O(1) checks of a batch: dtypes, devices and, on CPU and when `ends`, where its offsets
+        start and end (:meth:`check_ends`).
 
         The per-bag checks (offsets never decreasing, ids in range, finite weights) run inside
-        the prepare stage, which walks the bags anyway; on an accelerator the offset ends are
-        folded into that stage's one check too, so this costs no device sync.
+        the prepare stage, which walks the bags anyway; the torch prepare folds the offset ends
+        into its one read of the device too, so its callers pass ``ends=False``.
         """
         from ..features import SparseFeatures
 
@@ -276,14 +286,20 @@ class LookupPlan:
         if values.is_meta:
             raise InputError(f"features {keys}: the batch is on the meta device, which holds no ids to look up "
                              "(only an EmbeddingCollection on the meta device takes such a batch, for shapes)")
-        if values.is_cpu:
-            # a batch whose offsets start past 0 or stop short of len(values) would be pooled
-            # without the ids outside them: two reads of host memory, no sync (through NumPy:
-            # a third of the cost of indexing the tensor twice)
-            ends = offsets.numpy()
-            if ends[0] != 0 or ends[-1] != values.numel():
-                raise_offsets_error(sf)
-            self._check_unread_bags(sf)
+        if ends and values.is_cpu:
+            self.check_ends(sf)
+
+    def check_ends(self, sf) -> None:
+        """A CPU batch's offsets start at 0 and end at len(values), and the bags of its features
+        that no plan feature reads never shrink: what the native prepare kernels, which check only
+        the bags they read, leave to their caller."""
+        # a batch whose offsets start past 0 or stop short of len(values) would be pooled
+        # without the ids outside them: two reads of host memory, no sync (through NumPy:
+        # a third of the cost of indexing the tensor twice)
+        ends = sf.offsets().numpy()
+        if ends[0] != 0 or ends[-1] != sf.values().numel():
+            raise_offsets_error(sf)
+        self._check_unread_bags(sf)
 
     def _check_unread_bags(self, sf) -> None:
         """Offsets of the batch's features that no plan feature reads never decrease.

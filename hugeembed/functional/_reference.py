@@ -78,7 +78,31 @@ def _ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None)
     return at - (cum - sizes)[owner] + starts[owner], owner
 
 
+def _padded_ranges(starts: torch.Tensor, sizes: torch.Tensor, cap: int):
+    """`_ranges` of sizes >= 0 padded to `cap` elements without reading the total: (the
+    elements, their owners, which of them are real, the device-side total).  The padding (and
+    any element past `cap` when the total exceeds it: the caller checks) repeats the last
+    owner, and every owner is a valid index even then."""
+    dev = starts.device
+    cum = torch.cumsum(sizes, 0)
+    total = cum[-1] if sizes.numel() else torch.zeros((), dtype=torch.int64, device=dev)
+    at = torch.arange(cap, device=dev)
+    if sizes.numel() == 0:
+        return at, at, at < 0, total
+    owner = torch.searchsorted(cum, at, right=True).clamp_(max=sizes.numel() - 1)
+    return at - (cum - sizes)[owner] + starts[owner], owner, at < total, total
+
+
 def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
+    """Clean + dedup of a batch in torch ops (any device) with one read of the device.
+
+    Every array is sized from the batch's shapes alone (the ids the plan may read, plus one
+    default id per bag), with a mask of the entries that are real; the batch's checks (offsets,
+    weights, ids in range), the number of ids kept, the unique keys per table and each
+    feature's extent come back in that one read, and the arrays are then cut to size.  Every
+    index stays in range however bad the batch is, so a bad batch raises its error (after the
+    read) and never trips a device-side assert.
+    """
     dev = sf.device
     a = plan.arrays(dev)
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
@@ -88,93 +112,93 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     offsets = sf.offsets().to(torch.int64)
     weights = sf.weights_or_none()
     src = plan.source_indices(sf.keys()).to(dev)
+    N, FB = values.numel(), F * B
+    # valid offsets put every id in one bag of its feature: the plan reads at most this many
+    cap = N * plan.source_reads(sf.keys()) if FB else 0
     in_lengths = offsets[1:] - offsets[:-1]
-    # every bag in [0, len(values)], none decreasing, and the ends exactly 0 and len(values):
-    # one device sync for all of it (check_batch reads the ends itself only on CPU)
-    bad_bags = (in_lengths < 0) | (offsets[1:] > values.numel()) | (offsets[:-1] < 0)
-    bad_bags = bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != values.numel())
+    # every bag in [0, len(values)], none decreasing, and the ends exactly 0 and len(values)
+    bad_bags = (in_lengths < 0) | (offsets[1:] > N) | (offsets[:-1] < 0)
+    bad_bags = bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != N)
     bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
-    lens = in_lengths[bag_src]
-    # the offsets' check and the number of ids the plan reads: one read of the device
-    bad, total = torch.stack([bad_bags.to(torch.int64), lens.sum()]).tolist()
-    if bad:
-        raise_offsets_error(sf)
-    pos, bag = _ranges(offsets[:-1][bag_src], lens, total)
+    pos, bag, valid, total = _padded_ranges(offsets[:-1][bag_src], in_lengths[bag_src].clamp(min=0), cap)
+    bad_bags = bad_bags | (total > cap)
+    pos = pos.clamp(0, max(N - 1, 0))  # in range even for bad offsets (the batch then raises)
     v = values[pos]
     f_of = torch.div(bag, B, rounding_mode="floor") if B else bag
     t_of = a["table"][f_of]
-    keep = torch.ones_like(v, dtype=torch.bool)
+    keep = valid
     w = None
+    bad_w = torch.zeros((), dtype=torch.bool, device=dev)
     if weights is not None:
         w = weights[pos]
-        bad = ~torch.isfinite(w)
-        if bool(bad.any()):
-            j = int(torch.nonzero(bad)[0, 0])
-            raise InputError(plan.describe_id_error(2, int(f_of[j]), int(pos[j]), int(v[j]), sf))
-        keep &= w > 0
-    keep &= ~((v < 0) & a["prune_neg"][f_of].bool())
+        bad_w = valid & ~torch.isfinite(w)
+        keep = keep & (w > 0)
+    keep = keep & ~((v < 0) & a["prune_neg"][f_of].bool())
     nr = a["num_rows"][t_of]
     oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
     pol = a["oor"][f_of]
     err = oob & (pol == 0)
-    keep &= ~(oob & (pol == 1))
-    lengths = torch.zeros(F * B, dtype=torch.int64, device=dev).index_add_(0, bag, keep.to(torch.int64))
-    # empty pooled bags with a default_id get that id, weight 1
-    bag_feature = torch.arange(F * B, device=dev) // max(B, 1)
-    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
-    # an id out of range, bags to fill, and how many ids are kept: one read of the device
-    bad_id, fill_any, n_keep = torch.stack([err.any().to(torch.int64), fill.any().to(torch.int64),
-                                            keep.sum()]).tolist()
-    if bad_id:
-        bad_f, bad_pos = f_of[err], pos[err]
-        j = int(torch.argmin(bad_f * (values.numel() + 1) + bad_pos))  # first by (feature, position)
-        raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
+    keep = keep & ~(oob & (pol == 1))
     v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
-    kept = kept_positions(keep, n_keep)
-    v, bag = v[kept], bag[kept]
-    if w is not None:
-        w = w[kept]
-    if fill_any:
-        fill_bags = torch.nonzero(fill).flatten()
-        v = torch.cat([v, a["default_id"][fill_bags // B]])
-        if w is not None:
-            w = torch.cat([w, torch.ones(fill_bags.numel(), dtype=w.dtype, device=dev)])
-        bag = torch.cat([bag, fill_bags])
-        order = torch.argsort(bag, stable=True)
-        v, bag = v[order], bag[order]
-        if w is not None:
-            w = w[order]
-        lengths = lengths + fill.to(lengths.dtype)
-    out_offsets = torch.zeros(F * B + 1, dtype=torch.int64, device=dev)
+    lengths = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.to(torch.int64))
+    # empty pooled bags with a default_id get that id, weight 1: one candidate entry per bag
+    bag_feature = torch.arange(FB, device=dev) // max(B, 1)
+    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
+    lengths = lengths + fill.to(lengths.dtype)
+    out_offsets = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lengths, 0, out=out_offsets[1:])
-    # dedup per table: sort by (table, id), unique runs (without dedup: by table only,
-    # every id its own entry)
-    t_kept = a["table"][bag // max(B, 1)] if bag.numel() else bag
+    # the ids and the candidates in bag order: a kept id goes after the kept ids before it and
+    # the filled bags before its own, a filled bag's id to its bag's start, the others past the
+    # end (n_keep on): a permutation, made without reading n_keep
+    keep_all = torch.cat([keep, fill])
+    kept_rank = torch.cumsum(keep.to(torch.int64), 0) - 1
+    fills_before = torch.cumsum(fill.to(torch.int64), 0) - fill.to(torch.int64)
+    dest = torch.where(keep_all, torch.cat([kept_rank + fills_before[bag], out_offsets[:-1]]),
+                       out_offsets[-1] + torch.cumsum((~keep_all).to(torch.int64), 0) - 1)
+    M = cap + FB
+    perm0 = torch.empty(M, dtype=torch.int64, device=dev).index_put_((dest,), torch.arange(M, device=dev))
+    vb = torch.cat([v, a["default_id"][bag_feature]])[perm0]
+    bagb = torch.cat([bag, torch.arange(FB, device=dev)])[perm0]
+    wb = None if w is None else torch.cat([w, torch.ones(FB, dtype=w.dtype, device=dev)])[perm0]
+    # dedup per table: sort by (table, id), unique runs (without dedup: by table only, every id
+    # its own entry); the entries past n_keep sort last, as a table T that is not counted
+    tb = torch.where(keep_all[perm0], a["table"][bagb // max(B, 1)], T)
     if deduplicate:
-        o1 = torch.argsort(v, stable=True)
-        perm = o1[torch.argsort(t_kept[o1], stable=True)]
+        o1 = torch.argsort(vb, stable=True)
+        perm = o1[torch.argsort(tb[o1], stable=True)]
     else:
-        perm = torch.argsort(t_kept, stable=True)
-    vs, ts = v[perm], t_kept[perm]
+        perm = torch.argsort(tb, stable=True)
+    vs, ts = vb[perm], tb[perm]
     new = torch.ones_like(vs, dtype=torch.bool)
     if vs.numel() > 1 and deduplicate:
         new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
     inverse = torch.empty_like(uid_sorted)
     inverse[perm] = uid_sorted
-    # the keys per table and each feature's first kept id: one read of the device for both
-    edges = out_offsets[:: max(B, 1)] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
-    per_table_t = torch.zeros(T, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))
-    host = torch.cat([per_table_t, edges]).tolist()
-    per_table, feature_starts = host[:T], host[T:]
+    per_table_t = torch.zeros(T + 1, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))[:T]
+    edges = out_offsets[::B] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
+    # the one read of the device: the checks, the ids kept, the keys per table, the features' extents
+    checks = torch.stack([bad_bags, bad_w.any(), err.any()]).to(torch.int64)
+    host = torch.cat([checks, out_offsets[-1:], per_table_t, edges]).tolist()
+    if host[0]:
+        raise_offsets_error(sf)
+    if host[1]:
+        j = int(torch.nonzero(bad_w)[0, 0])
+        raise InputError(plan.describe_id_error(2, int(f_of[j]), int(pos[j]), int(values[pos[j]]), sf))
+    if host[2]:
+        bad_f, bad_pos = f_of[err], pos[err]
+        j = int(torch.argmin(bad_f * (N + 1) + bad_pos))  # first by (feature, position)
+        raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
+    n_keep, per_table, feature_starts = host[3], host[4 : 4 + T], host[4 + T :]
     n_unique = sum(per_table)
-    unique_keys = vs[kept_positions(new, n_unique)]
-    unique_counts = _count(uid_sorted, n_unique)
+    inverse = inverse[:n_keep]
+    unique_keys = vs[kept_positions(new & (ts < T), n_unique)]
     base, acc = [], 0
     for n in per_table:
         base.append(acc)
         acc += n
-    return Prepared(B, out_offsets, inverse, w, unique_keys, unique_counts, base, per_table, n_unique, native=False,
+    return Prepared(B, out_offsets, inverse, None if wb is None else wb[:n_keep], unique_keys,
+                    _count(inverse, n_unique), base, per_table, n_unique, native=False,
                     deduplicated=deduplicate, feature_starts=feature_starts)
 
 

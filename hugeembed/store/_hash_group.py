@@ -25,14 +25,15 @@ from itertools import accumulate
 
 import torch
 
-from ..functional import joined, joined_view, repeat_each
+from ..functional import joined, joined_view, kept_positions, repeat_each
 from . import _alloc
 from .. import _native
 from ..errors import CapacityError
 from .._hashing import mix64
 from ._array import _row_ptr
 from ._common import init_rows
-from ._hash_torch import _ST, EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe
+from ._hash_torch import (_MAX_WINDOW, _ST, EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe,
+                          probe_window)
 from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
 __all__ = ["BucketGroup", "DynamicRows", "find_or_insert_group", "find_group"]
@@ -68,6 +69,9 @@ class BucketGroup:
             s._st = self.stats[i]
             s._bucket_group = (self, i)
         self.sink = total  # a bucket in no table: where writes masked off land
+        # buckets of each key's path that a find-or-insert probes before its one read of the
+        # device (doubled, up to _MAX_WINDOW, when a batch has a key farther from home)
+        self.window = 16
         self.base_t = torch.tensor(self.bases, dtype=torch.int64, device=dev)
         self.size_t = torch.tensor(self.sizes, dtype=torch.int64, device=dev)
 
@@ -167,27 +171,26 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     tid = repeat_each(list(range(T)), sizes, dev)
     gid = torch.tensor(rows, dtype=torch.int64, device=dev)[tid]
     base, size = group.base_t[gid], group.size_t[gid]
-    codes, pos = probe(group.buckets, key, base, size)
-
-    side = key == EMPTY  # the sentinel key's record is a scalar of its store: its own path
-    found = codes != -1
-    w1 = torch.where(found & ~side, group.buckets[pos.clamp(min=0), 1], 0)
-    new_count = torch.where(found, count_of(w1), 0) + c
-    todo = codes < 0
-    is_a = codes == -1
+    codes, pos, unresolved = probe_window(group.buckets, key, base, size, group.window)
     kmin = repeat_each([s.admit_min_count for s in stores], sizes, dev)
-    need_row = todo & torch.where(is_a, c >= kmin, new_count >= kmin)
-    pend_new = is_a & ~need_row
-    promoted = need_row & ~is_a
-    # a key twice among one table's new keys: its own path raises (naming it)
     order = key.argsort(stable=True)
     order = order[tid[order].argsort(stable=True)]
-    ko, to, do = key[order], tid[order], todo[order]
-    dup = torch.zeros(n, dtype=torch.bool, device=dev)
-    dup[order[1:]] = (ko[1:] == ko[:-1]) & (to[1:] == to[:-1]) & do[1:]
-    flags = torch.stack([side | dup | (c < 1), is_a & ~side, need_row, pend_new, promoted], 1).to(torch.int64)
-    per = torch.zeros(T, 5, dtype=torch.int64, device=dev).index_add_(0, tid, flags)
-    per_t, st = per.tolist(), group.stats[rows].tolist()  # the one read of the device
+    stats = group.stats[rows].to(dev)
+    tally = _tally(key, tid, c, kmin, order, codes, pos, group.buckets, T)
+    # the one read of the device: each table's counts, its scalars, and whether every key was resolved
+    host = torch.cat([tally[-1].flatten(), stats.flatten(), unresolved.sum()[None]]).tolist()
+    if host[-1]:
+        # a key farther from home than the window: those keys probed to the end (a read per
+        # round), and a wider window from now on
+        group.window = min(2 * group.window, _MAX_WINDOW)
+        left = kept_positions(unresolved, host[-1])
+        codes[left], pos[left] = probe(group.buckets, key[left], base[left], size[left])
+        tally = _tally(key, tid, c, kmin, order, codes, pos, group.buckets, T)
+        host = tally[-1].flatten().tolist() + host[5 * T :]
+    side, found, new_count, is_a, need_row, pend_new, _ = tally
+    K = group.stats.shape[1]
+    per_t = [host[5 * t : 5 * t + 5] for t in range(T)]
+    st = [host[5 * T + K * t : 5 * T + K * t + K] for t in range(T)]
 
     if not regrown:
         # tables whose index must grow (and that will not evict or raise): grown as each alone
@@ -241,7 +244,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     # the new rows' initial values, made before anything is written: an initializer or an
     # init_state that raises leaves every table as it was
     made = [per_t[t][2] if ok[t] else 0 for t in range(T)]
-    new_rows_at = row_ok.nonzero().squeeze(1)
+    new_rows_at = kept_positions(row_ok, sum(made))
     new_slots, new_keys = slot[new_rows_at], key[new_rows_at]
     values = _new_row_values(stores, made, new_keys)
     code_now = torch.where(row_ok, slot, torch.where(pend_new & okk, PENDING, codes))
@@ -249,7 +252,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     upd = found & ~side & okk
     at = torch.where(upd, pos, group.sink)
     group.buckets[at, 1:] = torch.stack([pack(code_now, new_count), torch.full_like(at, step)], 1)
-    new = (is_a & ~side & okk).nonzero().squeeze(1)
+    new = kept_positions(is_a & ~side & okk, sum(per_t[t][1] for t in range(T) if ok[t]))
     if new.numel():
         rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
         claim(group.buckets, rec, pos[new], base[new], size[new])
@@ -279,6 +282,29 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
                 s.forget_pending(step)
             out[t] = part
     return out
+
+
+def _tally(key, tid, c, kmin, order, codes, pos, buckets, T: int):
+    """What a group find-or-insert would do with each key given its probe's `codes` and `pos`,
+    and the per-table counts of it (int64 [T, 5], on the device): keys that must take their
+    table's own path (the sentinel key, a key twice among its table's new keys, a count < 1),
+    new bucket entries, rows to make, new pending keys, pending keys promoted."""
+    side = key == EMPTY  # the sentinel key's record is a scalar of its store: its own path
+    found = codes != -1
+    w1 = torch.where(found & ~side, buckets[pos.clamp(min=0), 1], 0)
+    new_count = torch.where(found, count_of(w1), 0) + c
+    todo = codes < 0
+    is_a = codes == -1
+    need_row = todo & torch.where(is_a, c >= kmin, new_count >= kmin)
+    pend_new = is_a & ~need_row
+    promoted = need_row & ~is_a
+    # a key twice among one table's new keys (`order`: by table, then key): its own path raises
+    ko, to, do = key[order], tid[order], todo[order]
+    dup = torch.zeros(key.numel(), dtype=torch.bool, device=key.device)
+    dup[order[1:]] = (ko[1:] == ko[:-1]) & (to[1:] == to[:-1]) & do[1:]
+    flags = torch.stack([side | dup | (c < 1), is_a & ~side, need_row, pend_new, promoted], 1).to(torch.int64)
+    per = torch.zeros(T, 5, dtype=torch.int64, device=key.device).index_add_(0, tid, flags)
+    return side, found, new_count, is_a, need_row, pend_new, per
 
 
 def find_group(stores, keys) -> list[torch.Tensor]:

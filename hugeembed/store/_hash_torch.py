@@ -19,7 +19,8 @@ import torch
 from .._hashing import logical_shift_right, mix64
 from ..functional import kept_positions
 
-__all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of"]
+__all__ = ["TorchOps", "EMPTY", "PENDING", "new_buckets", "entries", "pack", "code_of", "count_of", "probe",
+           "probe_window"]
 
 EMPTY = -(2**63)
 _MAX_SLOTS = 2**31 - 2  # slots are int32 in the buckets
@@ -104,6 +105,25 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor | None =
         p = at.keep(kept, p + width)
         width = min(2 * width, _MAX_WINDOW)
     return codes, pos
+
+
+def probe_window(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor | None, size: torch.Tensor | None,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`probe` over the first `width` buckets of each key's path only, with no read of the
+    device: (codes, pos, unresolved), `unresolved` marking the keys that met neither their own
+    record nor an empty bucket there (their codes and pos are then -1: the caller probes them
+    again with :func:`probe`).  Keys equal to EMPTY are left at -1 and resolved."""
+    at = _Tables(buckets.shape[0], base, size)
+    win = at.window(_home(keys, at.size), torch.arange(width, device=keys.device))
+    bk = buckets[win, 0]
+    stop = (bk == keys[:, None]) | (bk == EMPTY)
+    first = stop.to(torch.uint8).argmax(1)[:, None]
+    q = win.gather(1, first).squeeze(1)
+    real = keys != EMPTY
+    done = stop.any(1) & real
+    hit = done & (bk.gather(1, first).squeeze(1) == keys)
+    codes = torch.where(hit, code_of(buckets[q, 1]), -1)
+    return codes, torch.where(done, q, -1), real & ~done
 
 
 def _split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
