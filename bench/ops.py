@@ -40,7 +40,10 @@ from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
 from hugeembed.optim import Adagrad, SparseOptimizer  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
+# "h2d": a copy of host memory to the device that the host waits for (``torch.tensor(...,
+# device=...)``, ``cpu_tensor.to(device)`` without non_blocking): on a GPU it synchronizes the
+# stream.  Counted on every device (on the CPU such a call is what would stall a GPU).
+SYNC_OPS = {"h2d", "_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
             "unique_dim", "masked_select", "item", "is_nonzero", "equal", "bincount", "repeat_interleave",
             "tolist", "numpy", "index(mask)", "index_put(mask)", "index_put_(mask)", "_index_put_impl_(mask)"}
 
@@ -49,7 +52,9 @@ class CountOps(TorchDispatchMode):
     """Counts every aten op dispatched inside the context, by name.
 
     ``Tensor.tolist()`` and ``Tensor.numpy()`` read a tensor to the host without dispatching an
-    op: they are counted too (as "tolist" / "numpy"), by wrapping them while the context is open.
+    op: they are counted too (as "tolist" / "numpy"), by wrapping them while the context is open,
+    and so are the host-to-device copies the host waits for (as "h2d": ``torch.tensor`` given a
+    device, ``.to(device)`` / ``.cuda()`` of a CPU tensor without ``non_blocking``).
     """
 
     def __init__(self) -> None:
@@ -61,12 +66,35 @@ class CountOps(TorchDispatchMode):
         for name in ("tolist", "numpy"):
             original = self._saved[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._counting(name, original))
+        for name in ("to", "cuda"):
+            original = self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting_h2d(name == "cuda", original))
+        self._tensor = torch.tensor
+        torch.tensor = self._counting_tensor(torch.tensor)
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        torch.tensor = self._tensor
         return super().__exit__(*exc)
+
+    def _counting_h2d(self, always: bool, original):
+        def move(tensor, *args, **kwargs):
+            to_device = always or kwargs.get("device") is not None or any(
+                isinstance(a, (str, torch.device)) or isinstance(a, torch.Tensor) for a in args)
+            if to_device and tensor.device.type == "cpu" and not kwargs.get("non_blocking") and not (
+                    len(args) > 1 and isinstance(args[1], bool) and args[1]):
+                self.ops["h2d"] += 1
+            return original(tensor, *args, **kwargs)
+        return move
+
+    def _counting_tensor(self, original):
+        def tensor(*args, **kwargs):
+            if kwargs.get("device") is not None:
+                self.ops["h2d"] += 1
+            return original(*args, **kwargs)
+        return tensor
 
     def _counting(self, name, original):
         def read(tensor, *args, **kwargs):

@@ -193,7 +193,7 @@ class LookupPlan:
             by_table[t].append(i)
         self.table_features = tuple(tuple(x) for x in by_table)
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._source_cache: dict[tuple, torch.Tensor] = {}
         self._reads_cache: dict[tuple[str, ...], int] = {}
         self._unread_cache: dict[tuple[str, ...], list[tuple[int, int]]] = {}
 
@@ -239,8 +239,14 @@ class LookupPlan:
         self._arrays[device] = a
         return a
 
-    def source_indices(self, keys: tuple[str, ...]) -> torch.Tensor:
-        """For each plan feature, the position of its input feature in a batch with `keys`."""
+    def source_indices(self, keys: tuple[str, ...], device: torch.device | str | None = None) -> torch.Tensor:
+        """For each plan feature, the position of its input feature in a batch with `keys` (on
+        `device`, cached there: no copy to the device per batch)."""
+        if device is not None and torch.device(device).type != "cpu":
+            on = self._source_cache.get((keys, str(device)))
+            if on is None:
+                on = self._source_cache[(keys, str(device))] = self.source_indices(keys).to(device)
+            return on
         cached = self._source_cache.get(keys)
         if cached is None:
             pos = {k: i for i, k in enumerate(keys)}

@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from .._device import host_to_device
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
@@ -32,8 +33,8 @@ def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> to
     for n in sizes:
         starts.append(total)
         total += n
-    vals = torch.tensor(values, dtype=torch.int64, device=device)
-    at = torch.tensor(starts, dtype=torch.int64, device=device)
+    vals = host_to_device(values, torch.int64, device)
+    at = host_to_device(starts, torch.int64, device)
     return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
 
 
@@ -111,7 +112,7 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         raise InputError(f"SparseFeatures {list(sf.keys())}: ids must be int64, got {values.dtype}")
     offsets = sf.offsets().to(torch.int64)
     weights = sf.weights_or_none()
-    src = plan.source_indices(sf.keys()).to(dev)
+    src = plan.source_indices(sf.keys(), dev)
     N, FB = values.numel(), F * B
     # valid offsets put every id in one bag of its feature: the plan reads at most this many
     cap = N * plan.source_reads(sf.keys()) if FB else 0
@@ -223,8 +224,8 @@ def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if not max_norm:
         return rows
     norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
-    c = torch.tensor(max_norm, dtype=rows.dtype, device=rows.device)
-    return (rows * c) / torch.maximum(norm, c)
+    # (a Python scalar: a tensor made of it would be a copy to the device)
+    return (rows * max_norm) / norm.clamp(min=max_norm)
 
 
 def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
@@ -302,15 +303,15 @@ def _group_ids(prep: Prepared, feats: tuple[int, ...]):
     """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
     dev = prep.offsets.device
     B = prep.batch_size
-    f = torch.tensor(feats, dtype=torch.int64, device=dev)
+    f = host_to_device(feats, torch.int64, dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
         pos, owner = _ranges(starts, ends - starts)
     else:  # the features' extents known on the host: no read of the device
         fs = prep.feature_starts
         sizes = [fs[k + 1] - fs[k] for k in feats]
-        pos, owner = _ranges(torch.tensor([fs[k] for k in feats], dtype=torch.int64, device=dev),
-                             torch.tensor(sizes, dtype=torch.int64, device=dev), sum(sizes))
+        pos, owner = _ranges(host_to_device([fs[k] for k in feats], torch.int64, dev),
+                             host_to_device(sizes, torch.int64, dev), sum(sizes))
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B
     return pos, owner, sample
@@ -324,7 +325,7 @@ def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, ow
     w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
-    comb = plan.arrays(dev)["combiner"][torch.tensor(group.pooled, dtype=torch.int64, device=dev)]
+    comb = plan.arrays(dev)["combiner"][host_to_device(group.pooled, torch.int64, dev)]
     comb = comb.repeat(prep.batch_size)
     denom = torch.where(comb == _MEAN, wsum, torch.where(comb == _SQRTN, torch.sqrt(w2sum), torch.ones_like(wsum)))
     return torch.where(wsum > 0, denom, torch.ones_like(denom)), w, out_bag
@@ -419,7 +420,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             ge = (go * e).sum(1)
             gout = (go * out[out_bag]).sum(1)
             d = denom[out_bag]
-            comb = plan.arrays(dev)["combiner"][torch.tensor(group.pooled, dtype=torch.int64, device=dev)][owner]
+            comb = plan.arrays(dev)["combiner"][host_to_device(group.pooled, torch.int64, dev)][owner]
             grad = torch.where(comb == _MEAN, (ge - gout) / d,
                                torch.where(comb == _SQRTN, ge / d - gout * w / (d * d), ge))
             gw[pos] = grad.to(gw.dtype)

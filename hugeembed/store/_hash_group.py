@@ -28,6 +28,7 @@ import torch
 from ..functional import joined, joined_view, kept_positions, repeat_each
 from . import _alloc
 from .. import _native
+from .._device import host_to_device
 from ..errors import CapacityError
 from .._hashing import mix64
 from ._array import _row_ptr
@@ -169,13 +170,13 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     c = torch.ones(n, dtype=torch.int64, device=dev) if all(ct is None for ct in counts) else \
         joined([ct if ct is not None else torch.ones_like(k) for k, ct in zip(keys, counts)])
     tid = repeat_each(list(range(T)), sizes, dev)
-    gid = torch.tensor(rows, dtype=torch.int64, device=dev)[tid]
+    gid = host_to_device(rows, torch.int64, dev)[tid]
     base, size = group.base_t[gid], group.size_t[gid]
     codes, pos, unresolved = probe_window(group.buckets, key, base, size, group.window)
     kmin = repeat_each([s.admit_min_count for s in stores], sizes, dev)
     order = key.argsort(stable=True)
     order = order[tid[order].argsort(stable=True)]
-    stats = group.stats[rows].to(dev)
+    stats = host_to_device(group.stats[rows], torch.int64, dev)
     tally = _tally(key, tid, c, kmin, order, codes, pos, group.buckets, T)
     # the one read of the device: each table's counts, its scalars, and whether every key was resolved
     host = torch.cat([tally[-1].flatten(), stats.flatten(), unresolved.sum()[None]]).tolist()
@@ -230,7 +231,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
         new_rows_total += new_rows if fits else 0
     if not any(ok):
         return out
-    okk = torch.tensor(ok, dtype=torch.bool, device=dev)[tid]
+    okk = host_to_device(ok, torch.bool, dev)[tid]
     row_ok = need_row & okk
     # slots handed out in batch order per table: free ones (smallest first), then fresh ones
     r = row_ok.cumsum(0) - 1 - repeat_each(first, sizes, dev)
@@ -318,12 +319,17 @@ def find_group(stores, keys) -> list[torch.Tensor]:
     dev = stores[0].device
     key = joined(list(keys))
     tid = repeat_each(list(range(len(stores))), sizes, dev)
-    gid = torch.tensor(rows, dtype=torch.int64, device=dev)[tid]
-    codes, _ = probe(group.buckets, key, group.base_t[gid], group.size_t[gid])
+    gid = host_to_device(rows, torch.int64, dev)[tid]
+    base, size = group.base_t[gid], group.size_t[gid]
+    codes, _, unresolved = probe_window(group.buckets, key, base, size, group.window)
+    n_left = int(unresolved.sum())  # the one read of the device
+    if n_left:  # keys farther from home than the window: probed to the end
+        left = kept_positions(unresolved, n_left)
+        codes[left] = probe(group.buckets, key[left], base[left], size[left])[0]
     # the sentinel key's record is a scalar of its store (host memory: no read of the device)
     st = group.stats[rows]
     side = torch.where(st[:, _ST["side_used"]] != 0, code_of(st[:, _ST["side_word1"]]), -1)
-    codes = torch.where(key == EMPTY, side.to(dev)[tid], codes)
+    codes = torch.where(key == EMPTY, host_to_device(side, torch.int64, dev)[tid], codes)
     return list(codes.clamp_(min=-1).split(sizes))
 
 

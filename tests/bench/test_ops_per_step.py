@@ -105,3 +105,27 @@ def test_the_counter_sees_syncs_and_ops(ops):
         x[torch.tensor([1, 2])]  # an index tensor: no read
     assert c.ops["mul"] == 1 and c.ops["sum"] == 1 and c.syncs() == 4, dict(c.ops)
     assert torch.Tensor.tolist is tolist  # put back on exit
+
+
+def test_the_counter_sees_copies_to_the_device_the_host_waits_for(ops):
+    """On a GPU, ``torch.tensor(..., device=...)`` and a blocking ``.to(device)`` of a CPU tensor
+    synchronize the stream: counted as "h2d" on every device (on the CPU they are the calls
+    that would stall a GPU); a non_blocking copy, a dtype change and host_to_device are not."""
+    import torch
+
+    from hugeembed._device import host_to_device
+
+    x = torch.arange(4)
+    make, to = torch.tensor, torch.Tensor.to
+    with ops.CountOps() as c:
+        torch.tensor([1, 2], device="cpu")
+        x.to("cpu")
+        x.to(device=torch.device("cpu"))
+        x.to(x)
+        x.to("cpu", non_blocking=True)
+        x.to(torch.float64)
+        torch.tensor([1, 2])  # made on the host, for the host
+        y = host_to_device([5, 6], torch.int64, "cpu")
+    assert c.ops["h2d"] == 4 and c.syncs() == 4, dict(c.ops)
+    assert y.tolist() == [5, 6] and y.dtype == torch.int64
+    assert torch.tensor is make and torch.Tensor.to is to  # put back on exit

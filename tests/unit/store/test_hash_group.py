@@ -239,3 +239,30 @@ def test_tables_whose_index_grows_are_rehashed_together_into_the_buckets_they_ge
     for a, b in zip(ours, loop):
         assert a.num_buckets == b.num_buckets > 64
         assert_same_store(a, b)
+
+
+def test_keys_far_from_home_are_found_past_the_window_and_widen_it():
+    """A group probes each key's first `window` buckets with no read of the device; keys farther
+    from home (here 40 keys of one home bucket, the last 39 buckets on) are probed to the end:
+    the same slots and buckets as each table alone, nothing inserted twice, and the window
+    widened (16 -> 32) for the batches after."""
+    from hugeembed.store._hash_torch import _home
+
+    ours = [HashStore(f"t{i}", 2, seed=i, backend="torch", initial_rows=400) for i in range(2)]
+    twins = [HashStore(f"t{i}", 2, seed=i, backend="torch", initial_rows=400) for i in range(2)]
+    nb = ours[0].num_buckets
+    cand = torch.arange(1, 200_000)
+    homes = _home(cand, nb)
+    crowd = [cand[homes == h][:40] for h in (5, nb - 3)]  # the second wraps past the end
+    assert all(c.numel() == 40 for c in crowd)
+    for step, part in ((1, slice(0, 10)), (2, slice(10, 40)), (3, slice(0, 40))):
+        keys = [c[part] for c in crowd]
+        got = find_or_insert_many(ours, keys, step)
+        for s, t, k, a in zip(ours, twins, keys, got):
+            assert torch.equal(a, t.find_or_insert(k, step)), (s.name, step)
+    group, _ = BucketGroup.of(ours)
+    assert group.window == 32
+    for s, t, c in zip(ours, twins, crowd):
+        assert len(s) == 40
+        assert_same_store(s, t)
+    assert all(torch.equal(a, t.find(c)) for a, t, c in zip(find_many(ours, crowd), twins, crowd))
