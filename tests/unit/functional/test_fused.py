@@ -226,3 +226,50 @@ def test_one_pass_forward_hands_errors_to_the_two_stage_path():
         lookup(W, bad)
     seq = FusedEmbeddingLookup([TableSpec("a", 4, num_rows=5)], [FeatureSpec("f", "a", combiner="none")])
     assert seq.forward_static(W, make_batch({"f": [[1]]})) is None  # sequence features: the two-stage path
+
+
+def _streamed_batch(B: int, F: int, rows: int, g: torch.Generator) -> SparseFeatures:
+    lengths = torch.randint(0, 4, (F * B,), generator=g)
+    values = torch.randint(-1, rows + 2, (int(lengths.sum()),), generator=g)  # -1 and ids past the end too
+    return SparseFeatures([f"f{k}" for k in range(F)], values, lengths=lengths, batch_size=B)
+
+
+@pytest.mark.slow
+def test_outputs_larger_than_the_cache_are_streamed_bit_identically():
+    """A pooled output larger than the last-level cache (40 MiB; 32 MiB here) is written with
+    streaming stores by the native kernels (csrc/lookup.cpp::streams): one pass and two
+    stages give the same bits, and both the sums of a float64 oracle, every rule in play."""
+    from hugeembed import _native
+
+    if not _native.available():
+        pytest.skip("native kernels not built")
+    B, F, D, rows = 10240, 8, 128, 50
+    g = torch.Generator().manual_seed(5)
+    W = [torch.randn(rows, D, generator=g) for _ in range(F)]
+    combiners = ["sum", "mean", "sqrtn"]
+    # odd features fill empty bags and replace ids past the end with default_id; even ones prune
+    specs = [FeatureSpec(f"f{k}", f"t{k}", combiner=combiners[k % 3], default_id=(k if k % 2 else None),
+                         out_of_range=("default" if k % 2 else "prune")) for k in range(F)]
+    lookup = FusedEmbeddingLookup([TableSpec(f"t{k}", D, num_rows=rows) for k in range(F)], specs, backend="native")
+    sf = _streamed_batch(B, F, rows, g)
+    one_pass = lookup.forward_static(W, sf).groups()[0]
+    assert one_pass.numel() * 4 > 32 << 20
+    prep = lookup.prepare(sf, W, deduplicate=False)
+    torch.testing.assert_close(lookup.lookup(prep, W, lookup.static_slots(prep)).groups()[0], one_pass,
+                               rtol=0, atol=0)
+    # the oracle: TF's rules per bag, in float64
+    lengths, values = sf.lengths().tolist(), sf.values().tolist()
+    want = torch.zeros(B, F, D, dtype=torch.float64)
+    at = 0
+    for k, spec in enumerate(specs):
+        for b in range(B):
+            bag = values[at : at + lengths[k * B + b]]
+            at += len(bag)
+            ids = [i if i < rows else spec.default_id for i in bag if i >= 0 and (i < rows or k % 2)]
+            if not ids and k % 2:
+                ids = [spec.default_id]
+            if ids:
+                s = W[k][ids].double().sum(0)
+                n = len(ids)
+                want[b, k] = s / n if k % 3 == 1 else s / n ** 0.5 if k % 3 == 2 else s
+    torch.testing.assert_close(one_pass.double(), want, rtol=1e-5, atol=1e-5)
