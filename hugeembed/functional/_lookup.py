@@ -70,6 +70,19 @@ class FusedEmbeddingLookup:
 
     # -- stages ------------------------------------------------------------------------
 
+    def _native_checked(self, sf, storages) -> bool:
+        """Whether the native kernels take this batch (:meth:`_native_ok`), with the offsets'
+        ends checked for them (:meth:`LookupPlan.check_ends`; the torch prepare checks those
+        itself).  With backend='native' the ends are checked first, so a bad batch reports
+        its offsets before the backend's refusal of its tables."""
+        first = self.backend == "native" and sf.values().is_cpu
+        if first:
+            self.plan.check_ends(sf)
+        ok = self._native_ok(sf, storages)
+        if ok and not first:
+            self.plan.check_ends(sf)
+        return ok
+
     def _native_ok(self, sf, storages) -> bool:
         if self.backend == "torch":
             return False
@@ -96,8 +109,7 @@ class FusedEmbeddingLookup:
         lookup (inference), which sums no gradient per row; such a batch refuses a backward.
         """
         self.plan.check_batch(sf, ends=False)
-        if self._native_ok(sf, storages):
-            self.plan.check_ends(sf)
+        if self._native_checked(sf, storages):
             if self._scratch is None:
                 self._scratch = NativeScratch()
             prep = prepare_native(self.plan, sf, self._scratch, deduplicate)
@@ -149,9 +161,8 @@ class FusedEmbeddingLookup:
             return None
         plan.check_batch(sf, ends=False)
         self._check_storages(storages, sf.device)
-        if not self._native_ok(sf, storages):
+        if not self._native_checked(sf, storages):
             return None
-        plan.check_ends(sf)
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:
             out = pool_direct(plan, sf, storages, group, arrays)

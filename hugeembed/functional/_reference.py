@@ -8,6 +8,7 @@ per-table row gathers are a loop over tables.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -224,8 +225,15 @@ def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if not max_norm:
         return rows
     norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
-    # (a Python scalar: a tensor made of it would be a copy to the device)
-    return (rows * max_norm) / norm.clamp(min=max_norm)
+    c = _rounded(float(max_norm), rows.dtype)  # a Python scalar: a tensor of it would be a copy to the device
+    return (rows * c) / norm.clamp(min=c)
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """`x` rounded to `dtype` (what a tensor of it would hold), as a Python float: computed once
+    per pair, so a step makes no op for it."""
+    return torch.tensor(x, dtype=dtype).item()
 
 
 def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:

@@ -141,6 +141,12 @@ def test_bad_inputs_are_clear_errors(backend):
         lookup([W[:3]], ok)
     with pytest.raises(InputError, match=r"id 7 at sample 1 is out of range for table 'users' of 6 rows"):
         lookup([W], make_batch({"user": [[1], [0, 7]]}))
+    # offsets that start past 0: the batch's error comes first, also before backend='native'
+    # refuses tables it cannot read (float64)
+    late = SparseFeatures(["user"], ok.values(), offsets=torch.tensor([1, 2]))
+    for w in (W, W.double()):
+        with pytest.raises(InputError, match="offsets must start at 0, got 1"):
+            lookup([w], late)
 
 
 def test_bad_configs_are_clear_errors():

@@ -256,3 +256,17 @@ def test_large_and_small_static_tables_match_embedding_bag(backend, rows, device
     expected = torch.bincount(v, minlength=rows).float()
     g_dense = W.grad.to_dense().cpu()
     torch.testing.assert_close(g_dense[:, 0], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_clip_rows_rounds_max_norm_to_the_rows_dtype(dtype):
+    """TF's clip_by_norm with max_norm held in the rows' dtype (a half-precision table clips
+    at 0.1 rounded to half), though clip_rows takes it as a Python scalar (no copy to the
+    device per call)."""
+    from hugeembed.functional import clip_rows
+
+    rows = torch.randn(200, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for max_norm in (0.1, 0.7, 3.3):
+        c = torch.tensor(max_norm, dtype=dtype)
+        norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
+        assert torch.equal(clip_rows(rows, max_norm), (rows * c) / torch.maximum(norm, c)), max_norm
