@@ -42,6 +42,7 @@ enum Verdict { kDrop, kKeep, kMapDefault, kBadId, kBadWeight };
 constexpr int64_t kErrOutOfRange = 1;
 constexpr int64_t kErrWeight = 2;
 constexpr int64_t kErrOffsets = 3;  // err[2] = sample, err[3] = offsets[bag]
+constexpr int64_t kErrEnds = 4;     // (he_lookup_count) the offsets do not run from 0 to len(values)
 
 struct Plan {
   int64_t B, F;
@@ -1186,6 +1187,14 @@ HE_KERNEL(he_lookup_count) {
   int64_t* out_offsets = call.buf<int64_t>(6, v.F * v.B + 1, "out_offsets");
   int64_t* unique_base = call.buf<int64_t>(7, v.T, "unique_base");
   int64_t* totals = call.buf<int64_t>(8, 2, "totals");
+  // The batch's offsets run from 0 to len(values), bags the plan does not read included: a
+  // batch that stops short would be pooled without the ids past its end.
+  const int64_t n_offsets = call.numel(3);
+  if (in.offsets[0] != 0 || in.offsets[n_offsets - 1] != in.n_values) {
+    call.detail({kErrEnds, 0, in.offsets[0], in.offsets[n_offsets - 1]});
+    call.fail(HE_BAD_VALUE, "offsets run from %lld to %lld, not from 0 to %lld", (long long)in.offsets[0],
+              (long long)in.offsets[n_offsets - 1], (long long)in.n_values);
+  }
   int64_t err[4] = {0, 0, 0, 0};
   if (count_ids(in.values, in.n_values, in.offsets, in.weights, v.B, v.F, in.src, v.table, v.num_rows, v.prune_neg,
                 v.oor, v.has_default, v.default_id, v.combiner, out_offsets, v.T, v.table_feat_ptr, v.table_feats,

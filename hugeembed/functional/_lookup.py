@@ -70,17 +70,23 @@ class FusedEmbeddingLookup:
 
     # -- stages ------------------------------------------------------------------------
 
-    def _native_checked(self, sf, storages) -> bool:
-        """Whether the native kernels take this batch (:meth:`_native_ok`), with the offsets'
-        ends checked for them (:meth:`LookupPlan.check_ends`; the torch prepare checks those
-        itself).  With backend='native' the ends are checked first, so a bad batch reports
-        its offsets before the backend's refusal of its tables."""
-        first = self.backend == "native" and sf.values().is_cpu
-        if first:
-            self.plan.check_ends(sf)
-        ok = self._native_ok(sf, storages)
-        if ok and not first:
-            self.plan.check_ends(sf)
+    def _native_checked(self, sf, storages, ends: bool) -> bool:
+        """Whether the native kernels take this batch (:meth:`_native_ok`), with what they leave
+        to their caller checked: the bags the plan does not read, and with `ends` where the
+        offsets start and end (:meth:`LookupPlan.check_ends`; he_lookup_count checks those
+        itself, and the torch prepare checks all of it).  A bad batch reports its offsets
+        before backend='native' refuses its tables."""
+        try:
+            ok = self._native_ok(sf, storages)
+        except InputError:
+            if sf.values().is_cpu:
+                self.plan.check_ends(sf)
+            raise
+        if ok:
+            if ends:
+                self.plan.check_ends(sf)
+            else:
+                self.plan.check_unread_bags(sf)
         return ok
 
     def _native_ok(self, sf, storages) -> bool:
@@ -109,7 +115,7 @@ class FusedEmbeddingLookup:
         lookup (inference), which sums no gradient per row; such a batch refuses a backward.
         """
         self.plan.check_batch(sf, ends=False)
-        if self._native_checked(sf, storages):
+        if self._native_checked(sf, storages, ends=False):
             if self._scratch is None:
                 self._scratch = NativeScratch()
             prep = prepare_native(self.plan, sf, self._scratch, deduplicate)
@@ -161,7 +167,7 @@ class FusedEmbeddingLookup:
             return None
         plan.check_batch(sf, ends=False)
         self._check_storages(storages, sf.device)
-        if not self._native_checked(sf, storages):
+        if not self._native_checked(sf, storages, ends=True):
             return None
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
         for group in plan.groups:

@@ -121,8 +121,8 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
     # tensor would wake torch's OpenMP workers, which then spin on the cores our
     # threads need.
     out_offsets = torch.empty(F * B + 1, dtype=torch.int64)
-    unique_base = torch.empty(T, dtype=torch.int64)
-    totals = torch.empty(2, dtype=torch.int64)
+    counts = torch.empty(2 + T, dtype=torch.int64)  # the totals, then unique_base: one read for both
+    totals, unique_base = counts[:2], counts[2:]
     batch = [pb.i64, pb.i8, values, offsets, weights, src, out_offsets, unique_base]
     bad = None
     try:
@@ -133,8 +133,7 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
         bad = e.detail  # (code, plan feature, position, value): raised below, without the kernel's error as context
     if bad is not None:
         raise InputError(plan.describe_id_error(*bad[:4], sf))
-    n_kept, capacity = totals.tolist()
-    base = unique_base.tolist()
+    n_kept, capacity, *base = counts.tolist()
     inverse = torch.empty(n_kept, dtype=torch.int32)
     out_w = torch.empty(n_kept, dtype=torch.float32) if weights is not None else None
     unique_keys = torch.empty(capacity, dtype=torch.int64)

@@ -305,9 +305,9 @@ class LookupPlan:
         ends = sf.offsets().numpy()
         if ends[0] != 0 or ends[-1] != sf.values().numel():
             raise_offsets_error(sf)
-        self._check_unread_bags(sf)
+        self.check_unread_bags(sf)
 
-    def _check_unread_bags(self, sf) -> None:
+    def check_unread_bags(self, sf) -> None:
         """Offsets of the batch's features that no plan feature reads never decrease.
 
         The prepare kernels check the bags they read; a batch whose other bags are corrupt
@@ -334,7 +334,11 @@ class LookupPlan:
                 raise_offsets_error(sf)
 
     def describe_id_error(self, code: int, feature: int, position: int, value: int, sf) -> str:
-        """Message for an error reported by the clean stage."""
+        """Message for an error reported by the clean stage (code 1: an id out of range, 2: a
+        weight not finite, 3: a bag's offsets, 4: offsets that do not run from 0 to len(values);
+        3 and 4 raise validate()'s error)."""
+        if code == 4:
+            raise_offsets_error(sf)
         f = self.features[feature]
         t = self.tables[self.feature_table[feature]]
         if code == 3:  # validate() names the feature, sample and offsets

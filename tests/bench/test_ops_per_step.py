@@ -6,8 +6,9 @@ The host reads are a GPU's bound: on a GPU each one stalls the device.  The torc
 batch's shapes, cut to size after that read) and its dynamic tables' find-or-insert once more
 (every table's keys probed together over a fixed window, the counts and "all resolved" read
 together).  The native backend runs on the CPU only, where a host read is a read of memory the
-kernel just wrote (4 or 5 per step, counted since the counter also sees ``.tolist()``): its
-test asserts the ops bound for static and dynamic tables and every optimizer, and that its
+kernel just wrote (counted since the counter also sees ``.tolist()``): 2 for static tables (the
+count kernel's sizes, dedup's per-table counts) and 3 for dynamic ones (the store's outcomes);
+its test asserts the ops bound for static and dynamic tables and every optimizer, and that its
 reads do not grow with the tables.
 """
 
@@ -45,7 +46,7 @@ def _check_bounds(ops, dynamic: bool, backend: str, rule, max_syncs: int | None 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("rule", list(RULES), ids=list(RULES))
 def test_native_step_ops_do_not_grow_with_tables(ops, dynamic, rule):
-    _check_bounds(ops, dynamic, "native", RULES[rule], max_syncs=None)
+    _check_bounds(ops, dynamic, "native", RULES[rule], max_syncs=3 if dynamic else 2)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
