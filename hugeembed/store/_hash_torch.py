@@ -41,6 +41,7 @@ class Outcome(enum.IntEnum):
     BAD_COUNT = 4  # (find_or_insert_many) a count below 1: the table's own call raises with the details
 _COUNT_MAX = 2**31 - 1
 _MAX_WINDOW = 32
+_WINDOW_ELEMENTS = 1 << 24  # probe_window's bound on keys x window
 
 
 def pack(code: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,11 @@ def probe_window(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor |
     """:func:`probe` over the first `width` buckets of each key's path only, with no read of the
     device: (codes, pos, unresolved), `unresolved` marking the keys that met neither their own
     record nor an empty bucket there (their codes and pos are then -1: the caller probes them
-    again with :func:`probe`).  Keys equal to EMPTY are left at -1 and resolved."""
+    again with :func:`probe`).  Keys equal to EMPTY are left at -1 and resolved.
+
+    The window shrinks for big batches, to at most _WINDOW_ELEMENTS buckets in all (each a few
+    int64 temporaries: 2**24 is 128 MB apiece); more keys are then left to :func:`probe`."""
+    width = max(1, min(width, _WINDOW_ELEMENTS // max(keys.numel(), 1)))
     at = _Tables(buckets.shape[0], base, size)
     win = at.window(_home(keys, at.size), torch.arange(width, device=keys.device))
     bk = buckets[win, 0]

@@ -266,3 +266,25 @@ def test_keys_far_from_home_are_found_past_the_window_and_widen_it():
         assert len(s) == 40
         assert_same_store(s, t)
     assert all(torch.equal(a, t.find(c)) for a, t, c in zip(find_many(ours, crowd), twins, crowd))
+
+
+def test_a_big_batch_probes_a_narrower_window_and_finds_every_key(monkeypatch):
+    """probe_window bounds keys x window (memory): with the bound lowered to one bucket per key
+    here, every key off its home bucket is probed to the end, and every slot is as each table
+    alone."""
+    from hugeembed.store import _hash_group, _hash_torch
+
+    monkeypatch.setattr(_hash_torch, "_WINDOW_ELEMENTS", 120)
+    rounds = []
+    probe = _hash_torch.probe
+    monkeypatch.setattr(_hash_group, "probe", lambda *a: rounds.append(1) or probe(*a))
+    ours = [HashStore(f"t{i}", 2, seed=i, backend="torch", initial_rows=64) for i in range(2)]
+    twins = [HashStore(f"t{i}", 2, seed=i, backend="torch", initial_rows=64) for i in range(2)]
+    g = torch.Generator().manual_seed(11)
+    for step in (1, 2, 3):
+        keys = [torch.randint(0, 500, (60,), generator=g).unique() for _ in ours]
+        for s, t, k, a in zip(ours, twins, keys, find_or_insert_many(ours, keys, step)):
+            assert torch.equal(a, t.find_or_insert(k, step)), (s.name, step)
+    for s, t in zip(ours, twins):
+        assert_same_store(s, t)
+    assert rounds  # the fallback ran
