@@ -256,7 +256,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     new = kept_positions(is_a & ~side & okk, sum(per_t[t][1] for t in range(T) if ok[t]))
     if new.numel():
         rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
-        claim(group.buckets, rec, pos[new], base[new], size[new])
+        claim(group.buckets, rec, pos[new], base[new], size[new], sink=group.sink)
     res = torch.where(code_now >= 0, code_now, -1)
     # scalars of the accepted tables, from the values read above
     upd_rows, upd_vals = [], []

@@ -42,6 +42,7 @@ class Outcome(enum.IntEnum):
 _COUNT_MAX = 2**31 - 1
 _MAX_WINDOW = 32
 _WINDOW_ELEMENTS = 1 << 24  # probe_window's bound on keys x window
+_MASKED_ROUNDS = 4  # claim's rounds before its read (windows 1, 2, 4, 8 buckets)
 
 
 def pack(code: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -158,6 +159,10 @@ class _Tables:
     def local(self, q: torch.Tensor) -> torch.Tensor:
         return q - self.base
 
+    def wrap(self, p: torch.Tensor) -> torch.Tensor:
+        """Local positions `p` wrapped in their tables."""
+        return p % (self.size if isinstance(self.size, int) else self.size)
+
     def keep(self, keep: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """Filters the per-key tables by `keep`, and returns p[keep] wrapped in them."""
         if isinstance(self.size, int):
@@ -167,13 +172,16 @@ class _Tables:
 
 
 def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None = None,
-          base: torch.Tensor | None = None, size: torch.Tensor | None = None) -> None:
+          base: torch.Tensor | None = None, size: torch.Tensor | None = None, sink: int | None = None) -> None:
     """Puts records int64 [n, 3] of unique keys known to be absent (none EMPTY) into the buckets.
 
     `start` is where each key's search for an empty bucket may begin (its home, or
     the first empty bucket a probe met): every bucket before it is occupied.  `base`, `size`:
     each record's table within `buckets`, as for :func:`probe` (`start` is then a position
-    in `buckets`, inside the record's table).
+    in `buckets`, inside the record's table).  `sink`: a bucket of no table (a BucketGroup's
+    last), where masked writes may land: the first _MASKED_ROUNDS rounds then run over every
+    key, placed or not, with no read of the device, and one read says whether any is left
+    (the same rounds, so the same buckets, as the loop below).
     """
     n = records.shape[0]
     if n == 0:
@@ -185,21 +193,21 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     width = 1
+    if sink is not None:
+        left = torch.ones(n, dtype=torch.bool, device=dev)
+        for _ in range(_MASKED_ROUNDS):
+            q, has, won = _claim_round(bkeys, at, p, ar[:width], left)
+            buckets[torch.where(won, q, sink)] = records
+            p = at.wrap(torch.where(has, at.local(q) + 1, p + width))
+            left &= ~won
+            width = min(2 * width, _MAX_WINDOW)
+        n_left = int(left.sum())  # the one read of the device, when every key found its bucket
+        idx = kept_positions(left, n_left)
+        p = p[idx]
+        if base is not None:
+            at = _Tables(buckets.shape[0], base, size, idx)
     while idx.numel():
-        win = at.window(p, ar[:width])
-        empty = bkeys[win] == EMPTY
-        has = empty.any(1)
-        q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
-        # Several keys may want the same empty bucket: the lowest batch index wins (idx is
-        # ascending, so the first of each run of a stable sort by bucket).
-        want = torch.where(has, q, -1)
-        order = torch.argsort(want, stable=True)
-        ws = want[order]
-        first = torch.ones_like(has)
-        first[1:] = ws[1:] != ws[:-1]
-        won = torch.zeros_like(has)
-        won[order] = first
-        won &= has
+        q, has, won = _claim_round(bkeys, at, p, ar[:width])
         # Losers retry right after the bucket they lost; keys with no empty in
         # their window skip the whole window (all of it was occupied).
         nxt = torch.where(has, at.local(q) + 1, p + width)
@@ -208,6 +216,28 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
         idx = idx[kept]
         p = at.keep(kept, nxt)
         width = min(2 * width, _MAX_WINDOW)
+
+
+def _claim_round(bkeys: torch.Tensor, at: "_Tables", p: torch.Tensor, ar: torch.Tensor,
+                 active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round of :func:`claim` over the keys at local positions `p` (those `active`, default
+    all): (the first empty bucket in each key's window, whether it has one, whether it won it)."""
+    win = at.window(p, ar)
+    empty = bkeys[win] == EMPTY
+    has = empty.any(1)
+    if active is not None:
+        has &= active
+    q = win.gather(1, empty.to(torch.uint8).argmax(1)[:, None]).squeeze(1)
+    # Several keys may want the same empty bucket: the lowest batch index wins (keys are in
+    # ascending batch order, so the first of each run of a stable sort by bucket).
+    want = torch.where(has, q, -1)
+    order = torch.argsort(want, stable=True)
+    ws = want[order]
+    first = torch.ones_like(has)
+    first[1:] = ws[1:] != ws[:-1]
+    won = torch.zeros_like(has)
+    won[order] = first
+    return q, has, won & has
 
 
 def entries(buckets: torch.Tensor) -> torch.Tensor:
