@@ -6,8 +6,10 @@ see csrc/store_table.h.  Home buckets use a multiply-shift of the hash, so B nee
 Probing advances every unresolved key at once over a
 window of buckets that doubles each round (1, 2, 4, ... 32), so a batch finishes
 in a handful of rounds even when a few keys sit far from home.  Concurrent inserts
-that pick the same empty bucket are resolved with ``scatter_reduce(amin)`` over
-their batch index: the lowest index wins, the others move on to the next bucket.
+that pick the same empty bucket are resolved by a stable sort over the bucket wanted:
+the lowest batch index wins, the others move on to the next bucket.  A group of tables
+(_hash_group.py) probes a fixed window first (:func:`probe_window`) and claims its first
+rounds masked (``claim(sink=...)``), reading the device once for each instead of per round.
 """
 
 from __future__ import annotations
