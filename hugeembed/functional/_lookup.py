@@ -86,7 +86,11 @@ class FusedEmbeddingLookup:
             if ends:
                 self.plan.check_ends(sf)
             else:
-                self.plan.check_unread_bags(sf)
+                try:
+                    self.plan.check_unread_bags(sf)
+                except InputError:  # (a feature the plan needs is missing) the offsets' error comes first
+                    self.plan.check_ends(sf)
+                    raise
         return ok
 
     def _native_ok(self, sf, storages) -> bool:

@@ -33,8 +33,8 @@ from ..errors import CapacityError
 from .._hashing import mix64
 from ._array import _row_ptr
 from ._common import init_rows
-from ._hash_torch import (_MAX_WINDOW, _ST, EMPTY, PENDING, claim, code_of, count_of, entries, new_buckets, pack, probe,
-                          probe_window)
+from ._hash_torch import (_MAX_WINDOW, _ST, _WINDOW_ELEMENTS, EMPTY, PENDING, claim, code_of, count_of, entries,
+                          new_buckets, pack, probe, probe_window)
 from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
 __all__ = ["BucketGroup", "DynamicRows", "find_or_insert_group", "find_group"]
@@ -182,8 +182,9 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     host = torch.cat([tally[-1].flatten(), stats.flatten(), unresolved.sum()[None]]).tolist()
     if host[-1]:
         # a key farther from home than the window: those keys probed to the end (a read per
-        # round), and a wider window from now on
-        group.window = min(2 * group.window, _MAX_WINDOW)
+        # round), and a wider window from now on (unless the batch's size narrowed it)
+        if group.window * n <= _WINDOW_ELEMENTS:
+            group.window = min(2 * group.window, _MAX_WINDOW)
         left = kept_positions(unresolved, host[-1])
         codes[left], pos[left] = probe(group.buckets, key[left], base[left], size[left])
         tally = _tally(key, tid, c, kmin, order, codes, pos, group.buckets, T)

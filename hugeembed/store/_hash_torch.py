@@ -119,7 +119,8 @@ def probe_window(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor |
     again with :func:`probe`).  Keys equal to EMPTY are left at -1 and resolved.
 
     The window shrinks for big batches, to at most _WINDOW_ELEMENTS buckets in all (each a few
-    int64 temporaries: 2**24 is 128 MB apiece); more keys are then left to :func:`probe`."""
+    int64 temporaries: 2**24 is 128 MB apiece; one bucket a key past that many keys); more keys
+    are then left to :func:`probe`."""
     width = max(1, min(width, _WINDOW_ELEMENTS // max(keys.numel(), 1)))
     at = _Tables(buckets.shape[0], base, size)
     win = at.window(_home(keys, at.size), torch.arange(width, device=keys.device))
@@ -196,6 +197,8 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
     bkeys = buckets[:, 0]
     width = 1
     if sink is not None:
+        if base is None:  # one table over all of `buckets`: the sink would be one of its buckets
+            raise ValueError("claim: a sink needs the tables' base and size (a bucket outside every table)")
         left = torch.ones(n, dtype=torch.bool, device=dev)
         for _ in range(_MASKED_ROUNDS):
             q, has, won = _claim_round(bkeys, at, p, ar[:width], left)
@@ -203,6 +206,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
             p = at.wrap(torch.where(has, at.local(q) + 1, p + width))
             left &= ~won
             width = min(2 * width, _MAX_WINDOW)
+        new_buckets(1, dev, out=buckets[sink : sink + 1])  # the sink holds no record (scans see none)
         n_left = int(left.sum())  # the one read of the device, when every key found its bucket
         idx = kept_positions(left, n_left)
         p = p[idx]

@@ -149,6 +149,17 @@ def test_bad_inputs_are_clear_errors(backend):
             lookup([w], late)
 
 
+def test_a_batch_missing_features_with_bad_offsets_reports_its_offsets_first():
+    """On the native path the count kernel checks the offsets' ends; a batch that also lacks
+    the plan's features still reports its offsets first, as every native entry point did."""
+    W = torch.randn(10, 3)
+    sf = SparseFeatures(["extra"], torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 1]))
+    f = FusedEmbeddingLookup([TableSpec("t", 3, num_rows=10)], [FeatureSpec("a", "t")], backend="native")
+    for call in (lambda: f.prepare(sf, [W]), lambda: f.forward_static([W], sf), lambda: f([W.requires_grad_()], sf)):
+        with pytest.raises(InputError, match="feature 'extra': lengths sum to 1"):
+            call()
+
+
 def test_bad_configs_are_clear_errors():
     with pytest.raises(ConfigError, match="table 'x': dim must be a positive int, got -4"):
         TableSpec("x", -4, num_rows=3)

@@ -288,3 +288,16 @@ def test_a_big_batch_probes_a_narrower_window_and_finds_every_key(monkeypatch):
     for s, t in zip(ours, twins):
         assert_same_store(s, t)
     assert rounds  # the fallback ran
+
+
+def test_a_claim_with_a_sink_leaves_it_empty_and_needs_the_tables_bounds():
+    """claim(sink=...) lands masked writes in a bucket of no table, left holding no record;
+    without base and size the one table covers every bucket, so a sink is refused."""
+    from hugeembed.store._hash_torch import EMPTY, claim, new_buckets
+
+    b = new_buckets(9, torch.device("cpu"))
+    rec = torch.tensor([[101, 1, 1], [102, 2, 1], [103, 3, 1]])
+    claim(b, rec, torch.tensor([0, 0, 0]), torch.zeros(3, dtype=torch.int64), torch.full((3,), 8), sink=8)
+    assert b[:3, 0].tolist() == [101, 102, 103] and b[8, 0] == EMPTY and (b[3:8, 0] == EMPTY).all()
+    with pytest.raises(ValueError, match="sink needs the tables' base and size"):
+        claim(new_buckets(8, torch.device("cpu")), rec, torch.tensor([0, 0, 0]), sink=7)
