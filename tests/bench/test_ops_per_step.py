@@ -130,3 +130,12 @@ def test_the_counter_sees_copies_to_the_device_the_host_waits_for(ops):
     assert c.ops["h2d"] == 4 and c.syncs() == 4, dict(c.ops)
     assert y.tolist() == [5, 6] and y.dtype == torch.int64
     assert torch.tensor is make and torch.Tensor.to is to  # put back on exit
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (the bound is a GPU's)")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_cuda_step_reads_the_device_at_most_twice_and_copies_to_it_without_waiting(ops, dynamic):
+    """On a GPU, where each read stalls the device: a steady-state step of 32 tables reads it at
+    most twice, and none of its copies from the host is a blocking one ("h2d")."""
+    many = ops.count_step(32, dynamic, "torch", samples=64, rows=128, warmup=24, device="cuda")
+    assert many.ops.get("h2d", 0) == 0 and many.syncs() <= 2, dict(many.ops)
