@@ -78,19 +78,14 @@ class FusedEmbeddingLookup:
         before backend='native' refuses its tables."""
         try:
             ok = self._native_ok(sf, storages)
+            if ok and not ends:
+                self.plan.check_unread_bags(sf)  # (raises when a feature the plan needs is missing)
         except InputError:
             if sf.values().is_cpu:
                 self.plan.check_ends(sf)
             raise
-        if ok:
-            if ends:
-                self.plan.check_ends(sf)
-            else:
-                try:
-                    self.plan.check_unread_bags(sf)
-                except InputError:  # (a feature the plan needs is missing) the offsets' error comes first
-                    self.plan.check_ends(sf)
-                    raise
+        if ok and ends:
+            self.plan.check_ends(sf)
         return ok
 
     def _native_ok(self, sf, storages) -> bool:

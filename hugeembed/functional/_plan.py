@@ -13,7 +13,7 @@ from typing import NoReturn, Sequence
 
 import torch
 
-from .._device import canonical_device
+from .._device import canonical_device, host_to_device
 from ..errors import ConfigError, InputError
 from ..types import Combiner, OutOfRange
 
@@ -193,8 +193,9 @@ class LookupPlan:
             by_table[t].append(i)
         self.table_features = tuple(tuple(x) for x in by_table)
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._source_cache: dict[tuple, torch.Tensor] = {}
-        self._reads_cache: dict[tuple[str, ...], int] = {}
+        # a batch's keys -> (each plan feature's input position, the most features reading one input)
+        self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
+        self._constants: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._unread_cache: dict[tuple[str, ...], list[tuple[int, int]]] = {}
 
     @property
@@ -239,31 +240,35 @@ class LookupPlan:
         self._arrays[device] = a
         return a
 
-    def source_indices(self, keys: tuple[str, ...], device: torch.device | str | None = None) -> torch.Tensor:
-        """For each plan feature, the position of its input feature in a batch with `keys` (on
-        `device`, cached there: no copy to the device per batch)."""
-        if device is not None and torch.device(device).type != "cpu":
-            on = self._source_cache.get((keys, str(device)))
-            if on is None:
-                on = self._source_cache[(keys, str(device))] = self.source_indices(keys).to(device)
-            return on
-        cached = self._source_cache.get(keys)
-        if cached is None:
+    def on_device(self, values: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 `values` (a constant of the plan: a dim group's features, a batch layout's
+        source positions) on `device`, made once: no copy to the device per batch."""
+        device = canonical_device(device)
+        t = self._constants.get((values, device))
+        if t is None:
+            t = self._constants[(values, device)] = host_to_device(list(values), torch.int64, device)
+        return t
+
+    def _source(self, keys: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
+        got = self._sources.get(keys)
+        if got is None:
             pos = {k: i for i, k in enumerate(keys)}
             missing = [f.source_name for f in self.features if f.source_name not in pos]
             if missing:
                 raise InputError(f"batch lacks features {missing} needed by the lookup; batch has {list(keys)}")
-            src = [pos[f.source_name] for f in self.features]
-            cached = torch.tensor(src, dtype=torch.int64)
-            self._source_cache[keys] = cached
-            self._reads_cache[keys] = max((src.count(i) for i in set(src)), default=0)
-        return cached
+            src = tuple(pos[f.source_name] for f in self.features)
+            got = self._sources[keys] = (src, max((src.count(i) for i in set(src)), default=0))
+        return got
+
+    def source_indices(self, keys: tuple[str, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+        """For each plan feature, the position of its input feature in a batch with `keys` (on
+        `device`)."""
+        return self.on_device(self._source(keys)[0], device)
 
     def source_reads(self, keys: tuple[str, ...]) -> int:
         """The most plan features that read one input feature of a batch with `keys` (usually 1):
         the plan reads at most that many times the batch's ids."""
-        self.source_indices(keys)
-        return self._reads_cache[keys]
+        return self._source(keys)[1]
 
     def check_batch(self, sf, ends: bool = True) -> None:
         """O(1) checks of a batch: dtypes, devices and, on CPU and when `ends`, where its offsets
@@ -316,7 +321,7 @@ class LookupPlan:
         """
         runs = self._unread_cache.get(sf.keys())
         if runs is None:
-            read = set(self.source_indices(sf.keys()).tolist())
+            read = set(self._source(sf.keys())[0])
             runs, f = [], 0
             while f < sf.num_features:  # runs of consecutive unread input features
                 if f in read:

@@ -307,11 +307,11 @@ def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> tor
     return rows * (slots >= 0).unsqueeze(1).to(dtype)
 
 
-def _group_ids(prep: Prepared, feats: tuple[int, ...]):
+def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
     dev = prep.offsets.device
     B = prep.batch_size
-    f = host_to_device(feats, torch.int64, dev)
+    f = plan.on_device(feats, dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
         pos, owner = _ranges(starts, ends - starts)
@@ -333,7 +333,7 @@ def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, ow
     w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
-    comb = plan.arrays(dev)["combiner"][host_to_device(group.pooled, torch.int64, dev)]
+    comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)]
     comb = comb.repeat(prep.batch_size)
     denom = torch.where(comb == _MEAN, wsum, torch.where(comb == _SQRTN, torch.sqrt(w2sum), torch.ones_like(wsum)))
     return torch.where(wsum > 0, denom, torch.ones_like(denom)), w, out_bag
@@ -353,7 +353,7 @@ def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGrou
     if n == 0 or B == 0:
         return torch.zeros(B, n, D, dtype=dtype, device=dev)
     emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
-    pos, owner, sample = _group_ids(prep, group.pooled)
+    pos, owner, sample = _group_ids(plan, prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
     return _combine(emb[prep.inverse[pos].long()], w, out_bag, denom, B * n).view(B, n, D)
 
@@ -364,7 +364,7 @@ def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: Dim
     if not group.unpooled:
         return torch.zeros(0, group.dim, dtype=dtype, device=dev)
     emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, blocks)
-    pos, _, _ = _group_ids(prep, group.unpooled)
+    pos, _, _ = _group_ids(plan, prep, group.unpooled)
     rows = emb[prep.inverse[pos].long()]
     if prep.weights is not None:
         rows = rows * prep.weights[pos].to(dtype).unsqueeze(1)
@@ -380,13 +380,13 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
         dtype = (pooled_grads[g] if group.pooled else unpooled_grads[g]).dtype
         acc = torch.zeros(prep.capacity, D, dtype=dtype, device=dev)
         if group.pooled and prep.batch_size:
-            pos, owner, sample = _group_ids(prep, group.pooled)
+            pos, owner, sample = _group_ids(plan, prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
             coef = w / denom[out_bag]
             go = pooled_grads[g].reshape(-1, D)[out_bag]
             acc.index_add_(0, prep.inverse[pos].long(), go * coef.unsqueeze(1))
         if group.unpooled:
-            pos, _, _ = _group_ids(prep, group.unpooled)
+            pos, _, _ = _group_ids(plan, prep, group.unpooled)
             go = unpooled_grads[g]
             if prep.weights is not None:
                 go = go * prep.weights[pos].to(dtype).unsqueeze(1)
@@ -420,7 +420,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             go_all = pooled_grads[g]
             dtype = go_all.dtype
             emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
-            pos, owner, sample = _group_ids(prep, group.pooled)
+            pos, owner, sample = _group_ids(plan, prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
             e = emb[prep.inverse[pos].long()]
             go = go_all.reshape(-1, D)[out_bag]
@@ -428,13 +428,13 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             ge = (go * e).sum(1)
             gout = (go * out[out_bag]).sum(1)
             d = denom[out_bag]
-            comb = plan.arrays(dev)["combiner"][host_to_device(group.pooled, torch.int64, dev)][owner]
+            comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)][owner]
             grad = torch.where(comb == _MEAN, (ge - gout) / d,
                                torch.where(comb == _SQRTN, ge / d - gout * w / (d * d), ge))
             gw[pos] = grad.to(gw.dtype)
         if group.unpooled:
             go = unpooled_grads[g]
             emb = _unique_rows(plan, prep, storages, slots, D, go.dtype, blocks)
-            pos, _, _ = _group_ids(prep, group.unpooled)
+            pos, _, _ = _group_ids(plan, prep, group.unpooled)
             gw[pos] = (go * emb[prep.inverse[pos].long()]).sum(1).to(gw.dtype)
     return gw

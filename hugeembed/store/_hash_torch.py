@@ -94,13 +94,7 @@ def probe(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor | None =
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     while idx.numel():
-        win = at.window(p, ar[:width])
-        bk = bkeys[win]
-        stop = (bk == k[:, None]) | (bk == EMPTY)
-        done = stop.any(1)
-        first = stop.to(torch.uint8).argmax(1)
-        q = win.gather(1, first[:, None]).squeeze(1)
-        hit = bk.gather(1, first[:, None]).squeeze(1) == k
+        q, done, hit = _probe_round(bkeys, at, k, p, ar[:width])
         d, kept = _split(done)  # one read of the device per round
         di, dq = idx[d], q[d]
         codes[di] = torch.where(hit[d], code_of(buckets[dq, 1]), -1)
@@ -123,16 +117,23 @@ def probe_window(buckets: torch.Tensor, keys: torch.Tensor, base: torch.Tensor |
     are then left to :func:`probe`."""
     width = max(1, min(width, _WINDOW_ELEMENTS // max(keys.numel(), 1)))
     at = _Tables(buckets.shape[0], base, size)
-    win = at.window(_home(keys, at.size), torch.arange(width, device=keys.device))
-    bk = buckets[win, 0]
+    ar = torch.arange(width, device=keys.device)
+    q, done, hit = _probe_round(buckets[:, 0], at, keys, _home(keys, at.size), ar)
+    real = keys != EMPTY
+    done &= real
+    codes = torch.where(done & hit, code_of(buckets[q, 1]), -1)
+    return codes, torch.where(done, q, -1), real & ~done
+
+
+def _probe_round(bkeys: torch.Tensor, at: "_Tables", keys: torch.Tensor, p: torch.Tensor,
+                 ar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round of :func:`probe`: over the buckets `ar` from each key's local position `p`, (the
+    first bucket holding the key or empty, whether there is one, whether it holds the key)."""
+    win = at.window(p, ar)
+    bk = bkeys[win]
     stop = (bk == keys[:, None]) | (bk == EMPTY)
     first = stop.to(torch.uint8).argmax(1)[:, None]
-    q = win.gather(1, first).squeeze(1)
-    real = keys != EMPTY
-    done = stop.any(1) & real
-    hit = done & (bk.gather(1, first).squeeze(1) == keys)
-    codes = torch.where(hit, code_of(buckets[q, 1]), -1)
-    return codes, torch.where(done, q, -1), real & ~done
+    return win.gather(1, first).squeeze(1), stop.any(1), bk.gather(1, first).squeeze(1) == keys
 
 
 def _split(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +165,7 @@ class _Tables:
 
     def wrap(self, p: torch.Tensor) -> torch.Tensor:
         """Local positions `p` wrapped in their tables."""
-        return p % (self.size if isinstance(self.size, int) else self.size)
+        return p % self.size
 
     def keep(self, keep: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """Filters the per-key tables by `keep`, and returns p[keep] wrapped in them."""
@@ -210,8 +211,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
         n_left = int(left.sum())  # the one read of the device, when every key found its bucket
         idx = kept_positions(left, n_left)
         p = p[idx]
-        if base is not None:
-            at = _Tables(buckets.shape[0], base, size, idx)
+        at = _Tables(buckets.shape[0], base, size, idx)
     while idx.numel():
         q, has, won = _claim_round(bkeys, at, p, ar[:width])
         # Losers retry right after the bucket they lost; keys with no empty in
