@@ -75,12 +75,29 @@ class Timing:
         return items / self.median_s
 
 
-def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2) -> Timing:
-    """Median wall time per iteration over `runs` runs of `iters` iterations; fn(i) does iteration i."""
-    for i in range(warmup):
-        fn(i)
+def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2, seconds: float = 1.0) -> Timing:
+    """Median wall time per iteration over `runs` runs of `iters` iterations; fn(i) does iteration i.
+
+    iters <= 0: steady state, sized by time.  Warm-up calls go on until `seconds` have passed
+    (at least `warmup` calls), and each run is then about `seconds` long.  The first calls
+    after a process has written gigabytes of tables run up to 10x slower for a while
+    (measured on this VM, whichever implementation comes first), and a run of one or two
+    calls would time that, not the implementation.
+    """
+    k = 0
+    warm: list[float] = []
+    while k < warmup or (iters <= 0 and sum(warm) < seconds):
+        sync()
+        t0 = time.perf_counter()
+        fn(k)
+        sync()
+        warm.append(time.perf_counter() - t0)
+        k += 1
+    if iters <= 0:  # from the calls of the last half of the warm-up (past its slow start)
+        iters = max(1, round(seconds / statistics.median(warm[len(warm) // 2 :])))
     per_iter = []
-    k = warmup  # timed iterations see fresh batches, not the warm-up ones again
+    # timed iterations see fresh batches, not the warm-up ones again (as far as the caller's
+    # batches go round)
     for _ in range(runs):
         sync()
         t0 = time.perf_counter()

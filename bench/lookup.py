@@ -46,7 +46,7 @@ def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeat
     return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
 
 
-def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool):
+def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
     dim, device = tables[0].size(1), tables[0].device
     specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
     feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
@@ -66,7 +66,7 @@ def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool):
             with torch.no_grad():
                 lookup(tables, sf)
 
-    return measure(step, iters, runs)
+    return measure(step, iters, runs, seconds=seconds)
 
 
 def _sgd_hook(tables):
@@ -79,7 +79,7 @@ def _sgd_hook(tables):
         return lambda t, slots, g: tables[t].index_add_(0, slots, g, alpha=-LR)
 
 
-def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool):
+def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
     bags = [torch.nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in tables]
     opt = torch.optim.SGD([b.weight for b in bags], lr=LR)
     device = tables[0].device
@@ -97,10 +97,10 @@ def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool):
             with torch.no_grad():
                 torch.cat([bag(x, offsets) for bag, x in zip(bags, ids)], dim=1)
 
-    return measure(step, iters, runs)
+    return measure(step, iters, runs, seconds=seconds)
 
 
-def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool):
+def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
@@ -125,7 +125,7 @@ def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool):
             with torch.no_grad():
                 tbe(idx, offsets)
 
-    return measure(step, iters, runs)  # the TBE and its tables are freed on return
+    return measure(step, iters, runs, seconds=seconds)  # the TBE and its tables are freed on return
 
 
 def main(argv=None) -> int:
@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--row-scale", type=float, default=1.0, help="scale the Criteo row counts (quick runs)")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--iters", type=int, default=0, help="iterations per run (default: ~1 s worth)")
+    p.add_argument("--iters", type=int, default=0,
+                   help="iterations per run (default: as many as take --seconds, after a warm-up as long)")
+    p.add_argument("--seconds", type=float, default=1.0, help="length of a run and of the warm-up (default 1)")
     p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.dims, args.pooling, args.row_scale, args.runs = [16], [1], 0.05, 3
+        args.seconds = min(args.seconds, 0.2)
     torch.set_num_threads(args.threads)
     tuned = tune_malloc()  # for every implementation alike: they share this process
     gpu = args.device != "cpu"
@@ -161,8 +164,7 @@ def main(argv=None) -> int:
         batches = [[ids.to(args.device) for ids in b] for b in batches]
         ids_per_batch = args.batch * pooling * len(rows)
         for dim in args.dims:
-            # a GPU step takes milliseconds: more of them per timed run
-            iters = args.iters or (20 if gpu else max(1, int(2 if pooling == 1 else 1) * (2 if dim <= 16 else 1)))
+            iters = args.iters  # 0: about --seconds per run, after as long a warm-up (_common.measure)
             rates = {}
             tables = (make_tables(rows, dim, not args.no_hugepages, args.device)
                       if ("ours" in impls or "ebag" in impls) else None)
@@ -171,13 +173,13 @@ def main(argv=None) -> int:
                     if impl == "fbgemm":
                         continue
                     fn = bench_ours if impl == "ours" else bench_ebag
-                    t = fn(tables, batches, args.batch, pooling, iters, args.runs, train)
+                    t = fn(tables, batches, args.batch, pooling, iters, args.runs, train, args.seconds)
                     rates[(impl, train)] = t.rate(args.batch)
             del tables
             free_memory()
             if "fbgemm" in impls:
                 for train in (False, True):
-                    t = bench_fbgemm(rows, dim, batches, args.batch, pooling, iters, args.runs, train)
+                    t = bench_fbgemm(rows, dim, batches, args.batch, pooling, iters, args.runs, train, args.seconds)
                     rates[("fbgemm", train)] = t.rate(args.batch)
             for train in (False, True):
                 ours = rates.get(("ours", train))

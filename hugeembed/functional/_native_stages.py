@@ -121,8 +121,10 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
     # tensor would wake torch's OpenMP workers, which then spin on the cores our
     # threads need.
     out_offsets = torch.empty(F * B + 1, dtype=torch.int64)
-    counts = torch.empty(2 + T, dtype=torch.int64)  # the totals, then unique_base: one read for both
-    totals, unique_base = counts[:2], counts[2:]
+    # The kernels' counts in one buffer, read once after both kernels: the totals (n_kept,
+    # capacity), unique_base [T], unique_count [T].
+    counts = torch.empty(2 + 2 * T, dtype=torch.int64)
+    totals, unique_base, unique_count = counts[:2], counts[2 : 2 + T], counts[2 + T :]
     batch = [pb.i64, pb.i8, values, offsets, weights, src, out_offsets, unique_base]
     bad = None
     try:
@@ -133,15 +135,20 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
         bad = e.detail  # (code, plan feature, position, value): raised below, without the kernel's error as context
     if bad is not None:
         raise InputError(plan.describe_id_error(*bad[:4], sf))
-    n_kept, capacity, *base = counts.tolist()
-    inverse = torch.empty(n_kept, dtype=torch.int32)
-    out_w = torch.empty(n_kept, dtype=torch.float32) if weights is not None else None
-    unique_keys = torch.empty(capacity, dtype=torch.int64)
-    unique_counts = torch.empty(capacity, dtype=torch.int32)
-    unique_count = torch.zeros(T, dtype=torch.int64)
+    # Dedup's outputs sized from the batch's shapes alone (each plan feature keeps at most its
+    # input feature's ids, plus one default id per bag), so that nothing is read between the
+    # kernels: the arrays are cut to size after the one read.
+    bound = values.numel() * plan.source_reads(sf.keys()) + F * B
+    inverse = torch.empty(bound, dtype=torch.int32)
+    out_w = torch.empty(bound, dtype=torch.float32) if weights is not None else None
+    unique_keys = torch.empty(bound, dtype=torch.int64)
+    unique_counts = torch.empty(bound, dtype=torch.int32)
     nat.call("he_lookup_dedup", batch + [inverse, out_w, unique_keys, unique_counts, unique_count],
              (B, F, T, int(deduplicate), scratch.handle))
-    return Prepared(B, out_offsets, inverse, out_w, unique_keys, unique_counts, base, unique_count.tolist(),
+    host = counts.tolist()
+    n_kept, capacity, base, per_table = host[0], host[1], host[2 : 2 + T], host[2 + T :]
+    return Prepared(B, out_offsets, inverse[:n_kept], None if out_w is None else out_w[:n_kept],
+                    unique_keys[:capacity], unique_counts[:capacity], base, per_table,
                     capacity, native=True, deduplicated=deduplicate)
 
 

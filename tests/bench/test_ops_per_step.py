@@ -46,7 +46,9 @@ def _check_bounds(ops, dynamic: bool, backend: str, rule, max_syncs: int | None 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("rule", list(RULES), ids=list(RULES))
 def test_native_step_ops_do_not_grow_with_tables(ops, dynamic, rule):
-    _check_bounds(ops, dynamic, "native", RULES[rule], max_syncs=3 if dynamic else 2)
+    """The native kernels' reads of what they wrote: prepare reads its counts once (after
+    both kernels), and a dynamic step reads the store's outcomes too."""
+    _check_bounds(ops, dynamic, "native", RULES[rule], max_syncs=2 if dynamic else 1)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
