@@ -33,8 +33,8 @@ from ..errors import CapacityError
 from .._hashing import mix64
 from ._array import _row_ptr
 from ._common import init_rows
-from ._hash_torch import (_MAX_WINDOW, _ST, _WINDOW_ELEMENTS, EMPTY, PENDING, claim, code_of, count_of, entries,
-                          new_buckets, pack, probe, probe_window)
+from ._hash_torch import (_MAX_WINDOW, _ST, _WINDOW_ELEMENTS, EMPTY, PENDING, claim, claim_masked, claim_rest, code_of,
+                          count_of, entries, new_buckets, pack, probe, probe_window, unclaim)
 from ._init import Constant, Normal, TruncatedNormal, Uniform, Zeros, seed_mix
 
 __all__ = ["BucketGroup", "DynamicRows", "find_or_insert_group", "find_group"]
@@ -49,6 +49,7 @@ class BucketGroup:
         rehashed into its new part (all such stores' records placed by one claim loop, in the
         order the store's own rehash places them: the same buckets)."""
         dev = stores[0].device
+        self.expect_new = True  # whether the last find_or_insert_group had new keys (_Speculation)
         self.sizes = [s.num_buckets for s in stores] if sizes is None else list(sizes)
         self.bases = [0, *accumulate(self.sizes)][:-1]
         total = sum(self.sizes)
@@ -178,12 +179,36 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     order = order[tid[order].argsort(stable=True)]
     stats = host_to_device(group.stats[rows], torch.int64, dev)
     tally = _tally(key, tid, c, kmin, order, codes, pos, group.buckets, T)
-    # the one read of the device: each table's counts, its scalars, and whether every key was resolved
-    host = torch.cat([tally[-1].flatten(), stats.flatten(), unresolved.sum()[None]]).tolist()
+    # The new keys claim their buckets before the read, as if every table accepted its keys:
+    # a table that does not has its claims undone (they only filled empty buckets of its own
+    # part), so a step with new keys reads the device once here, not twice.  Only when the
+    # group's last call had new keys: else the claim's rounds would be ops spent for nothing
+    # (the buckets are the same either way).
+    side, is_a = tally[0], tally[3]
+    spec = _Speculation(group, key, step, pos, base, size, is_a & ~side, group.expect_new)
+    try:
+        return _find_or_insert_read(stores, keys, counts, step, regrown, group, rows, key, c, tid, base, size,
+                                    codes, pos, unresolved, kmin, order, stats, tally, spec)
+    except BaseException:
+        spec.undo()  # an initializer, an allocation or a table's own path raised: no claim stays
+        raise
+
+
+def _find_or_insert_read(stores, keys, counts, step, regrown, group, rows, key, c, tid, base, size, codes, pos,
+                         unresolved, kmin, order, stats, tally, spec):
+    """find_or_insert_group from its one read of the device on (the claims of `spec` made)."""
+    T, sizes, dev = len(stores), [k.numel() for k in keys], key.device
+    out: list[torch.Tensor | None] = [None] * T
+    # the one read of the device: each table's counts, its scalars, whether every key was
+    # resolved, and how many new keys found no bucket in the claim's rounds
+    parts = [tally[-1].flatten(), stats.flatten(), unresolved.sum()[None]]
+    host = torch.cat(parts + [spec.left.sum()[None]] if spec.active else parts).tolist()
+    n_left = host.pop() if spec.active else 0
     if host[-1]:
+        spec.undo()  # decided from codes that were not all known
         # a key farther from home than the window: those keys probed to the end (a read per
         # round), and a wider window from now on (unless the batch's size narrowed it)
-        if group.window * n <= _WINDOW_ELEMENTS:
+        if group.window * key.numel() <= _WINDOW_ELEMENTS:
             group.window = min(2 * group.window, _MAX_WINDOW)
         left = kept_positions(unresolved, host[-1])
         codes[left], pos[left] = probe(group.buckets, key[left], base[left], size[left])
@@ -192,6 +217,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     side, found, new_count, is_a, need_row, pend_new, _ = tally
     K = group.stats.shape[1]
     per_t = [host[5 * t : 5 * t + 5] for t in range(T)]
+    group.expect_new = any(per_t[t][1] for t in range(T))
     st = [host[5 * T + K * t : 5 * T + K * t + K] for t in range(T)]
 
     if not regrown:
@@ -213,6 +239,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
             for t, s in enumerate(stores):
                 members[rows[t]] = s
             if None not in members:
+                spec.undo()
                 BucketGroup(members, sizes_now)
                 return find_or_insert_group(stores, keys, counts, step, regrown=True)
 
@@ -231,6 +258,7 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
         first.append(new_rows_total)
         new_rows_total += new_rows if fits else 0
     if not any(ok):
+        spec.undo()
         return out
     okk = host_to_device(ok, torch.bool, dev)[tid]
     row_ok = need_row & okk
@@ -254,10 +282,13 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     upd = found & ~side & okk
     at = torch.where(upd, pos, group.sink)
     group.buckets[at, 1:] = torch.stack([pack(code_now, new_count), torch.full_like(at, step)], 1)
-    new = kept_positions(is_a & ~side & okk, sum(per_t[t][1] for t in range(T) if ok[t]))
-    if new.numel():
-        rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
-        claim(group.buckets, rec, pos[new], base[new], size[new], sink=group.sink)
+    if spec.active:
+        spec.keep(okk, pack(code_now, c), n_left)
+    else:
+        new = kept_positions(is_a & ~side & okk, sum(per_t[t][1] for t in range(T) if ok[t]))
+        if new.numel():
+            rec = torch.stack([key[new], pack(code_now[new], c[new]), torch.full_like(new, step)], 1)
+            claim(group.buckets, rec, pos[new], base[new], size[new], sink=group.sink)
     res = torch.where(code_now >= 0, code_now, -1)
     # scalars of the accepted tables, from the values read above
     upd_rows, upd_vals = [], []
@@ -284,6 +315,45 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
                 s.forget_pending(step)
             out[t] = part
     return out
+
+
+class _Speculation:
+    """The new keys' buckets, claimed before the group's read (claim_masked's rounds, no read):
+    kept for the tables that accept their keys, undone for the others.  Inert unless
+    `speculate` (the claim then runs after the read, as :func:`claim`)."""
+
+    def __init__(self, group: BucketGroup, key, step: int, pos, base, size, new: torch.Tensor,
+                 speculate: bool) -> None:
+        self.group, self.new, self.base, self.size = group, new, base, size
+        self.active = speculate
+        if not speculate:
+            return
+        # word 1 (code and count) is written once the host has decided the codes (keep)
+        self.records = torch.stack([key, torch.full_like(key, 0xFFFFFFFF), torch.full_like(key, step)], 1)
+        self.landed, self.left, self.p = claim_masked(group.buckets, self.records, pos, base, size, group.sink,
+                                                      active=new)
+
+    def undo(self) -> None:
+        """Empties every bucket claimed (idempotent; nothing once kept)."""
+        if self.active:
+            self.active = False
+            unclaim(self.group.buckets, self.landed, self.new & ~self.left, self.group.sink)
+
+    def keep(self, accepted: torch.Tensor, word1: torch.Tensor, n_left: int) -> None:
+        """Gives the claims of the `accepted` keys their word 1, undoes the others', and places
+        the accepted keys the rounds left without a bucket (`n_left`: how many new keys that is,
+        accepted or not)."""
+        self.active = False
+        buckets, sink = self.group.buckets, self.group.sink
+        placed = self.new & ~self.left
+        buckets[torch.where(placed & accepted, self.landed, sink), 1] = word1
+        unclaim(buckets, self.landed, placed & ~accepted, sink)  # (also empties the sink)
+        if n_left:
+            rest = self.left & accepted
+            idx = kept_positions(rest, int(rest.sum()))
+            records = self.records.clone()
+            records[:, 1] = word1
+            claim_rest(buckets, records, idx, self.p[idx], self.base, self.size)
 
 
 def _tally(key, tid, c, kmin, order, codes, pos, buckets, T: int):

@@ -184,34 +184,61 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
     each record's table within `buckets`, as for :func:`probe` (`start` is then a position
     in `buckets`, inside the record's table).  `sink`: a bucket of no table (a BucketGroup's
     last), where masked writes may land: the first _MASKED_ROUNDS rounds then run over every
-    key, placed or not, with no read of the device, and one read says whether any is left
-    (the same rounds, so the same buckets, as the loop below).
+    key, placed or not, with no read of the device (:func:`claim_masked`), and one read says
+    whether any is left (the same rounds, so the same buckets, as the loop alone).
     """
     n = records.shape[0]
     if n == 0:
         return
-    dev = records.device
-    idx = torch.arange(n, device=dev)  # ascending, and stays so as it is filtered
+    if sink is None:
+        at = _Tables(buckets.shape[0], base, size)
+        p = _home(records[:, 0], at.size) if start is None else at.local(start)
+        claim_rest(buckets, records, torch.arange(n, device=records.device), p, base, size, 1)
+        return
+    _, left, p = claim_masked(buckets, records, start, base, size, sink)
+    idx = kept_positions(left, int(left.sum()))  # the one read of the device, when every key found its bucket
+    claim_rest(buckets, records, idx, p[idx], base, size)
+
+
+def claim_masked(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None,
+                 base: torch.Tensor | None, size: torch.Tensor | None, sink: int,
+                 active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first _MASKED_ROUNDS rounds of :func:`claim` over the records `active` (default all),
+    with no read of the device: the writes of the keys not placed in a round land in the bucket
+    `sink` (of no table; emptied again at the end).
+
+    Returns where each record landed (`sink`: nowhere), which active records are left, and
+    each key's local position to go on from (:func:`claim_rest` with those records).
+    """
+    if base is None:  # one table over all of `buckets`: the sink would be one of its buckets
+        raise ValueError("claim: a sink needs the tables' base and size (a bucket outside every table)")
+    n, dev = records.shape[0], records.device
     at = _Tables(buckets.shape[0], base, size)
     p = _home(records[:, 0], at.size) if start is None else at.local(start)
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
+    left = torch.ones(n, dtype=torch.bool, device=dev) if active is None else active.clone()
+    landed = torch.full((n,), sink, dtype=torch.int64, device=dev)
     width = 1
-    if sink is not None:
-        if base is None:  # one table over all of `buckets`: the sink would be one of its buckets
-            raise ValueError("claim: a sink needs the tables' base and size (a bucket outside every table)")
-        left = torch.ones(n, dtype=torch.bool, device=dev)
-        for _ in range(_MASKED_ROUNDS):
-            q, has, won = _claim_round(bkeys, at, p, ar[:width], left)
-            buckets[torch.where(won, q, sink)] = records
-            p = at.wrap(torch.where(has, at.local(q) + 1, p + width))
-            left &= ~won
-            width = min(2 * width, _MAX_WINDOW)
-        new_buckets(1, dev, out=buckets[sink : sink + 1])  # the sink holds no record (scans see none)
-        n_left = int(left.sum())  # the one read of the device, when every key found its bucket
-        idx = kept_positions(left, n_left)
-        p = p[idx]
-        at = _Tables(buckets.shape[0], base, size, idx)
+    for _ in range(_MASKED_ROUNDS):
+        q, has, won = _claim_round(bkeys, at, p, ar[:width], left)
+        landed = torch.where(won, q, landed)
+        buckets[torch.where(won, q, sink)] = records
+        p = at.wrap(torch.where(has, at.local(q) + 1, p + width))
+        left &= ~won
+        width = min(2 * width, _MAX_WINDOW)
+    new_buckets(1, dev, out=buckets[sink : sink + 1])  # the sink holds no record (scans see none)
+    return landed, left, p
+
+
+def claim_rest(buckets: torch.Tensor, records: torch.Tensor, idx: torch.Tensor, p: torch.Tensor,
+               base: torch.Tensor | None, size: torch.Tensor | None, width: int = 1 << _MASKED_ROUNDS) -> None:
+    """Claims buckets for records[idx], from local positions `p` on (after claim_masked's rounds:
+    their windows go on doubling from 2**_MASKED_ROUNDS), a read of the device per round."""
+    at = _Tables(buckets.shape[0], base, size, idx)
+    ar = torch.arange(_MAX_WINDOW, device=records.device)
+    bkeys = buckets[:, 0]
+    width = min(width, _MAX_WINDOW)
     while idx.numel():
         q, has, won = _claim_round(bkeys, at, p, ar[:width])
         # Losers retry right after the bucket they lost; keys with no empty in
@@ -222,6 +249,14 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
         idx = idx[kept]
         p = at.keep(kept, nxt)
         width = min(2 * width, _MAX_WINDOW)
+
+
+def unclaim(buckets: torch.Tensor, landed: torch.Tensor, placed: torch.Tensor, sink: int) -> None:
+    """Empties the buckets claim_masked put the `placed` records in (a table's claims all undone
+    leave its buckets as they were: the claims only filled empty buckets)."""
+    empty = new_buckets(1, buckets.device)
+    buckets[torch.where(placed, landed, sink)] = empty
+    buckets[sink : sink + 1] = empty
 
 
 def _claim_round(bkeys: torch.Tensor, at: "_Tables", p: torch.Tensor, ar: torch.Tensor,

@@ -130,9 +130,12 @@ def test_a_failing_call_changes_no_table_it_refuses_and_no_table_after_a_failing
     d.scatter(d.find(torch.tensor([100])), torch.full((1, 2), 42.0))
     d.remove(torch.tensor([100]))  # its slot (and its trained values) wait in the free list
     bad["on"] = True
+    before = [s._buckets.clone() for s in (c, d)]
     with pytest.raises(InputError, match="FromCallable"):
         find_or_insert_many([c, d], [torch.tensor([1]), torch.tensor([7])], 2)
     assert len(c) == len(d) == 0 and d.find(torch.tensor([7])).item() == -1
+    # not a bucket changed: the new keys' buckets, claimed before the group's read, are emptied again
+    assert all(torch.equal(s._buckets, b) for s, b in zip((c, d), before))
 
 
 def test_a_table_given_no_keys_forgets_no_pending_keys():
