@@ -8,7 +8,8 @@ round of each a read of the device.  Here the stores of one call join a
 the store works unchanged.  The keys of all tables then probe together, each within its
 own part (``_hash_torch.probe`` with a base and size per key), the tables' admission and
 capacity counts come back in one host read, and the accepted tables' records, counts and
-scalars are written with one op each.
+scalars are written with one op each.  New keys claim their buckets before that read
+(:class:`_Speculation`), undone for the tables that refuse them.
 
 A table that must grow its index, evict, or raise (a duplicate key, a count < 1, the key equal
 to the empty-bucket sentinel) is left to its own find_or_insert, exactly as before; the others'

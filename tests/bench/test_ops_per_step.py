@@ -141,3 +141,29 @@ def test_a_cuda_step_reads_the_device_at_most_twice_and_copies_to_it_without_wai
     most twice, and none of its copies from the host is a blocking one ("h2d")."""
     many = ops.count_step(32, dynamic, "torch", samples=64, rows=128, warmup=24, device="cuda")
     assert many.ops.get("h2d", 0) == 0 and many.syncs() <= 2, dict(many.ops)
+
+
+def test_a_torch_group_call_with_new_keys_reads_the_device_once(ops):
+    """Torch-backend dynamic tables (a GPU's): new keys claim their buckets before the group's one
+    read (store/_hash_group.py: _Speculation), so a call with new keys reads the device once.
+    Twin tables whose claim runs after the read (as when the last call had no new keys: two
+    reads) end with the same slots and the very same buckets."""
+    import torch
+
+    from hugeembed.store import HashStore, find_or_insert_many
+    from hugeembed.store._hash_group import BucketGroup
+
+    def run(speculate: bool):
+        stores = [HashStore(f"t{t}", 4, backend="torch", initial_rows=4096, seed=t) for t in range(8)]
+        g = torch.Generator().manual_seed(0)
+        batches = [[torch.randint(0, 10**6, (64,), generator=g).unique() for _ in stores] for _ in range(2)]
+        find_or_insert_many(stores, batches[0], 1)  # joins the group; every key new
+        BucketGroup.of(stores)[0].expect_new = speculate
+        with ops.CountOps() as counter:
+            slots = find_or_insert_many(stores, batches[1], 2)
+        return counter.syncs(), slots, [s._buckets.clone() for s in stores]
+
+    (reads, slots, buckets), (reads_after, slots_after, buckets_after) = run(True), run(False)
+    assert (reads, reads_after) == (1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(slots, slots_after))
+    assert all(torch.equal(a, b) for a, b in zip(buckets, buckets_after))
