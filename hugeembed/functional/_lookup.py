@@ -231,6 +231,10 @@ class FusedEmbeddingLookup:
             # prepared under no_grad: its weights lost their graph, their gradient would be lost silently
             raise InputError("the batch's per-id weights require grad but it was prepared with grad disabled, so "
                              "their gradient cannot be computed: call prepare() with grad enabled")
+        # static tables read through static_slots(): the slots are the ids prepare range-checked,
+        # so none is -1 (the backward's check would be a pass over every slot for nothing)
+        slots_known = slots_known or (slots is prep.unique_keys and
+                                      all(spec.num_rows is not None for spec in self.plan.tables))
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks, slots_known)
         run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:

@@ -167,3 +167,42 @@ def test_a_torch_group_call_with_new_keys_reads_the_device_once(ops):
     assert (reads, reads_after) == (1, 2)
     assert all(torch.equal(a, b) for a, b in zip(slots, slots_after))
     assert all(torch.equal(a, b) for a, b in zip(buckets, buckets_after))
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_a_functional_step_over_static_slots_reads_once(ops, backend):
+    """FusedEmbeddingLookup trained through static_slots() (the ids themselves, range-checked by
+    prepare): the backward makes no check for slots without a row, so the step reads only
+    prepare's counts; every id's gradient reaches the hook (oracle: autograd through
+    torch.nn.functional.embedding_bag)."""
+    import torch
+
+    from hugeembed.features import SparseFeatures
+    from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec
+
+    g = torch.Generator().manual_seed(3)
+    W = [torch.randn(50, 4, generator=g) for _ in range(3)]
+    lookup = FusedEmbeddingLookup([TableSpec(f"t{t}", 4, num_rows=50) for t in range(3)],
+                                  [FeatureSpec(f"f{t}", f"t{t}", combiner="sum") for t in range(3)], backend=backend)
+    anchor = torch.zeros(0, requires_grad=True)
+    grads = [torch.zeros(50, 4) for _ in W]
+
+    def hook(t, slots, grad):
+        grads[t].index_add_(0, slots, grad)
+
+    def step(sf):
+        prep = lookup.prepare(sf, W)
+        lookup.lookup(prep, W, lookup.static_slots(prep), params=[anchor], row_grad_hook=hook).stacked().sum().backward()
+
+    sf = SparseFeatures(["f0", "f1", "f2"], torch.randint(0, 50, (30,), generator=g), lengths=torch.full((15,), 2))
+    step(sf)  # the plan's constants made on the device once
+    for x in grads:
+        x.zero_()
+    with ops.CountOps() as counter:
+        step(sf)
+    assert counter.syncs() == 1, dict(counter.ops)
+    for t in range(3):
+        w = W[t].clone().requires_grad_()
+        torch.nn.functional.embedding_bag(sf.values()[10 * t : 10 * t + 10], w, torch.arange(0, 10, 2),
+                                          mode="sum").sum().backward()
+        torch.testing.assert_close(grads[t], w.grad)
