@@ -147,6 +147,10 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
              (B, F, T, int(deduplicate), scratch.handle))
     host = counts.tolist()
     n_kept, capacity, base, per_table = host[0], host[1], host[2 : 2 + T], host[2 + T :]
+    if out_w is not None and values.numel() == 0:
+        # weights given for no ids: the kernels get no weights buffer (an empty one crosses as
+        # null) and write none, and every entry kept is a filled bag's default id, of weight 1
+        out_w[:n_kept].fill_(1.0)
     return Prepared(B, out_offsets, inverse[:n_kept], None if out_w is None else out_w[:n_kept],
                     unique_keys[:capacity], unique_counts[:capacity], base, per_table,
                     capacity, native=True, deduplicated=deduplicate)

@@ -288,3 +288,24 @@ def test_outputs_larger_than_the_cache_are_streamed_bit_identically(D):
                 n = len(ids)
                 want[b, k] = s / n if k % 3 == 1 else s / n ** 0.5 if k % 3 == 2 else s
     torch.testing.assert_close(one_pass.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_weights_for_a_batch_without_ids_are_the_default_ids_ones(backend):
+    """A weighted batch whose bags are all empty (weights of length 0): each bag pools its
+    default id with weight 1, in the prepared weights, the training forward and the gradient
+    (the native kernels get no weights buffer then; they used to leave the weights unset)."""
+    W = [torch.arange(40.0).reshape(10, 4)]
+    lookup = FusedEmbeddingLookup([TableSpec("t", 4, num_rows=10)],
+                                  [FeatureSpec("f", "t", combiner="mean", default_id=3)], backend=backend)
+    sf = SparseFeatures(["f"], torch.empty(0, dtype=torch.int64), lengths=torch.zeros(3, dtype=torch.int64),
+                        weights=torch.empty(0))
+    torch.empty(4096).fill_(7.0)  # junk in the allocator's free memory
+    assert lookup.prepare(sf, W).weights.tolist() == [1.0, 1.0, 1.0]
+    w = W[0].clone().requires_grad_()
+    out = lookup([w], sf).concat()
+    torch.testing.assert_close(out, W[0][3].expand(3, 4))
+    out.sum().backward()
+    want = torch.zeros(10, 4)
+    want[3] = 3.0
+    torch.testing.assert_close(w.grad.to_dense(), want)
