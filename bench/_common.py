@@ -94,7 +94,8 @@ def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2, s
         warm.append(time.perf_counter() - t0)
         k += 1
     if iters <= 0:  # from the calls of the last half of the warm-up (past its slow start)
-        iters = max(1, round(seconds / statistics.median(warm[len(warm) // 2 :])))
+        per_call = statistics.median(warm[len(warm) // 2 :]) if warm else 0.0
+        iters = max(1, round(seconds / per_call)) if per_call > 0 else 1
     per_iter = []
     # timed iterations see fresh batches, not the warm-up ones again (as far as the caller's
     # batches go round)

@@ -186,8 +186,9 @@ def find_or_insert_group(stores, keys, counts, step: int, regrown: bool = False)
     # group's last call had new keys: else the claim's rounds would be ops spent for nothing
     # (the buckets are the same either way).
     side, is_a = tally[0], tally[3]
-    spec = _Speculation(group, key, step, pos, base, size, is_a & ~side, group.expect_new)
+    spec = _Speculation(group, is_a & ~side, base, size, group.expect_new)
     try:
+        spec.claim(key, step, pos)
         return _find_or_insert_read(stores, keys, counts, step, regrown, group, rows, key, c, tid, base, size,
                                     codes, pos, unresolved, kmin, order, stats, tally, spec)
     except BaseException:
@@ -323,22 +324,28 @@ class _Speculation:
     kept for the tables that accept their keys, undone for the others.  Inert unless
     `speculate` (the claim then runs after the read, as :func:`claim`)."""
 
-    def __init__(self, group: BucketGroup, key, step: int, pos, base, size, new: torch.Tensor,
-                 speculate: bool) -> None:
+    def __init__(self, group: BucketGroup, new: torch.Tensor, base, size, speculate: bool) -> None:
         self.group, self.new, self.base, self.size = group, new, base, size
         self.active = speculate
-        if not speculate:
+        # each new key's bucket (the sink: none), filled in as the claim goes, so that undo
+        # knows every bucket written even when the claim itself raises half-way
+        self.landed = torch.full_like(new, group.sink, dtype=torch.int64) if speculate else None
+
+    def claim(self, key, step: int, pos) -> None:
+        """The claim's masked rounds for the new keys (`key`: all keys; `pos`: where each probe
+        stopped), with no read of the device."""
+        if not self.active:
             return
         # word 1 (code and count) is written once the host has decided the codes (keep)
         self.records = torch.stack([key, torch.full_like(key, 0xFFFFFFFF), torch.full_like(key, step)], 1)
-        self.landed, self.left, self.p = claim_masked(group.buckets, self.records, pos, base, size, group.sink,
-                                                      active=new)
+        _, self.left, self.p = claim_masked(self.group.buckets, self.records, pos, self.base, self.size,
+                                            self.group.sink, active=self.new, landed=self.landed)
 
     def undo(self) -> None:
         """Empties every bucket claimed (idempotent; nothing once kept)."""
         if self.active:
             self.active = False
-            unclaim(self.group.buckets, self.landed, self.new & ~self.left, self.group.sink)
+            unclaim(self.group.buckets, self.landed, self.group.sink)
 
     def keep(self, accepted: torch.Tensor, word1: torch.Tensor, n_left: int) -> None:
         """Gives the claims of the `accepted` keys their word 1, undoes the others', and places
@@ -346,9 +353,8 @@ class _Speculation:
         accepted or not)."""
         self.active = False
         buckets, sink = self.group.buckets, self.group.sink
-        placed = self.new & ~self.left
-        buckets[torch.where(placed & accepted, self.landed, sink), 1] = word1
-        unclaim(buckets, self.landed, placed & ~accepted, sink)  # (also empties the sink)
+        buckets[torch.where(accepted, self.landed, sink), 1] = word1
+        unclaim(buckets, torch.where(accepted, sink, self.landed), sink)  # (also empties the sink)
         if n_left:
             rest = self.left & accepted
             idx = kept_positions(rest, int(rest.sum()))

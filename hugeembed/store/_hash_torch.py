@@ -202,13 +202,16 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | No
 
 def claim_masked(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor | None,
                  base: torch.Tensor | None, size: torch.Tensor | None, sink: int,
-                 active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 active: torch.Tensor | None = None,
+                 landed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first _MASKED_ROUNDS rounds of :func:`claim` over the records `active` (default all),
     with no read of the device: the writes of the keys not placed in a round land in the bucket
     `sink` (of no table; emptied again at the end).
 
     Returns where each record landed (`sink`: nowhere), which active records are left, and
     each key's local position to go on from (:func:`claim_rest` with those records).
+    `landed`: int64 [n] filled with `sink`, updated in place before each round's write, so
+    that a caller whose claim raises half-way knows every bucket it may have written.
     """
     if base is None:  # one table over all of `buckets`: the sink would be one of its buckets
         raise ValueError("claim: a sink needs the tables' base and size (a bucket outside every table)")
@@ -218,11 +221,12 @@ def claim_masked(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tens
     ar = torch.arange(_MAX_WINDOW, device=dev)
     bkeys = buckets[:, 0]
     left = torch.ones(n, dtype=torch.bool, device=dev) if active is None else active.clone()
-    landed = torch.full((n,), sink, dtype=torch.int64, device=dev)
+    if landed is None:
+        landed = torch.full((n,), sink, dtype=torch.int64, device=dev)
     width = 1
     for _ in range(_MASKED_ROUNDS):
         q, has, won = _claim_round(bkeys, at, p, ar[:width], left)
-        landed = torch.where(won, q, landed)
+        landed.copy_(torch.where(won, q, landed))
         buckets[torch.where(won, q, sink)] = records
         p = at.wrap(torch.where(has, at.local(q) + 1, p + width))
         left &= ~won
@@ -251,11 +255,12 @@ def claim_rest(buckets: torch.Tensor, records: torch.Tensor, idx: torch.Tensor, 
         width = min(2 * width, _MAX_WINDOW)
 
 
-def unclaim(buckets: torch.Tensor, landed: torch.Tensor, placed: torch.Tensor, sink: int) -> None:
-    """Empties the buckets claim_masked put the `placed` records in (a table's claims all undone
-    leave its buckets as they were: the claims only filled empty buckets)."""
+def unclaim(buckets: torch.Tensor, at: torch.Tensor, sink: int) -> None:
+    """Empties the buckets `at` (claim_masked's `landed`, or the part of it to undo; `sink`: none)
+    and the sink.  A table's claims all undone leave its buckets as they were: the claims only
+    filled empty buckets."""
     empty = new_buckets(1, buckets.device)
-    buckets[torch.where(placed, landed, sink)] = empty
+    buckets[at] = empty
     buckets[sink : sink + 1] = empty
 
 

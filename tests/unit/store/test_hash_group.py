@@ -304,3 +304,30 @@ def test_a_claim_with_a_sink_leaves_it_empty_and_needs_the_tables_bounds():
     assert b[:3, 0].tolist() == [101, 102, 103] and b[8, 0] == EMPTY and (b[3:8, 0] == EMPTY).all()
     with pytest.raises(ValueError, match="sink needs the tables' base and size"):
         claim(new_buckets(8, torch.device("cpu")), rec, torch.tensor([0, 0, 0]), sink=7)
+
+
+def test_a_claim_that_raises_half_way_leaves_every_bucket_as_it_was(monkeypatch):
+    """New keys claim their buckets before the group's read (_Speculation); a claim that fails
+    after some rounds have written (here: a simulated out-of-memory in its third round) is
+    undone, every bucket it wrote emptied again."""
+    import hugeembed.store._hash_torch as hash_torch
+
+    stores = [HashStore(n, 2, backend="torch") for n in "ab"]
+    find_or_insert_many(stores, [torch.arange(10), torch.arange(10)], 1)  # joined; the next call speculates
+    before = [s._buckets.clone() for s in stores]
+    rounds = {"n": 0}
+    real = hash_torch._claim_round
+
+    def failing(*args, **kwargs):
+        rounds["n"] += 1
+        if rounds["n"] == 3:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hash_torch, "_claim_round", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        find_or_insert_many(stores, [torch.arange(100, 160), torch.arange(200, 260)], 2)
+    assert rounds["n"] == 3
+    assert all(torch.equal(s._buckets, b) for s, b in zip(stores, before))
+    monkeypatch.setattr(hash_torch, "_claim_round", real)
+    assert find_or_insert_many(stores, [torch.arange(100, 160), torch.arange(200, 260)], 2)[0].min() >= 0
