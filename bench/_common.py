@@ -84,30 +84,46 @@ def measure(fn: Callable[[int], None], iters: int, runs: int, warmup: int = 2, s
     (measured on this VM, whichever implementation comes first), and a run of one or two
     calls would time that, not the implementation.
     """
-    k = 0
-    warm: list[float] = []
-    while k < warmup or (iters <= 0 and sum(warm) < seconds):
-        sync()
-        t0 = time.perf_counter()
-        fn(k)
-        sync()
-        warm.append(time.perf_counter() - t0)
-        k += 1
-    if iters <= 0:  # from the calls of the last half of the warm-up (past its slow start)
-        per_call = statistics.median(warm[len(warm) // 2 :]) if warm else 0.0
-        iters = max(1, round(seconds / per_call)) if per_call > 0 else 1
-    per_iter = []
-    # timed iterations see fresh batches, not the warm-up ones again (as far as the caller's
-    # batches go round)
-    for _ in range(runs):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(k)
-            k += 1
-        sync()  # GPU work is asynchronous: a run ends when the device has finished it
-        per_iter.append((time.perf_counter() - t0) / iters)
-    return Timing(statistics.median(per_iter), per_iter)
+    return measure_together({"fn": fn}, iters, runs, warmup, seconds)["fn"]
+
+
+def measure_together(fns: dict[str, Callable[[int], None]], iters: int, runs: int, warmup: int = 2,
+                     seconds: float = 1.0) -> dict[str, Timing]:
+    """:func:`measure` of several implementations, their runs interleaved (run r of each, in
+    turn, the order reversed every other run), so that a machine that speeds up or slows down
+    over the minutes of a benchmark (page compaction, other tenants) weighs on all of them
+    alike instead of on whichever came first."""
+    k = {name: 0 for name in fns}
+    n_iters = {}
+    for name, fn in fns.items():
+        warm: list[float] = []
+        while k[name] < warmup or (iters <= 0 and sum(warm) < seconds):
+            sync()
+            t0 = time.perf_counter()
+            fn(k[name])
+            sync()
+            warm.append(time.perf_counter() - t0)
+            k[name] += 1
+        if iters > 0:
+            n_iters[name] = iters
+        else:  # from the calls of the last half of the warm-up (past its slow start)
+            per_call = statistics.median(warm[len(warm) // 2 :]) if warm else 0.0
+            n_iters[name] = max(1, round(seconds / per_call)) if per_call > 0 else 1
+    per_iter: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(runs):
+        # timed iterations see fresh batches, not the warm-up ones again (as far as the
+        # caller's batches go round)
+        for name in order if r % 2 == 0 else order[::-1]:
+            fn = fns[name]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n_iters[name]):
+                fn(k[name])
+                k[name] += 1
+            sync()  # GPU work is asynchronous: a run ends when the device has finished it
+            per_iter[name].append((time.perf_counter() - t0) / n_iters[name])
+    return {name: Timing(statistics.median(t), t) for name, t in per_iter.items()}
 
 
 def sync() -> None:

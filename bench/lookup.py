@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (criteo_batches, criteo_rows, fbgemm_available, fmt_rate, free_memory, measure,  # noqa: E402
-                     print_table)
+                     measure_together, print_table)
 
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.features import SparseFeatures  # noqa: E402
@@ -46,7 +46,8 @@ def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeat
     return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
 
 
-def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
+def ours_step(tables, batches, batch, pooling, train: bool):
+    """One iteration of ours: step(i) runs batch i (a forward, or a training step)."""
     dim, device = tables[0].size(1), tables[0].device
     specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
     feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
@@ -66,7 +67,7 @@ def bench_ours(tables, batches, batch, pooling, iters, runs, train: bool, second
             with torch.no_grad():
                 lookup(tables, sf)
 
-    return measure(step, iters, runs, seconds=seconds)
+    return step
 
 
 def _sgd_hook(tables):
@@ -79,7 +80,8 @@ def _sgd_hook(tables):
         return lambda t, slots, g: tables[t].index_add_(0, slots, g, alpha=-LR)
 
 
-def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
+def ebag_step(tables, batches, batch, pooling, train: bool):
+    """One iteration of the EmbeddingBag loop, as ours_step."""
     bags = [torch.nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in tables]
     opt = torch.optim.SGD([b.weight for b in bags], lr=LR)
     device = tables[0].device
@@ -97,7 +99,7 @@ def bench_ebag(tables, batches, batch, pooling, iters, runs, train: bool, second
             with torch.no_grad():
                 torch.cat([bag(x, offsets) for bag, x in zip(bags, ids)], dim=1)
 
-    return measure(step, iters, runs, seconds=seconds)
+    return step
 
 
 def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool, seconds: float = 1.0):
@@ -169,12 +171,12 @@ def main(argv=None) -> int:
             tables = (make_tables(rows, dim, not args.no_hugepages, args.device)
                       if ("ours" in impls or "ebag" in impls) else None)
             for train in (False, True):
-                for impl in impls:
-                    if impl == "fbgemm":
-                        continue
-                    fn = bench_ours if impl == "ours" else bench_ebag
-                    t = fn(tables, batches, args.batch, pooling, iters, args.runs, train, args.seconds)
+                # ours and the EmbeddingBag loop share the tables: their runs interleave
+                steps = {impl: (ours_step if impl == "ours" else ebag_step)(tables, batches, args.batch, pooling, train)
+                         for impl in impls if impl != "fbgemm"}
+                for impl, t in measure_together(steps, iters, args.runs, seconds=args.seconds).items():
                     rates[(impl, train)] = t.rate(args.batch)
+                del steps
             del tables
             free_memory()
             if "fbgemm" in impls:
