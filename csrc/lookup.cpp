@@ -434,56 +434,46 @@ struct RegisterSum {
 };
 #endif
 
-// The sum in the output row itself: plain stores, any dim.
-template <int DC>
-struct OutputSum {
-  const int64_t D;
-  float* __restrict o = nullptr;
-  OutputSum(float*, int64_t D_) : D(DC ? DC : D_) {}
-  inline void start(float* __restrict out) {
+// The sum in memory: in the output row itself (plain stores, any dim), or, Stream, in a
+// buffer written to the output row with streaming stores at the end (dims too wide for the
+// registers).
+template <int DC, bool Stream>
+struct MemorySum {
+  const int64_t D_;
+  float* acc;      // Stream: the buffer
+  float* o = nullptr;
+  float* sum = nullptr;  // acc (Stream) or o
+  MemorySum(float* acc_, int64_t D) : D_(D), acc(acc_) {}
+  inline int64_t dim() const { return DC ? DC : D_; }
+  inline void start(float* out) {
     o = out;
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    sum = Stream ? acc : out;
+    for (int64_t d = 0; d < dim(); ++d) sum[d] = 0.0f;
   }
   inline void add(const float* __restrict row) {
-    for (int64_t d = 0; d < D; ++d) o[d] += row[d];
+    float* __restrict s = sum;
+    for (int64_t d = 0; d < dim(); ++d) s[d] += row[d];
   }
   inline void divide(float n) {
-    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / n;
+    for (int64_t d = 0; d < dim(); ++d) sum[d] = sum[d] / n;
   }
-  inline void finish() {}
-};
-
-// The sum in a buffer, streamed to the output row: dims too wide for the registers.
-template <int DC>
-struct BufferSum {
-  float* __restrict acc;
-  float* __restrict o = nullptr;
-  BufferSum(float* acc_, int64_t) : acc(acc_) {}
-  inline void start(float* __restrict out) {
-    o = out;
-    for (int64_t d = 0; d < DC; ++d) acc[d] = 0.0f;
+  inline void finish() {
+    if constexpr (Stream) write_pooled<DC>(o, acc);
   }
-  inline void add(const float* __restrict row) {
-    for (int64_t d = 0; d < DC; ++d) acc[d] += row[d];
-  }
-  inline void divide(float n) {
-    for (int64_t d = 0; d < DC; ++d) acc[d] = acc[d] / n;
-  }
-  inline void finish() { write_pooled<DC>(o, acc); }
 };
 
 #if defined(__AVX__)
 template <int DC>
 constexpr bool kFitsRegisters = DC >= 8 && DC <= 64 && DC % 8 == 0;
 template <int DC>
-using PlainSum = std::conditional_t<kFitsRegisters<DC>, RegisterSum<DC, false>, OutputSum<DC>>;
+using PlainSum = std::conditional_t<kFitsRegisters<DC>, RegisterSum<DC, false>, MemorySum<DC, false>>;
 template <int DC>
-using StreamedSum = std::conditional_t<kFitsRegisters<DC>, RegisterSum<DC, true>, BufferSum<DC>>;
+using StreamedSum = std::conditional_t<kFitsRegisters<DC>, RegisterSum<DC, true>, MemorySum<DC, true>>;
 #else
 template <int DC>
-using PlainSum = OutputSum<DC>;
+using PlainSum = MemorySum<DC, false>;
 template <int DC>
-using StreamedSum = BufferSum<DC>;  // never called: streams() is false without AVX
+using StreamedSum = MemorySum<DC, true>;  // never called: streams() is false without AVX
 #endif
 
 // Pools bags [b0, b1) of plan feature f into out[b*ors + col].  DC is the
