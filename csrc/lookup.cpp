@@ -476,6 +476,44 @@ template <int DC>
 using StreamedSum = MemorySum<DC, true>;  // never called: streams() is false without AVX
 #endif
 
+// The bags of pool_feature's common case (no per-id weights, no max_norm), summed by Sum
+// (PlainSum or StreamedSum): rows are summed straight into the output (or registers), a
+// one-id bag is a row copy.  Same float operations as pool_feature's general loop
+// (0 + x == x exactly), so the results are identical.
+template <int DC, class Sum>
+inline void pool_bags_fast(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D, float* out,
+                           int64_t ors, int64_t col, float* acc) {
+  const int64_t t = a.table[f];
+  const float* base = reinterpret_cast<const float*>(a.storage[t]);
+  const int64_t W = a.row_stride[t];
+  const int8_t c = a.combiner[f];
+  const int64_t* offs = a.out_offsets + f * a.B;
+  const int32_t* inv = a.inverse;
+  const int64_t* slots = a.slots;
+  const int64_t j_end = offs[b1];
+  Sum sum(acc, D);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t j0 = offs[b], j1 = offs[b + 1];
+    sum.start(out + b * ors + col);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j + kPrefetch < j_end) {
+        const int64_t sp = slots[inv[j + kPrefetch]];
+        if (sp >= 0) prefetch_row(base + sp * W, D);
+      }
+      const int64_t s = slots[inv[j]];
+      if (s < 0) continue;
+      sum.add(base + s * W);
+    }
+    const float n = (float)(j1 - j0);
+    if (c == kMean && n > 0.0f) {
+      sum.divide(n);
+    } else if (c == kSqrtn && n > 0.0f) {
+      sum.divide(std::sqrt(n));
+    }
+    sum.finish();
+  }
+}
+
 // Pools bags [b0, b1) of plan feature f into out[b*ors + col].  DC is the
 // embedding dim when known at compile time (0: use D) so the inner loops unroll.
 template <int DC>
@@ -493,30 +531,7 @@ void pool_feature(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t 
   const float* w = a.weights;
   const int64_t j_end = offs[b1];
   if (!w && !(mn > 0.0f)) {
-    // The common case (no per-id weights, no max_norm): rows are summed straight into
-    // the output, a one-id bag is a row copy.  Same float operations as the general
-    // loop below (0 + x == x exactly), so the results are identical.
-    PlainSum<DC> sum(acc, D);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t j0 = offs[b], j1 = offs[b + 1];
-      sum.start(out + b * ors + col);
-      for (int64_t j = j0; j < j1; ++j) {
-        if (j + kPrefetch < j_end) {
-          const int64_t sp = slots[inv[j + kPrefetch]];
-          if (sp >= 0) prefetch_row(base + sp * W, D);
-        }
-        const int64_t s = slots[inv[j]];
-        if (s < 0) continue;
-        sum.add(base + s * W);
-      }
-      const float n = (float)(j1 - j0);
-      if (c == kMean && n > 0.0f) {
-        sum.divide(n);
-      } else if (c == kSqrtn && n > 0.0f) {
-        sum.divide(std::sqrt(n));
-      }
-      sum.finish();
-    }
+    pool_bags_fast<DC, PlainSum<DC>>(a, f, b0, b1, D, out, ors, col, acc);
     return;
   }
   for (int64_t b = b0; b < b1; ++b) {
@@ -555,45 +570,16 @@ void pool_feature(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t 
   }
 }
 
-// pool_feature's common case (no weights, no max_norm) with each pooled row summed in acc
-// and written with streaming stores (streams() said so); anything else is pool_feature's.
-// Its own function on purpose: the streamed loop in pool_feature itself (or one loop with
-// the target chosen at run time) made GCC's code for the plain loop 2x slower at d16.
+// pool_feature's common case (no weights, no max_norm) with each pooled row written with
+// streaming stores (streams() said so); anything else is pool_feature's.  Its own
+// instance of the loop on purpose: one loop with the target chosen at run time made GCC's
+// code for the plain loop 2x slower at d16.
 template <int DC>
 __attribute__((noinline)) void pool_feature_streamed(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D_,
                                                      float* __restrict out, int64_t ors, int64_t col,
                                                      float* __restrict acc) {
-  const int64_t D = DC ? DC : D_;
-  const int64_t t = a.table[f], B = a.B;
-  if (a.weights || a.max_norm[t] > 0.0f) return pool_feature<DC>(a, f, b0, b1, D_, out, ors, col, acc);
-  const float* base = reinterpret_cast<const float*>(a.storage[t]);
-  const int64_t W = a.row_stride[t];
-  const int8_t c = a.combiner[f];
-  const int64_t* offs = a.out_offsets + f * B;
-  const int32_t* inv = a.inverse;
-  const int64_t* slots = a.slots;
-  const int64_t j_end = offs[b1];
-  StreamedSum<DC> sum(acc, D);
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t j0 = offs[b], j1 = offs[b + 1];
-    sum.start(out + b * ors + col);
-    for (int64_t j = j0; j < j1; ++j) {
-      if (j + kPrefetch < j_end) {
-        const int64_t sp = slots[inv[j + kPrefetch]];
-        if (sp >= 0) prefetch_row(base + sp * W, D);
-      }
-      const int64_t s = slots[inv[j]];
-      if (s < 0) continue;
-      sum.add(base + s * W);
-    }
-    const float n = (float)(j1 - j0);
-    if (c == kMean && n > 0.0f) {
-      sum.divide(n);
-    } else if (c == kSqrtn && n > 0.0f) {
-      sum.divide(std::sqrt(n));
-    }
-    sum.finish();
-  }
+  if (a.weights || a.max_norm[a.table[f]] > 0.0f) return pool_feature<DC>(a, f, b0, b1, D_, out, ors, col, acc);
+  pool_bags_fast<DC, StreamedSum<DC>>(a, f, b0, b1, DC ? DC : D_, out, ors, col, acc);
   end_streams();
 }
 
@@ -783,6 +769,60 @@ void backward_rows(int64_t B, int64_t F, int64_t T, const int64_t* table_feat_pt
   });
 }
 
+// The bags of pool_direct_feature's common case (no per-id weights, no max_norm): the loop
+// of pool_bags_fast, reading the ids themselves; false when a bag holds something the
+// two-stage path must report.
+template <int DC, class Sum>
+inline bool pool_direct_bags_fast(const Plan& p, const int64_t* values, int64_t n_values, const int64_t* offsets,
+                                  const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D, float* out,
+                                  int64_t ors, int64_t col, float* acc) {
+  const int64_t t = p.table[f], B = p.B, nrows = p.num_rows[t];
+  const float* base = reinterpret_cast<const float*>(a.storage[t]);
+  const int64_t W = a.row_stride[t];
+  const int8_t c = p.combiner[f];
+  const bool fill = fills_empty(p, f);
+  const int64_t fill_id = p.default_id[f];
+  if (fill && (fill_id < 0 || fill_id >= nrows)) return false;
+  const bool prune_neg = p.prune_neg[f];
+  const int8_t oor = p.oor[f];
+  // Prefetch across bags: a bag of pooling 1-20 is shorter than the prefetch distance.
+  const int64_t i_end = std::min(n_values, std::max<int64_t>(0, offsets[p.src[f] * B + b1]));
+  Sum sum(acc, D);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t in_bag = p.src[f] * B + b;
+    const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
+    if (i0 < 0 || i1 < i0 || i1 > n_values) return false;
+    sum.start(out + b * ors + col);
+    int64_t kept = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kPrefetch < i_end) {
+        const int64_t q = values[i + kPrefetch];
+        if ((uint64_t)q < (uint64_t)nrows) prefetch_row(base + q * W, D);
+      }
+      int64_t id = values[i];
+      if ((uint64_t)id >= (uint64_t)nrows) {
+        if ((id < 0 && prune_neg) || oor == kPrune) continue;
+        if (oor != kDefault || (uint64_t)fill_id >= (uint64_t)nrows) return false;
+        id = fill_id;
+      }
+      ++kept;
+      sum.add(base + id * W);
+    }
+    if (kept == 0 && fill) {
+      sum.add(base + fill_id * W);
+      kept = 1;
+    }
+    const float n = (float)kept;
+    if (c == kMean && n > 0.0f) {
+      sum.divide(n);
+    } else if (c == kSqrtn && n > 0.0f) {
+      sum.divide(std::sqrt(n));
+    }
+    sum.finish();
+  }
+  return true;
+}
+
 // Pools bags [b0, b1) of plan feature f of a static table straight from the input
 // batch: the ids are cleaned as he_lookup_count cleans them and summed in the same
 // order with the same float operations as pool_feature, so the output is
@@ -806,45 +846,10 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
   const int8_t oor = p.oor[f];
   // Prefetch across bags: a bag of pooling 1-20 is shorter than the prefetch distance.
   const int64_t i_end = std::min(n_values, std::max<int64_t>(0, offsets[p.src[f] * B + b1]));
-  // The fast loop and the general one below repeat the id handling on purpose: sharing
-  // it (a lambda or inline helpers) made GCC's code for this loop 1.6x slower (measured,
-  // d64 P20), so they stay written out.
-  if (fast) {  // the loop of pool_feature's fast path, reading the ids themselves
-    PlainSum<DC> sum(acc, D);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t in_bag = p.src[f] * B + b;
-      const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
-      if (i0 < 0 || i1 < i0 || i1 > n_values) return false;
-      sum.start(out + b * ors + col);
-      int64_t kept = 0;
-      for (int64_t i = i0; i < i1; ++i) {
-        if (i + kPrefetch < i_end) {
-          const int64_t q = values[i + kPrefetch];
-          if ((uint64_t)q < (uint64_t)nrows) prefetch_row(base + q * W, D);
-        }
-        int64_t id = values[i];
-        if ((uint64_t)id >= (uint64_t)nrows) {
-          if ((id < 0 && prune_neg) || oor == kPrune) continue;
-          if (oor != kDefault || (uint64_t)fill_id >= (uint64_t)nrows) return false;
-          id = fill_id;
-        }
-        ++kept;
-        sum.add(base + id * W);
-      }
-      if (kept == 0 && fill) {
-        sum.add(base + fill_id * W);
-        kept = 1;
-      }
-      const float n = (float)kept;
-      if (c == kMean && n > 0.0f) {
-        sum.divide(n);
-      } else if (c == kSqrtn && n > 0.0f) {
-        sum.divide(std::sqrt(n));
-      }
-      sum.finish();
-    }
-    return true;
-  }
+  // pool_direct_bags_fast and the general loop below repeat the id handling on purpose:
+  // sharing it (a lambda or inline helpers) made GCC's code for the loop 1.6x slower
+  // (measured, d64 P20), so each stays written out.
+  if (fast) return pool_direct_bags_fast<DC, PlainSum<DC>>(p, values, n_values, offsets, a, f, b0, b1, D, out, ors, col, acc);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t in_bag = p.src[f] * B + b;
     const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
@@ -911,69 +916,20 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
   return true;
 }
 
-// pool_direct_feature's fast case (no weights, no max_norm) with each pooled row summed in
-// acc and written with streaming stores (streams() said so); anything else is
-// pool_direct_feature's.  Its own function for the reason pool_feature_streamed is.
+// pool_direct_feature's fast case (no weights, no max_norm) with each pooled row written
+// with streaming stores (streams() said so); anything else is pool_direct_feature's.  Its
+// own instance of the loop for the reason pool_feature_streamed is.
 template <int DC>
 __attribute__((noinline)) bool pool_direct_feature_streamed(const Plan& p, const int64_t* values, int64_t n_values,
                                                             const int64_t* offsets, const float* w, const PoolArgs& a,
                                                             int64_t f, int64_t b0, int64_t b1, int64_t D_,
                                                             float* __restrict out, int64_t ors, int64_t col,
                                                             float* __restrict acc) {
-  const int64_t D = DC ? DC : D_;
-  const int64_t t = p.table[f], B = p.B, nrows = p.num_rows[t];
-  if (w || a.max_norm[t] > 0.0f)
+  if (w || a.max_norm[p.table[f]] > 0.0f)
     return pool_direct_feature<DC>(p, values, n_values, offsets, w, a, f, b0, b1, D_, out, ors, col, acc);
-  const float* base = reinterpret_cast<const float*>(a.storage[t]);
-  const int64_t W = a.row_stride[t];
-  const int8_t c = p.combiner[f];
-  const bool fill = fills_empty(p, f);
-  const int64_t fill_id = p.default_id[f];
-  if (fill && (fill_id < 0 || fill_id >= nrows)) return false;
-  const bool prune_neg = p.prune_neg[f];
-  const int8_t oor = p.oor[f];
-  const int64_t i_end = std::min(n_values, std::max<int64_t>(0, offsets[p.src[f] * B + b1]));
-  bool ok = true;
-  StreamedSum<DC> sum(acc, D);
-  for (int64_t b = b0; b < b1 && ok; ++b) {
-    const int64_t in_bag = p.src[f] * B + b;
-    const int64_t i0 = offsets[in_bag], i1 = offsets[in_bag + 1];
-    if (i0 < 0 || i1 < i0 || i1 > n_values) {
-      ok = false;
-      break;
-    }
-    sum.start(out + b * ors + col);
-    int64_t kept = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      if (i + kPrefetch < i_end) {
-        const int64_t q = values[i + kPrefetch];
-        if ((uint64_t)q < (uint64_t)nrows) prefetch_row(base + q * W, D);
-      }
-      int64_t id = values[i];
-      if ((uint64_t)id >= (uint64_t)nrows) {
-        if ((id < 0 && prune_neg) || oor == kPrune) continue;
-        if (oor != kDefault || (uint64_t)fill_id >= (uint64_t)nrows) {
-          ok = false;
-          break;
-        }
-        id = fill_id;
-      }
-      ++kept;
-      sum.add(base + id * W);
-    }
-    if (!ok) break;
-    if (kept == 0 && fill) {
-      sum.add(base + fill_id * W);
-      kept = 1;
-    }
-    const float n = (float)kept;
-    if (c == kMean && n > 0.0f) {
-      sum.divide(n);
-    } else if (c == kSqrtn && n > 0.0f) {
-      sum.divide(std::sqrt(n));
-    }
-    sum.finish();
-  }
+  const bool ok =
+      pool_direct_bags_fast<DC, StreamedSum<DC>>(p, values, n_values, offsets, a, f, b0, b1, DC ? DC : D_, out, ors,
+                                                 col, acc);
   end_streams();  // also when a bag stops the pass: the rows streamed so far are ordered
   return ok;
 }
