@@ -45,9 +45,6 @@ class ReplicatedGroup(OwnedRowsGroup):
         self.grad_dtype = grad_dtype
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
 
-    def _stores(self):
-        return [self.coll.store_at(t) for t in self.ts]
-
     # -- forward -------------------------------------------------------------------------
 
     def input_dist(self, st, header: torch.Tensor, packer: Packer) -> None:
@@ -71,9 +68,10 @@ class ReplicatedGroup(OwnedRowsGroup):
             slots = self.owned_slots(st, keys, counts, None, False)
             overlay, start = {}, 0
             for t, n in zip(self.ts, counts):  # rows as they are now (see coll.current_rows)
-                overlay[t], slots[start : start + n] = self.coll.current_rows(t, slots[start : start + n])
+                overlay[t], slots[start : start + n] = self.coll.current_rows(t, slots[start : start + n],
+                                                                              keys[start : start + n])
                 start += n
-            st.own[self] = (None, None, None, slots, overlay)
+            st.own[self] = (None, None, None, None, slots, overlay)
             return
         got = union_received(readers, st.hdr_in[:, self.cols], self.coll.device, with_counts=True)
         if got is None:
@@ -84,18 +82,18 @@ class ReplicatedGroup(OwnedRowsGroup):
         slots = self.owned_slots(st, uniq, per_table, ucounts, True)
         mine = sum(per_src[: st.rank])
         local = slots[inv[mine : mine + per_src[st.rank]]]
-        st.own[self] = (inv, slots, per_table, local, {})
+        st.own[self] = (inv, slots, per_table, uniq, local, {})
 
     def output_bytes(self, st, d: int) -> int:
         return 0
 
     def output_dist(self, st, readers) -> None:
         own = st.own.get(self)
-        overlay = own[4] if own is not None else {}
-        for t, lt, store in zip(self.ts, self.lts, self._stores()):
-            st.storages_l[lt] = overlay.get(t, store.lookup_rows())
+        overlay = own[5] if own is not None else {}
+        for t, lt in zip(self.ts, self.lts):
+            st.storages_l[lt] = overlay.get(t, self.coll.rows_of(t))
         if own is not None:
-            st.slots_l[st.req[self][0]] = own[3]
+            st.slots_l[st.req[self][0]] = own[4]
 
     # -- backward ------------------------------------------------------------------------
 
@@ -103,7 +101,7 @@ class ReplicatedGroup(OwnedRowsGroup):
         own = st.own.get(self)
         if not self.trainable or own is None:
             return
-        local = own[3]
+        local = own[4]
         counts = st.req[self][1]
         grad = torch.zeros(local.numel(), self.dim, dtype=self.grad_dtype, device=self.coll.device)
         start = 0

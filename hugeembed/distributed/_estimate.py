@@ -10,16 +10,16 @@ import torch
 
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
-from ..store._hash import MAX_LOAD
+from ..store._dynamic import MAX_LOAD
 from ..types import ShardKind
 from .._format import human_bytes, human_count
 
 __all__ = ["TableEstimate", "Share", "estimate_table", "text_table", "fmt_bytes", "fmt_num",
            "HASH_INDEX_BYTES_PER_ROW", "ARRAY_META_BYTES_PER_ROW"]
 
-# Bytes a dynamic (hash) table spends per live row beyond the row itself: a 24-byte
-# bucket record (key, code + hit count, last step) at the store's load target.
-HASH_INDEX_BYTES_PER_ROW = 24.0 / MAX_LOAD
+# Bytes a dynamic (hash) table spends per live row beyond the row itself: a 32-byte
+# bucket record (key, table, code + hit count, last step) at the index's load target.
+HASH_INDEX_BYTES_PER_ROW = 32.0 / MAX_LOAD
 # A static table keeps a hit count and a last step (int64 each) per row.
 ARRAY_META_BYTES_PER_ROW = 16.0
 

@@ -141,16 +141,15 @@ class RowWiseGroup(OwnedRowsGroup):
             st.own[self] = None
             return
         per_src, inv, uniq, per_table, ucounts = got
-        stores = [self.coll.store_at(t) for t in self.ts]
         slots = self.owned_slots(st, uniq, per_table, ucounts, st.training)
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
         start = 0
-        for t, store, n in zip(self.ts, stores, per_table):
+        for t, n in zip(self.ts, per_table):
             if n:
                 sl = slice(start, start + n)
-                storage, got = store.lookup_rows(), slots[sl]
+                storage, got = self.coll.rows_of(t), slots[sl]
                 if not st.training:  # eval reads rows as they are now (see coll.current_rows)
-                    storage, got = self.coll.current_rows(t, got)
+                    storage, got = self.coll.current_rows(t, got, uniq[sl])
                 weights = storage[:, : self.dim]
                 known = got >= 0  # not admitted yet / unknown in eval: reads zeros, as in one process
                 if bool(known.all()):
@@ -164,7 +163,7 @@ class RowWiseGroup(OwnedRowsGroup):
             if n:
                 replies.add(r, back[off : off + n])
                 off += n
-        st.own[self] = (inv, slots, per_table)
+        st.own[self] = (inv, slots, per_table, uniq)
 
     def output_bytes(self, st, d: int) -> int:
         req = st.req[self]

@@ -19,7 +19,6 @@ gradient all-reduce on the default group) through :class:`Comm`, with a timeout.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 from typing import Sequence
@@ -31,6 +30,7 @@ from ..errors import ConfigError, ShardingError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, PooledEmbeddings, TableSpec
 from ..nn import EmbeddingCollection, TableConfig
+from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
 from ..types import Combiner, ShardKind
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
@@ -38,7 +38,7 @@ from ._data_parallel import ReplicatedGroup
 from ._plan import ShardingPlan, propose_plan
 from ._row_wise import RowWiseGroup, owner_index
 from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
-from ._stores import AbsentShard, ShardArrayStore
+from ._stores import AbsentShard
 from ._table_wise import TableWisePooling
 from ._wire import DTYPE_CODE, Packer, readers
 
@@ -116,33 +116,31 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
 
     # -- construction -----------------------------------------------------------------
 
-    _share_static_storage = False  # its static tables are shards (ShardArrayStore)
-    _share_dynamic_storage = False
-
-    def _make_store(self, t: TableConfig, rule: SparseOptimizer | None, block=None):
-        p = self.plan[t.name]
-        if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
-            layout = t.row_layout(rule)
-            return AbsentShard(t.name, t.dim, layout.state_width, t.dtype, self.device, t.resolved_seed(self.seed),
-                               t.initializer, p.ranks, layout)
-        return super()._make_store(t, rule)
-
-    def _make_index(self, t: TableConfig, rule: SparseOptimizer | None, rows: bool):
-        p = self.plan[t.name]
+    def _table_settings(self, t: int):
+        """A shard's settings: a row-wise static table's share of the keys, a row-wise dynamic table's
+        share of the capacity; None for a table this rank holds no row of."""
+        cfg = self.tables[t]
+        p = self.plan[cfg.name]
         n = len(p.ranks)
+        if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
+            return None
         if p.kind is ShardKind.DATA_PARALLEL or p.kind is ShardKind.TABLE_WISE or n == 1:
-            return super()._make_index(t, rule, rows)
-        if t.num_rows is not None:
-            common = self._store_options(t, rule, rows)
-            return ShardArrayStore(t.name, t.num_rows, t.dim, common["layout"].state_width,
-                                   shard=p.ranks.index(self.rank), num_shards=n, **common)
+            return super()._table_settings(t)
+        if cfg.num_rows is not None:
+            return table_settings(cfg, self.rules[t], self.seed, shard=p.ranks.index(self.rank), num_shards=n)
         # a dynamic table's capacity is shared out over its shards
-        cap = None if t.capacity is None else -(-t.capacity // n)
-        return super()._make_index(dataclasses.replace(t, capacity=cap), rule, rows)
+        return table_settings(cfg, self.rules[t], self.seed, capacity=None if cfg.capacity is None else
+                              -(-cfg.capacity // n))
 
-    def _tier_dir(self, t: TableConfig) -> str:
+    def _absent_store(self, t: int):
+        cfg, rule = self.tables[t], self.rules[t]
+        layout = cfg.row_layout(rule)
+        return AbsentShard(cfg.name, cfg.dim, layout.state_width, cfg.dtype, self.device, cfg.resolved_seed(self.seed),
+                           cfg.initializer, self.plan[cfg.name].ranks, layout)
+
+    def _tier_dir(self, cfg: TableConfig) -> str:
         # each rank its own directory: ranks on one machine may share the storage_dir
-        return os.path.join(t.storage_dir, f"rank{self.rank}")
+        return os.path.join(cfg.storage_dir, f"rank{self.rank}")
 
     def _check_ranks_agree(self) -> None:
         # a tiered table's storage_dir is each machine's own path: it may differ between ranks

@@ -89,7 +89,7 @@ class OwnedRowsGroup:
         for (t, sl), g in zip(parts, got):
             slots[sl] = g
             if training:
-                st.flight.pin(t, g)
+                st.flight.pin(self.coll.group_index(t), g)
         return slots
 
     def grad_bytes(self, st: StepState, r: int) -> int:
@@ -105,7 +105,7 @@ class OwnedRowsGroup:
         own = st.own.get(self)
         if own is None:  # nothing came this step (the readers were still consumed above)
             return
-        inv, slots, per_table = own[:3]
+        inv, slots, per_table, uniq = own[:4]
         dev = self.coll.device
         grad = torch.zeros(slots.numel(), self.dim, dtype=self.grad_dtype, device=dev)
         off = 0
@@ -119,9 +119,9 @@ class OwnedRowsGroup:
             start += n
             if rule is None or n == 0:
                 continue
-            s, g = slots[sl], grad[sl]
+            s, g, k = slots[sl], grad[sl], uniq[sl]
             known = s >= 0  # keys not admitted yet take no update
             if not bool(known.all()):
-                s, g = s[known], g[known]
+                s, g, k = s[known], g[known], k[known]
             if s.numel():
-                self.coll.update_rows(self.ts[i], s, g, st.flight)
+                self.coll.update_rows(self.ts[i], s, g, st.flight, keys=k)

@@ -43,31 +43,19 @@ class ShardArrayStore(ArrayStore):
                  initializer: Initializer | None = None, init_state=None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", seed: int = 0, layout: RowLayout | None = None,
                  rows: bool = True) -> None:
-        if not 0 <= shard < num_shards:
+        if not (isinstance(num_shards, int) and isinstance(shard, int) and 0 <= shard < num_shards):
             raise ConfigError(f"table '{name}': shard {shard} is outside [0, {num_shards})")
-        self._shard, self._num_shards = shard, num_shards
         super().__init__(name, num_rows, dim, state_width, initializer=initializer, init_state=init_state,
-                         dtype=dtype, device=device, seed=seed, layout=layout, rows=rows)
+                         dtype=dtype, device=device, seed=seed, layout=layout, rows=rows, shard=shard,
+                         num_shards=num_shards)
 
     @property
     def shard(self) -> int:
-        return self._shard
+        return self.settings.shard
 
     @property
     def num_shards(self) -> int:
-        return self._num_shards
-
-    def _bad_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        return (keys < 0) | (keys >= self.num_rows) | (keys % self.num_shards != self.shard)
-
-    def _check_range(self, keys: torch.Tensor) -> None:
-        if keys.numel():
-            bad = self._bad_keys(keys)
-            if bool(bad.any()):
-                k = int(keys[bad][0])
-                raise ShardingError(f"table '{self.name}': key {k} does not belong to shard {self.shard} of "
-                                    f"{self.num_shards} (keys k with k mod {self.num_shards} == {self.shard}, "
-                                    f"k < {self.num_rows})")
+        return self.settings.num_shards
 
     def __repr__(self) -> str:
         return (f"ShardArrayStore(name={self.name!r}, num_rows={self.num_rows}, shard={self.shard}/{self.num_shards}, "

@@ -135,9 +135,9 @@ class TableWisePooling:
                         0, inv, torch.cat(counts).to(torch.int64))
             got = self.coll.fetch_slots([p.t], [uniq], st.step, st.training, None if uc is None else [uc])[0]
             if st.training:
-                st.flight.pin(p.t, got)
+                st.flight.pin(self.coll.group_index(p.t), got)
             else:
-                overlay[p.t], got = self.coll.current_rows(p.t, got)
+                overlay[p.t], got = self.coll.current_rows(p.t, got, uniq)
             slots_all.append(got)
             ukeys.append(uniq)
             ucounts.append(uc if uc is not None else torch.ones_like(uniq))
@@ -167,11 +167,11 @@ class TableWisePooling:
         mprep = Prepared(Bm, offsets, inverse, weights, torch.cat(ukeys), torch.cat(ucounts), base, count,
                          sum(count), native=native)
         slots = torch.cat(slots_all)
-        storages = [overlay.get(p.t, self.coll.store_at(p.t).lookup_rows()) for p in self.mine]
+        storages = [overlay.get(p.t, self.coll.rows_of(p.t)) for p in self.mine]
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],
-                                             row_grad_hook=self._owner_hook(st))
+                                             row_grad_hook=self._owner_hook(st, mprep, slots))
         else:
             out = self.coll._pool_own.lookup(mprep, storages, slots)
         start = 0
@@ -183,9 +183,13 @@ class TableWisePooling:
                     st.pool_replies.append(block)
             start += Bs[r]
 
-    def _owner_hook(self, st):
+    def _owner_hook(self, st, prep, all_slots):
         def apply(j: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
-            self.coll.update_rows(self.mine[j].t, slots, grad, st.flight)
+            b, n = prep.unique_base[j], prep.unique_count[j]
+            keys = prep.unique_keys[b : b + n]
+            if slots.numel() != n:  # the lookup dropped ids without a row
+                keys = keys[all_slots[b : b + n] >= 0]
+            self.coll.update_rows(self.mine[j].t, slots, grad, st.flight, keys=keys)
 
         return apply
 

@@ -8,7 +8,7 @@ gradients to a hook (or returns a sparse gradient).
 from ._lookup import FusedEmbeddingLookup, RowGradHook
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
-from ._reference import clip_rows, joined, joined_view, kept_positions, repeat_each
+from ._reference import clip_rows
 from ._safe import embedding_lookup_unpooled, fused_embedding_lookup, safe_embedding_lookup_sparse
 
 __all__ = [
@@ -24,8 +24,4 @@ __all__ = [
     "PooledEmbeddings",
     "JaggedEmbeddings",
     "clip_rows",
-    "repeat_each",
-    "joined_view",
-    "kept_positions",
-    "joined",
 ]

@@ -48,6 +48,11 @@ class FusedEmbeddingLookup:
         backend: ``"auto"`` (native kernels on CPU float32, torch otherwise),
             ``"native"`` (raise if they cannot run) or ``"torch"``.
 
+        row_groups: per table, the group of tables whose rows it reads from one storage (a table
+            group's rows: each call then gives every table of the group that same tensor, and
+            the slots index it), or None for a table alone.  A group's tables are consecutive.
+            The torch path gathers a group's rows with one op.
+
     Example (static tables, plain tensors)::
 
         lookup = FusedEmbeddingLookup(
@@ -57,11 +62,13 @@ class FusedEmbeddingLookup:
         out.stacked()                                          # [B, 2, 16]
     """
 
-    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *, backend: str = "auto") -> None:
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *, backend: str = "auto",
+                 row_groups: Sequence[int | None] | None = None) -> None:
         if backend not in _BACKENDS:
             raise ConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         self.plan = LookupPlan(tables, features)
         self.backend = backend
+        self._runs = _runs(self.plan, row_groups)
         self._scratch: NativeScratch | None = None
         self._where: dict[str, tuple[int, int]] = {}
         for g, group in enumerate(self.plan.groups):
@@ -194,9 +201,7 @@ class FusedEmbeddingLookup:
 
     def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
                params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None,
-               runs: list | None = None,
-               row_blocks: Sequence[tuple[torch.Tensor, int] | None] | None = None,
-               slots_known: bool = False) -> PooledEmbeddings:
+               runs: list | None = None, slots_known: bool = False) -> PooledEmbeddings:
         """Pools the prepared batch from the row storages, with autograd.
 
         Args:
@@ -210,9 +215,6 @@ class FusedEmbeddingLookup:
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
             runs: with a hook, no autograd graph: the lookup's state is appended here and its
                 ``backward(grads, False)`` later runs the hook (a custom op's backward, nn/_ops.py).
-            row_blocks: per table, ``(block, first_row)`` when ``storages[t]`` is rows
-                ``[first_row, first_row + R_t)`` of one ``block`` tensor shared by several tables
-                (a RowBlock), else None: the torch path then gathers their rows in one op.
             slots_known: the caller vouches that no slot is -1 (every id has a row): the
                 backward then skips its check for ids without a row (a read of the device).
         """
@@ -235,7 +237,7 @@ class FusedEmbeddingLookup:
         # so none is -1 (the backward's check would be a pass over every slot for nothing)
         slots_known = slots_known or (slots is prep.unique_keys and
                                       all(spec.num_rows is not None for spec in self.plan.tables))
-        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, row_blocks, slots_known)
+        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, slots_known)
         run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)
@@ -275,9 +277,9 @@ class _LookupRun:
     """State of one lookup between forward and backward."""
 
     def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook,
-                 blocks=None, slots_known: bool = False) -> None:
+                 slots_known: bool = False) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
-        self.params, self.hook, self.blocks, self.slots_known = params, hook, blocks, slots_known
+        self.params, self.hook, self.runs, self.slots_known = params, hook, owner._runs, slots_known
         self.native = prep.native and _storages_native_ok(storages)
         self.dtypes = owner.output_dtypes(storages)
         self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
@@ -290,11 +292,11 @@ class _LookupRun:
             cdt = _compute_dtype(self.dtypes[g])
             if group.pooled:
                 o = (pool_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.blocks))
+                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs))
                 outs.append(o.to(self.dtypes[g]))
             if group.unpooled:
                 o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.blocks))
+                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs))
                 outs.append(o.to(self.dtypes[g]))
         self._keep_rows_read()
         return outs
@@ -328,9 +330,9 @@ class _LookupRun:
             pooled.append(next(it).to(cdt) if group.pooled else None)
             unpooled.append(next(it).to(cdt) if group.unpooled else None)
         # at the rows the forward read (a copy, when the gradient depends on them)
-        storages, slots, blocks = (self.storages, self.slots, self.blocks) if self.read is None else \
+        storages, slots, runs = (self.storages, self.slots, self.runs) if self.read is None else \
             (*self.read, None)
-        gw = (weights_backward_torch(plan, prep, storages, slots, pooled, unpooled, blocks)
+        gw = (weights_backward_torch(plan, prep, storages, slots, pooled, unpooled, runs)
               if weights_grad else None)
         if self.hook is None and not self.params:
             return gw, []
@@ -384,6 +386,26 @@ class _LookupRun:
                     unpooled[plan.features[f].name] = JaggedEmbeddings(rows[start : start + n], offs - offs[0])
                     start += n
         return PooledEmbeddings(plan.pooled_names(), groups, self.owner._where, unpooled)
+
+
+def _runs(plan: LookupPlan, row_groups) -> dict[int, list[tuple[int, int]]] | None:
+    """Per dim, the runs (first, last) of consecutive tables reading one storage (``row_groups``)."""
+    if row_groups is None:
+        return None
+    groups = list(row_groups)
+    if len(groups) != plan.num_tables:
+        raise ConfigError(f"row_groups has {len(groups)} entries for {plan.num_tables} tables")
+    seen, runs = set(), {}
+    for t, (spec, g) in enumerate(zip(plan.tables, groups)):
+        prev = groups[t - 1] if t else None
+        if g is not None and g == prev and plan.tables[t - 1].dim == spec.dim:
+            runs[spec.dim][-1] = (runs[spec.dim][-1][0], t)
+            continue
+        if g is not None and g in seen:
+            raise ConfigError(f"row_groups: the tables of group {g} are not consecutive (table {spec.name!r})")
+        seen.add(g)
+        runs.setdefault(spec.dim, []).append((t, t))
+    return runs
 
 
 def _weights_need_grad(weights: torch.Tensor | None) -> bool:

@@ -9,58 +9,18 @@ per-table row gathers are a loop over tables.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 
 from .._device import host_to_device
+from .._tensors import kept_positions
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
-           "clip_rows_backward", "repeat_each", "joined_view", "joined"]
+           "clip_rows_backward"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
-
-
-def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host.
-
-    torch.repeat_interleave would read sizes held on a GPU back to the host; here each
-    element finds its segment by a search over the segments' starts (the last start at or
-    before it: an empty segment starts where the next one does).
-    """
-    starts, total = [], 0
-    for n in sizes:
-        starts.append(total)
-        total += n
-    vals = host_to_device(values, torch.int64, device)
-    at = host_to_device(starts, torch.int64, device)
-    return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
-
-
-def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """One view over `parts` when they lie end to end in one storage (each contiguous, of one
-    dtype and row shape, starting where the one before ends), else None: per-table views of
-    one array read or written with one op, without a copy."""
-    if not parts or any(p is None or p.dim() == 0 or not p.is_contiguous() for p in parts):
-        return None
-    first = parts[0]
-    at = first.data_ptr()
-    for p in parts:
-        if p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] or \
-                p.data_ptr() != at or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-        at += p.numel() * p.element_size()
-    rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """`parts` as one tensor: their joined_view when they lie end to end (no copy), else
-    torch.cat.  For reading: a write to it may land in the parts."""
-    view = joined_view(parts)
-    return torch.cat(parts) if view is None else view
 
 
 def _ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,16 +164,6 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
                     deduplicated=deduplicate, feature_starts=feature_starts)
 
 
-def kept_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
-    """The positions where 1-D `mask` holds, ascending, given their count `n_true` (known on
-    the host): ``mask.nonzero()`` without reading the device (each kept element finds its place
-    by a running count; the others go to a spare slot past the end)."""
-    dest = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, n_true)
-    out = torch.empty(n_true + 1, dtype=torch.int64, device=mask.device)
-    out.index_put_((dest,), torch.arange(mask.numel(), device=mask.device))
-    return out[:n_true]
-
-
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
     """int64 [n]: occurrences of each value in [0, n) in `index` (bincount would read the
     device for its output size)."""
@@ -248,51 +198,31 @@ def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float |
     return torch.where(clipped, projected, grad)
 
 
-def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, blocks=None) -> torch.Tensor:
-    """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped."""
-    emb = _block_rows(plan, prep, storages, slots, dim, dtype, blocks)
-    if emb is not None:
-        return emb
+def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, runs=None) -> torch.Tensor:
+    """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped.
+
+    `runs`: ``runs[D]`` lists the runs ``(first, last)`` of consecutive tables of dim D that read one
+    storage (FusedEmbeddingLookup's row_groups); each run's rows are one gather over the span of its
+    tables' unique keys (a gap between tables holds slot -1: zeros).  None: every table alone."""
     dev = prep.offsets.device
     emb = torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
-    for t, spec in enumerate(plan.tables):
-        n = prep.unique_count[t]
-        if spec.dim != dim or n == 0:
+    spans = runs[dim] if runs is not None else [(t, t) for t, spec in enumerate(plan.tables) if spec.dim == dim]
+    base, count = prep.unique_base, prep.unique_count
+    for t0, t1 in spans:
+        lo, hi = base[t0], base[t1] + count[t1]
+        if hi <= lo:
             continue
-        b = prep.unique_base[t]
-        emb[b : b + n] = clip_rows(_rows_at(storages[t], slots[b : b + n], dim, dtype), spec.max_norm)
+        rows = _rows_at(storages[t0], slots[lo:hi], dim, dtype)
+        for t in range(t0, t1 + 1):
+            mn = plan.tables[t].max_norm
+            if mn and count[t]:
+                at = slice(base[t] - lo, base[t] - lo + count[t])
+                rows[at] = clip_rows(rows[at], mn)
+        if lo == 0 and hi == prep.capacity:
+            emb = rows
+        else:
+            emb[lo:hi] = rows
     return emb
-
-
-def _block_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, blocks) -> torch.Tensor | None:
-    """`_unique_rows` in one gather when every table with keys in the batch has this dim, clips
-    nothing and reads its rows (``storages[t]``) as rows ``[first_row, ...)`` of one block
-    (``blocks[t] = (block, first_row)``), and the tables' unique keys lie end to end; else None."""
-    if blocks is None or prep.unique_base != [0, *itertools.accumulate(prep.unique_count)][:-1]:
-        return None
-    used = [t for t, n in enumerate(prep.unique_count) if n]
-    if not used or blocks[used[0]] is None:
-        return None
-    block = blocks[used[0]][0]
-    for t in used:
-        spec, s = plan.tables[t], storages[t]
-        if blocks[t] is None or blocks[t][0] is not block or spec.dim != dim or spec.max_norm:
-            return None
-        first = blocks[t][1]
-        # the very rows the table reads (not, say, a packed table's decoded copy)
-        if s.dtype != block.dtype or s.dim() != 2 or s.stride() != block.stride() or \
-                s.data_ptr() != block.data_ptr() + first * block.stride(0) * block.element_size():
-            return None
-    dev, total = slots.device, sum(prep.unique_count)
-    offset = repeat_each([blocks[t][1] if blocks[t] is not None else 0 for t in range(plan.num_tables)],
-                         prep.unique_count, dev)
-    own = slots[:total]
-    known = own >= 0  # -1: an id that reads zeros
-    rows = block.index_select(0, torch.where(known, own + offset, 0))[:, :dim].to(dtype)
-    rows = rows * known.unsqueeze(1).to(dtype)
-    if total == prep.capacity:
-        return rows
-    return torch.cat([rows, torch.zeros(prep.capacity - total, dim, dtype=dtype, device=dev)])
 
 
 def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> torch.Tensor:
@@ -347,23 +277,23 @@ def _combine(rows: torch.Tensor, w: torch.Tensor, out_bag: torch.Tensor, denom: 
 
 
 def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
-               blocks=None) -> torch.Tensor:
+               runs=None) -> torch.Tensor:
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
     dev = prep.offsets.device
     if n == 0 or B == 0:
         return torch.zeros(B, n, D, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
+    emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs)
     pos, owner, sample = _group_ids(plan, prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
     return _combine(emb[prep.inverse[pos].long()], w, out_bag, denom, B * n).view(B, n, D)
 
 
 def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
-                   blocks=None) -> torch.Tensor:
+                   runs=None) -> torch.Tensor:
     dev = prep.offsets.device
     if not group.unpooled:
         return torch.zeros(0, group.dim, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, blocks)
+    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, runs)
     pos, _, _ = _group_ids(plan, prep, group.unpooled)
     rows = emb[prep.inverse[pos].long()]
     if prep.weights is not None:
@@ -403,7 +333,7 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
 
 
 def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads,
-                           unpooled_grads, blocks=None) -> torch.Tensor:
+                           unpooled_grads, runs=None) -> torch.Tensor:
     """Gradient w.r.t. ``prep.weights`` (the kept per-id weights): TF's pooling differentiated.
 
     With e_i the (clipped) row of id i, g its bag's output gradient and out the bag's output:
@@ -419,7 +349,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
         if group.pooled and prep.batch_size:
             go_all = pooled_grads[g]
             dtype = go_all.dtype
-            emb = _unique_rows(plan, prep, storages, slots, D, dtype, blocks)
+            emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs)
             pos, owner, sample = _group_ids(plan, prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
             e = emb[prep.inverse[pos].long()]
@@ -434,7 +364,7 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             gw[pos] = grad.to(gw.dtype)
         if group.unpooled:
             go = unpooled_grads[g]
-            emb = _unique_rows(plan, prep, storages, slots, D, go.dtype, blocks)
+            emb = _unique_rows(plan, prep, storages, slots, D, go.dtype, runs)
             pos, _, _ = _group_ids(plan, prep, group.unpooled)
             gw[pos] = (go * emb[prep.inverse[pos].long()]).sum(1).to(gw.dtype)
     return gw

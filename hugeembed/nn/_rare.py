@@ -32,22 +32,24 @@ def check_count_scalable(rule: SparseOptimizer, table: str) -> None:
                           + " is not: use sgd, momentum, adagrad, rowwise_adagrad or lazy adam")
 
 
-def count_lr_scale(counts: torch.Tensor, scale: int) -> torch.Tensor:
-    """float64 ``min(1, n / scale)`` of hit counts n (a row's lr is ``lr * this``)."""
-    return (counts.to(torch.float64) / float(scale)).clamp(max=1.0)
+def count_lr_scale(counts: torch.Tensor, scale: int | torch.Tensor) -> torch.Tensor:
+    """float64 ``min(1, n / scale)`` of hit counts n (a row's lr is ``lr * this``); `scale` one int or
+    one per count."""
+    by = scale.to(torch.float64) if isinstance(scale, torch.Tensor) else float(scale)
+    return (counts.to(torch.float64) / by).clamp(max=1.0)
 
 
-def coalesce(slots: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None):
+def coalesce(slots: torch.Tensor, grad: torch.Tensor, *per_row: torch.Tensor | None):
     """Unique slots with their gradients summed (several ids read the shared row): what the
-    optimizer rules expect.  `scale` (per given slot) is taken per unique slot; ids sharing a
-    slot share its scale."""
+    optimizer rules expect.  Each of `per_row` (one value per given slot, or None) is taken per
+    unique slot: ids sharing a slot share its scale, its key and its table's seed."""
     uniq, inv = torch.unique(slots, return_inverse=True)
     if uniq.numel() == slots.numel():
-        return slots, grad, scale
+        return (slots, grad, *per_row)
     summed = torch.zeros(uniq.numel(), grad.shape[1], dtype=grad.dtype, device=grad.device).index_add_(0, inv, grad)
-    if scale is not None:
-        scale = torch.empty(uniq.numel(), dtype=scale.dtype, device=scale.device).scatter_(0, inv, scale)
-    return uniq, summed, scale
+    taken = [None if x is None else torch.empty(uniq.numel(), dtype=x.dtype, device=x.device).scatter_(0, inv, x)
+             for x in per_row]
+    return (uniq, summed, *taken)
 
 
 def update_scaled(rule: SparseOptimizer, store, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int,
@@ -56,7 +58,7 @@ def update_scaled(rule: SparseOptimizer, store, slots: torch.Tensor, grad: torch
     step is linear in lr (check_count_scalable), the step of lr ``lr * scale[i]``; the state
     (Adagrad's sum, Adam's moments) advances as for any step, as it does not depend on lr.
     Plain float layouts only (TableConfig checks it): the weights are the first D columns."""
-    dim = store.dim
+    dim = store.layout.dim
     before = store.storage().index_select(0, slots)[:, :dim].clone()
     rule.update(store, slots, grad, lr=lr, step=step, slots_checked=True)  # the store's own slots
     storage = store.storage()

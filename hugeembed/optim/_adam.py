@@ -163,7 +163,8 @@ class Adam(SparseOptimizer):
         return self.mode == "global"
 
     def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int, *, lr: float | None = None,
-                 dim: int | None = None) -> None:
+                 dim: int | None = None, keys: torch.Tensor | None = None,
+                 seeds: int | torch.Tensor | None = None) -> None:
         """Brings rows `slots` of a global-mode table up to date as of `step` (no-op when lazy).
 
         After it, those rows equal dense torch.optim.Adam after `step` steps in which
@@ -177,6 +178,7 @@ class Adam(SparseOptimizer):
             step: the last step applied to the table.
             lr: the learning rate the skipped steps used (default: the config's lr).
             dim: D; needed only when storage has more than D + state_width(D) columns.
+            keys, seeds: as for :meth:`update` (the draws of stochastic rounding).
         """
         if is_store(storage):  # its layout says where D and the state are
             store = storage
@@ -189,7 +191,7 @@ class Adam(SparseOptimizer):
                 if self.mode != "global" or slots.numel() == 0:
                     return
                 lr = self.lr if lr is None else check_real(self._owner, "lr (runtime)", lr, ge=0.0)
-                io = RowIO.of_store(store, step)
+                io = RowIO.of_store(store, step, keys, seeds)
                 self._check_counter_range(io.state, step)
                 with torch.no_grad():
                     self._run_torch(io, slots, None, dim, lr, step)

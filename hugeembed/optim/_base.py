@@ -32,7 +32,7 @@ import torch
 
 from .. import _native
 from ..errors import ConfigError, InputError
-from ..store import row_independent
+from .._tensors import row_independent
 from ._rounding import round_stochastic
 
 __all__ = ["SparseOptimizer"]
@@ -199,14 +199,18 @@ class SparseOptimizer(abc.ABC):
 
     # ------------------------------------------------------------------ update
     def update(self, store, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int,
-               slots_checked: bool = False) -> None:
-        """Updates rows `slots` of `store` (a RowStore) in place: THE update path of every caller.
+               slots_checked: bool = False, keys: torch.Tensor | None = None,
+               seeds: int | torch.Tensor | None = None) -> None:
+        """Updates rows `slots` of `store` in place: THE update path of every caller.
 
-        Reads the weights and state through ``store.layout``'s typed views.  A plain layout
-        without stochastic rounding (the default float32 table) is exactly :meth:`apply` on
+        `store` is a RowStore or a table group: anything with a ``layout`` and a ``storage()``.
+        Reads the weights and state through the layout's typed views.  A plain layout without
+        stochastic rounding (the default float32 table) is exactly :meth:`apply` on
         ``store.storage()``: the native kernel when it can run.  Otherwise the torch twin
         computes in ``layout.compute_dtype`` and writes the weights back rounded to the
-        weight dtype (nearest, or stochastic with the store's seed, `step` and the slot).
+        weight dtype (nearest, or stochastically: row i draws from (its table's seed, `step`,
+        its key, column), `keys` the rows' keys (default ``store.keys_of(slots)``) and `seeds`
+        their tables' seeds (one int or int64 [U]; default ``store.seed``)).
 
         `slots_checked`: the caller vouches that every slot is in range (the store's own
         slots of this step); the torch twin then skips its range check, a host sync on a GPU.
@@ -222,7 +226,7 @@ class SparseOptimizer(abc.ABC):
         if not slots_checked:
             check_slots_torch(slots, storage.shape[0])
         with torch.no_grad():
-            self._apply_torch(RowIO.of_store(store, step), slots, grad, lr, step)
+            self._apply_torch(RowIO.of_store(store, step, keys, seeds), slots, grad, lr, step)
 
     def apply(self, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, *, lr: float, step: int,
               slots_checked: bool = False) -> None:
@@ -254,7 +258,8 @@ class SparseOptimizer(abc.ABC):
                                   grad, lr, step)
 
     def catch_up(self, storage: torch.Tensor, slots: torch.Tensor, step: int, *, lr: float | None = None,
-                 dim: int | None = None) -> None:
+                 dim: int | None = None, keys: torch.Tensor | None = None,
+                 seeds: int | torch.Tensor | None = None) -> None:
         """Brings rows `slots` up to date as of `step` (after a snapshot or before an eval).
 
         Only rules that move untouched rows (global Adam) have anything to do; for
@@ -370,20 +375,21 @@ class RowIO:
         self.weights, self.state, self.compute, self.rounding = weights, state, compute, rounding
 
     @classmethod
-    def of_store(cls, store, step: int) -> "RowIO":
+    def of_store(cls, store, step: int, keys: torch.Tensor | None = None,
+                 seeds: int | torch.Tensor | None = None) -> "RowIO":
         """The typed views of `store`'s layout; weights rounded as the layout says (stochastically:
-        from the store's seed, `step`, the slot and the column)."""
+        from the row's table seed, `step`, its key and the column; `keys` / `seeds` as for
+        :meth:`SparseOptimizer.update`, aligned with the slots the rule writes)."""
         lay = store.layout
         storage = store.storage()
         rounding = None
         if lay.stochastic_rounding:
-            seed = store.seed
-            # rows copied out of a store (eval's caught-up copies) round as their own slots would
-            home = getattr(store, "home_slots", None)
+            if seeds is None:
+                seeds = store.seed
 
             def rounding(w, slots):
-                return round_stochastic(w, lay.dtype, seed=seed, step=step,
-                                        slots=slots if home is None else home[slots])
+                k = keys if keys is not None else store.keys_of(slots)
+                return round_stochastic(w, lay.dtype, seeds=seeds, step=step, keys=k)
 
         return cls(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
 

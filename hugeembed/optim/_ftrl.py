@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
-from ..store import row_independent
+from .._tensors import row_independent
 from . import _native_ops
 from ._base import SparseOptimizer, check_real, sqrt_rn
 

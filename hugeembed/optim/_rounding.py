@@ -6,24 +6,24 @@ Stochastic rounding (FBGEMM's for fp16/bf16 weights) rounds x, lying between the
 representable neighbours lo < x < hi, up to hi with probability (x - lo) / (hi - lo)
 and down otherwise, so E[round(x)] = x exactly and small updates survive on average.
 
-The uniform draw is a pure function of (table seed, step, slot, column)
-(:func:`hugeembed.store._init.counter_uniform`): a run is reproducible, and the same
-row updated at the same step rounds the same way on any device or shard.
+The uniform draw is a pure function of (table seed, step, key, column)
+(:func:`hugeembed._hashing.counter_uniform`): a run is reproducible, and the same row updated
+at the same step rounds the same way on any device, shard or slot.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..store._init import counter_uniform
+from .._hashing import counter_uniform
 
 __all__ = ["round_stochastic"]
 
 
-def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seed: int, step: int,
-                     slots: torch.Tensor) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seeds: int | torch.Tensor, step: int,
+                     keys: torch.Tensor) -> torch.Tensor:
     """`x` ``[U, D]`` (float32) rounded to `dtype`, up with probability equal to the fraction
-    of the gap it covers; row i draws from (seed, step, slots[i], column).
+    of the gap it covers; row i draws from (seeds (one int, or seeds[i]), step, keys[i], column).
 
     Exact values, infinities, NaN, and values whose nearest neighbour overflows keep their
     round-to-nearest result (the other neighbour of a finite value past the largest
@@ -35,7 +35,7 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, *, seed: int, step: in
     lo = torch.where(nf < x, near, other).double()
     hi = torch.where(nf < x, other, near).double()
     p_up = (x.double() - lo) / (hi - lo)  # in (0, 1) where inexact; exact: both operands are floats
-    u = counter_uniform(seed, step, slots, x.shape[1])
+    u = counter_uniform(seeds, step, keys, x.shape[1])
     up = u < p_up  # P(u < p) = p up to the 2^-53 grid of u
     out = torch.where(up, hi, lo).to(dtype)
     keep = (nf == x) | ~torch.isfinite(nf) | ~torch.isfinite(other.to(x.dtype))

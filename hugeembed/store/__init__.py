@@ -1,30 +1,37 @@
-"""Key -> row storage of embedding tables.
+"""Key -> row storage of embedding tables, in groups decided once.
 
-``RowLayout`` says how a row (weights + optimizer state, each in its own dtype) is stored
-and gives typed views of it; ``RowStore`` is the protocol the nn layer calls; three stores implement it:
+``RowLayout`` says how a row (weights + optimizer state, each in its own dtype) is stored and
+gives typed views of it.  Tables of one kind and row layout share a group (``group_tables``):
 
-* ``HashStore``  -- dynamic table: rows created on first sight of any int64 key,
-  admission after k hits, ttl / LFU / LRU eviction, capacity; native C++ on CPU,
-  vectorised torch ops on GPU (one shared memory layout).
-* ``ArrayStore`` -- static table, key = row index in [0, num_rows).
-* ``DictStore``  -- plain-dict oracle of HashStore used by tests.
-* ``TieredStore`` -- a table larger than memory: a key index (a HashStore / ArrayStore
-  built with ``rows=False``), a byte-budgeted memory cache of rows (LRU / LFU) and a file
-  of rows on disk (``storage_dir``), bit-identical to the in-memory table.
+* ``StaticGroup`` -- static tables, key k of table t at row ``first[t] + k``: one rows tensor.
+* ``DynamicGroup`` -- dynamic tables: rows created on first sight of any int64 key, admission
+  after k hits, ttl / LFU / LRU eviction, capacities; one rows tensor and one hash index keyed by
+  (table, key), driven by native C++ kernels on CPU or by the torch reference on any device.
+* ``TieredStore`` -- a table larger than memory: a key index (a group without rows), a
+  byte-budgeted memory cache of rows (LRU / LFU) and a file of rows on disk (``storage_dir``),
+  bit-identical to the in-memory table.
 
-Initial rows are deterministic per (seed, key, column): ``Uniform``, ``Normal``,
-``TruncatedNormal``, ``Constant``, ``Zeros``, ``FromCallable``.  See docs/store.md.
+A table of a group is seen alone through its view, a ``RowStore`` (``StaticTable``,
+``DynamicTable``); ``ArrayStore`` and ``HashStore`` are a table on its own (a group of one), and
+``DictStore`` the plain-dict oracle of a dynamic table.  Initial rows are deterministic per
+(seed, key, column): ``Uniform``, ``Normal``, ``TruncatedNormal``, ``Constant``, ``Zeros``,
+``FromCallable``.  See docs/store.md.
 """
 
 from ._alloc import allocate_rows
-from ._array import ArrayStore, RowBlock
+from ._array import ArrayStore
 from ._dict import DictStore
-from ._hash import HashStore, find_many, find_or_insert_many
+from ._dynamic import DynamicGroup
+from ._grouping import group_tables
+from ._hash import HashStore
+from ._settings import TableSettings
+from ._static import StaticGroup
 from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
 from ._layout import RowLayout, default_state_dtype
 from ._init import (INIT_KINDS, Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros,
                     check_initializer_spec, initializer_from_spec)
 from ._protocol import EXPORT_FIELDS, EvictionPolicy, ExportIndex, RowStore, StoreExport, row_independent
+from ._views import DynamicTable, StaticTable, TableView
 
 __all__ = [
     "RowStore",
@@ -34,12 +41,16 @@ __all__ = [
     "EXPORT_FIELDS",
     "ExportIndex",
     "EvictionPolicy",
+    "TableSettings",
+    "StaticGroup",
+    "DynamicGroup",
+    "group_tables",
+    "TableView",
+    "StaticTable",
+    "DynamicTable",
     "HashStore",
-    "find_or_insert_many",
-    "find_many",
     "row_independent",
     "ArrayStore",
-    "RowBlock",
     "DictStore",
     "TieredStore",
     "CACHE_POLICIES",

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from .. import _native
-from .._hashing import logical_shift_right, mix64, mix64_int
+from .._hashing import _base, _unit, logical_shift_right, mix64, mix64_int, seed_mix
 from ..errors import ConfigError, InputError
 
 __all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros", "FromCallable", "INIT_KINDS",
@@ -50,21 +50,6 @@ _STREAM = 0xD1B54A32D192ED03
 def _signed(u: int) -> int:
     u &= _MASK64
     return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def seed_mix(seed: int) -> int:
-    """What a table's seed contributes to every key's stream (xor-ed into the key before mixing)."""
-    return mix64_int((seed + _GOLDEN) & _MASK64)
-
-
-def _base(keys: torch.Tensor, seed: int) -> torch.Tensor:
-    return mix64(keys ^ seed_mix(seed))
-
-
-def _unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """u(key, stream) as float64: base [n, 1], stream int64 [c] -> [n, c]."""
-    x = mix64(base + stream * _signed(_STREAM))
-    return logical_shift_right(x, 11).to(torch.float64) * 2.0**-53
 
 
 # Wichura (1988), Algorithm AS 241 (PPND16): the inverse of the standard normal CDF,
@@ -102,20 +87,6 @@ def inverse_normal_cdf(p: torch.Tensor) -> torch.Tensor:
     tail = torch.where(t <= 5.0, near, far)
     tail = torch.where(q < 0, -tail, tail)
     return torch.where(q.abs() <= 0.425, central, tail)
-
-
-# Salt of the stochastic-rounding streams: (seed, step) never meets an initializer's seed.
-_ROUNDING_SALT = 0x5EED_0F_2B17_5A17
-
-
-def counter_uniform(seed: int, counter: int, keys: torch.Tensor, columns: int) -> torch.Tensor:
-    """float64 ``[n, columns]`` uniform in [0, 1) on a 2^-53 grid: a pure function of (seed,
-    counter, key, column) by the same counter-based generator as the initializers (no state,
-    so any device, shard or order of calls draws the same numbers).  Used for stochastic
-    rounding with counter = the optimizer step and key = the row slot."""
-    s = (int(seed) ^ mix64_int((int(counter) ^ _ROUNDING_SALT) & _MASK64)) & _MASK64
-    base = _base(keys.to(torch.int64), s)[:, None]
-    return _unit(base, torch.arange(columns, dtype=torch.int64, device=keys.device))
 
 
 def _open_unit(base: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:

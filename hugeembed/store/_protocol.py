@@ -24,20 +24,13 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from .._tensors import row_independent
 from ..errors import InputError
 from ._layout import RowLayout
 
 __all__ = ["RowStore", "StoreExport", "ExportIndex", "EvictionPolicy", "row_independent", "EXPORT_FIELDS"]
 
 EvictionPolicy = Literal["lfu", "lru"]
-
-
-def row_independent(init_state):
-    """Marks an ``init_state(state)`` that writes the same values into every row it is given
-    (constants, as every optimizer's initial state is): a store may then compute one row of
-    it and copy that row into new rows inside its kernels."""
-    init_state.row_independent = True
-    return init_state
 
 
 @dataclass(frozen=True)

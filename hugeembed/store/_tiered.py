@@ -16,7 +16,7 @@ TieredStore is one table made of three parts, each with one job::
 ``find_or_insert`` returns *cache* slots: the fused lookup and the optimizer rules work on
 ``storage()`` exactly as for an in-memory store, so a tiered table trains bit for bit as
 the all-in-memory one (the tests compare rows, state and metrics).  Stochastic rounding
-draws by logical slot (``home_slots``), as the in-memory table draws by its slot.
+draws by key (``keys_of``), as the in-memory table does.
 
 A fetch first makes room (write-back of dirty victims, only unpinned rows that the call
 does not read), then asks the key index, then brings the missing rows in: a failure while
@@ -103,7 +103,7 @@ class TieredStore(LayoutViews, Pinnable):
 
     def __init__(self, index, *, initializer, init_state, seed: int, memory_budget: int, storage_dir,
                  cache_policy: str = "lfu", owner: str | None = None, io_threads: int = IO_THREADS) -> None:
-        if getattr(index, "has_rows", True):
+        if index.has_rows:
             raise ConfigError(f"table '{index.name}': the index of a TieredStore is built with rows=False")
         name = index.name
         if index.device.type != "cpu":
@@ -156,11 +156,11 @@ class TieredStore(LayoutViews, Pinnable):
 
     @property
     def num_pending(self) -> int:
-        return getattr(self.index, "num_pending", 0)
+        return 0 if self.index.settings.static else self.index.num_pending
 
     @property
     def capacity(self):
-        return getattr(self.index, "capacity", None)
+        return self.index.settings.capacity
 
     @property
     def resident_rows(self) -> int:
@@ -187,10 +187,9 @@ class TieredStore(LayoutViews, Pinnable):
     def storage(self) -> torch.Tensor:
         return self._rows
 
-    @property
-    def home_slots(self) -> torch.Tensor:
-        """Cache slot -> logical slot: the slot an in-memory table would hold the row at."""
-        return self._owner
+    def keys_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The keys of the rows at cache `slots` (stochastic rounding draws by key)."""
+        return self._keys[slots]
 
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
@@ -528,10 +527,9 @@ class TieredStore(LayoutViews, Pinnable):
         return out
 
     def _keys_of_logical(self, logical: torch.Tensor) -> torch.Tensor:
-        keys_of = getattr(self.index, "_keys_of", None)
-        if keys_of is None:
+        if not self.index.settings.static:  # a dynamic table's rows are in the cache or on disk
             raise StoreError(f"table '{self.name}': logical slots {logical[:4].tolist()} hold no row (internal error)")
-        return keys_of(logical)
+        return self.index.keys_of(logical)
 
     def _logical_norms(self, logical: torch.Tensor) -> torch.Tensor:
         out = torch.empty(logical.numel(), dtype=torch.float32)
@@ -582,7 +580,7 @@ class TieredStore(LayoutViews, Pinnable):
     @property
     def eviction_epoch(self) -> int:
         """Changes whenever a cache slot may have changed hands (cache or key eviction, import)."""
-        return self._pins.epoch + self._cache_epoch + getattr(self.index, "eviction_epoch", 0)
+        return self._pins.epoch + self._cache_epoch + self.index.eviction_epoch
 
     # ------------------------------------------------------- export / import
     def export_index(self) -> ExportIndex:

@@ -25,26 +25,32 @@ def max_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def check_layout(store) -> None:
-    """Asserts the bucket arrays of a HashStore form a valid linear-probing table."""
-    records = store._buckets.cpu()
-    bkeys = records[:, 0].numpy()
-    bcodes = ((records[:, 1] << 32) >> 32).numpy()  # low half of word 1
+    """Asserts the key index of a dynamic table's group (a HashStore's, or any DynamicGroup) forms a
+    valid linear-probing table keyed by (table, key): every record reachable from its home bucket
+    (store/_index.py's hash, recomputed here), no pair twice, counts agreeing with the records."""
+    group = getattr(store, "group", store)
+    records = group.buckets.cpu()
+    bkeys, btabs = records[:, 0].numpy(), records[:, 1].numpy()
+    bcodes = ((records[:, 2] << 32) >> 32).numpy()  # low half of word 2
+    hash_keys = group.tables[:, 4].tolist()
     nb = bkeys.size
-    occupied = bkeys != np.int64(EMPTY)
-    assert int(occupied.sum()) == store._st_get("entries")
+    occupied = btabs != -1
+    assert int(occupied.sum()) == int(group.scalars[0])
     seen = set()
     for q in np.nonzero(occupied)[0].tolist():
-        key = int(bkeys[q])
-        assert key not in seen, f"key {key} stored twice"
-        seen.add(key)
-        h = (((mix64_int(key) & (2**64 - 1)) >> 32) * nb) >> 32
+        key, t = int(bkeys[q]), int(btabs[q])
+        assert (t, key) not in seen, f"key {key} of table {t} stored twice"
+        seen.add((t, key))
+        h = (((mix64_int(key ^ hash_keys[t]) & (2**64 - 1)) >> 32) * nb) >> 32
         p = h
         while p != q:  # every bucket between home and the key is occupied
             assert occupied[p], f"key {key} at {q} is unreachable from home {h} (hole at {p})"
             p = (p + 1) % nb
     codes = bcodes[occupied].astype(np.int64)
-    rows = codes[codes >= 0].tolist()
-    if store._st_get("side_used") and store._side_code() >= 0:
-        rows.append(store._side_code())
+    tabs = btabs[occupied]
     assert set(codes[codes < 0].tolist()) <= {-2}, "a key is a row (>= 0) or pending (-2)"
-    assert len(rows) == len(set(rows)) == len(store), "row slots must be unique and count the live rows"
+    rows = codes[codes >= 0].tolist()
+    assert len(rows) == len(set(rows)), "row slots must be unique"
+    for t in range(len(hash_keys)):
+        assert int(((codes >= 0) & (tabs == t)).sum()) == int(group.tables[t, 0]), f"table {t}: rows counted"
+        assert int(((codes == -2) & (tabs == t)).sum()) == int(group.tables[t, 1]), f"table {t}: pending counted"

@@ -28,7 +28,7 @@ def test_a_compiled_store_step_equals_the_eager_one(backend, compiler):
         keys = torch.randperm(200, generator=gen)[:50]
         assert torch.equal(fn(compiled, keys, step), _step(eager, keys, step))
     assert torch.equal(compiled.export().keys.sort().values, eager.export().keys.sort().values)
-    assert torch.equal(compiled._storage[: len(compiled)], eager._storage[: len(eager)])
+    assert torch.equal(compiled.storage()[: len(compiled)], eager.storage()[: len(eager)])
 
 
 def test_the_ops_fake_gives_the_slots_shape_and_bad_input_still_raises_inside():

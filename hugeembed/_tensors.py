@@ -1,0 +1,71 @@
+"""Tensor helpers every layer may use (the bottom of the layers, beside _hashing and _device).
+
+Host-known sizes turned into device index arrays without reading the device, per-part views of
+one array joined without a copy, and the marker of row-independent state initialisers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._device import host_to_device
+
+__all__ = ["repeat_each", "joined_view", "joined", "kept_positions", "row_independent"]
+
+
+def row_independent(init_state):
+    """Marks an ``init_state(state)`` that writes the same values into every row it is given
+    (constants, as every optimizer's initial state is): a store may then compute one row of
+    it and copy that row into new rows inside its kernels."""
+    init_state.row_independent = True
+    return init_state
+
+
+def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host.
+
+    torch.repeat_interleave would read sizes held on a GPU back to the host; here each
+    element finds its segment by a search over the segments' starts (the last start at or
+    before it: an empty segment starts where the next one does).
+    """
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += n
+    vals = host_to_device(values, torch.int64, device)
+    at = host_to_device(starts, torch.int64, device)
+    return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
+
+
+def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One view over `parts` when they lie end to end in one storage (each contiguous, of one
+    dtype and row shape, starting where the one before ends), else None: per-table views of
+    one array read or written with one op, without a copy."""
+    if not parts or any(p is None or p.dim() == 0 or not p.is_contiguous() for p in parts):
+        return None
+    first = parts[0]
+    at = first.data_ptr()
+    for p in parts:
+        if p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] or \
+                p.data_ptr() != at or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += p.numel() * p.element_size()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`parts` as one tensor: their joined_view when they lie end to end (no copy), else
+    torch.cat.  For reading: a write to it may land in the parts."""
+    view = joined_view(parts)
+    return torch.cat(parts) if view is None else view
+
+
+def kept_positions(mask: torch.Tensor, n_true: int) -> torch.Tensor:
+    """The positions where 1-D `mask` holds, ascending, given their count `n_true` (known on
+    the host): ``mask.nonzero()`` without reading the device (each kept element finds its place
+    by a running count; the others go to a spare slot past the end)."""
+    dest = torch.where(mask, torch.cumsum(mask.to(torch.int64), 0) - 1, n_true)
+    out = torch.empty(n_true + 1, dtype=torch.int64, device=mask.device)
+    out.index_put_((dest,), torch.arange(mask.numel(), device=mask.device))
+    return out[:n_true]

@@ -1,0 +1,88 @@
+"""The backward's update stage: one rule call per (group, rule, learning rate), decided at build.
+
+An update unit is the tables of one group trained by one rule (and alike in lr_count_scale):
+their rows are rows of one tensor, so the unit's rows of a step are updated by one call of the
+rule on the group's rows.  What a collection does for rare ids is a property of the unit:
+
+* shared row (TableConfig.shared_row): rare ids of a table all read its shared row, whose
+  gradient is their sum (``coalesce``: one unique over the unit's slots);
+* lr_count_scale: each row's step scaled by min(1, hits / scale) (``update_scaled``);
+* global Adam: rows it did not touch lag until touched (the rule catches them up itself);
+* stochastic rounding: draws by (the table's seed, step, key): the unit passes each row's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._tensors import joined, repeat_each
+from ..optim import SparseOptimizer
+from ._rare import coalesce, count_lr_scale, update_scaled
+
+__all__ = ["UpdateUnit", "make_units", "apply_unit"]
+
+
+@dataclass(frozen=True)
+class UpdateUnit:
+    """Tables `tables` (collection indices, lookup order) of group `group`, trained by `rule`."""
+
+    group: int
+    rule: SparseOptimizer
+    tables: tuple[int, ...]
+    scale_by: tuple[int | None, ...]  # per table, its lr_count_scale
+    shared: tuple[bool, ...]  # per table, whether it has a shared row
+    seeds: tuple[int, ...]  # per table, its seed (stochastic rounding)
+
+
+def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
+    """Table index -> its unit, for every trainable table of the spans (store/_grouping: groups)."""
+    units: dict[int, UpdateUnit] = {}
+    for span in spans:
+        by_key: dict[tuple, list[int]] = {}
+        for t in span.tables:
+            if rules[t] is not None:
+                by_key.setdefault((id(rules[t]), configs[t].lr_count_scale is not None), []).append(t)
+        for ts in by_key.values():
+            unit = UpdateUnit(span.group, rules[ts[0]], tuple(ts), tuple(configs[t].lr_count_scale for t in ts),
+                              tuple(configs[t].shared_row for t in ts), tuple(settings[t].seed for t in ts))
+            units.update(dict.fromkeys(ts, unit))
+    return units
+
+
+def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], step: int) -> None:
+    """Applies `unit`'s rule to its tables' rows of one step.
+
+    `parts`: per table of the unit with rows this step, ``(table, slots, grad, keys, hits, shared_slot)``
+    (keys: the rows' keys, for stochastic rounding, else None; hits: their hit counts, for
+    lr_count_scale, else None; shared_slot: the table's shared row or None); `lrs` their learning
+    rates.  Tables of one lr share one rule call."""
+    by_lr: dict[float, list[int]] = {}
+    for i, lr in enumerate(lrs):
+        by_lr.setdefault(lr, []).append(i)
+    pos = {t: i for i, t in enumerate(unit.tables)}
+    for lr, idx in by_lr.items():
+        mine = [parts[i] for i in idx]
+        slots = joined([p[1] for p in mine])
+        grad = joined([p[2] for p in mine])
+        sizes = [p[1].numel() for p in mine]
+        keys = seeds = scale = None
+        if group.layout.stochastic_rounding:
+            keys = joined([p[3] for p in mine])
+            seeds = repeat_each([unit.seeds[pos[p[0]]] for p in mine], sizes, slots.device)
+        if any(unit.scale_by[pos[p[0]]] is not None for p in mine):
+            hits = joined([p[4] for p in mine])
+            by = repeat_each([unit.scale_by[pos[p[0]]] for p in mine], sizes, slots.device)
+            scale = count_lr_scale(hits, by)
+            shared = [p[5] if p[5] is not None else -1 for p in mine]
+            if any(s >= 0 for s in shared):  # the shared row takes every rare id's gradient at the full lr
+                scale = torch.where(slots == repeat_each(shared, sizes, slots.device), 1.0, scale)
+        if any(unit.shared[pos[p[0]]] for p in mine):
+            # rare ids all read their table's shared row: one summed gradient per row, for every
+            # table at once (their slots are apart in the group)
+            slots, grad, scale, keys, seeds = coalesce(slots, grad, scale, keys, seeds)
+        if scale is None:  # the group's own slots of this step: in range
+            unit.rule.update(group, slots, grad, lr=lr, step=step, slots_checked=True, keys=keys, seeds=seeds)
+        else:
+            update_scaled(unit.rule, group, slots, grad, lr=lr, step=step, scale=scale)

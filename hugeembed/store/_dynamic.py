@@ -1,0 +1,416 @@
+"""DynamicGroup: the dynamic tables of one row layout and device -- one rows tensor, one key index.
+
+DeepRec's EmbeddingVariable, TensorNet's SparseTable and OneEmbedding's key-value store, for
+several tables at once: a row is created on first sight of a key (or after ``admit_min_count``
+hits), lives in the group's ``rows [R, W]`` (slots shared by the tables, handed out in batch
+order, smallest free slot first), and is found through one hash index keyed by (table, key)
+(store/_index.py).  Every operation is one call for all the group's tables: a find-or-insert
+takes a table column beside the keys::
+
+    keys   [17,  3, 17, 99]        tables [0, 0, 1, 1]   (-1: an entry to skip)
+    -> slots [ 0,  1,  2,  3]      (table 1's key 17 is another row than table 0's)
+
+Per table stay its settings (capacity, admission, eviction, initializer, salt) and counts.  The
+index runs on the native kernels (CPU) or on the torch reference (any device).  A call that
+fails (a duplicate key, a capacity error) leaves the group as it was, except that on_full="evict"
+may have evicted rows before finding that nothing more could go.  Growth is explicit and amortized:
+the index to under MAX_LOAD (x1.5 at least), the rows x1.5; each is one copy (old and new held at
+once: the peak is 2.5x the rows, docs/store.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .. import _native
+from .._device import canonical_device
+from ..errors import CapacityError, ConfigError, InputError, StoreError
+from . import _alloc
+from ._admit import admission_draw
+from ._common import init_rows
+from ._dynamic_edit import DynamicEdits
+from ._group import GroupBase
+from ._index import (G_ENTRIES, G_LEN, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING, T_ADMIT_K, T_HASH_KEY, T_LEN,
+                     T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, hash_key, new_buckets)
+from ._index_native import NativeIndex
+from ._index_torch import TorchIndex
+from ._init import _signed
+from ._pins import PinnedRows
+from ._settings import TableSettings, draw_salt
+
+__all__ = ["DynamicGroup", "MAX_LOAD", "AUTO_EVICT_SLACK", "pick_backend"]
+
+# The index grows (x1.5, or to what a batch needs) when it would be fuller than this.  Measured
+# (docs/store.md): find at load 0.49 / 0.59 / 0.69 / 0.78 runs at 38 / 33 / 28 / 23 M keys per CPU-second.
+MAX_LOAD = 0.6
+# on_full="evict" frees this fraction of the capacity beyond what the batch needs, so a full table
+# looks for victims once per capacity/64 new rows rather than at every batch.
+AUTO_EVICT_SLACK = 64
+_GROWTH = 1.5
+_MAX_BUCKETS = 2**32
+_MIN_BUCKETS = 64
+_MIN_ROWS = 64
+
+
+def pick_backend(backend: str | None, device: torch.device) -> str:
+    """"native" (C++, CPU) or "torch" (the reference, any device); None picks native where it runs."""
+    if backend is None:
+        return "native" if device.type == "cpu" and _native.available() else "torch"
+    if backend not in ("native", "torch"):
+        raise ConfigError(f"backend must be 'native', 'torch' or None, got {backend!r}")
+    if backend == "native" and device.type != "cpu":
+        raise ConfigError(f"the native backend runs on CPU only; the tables are on {device}")
+    if backend == "native" and not _native.available():
+        raise ConfigError("the native backend is not available (kernels not built or HUGEEMBED_DISABLE_NATIVE=1)")
+    return backend
+
+
+class DynamicGroup(DynamicEdits, GroupBase):
+    """Dynamic tables of one row layout on one device (see the module docstring).
+
+    Args:
+        tables: their settings (one layout: ``tables[i].layout`` equal for all).
+        device: where the rows and the index live.
+        backend: "native", "torch" or None (native where it runs).
+        rows: False makes the group a key index without rows (a tiered table's, store/_tiered.py):
+            slots are row numbers only; the slots it frees go to ``on_free``, weight norms come
+            from ``row_norms``.
+    """
+
+    kind = "dynamic"
+
+    def __init__(self, tables: Sequence[TableSettings], *, device: torch.device | str = "cpu",
+                 backend: str | None = None, rows: bool = True) -> None:
+        tables = tuple(tables)
+        if not tables or any(t.static for t in tables):
+            raise ConfigError(f"a dynamic group takes dynamic tables, got {[t.name for t in tables]}")
+        lay = tables[0].layout
+        for t in tables[1:]:
+            if t.layout != lay:
+                raise ConfigError(f"tables {tables[0].name!r} and {t.name!r} have different row layouts "
+                                  f"({lay.describe()} vs {t.layout.describe()}): they cannot share a group")
+        self.settings, self.layout, self.device = tables, lay, canonical_device(device)
+        self.has_rows = bool(rows)
+        self.pins = PinnedRows()
+        self.on_free = None  # a tiered table's hooks (store/_tiered.py)
+        self.row_norms = None
+        self.salts = [draw_salt() if t.salt is None else t.salt for t in tables]
+        self.scalars = torch.zeros(G_LEN, dtype=torch.int64)
+        self.tables = torch.tensor([[0, 0, t.row_limit, t.admit_min_count, hash_key(s, i)]
+                                    for i, (t, s) in enumerate(zip(tables, self.salts))], dtype=torch.int64)
+        self.buckets = new_buckets(_MIN_BUCKETS, self.device)
+        self.free_rows = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.rows = torch.empty(0, lay.width if rows else 0, dtype=lay.storage_dtype, device=self.device)
+        self._set_backend(pick_backend(backend, self.device))
+        reserve = sum(min(t.initial_rows, t.capacity or t.initial_rows) for t in tables)
+        if reserve:
+            self._grow_for(reserve, reserve)
+
+    # ---------------------------------------------------------------- basics
+    @property
+    def _view_class(self):
+        from ._views import DynamicTable
+        return DynamicTable
+
+    def __len__(self) -> int:
+        """Live rows of all the group's tables."""
+        return int(self.tables[:, T_ROWS].sum())
+
+    def table_rows(self, t: int) -> int:
+        return int(self.tables[t, T_ROWS])
+
+    def table_pending(self, t: int) -> int:
+        return int(self.tables[t, T_PENDING])
+
+    @property
+    def backend(self) -> str:
+        return self._index.name
+
+    def use_backend(self, backend: str) -> None:
+        """Switches between the kernels and the reference; the layout is shared, nothing is copied."""
+        self._set_backend(pick_backend(backend, self.device))
+
+    def _set_backend(self, backend: str) -> None:
+        self._index = NativeIndex() if backend == "native" else TorchIndex()
+        self._kernel_init = self._kernel_init_args() if backend == "native" else None
+
+    def rows_capacity(self) -> int:
+        return self.rows.shape[0]
+
+    def max_entries(self) -> int:
+        return int(self.buckets.shape[0] * MAX_LOAD)
+
+    @property
+    def num_buckets(self) -> int:
+        return self.buckets.shape[0]
+
+    # ---------------------------------------------------------------- new rows
+    def _kernel_init_args(self):
+        """What the find-or-insert kernel needs to initialise new rows itself, or None (the group
+        initialises them: a packed or non-float32 layout, no rows).  Tables whose initializer or
+        state the kernel cannot make get kind -1 (initialised here)."""
+        lay = self.layout
+        if not self.has_rows or lay.packed or lay.storage_dtype != torch.float32:
+            return None
+        kinds = torch.full((len(self.settings), 2), -1, dtype=torch.int64)
+        params = torch.zeros(len(self.settings), 6, dtype=torch.float64)
+        state = torch.zeros(len(self.settings), lay.state_width, dtype=torch.float32)
+        for i, t in enumerate(self.settings):
+            spec, row = t.initializer._native_spec(), t.state_template()
+            if spec is None or row is None or t.initializer_may_fail:
+                continue
+            kinds[i] = torch.tensor([spec[0], _signed(t.seed)])
+            params[i, : len(spec[1])] = torch.tensor(spec[1], dtype=torch.float64)
+            state[i] = row[0]
+        self._init_here = [i for i in range(len(self.settings)) if int(kinds[i, 0]) < 0]
+        return kinds, params, state if lay.state_width else None
+
+    def _init_call(self) -> tuple | None:
+        """The kernel's row-initialisation arguments for this call (the rows may have moved)."""
+        if self._kernel_init is None:
+            return None
+        lay = self.layout
+        return (self.rows, *self._kernel_init, lay.width, lay.dim, lay.state_width)
+
+    def _tables_initialised_here(self) -> list[int]:
+        if self._kernel_init is None:
+            return list(range(len(self.settings))) if self.has_rows else []
+        return self._init_here
+
+    def _values_before(self, tids, keys, counts, admit) -> dict[int, tuple]:
+        """The initial weights of the rows a find-or-insert is about to make for tables whose
+        initializer may raise: made first, so that one that raises changes nothing."""
+        risky = [t for t in self._tables_initialised_here() if self.settings[t].initializer_may_fail]
+        if not risky:
+            return {}
+        codes, hits = self._index.find(self, keys, tids, rows_only=False, hits=True)
+        c = counts if counts is not None else torch.ones_like(keys)
+        k = self.tables[:, T_ADMIT_K].to(keys.device)[tids.clamp(min=0)]
+        drawn = torch.ones_like(keys, dtype=torch.bool) if admit is None else admit.bool()
+        new = (tids >= 0) & (((codes == -1) & drawn & (c >= k)) | ((codes == PENDING) & (hits + c >= k)))
+        out = {}
+        for t in risky:
+            kt = keys[new & (tids == t)]
+            s = self.settings[t]
+            out[t] = (kt, s.initializer.generate(kt, self.layout.dim, s.seed))
+        return out
+
+    def _init_new_rows(self, made: tuple, before: dict[int, tuple]) -> None:
+        """Initial weights and state of the new rows the kernel left to the group."""
+        here = self._tables_initialised_here()
+        if not here or not made or made[0].numel() == 0:
+            return
+        slots, keys, tids = made
+        for t in here:
+            sel = tids == t
+            if not bool(sel.any()):
+                continue
+            s, kt = self.settings[t], keys[sel]
+            values = None
+            if t in before:
+                if not torch.equal(before[t][0], kt):
+                    raise StoreError(f"table '{s.name}': the rows made differ from the rows foreseen (internal error)")
+                values = before[t][1]
+            init_rows(self.rows, slots[sel], kt, self.layout, s.initializer, s.init_state, s.seed, weights=values)
+
+    # ---------------------------------------------------------------- find-or-insert
+    def find_or_insert(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
+        """Row slots of (table, key) pairs (tids -1: skipped, slot -1), creating rows for new keys
+        with admission (-1 for a key not admitted yet); every key counted `counts` times (1 each).
+
+        Keys must be unique per table.  `out` (int64 [n]) receives the slots; `hits` (int64 [n],
+        optional) each key's hit count after the call."""
+        out = torch.empty_like(keys) if out is None else out
+        admit = self._admission(tids, keys, step)
+        over_done: set[int] = set()
+        grown = rekeyed = False
+        while True:
+            before = self._values_before(tids, keys, counts, admit)
+            rc, need, made = self._index.find_or_insert(self, keys, tids, counts, admit, step, out, hits,
+                                                        self._init_call())
+            if rc == Outcome.DONE:
+                self._init_new_rows(made, before)
+                self.forget_pending(step)
+                return out
+            if rc == Outcome.DUPLICATE_KEY:
+                raise InputError(f"table '{self.settings[need[5]].name}': key {need[4]} is given twice to "
+                                 "find_or_insert; keys must be unique (deduplicate the batch first)")
+            if rc == Outcome.MUST_GROW and not grown:
+                self._grow_for(need[0], need[1])
+                grown = True
+            elif rc == Outcome.OVER_LIMIT:
+                for t in range(len(self.settings)):
+                    wanted = need[NEED_HEAD + 2 * t]
+                    if int(self.tables[t, T_ROWS]) + wanted > int(self.tables[t, T_ROW_LIMIT]):
+                        self._make_room(t, step, wanted, out[out >= 0], t in over_done)
+                        over_done.add(t)
+                grown = False
+            elif rc == Outcome.LONG_PROBE:
+                if rekeyed:  # a second long chain right after a new salt: the index is too full
+                    self._rehash(int(self.buckets.shape[0] * 2))
+                else:
+                    self.rekey(need[6])
+                rekeyed = True
+            else:
+                raise StoreError(f"tables {self.names()}: find_or_insert failed with outcome {rc} (internal error)")
+
+    def _admission(self, tids: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor | None:
+        """Per key, whether a key without a row may get one now: the probability filter's draw
+        (DeepRec's); None when no table of the group samples."""
+        sampled = [i for i, t in enumerate(self.settings) if t.samples_admission]
+        if not sampled:
+            return None
+        admit = torch.ones(keys.numel(), dtype=torch.uint8, device=keys.device)
+        for i in sampled:
+            sel = tids == i
+            s = self.settings[i]
+            admit[sel] = admission_draw(keys[sel], step, s.seed, s.admit_probability).to(torch.uint8)
+        return admit
+
+    def _make_room(self, t: int, step: int, needed: int, protect: torch.Tensor, retried: bool) -> None:
+        s = self.settings[t]
+        cap, live = s.capacity, self.table_rows(t)
+        msg = f"table '{s.name}': capacity {cap} rows reached ({live} live); this batch needs {needed} new rows"
+        if s.on_full == "error" or needed > cap or retried:
+            raise CapacityError(msg + (" and on_full='error'" if s.on_full == "error" else ""))
+        self.evict(t, step, max_rows=max(0, cap - needed - cap // AUTO_EVICT_SLACK), protect=protect)
+        if self.table_rows(t) + needed > cap:
+            raise CapacityError(msg + f"; only {cap - self.table_rows(t)} could be freed without evicting rows of this "
+                                "batch" + (f" or of the {len(self.pins)} batches whose backward has not run (pinned)"
+                                           if len(self.pins) else ""))
+
+    def fetch(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
+        """The group interface's training fetch (:meth:`find_or_insert`)."""
+        return self.find_or_insert(tids, keys, step, counts, out, hits)
+
+    # ---------------------------------------------------------------- reads
+    def find(self, tids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Slots of (table, key) pairs, -1 where absent, pending or skipped; changes nothing."""
+        return self._index.find(self, keys, tids, rows_only=True)[0]
+
+    def codes(self, tids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Slots, PENDING (-2) for keys seen but not admitted, -1 where absent; changes nothing."""
+        return self._index.find(self, keys, tids, rows_only=False)[0]
+
+    def hit_counts(self, tids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Hits of the pairs so far (admitted or pending; 0 for an unknown key); changes nothing."""
+        return self._index.find(self, keys, tids, rows_only=False, hits=True)[1]
+
+    # ---------------------------------------------------------------- growth
+    def _grow_for(self, new_entries: int, new_rows: int) -> None:
+        """Grows the index (to under MAX_LOAD, x1.5 at least) and the rows (x1.5) to fit this many more."""
+        need = int(self.scalars[G_ENTRIES]) + new_entries
+        nb = self.buckets.shape[0]
+        if need > int(nb * MAX_LOAD):
+            nb = max(math.ceil(need / MAX_LOAD), int(nb * _GROWTH))
+            nb = -(-nb // 64) * 64
+            if nb > _MAX_BUCKETS:
+                raise CapacityError(f"tables {self.names()}: {need} keys exceed the index limit of one group "
+                                    f"({int(_MAX_BUCKETS * MAX_LOAD)})")
+            self._rehash(nb)
+        hwm = int(self.scalars[G_ROW_HWM]) + max(0, new_rows - int(self.scalars[G_NUM_FREE]))
+        limit = self._rows_limit()
+        if hwm > limit:
+            raise CapacityError(f"tables {self.names()}: {hwm} rows exceed the {limit} row slots of one group")
+        if hwm > self.rows.shape[0]:
+            self._grow_rows(min(limit, max(hwm, int(self.rows.shape[0] * _GROWTH), _MIN_ROWS)))
+
+    def _rows_limit(self) -> int:
+        """Row slots the group may hand out: the tables' capacities when all have one."""
+        from ._index import MAX_SLOTS
+
+        caps = [t.capacity for t in self.settings]
+        return MAX_SLOTS if None in caps else min(MAX_SLOTS, sum(caps))
+
+    def _rehash(self, nbuckets: int) -> None:
+        new = _alloc.empty((nbuckets, 4), torch.int64, self.device)
+        if self.device.type == "meta":  # shapes only (memory planning): no records to move
+            self.buckets = new
+            return
+        moved = self._index.rehash(self, new)
+        if moved != int(self.scalars[G_ENTRIES]):
+            raise StoreError(f"tables {self.names()}: rehash moved {moved} keys, expected "
+                             f"{int(self.scalars[G_ENTRIES])} (internal error)")
+        self.buckets = new
+
+    def rekey(self, t: int) -> None:
+        """Gives table `t` a new random salt and rehashes (a chain grew too long: keys chosen to
+        collide under the old salt spread out under the new one)."""
+        self.salts[t] = draw_salt()
+        self.tables[t, T_HASH_KEY] = hash_key(self.salts[t], t)
+        self._rehash(self.buckets.shape[0])
+
+    def _grow_rows(self, rows: int) -> None:
+        used = int(self.scalars[G_ROW_HWM])
+        grown = _alloc.empty((rows, self.rows.shape[1]), self.rows.dtype, self.device)
+        if self.device.type == "meta":
+            self.rows = grown
+            return
+        grown[:used] = self.rows[:used]
+        # Touch the spare rows now: first-touch page faults cost more than the writes
+        # themselves (docs/architecture.md), better paid at growth than per batch.
+        grown[used:] = 0
+        self.rows = grown
+
+    # ---------------------------------------------------------------- row slots
+    def take_rows(self, m: int) -> torch.Tensor:
+        """`m` row slots: free ones smallest first, then fresh ones (the room is there)."""
+        nf, hwm = int(self.scalars[G_NUM_FREE]), int(self.scalars[G_ROW_HWM])
+        take = min(m, nf)
+        slots = torch.cat([self.free_rows[nf - take : nf].flip(0).to(torch.int64),
+                           torch.arange(hwm, hwm + m - take, device=self.device)])
+        self.scalars[G_NUM_FREE] = nf - take
+        self.scalars[G_ROW_HWM] = hwm + m - take
+        return slots
+
+    def release_rows(self, slots: torch.Tensor) -> None:
+        if self.on_free is not None and slots.numel():
+            self.on_free(slots.to(torch.int64))
+        nf = int(self.scalars[G_NUM_FREE])
+        self.free_rows = torch.cat([self.free_rows[:nf], slots.to(torch.int32)]).sort(descending=True).values
+        self.scalars[G_NUM_FREE] = self.free_rows.numel()
+
+    # ---------------------------------------------------------------- memory
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held: `rows` (incl. those allocated ahead of use), `index` (32 B per bucket: key,
+        table, code + count, last step), `free_rows`, `tables` (per-table counters)."""
+        return {"rows": self.rows.numel() * self.rows.element_size(), "index": 32 * self.buckets.shape[0],
+                "free_rows": self.free_rows.numel() * 4, "tables": (self.tables.numel() + G_LEN) * 8}
+
+    def memory_bytes(self) -> int:
+        return sum(self.memory_breakdown().values())
+
+    def table_memory_bytes(self, t: int) -> int:
+        """Table `t`'s share of the group's bytes: its rows' and keys' shares (the shares of all the
+        tables add up to memory_bytes())."""
+        b = self.memory_breakdown()
+        rows, keys = self.tables[:, T_ROWS], self.tables[:, T_ROWS] + self.tables[:, T_PENDING]
+        T = len(self.settings)
+        share = lambda part, used: part * int(used[t]) // max(1, int(used.sum())) if int(used.sum()) else part // T
+        return share(b["rows"] + b["free_rows"], rows) + share(b["index"] + b["tables"], keys)
+
+    def to(self, device: torch.device | str) -> "DynamicGroup":
+        """A copy on `device` (native backend on CPU when available); pins are not copied."""
+        out = DynamicGroup.__new__(DynamicGroup)
+        out.__dict__.update(self.__dict__)
+        out.device = canonical_device(device)
+        out.pins = PinnedRows()
+        out.__dict__["_views"] = {}
+        out.salts = list(self.salts)
+        out.scalars, out.tables = self.scalars.clone(), self.tables.clone()
+        for name in ("buckets", "free_rows", "rows"):
+            v = getattr(self, name)
+            t = _alloc.empty(tuple(v.shape), v.dtype, out.device)
+            t.copy_(v)
+            setattr(out, name, t)
+        out._set_backend(pick_backend(None, out.device))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"DynamicGroup(tables={self.names()}, rows={len(self)}, buckets={self.buckets.shape[0]}, "
+                f"layout={self.layout.describe()}, backend={self.backend!r}, device={self.device})")

@@ -1,0 +1,213 @@
+"""The plain-PyTorch reference of a dynamic group's key index (layout: store/_index.py): the
+specification csrc/group_index.cpp implements, the tests' second implementation beside the
+DictStore oracle, and the fallback on devices without kernels.
+
+Written to be read, not tuned: probing advances every unresolved key over a window of buckets
+that doubles each round, and each round reads the device once.  New records go into the first
+empty bucket on their path; keys that want the same empty bucket are settled by a stable sort:
+the lowest batch position wins, the others move on (so the result never depends on scheduling).
+Row slots are handed out in batch order, smallest free slot first, exactly as the kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._index import (EMPTY_TABLE, G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING, PROBE_LIMIT, T_ADMIT_K,
+                     T_HASH_KEY, T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, code_of, count_of, home, new_buckets, pack)
+
+__all__ = ["TorchIndex"]
+
+_MAX_WINDOW = 32
+
+
+def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
+    hk = g.tables[:, T_HASH_KEY].to(keys.device)[tids]
+    return home(keys, hk, g.buckets.shape[0] if nbuckets is None else nbuckets)
+
+
+def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, pos, probes) of (table, key) pairs (tids >= 0): code -1 when absent; pos the key's
+    bucket or the first empty one on its path; probes the buckets looked at."""
+    n, dev = keys.numel(), keys.device
+    B = g.buckets.shape[0]
+    codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    start = _homes(g, keys, tids)
+    idx, p = torch.arange(n, device=dev), start.clone()
+    bkeys, btabs = g.buckets[:, 0], g.buckets[:, 1]
+    width = 1
+    while idx.numel():
+        win = (p[:, None] + torch.arange(width, device=dev)) % B
+        stop = ((bkeys[win] == keys[idx, None]) & (btabs[win] == tids[idx, None])) | (btabs[win] == EMPTY_TABLE)
+        done = stop.any(1)
+        q = win.gather(1, stop.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
+        d = done.nonzero().squeeze(1)  # a read of the device per round
+        pos[idx[d]] = q[d]
+        hit = btabs[q[d]] != EMPTY_TABLE
+        codes[idx[d]] = torch.where(hit, code_of(g.buckets[q[d], 2]), -1)
+        keep = (~done).nonzero().squeeze(1)
+        idx, p = idx[keep], (p[keep] + width) % B
+        width = min(2 * width, _MAX_WINDOW)
+    probes = (pos - start) % B + 1
+    return codes, pos, probes
+
+
+def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> None:
+    """Writes records int64 [n, 4] of absent, unique pairs into the first empty bucket from
+    `start` on; keys wanting one bucket: the lowest position wins, the others go on after it."""
+    B, dev = buckets.shape[0], records.device
+    idx, p = torch.arange(records.shape[0], device=dev), start.clone()
+    btabs = buckets[:, 1]
+    width = 1
+    while idx.numel():
+        win = (p[:, None] + torch.arange(width, device=dev)) % B
+        empty = btabs[win] == EMPTY_TABLE
+        has = empty.any(1)
+        q = win.gather(1, empty.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
+        want = torch.where(has, q, -1)
+        order = torch.argsort(want, stable=True)  # idx ascends: the lowest position first per bucket
+        first = torch.ones_like(has)
+        first[1:] = want[order][1:] != want[order][:-1]
+        won = torch.zeros_like(has)
+        won[order] = first
+        won &= has
+        buckets[q[won]] = records[idx[won]]
+        nxt = torch.where(has, q + 1, p + width) % B
+        keep = (~won).nonzero().squeeze(1)
+        idx, p = idx[keep], nxt[keep]
+        width = min(2 * width, _MAX_WINDOW)
+
+
+def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
+    from ..errors import StoreError  # (errors imports nothing of ours: no cycle)
+
+    if tids.numel() and (bool((tids < -1).any()) or bool((tids >= g.tables.shape[0]).any())):
+        raise StoreError("group index: a table column entry names no table of the group (internal error)")
+
+
+class TorchIndex:
+    """The reference backend: the same calls as store/_index_native.py::NativeIndex."""
+
+    name = "torch"
+
+    def find(self, g, keys: torch.Tensor, tids: torch.Tensor, rows_only: bool,
+             hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _check(g, tids, None)
+        codes = torch.full_like(keys, -1)
+        counts = torch.zeros_like(keys) if hits else None
+        sel = (tids >= 0).nonzero().squeeze(1)
+        if sel.numel():
+            c, pos, _ = probe(g, keys[sel], tids[sel])
+            codes[sel] = c
+            if hits:
+                counts[sel] = torch.where(c != -1, count_of(g.buckets[pos, 2]), 0)
+        if rows_only:
+            codes.clamp_(min=-1)
+        return codes, counts
+
+    def find_or_insert(self, g, keys, tids, counts, admit, step: int, out, hits, init) -> tuple[Outcome, list, tuple]:
+        """The kernel's contract (csrc/group_index.cpp::find_or_insert): (outcome, need, the new
+        rows' (slots, keys, tables)).  `init` is not used: the group initialises the new rows."""
+        _check(g, tids, counts)
+        T, dev = g.tables.shape[0], keys.device
+        need = [0] * (NEED_HEAD + 2 * T)
+        need[6] = -1
+        out.fill_(-1)
+        sel = (tids >= 0).nonzero().squeeze(1)
+        k, t = keys[sel], tids[sel]
+        c = counts[sel] if counts is not None else torch.ones_like(k)
+        codes, pos, probes = probe(g, k, t)
+        out[sel] = codes.clamp(min=-1)  # what the kernel leaves in `out` on a refusal: the rows found
+        found = codes != -1
+        w = torch.where(found, g.buckets[pos.clamp(min=0), 2], 0)
+        n_after = count_of(w) + c
+        admit_k = g.tables[:, T_ADMIT_K].to(dev)[t]
+        drawn = torch.ones_like(found) if admit is None else admit[sel].bool()
+        new = ~found & drawn
+        promote = found & (codes == PENDING) & (n_after >= admit_k)
+        made_new = new & (c >= admit_k)
+        if sel.numel():
+            longest = int(probes.max())
+            if longest > need[7]:
+                need[7], need[6] = longest, int(t[probes.argmax()])
+        rows_t = torch.bincount(t[made_new | promote], minlength=T).tolist()
+        pend_t = torch.bincount(t[new & ~made_new], minlength=T).tolist()
+        for j in range(T):
+            need[NEED_HEAD + 2 * j], need[NEED_HEAD + 2 * j + 1] = rows_t[j], pend_t[j]
+        need[0], need[1], need[2] = int(new.sum()), sum(rows_t), sum(pend_t)
+        if hits is not None:
+            hits.zero_()
+            hits[sel] = torch.where(found | new, n_after, 0).clamp(max=2**31 - 1)
+        pairs = torch.stack([t[new | promote], k[new | promote]], 1)
+        if pairs.shape[0] > 1:
+            uniq, cnt = torch.unique(pairs, dim=0, return_counts=True)
+            if bool((cnt > 1).any()):
+                dup = uniq[cnt > 1][0]
+                need[4], need[5] = int(dup[1]), int(dup[0])
+                return Outcome.DUPLICATE_KEY, need, ()
+        tab = g.tables
+        if any(int(tab[j, T_ROWS]) + rows_t[j] > int(tab[j, T_ROW_LIMIT]) for j in range(T)):
+            return Outcome.OVER_LIMIT, need, ()
+        if need[7] > PROBE_LIMIT:
+            return Outcome.LONG_PROBE, need, ()
+        st = g.scalars
+        if int(st[G_ENTRIES]) + need[0] > g.max_entries() or \
+                int(st[G_ROW_HWM]) + max(0, need[1] - int(st[G_NUM_FREE])) > g.rows_capacity():
+            return Outcome.MUST_GROW, need, ()
+        # commit: counts and last steps of the keys found, slots in batch order, new records
+        gets_row = made_new | promote
+        slots = g.take_rows(int(gets_row.sum()))
+        code_now = codes.clone()
+        code_now[gets_row] = slots
+        code_now[new & ~made_new] = PENDING
+        g.buckets[pos[found], 2] = pack(code_now[found], n_after[found])
+        g.buckets[pos[found], 3] = step
+        rec = torch.stack([k[new], t[new], pack(code_now[new], c[new]), torch.full_like(k[new], step)], 1)
+        claim(g.buckets, rec, pos[new])
+        st[G_ENTRIES] += int(new.sum())
+        tab[:, T_ROWS] += torch.tensor(rows_t, dtype=torch.int64)
+        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - torch.bincount(t[promote], minlength=T).cpu()
+        out[sel] = torch.where(code_now >= 0, code_now, -1)
+        need[3] = slots.numel()
+        return Outcome.DONE, need, (slots, k[gets_row], t[gets_row])
+
+    def insert(self, g, keys, tids, codes, counts, lasts) -> None:
+        rec = torch.stack([keys, tids, pack(codes.to(torch.int64), counts), lasts], 1)
+        claim(g.buckets, rec, _homes(g, keys, tids))
+        g.scalars[G_ENTRIES] += keys.numel()
+
+    def erase(self, g, keys: torch.Tensor, tids: torch.Tensor) -> int:
+        """Removes the pairs by rebuilding the buckets without them; returns how many were absent."""
+        b = g.buckets
+        occupied = b[:, 1] != EMPTY_TABLE
+        rec = b[occupied]
+        gone = torch.zeros(rec.shape[0], dtype=torch.bool, device=b.device)
+        if keys.numel() and rec.shape[0]:
+            victims = torch.unique(torch.stack([tids, keys], 1), dim=0)
+            gone = _member(torch.stack([rec[:, 1], rec[:, 0]], 1), victims)
+        missing = keys.numel() - int(gone.sum())
+        keep = rec[~gone]
+        new_buckets(b.shape[0], b.device, out=b)
+        g.scalars[G_ENTRIES] = 0
+        if keep.shape[0]:
+            claim(b, keep, _homes(g, keep[:, 0], keep[:, 1]))
+            g.scalars[G_ENTRIES] = keep.shape[0]
+        return missing
+
+    def rehash(self, g, new: torch.Tensor) -> int:
+        """Fills `new` (allocated, not filled) with every record of the group's buckets, placed by the
+        tables' hash keys now; returns the records moved (the group then takes `new`)."""
+        rec = g.buckets[g.buckets[:, 1] != EMPTY_TABLE]
+        new_buckets(new.shape[0], new.device, out=new)
+        if rec.shape[0]:
+            claim(new, rec, _homes(g, rec[:, 0], rec[:, 1], new.shape[0]))
+        g.scalars[G_ENTRIES] = rec.shape[0]
+        return rec.shape[0]
+
+
+def _member(cand: torch.Tensor, victims: torch.Tensor) -> torch.Tensor:
+    """Whether each (table, key) row of `cand` is a row of the sorted unique `victims`."""
+    both = torch.cat([victims, cand])
+    _, inv = torch.unique(both, dim=0, return_inverse=True)
+    return torch.isin(inv[victims.shape[0]:], inv[: victims.shape[0]])
