@@ -1,23 +1,28 @@
-"""Ops and host syncs per training step vs the number of tables (the launch count a GPU would pay).
+"""Ops and host reads per training step vs the number of tables (the launch count a GPU would pay),
+and the Python each table adds to a step.
 
-One EmbeddingCollection training step (forward + backward with Adagrad applied in
-backward), counted with a ``TorchDispatchMode`` in steady state (after warm-up steps, so
-the hash tables neither grow nor see only new ids), 256 samples, dim 16, one id per bag,
-for 2, 8, 32 and 128 tables, static and dynamic, on the native and the torch backends.
+One EmbeddingCollection training step (forward + backward with Adagrad applied in backward),
+counted with a ``TorchDispatchMode``, for 2, 8, 32 and 128 tables, static and dynamic, on the
+native and the torch backends:
 
-"syncs" are the ops whose output size or value the host must read before going on
+* steady state: 256 samples, dim 16, one id per bag from 1,000 ids, after 64 warm-up steps;
+* fresh start: each of the first 3 steps of a new collection, 256 samples, 0-3 ids per bag from
+  1,000 ids (every step brings new ids and grows the dynamic tables): the worst of the 3 steps.
+
+"reads" are the ops whose output size or value the host must read before going on
 (``.item()``, ``.tolist()``, ``nonzero``, ``unique``, boolean masking, ...): on a GPU each is a
-stall.  On the CPU they are plain reads of memory, but counted alike: the count is what a GPU
-would pay (the native kernels run on the CPU only, so their reads never stall a device).
-Native kernels called through ctypes are not torch ops, so a native step shows only
-the torch ops around them.
+stall.  On the CPU they are plain reads of memory, but counted alike.  Native kernels called
+through ctypes are not torch ops, so a native step shows only the torch ops around them.
 
-    python bench/ops.py                  # the table
+"Python per table": (a step at batch 8 over 26 tables - the same at 2 tables) / 24, medians of
+interleaved runs: what each table costs a step beyond the kernels' work.
+
+    python bench/ops.py                  # the tables
     python bench/ops.py --tables 2 32    # some sizes only
     python bench/ops.py --device cuda    # on a GPU: the torch backend, and the step time vs tables
 
-Issue 13's targets: ops for 32 tables <= 1.2x those for 2 tables, and at most 2 syncs per
-step, on every row of this table.
+Issue 29's targets: ops for 32 tables <= 1.2x those for 2 tables from the first step on, at most 2
+reads per step on the native backend, and <= 5 us of Python per table per step.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class CountOps(TorchDispatchMode):
         if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
             name = f"{name}(mask)"
+        if name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None:
+            name = "repeat_interleave(sized)"  # its output size given: no read
         self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -115,11 +122,13 @@ class CountOps(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op in SYNC_OPS)
 
 
-def batch(tables: int, samples: int, rows: int, step: int, device: str = "cpu") -> SparseFeatures:
+def batch(tables: int, samples: int, rows: int, step: int, device: str = "cpu", max_ids: int = 1) -> SparseFeatures:
+    """`samples` rows of `tables` features, each bag 1 id (`max_ids` 1) or 0..max_ids ids, from `rows` ids."""
     g = torch.Generator().manual_seed(1000 + step)
-    ids = {f"f{t}": torch.randint(0, rows, (samples,), generator=g) for t in range(tables)}
-    return SparseFeatures(list(ids), torch.cat(list(ids.values())),
-                          offsets=torch.arange(0, tables * samples + 1), batch_size=samples).to(device)
+    lengths = torch.ones(tables * samples, dtype=torch.int64) if max_ids == 1 else \
+        torch.randint(0, max_ids + 1, (tables * samples,), generator=g)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+    return SparseFeatures([f"f{t}" for t in range(tables)], values, lengths=lengths, batch_size=samples).to(device)
 
 
 def collection(tables: int, dynamic: bool, backend: str, dim: int, rows: int, optimizer: SparseOptimizer | None,
@@ -140,6 +149,44 @@ def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim
     with CountOps() as counter:
         ec(sf).stacked().sum().backward()
     return counter
+
+
+def count_fresh(tables: int, dynamic: bool, backend: str, steps: int = 3, samples: int = 256, rows: int = 1000,
+                max_ids: int = 3, device: str = "cpu") -> list[CountOps]:
+    """Ops of each of the first `steps` training steps of a new collection (bags of 0..max_ids ids)."""
+    ec = collection(tables, dynamic, backend, 16, rows, None, device)
+    out = []
+    for s in range(steps):
+        sf = batch(tables, samples, rows, s, device, max_ids)
+        with CountOps() as counter:
+            ec(sf).stacked().sum().backward()
+        out.append(counter)
+    return out
+
+
+def worst(counts: list[CountOps]) -> tuple[int, int]:
+    """(most ops, most reads) over a few steps' counts."""
+    return max(sum(c.ops.values()) for c in counts), max(c.syncs() for c in counts)
+
+
+def python_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, samples: int = 8, steps: int = 60,
+                     runs: int = 7) -> float:
+    """Microseconds each table adds to a steady-state step at a tiny batch: (step(many) - step(few)) / (many - few),
+    medians of interleaved runs of `steps` steps each."""
+    ecs = {n: collection(n, dynamic, backend, 16, 1000, None, "cpu") for n in (few, many)}
+    sfs = {n: [batch(n, samples, 1000, s) for s in range(steps)] for n in (few, many)}
+    for n, ec in ecs.items():  # warm up: tables grown, buffers sized
+        for sf in sfs[n]:
+            ec(sf).stacked().sum().backward()
+    times: dict[int, list[float]] = {few: [], many: []}
+    for _ in range(runs):
+        for n in (few, many):
+            t0 = time.perf_counter()
+            for sf in sfs[n]:
+                ecs[n](sf).stacked().sum().backward()
+            times[n].append((time.perf_counter() - t0) / steps)
+    per = (statistics.median(times[many]) - statistics.median(times[few])) / (many - few)
+    return per * 1e6
 
 
 def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: int, dim: int = 16,
@@ -170,18 +217,34 @@ def main(argv=None) -> None:
     gpu = args.device != "cpu"
     backends = args.backends or (["torch"] if gpu else ["native", "torch"])
     header = ["backend", "tables"] + [f"{n} tables" for n in args.tables] + [
-        f"ops {args.tables[-1]}/{args.tables[0]}", f"syncs at {args.tables[-1]}"]
+        f"ops {args.tables[-1]}/{args.tables[0]}", f"reads at {args.tables[-1]}"]
     out = []
     for backend in backends:
         for dynamic in (False, True):
             counts = [count_step(n, dynamic, backend, device=args.device) for n in args.tables]
             ops = [sum(c.ops.values()) for c in counts]
             out.append([backend, "dynamic" if dynamic else "static",
-                        *[f"{o:,} ops / {c.syncs()} syncs" for o, c in zip(ops, counts)],
+                        *[f"{o:,} ops / {c.syncs()} reads" for o, c in zip(ops, counts)],
                         f"{ops[-1] / ops[0]:.1f}x", str(counts[-1].syncs())])
-    print(f"ops and host syncs per training step (forward + backward, Adagrad in backward), 256 samples, d16, "
-          f"{args.device}")
+    print(f"steady state: ops and host reads per training step (forward + backward, Adagrad in backward), 256 "
+          f"samples, 1 id per bag, d16, {args.device}")
     print_table(header, out)
+    out = []
+    for backend in backends:
+        for dynamic in (False, True):
+            counts = [worst(count_fresh(n, dynamic, backend, device=args.device)) for n in args.tables]
+            out.append([backend, "dynamic" if dynamic else "static",
+                        *[f"{o:,} ops / {r} reads" for o, r in counts],
+                        f"{counts[-1][0] / counts[0][0]:.2f}x", str(counts[-1][1])])
+    print(f"\nfresh start: the worst of the first 3 steps of a new collection, 256 samples, 0-3 ids per bag from "
+          f"1,000 ids, d16, {args.device}")
+    print_table(header, out)
+    if not gpu:
+        out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us"]
+               for b in backends for d in (False, True)]
+        print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, medians of 7 "
+              "interleaved runs of 60 steps")
+        print_table(["backend", "tables", "us per table"], out)
     if gpu:
         out = []
         for samples in args.time_samples:

@@ -33,7 +33,9 @@ using namespace he::gi;
 // What a find-or-insert did.  Must match hugeembed/store/_index.py::Outcome.
 enum Outcome : int64_t { kDone = 0, kMustGrow = 1, kOverLimit = 2, kDuplicateKey = 3, kLongProbe = 4 };
 
-// need[] of a find-or-insert: totals, then per table (new rows, new pending keys).
+// need[] of a find-or-insert: totals, per table (new rows, new pending keys), then the group after
+// the call (entries, row_hwm, free rows listed) and per table (rows, pending keys): the caller
+// reads everything it decides on with one read.
 enum Need : int {
   kNeedEntries = 0, kNeedRows = 1, kNeedPending = 2, kNeedMade = 3, kNeedDupKey = 4, kNeedDupTable = 5,
   kNeedLongTable = 6, kNeedLongProbe = 7, kNeedHead = 8,
@@ -260,8 +262,20 @@ void init_new_rows(const Group& g, const RowInit& init, const int64_t* slots, co
   });
 }
 
+// The group's state after a call, into need[] behind the per-table needs.
+void report_state(const Group& g, int64_t* need) {
+  int64_t* after = need + kNeedHead + 2 * g.T;
+  after[0] = g.st[kEntries];
+  after[1] = g.st[kRowHwm];
+  after[2] = g.st[kNumFree];
+  for (int64_t t = 0; t < g.T; ++t) {
+    after[3 + 2 * t] = g.table(t)[kRows];
+    after[3 + 2 * t + 1] = g.table(t)[kPending];
+  }
+}
+
 // Find-or-insert of a batch over every table of the group (see the file comment for the phases).
-// need[]: see Need; per table t at kNeedHead + 2t: new rows, new pending keys.  out[i]: row slot,
+// need[]: see Need; per table t at kNeedHead + 2t: new rows, new pending keys; then report_state.  out[i]: row slot,
 // -1 (not admitted, skipped); hits[i] (optional): the key's hit count after the call.
 // probe_limit: a probe longer than this fails the call with kLongProbe (need: the table).
 int64_t find_or_insert(Group& g, const Batch& a, int64_t step, int64_t max_entries, int64_t probe_limit,
@@ -314,6 +328,7 @@ int64_t find_or_insert(Group& g, const Batch& a, int64_t step, int64_t max_entri
   }
   if (rc != kDone) {
     undo_hits(g, a.tids, n, a.out, pos, saved);
+    report_state(g, need);
     return rc;
   }
   // C: slots in batch order; the records to place reuse `saved` (their word 2) and `pos` (start)
@@ -368,6 +383,7 @@ int64_t find_or_insert(Group& g, const Batch& a, int64_t step, int64_t max_entri
   // E
   init_new_rows(g, init, new_slots, new_keys, new_tabs, made, sorted, nthreads);
   need[kNeedMade] = made;
+  report_state(g, need);
   return kDone;
 }
 
@@ -394,14 +410,14 @@ Group group_of(const he::Call& call, int64_t k, int64_t r_cap) {
 }
 
 // Checks the table column (each entry -1 or a table of the group: else our bug) and the counts
-// (each >= 1: else a bad value, detail {position, count}).
+// (each >= 1: else a bad value, detail {position, count, 1}).
 void check_batch(const he::Call& call, const Group& g, const int64_t* tids, const int64_t* counts, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if (tids[i] < -1 || tids[i] >= g.T)
       call.fail(HE_BAD_CALL, "table %lld at position %lld is not one of the group's %lld tables", (long long)tids[i],
                 (long long)i, (long long)g.T);
     if (counts && tids[i] >= 0 && counts[i] < 1) {
-      call.detail({i, counts[i]});
+      call.detail({i, counts[i], 1});
       call.fail(HE_BAD_VALUE, "count %lld at position %lld is below 1", (long long)counts[i], (long long)i);
     }
   }
@@ -442,10 +458,10 @@ HE_KERNEL(he_group_find) {
 //         admit uint8 [n] or empty (0: an absent key stays absent), out int64 [n], hits int64 [n] or
 //         empty, scratch int64 [>= 8n] (new rows' slots at 3n, keys at 4n, tables at 5n), the
 //         duplicate set int64 [>= 3 * set_cap] (set_cap a power of two >= 2n), need int64
-//         [8 + 2T]; storage float32 [r_cap, W] or empty, inits int64 [T, 2], params float64
+//         [8 + 4T + 3]; storage float32 [r_cap, W] or empty, inits int64 [T, 2], params float64
 //         [T, 6], state rows float32 [T, state_width] or empty
 //   ints  r_cap, step, max_entries, probe_limit, W, dim, state_width
-// A count below 1 fails with HE_BAD_VALUE, detail {position, count}.
+// A count below 1 fails with HE_BAD_VALUE, detail {position, count, 1}.
 HE_KERNEL(he_group_find_or_insert) {
   call.expect(kGroupBufs + 13, 7, 0);
   const int64_t r_cap = call.i(0);
@@ -462,7 +478,7 @@ HE_KERNEL(he_group_find_or_insert) {
   a.scratch = call.buf<int64_t>(k + 6, 8 * a.n, "scratch");
   a.set_cap = he::next_pow2((uint64_t)std::max<int64_t>(16, 2 * a.n));
   a.set = call.buf<int64_t>(k + 7, 3 * a.set_cap, "duplicate set");
-  int64_t* need = call.buf<int64_t>(k + 8, kNeedHead + 2 * g.T, "need");
+  int64_t* need = call.buf<int64_t>(k + 8, kNeedHead + 4 * g.T + 3, "need");
   RowInit init{};
   init.W = call.i(4);
   init.dim = call.i(5);

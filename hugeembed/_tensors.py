@@ -24,17 +24,9 @@ def row_independent(init_state):
 def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
     """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host.
 
-    torch.repeat_interleave would read sizes held on a GPU back to the host; here each
-    element finds its segment by a search over the segments' starts (the last start at or
-    before it: an empty segment starts where the next one does).
-    """
-    starts, total = [], 0
-    for n in sizes:
-        starts.append(total)
-        total += n
+    The output size is given, so a GPU's repeat_interleave does not read the sizes back."""
     vals = host_to_device(values, torch.int64, device)
-    at = host_to_device(starts, torch.int64, device)
-    return vals[torch.searchsorted(at, torch.arange(total, device=device), right=True) - 1]
+    return torch.repeat_interleave(vals, host_to_device(sizes, torch.int64, device), output_size=sum(sizes))
 
 
 def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -75,6 +75,12 @@ class FusedEmbeddingLookup:
             for k, f in enumerate(group.pooled):
                 self._where[self.plan.features[f].name] = (g, k)
 
+    def ready(self, device: torch.device | str) -> None:
+        """Makes the plan's constants on `device` now (a collection calls it when built or moved), so
+        that its first step copies nothing to the device."""
+        if torch.device(device).type != "meta":
+            self.plan.arrays(device)
+
     # -- stages ------------------------------------------------------------------------
 
     def _native_checked(self, sf, storages, ends: bool) -> bool:

@@ -322,10 +322,11 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
                 go = go * prep.weights[pos].to(dtype).unsqueeze(1)
             acc.index_add_(0, prep.inverse[pos].long(), go)
         grads_by_dim[D] = acc if D not in grads_by_dim else grads_by_dim[D] + acc
+    parts = {D: prep.per_table(acc) for D, acc in grads_by_dim.items()}  # one split per dim, not a slice per table
     out = []
     for t, spec in enumerate(plan.tables):
         b, n = prep.unique_base[t], prep.unique_count[t]
-        g = grads_by_dim[spec.dim][b : b + n] if spec.dim in grads_by_dim else torch.zeros(n, spec.dim, device=dev)
+        g = parts[spec.dim][t] if spec.dim in parts else torch.zeros(n, spec.dim, device=dev)
         if spec.max_norm and n:
             g = clip_rows_backward(_rows_at(storages[t], slots[b : b + n], spec.dim, g.dtype), g, spec.max_norm)
         out.append(g)

@@ -135,6 +135,7 @@ class EmbeddingCollection(TableEdges, nn.Module):
         self._slots_lookup = FusedEmbeddingLookup(
             [TableSpec(s.name, s.dim, max_norm=s.max_norm) for s in specs], feats, backend=backend,
             row_groups=row_groups) if self._moving or self._tiered else None
+        self.lookup.ready(self.device)
         # Autograd needs one tensor that requires grad to route backward into the lookup; it is
         # not a Parameter, so dense optimizers and DDP never see it.
         self._anchor = torch.zeros(0, requires_grad=True, device=self.device)
@@ -409,10 +410,8 @@ class EmbeddingCollection(TableEdges, nn.Module):
         unit = self._units.get(t)
         if unit is not None and slots.numel():
             local = self.placement.span_of[g].tables.index(t)
-            shared = flight.shared.get(g)
-            apply_unit(unit, self.groups[g], [(t, slots, grad, keys, None,
-                                               None if shared is None else shared[local])], [self._lr(t)],
-                       flight.step)
+            apply_unit(unit, self.groups[g], [(t, local, slots, grad, keys, None)], [self._lr(t)], flight.step,
+                       flight.shared.get(g))
 
     def _in_flight(self, step: int, keys: torch.Tensor | None = None) -> InFlight:
         """A new training forward's InFlight: the rows it reads get pinned in it (see InFlight)."""
@@ -445,7 +444,8 @@ class _Backward:
         self.many([(p, slots, grad)])
 
     def _part(self, p: int, t: int, slots: torch.Tensor, grad: torch.Tensor, unit) -> tuple:
-        """(table, slots, grad, keys, hits, shared row) of one table's rows (keys, hits: when needed)."""
+        """(table, its index in the group, slots, grad, keys, hits) of one table's rows (keys, hits: when
+        needed)."""
         coll, prep, flight = self.coll, self.prep, self.flight
         b, n = prep.unique_base[p], prep.unique_count[p]
         known = None if slots.numel() == n else self.slots[b : b + n] >= 0  # the lookup dropped ids without rows
@@ -457,8 +457,7 @@ class _Backward:
         if coll.tables[t].lr_count_scale is not None:
             lo = prep.unique_base[span.first]
             hits = pick(flight.hits[g][b - lo : b - lo + n])
-        shared = flight.shared.get(g)
-        return t, slots, grad, keys, hits, None if shared is None else shared[span.tables.index(t)]
+        return t, span.tables.index(t), slots, grad, keys, hits
 
     def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         coll, flight = self.coll, self.flight
@@ -478,7 +477,8 @@ class _Backward:
             for unit, members in by_unit.values():
                 failed.add(unit.group)
                 parts = [self._part(p, t, s, gr, unit) for p, t, s, gr in members]
-                apply_unit(unit, coll.groups[unit.group], parts, [coll._lr(t) for _, t, _, _ in members], flight.step)
+                apply_unit(unit, coll.groups[unit.group], parts, [coll._lr(t) for _, t, _, _ in members], flight.step,
+                           flight.shared.get(unit.group))
                 failed.discard(unit.group)
         finally:  # the rows of the groups updated may go (an update that raised keeps its pins)
             for g in touched:

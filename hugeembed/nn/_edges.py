@@ -293,6 +293,7 @@ class TableEdges:
                            for g in self.groups]
             self.device = target
             self._refresh_views()
+            self.lookup.ready(target)
             self._anchor = torch.zeros(0, requires_grad=True, device=target)
         return super()._apply(fn, recurse)
 

@@ -51,33 +51,35 @@ def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
     return units
 
 
-def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], step: int) -> None:
+def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], step: int,
+               shared: torch.Tensor | None = None) -> None:
     """Applies `unit`'s rule to its tables' rows of one step.
 
-    `parts`: per table of the unit with rows this step, ``(table, slots, grad, keys, hits, shared_slot)``
-    (keys: the rows' keys, for stochastic rounding, else None; hits: their hit counts, for
-    lr_count_scale, else None; shared_slot: the table's shared row or None); `lrs` their learning
-    rates.  Tables of one lr share one rule call."""
+    `parts`: per table of the unit with rows this step, ``(table, local, slots, grad, keys, hits)``
+    (local: its index in the group; keys: the rows' keys, for stochastic rounding, else None; hits:
+    their hit counts, for lr_count_scale, else None); `lrs` their learning rates; `shared`: per
+    table of the group its shared row's slot (-1: none), or None.  Tables of one lr share one rule
+    call."""
     by_lr: dict[float, list[int]] = {}
     for i, lr in enumerate(lrs):
         by_lr.setdefault(lr, []).append(i)
     pos = {t: i for i, t in enumerate(unit.tables)}
     for lr, idx in by_lr.items():
         mine = [parts[i] for i in idx]
-        slots = joined([p[1] for p in mine])
-        grad = joined([p[2] for p in mine])
-        sizes = [p[1].numel() for p in mine]
+        slots = joined([p[2] for p in mine])
+        grad = joined([p[3] for p in mine])
+        sizes = [p[2].numel() for p in mine]
         keys = seeds = scale = None
         if group.layout.stochastic_rounding:
-            keys = joined([p[3] for p in mine])
+            keys = joined([p[4] for p in mine])
             seeds = repeat_each([unit.seeds[pos[p[0]]] for p in mine], sizes, slots.device)
         if any(unit.scale_by[pos[p[0]]] is not None for p in mine):
-            hits = joined([p[4] for p in mine])
+            hits = joined([p[5] for p in mine])
             by = repeat_each([unit.scale_by[pos[p[0]]] for p in mine], sizes, slots.device)
             scale = count_lr_scale(hits, by)
-            shared = [p[5] if p[5] is not None else -1 for p in mine]
-            if any(s >= 0 for s in shared):  # the shared row takes every rare id's gradient at the full lr
-                scale = torch.where(slots == repeat_each(shared, sizes, slots.device), 1.0, scale)
+            if shared is not None:  # the shared row takes every rare id's gradient at the full lr
+                own = shared[repeat_each([p[1] for p in mine], sizes, slots.device)]
+                scale = torch.where(slots == own, 1.0, scale)
         if any(unit.shared[pos[p[0]]] for p in mine):
             # rare ids all read their table's shared row: one summed gradient per row, for every
             # table at once (their slots are apart in the group)

@@ -20,24 +20,27 @@ once: the peak is 2.5x the rows, docs/store.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import struct
 from typing import Sequence
 
 import torch
 
 from .. import _native
 from .._device import canonical_device
+from .._hashing import mix64, seed_mix
+from .._tensors import joined, repeat_each
 from ..errors import CapacityError, ConfigError, InputError, StoreError
 from . import _alloc
 from ._admit import admission_draw
-from ._common import init_rows
 from ._dynamic_edit import DynamicEdits
 from ._group import GroupBase
 from ._index import (G_ENTRIES, G_LEN, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING, T_ADMIT_K, T_HASH_KEY, T_LEN,
                      T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, hash_key, new_buckets)
 from ._index_native import NativeIndex
 from ._index_torch import TorchIndex
-from ._init import _signed
+from ._init import Constant, Normal, TruncatedNormal, Uniform, _signed, init_rows_native
 from ._pins import PinnedRows
 from ._settings import TableSettings, draw_salt
 
@@ -53,6 +56,15 @@ _GROWTH = 1.5
 _MAX_BUCKETS = 2**32
 _MIN_BUCKETS = 64
 _MIN_ROWS = 64
+
+
+# Initializers whose values are a function of each key's stream alone: many tables' rows in one call.
+_STREAM_KINDS = (Constant, Uniform, Normal, TruncatedNormal)
+
+
+def _init_key(init) -> tuple:
+    """Initializers equal by value, bit for bit (Constant(0.0) == Constant(-0.0) as dataclasses)."""
+    return type(init), tuple(struct.pack("<d", float(getattr(init, f.name))) for f in dataclasses.fields(init))
 
 
 def pick_backend(backend: str | None, device: torch.device) -> str:
@@ -104,6 +116,9 @@ class DynamicGroup(DynamicEdits, GroupBase):
         self.buckets = new_buckets(_MIN_BUCKETS, self.device)
         self.free_rows = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.rows = torch.empty(0, lay.width if rows else 0, dtype=lay.storage_dtype, device=self.device)
+        self._known: tuple[int, int, int] | None = (0, 0, 0)  # the scalars as last read (None: read again)
+        # a new row's optimizer state, per table (None: its init_state is not a constant row)
+        self._templates = [t.state_template(lay.state_dtype) for t in tables]
         self._set_backend(pick_backend(backend, self.device))
         reserve = sum(min(t.initial_rows, t.capacity or t.initial_rows) for t in tables)
         if reserve:
@@ -159,7 +174,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
         params = torch.zeros(len(self.settings), 6, dtype=torch.float64)
         state = torch.zeros(len(self.settings), lay.state_width, dtype=torch.float32)
         for i, t in enumerate(self.settings):
-            spec, row = t.initializer._native_spec(), t.state_template()
+            spec, row = t.initializer._native_spec(), t.state_template(torch.float32)
             if spec is None or row is None or t.initializer_may_fail:
                 continue
             kinds[i] = torch.tensor([spec[0], _signed(t.seed)])
@@ -198,23 +213,60 @@ class DynamicGroup(DynamicEdits, GroupBase):
             out[t] = (kt, s.initializer.generate(kt, self.layout.dim, s.seed))
         return out
 
-    def _init_new_rows(self, made: tuple, before: dict[int, tuple]) -> None:
-        """Initial weights and state of the new rows the kernel left to the group."""
-        here = self._tables_initialised_here()
-        if not here or not made or made[0].numel() == 0:
+    def _init_new_rows(self, made: tuple, before: dict[int, tuple], need) -> None:
+        """Initial weights and state of the new rows the kernel left to the group: per table the
+        native initializer where it runs, else the built-in initializers of many tables in one call
+        (each row's stream seeded by its own table's seed: the same values as table by table)."""
+        here = [t for t in self._tables_initialised_here() if need.new_rows[t]]
+        if not here:
             return
         slots, keys, tids = made
+        order = torch.argsort(tids, stable=True)  # by table (the shared rows' keys come last), batch order within
+        slots, keys, tids = slots[order], keys[order], tids[order]
+        by_slot, by_key = slots.split(need.new_rows), keys.split(need.new_rows)
+        lay = self.layout
+        weights = lay.weights(self.rows)
+        native = self.rows.device.type == "cpu" and _native.available() and not lay.packed and \
+            self.rows.dtype == torch.float32
+        streams: dict[tuple, list[int]] = {}
         for t in here:
-            sel = tids == t
-            if not bool(sel.any()):
-                continue
-            s, kt = self.settings[t], keys[sel]
-            values = None
+            s = self.settings[t]
             if t in before:
-                if not torch.equal(before[t][0], kt):
+                if not torch.equal(before[t][0], by_key[t]):
                     raise StoreError(f"table '{s.name}': the rows made differ from the rows foreseen (internal error)")
-                values = before[t][1]
-            init_rows(self.rows, slots[sel], kt, self.layout, s.initializer, s.init_state, s.seed, weights=values)
+                weights[by_slot[t]] = before[t][1].to(lay.dtype)
+            elif native and init_rows_native(s.initializer, by_key[t], lay.dim, s.seed, self.rows, by_slot[t]):
+                pass  # no torch op; cannot fail on its input
+            elif type(s.initializer) in _STREAM_KINDS:
+                streams.setdefault(_init_key(s.initializer), []).append(t)
+            else:
+                weights[by_slot[t]] = s.initializer.generate(by_key[t], lay.dim, s.seed).to(lay.dtype)
+        for ts in streams.values():
+            k, sl = joined([by_key[t] for t in ts]), joined([by_slot[t] for t in ts])
+            mixes = repeat_each([seed_mix(self.settings[t].seed) for t in ts], [need.new_rows[t] for t in ts], k.device)
+            weights[sl] = self.settings[ts[0]].initializer.rows_from_bases(mix64(k ^ mixes), lay.dim).to(lay.dtype)
+        if lay.state_width:
+            self._init_state(here, by_slot, tids, slots, need)
+
+    def _init_state(self, here: list[int], by_slot, tids, slots, need) -> None:
+        """The optimizer state of new rows: row-independent states copied from each table's one-row
+        template (one op for all), the others by their init_state."""
+        lay = self.layout
+        state = lay.state(self.rows)
+        alike = [t for t in here if self._templates[t] is not None]
+        if alike:
+            table = torch.cat([x if x is not None else torch.zeros(1, lay.state_width, dtype=lay.state_dtype)
+                               for x in self._templates]).to(slots.device)
+            mine = None if len(alike) == len(self.settings) else \
+                torch.isin(tids, torch.tensor(alike, dtype=tids.dtype).to(tids.device, non_blocking=True))
+            sl, tt = (slots, tids) if mine is None else (slots[mine], tids[mine])
+            state[sl] = table[tt]
+        for t in here:
+            s = self.settings[t]
+            if self._templates[t] is None:
+                block = torch.zeros(need.new_rows[t], lay.state_width, dtype=lay.state_dtype, device=slots.device)
+                s.init_state(block)
+                state[by_slot[t]] = block
 
     # ---------------------------------------------------------------- find-or-insert
     def find_or_insert(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
@@ -228,32 +280,33 @@ class DynamicGroup(DynamicEdits, GroupBase):
         admit = self._admission(tids, keys, step)
         over_done: set[int] = set()
         grown = rekeyed = False
+        self._room_for(keys.numel())
         while True:
             before = self._values_before(tids, keys, counts, admit)
             rc, need, made = self._index.find_or_insert(self, keys, tids, counts, admit, step, out, hits,
                                                         self._init_call())
+            self._known = need.state  # the call's one read: the group as it is now
             if rc == Outcome.DONE:
-                self._init_new_rows(made, before)
-                self.forget_pending(step)
+                self._init_new_rows(made, before, need)
+                self._forget_pending(step, need.table_pending)
                 return out
             if rc == Outcome.DUPLICATE_KEY:
-                raise InputError(f"table '{self.settings[need[5]].name}': key {need[4]} is given twice to "
-                                 "find_or_insert; keys must be unique (deduplicate the batch first)")
+                raise InputError(f"table '{self.settings[need.dup_table].name}': key {need.dup_key} is given twice "
+                                 "to find_or_insert; keys must be unique (deduplicate the batch first)")
             if rc == Outcome.MUST_GROW and not grown:
-                self._grow_for(need[0], need[1])
+                self._grow_for(need.entries, need.rows)
                 grown = True
             elif rc == Outcome.OVER_LIMIT:
-                for t in range(len(self.settings)):
-                    wanted = need[NEED_HEAD + 2 * t]
-                    if int(self.tables[t, T_ROWS]) + wanted > int(self.tables[t, T_ROW_LIMIT]):
-                        self._make_room(t, step, wanted, out[out >= 0], t in over_done)
+                for t, s in enumerate(self.settings):
+                    if need.table_rows[t] + need.new_rows[t] > s.row_limit:
+                        self._make_room(t, step, need.new_rows[t], out[out >= 0], t in over_done)
                         over_done.add(t)
                 grown = False
             elif rc == Outcome.LONG_PROBE:
                 if rekeyed:  # a second long chain right after a new salt: the index is too full
                     self._rehash(int(self.buckets.shape[0] * 2))
                 else:
-                    self.rekey(need[6])
+                    self.rekey(need.long_table)
                 rekeyed = True
             else:
                 raise StoreError(f"tables {self.names()}: find_or_insert failed with outcome {rc} (internal error)")
@@ -302,9 +355,25 @@ class DynamicGroup(DynamicEdits, GroupBase):
         return self._index.find(self, keys, tids, rows_only=False, hits=True)[1]
 
     # ---------------------------------------------------------------- growth
-    def _grow_for(self, new_entries: int, new_rows: int) -> None:
-        """Grows the index (to under MAX_LOAD, x1.5 at least) and the rows (x1.5) to fit this many more."""
-        need = int(self.scalars[G_ENTRIES]) + new_entries
+    def _state_now(self) -> tuple[int, int, int]:
+        """(entries, row_hwm, free rows listed): as the last call reported them, else read once."""
+        if self._known is None:
+            self._known = tuple(self.scalars.tolist())
+        return self._known
+
+    def _room_for(self, n: int) -> None:
+        """Grows the group ahead of a call of `n` keys that might not fit (were every key new and every
+        one a row): the call then needs no second try for room, and its one read tells all.  The
+        rows grow ahead by at most one batch more than they turn out to need."""
+        entries, hwm, nfree = self._state_now()
+        if entries + n > self.max_entries() or hwm + max(0, n - nfree) > self.rows.shape[0]:
+            self._grow_for(n, n, ahead=True)
+
+    def _grow_for(self, new_entries: int, new_rows: int, ahead: bool = False) -> None:
+        """Grows the index (to under MAX_LOAD, x1.5 at least) and the rows (x1.5) to fit this many
+        more (`ahead`: a guess, so rows stop at the tables' capacities instead of raising)."""
+        entries, row_hwm, nfree = self._state_now()
+        need = entries + new_entries
         nb = self.buckets.shape[0]
         if need > int(nb * MAX_LOAD):
             nb = max(math.ceil(need / MAX_LOAD), int(nb * _GROWTH))
@@ -313,8 +382,10 @@ class DynamicGroup(DynamicEdits, GroupBase):
                 raise CapacityError(f"tables {self.names()}: {need} keys exceed the index limit of one group "
                                     f"({int(_MAX_BUCKETS * MAX_LOAD)})")
             self._rehash(nb)
-        hwm = int(self.scalars[G_ROW_HWM]) + max(0, new_rows - int(self.scalars[G_NUM_FREE]))
+        hwm = row_hwm + max(0, new_rows - nfree)
         limit = self._rows_limit()
+        if ahead:
+            hwm = min(hwm, limit)
         if hwm > limit:
             raise CapacityError(f"tables {self.names()}: {hwm} rows exceed the {limit} row slots of one group")
         if hwm > self.rows.shape[0]:
@@ -332,10 +403,10 @@ class DynamicGroup(DynamicEdits, GroupBase):
         if self.device.type == "meta":  # shapes only (memory planning): no records to move
             self.buckets = new
             return
+        expected = self._state_now()[0]
         moved = self._index.rehash(self, new)
-        if moved != int(self.scalars[G_ENTRIES]):
-            raise StoreError(f"tables {self.names()}: rehash moved {moved} keys, expected "
-                             f"{int(self.scalars[G_ENTRIES])} (internal error)")
+        if moved != expected:
+            raise StoreError(f"tables {self.names()}: rehash moved {moved} keys, expected {expected} (internal error)")
         self.buckets = new
 
     def rekey(self, t: int) -> None:
@@ -346,7 +417,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
         self._rehash(self.buckets.shape[0])
 
     def _grow_rows(self, rows: int) -> None:
-        used = int(self.scalars[G_ROW_HWM])
+        used = self._state_now()[1]
         grown = _alloc.empty((rows, self.rows.shape[1]), self.rows.dtype, self.device)
         if self.device.type == "meta":
             self.rows = grown
@@ -366,6 +437,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
                            torch.arange(hwm, hwm + m - take, device=self.device)])
         self.scalars[G_NUM_FREE] = nf - take
         self.scalars[G_ROW_HWM] = hwm + m - take
+        self._known = None
         return slots
 
     def release_rows(self, slots: torch.Tensor) -> None:
@@ -374,6 +446,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
         nf = int(self.scalars[G_NUM_FREE])
         self.free_rows = torch.cat([self.free_rows[:nf], slots.to(torch.int32)]).sort(descending=True).values
         self.scalars[G_NUM_FREE] = self.free_rows.numel()
+        self._known = None
 
     # ---------------------------------------------------------------- memory
     def memory_breakdown(self) -> dict[str, int]:

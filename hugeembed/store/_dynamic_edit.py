@@ -49,6 +49,7 @@ class DynamicEdits:
         self.release_rows(slots)
         self.tables[t, T_ROWS] -= slots.numel()
         self.tables[t, T_PENDING] -= pending
+        self._known = None
         if slots.numel():  # a slot released before now may hold another key later
             self.pins.epoch += 1
 
@@ -122,6 +123,7 @@ class DynamicEdits:
         if missing:
             raise StoreError(f"tables {self.names()}: {missing} expired keys were not present (internal error)")
         self.release_rows(g_codes[g_rows])
+        self._known = None
         self.tables[:, T_ROWS] -= torch.tensor(per_rows, dtype=torch.int64)
         self.tables[:, T_PENDING] -= torch.tensor(per_pend, dtype=torch.int64)
         if sum(per_rows):
@@ -130,11 +132,14 @@ class DynamicEdits:
 
     def forget_pending(self, step: int) -> int:
         """Forgets the least seen pending keys of each table past its max_pending; returns how many."""
+        return self._forget_pending(step, self.tables[:, T_PENDING].tolist())
+
+    def _forget_pending(self, step: int, pending: list[int]) -> int:
         done = 0
         for t, s in enumerate(self.settings):
-            if s.admit_min_count == 1:  # no counter filter: no pending keys (and no read per call)
+            if s.admit_min_count == 1:  # no counter filter: no pending keys
                 continue
-            n = pending_victims(self.table_pending(t), s.pending_limit)
+            n = pending_victims(pending[t], s.pending_limit)
             if n:
                 self.evict(t, step, policy=s.eviction_policy, pending_excess=n)
                 done += n
@@ -231,6 +236,7 @@ class DynamicEdits:
         codes = torch.cat([slots, torch.full_like(exp.pending_keys, PENDING)])
         self._index.insert(self, allk, tids, codes, torch.cat([exp.counts, exp.pending_counts]),
                            torch.cat([exp.last_step, exp.pending_last_step]))
+        self._known = None
         if self.has_rows:  # a key index's tier writes the rows
             self.rows[slots] = exp.rows.to(self.layout.storage_dtype)
         self.tables[t, T_ROWS] += n

@@ -23,7 +23,8 @@ import torch
 from .._hashing import logical_shift_right, mix64, mix64_int
 
 __all__ = ["Outcome", "EMPTY_TABLE", "PENDING", "WORDS", "G_ENTRIES", "G_ROW_HWM", "G_NUM_FREE", "G_LEN", "T_ROWS",
-           "T_PENDING", "T_ROW_LIMIT", "T_ADMIT_K", "T_HASH_KEY", "T_LEN", "NEED_HEAD", "pack", "code_of", "count_of",
+           "T_PENDING", "T_ROW_LIMIT", "T_ADMIT_K", "T_HASH_KEY", "T_LEN", "NEED_HEAD", "Need", "need_length", "pack",
+           "code_of", "count_of",
            "new_buckets", "home", "hash_key", "MAX_SLOTS", "PROBE_LIMIT"]
 
 WORDS = 4
@@ -39,9 +40,29 @@ PROBE_LIMIT = 1024
 G_ENTRIES, G_ROW_HWM, G_NUM_FREE, G_LEN = 0, 1, 2, 3
 T_ROWS, T_PENDING, T_ROW_LIMIT, T_ADMIT_K, T_HASH_KEY, T_LEN = 0, 1, 2, 3, 4, 5
 # need[] of a find-or-insert: entries, rows, pending, made, dup key, dup table, long table, longest
-# probe; then per table (new rows, new pending keys).
+# probe; per table (new rows, new pending keys); the group after the call (entries, row_hwm, free
+# rows listed); per table after it (rows, pending keys).  Read once: Need.
 NEED_HEAD = 8
 _GOLDEN = 0x9E3779B97F4A7C15
+
+
+def need_length(tables: int) -> int:
+    return NEED_HEAD + 4 * tables + 3
+
+
+class Need:
+    """A find-or-insert's need[] read once (the layout above)."""
+
+    def __init__(self, values: list[int], tables: int) -> None:
+        T, h = tables, NEED_HEAD
+        self.entries, self.rows, self.pending, self.made = values[:4]
+        self.dup_key, self.dup_table, self.long_table, self.longest = values[4:8]
+        self.new_rows = values[h : h + 2 * T : 2]
+        self.new_pending = values[h + 1 : h + 2 * T : 2]
+        after = values[h + 2 * T :]
+        self.state = tuple(after[:3])  # the group's entries, row_hwm, free rows listed after the call
+        self.table_rows = after[3::2]
+        self.table_pending = after[4::2]
 
 
 class Outcome(enum.IntEnum):

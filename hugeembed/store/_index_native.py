@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import _native
-from ..errors import StoreError
-from ._index import NEED_HEAD, PROBE_LIMIT, Outcome
+from ..errors import InputError, StoreError
+from ._index import PROBE_LIMIT, Need, Outcome, need_length
 
 __all__ = ["NativeIndex"]
 
@@ -20,13 +20,17 @@ def _group(g, buckets: torch.Tensor | None = None) -> list:
     return [g.buckets if buckets is None else buckets, g.free_rows, g.scalars, g.tables]
 
 
-def _call(g, kernel: str, bufs, ints) -> int:
-    """_native.call; a refusal of the group's arrays (corrupt) raised as a StoreError naming its tables."""
+def _call(g, kernel: str, bufs, ints, tids: torch.Tensor | None = None) -> int:
+    """_native.call; a count below 1 raised as the InputError naming its table, a refusal of the
+    group's arrays (corrupt) as a StoreError naming its tables."""
     try:
         return _native.call(kernel, bufs, ints)
     except _native.KernelError as e:
         if e.status != _native.Status.BAD_VALUE:
             raise
+        if tids is not None and e.detail[2] == 1:
+            raise InputError(f"table '{g.settings[int(tids[e.detail[0]])].name}': counts must be >= 1 (occurrences "
+                             f"in the batch), got {e.detail[1]}") from None
         raise StoreError(f"tables {g.names()}: {e}") from None
 
 
@@ -55,19 +59,19 @@ class NativeIndex:
         _call(g, "he_group_find", _group(g) + [keys, tids, codes, counts], [g.rows_capacity(), int(rows_only)])
         return codes, counts
 
-    def find_or_insert(self, g, keys, tids, counts, admit, step: int, out, hits, init) -> tuple[Outcome, list, tuple]:
+    def find_or_insert(self, g, keys, tids, counts, admit, step: int, out, hits, init) -> tuple[Outcome, Need, tuple]:
         """(outcome, need, the new rows' (slots, keys, tables)); `init`: (storage, kinds, params,
         state rows, W, dim, state width) when the kernel initialises rows, else None."""
-        n = keys.numel()
+        n, T = keys.numel(), g.tables.shape[0]
         scratch, dup_set = self._buffers(n)
-        need = torch.zeros(NEED_HEAD + 2 * g.tables.shape[0], dtype=torch.int64)
+        need = torch.zeros(need_length(T), dtype=torch.int64)
         storage, kinds, params, state, W, dim, sw = init if init is not None else (None, None, None, None, 0, 0, 0)
         rc = Outcome(_call(g, "he_group_find_or_insert",
                            _group(g) + [keys, tids, counts, admit, out, hits, scratch, dup_set, need, storage, kinds,
                                         params, state],
-                           [g.rows_capacity(), step, g.max_entries(), PROBE_LIMIT, W, dim, sw]))
-        need = need.tolist()
-        made = need[3] if rc == Outcome.DONE else 0
+                           [g.rows_capacity(), step, g.max_entries(), PROBE_LIMIT, W, dim, sw], tids))
+        need = Need(need.tolist(), T)  # the one read of the call
+        made = need.made if rc == Outcome.DONE else 0
         return rc, need, (scratch[3 * n : 3 * n + made], scratch[4 * n : 4 * n + made],
                           scratch[5 * n : 5 * n + made])
 

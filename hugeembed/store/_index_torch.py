@@ -3,7 +3,7 @@ specification csrc/group_index.cpp implements, the tests' second implementation 
 DictStore oracle, and the fallback on devices without kernels.
 
 Written to be read, not tuned: probing advances every unresolved key over a window of buckets
-that doubles each round, and each round reads the device once.  New records go into the first
+that doubles each round (32 to 128), and each round reads the device once.  New records go into the first
 empty bucket on their path; keys that want the same empty bucket are settled by a stable sort:
 the lowest batch position wins, the others move on (so the result never depends on scheduling).
 Row slots are handed out in batch order, smallest free slot first, exactly as the kernels do.
@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError, StoreError
 from ._index import (EMPTY_TABLE, G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING, PROBE_LIMIT, T_ADMIT_K,
-                     T_HASH_KEY, T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, code_of, count_of, home, new_buckets, pack)
+                     T_HASH_KEY, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, code_of, count_of, home, new_buckets,
+                     pack)
 
 __all__ = ["TorchIndex"]
 
-_MAX_WINDOW = 32
+# Each round looks at a window of buckets per key: 32 at first (at the 0.6 load factor the longest
+# probe among tens of thousands of keys is about that), doubling to 128, so a call takes one or two
+# rounds whatever the group's size.
+_FIRST_WINDOW, _MAX_WINDOW = 32, 128
 
 
 def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
@@ -36,7 +41,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     start = _homes(g, keys, tids)
     idx, p = torch.arange(n, device=dev), start.clone()
     bkeys, btabs = g.buckets[:, 0], g.buckets[:, 1]
-    width = 1
+    width = _FIRST_WINDOW
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         stop = ((bkeys[win] == keys[idx, None]) & (btabs[win] == tids[idx, None])) | (btabs[win] == EMPTY_TABLE)
@@ -59,7 +64,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> 
     B, dev = buckets.shape[0], records.device
     idx, p = torch.arange(records.shape[0], device=dev), start.clone()
     btabs = buckets[:, 1]
-    width = 1
+    width = _FIRST_WINDOW
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         empty = btabs[win] == EMPTY_TABLE
@@ -79,11 +84,42 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> 
         width = min(2 * width, _MAX_WINDOW)
 
 
-def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
-    from ..errors import StoreError  # (errors imports nothing of ours: no cycle)
+def _state(g, need: list[int]) -> Need:
+    """`need` with the group's state after the call appended, as the kernel reports it."""
+    after = g.scalars.tolist() + g.tables[:, [T_ROWS, T_PENDING]].reshape(-1).tolist()
+    return Need(need + after, g.tables.shape[0])
 
+
+def place_all(buckets: torch.Tensor, records: torch.Tensor, homes: torch.Tensor) -> None:
+    """Writes records int64 [n, 4] (unique pairs) with their `homes` into EMPTY `buckets`, as linear
+    probing places them: sorted by home, each at ``max(home, the one before + 1)`` (one cummax, not a
+    round per bucket); the records pushed past the end wrap to the front, ahead of the rest, until
+    none is left past it.  Any insertion order gives the same occupied buckets: this layout is valid."""
+    n, B, dev = records.shape[0], buckets.shape[0], records.device
+    rest = torch.argsort(homes, stable=True)
+    wrapped = rest[:0]
+    i = torch.arange(n, device=dev)
+    while True:
+        order = torch.cat([wrapped, rest])
+        start = torch.cat([torch.zeros_like(wrapped), homes[rest]])
+        pos = torch.cummax(start - i, 0).values + i
+        over = int((pos >= B).sum())  # a read per pass: one pass, two when the end cluster wraps
+        if over == 0:
+            buckets[pos] = records[order]
+            return
+        wrapped, rest = torch.cat([wrapped, rest[rest.numel() - over:]]), rest[: rest.numel() - over]
+
+
+def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """The kernel's checks: a table column naming a table of the group (else our bug), counts >= 1."""
     if tids.numel() and (bool((tids < -1).any()) or bool((tids >= g.tables.shape[0]).any())):
         raise StoreError("group index: a table column entry names no table of the group (internal error)")
+    if counts is not None:
+        bad = ((counts < 1) & (tids >= 0)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise InputError(f"table '{g.settings[int(tids[i])].name}': counts must be >= 1 (occurrences in the "
+                             f"batch), got {int(counts[i])}")
 
 
 class TorchIndex:
@@ -111,7 +147,7 @@ class TorchIndex:
         rows' (slots, keys, tables)).  `init` is not used: the group initialises the new rows."""
         _check(g, tids, counts)
         T, dev = g.tables.shape[0], keys.device
-        need = [0] * (NEED_HEAD + 2 * T)
+        need = [0] * NEED_HEAD + [0] * (2 * T)
         need[6] = -1
         out.fill_(-1)
         sel = (tids >= 0).nonzero().squeeze(1)
@@ -133,6 +169,7 @@ class TorchIndex:
                 need[7], need[6] = longest, int(t[probes.argmax()])
         rows_t = torch.bincount(t[made_new | promote], minlength=T).tolist()
         pend_t = torch.bincount(t[new & ~made_new], minlength=T).tolist()
+        promoted_t = torch.bincount(t[promote], minlength=T)
         for j in range(T):
             need[NEED_HEAD + 2 * j], need[NEED_HEAD + 2 * j + 1] = rows_t[j], pend_t[j]
         need[0], need[1], need[2] = int(new.sum()), sum(rows_t), sum(pend_t)
@@ -145,16 +182,16 @@ class TorchIndex:
             if bool((cnt > 1).any()):
                 dup = uniq[cnt > 1][0]
                 need[4], need[5] = int(dup[1]), int(dup[0])
-                return Outcome.DUPLICATE_KEY, need, ()
+                return Outcome.DUPLICATE_KEY, _state(g, need), ()
         tab = g.tables
-        if any(int(tab[j, T_ROWS]) + rows_t[j] > int(tab[j, T_ROW_LIMIT]) for j in range(T)):
-            return Outcome.OVER_LIMIT, need, ()
+        if bool((tab[:, T_ROWS] + torch.tensor(rows_t) > tab[:, T_ROW_LIMIT]).any()):
+            return Outcome.OVER_LIMIT, _state(g, need), ()
         if need[7] > PROBE_LIMIT:
-            return Outcome.LONG_PROBE, need, ()
+            return Outcome.LONG_PROBE, _state(g, need), ()
         st = g.scalars
         if int(st[G_ENTRIES]) + need[0] > g.max_entries() or \
                 int(st[G_ROW_HWM]) + max(0, need[1] - int(st[G_NUM_FREE])) > g.rows_capacity():
-            return Outcome.MUST_GROW, need, ()
+            return Outcome.MUST_GROW, _state(g, need), ()
         # commit: counts and last steps of the keys found, slots in batch order, new records
         gets_row = made_new | promote
         slots = g.take_rows(int(gets_row.sum()))
@@ -167,10 +204,10 @@ class TorchIndex:
         claim(g.buckets, rec, pos[new])
         st[G_ENTRIES] += int(new.sum())
         tab[:, T_ROWS] += torch.tensor(rows_t, dtype=torch.int64)
-        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - torch.bincount(t[promote], minlength=T).cpu()
+        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - promoted_t.cpu()
         out[sel] = torch.where(code_now >= 0, code_now, -1)
         need[3] = slots.numel()
-        return Outcome.DONE, need, (slots, k[gets_row], t[gets_row])
+        return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row])
 
     def insert(self, g, keys, tids, codes, counts, lasts) -> None:
         rec = torch.stack([keys, tids, pack(codes.to(torch.int64), counts), lasts], 1)
@@ -189,10 +226,8 @@ class TorchIndex:
         missing = keys.numel() - int(gone.sum())
         keep = rec[~gone]
         new_buckets(b.shape[0], b.device, out=b)
-        g.scalars[G_ENTRIES] = 0
-        if keep.shape[0]:
-            claim(b, keep, _homes(g, keep[:, 0], keep[:, 1]))
-            g.scalars[G_ENTRIES] = keep.shape[0]
+        place_all(b, keep, _homes(g, keep[:, 0], keep[:, 1]))
+        g.scalars[G_ENTRIES] = keep.shape[0]
         return missing
 
     def rehash(self, g, new: torch.Tensor) -> int:
@@ -200,8 +235,7 @@ class TorchIndex:
         tables' hash keys now; returns the records moved (the group then takes `new`)."""
         rec = g.buckets[g.buckets[:, 1] != EMPTY_TABLE]
         new_buckets(new.shape[0], new.device, out=new)
-        if rec.shape[0]:
-            claim(new, rec, _homes(g, rec[:, 0], rec[:, 1], new.shape[0]))
+        place_all(new, rec, _homes(g, rec[:, 0], rec[:, 1], new.shape[0]))
         g.scalars[G_ENTRIES] = rec.shape[0]
         return rec.shape[0]
 

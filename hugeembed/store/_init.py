@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -275,10 +276,15 @@ def init_rows_native(init: Initializer, keys: torch.Tensor, dim: int, seed: int,
     if n == 0:
         return True
     stride = out.stride(0) if out.dim() == 2 else dim  # a column view's rows lie stride(0) apart
-    params = torch.tensor(list(params) + [0.0] * (6 - len(params)), dtype=torch.float64)
-    _native.call("he_init_rows", [keys, _native.rows(out) if out.dim() == 2 else out, rows, params],
+    _native.call("he_init_rows", [keys, _native.rows(out) if out.dim() == 2 else out, rows, _params(params)],
                  [kind, _signed(seed), dim, stride])
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _params(params: tuple[float, ...]) -> torch.Tensor:
+    """An initializer's parameters as the kernel reads them (made once per distinct set)."""
+    return torch.tensor(list(params) + [0.0] * (6 - len(params)), dtype=torch.float64)
 
 
 # `--init` / TableConfig specs: the distributions a user picks by name, with their one scale.

@@ -136,13 +136,13 @@ class TableSettings:
         find-or-insert changes anything, so that one that raises changes nothing."""
         return type(self.initializer) not in _BUILTIN_INITIALIZERS
 
-    def state_template(self) -> torch.Tensor | None:
-        """One row of the state new rows start with (float32 [1, S]), or None when init_state does
+    def state_template(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """One row of the state new rows start with (`dtype` [1, S]), or None when init_state does
         not mark itself row-independent (store.row_independent): then it runs on every new block."""
         lay = self.layout
         if not getattr(self.init_state, "row_independent", self.init_state is None):
             return None
-        row = torch.zeros(1, lay.state_width, dtype=torch.float32)
+        row = torch.zeros(1, lay.state_width, dtype=dtype)
         if self.init_state is not None and lay.state_width:
             self.init_state(row)
         return row

@@ -16,7 +16,7 @@ PACKAGE_DIR = Path(hugeembed.__file__).parent
 # Layers, bottom first.  A module may import from its own layer and any layer
 # before it in this list, never from one after it (docs/architecture.md, rules).
 LAYERS = [
-    {"errors", "types", "_native", "_hashing", "_durable", "_format", "_device", "_kernels", "_kernels_avx2",
+    {"errors", "types", "_native", "_hashing", "_tensors", "_durable", "_format", "_device", "_kernels", "_kernels_avx2",
      "__version__"},
     {"features"},
     {"functional"},

@@ -61,56 +61,68 @@ def test_a_row_strided_view_goes_over_as_its_span():
 
 # ---- the store and optimizer kernels under the convention ----
 
-from hugeembed.errors import StoreError  # noqa: E402
-from hugeembed.store import ArrayStore, HashStore, find_or_insert_many  # noqa: E402
-from hugeembed.store._array import touch_many  # noqa: E402
+from hugeembed.errors import InputError, StoreError  # noqa: E402
+from hugeembed.store import ArrayStore, DynamicGroup, HashStore, TableSettings, RowLayout  # noqa: E402
 from hugeembed.optim import _native_ops  # noqa: E402
 
 
-def _hash(name, **kw):
-    return HashStore(dim=4, name=name, backend="native", **kw)
-
-
-def _state(s):
-    return [t.clone() for t in (s._buckets, s._free, s._st, s._storage)]
+def _state(g):
+    return [t.clone() for t in (g.buckets, g.free_rows, g.scalars, g.tables, g.rows)]
 
 
 def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_a_corrupt_hash_store_is_refused_by_the_kernel_and_left_as_it_was():
-    s = _hash("users")
+def test_a_corrupt_group_index_is_refused_by_the_kernel_and_left_as_it_was():
+    s = HashStore(dim=4, name="users", backend="native")
     s.find_or_insert(torch.arange(10), step=1)
-    s._st[2] = s._free.numel() + 5  # more free rows listed than the free list holds
-    before = _state(s)
-    with pytest.raises(StoreError, match="table 'users': he_hs_find.*inconsistent"):
+    g = s.group
+    g.scalars[2] = g.free_rows.numel() + 5  # more free rows listed than the free list holds
+    before = _state(g)
+    with pytest.raises(StoreError, match=r"tables \['users'\]: he_group_find.*inconsistent"):
         s.find(torch.arange(3))
-    with pytest.raises(StoreError, match="table 'users': he_hs_find_or_insert.*inconsistent"):
+    with pytest.raises(StoreError, match=r"tables \['users'\]: he_group_find_or_insert.*inconsistent"):
         s.find_or_insert(torch.arange(20, 25), step=2)
-    assert _same(_state(s), before)
+    assert _same(_state(g), before)
 
 
-def test_many_tables_with_one_corrupt_change_none_and_name_it():
-    good, bad = _hash("items"), _hash("ads")
-    for s in (good, bad):
-        s.find_or_insert(torch.arange(5), step=1)
-    bad._st[1] = bad._storage.shape[0] + 1  # more rows handed out than the storage holds
-    before = [_state(good), _state(bad)]
-    with pytest.raises(StoreError, match="table 'ads': he_hs_find_or_insert_many.*inconsistent"):
-        find_or_insert_many([good, bad], [torch.arange(3, 9), torch.arange(3, 9)], step=2)
-    assert _same(_state(good), before[0]) and _same(_state(bad), before[1])
+def test_a_group_call_with_a_bad_count_changes_no_table_and_names_the_position():
+    lay = RowLayout(4, torch.float32)
+    g = DynamicGroup([TableSettings("items", lay), TableSettings("ads", lay)], backend="native")
+    g.find_or_insert(torch.tensor([0, 1]), torch.arange(2), step=1)
+    before = _state(g)
+    with pytest.raises(InputError, match="table 'ads': counts must be >= 1 .*got 0"):
+        g.find_or_insert(torch.tensor([0, 0, 1, 1]), torch.arange(4), step=2, counts=torch.tensor([1, 1, 1, 0]))
+    assert _same(_state(g), before)
 
 
-def test_touch_many_with_a_bad_key_writes_no_table():
-    a, b = ArrayStore(num_rows=8, dim=2, name="a"), ArrayStore(num_rows=4, dim=2, name="b")
-    ka, kb = torch.arange(4), torch.tensor([0, 9])
-    oa, ob = torch.empty(4, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
-    meta = [a._meta.clone(), b._meta.clone()]
-    assert touch_many([a._touch_row(ka, None, oa), b._touch_row(kb, None, ob)], step=3) == 1
-    assert torch.equal(a._meta, meta[0]) and torch.equal(b._meta, meta[1])
-    assert touch_many([a._touch_row(ka, None, oa)], step=3) is None
-    assert torch.equal(oa, ka) and a._meta[:4, 1].eq(3).all()
+def test_a_table_column_naming_no_table_of_the_group_is_our_bug_and_writes_nothing():
+    s = HashStore(dim=4, name="users", backend="native")
+    before = _state(s.group)
+    with pytest.raises(_native.KernelError, match="table 1 at position 0 is not one of the group's 1") as info:
+        s.group.find_or_insert(torch.tensor([1]), torch.tensor([7]), step=1)
+    assert info.value.status == _native.Status.BAD_CALL
+    assert _same(_state(s.group), before)
+
+
+def test_static_touch_with_a_bad_key_writes_no_table():
+    a = ArrayStore(num_rows=8, dim=2, name="a")
+    g = a.group
+    meta = g.meta.clone()
+    with pytest.raises(InputError, match="table 'a': key 9 is outside"):
+        g.touch(torch.tensor([0, 0, 0]), torch.tensor([1, 2, 9]), step=3)
+    assert torch.equal(g.meta, meta)
+    out = g.touch(torch.tensor([0, -1, 0]), torch.tensor([1, 5, 2]), step=3)
+    assert out.tolist() == [1, -1, 2] and g.meta[[1, 2], 1].eq(3).all() and g.meta[5].eq(0).all()
+
+
+def test_static_touch_refuses_tables_that_do_not_fit_its_meta():
+    meta, info = torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[0, 5, 0, 1]])
+    keys, out = torch.tensor([3]), torch.empty(1, dtype=torch.int64)
+    with pytest.raises(_native.KernelError, match="do not fit 1 rows"):
+        _native.call("he_static_touch", [meta, info, keys, torch.zeros(1, dtype=torch.int64), None, out], [1, 1, 1])
+    assert meta.eq(0).all()
 
 
 def test_init_rows_refuses_a_row_outside_its_output_and_writes_nothing():
@@ -189,13 +201,6 @@ def test_an_optimizer_kernel_refuses_rows_too_narrow_for_its_state():
         _native_ops.run("he_optim_momentum", storage, torch.tensor([3]), torch.ones(1, 8), 8, ints=(0,),
                         reals=(0.1, 0.9, 0.0))
     assert storage.eq(1).all()
-
-
-def test_touch_many_refuses_more_rows_than_its_meta_holds():
-    meta, keys, out = torch.zeros(1, 2, dtype=torch.int64), torch.tensor([5]), torch.empty(1, dtype=torch.int64)
-    with pytest.raises(_native.KernelError, match="rows, meta holds 1"):
-        _native.call("he_array_touch_many", [meta, keys, None, out], [1, 2**63 - 1])
-    assert meta.eq(0).all()
 
 
 def test_integer_arguments_outside_int64_are_refused_not_wrapped():
