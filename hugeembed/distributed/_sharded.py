@@ -28,7 +28,8 @@ import torch
 from .._device import canonical_device
 from ..errors import ConfigError, ShardingError
 from ..features import SparseFeatures
-from ..functional import FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, PooledEmbeddings, TableSpec
+from ..functional import (FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, LookupPlan, PooledEmbeddings,
+                          TableSpec)
 from ..nn import EmbeddingCollection, TableConfig
 from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
@@ -162,7 +163,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         return "row"
 
     def _build_routes(self) -> None:
-        full = self.lookup.plan
+        # the collection's plan with its tables in their own order (the lookup's is in group order):
+        # the same features and dim groups, feature_table naming collection tables
+        full = LookupPlan([TableSpec(t.name, t.dim, num_rows=t.num_rows, max_norm=t.max_norm) for t in self.tables],
+                          self.lookup.plan.features)
         T = len(self.tables)
         kinds = [self._route_kind(t) for t in range(T)]
         local = [t for t in range(T) if kinds[t] != "pool"]

@@ -103,7 +103,7 @@ class TableEdges:
     def shared_slot(self, t: int) -> int | None:
         """The slot (into :meth:`rows_of`) of table `t`'s shared row (TableConfig.shared_row), None if
         it has none (yet)."""
-        if not self.tables[t].shared_row:
+        if not self.tables[t].shared_row or self.placement.where[t] is None:
             return None
         g, local = self.placement.where[t]
         one = torch.tensor([local], dtype=torch.int64, device=self.device)
@@ -136,9 +136,10 @@ class TableEdges:
         out = {}
         for t, (cfg, store) in enumerate(self.stores()):
             if cfg.num_rows is None and (tables is None or cfg.name in tables):
-                span = self.placement.span_of[self.group_index(t)]
+                held = self.placement.where[t] is not None  # (a shard held elsewhere evicts nothing here)
+                protect = self._protected(self.placement.span_of[self.group_index(t)]) if held else None
                 out[cfg.name] = store.evict(self._step, ttl=ttl, max_rows=max_rows, policy=policy, min_norm=min_norm,
-                                            protect=self._protected(span))
+                                            protect=protect)
         return out
 
     # -- rows brought current (global Adam) ----------------------------------------------------------

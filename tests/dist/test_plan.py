@@ -87,11 +87,11 @@ def test_estimate_matches_an_independent_formula():
     assert e.bytes == 1000 * (16 + 32) * 4 + 1000 * 16  # Adam keeps m and v per row
     assert e.ids_per_step == 64 * 2 and e.cost == 64 * 2 * 16
     d = estimate_table(TableConfig("u", 8, capacity=500, dtype=torch.float16), RowWiseAdagrad(lr=0.1))
-    # fp16 weights packed into 4 float32 columns + 1 float32 accumulator; 24-byte bucket at load 0.6
-    assert d.bounded and d.bytes == pytest.approx(500 * ((4 + 1) * 4 + 40.0))
+    # fp16 weights packed into 4 float32 columns + 1 float32 accumulator; 32-byte bucket at load 0.6
+    assert d.bounded and d.bytes == pytest.approx(500 * ((4 + 1) * 4 + 32 / 0.6))
     d16 = estimate_table(TableConfig("u", 8, capacity=500, dtype=torch.float16, state_dtype=torch.float16),
                          RowWiseAdagrad(lr=0.1))
-    assert d16.bytes == pytest.approx(500 * ((8 + 1) * 2 + 40.0))
+    assert d16.bytes == pytest.approx(500 * ((8 + 1) * 2 + 32 / 0.6))
     hint = estimate_table(TableConfig("u", 8), SGD(lr=0.1), expected_rows={"u": 70})
     assert hint.rows == 70 and hint.bounded
     assert not estimate_table(TableConfig("u", 8), SGD(lr=0.1)).bounded

@@ -118,7 +118,7 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour(dtype):
     xs = torch.tensor([1.0 + 0.3 * ulp1, -(3.0 + 2 * 0.7 * ulp1), 1.0 + 0.02 * ulp1, 0.37 * tiny, 2.0 - 0.5 * ulp1])
     xs = xs.float()
     draws = 4000
-    got = torch.stack([round_stochastic(xs[None], dtype, seed=11, step=s, slots=torch.tensor([2]))[0]
+    got = torch.stack([round_stochastic(xs[None], dtype, seeds=11, step=s, keys=torch.tensor([2]))[0]
                        for s in range(1, draws + 1)])  # [draws, 5]
     near = xs.to(dtype).float()
     other = torch.nextafter(xs.to(dtype), torch.where(near < xs, torch.tensor(float("inf")),
@@ -134,16 +134,16 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour(dtype):
 
 def test_stochastic_rounding_keeps_exact_and_non_finite_values_and_is_deterministic():
     x = torch.tensor([[1.0, -2.5, float("inf"), float("nan"), 70000.0, 1e-3]])
-    out = round_stochastic(x, torch.float16, seed=1, step=1, slots=torch.tensor([0]))
+    out = round_stochastic(x, torch.float16, seeds=1, step=1, keys=torch.tensor([0]))
     assert out[0, :2].tolist() == [1.0, -2.5] and out[0, 2] == float("inf") and bool(out[0, 3].isnan())
     assert out[0, 4] == float("inf")  # beyond fp16's range, as round-to-nearest
     y = torch.rand(64, 8) * 3
     sl = torch.arange(64)
-    a = round_stochastic(y, torch.bfloat16, seed=5, step=9, slots=sl)
-    assert torch.equal(a, round_stochastic(y, torch.bfloat16, seed=5, step=9, slots=sl))  # pure function
-    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seed=6, step=9, slots=sl))
-    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seed=5, step=10, slots=sl))
-    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seed=5, step=9, slots=sl + 1))
+    a = round_stochastic(y, torch.bfloat16, seeds=5, step=9, keys=sl)
+    assert torch.equal(a, round_stochastic(y, torch.bfloat16, seeds=5, step=9, keys=sl))  # pure function
+    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seeds=6, step=9, keys=sl))
+    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seeds=5, step=10, keys=sl))
+    assert not torch.equal(a, round_stochastic(y, torch.bfloat16, seeds=5, step=9, keys=sl + 1))
 
 
 def test_sub_half_ulp_updates_survive_stochastic_rounding_and_vanish_to_nearest():

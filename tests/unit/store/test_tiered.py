@@ -93,7 +93,7 @@ def test_tiered_training_equals_in_memory_bit_for_bit(tmp_path_factory, rule, ca
     assert stats["rows_read"] > 0 and stats["rows_written"] > 0  # the budget is small: rows went to disk and back
 
 
-def test_16_bit_tables_with_stochastic_rounding_draw_by_logical_slot(tmp_path):
+def test_16_bit_tables_with_stochastic_rounding_draw_by_key(tmp_path):
     rule = Adagrad(lr=0.2)
     kw = dict(dtype=torch.float16, sr=True)
     mem = EmbeddingCollection(tables(None, 0, None, **kw), optimizer=Adagrad(lr=0.2), seed=3)
