@@ -52,6 +52,9 @@ class FusedEmbeddingLookup:
             group's rows: each call then gives every table of the group that same tensor, and
             the slots index it), or None for a table alone.  A group's tables are consecutive.
             The torch path gathers a group's rows with one op.
+        complete: per table, whether every id of a training lookup gets a row (no slot -1: a
+            table that creates or shares a row for every id); the backward then looks for ids
+            without a row only in the other tables.
 
     Example (static tables, plain tensors)::
 
@@ -63,12 +66,15 @@ class FusedEmbeddingLookup:
     """
 
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *, backend: str = "auto",
-                 row_groups: Sequence[int | None] | None = None) -> None:
+                 row_groups: Sequence[int | None] | None = None, complete: Sequence[bool] | None = None) -> None:
         if backend not in _BACKENDS:
             raise ConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         self.plan = LookupPlan(tables, features)
         self.backend = backend
         self._runs = _runs(self.plan, row_groups)
+        if complete is not None and len(complete) != self.plan.num_tables:
+            raise ConfigError(f"complete has {len(complete)} entries for {self.plan.num_tables} tables")
+        self._complete = [False] * self.plan.num_tables if complete is None else [bool(c) for c in complete]
         self._scratch: NativeScratch | None = None
         self._where: dict[str, tuple[int, int]] = {}
         for g, group in enumerate(self.plan.groups):
@@ -207,7 +213,7 @@ class FusedEmbeddingLookup:
 
     def lookup(self, prep: Prepared, storages: Sequence[torch.Tensor], slots: torch.Tensor, *,
                params: Sequence[torch.Tensor] = (), row_grad_hook: RowGradHook | None = None,
-               runs: list | None = None, slots_known: bool = False) -> PooledEmbeddings:
+               runs: list | None = None) -> PooledEmbeddings:
         """Pools the prepared batch from the row storages, with autograd.
 
         Args:
@@ -221,8 +227,6 @@ class FusedEmbeddingLookup:
                 otherwise ``params[t]`` receives a sparse COO gradient ``[R_t, D_t]``.
             runs: with a hook, no autograd graph: the lookup's state is appended here and its
                 ``backward(grads, False)`` later runs the hook (a custom op's backward, nn/_ops.py).
-            slots_known: the caller vouches that no slot is -1 (every id has a row): the
-                backward then skips its check for ids without a row (a read of the device).
         """
         self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
@@ -241,9 +245,10 @@ class FusedEmbeddingLookup:
                              "their gradient cannot be computed: call prepare() with grad enabled")
         # static tables read through static_slots(): the slots are the ids prepare range-checked,
         # so none is -1 (the backward's check would be a pass over every slot for nothing)
-        slots_known = slots_known or (slots is prep.unique_keys and
-                                      all(spec.num_rows is not None for spec in self.plan.tables))
-        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, slots_known)
+        by_ids = slots is prep.unique_keys
+        unsure = [t for t, spec in enumerate(self.plan.tables)
+                  if not (self._complete[t] or (by_ids and spec.num_rows is not None))]
+        run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, unsure)
         run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)
@@ -283,9 +288,10 @@ class _LookupRun:
     """State of one lookup between forward and backward."""
 
     def __init__(self, owner: FusedEmbeddingLookup, prep: Prepared, storages, slots, params, hook,
-                 slots_known: bool = False) -> None:
+                 unsure: list[int]) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
-        self.params, self.hook, self.runs, self.slots_known = params, hook, owner._runs, slots_known
+        # the tables whose ids may have no row (slot -1): the backward looks for those in them only
+        self.params, self.hook, self.runs, self.unsure = params, hook, owner._runs, unsure
         self.native = prep.native and _storages_native_ok(storages)
         self.dtypes = owner.output_dtypes(storages)
         self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
@@ -349,16 +355,17 @@ class _LookupRun:
         out: list[torch.Tensor | None] = [None] * len(self.params)
         table_slots = prep.per_table(self.slots)
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
-        # all tables (one host sync per step, none when the caller knows every id has a row), per
+        # the tables whose ids may lack a row (one host sync per step, none when none may), per
         # table only when some id has no row
-        some_unknown = False if self.slots_known or not table_slots else bool((torch.cat(table_slots) < 0).any())
+        unsure = [table_slots[t] for t in self.unsure if table_slots[t].numel()]
+        some_unknown = bool((torch.cat(unsure) < 0).any()) if unsure else False
         # a hook with a `many` method takes every table's rows in one call (it may update
         # tables that share storage together)
         many = getattr(self.hook, "many", None)
         items = []
         for t, grad in enumerate(table_grads):
             slots = table_slots[t]
-            if some_unknown and slots.numel():
+            if some_unknown and slots.numel() and t in self.unsure:
                 known = slots >= 0
                 slots, grad = slots[known], grad[known]
             if self.hook is not None:

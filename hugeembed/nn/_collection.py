@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from .._device import canonical_device
-from .._tensors import repeat_each
 from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
@@ -29,11 +28,12 @@ from ..store._tiered_group import TieredGroup
 from . import _ops
 from ._config import TableConfig
 from ._edges import TableEdges
+from ._fetch import FetchStage
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
-from ._placement import Placement, segment_column, table_settings
-from ._rare import SHARED_ROW_KEY, check_count_scalable
-from ._updates import apply_unit, make_units
+from ._placement import Placement, table_settings
+from ._rare import check_count_scalable
+from ._updates import RowUpdates, apply_unit, make_units
 
 __all__ = ["EmbeddingCollection"]
 
@@ -47,7 +47,7 @@ def output_names(tables: Sequence[TableConfig]) -> list[tuple[str, str, str]]:
     return [(f if readers[f] == 1 else f"{f}@{t.name}", f, t.name) for t in tables for f in t.features]
 
 
-class EmbeddingCollection(TableEdges, nn.Module):
+class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
     """Embedding tables (static or dynamic) looked up together and trained in backward.
 
     Args:
@@ -128,13 +128,14 @@ class EmbeddingCollection(TableEdges, nn.Module):
         specs = [TableSpec(tables[t].name, tables[t].dim, num_rows=tables[t].num_rows, max_norm=tables[t].max_norm)
                  for t in order]
         row_groups = self.placement.row_groups()
-        self.lookup = FusedEmbeddingLookup(specs, feats, backend=backend, row_groups=row_groups)
+        complete = [self._every_id_has_a_row(tables[t]) for t in order]
+        self.lookup = FusedEmbeddingLookup(specs, feats, backend=backend, row_groups=row_groups, complete=complete)
         # pools from rows other than a static table's num_rows: caught-up copies (global Adam's
         # eval) or a tiered table's memory cache
         self._tiered = any(g.kind == "tiered" for g in self.groups)
         self._slots_lookup = FusedEmbeddingLookup(
             [TableSpec(s.name, s.dim, max_norm=s.max_norm) for s in specs], feats, backend=backend,
-            row_groups=row_groups) if self._moving or self._tiered else None
+            row_groups=row_groups, complete=complete) if self._moving or self._tiered else None
         self.lookup.ready(self.device)
         # Autograd needs one tensor that requires grad to route backward into the lookup; it is
         # not a Parameter, so dense optimizers and DDP never see it.
@@ -279,9 +280,8 @@ class EmbeddingCollection(TableEdges, nn.Module):
             return self._slots_lookup.lookup(prep, storages, slots)
         if flight is None:
             return pool.lookup(prep, storages, slots)
-        return pool.lookup(prep, storages, slots, params=[self._anchor], row_grad_hook=_Backward(self, flight, prep,
-                                                                                                  slots),
-                           runs=runs, slots_known=self._every_id_has_a_row(prep))
+        return pool.lookup(prep, storages, slots, params=[self._anchor],
+                           row_grad_hook=RowUpdates(self, flight, prep, slots), runs=runs)
 
     def _static_table_weights(self) -> list[torch.Tensor]:
         """Per lookup position, a static table's weights (its rows of its group): made once."""
@@ -289,110 +289,15 @@ class EmbeddingCollection(TableEdges, nn.Module):
             self._static_weights = [self._stores[t].weights() for t in self.placement.order]
         return self._static_weights
 
-    def _every_id_has_a_row(self, prep) -> bool:
-        """Whether a training fetch gave every id a row (no slot -1), known from the settings alone:
-        static tables (ids range-checked by prepare), and dynamic ones that admit every id at once or
-        map the others to their shared row.  Tiered tables and admission filters may leave ids without."""
-        for p, t in enumerate(self.placement.order):
-            cfg = self.tables[t]
-            if not prep.unique_count[p]:
-                continue
-            if cfg.tiered:
-                return False
-            if cfg.num_rows is None and not cfg.shared_row and (
-                    cfg.admit_min_count > 1 or (cfg.admit_probability is not None and cfg.admit_probability < 1.0)):
-                return False
-        return True
-
-    # -- the fetch stage ----------------------------------------------------------------------
-
-    def _span(self, prep, span) -> tuple[int, int]:
-        """The positions of a span's tables' unique keys in the batch's arrays: [lo, hi)."""
-        return prep.unique_base[span.first], prep.unique_base[span.last] + prep.unique_count[span.last]
-
-    def _fetch(self, prep, training: bool, step: int, flight: InFlight | None) -> torch.Tensor:
-        """Row slots of every unique id of a prepared batch (-1 where a row reads zeros): one call
-        per group, its keys a span of the batch's arrays with a table column beside them."""
-        dev = prep.unique_keys.device
-        slots = torch.empty(prep.capacity, dtype=torch.int64, device=dev)
-        counts = prep.unique_counts.to(torch.int64) if training else None
-        work = []
-        for span in self.placement.spans:
-            lo, hi = self._span(prep, span)
-            if hi > lo:
-                column = segment_column(prep.unique_base[span.first : span.last + 1],
-                                        prep.unique_count[span.first : span.last + 1], lo, hi, dev)
-                work.append((span, lo, hi, column))
-        if training:  # disk writes first: a full disk fails before any table changed
-            for span, lo, hi, column in work:
-                self.groups[span.group].reserve(column, prep.unique_keys[lo:hi])
-        for span, lo, hi, column in work:
-            hits = self._wants_hits(span) and flight is not None
-            got = self._fetch_group(span, column, prep.unique_keys[lo:hi], step, training,
-                                    None if counts is None else counts[lo:hi], hits)
-            slots[lo:hi] = got[0]
-            if flight is not None:
-                flight.pin(span.group, slots, lo, hi)
-                flight.shared[span.group] = got[1]
-                if hits:
-                    flight.hits[span.group] = got[2]
-        return slots
-
-    def _wants_hits(self, span) -> bool:
-        return any(self.tables[t].lr_count_scale is not None for t in span.tables)
-
-    def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False):
-        """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
-        (tables with a shared row: ids without a row of their own get it); shared rows: per table of
-        the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None."""
-        group = self.groups[span.group]
-        cfgs = [self.tables[t] for t in span.tables]
-        n = keys.numel()
-        tail = [i for i, c in enumerate(cfgs) if c.shared_row]
-        if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
-            dev = keys.device
-            keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
-            column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
-            if counts is not None:
-                admit = [cfgs[i].admit_min_count for i in tail]
-                counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
-        out_hits = torch.empty_like(keys) if hits else None
-        got = group.fetch(column, keys, step, counts, hits=out_hits) if training else group.find(column, keys)
-        shared = None
-        if tail:
-            shared = torch.full((len(cfgs),), -1, dtype=torch.int64, device=keys.device)
-            shared[torch.tensor(tail, dtype=torch.int64).to(keys.device, non_blocking=True)] = got[n:]
-            col = column[:n]
-            got = torch.where((got[:n] < 0) & (col >= 0), shared[col.clamp(min=0)], got[:n])
-        return got, shared, None if out_hits is None else out_hits[:n]
-
-    def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
-                    counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Row slots (into :meth:`rows_of`) of the distinct ids ``keys[i]`` of table ``ts[i]``, -1
-        where a row reads zeros: the fetch stage for callers holding keys per table (the sharded
-        owners); one call per group.  Training: new ids get rows, hits counted by `counts`."""
-        out: list[torch.Tensor | None] = [None] * len(ts)
-        by_group: dict[int, list[int]] = {}
-        for i, t in enumerate(ts):
-            by_group.setdefault(self.group_index(t), []).append(i)
-        span_of = self.placement.span_of
-        dev = self.device
-        if training:
-            for g, idx in by_group.items():
-                self.groups[g].reserve(*self._column(span_of[g], [ts[i] for i in idx], [keys[i] for i in idx]))
-        for g, idx in by_group.items():
-            span = span_of[g]
-            column, k = self._column(span, [ts[i] for i in idx], [keys[i] for i in idx])
-            c = torch.cat([counts[i] for i in idx]).to(torch.int64) if counts is not None and idx else None
-            got = self._fetch_group(span, column, k, step, training, c)[0]
-            for i, part in zip(idx, got.split([keys[i].numel() for i in idx])):
-                out[i] = part
-        return [o if o is not None else torch.empty(0, dtype=torch.int64, device=dev) for o in out]
-
-    def _column(self, span, ts: list[int], keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        local = {t: i for i, t in enumerate(span.tables)}
-        k = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=self.device)
-        return repeat_each([local[t] for t in ts], [x.numel() for x in keys], self.device), k
+    @staticmethod
+    def _every_id_has_a_row(cfg: TableConfig) -> bool:
+        """Whether a training fetch gives every id of table `cfg` a row (no slot -1), from its settings
+        alone: static tables (ids range-checked by prepare), and dynamic ones that admit every id at
+        once or map the others to their shared row.  Tiered tables and admission filters may not."""
+        if cfg.tiered:
+            return False
+        return cfg.num_rows is not None or cfg.shared_row or (
+            cfg.admit_min_count == 1 and (cfg.admit_probability is None or cfg.admit_probability >= 1.0))
 
     # -- the update stage -------------------------------------------------------------------
 
@@ -431,56 +336,3 @@ class EmbeddingCollection(TableEdges, nn.Module):
         hold the rows seen after their parent's settled step."""
         alive = [f.step for f in list(self._inflight)]
         return min([self._step, *(s - 1 for s in alive)])
-
-
-class _Backward:
-    """A training lookup's row_grad_hook: every unit's rule applied to the rows its batch read, once
-    each group's rows are confirmed still where the forward read them."""
-
-    def __init__(self, coll: EmbeddingCollection, flight: InFlight, prep, slots: torch.Tensor) -> None:
-        self.coll, self.flight, self.prep, self.slots = coll, flight, prep, slots
-
-    def __call__(self, p: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
-        self.many([(p, slots, grad)])
-
-    def _part(self, p: int, t: int, slots: torch.Tensor, grad: torch.Tensor, unit) -> tuple:
-        """(table, its index in the group, slots, grad, keys, hits) of one table's rows (keys, hits: when
-        needed)."""
-        coll, prep, flight = self.coll, self.prep, self.flight
-        b, n = prep.unique_base[p], prep.unique_count[p]
-        known = None if slots.numel() == n else self.slots[b : b + n] >= 0  # the lookup dropped ids without rows
-        pick = (lambda x: x) if known is None else (lambda x: x[known])
-        g = unit.group
-        keys = pick(prep.unique_keys[b : b + n]) if coll.groups[g].layout.stochastic_rounding else None
-        span = coll.placement.span_of[g]
-        hits = None
-        if coll.tables[t].lr_count_scale is not None:
-            lo = prep.unique_base[span.first]
-            hits = pick(flight.hits[g][b - lo : b - lo + n])
-        return t, span.tables.index(t), slots, grad, keys, hits
-
-    def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        coll, flight = self.coll, self.flight
-        order = coll.placement.order
-        by_unit: dict[int, tuple] = {}
-        touched: dict[int, None] = {}
-        for p, slots, grad in items:
-            t = order[p]
-            touched[coll.group_index(t)] = None
-            unit = coll._units.get(t)
-            if unit is not None:
-                by_unit.setdefault(id(unit), (unit, []))[1].append((p, t, slots, grad))
-        for g in touched:  # before any update: a failure changes no table
-            flight.check(g, coll.groups[g], coll.groups[g].names())
-        failed: set[int] = set()
-        try:
-            for unit, members in by_unit.values():
-                failed.add(unit.group)
-                parts = [self._part(p, t, s, gr, unit) for p, t, s, gr in members]
-                apply_unit(unit, coll.groups[unit.group], parts, [coll._lr(t) for _, t, _, _ in members], flight.step,
-                           flight.shared.get(unit.group))
-                failed.discard(unit.group)
-        finally:  # the rows of the groups updated may go (an update that raised keeps its pins)
-            for g in touched:
-                if g not in failed:
-                    flight.release(g)

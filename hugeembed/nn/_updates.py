@@ -21,7 +21,7 @@ from .._tensors import joined, repeat_each
 from ..optim import SparseOptimizer
 from ._rare import coalesce, count_lr_scale, update_scaled
 
-__all__ = ["UpdateUnit", "make_units", "apply_unit"]
+__all__ = ["UpdateUnit", "make_units", "apply_unit", "RowUpdates"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,56 @@ def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], st
             unit.rule.update(group, slots, grad, lr=lr, step=step, slots_checked=True, keys=keys, seeds=seeds)
         else:
             update_scaled(unit.rule, group, slots, grad, lr=lr, step=step, scale=scale)
+
+
+class RowUpdates:
+    """A training lookup's row_grad_hook: every unit's rule applied to the rows its batch read, once
+    each group's rows are confirmed still where the forward read them."""
+
+    def __init__(self, coll, flight: InFlight, prep, slots: torch.Tensor) -> None:
+        self.coll, self.flight, self.prep, self.slots = coll, flight, prep, slots
+
+    def __call__(self, p: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        self.many([(p, slots, grad)])
+
+    def _part(self, p: int, t: int, slots: torch.Tensor, grad: torch.Tensor, unit) -> tuple:
+        """(table, its index in the group, slots, grad, keys, hits) of one table's rows (keys, hits: when
+        needed)."""
+        coll, prep, flight = self.coll, self.prep, self.flight
+        b, n = prep.unique_base[p], prep.unique_count[p]
+        known = None if slots.numel() == n else self.slots[b : b + n] >= 0  # the lookup dropped ids without rows
+        pick = (lambda x: x) if known is None else (lambda x: x[known])
+        g = unit.group
+        keys = pick(prep.unique_keys[b : b + n]) if coll.groups[g].layout.stochastic_rounding else None
+        span = coll.placement.span_of[g]
+        hits = None
+        if coll.tables[t].lr_count_scale is not None:
+            lo = prep.unique_base[span.first]
+            hits = pick(flight.hits[g][b - lo : b - lo + n])
+        return t, span.tables.index(t), slots, grad, keys, hits
+
+    def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        coll, flight = self.coll, self.flight
+        order = coll.placement.order
+        by_unit: dict[int, tuple] = {}
+        touched: dict[int, None] = {}
+        for p, slots, grad in items:
+            t = order[p]
+            touched[coll.group_index(t)] = None
+            unit = coll._units.get(t)
+            if unit is not None:
+                by_unit.setdefault(id(unit), (unit, []))[1].append((p, t, slots, grad))
+        for g in touched:  # before any update: a failure changes no table
+            flight.check(g, coll.groups[g], coll.groups[g].names())
+        failed: set[int] = set()
+        try:
+            for unit, members in by_unit.values():
+                failed.add(unit.group)
+                parts = [self._part(p, t, s, gr, unit) for p, t, s, gr in members]
+                apply_unit(unit, coll.groups[unit.group], parts, [coll._lr(t) for _, t, _, _ in members], flight.step,
+                           flight.shared.get(unit.group))
+                failed.discard(unit.group)
+        finally:  # the rows of the groups updated may go (an update that raised keeps its pins)
+            for g in touched:
+                if g not in failed:
+                    flight.release(g)

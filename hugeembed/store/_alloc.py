@@ -1,10 +1,14 @@
-"""Host allocations for big store arrays, backed by 2 MiB pages where the kernel allows.
+"""Host allocations for big store arrays: memory of their own, on 2 MiB pages where the kernel allows.
 
 Random row and bucket accesses are TLB-bound on 4 KiB pages (docs/architecture.md:
 a random gather runs 1.4-2x faster with ``madvise(MADV_HUGEPAGE)``).  THP is in
 "madvise" mode on our machines, so a buffer only gets huge pages if we ask before
-first touching it: allocate a little more than needed, align to 2 MiB, madvise,
-then hand out a view.  Everything else (CUDA, small arrays) is a plain torch.empty.
+first touching it: map a little more than needed, align to 2 MiB, madvise, then hand
+out a view.  The memory is an anonymous mapping of its own, not malloc's: when a
+group grows, the arrays it leaves go back to the system at once (under
+``_native.tune_malloc`` malloc keeps freed blocks, and a process whose tables grew
+would hold every generation of them).  Everything else (CUDA, small arrays) is a plain
+torch.empty.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import sys
 
 import torch
@@ -48,7 +53,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     advise = _madvise()
     if device.type != "cpu" or not HUGE_PAGES or nbytes < _MIN_BYTES or advise is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes + _HUGE), dtype=torch.uint8)  # freed with its last view
     offset = (-raw.data_ptr()) % _HUGE
     out = raw[offset : offset + nbytes].view(dtype).view(shape)
     # A refusal (no THP support) only costs speed: the memory is valid either way.

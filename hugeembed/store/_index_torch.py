@@ -90,6 +90,20 @@ def _state(g, need: list[int]) -> Need:
     return Need(need + after, g.tables.shape[0])
 
 
+def _crowding(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[int, int]:
+    """(the longest probe, its table) the keys would have placed alone into an empty index: a lower
+    bound on their probes once placed, which ids chosen to share homes make long."""
+    if keys.numel() < 2:
+        return 0, -1
+    homes = _homes(g, keys, tids)
+    order = torch.argsort(homes)
+    i = torch.arange(keys.numel(), device=keys.device)
+    h = homes[order]
+    probes = torch.cummax(h - i, 0).values + i - h + 1
+    j = int(probes.argmax())
+    return int(probes[j]), int(tids[order[j]])
+
+
 def place_all(buckets: torch.Tensor, records: torch.Tensor, homes: torch.Tensor) -> None:
     """Writes records int64 [n, 4] (unique pairs) with their `homes` into EMPTY `buckets`, as linear
     probing places them: sorted by home, each at ``max(home, the one before + 1)`` (one cummax, not a
@@ -167,6 +181,9 @@ class TorchIndex:
             longest = int(probes.max())
             if longest > need[7]:
                 need[7], need[6] = longest, int(t[probes.argmax()])
+            crowd, at = _crowding(g, k[new], t[new])
+            if crowd > need[7]:  # the new keys' own chains, placed alone: ids chosen to collide
+                need[7], need[6] = crowd, at
         rows_t = torch.bincount(t[made_new | promote], minlength=T).tolist()
         pend_t = torch.bincount(t[new & ~made_new], minlength=T).tolist()
         promoted_t = torch.bincount(t[promote], minlength=T)

@@ -1,0 +1,112 @@
+"""The fetch stage of an EmbeddingCollection: one call per table group.
+
+A group's part of a prepared batch is one span of its arrays (the lookup sees a group's tables
+consecutively, nn/_placement.py), so a group's fetch is its span of the unique keys with a table
+column beside them; the slots it gives index the group's rows.  Callers that hold keys per table
+(the sharded owners) fetch through :meth:`FetchStage.fetch_slots`, one call per group too.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .._tensors import repeat_each
+from ._inflight import InFlight
+from ._placement import segment_column
+from ._rare import SHARED_ROW_KEY
+
+__all__ = ["FetchStage"]
+
+
+class FetchStage:
+    """Mixin of EmbeddingCollection (its groups, placement and tables)."""
+
+    def _span(self, prep, span) -> tuple[int, int]:
+        """The positions of a span's tables' unique keys in the batch's arrays: [lo, hi)."""
+        return prep.unique_base[span.first], prep.unique_base[span.last] + prep.unique_count[span.last]
+
+    def _fetch(self, prep, training: bool, step: int, flight: InFlight | None) -> torch.Tensor:
+        """Row slots of every unique id of a prepared batch (-1 where a row reads zeros): one call
+        per group, its keys a span of the batch's arrays with a table column beside them."""
+        dev = prep.unique_keys.device
+        slots = torch.empty(prep.capacity, dtype=torch.int64, device=dev)
+        counts = prep.unique_counts.to(torch.int64) if training else None
+        work = []
+        for span in self.placement.spans:
+            lo, hi = self._span(prep, span)
+            if hi > lo:
+                column = segment_column(prep.unique_base[span.first : span.last + 1],
+                                        prep.unique_count[span.first : span.last + 1], lo, hi, dev)
+                work.append((span, lo, hi, column))
+        if training:  # disk writes first: a full disk fails before any table changed
+            for span, lo, hi, column in work:
+                self.groups[span.group].reserve(column, prep.unique_keys[lo:hi])
+        for span, lo, hi, column in work:
+            hits = self._wants_hits(span) and flight is not None
+            got = self._fetch_group(span, column, prep.unique_keys[lo:hi], step, training,
+                                    None if counts is None else counts[lo:hi], hits)
+            slots[lo:hi] = got[0]
+            if flight is not None:
+                flight.pin(span.group, slots, lo, hi)
+                flight.shared[span.group] = got[1]
+                if hits:
+                    flight.hits[span.group] = got[2]
+        return slots
+
+    def _wants_hits(self, span) -> bool:
+        return any(self.tables[t].lr_count_scale is not None for t in span.tables)
+
+    def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False):
+        """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
+        (tables with a shared row: ids without a row of their own get it); shared rows: per table of
+        the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None."""
+        group = self.groups[span.group]
+        cfgs = [self.tables[t] for t in span.tables]
+        n = keys.numel()
+        tail = [i for i, c in enumerate(cfgs) if c.shared_row]
+        if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
+            dev = keys.device
+            keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
+            column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
+            if counts is not None:
+                admit = [cfgs[i].admit_min_count for i in tail]
+                counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
+        out_hits = torch.empty_like(keys) if hits else None
+        got = group.fetch(column, keys, step, counts, hits=out_hits) if training else group.find(column, keys)
+        shared = None
+        if tail:
+            shared = torch.full((len(cfgs),), -1, dtype=torch.int64, device=keys.device)
+            shared[torch.tensor(tail, dtype=torch.int64).to(keys.device, non_blocking=True)] = got[n:]
+            col = column[:n]
+            got = torch.where((got[:n] < 0) & (col >= 0), shared[col.clamp(min=0)], got[:n])
+        return got, shared, None if out_hits is None else out_hits[:n]
+
+    def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
+                    counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Row slots (into :meth:`rows_of`) of the distinct ids ``keys[i]`` of table ``ts[i]``, -1
+        where a row reads zeros: the fetch stage for callers holding keys per table (the sharded
+        owners); one call per group.  Training: new ids get rows, hits counted by `counts`."""
+        out: list[torch.Tensor | None] = [None] * len(ts)
+        by_group: dict[int, list[int]] = {}
+        for i, t in enumerate(ts):
+            by_group.setdefault(self.group_index(t), []).append(i)
+        span_of = self.placement.span_of
+        dev = self.device
+        if training:
+            for g, idx in by_group.items():
+                self.groups[g].reserve(*self._column(span_of[g], [ts[i] for i in idx], [keys[i] for i in idx]))
+        for g, idx in by_group.items():
+            span = span_of[g]
+            column, k = self._column(span, [ts[i] for i in idx], [keys[i] for i in idx])
+            c = torch.cat([counts[i] for i in idx]).to(torch.int64) if counts is not None and idx else None
+            got = self._fetch_group(span, column, k, step, training, c)[0]
+            for i, part in zip(idx, got.split([keys[i].numel() for i in idx])):
+                out[i] = part
+        return [o if o is not None else torch.empty(0, dtype=torch.int64, device=dev) for o in out]
+
+    def _column(self, span, ts: list[int], keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        local = {t: i for i, t in enumerate(span.tables)}
+        k = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=self.device)
+        return repeat_each([local[t] for t in ts], [x.numel() for x in keys], self.device), k
