@@ -56,12 +56,15 @@ class InFlight:
             self._handles.setdefault(g, []).append(group.pin(slots, start, stop))
 
     def check(self, g: int, current, names) -> None:
-        """Raises if applying group `g`'s gradients now could land on rows of other ids."""
+        """Raises if applying group `g`'s gradients now could land on rows of other ids (`names`: the
+        group's table names, or a callable giving them: made only for the error)."""
         if current is not self.groups[g]:
+            names = names() if callable(names) else names
             raise StoreError(f"tables {names} were replaced (load_state_dict, .to()) between this batch's forward "
                              f"(step {self.step}) and its backward: their gradients would land on other rows")
         epoch = self._released.get(g)
         if epoch is not None and current.eviction_epoch != epoch:
+            names = names() if callable(names) else names
             raise StoreError(f"tables {names}: a second backward of step {self.step} after rows were evicted "
                              f"(its rows were released by the first backward; their slots may hold other ids "
                              f"now): run each batch's backward once, or keep retain_graph runs before later forwards")

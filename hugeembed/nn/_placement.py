@@ -71,6 +71,8 @@ class Placement:
             ts = tuple(t for t in self.order if where[t] is not None and where[t][0] == g)
             self.spans.append(Span(g, self.position[ts[0]], ts))
         self.span_of = {s.group: s for s in self.spans}
+        # per lookup position: (table, its group, its index in the group); None for a table held elsewhere
+        self.at = [(t, *where[t]) if where[t] is not None else (t, None, None) for t in self.order]
 
     def row_groups(self) -> list[int | None]:
         """Per lookup position, its group (None: held by no group here): FusedEmbeddingLookup's row_groups."""

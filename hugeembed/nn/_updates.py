@@ -24,7 +24,7 @@ from ._rare import coalesce, count_lr_scale, update_scaled
 __all__ = ["UpdateUnit", "make_units", "apply_unit", "RowUpdates"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class UpdateUnit:
     """Tables `tables` (collection indices, lookup order) of group `group`, trained by `rule`."""
 
@@ -34,6 +34,15 @@ class UpdateUnit:
     scale_by: tuple[int | None, ...]  # per table, its lr_count_scale
     shared: tuple[bool, ...]  # per table, whether it has a shared row
     seeds: tuple[int, ...]  # per table, its seed (stochastic rounding)
+    rounds: bool  # its group's weights are rounded stochastically (draws by key)
+
+    @property
+    def scaled(self) -> bool:
+        return any(x is not None for x in self.scale_by)
+
+    @property
+    def index(self) -> dict[int, int]:
+        return {t: i for i, t in enumerate(self.tables)}
 
 
 def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
@@ -46,7 +55,8 @@ def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
                 by_key.setdefault((id(rules[t]), configs[t].lr_count_scale is not None), []).append(t)
         for ts in by_key.values():
             unit = UpdateUnit(span.group, rules[ts[0]], tuple(ts), tuple(configs[t].lr_count_scale for t in ts),
-                              tuple(configs[t].shared_row for t in ts), tuple(settings[t].seed for t in ts))
+                              tuple(configs[t].shared_row for t in ts), tuple(settings[t].seed for t in ts),
+                              settings[ts[0]].layout.stochastic_rounding)
             units.update(dict.fromkeys(ts, unit))
     return units
 
@@ -60,27 +70,30 @@ def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], st
     their hit counts, for lr_count_scale, else None); `lrs` their learning rates; `shared`: per
     table of the group its shared row's slot (-1: none), or None.  Tables of one lr share one rule
     call."""
-    by_lr: dict[float, list[int]] = {}
-    for i, lr in enumerate(lrs):
-        by_lr.setdefault(lr, []).append(i)
-    pos = {t: i for i, t in enumerate(unit.tables)}
-    for lr, idx in by_lr.items():
-        mine = [parts[i] for i in idx]
+    if all(lr == lrs[0] for lr in lrs):  # (the usual case: one lr)
+        by_lr = {lrs[0]: parts}
+    else:
+        by_lr = {}
+        for part, lr in zip(parts, lrs):
+            by_lr.setdefault(lr, []).append(part)
+    pos = unit.index if unit.rounds or unit.scaled else None
+    for lr, mine in by_lr.items():
         slots = joined([p[2] for p in mine])
         grad = joined([p[3] for p in mine])
-        sizes = [p[2].numel() for p in mine]
         keys = seeds = scale = None
-        if group.layout.stochastic_rounding:
+        if unit.rounds:
+            sizes = [p[2].numel() for p in mine]
             keys = joined([p[4] for p in mine])
             seeds = repeat_each([unit.seeds[pos[p[0]]] for p in mine], sizes, slots.device)
-        if any(unit.scale_by[pos[p[0]]] is not None for p in mine):
+        if unit.scaled:
+            sizes = [p[2].numel() for p in mine]
             hits = joined([p[5] for p in mine])
             by = repeat_each([unit.scale_by[pos[p[0]]] for p in mine], sizes, slots.device)
             scale = count_lr_scale(hits, by)
             if shared is not None:  # the shared row takes every rare id's gradient at the full lr
                 own = shared[repeat_each([p[1] for p in mine], sizes, slots.device)]
                 scale = torch.where(slots == own, 1.0, scale)
-        if any(unit.shared[pos[p[0]]] for p in mine):
+        if any(unit.shared):
             # rare ids all read their table's shared row: one summed gradient per row, for every
             # table at once (their slots are apart in the group)
             slots, grad, scale, keys, seeds = coalesce(slots, grad, scale, keys, seeds)
@@ -100,42 +113,44 @@ class RowUpdates:
     def __call__(self, p: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
         self.many([(p, slots, grad)])
 
-    def _part(self, p: int, t: int, slots: torch.Tensor, grad: torch.Tensor, unit) -> tuple:
-        """(table, its index in the group, slots, grad, keys, hits) of one table's rows (keys, hits: when
-        needed)."""
-        coll, prep, flight = self.coll, self.prep, self.flight
+    def _part(self, p: int, t: int, local: int, slots: torch.Tensor, grad: torch.Tensor, unit) -> tuple:
+        """(table, its index in the group, slots, grad, keys, hits) of one table's rows; keys and hits
+        only for the units that read them (stochastic rounding, lr_count_scale)."""
+        if not (unit.rounds or unit.scaled):
+            return t, local, slots, grad, None, None
+        prep, flight = self.prep, self.flight
         b, n = prep.unique_base[p], prep.unique_count[p]
         known = None if slots.numel() == n else self.slots[b : b + n] >= 0  # the lookup dropped ids without rows
         pick = (lambda x: x) if known is None else (lambda x: x[known])
-        g = unit.group
-        keys = pick(prep.unique_keys[b : b + n]) if coll.groups[g].layout.stochastic_rounding else None
-        span = coll.placement.span_of[g]
+        keys = pick(prep.unique_keys[b : b + n]) if unit.rounds else None
         hits = None
-        if coll.tables[t].lr_count_scale is not None:
-            lo = prep.unique_base[span.first]
-            hits = pick(flight.hits[g][b - lo : b - lo + n])
-        return t, span.tables.index(t), slots, grad, keys, hits
+        if unit.scale_by[unit.index[t]] is not None:
+            lo = prep.unique_base[self.coll.placement.span_of[unit.group].first]
+            hits = pick(flight.hits[unit.group][b - lo : b - lo + n])
+        return t, local, slots, grad, keys, hits
 
     def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         coll, flight = self.coll, self.flight
-        order = coll.placement.order
+        at = coll.placement.at  # per lookup position: (table, group, its index in the group)
+        units = coll._units
         by_unit: dict[int, tuple] = {}
         touched: dict[int, None] = {}
         for p, slots, grad in items:
-            t = order[p]
-            touched[coll.group_index(t)] = None
-            unit = coll._units.get(t)
+            t, g, local = at[p]
+            touched[g] = None
+            unit = units.get(t)
             if unit is not None:
-                by_unit.setdefault(id(unit), (unit, []))[1].append((p, t, slots, grad))
+                by_unit.setdefault(id(unit), (unit, []))[1].append(self._part(p, t, local, slots, grad, unit))
         for g in touched:  # before any update: a failure changes no table
-            flight.check(g, coll.groups[g], coll.groups[g].names())
+            flight.check(g, coll.groups[g], coll.groups[g].names)
         failed: set[int] = set()
+        groups = coll.optimizer.param_groups
+        lr_of = coll.optimizer.group_of_table
         try:
-            for unit, members in by_unit.values():
+            for unit, parts in by_unit.values():
                 failed.add(unit.group)
-                parts = [self._part(p, t, s, gr, unit) for p, t, s, gr in members]
-                apply_unit(unit, coll.groups[unit.group], parts, [coll._lr(t) for _, t, _, _ in members], flight.step,
-                           flight.shared.get(unit.group))
+                apply_unit(unit, coll.groups[unit.group], parts, [groups[lr_of[part[0]]]["lr"] for part in parts],
+                           flight.step, flight.shared.get(unit.group))
                 failed.discard(unit.group)
         finally:  # the rows of the groups updated may go (an update that raised keeps its pins)
             for g in touched:
