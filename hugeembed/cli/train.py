@@ -1,4 +1,5 @@
-"""hugeembed train: train a CTR model (synthetic Criteo-like data unless --data is given)."""
+"""hugeembed train: train a CTR model (synthetic Criteo-like data unless --data is given; files of your own with
+--schema)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig,
 from ._output import Progress, check_output_paths, human_bytes, plot_history, print_summary, write_json
 
 # flag -> TrainConfig field, for flags that map one to one
-_FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
+_FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
@@ -44,8 +45,10 @@ def parse_bytes(text: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__)
     p.add_argument("--config", metavar="FILE.toml", help="settings file (flags given here override it)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV/.gz files or a converted shard directory "
-                   "(default: the built-in synthetic generator)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="data files (Criteo TSV/.gz, or CSV/TSV/Parquet with "
+                   "--schema) or a converted shard directory (default: the built-in synthetic generator)")
+    p.add_argument("--schema", metavar="FILE.toml", help="the data's schema (label, dense and sparse columns; "
+                   "`hugeembed schema FILE` writes a first one); default: the shards' own, or Criteo's")
     p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out data (default: hold out --eval-rows rows)")
     p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)

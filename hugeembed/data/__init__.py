@@ -20,7 +20,7 @@ from ._loader import Loader, rank_range
 from ._parse import native_parser_available, parse_buffer
 from ._hash import hash_text, value_text
 from ._infer import infer_schema
-from ._reader import TableReader, fit_stats, read_table
+from ._reader import TableReader, count_rows, fit_stats, read_table
 from ._schema import (CAT_NAMES, DENSE_NAMES, MISSING_ID_BASE, MISSING_IDS, N_CAT, N_DENSE, DenseSpec, LabelSpec, Schema,
                       SparseSpec, criteo_schema, load_schema, missing_id)
 from ._shards import ShardInfo, ShardSet
@@ -43,6 +43,7 @@ __all__ = [
     "TableReader",
     "read_table",
     "fit_stats",
+    "count_rows",
     "hash_text",
     "value_text",
     "CriteoReader",

@@ -277,13 +277,14 @@ class Schema:
             if self.label.negative:
                 lab["negative"] = list(self.label.negative)
             out["label"] = lab
-        out["dense"] = {d.name: {k: v for k, v in (("column", d.column), ("transform", d.transform),
-                                                    ("fill", d.fill), ("mean", d.mean), ("std", d.std))
-                                 if v is not None} for d in self.dense}
-        out["sparse"] = {s.name: {k: v for k, v in (("column", s.column), ("ids", s.ids), ("separator", s.separator),
-                                                     ("combiner", s.combiner), ("table", s.table),
-                                                     ("max_length", s.max_length)) if v is not None}
-                         for s in self.sparse}
+        # lists, not tables: the order is the model's (a JSON writer may sort a table's keys)
+        out["dense"] = [{k: v for k, v in (("name", d.name), ("column", d.column), ("transform", d.transform),
+                                           ("fill", d.fill), ("mean", d.mean), ("std", d.std)) if v is not None}
+                        for d in self.dense]
+        out["sparse"] = [{k: v for k, v in (("name", s.name), ("column", s.column), ("ids", s.ids),
+                                            ("separator", s.separator), ("combiner", s.combiner), ("table", s.table),
+                                            ("max_length", s.max_length)) if v is not None}
+                         for s in self.sparse]
         return out
 
     @classmethod
@@ -342,6 +343,12 @@ def _known(d: Mapping, keys: tuple[str, ...], source: str, at: str) -> None:
 
 def _section(data: Mapping, name: str, source: str) -> Mapping:
     sec = data.get(name, {})
+    if isinstance(sec, list):  # the saved form (Schema.to_dict): a list of {"name": ..., settings}
+        if not all(isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in sec):
+            raise ConfigError(f"{source}: {name} must be a table of columns, got {sec!r}")
+        sec = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in sec}
+        if len(sec) != len(data[name]):
+            raise ConfigError(f"{source}: {name} names a column twice")
     _mapping(sec, f"{source}: [{name}]")
     for feature, body in sec.items():
         _mapping(body, f"{source}: [{name}.{feature}]")
