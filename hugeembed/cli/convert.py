@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     print(f"converted {summary.rows:,} rows into {summary.shards} shard(s) in {summary.out_dir}: "
-          f"{summary.skipped:,} malformed row(s) skipped, {summary.bytes_in / 1e6:.1f} MB in "
+          f"{summary.skipped:,} malformed line(s) skipped, {summary.bytes_in / 1e6:.1f} MB in "
           f"{summary.seconds:.1f} s ({summary.mb_per_s:.1f} MB/s)")
     for example in summary.skipped_examples[:5]:
         print(f"  skipped {example}")

@@ -2,7 +2,7 @@
 
 From the first `sample_rows` rows: a column of numbers is dense (``log1p`` when it is non-negative
 and heavy-tailed, else ``standardize``) unless its name says it is an id; any other column is
-sparse, a bag when its cells hold a separator (``|``, ``;``, ``,``, a space); the label is a 0/1
+sparse, a bag when its cells hold a separator (``|``, ``;``, ``,``, a space) whose items recur in other cells; the label is a 0/1
 (or true/false) column named label, click, clicked, y or target.
 """
 
@@ -128,7 +128,10 @@ def infer_schema(path: str | Path, *, sample_rows: int = 10_000) -> str:
                 if cand == "," and fmt == "csv":
                     continue
                 share = sum(cand in t for t in texts) / max(len(texts), 1)
-                if share >= 0.05:
+                # a bag's items recur in other combinations: fewer distinct items than distinct cells
+                # (a city "New York" splits into as many words as it has values)
+                items = {i for t in texts for i in t.split(cand) if i}
+                if share >= 0.05 and len(items) < len(set(texts)):
                     sep = cand
                     break
             note = f"{distinct:,} distinct values"

@@ -196,35 +196,59 @@ def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: 
     stream = pa.CompressedInputStream(raw, "gzip") if raw.read(2) == b"\x1f\x8b" else None
     raw.seek(0)
     columns = None if schema.header and fmt != "criteo" else list(schema.columns or ())
-    reader = csv.open_csv(
-        stream if stream is not None else raw,
-        read_options=csv.ReadOptions(block_size=max(chunk_bytes, 1 << 16), column_names=columns),
-        parse_options=csv.ParseOptions(delimiter=_delimiter(schema, fmt), quote_char=False if fmt == "criteo" else '"',
-                                       invalid_row_handler=on_invalid),
-        convert_options=csv.ConvertOptions(include_columns=needed, column_types={c: pa.string() for c in needed},
-                                           strings_can_be_null=False))
+
+    def failure(e: Exception) -> InputError:
+        if bad:
+            return InputError(_field_count_message(path, bad[0]))
+        if "gzip" in str(e).lower() or isinstance(e, (OSError, EOFError)):
+            return InputError(f"{path}: corrupt or truncated gzip data ({e})")
+        return InputError(f"{path}: {str(e).splitlines()[0]}")
+
     try:
+        try:  # the reader parses its first block when it opens
+            reader = csv.open_csv(
+                stream if stream is not None else raw,
+                read_options=csv.ReadOptions(block_size=max(chunk_bytes, 4096), column_names=columns),
+                parse_options=csv.ParseOptions(delimiter=_delimiter(schema, fmt),
+                                               quote_char=False if fmt == "criteo" else '"',
+                                               invalid_row_handler=on_invalid),
+                convert_options=csv.ConvertOptions(include_columns=needed, column_types={c: pa.string() for c in needed},
+                                                   strings_can_be_null=False))
+        except (pa.ArrowInvalid, OSError, EOFError) as e:
+            raise failure(e) from None
         while True:
             try:
                 batch = reader.read_next_batch()
             except StopIteration:
                 return
             except (pa.ArrowInvalid, OSError, EOFError) as e:
-                if bad:
-                    raise InputError(_field_count_message(path, bad[0])) from None
-                if "gzip" in str(e).lower() or isinstance(e, (OSError, EOFError)):
-                    raise InputError(f"{path}: corrupt or truncated gzip data ({e})") from None
-                raise InputError(f"{path}: {str(e).splitlines()[0]}") from None
+                raise failure(e) from None
             yield batch, raw.tell()
     finally:
-        reader.close() if hasattr(reader, "close") else None
         raw.close()
 
 
-def _field_count_message(path: Path, row) -> str:
-    line = f"line {row.number}" if row.number is not None and row.number >= 0 else "a line"
+def _field_count_message(path: Path, row, delimiter: str = ",") -> str:
+    number = row.number if row.number is not None and row.number >= 0 else _find_line(path, row.text)
+    line = f"line {number}" if number else "a line"
     text = row.text if len(row.text) <= 60 else row.text[:57] + "..."
     return f"{path}: {line}: expected {row.expected_columns} fields, got {row.actual_columns}: {text!r}"
+
+
+def _find_line(path: Path, text: str) -> int | None:
+    """The number of the first line of `path` that reads `text` (pyarrow's threaded reader does not
+    know it; an error path only)."""
+    stream, raw = open_bytes(path)
+    try:
+        with io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.rstrip("\r\n") == text:
+                    return number
+    except (OSError, EOFError):
+        return None
+    finally:
+        raw.close()
+    return None
 
 
 def read_table(paths: PathLike | Sequence[PathLike], schema: Schema | None = None, *, on_error: str = "raise") -> Block:
