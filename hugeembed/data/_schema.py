@@ -260,6 +260,27 @@ class Schema:
         """True when this is the built-in Criteo layout, which the native Criteo parser reads."""
         return self.without_stats() == criteo_schema()
 
+    def describe(self) -> list[str]:
+        """A few lines for people: label, dense columns, sparse features (bags, tables they share)."""
+        lines = []
+        if self.label is not None:
+            lab = self.label
+            lines.append(f"label   {lab.column}" + (f" (1 = {lab.positive!r})" if lab.positive is not None else ""))
+        if self.dense:
+            lines.append("dense   " + ", ".join(d.name + ("" if d.transform == "none" else f" ({d.transform})")
+                                                for d in self.dense))
+        parts = []
+        for sp in self.sparse:
+            notes = [] if sp.ids == "hash" else [f"ids {sp.ids}"]
+            if sp.is_bag:
+                notes.append(f"bag {sp.separator!r}, {sp.combiner}"
+                             + (f", last {sp.max_length}" if sp.max_length else ""))
+            if sp.table:
+                notes.append(f"table {sp.table}")
+            parts.append(sp.name + (f" ({'; '.join(notes)})" if notes else ""))
+        lines.append("sparse  " + ", ".join(parts))
+        return lines
+
     # -- (de)serialising ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
