@@ -41,7 +41,19 @@ def _short(value: Any) -> str:
 def parse_request(body: bytes, content_type: str, schema: Schema | None, features: Sequence[str], num_dense: int
                   ) -> tuple[torch.Tensor, SparseFeatures]:
     """(dense, sparse) of a request body for a model reading `features` and `num_dense` dense columns,
-    under its data `schema` (None: a model without one takes model inputs as JSON only)."""
+    under its data `schema` (None: a model without one takes model inputs as JSON only).  The sparse
+    features come in the order of `features` (the artifact's, which groups the features of a table)."""
+    dense, sparse = _parse(body, content_type, schema, features, num_dense)
+    if tuple(sparse.keys()) != tuple(features):
+        missing = [f for f in features if f not in sparse.keys()]
+        if missing:
+            raise InputError(f"sparse features {missing} are missing (the model reads {list(features)})")
+        sparse = sparse.select(list(features))
+    return dense, sparse
+
+
+def _parse(body: bytes, content_type: str, schema: Schema | None, features: Sequence[str], num_dense: int
+           ) -> tuple[torch.Tensor, SparseFeatures]:
     kind = content_type.split(";")[0].strip().lower()
     if kind in ("application/json", ""):
         try:
@@ -160,7 +172,10 @@ def parse_text(body: bytes, schema: Schema, delimiter: str | None) -> tuple[torc
     except pa.ArrowInvalid as e:
         if bad:
             r = bad[0]
-            raise InputError(f"request: line {r.number}: expected {r.expected_columns} fields, got "
+            lines = [ln.rstrip("\r") for ln in body.decode("utf-8", "replace").split("\n")]
+            number = r.number if r.number is not None and r.number > 0 else \
+                next((i for i, ln in enumerate(lines, 1) if ln == r.text), "?")
+            raise InputError(f"request: line {number}: expected {r.expected_columns} fields, got "
                              f"{r.actual_columns}: {_short(r.text)}") from None
         raise InputError(f"request: {str(e).splitlines()[0]}") from None
     if table.num_rows == 0:
