@@ -68,6 +68,13 @@ def _is_number(t) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
 
 
+def _nulls(arr) -> np.ndarray:
+    """bool [n]: which values are null (without a pass over an array that has none)."""
+    if arr.null_count == 0:
+        return np.zeros(len(arr), bool)
+    return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), bool)
+
+
 def _strings(arr):
     """(offsets int64, data uint8, valid bool) of a string array (nulls: valid False)."""
     import pyarrow as pa
@@ -78,7 +85,7 @@ def _strings(arr):
     bufs = arr.buffers()
     offsets = np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4).astype(np.int64)
     data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    valid = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), bool)
+    valid = ~_nulls(arr)
     return offsets, data, valid
 
 
@@ -93,6 +100,15 @@ class Encoder:
     def encode(self, batch, where: Where, *, need_label: bool = True) -> Block:
         """A Block of the rows of `batch` (a pyarrow RecordBatch or Table holding the needed columns).
         Without a label column (`need_label` False: serving requests) the labels are zeros."""
+        import pyarrow as pa
+
+        if isinstance(batch, pa.Table) and batch.num_rows and any(c.num_chunks > 1 for c in batch.columns):
+            # one record batch at a time: joining the chunks would merge each chunk's own dictionary
+            blocks, row = [], where.first_row
+            for rb in batch.to_batches():
+                blocks.append(self.encode(rb, Where(where.source, row, where.line_offset), need_label=need_label))
+                row += rb.num_rows
+            return Block.concat(blocks)
         n = batch.num_rows
         s = self.schema
         dense = np.empty((n, s.num_dense), np.float32)
@@ -172,7 +188,7 @@ class Encoder:
 
         lab = self.schema.label
         assert lab is not None
-        null = np.asarray(col.is_null().to_numpy(zero_copy_only=False), bool)
+        null = _nulls(col)
         if null.any():
             i = int(np.argmax(null))
             raise InputError(f"{where.row(i)}: column {lab.column!r}: the label is empty")
@@ -219,20 +235,32 @@ class Encoder:
 
         t = values.type
         row = (lambda i: int(i)) if rows is None else (lambda i: int(rows[i]))
-        if spec.ids == "hash":
-            if not _is_string(t):
-                if not (_is_number(t) and not pa.types.is_decimal(t)):
-                    raise InputError(f"{where.source}: column {spec.column!r} holds {t}: categorical values are "
-                                     f"text or integers")
-                values = pc.cast(values, pa.string())
-            enc = values.dictionary_encode()
+        if spec.ids in ("hash", "hex"):
+            if pa.types.is_dictionary(t):  # dictionary-encoded by the CSV reader as it parsed
+                enc = values
+            elif _is_string(t):
+                enc = values.dictionary_encode()
+            elif spec.ids == "hash" and _is_number(t) and not pa.types.is_decimal(t):
+                enc = pc.cast(values, pa.string()).dictionary_encode()
+            else:
+                raise InputError(f"{where.source}: column {spec.column!r} holds {t}: "
+                                 + ("categorical values are text or integers" if spec.ids == "hash"
+                                    else 'ids = "hex" needs text'))
             offsets, data, _ = _strings(enc.dictionary)
-            table = hash_utf8(offsets, data)
             idx = enc.indices.to_numpy(zero_copy_only=False)
-            present = ~np.asarray(enc.indices.is_null().to_numpy(zero_copy_only=False), bool)
+            present = ~_nulls(enc.indices)
             empty_code = np.flatnonzero(np.diff(offsets) == 0)
             if empty_code.size:
                 present &= idx != empty_code[0]
+            if spec.ids == "hash":
+                table = hash_utf8(offsets, data)
+            else:
+                table, bad_code = hex_utf8(offsets, data)
+                bad = present & bad_code[np.where(present, idx, 0)] if table.size else present & False
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise InputError(f"{where.row(row(i))}: column {spec.column!r}: not a hex id of 1-15 digits: "
+                                     f"{_short(enc[i].as_py())}")
             ids = table[np.where(present, idx, 0)] if table.size else np.zeros(len(values), np.int64)
             return ids, present
         if spec.ids == "int":
@@ -251,7 +279,7 @@ class Encoder:
                                                  f"{_short(v)}") from None
                     raise
             elif pa.types.is_integer(t):
-                present = ~np.asarray(values.is_null().to_numpy(zero_copy_only=False), bool)
+                present = ~_nulls(values)
                 ints = pc.fill_null(values, 0).cast(pa.int64())
             else:
                 raise InputError(f"{where.source}: column {spec.column!r} holds {t}: ids = \"int\" needs integers")
@@ -262,19 +290,6 @@ class Encoder:
                 raise InputError(f"{where.row(row(i))}: column {spec.column!r}: id {int(ids[i])} < 0 (ids = \"int\" "
                                  f"takes ids >= 0; ids = \"hash\" takes any value)")
             return ids, present
-        # hex
-        if not _is_string(t):
-            raise InputError(f"{where.source}: column {spec.column!r} holds {t}: ids = \"hex\" needs text")
-        offsets, data, valid = _strings(values)
-        present = valid & (np.diff(offsets) > 0)
-        ids, bad = hex_utf8(offsets, data)
-        bad &= present
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise InputError(f"{where.row(row(i))}: column {spec.column!r}: not a hex id of 1-15 digits: "
-                             f"{_short(values[i].as_py())}")
-        return ids, present
-
     def _single(self, spec: SparseSpec, col, where: Where) -> np.ndarray:
         import pyarrow as pa
 
@@ -289,6 +304,14 @@ class Encoder:
         import pyarrow.compute as pc
 
         n = len(col)
+        if pa.types.is_dictionary(col.type):  # the distinct cells' bags, then each row its cell's
+            cells = self._bag(spec, pc.fill_null(col.dictionary, ""), where)
+            idx = col.indices.to_numpy(zero_copy_only=False) if col.null_count == 0 else \
+                pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False)
+            if (idx < 0).any():  # a null cell: an empty one
+                return Bag.concat([cells, self._bag(spec, pa.array([""]), where)]).take(
+                    np.where(idx < 0, len(cells), idx))
+            return cells.take(idx)
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             lists = col
         elif _is_string(col.type):
@@ -298,8 +321,11 @@ class Encoder:
         items = pc.list_flatten(lists)
         parents = np.asarray(pc.list_parent_indices(lists).to_numpy(zero_copy_only=False), np.int64)
         ids, present = self._ids(spec, items, where, parents)
-        ids, parents = ids[present], parents[present]
-        lengths = np.bincount(parents, minlength=n).astype(np.int64)
+        if present.all() and lists.null_count == 0:  # no empty item: the lists' own lengths
+            lengths = np.asarray(pc.list_value_length(lists).to_numpy(zero_copy_only=False), np.int64)
+        else:
+            ids, parents = ids[present], parents[present]
+            lengths = np.bincount(parents, minlength=n).astype(np.int64)
         if spec.max_length is not None and lengths.size and lengths.max() > spec.max_length:
             starts = np.zeros(n + 1, np.int64)
             np.cumsum(lengths, out=starts[1:])
@@ -309,8 +335,10 @@ class Encoder:
             lengths = np.minimum(lengths, spec.max_length)
         empty = lengths == 0
         if empty.any():  # an empty cell is one missing id, as a single-valued feature's
-            ids = np.insert(ids, np.searchsorted(parents, np.flatnonzero(empty)),
-                            missing_id(self.positions[spec.name]))
+            before = np.cumsum(empty) - empty  # empty rows before each row: how far its items move
+            out = np.full(ids.size + int(empty.sum()), missing_id(self.positions[spec.name]), np.int64)
+            out[np.arange(ids.size) + before[parents]] = ids
+            ids = out
             lengths[empty] = 1
         offsets = np.zeros(n + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])

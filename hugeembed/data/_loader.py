@@ -10,10 +10,8 @@ cut into batches, and handed over through a bounded queue by a background thread
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +20,7 @@ from ..errors import ConfigError
 from ._batch import Batch
 from ._block import Block, rebatch
 from ._criteo import PathLike, ReadSummary, as_paths
+from ._prefetch import Prefetcher as _Prefetcher
 from ._reader import TableReader
 from ._schema import Schema, criteo_schema
 from ._shards import ShardSet
@@ -192,61 +191,6 @@ def _is_shard_dir(source) -> bool:
         p = Path(source)
         return p.is_dir() or p.name == "manifest.json"
     return False
-
-
-class _Prefetcher:
-    """Runs a generator in a daemon thread, passing items through a bounded queue."""
-
-    def __init__(self, make: Callable[[], Iterator], depth: int) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(make,), name="hugeembed-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self, make: Callable[[], Iterator]) -> None:
-        it = None
-        try:
-            it = make()
-            for item in it:
-                if not self._put(("item", item)):
-                    return
-            self._put(("end", None))
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            self._put(("error", e))
-        finally:
-            if it is not None and hasattr(it, "close"):
-                it.close()  # runs the generators' finally blocks: files are closed here
-
-    def _put(self, msg) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(msg, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(self):
-        while True:
-            try:
-                return self._q.get(timeout=0.1)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._q.empty():
-                    return ("error", RuntimeError("hugeembed loader thread died without a result"))
-
-    def close(self) -> None:
-        self._stop.set()
-        while True:  # unblock a worker waiting on a full queue
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
 
 class _BatchIterator:

@@ -10,9 +10,8 @@ A file that breaks the schema is an InputError of one line naming file, row or l
 from __future__ import annotations
 
 import csv as _pycsv
-import gzip
-import io
 import math
+import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -23,6 +22,7 @@ from ._block import Block
 from ._criteo import CriteoReader, FileSummary, PathLike, ReadSummary, as_paths, open_bytes
 from ._encode import Encoder, Where, require_pyarrow
 from ._parse import check_on_error
+from ._prefetch import threaded
 from ._schema import Schema, criteo_schema
 
 __all__ = ["TableReader", "read_table", "fit_stats", "read_header", "count_rows"]
@@ -108,7 +108,10 @@ class TableReader:
         self.summary = summary = self._fresh_summary()
         done_bytes, global_row = 0, 0
         for path, fmt, fs in zip(self.paths, self.formats, summary.files):
-            for block, first, pos in self._read_file(path, fmt, fs, summary):
+            # a pipeline of threads: pyarrow parses chunk k + 2, the encoder makes chunk k + 1's block
+            # (both release the GIL for most of their work) while the caller takes chunk k
+            blocks = threaded(lambda path=path, fmt=fmt, fs=fs: self._read_file(path, fmt, fs, summary), depth=2)
+            for block, first, pos in blocks:
                 n = len(block)
                 if self.world_size > 1:
                     rows = np.arange(global_row, global_row + n)
@@ -128,8 +131,11 @@ class TableReader:
     def _read_file(self, path: Path, fmt: str, fs: FileSummary, summary: ReadSummary):
         """(block, first data row, bytes read so far) per chunk of one file."""
         header = 1 if self.schema.header and fmt != "criteo" else 0
-        batches = _parquet_batches(path, self.schema, self.chunk_rows) if fmt == "parquet" else \
-            _text_batches(path, self.schema, fmt, self.chunk_bytes, self.skip, fs, summary)
+        if fmt == "parquet":
+            batches = _parquet_batches(path, self.schema, self.chunk_rows)
+        else:  # pyarrow parses the next block in its thread while this one encodes the last
+            batches = threaded(lambda: _text_batches(path, self.schema, fmt, self.chunk_bytes, self.skip, fs,
+                                                     summary), depth=2)
         row = 0
         for batch, pos in batches:
             where = Where(str(path), row, None if fmt == "parquet" else header)
@@ -175,80 +181,110 @@ def _parquet_batches(path: Path, schema: Schema, chunk_rows: int):
         yield batch, int(path.stat().st_size * read / max(f.metadata.num_rows, 1))
 
 
+def _column_types(schema: Schema, typed: bool) -> dict:
+    """pyarrow types of the needed columns: all text, or (`typed`) a dense column's numbers parsed by pyarrow
+    and a hashed / hex column dictionary-encoded as it is parsed (its distinct values hashed once)."""
+    import pyarrow as pa
+
+    uses: dict[str, set[str]] = {}
+    for d in schema.dense:
+        uses.setdefault(d.column, set()).add("dense")
+    for sp in schema.sparse:  # a hashed bag too: its distinct cells are split once
+        uses.setdefault(sp.column, set()).add("dict" if sp.ids == "hash" or (sp.ids == "hex" and not sp.is_bag)
+                                              else "text")
+    types = {c: pa.string() for c in schema.needed_columns()}
+    if typed:
+        for c, kinds in uses.items():
+            if kinds == {"dense"} and (schema.label is None or c != schema.label.column):
+                types[c] = pa.float64()
+            elif kinds == {"dict"} and (schema.label is None or c != schema.label.column):
+                types[c] = pa.dictionary(pa.int32(), pa.string())
+    return types
+
+
+def _chunks(path: Path, chunk_bytes: int):
+    """The bytes of a (plain or gzip) file in pieces of about `chunk_bytes` that end on a line's end."""
+    stream, raw = open_bytes(path)
+    carry = b""
+    try:
+        while True:
+            try:
+                data = stream.read(chunk_bytes)
+            except (EOFError, OSError, zlib.error) as e:
+                raise InputError(f"{path}: corrupt or truncated gzip data ({e})") from None
+            if not data:
+                if carry:
+                    yield carry, raw.tell()
+                return
+            buf = carry + data if carry else data
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                carry = buf
+                continue
+            carry = buf[cut + 1:]
+            yield buf[: cut + 1], raw.tell()
+    finally:
+        raw.close()
+
+
 def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: bool, fs: FileSummary,
                   summary: ReadSummary):
+    """(table, bytes read) per chunk of a CSV / TSV file.  Each chunk (whole lines: a cell holds no newline)
+    is parsed by pyarrow's multi-threaded reader, its numbers typed and its categorical columns
+    dictionary-encoded; a chunk with a value that does not convert is parsed again as text, where the
+    encoder names the value exactly."""
     import pyarrow as pa
     from pyarrow import csv
 
     needed = schema.needed_columns()
-    bad: list = []
+    header = schema.header and fmt != "criteo"
+    names = read_header(path, schema, fmt) if header else list(schema.columns or ())
+    parse = dict(delimiter=_delimiter(schema, fmt), quote_char=False if fmt == "criteo" else '"',
+                 ignore_empty_lines=False)
+    line = 1  # the number of the chunk's first line
+    for chunk, pos in _chunks(path, chunk_bytes):
+        if header and line == 1:  # the header line itself
+            first = chunk.find(b"\n")
+            chunk, line = chunk[first + 1:], 2
+            if not chunk:
+                continue
+        bad: list = []
 
-    def on_invalid(row) -> str:
-        bad.append(row)
-        if skip:
+        def on_invalid(row, bad=bad) -> str:
+            bad.append(row)
+            return "skip" if skip else "error"
+
+        table = None
+        for typed in (True, False):
+            try:
+                table = csv.read_csv(pa.py_buffer(chunk), read_options=csv.ReadOptions(column_names=names),
+                                     parse_options=csv.ParseOptions(**parse, invalid_row_handler=on_invalid),
+                                     convert_options=csv.ConvertOptions(include_columns=needed,
+                                                                        column_types=_column_types(schema, typed),
+                                                                        strings_can_be_null=False))
+                break
+            except pa.ArrowInvalid as e:
+                if bad and not skip:
+                    raise InputError(_field_count_message(path, bad[0], chunk, line)) from None
+                if not (typed and "conversion error" in str(e).lower()):
+                    raise InputError(f"{path}: {str(e).splitlines()[0]}") from None
+                bad.clear()
+        for row in bad if skip else ():
             fs.skipped += 1
             if len(summary.skipped_examples) < _MAX_EXAMPLES:
-                summary.skipped_examples.append(_field_count_message(path, row))
-            return "skip"
-        return "error"
-
-    raw = pa.OSFile(str(path))
-    stream = pa.CompressedInputStream(raw, "gzip") if raw.read(2) == b"\x1f\x8b" else None
-    raw.seek(0)
-    columns = None if schema.header and fmt != "criteo" else list(schema.columns or ())
-
-    def failure(e: Exception) -> InputError:
-        if bad:
-            return InputError(_field_count_message(path, bad[0]))
-        if "gzip" in str(e).lower() or isinstance(e, (OSError, EOFError)):
-            return InputError(f"{path}: corrupt or truncated gzip data ({e})")
-        return InputError(f"{path}: {str(e).splitlines()[0]}")
-
-    try:
-        try:  # the reader parses its first block when it opens
-            reader = csv.open_csv(
-                stream if stream is not None else raw,
-                read_options=csv.ReadOptions(block_size=max(chunk_bytes, 4096), column_names=columns),
-                parse_options=csv.ParseOptions(delimiter=_delimiter(schema, fmt),
-                                               quote_char=False if fmt == "criteo" else '"',
-                                               invalid_row_handler=on_invalid),
-                convert_options=csv.ConvertOptions(include_columns=needed, column_types={c: pa.string() for c in needed},
-                                                   strings_can_be_null=False))
-        except (pa.ArrowInvalid, OSError, EOFError) as e:
-            raise failure(e) from None
-        while True:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                return
-            except (pa.ArrowInvalid, OSError, EOFError) as e:
-                raise failure(e) from None
-            yield batch, raw.tell()
-    finally:
-        raw.close()
+                summary.skipped_examples.append(_field_count_message(path, row, chunk, line))
+        line += chunk.count(b"\n") + (not chunk.endswith(b"\n"))
+        yield table, pos
 
 
-def _field_count_message(path: Path, row, delimiter: str = ",") -> str:
-    number = row.number if row.number is not None and row.number >= 0 else _find_line(path, row.text)
-    line = f"line {number}" if number else "a line"
+def _field_count_message(path: Path, row, chunk: bytes, first_line: int) -> str:
+    """One line for a row of the wrong field count; its line found in `chunk` (pyarrow's threaded reader
+    does not know it), which starts at line `first_line` of the file."""
+    lines = chunk.decode("utf-8", "replace").split("\n")
+    at = next((i for i, ln in enumerate(lines) if ln.rstrip("\r") == row.text), None)
+    where = f"line {first_line + at}" if at is not None else "a line"
     text = row.text if len(row.text) <= 60 else row.text[:57] + "..."
-    return f"{path}: {line}: expected {row.expected_columns} fields, got {row.actual_columns}: {text!r}"
-
-
-def _find_line(path: Path, text: str) -> int | None:
-    """The number of the first line of `path` that reads `text` (pyarrow's threaded reader does not
-    know it; an error path only)."""
-    stream, raw = open_bytes(path)
-    try:
-        with io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.rstrip("\r\n") == text:
-                    return number
-    except (OSError, EOFError):
-        return None
-    finally:
-        raw.close()
-    return None
+    return f"{path}: {where}: expected {row.expected_columns} fields, got {row.actual_columns}: {text!r}"
 
 
 def read_table(paths: PathLike | Sequence[PathLike], schema: Schema | None = None, *, on_error: str = "raise") -> Block:
