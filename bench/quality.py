@@ -34,6 +34,7 @@ bench/_schema_refs.py and by ``hugeembed train --schema S --data train.csv --eva
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -200,6 +201,8 @@ def _setting(value: str) -> object:
         return tuple(_setting(v) for v in value.split("/"))
     if value.lower() in ("true", "false"):
         return value.lower() == "true"
+    if value.lower() == "none":
+        return None
     for conv in (int, float):
         try:
             return conv(value)
@@ -272,10 +275,15 @@ def run_schema(args, variants) -> None:
     for name in args.sets:
         data = schema_set(name, workdir, args.quick)
         for seed in args.seeds:
-            results = {"counting": counting(data["train"], data["test"], data["schema_dict"]),
-                       "reference": reference(data["train"], data["test"], data["schema_dict"], seed=seed)}
+            # the references' figures are kept beside the data (they depend on it and the seed only)
+            cache = workdir / f"{name}-s{seed}-{'quick' if args.quick else 'full'}-references.json"
+            results = json.loads(cache.read_text()) if cache.exists() else {
+                "counting": counting(data["train"], data["test"], data["schema_dict"]),
+                "reference": reference(data["train"], data["test"], data["schema_dict"], seed=seed)}
+            cache.write_text(json.dumps(results))
             for vname, overrides in variants:
                 results[vname] = hugeembed_schema(data, seed, overrides)
+                print(vname, {k: round(v, 4) for k, v in results[vname].items()}, file=sys.stderr, flush=True)
             for model, m in results.items():
                 gap = "" if model in ("counting", "reference") else \
                     f"{m['auc'] - results['reference']['auc']:+.4f} / {m['logloss'] - results['reference']['logloss']:+.4f}" \
