@@ -257,10 +257,16 @@ def schema_set(name: str, workdir: Path, quick: bool) -> dict:
 
 
 def hugeembed_schema(data: dict, seed: int, overrides: dict[str, object]) -> dict[str, float]:
-    """``hugeembed train --schema S --data train.csv --eval-data test.csv --seed S`` plus `overrides`."""
-    cfg = TrainConfig.from_dict({"schema": str(data["schema_path"]), "data": [str(data["train"])],
-                                 "eval_data": [str(data["test"])], "seed": seed, "eval_every": 0, **overrides},
-                                source="bench/quality.py")
+    """``hugeembed train --schema S --data train.csv --eval-data test.csv --seed S`` (the command line's own
+    config: its run length by the data's size) plus `overrides` (evaluation at the end only)."""
+    from hugeembed.cli import build_parser
+    from hugeembed.cli.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--schema", str(data["schema_path"]), "--data", str(data["train"]),
+                                      "--eval-data", str(data["test"]), "--seed", str(seed), "--eval-every", "0"])
+    cfg = config_from_args(args)
+    if overrides:
+        cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides}, source="bench/quality.py")
     s = Trainer(cfg).fit()
     return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")} | {"epochs": s["epochs"]}
 

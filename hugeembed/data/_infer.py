@@ -138,8 +138,9 @@ def infer_schema(path: str | Path, *, sample_rows: int = 10_000) -> str:
             if sep is not None:
                 lengths = [len(t.split(sep)) for t in texts]
                 note += f"; cells hold {sep!r}: a bag of {np.mean(lengths):.1f} values on average, at most {max(lengths)}"
-        sparse.append((name, sep, note, is_list or (sep is not None and present and
-                                                      max(len(str(t).split(sep)) for t in present) > 50)))
+        longest = max((len(v) if is_list else len(str(v).split(sep)) for v in present), default=0) \
+            if sep is not None else 0
+        sparse.append((name, sep, note, longest > 50))
     lines.append("")
     if label is not None:
         lines += ["[label]", f"column = {json.dumps(label)}                 # 0/1"]

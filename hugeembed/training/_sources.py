@@ -19,7 +19,24 @@ from ..data import (Batch, BayesMetrics, Loader, Schema, ShardSet, SyntheticConf
 from ..errors import ConfigError
 from ._config import TrainConfig
 
-__all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source", "run_schema"]
+__all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source", "run_schema", "default_epochs",
+           "SMALL_DATA_ROWS"]
+
+# `hugeembed train` on schema data without --steps or --epochs: passes over the training data by its size,
+# measured by bench/quality.py --schema (docs/quality.md): a run of 200 steps (the synthetic main job's)
+# was 8 passes over 50 k rows and lost 0.08 AUC to overfitting; one pass under 1 M rows left the
+# dense layers short of steps (-0.006 AUC against two at 50 k rows), two passes above it gained little.
+SMALL_DATA_ROWS = 1_000_000
+
+
+def default_epochs(cfg: TrainConfig) -> int:
+    """Passes over `cfg.data` when the run's length is not given: 2 below SMALL_DATA_ROWS rows, else 1."""
+    paths = list(cfg.data)
+    if len(paths) == 1 and (Path(paths[0]).is_dir() or Path(paths[0]).name == "manifest.json"):
+        rows = ShardSet(paths[0], verify="none").rows
+    else:
+        rows = count_rows(paths, load_schema(cfg.schema) if cfg.schema else criteo_schema())
+    return 2 if rows < SMALL_DATA_ROWS else 1
 
 
 def run_schema(cfg: TrainConfig, saved: Schema | None = None) -> Schema:
