@@ -321,6 +321,7 @@ def main() -> None:
                     help="an ad-hoc variant: TrainConfig settings over the defaults "
                     "(A/B: a pair, e.g. sparse_betas=0.5/0.999)")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
+    ap.add_argument("--no-defaults", action="store_true", help="only the variants (with --schema)")
     ap.add_argument("--quick", action="store_true", help="one seed, 100k training rows, 20k test rows")
     ap.add_argument("--workdir", help="where the data files are cached (default: a temporary directory)")
     args = ap.parse_args()
@@ -329,7 +330,7 @@ def main() -> None:
     tune_malloc()
     variants = [("defaults", {})] + [parse_variant(v) for v in args.variants + args.variant]
     if args.schema:
-        run_schema(args, variants)
+        run_schema(args, variants[1:] if args.no_defaults and len(variants) > 1 else variants)
         return
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hugeembed-quality-")
     workdir = Path(args.workdir or tmp.name)
