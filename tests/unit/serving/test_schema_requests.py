@@ -17,6 +17,7 @@ from hugeembed.training import TrainConfig, Trainer
 from tests.unit.data.schema_oracle import SCHEMA, write_rows
 
 pa = pytest.importorskip("pyarrow")
+pytestmark = pytest.mark.slow  # a module fixture trains and exports a model
 
 
 @pytest.fixture(scope="module")
