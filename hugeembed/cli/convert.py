@@ -1,6 +1,7 @@
-"""``hugeembed convert``: Criteo TSV (.gz) files -> binary shards for fast loading.
+"""``hugeembed convert``: data files (Criteo TSV/.gz, or CSV/TSV/Parquet under a schema) -> binary shards.
 
     hugeembed convert day_0.gz day_1.gz --out shards/ [--skip-bad-lines] [--rows-per-shard N]
+    hugeembed convert --schema clicks.toml clicks.csv --out shards/
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import sys
 import time
 
-from ..data import ConvertProgress, convert
+from ..data import ConvertProgress, convert, load_schema
 
 __all__ = ["add_parser", "run"]
 
@@ -17,11 +18,13 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
-        help="convert Criteo TSV (.gz) files into memory-mappable binary shards",
-        description="Convert Criteo display-advertising TSV files (plain or .gz) into a directory of "
-        ".npy shards with a manifest.json, written atomically. Read it back with hugeembed.data.Loader.",
+        help="convert data files into memory-mappable binary shards",
+        description="Convert data files -- Criteo display-advertising TSV (plain or .gz), or CSV/TSV/Parquet "
+        "under --schema -- into a directory of .npy shards with a manifest.json (and the schema), written "
+        "atomically. Read it back with hugeembed.data.Loader or `hugeembed train --data DIR`.",
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="Criteo TSV files, plain or .gz, converted in order")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="data files, converted in order")
+    p.add_argument("--schema", metavar="FILE.toml", help="the files' schema (default: Criteo's)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip and count malformed lines instead of stopping at the first one")
@@ -84,7 +87,8 @@ class _Progress:
 def run(args: argparse.Namespace) -> int:
     progress = _Progress(enabled=not args.no_progress)
     try:
-        summary = convert(args.inputs, args.out, rows_per_shard=args.rows_per_shard,
+        schema = load_schema(args.schema) if args.schema else None
+        summary = convert(args.inputs, args.out, schema=schema, rows_per_shard=args.rows_per_shard,
                           on_error="skip" if args.skip_bad_lines else "raise", overwrite=args.overwrite,
                           progress=progress)
     finally:

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="score a snapshot", description=__doc__)
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="snapshot or checkpoint directory (newest)")
     p.add_argument("--data", nargs="+", metavar="PATH",
-                   help="Criteo TSV/.gz files or shards (default: the run's own held-out set)")
+                   help="data files in the run's format (its schema is in the snapshot) or shards "
+                        "(default: the run's own held-out set)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--summary-json", metavar="PATH")

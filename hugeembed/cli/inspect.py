@@ -53,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
             tables[-1]["removed"] = sum(s["removed"] for s in t["shards"])
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
           f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")
+    schema = _run_schema(snap)
+    if schema is not None and schema.is_criteo():
+        print("data schema: Criteo's (built in)")
+    elif schema is not None:
+        print("data schema:\n  " + "\n  ".join(schema.describe()))
     if delta:
         print(f"delta {manifest['depth']} of the chain from the full snapshot {manifest['base']}, parent "
               f"{manifest['parent']['name']}: rows and pending are the keys seen since the parent, removed those gone")
@@ -86,8 +91,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         links = {k: manifest[k] for k in ("parent", "base", "depth") if delta}
         write_json(args.json, {"snapshot": str(snap), "step": manifest["step"], "kind": manifest.get("kind", "full"),
-                               **links, "tables": tables, "bytes_on_disk": files, "frequency_bins": bins})
+                               **links, "tables": tables, "bytes_on_disk": files, "frequency_bins": bins,
+                               "schema": None if schema is None else schema.to_dict()})
     return 0
+
+
+def _run_schema(snap: Path):
+    """The data schema of a snapshot written by `hugeembed train` (None for one of the library API)."""
+    from ..data import criteo_schema
+    from ..errors import CheckpointError
+    from ..training import RunRecord
+
+    try:
+        record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))
+    except CheckpointError:
+        return None
+    return record.schema or criteo_schema()
 
 
 def _plot(path: str, bins: list[tuple[str, int]], snap: Path) -> None:

@@ -1,4 +1,5 @@
-"""hugeembed train: train a CTR model (synthetic Criteo-like data unless --data is given)."""
+"""hugeembed train: train a CTR model (synthetic Criteo-like data unless --data is given; files of your own with
+--schema)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..models import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER
-from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer
+from ..training import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig, Trainer, default_epochs
 from ._output import Progress, check_output_paths, human_bytes, plot_history, print_summary, write_json
 
 # flag -> TrainConfig field, for flags that map one to one
-_FIELDS = ("model", "data", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
+_FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
@@ -44,13 +45,16 @@ def parse_bytes(text: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__)
     p.add_argument("--config", metavar="FILE.toml", help="settings file (flags given here override it)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV/.gz files or a converted shard directory "
-                   "(default: the built-in synthetic generator)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="data files (Criteo TSV/.gz, or CSV/TSV/Parquet with "
+                   "--schema) or a converted shard directory (default: the built-in synthetic generator)")
+    p.add_argument("--schema", metavar="FILE.toml", help="the data's schema (label, dense and sparse columns; "
+                   "`hugeembed schema FILE` writes a first one); default: the shards' own, or Criteo's")
     p.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out data (default: hold out --eval-rows rows)")
     p.add_argument("--model", choices=MODELS)
     p.add_argument("--embedding-dim", type=int)
     p.add_argument("--batch-size", type=int, help="per process")
-    p.add_argument("--steps", type=int, help="training steps (default 200; with --epochs: until the epochs end)")
+    p.add_argument("--steps", type=int, help="training steps (default 200; with --epochs: until the epochs end; "
+                   "on data of a --schema: 2 passes under 1 M rows, else 1)")
     p.add_argument("--epochs", type=int)
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
     p.add_argument("--sparse-lr", type=float)
@@ -113,9 +117,37 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given: dict[str, Any] = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
     if "epochs" in given and "steps" not in given:
         given["steps"] = None  # train for the epochs, not for a step count
-    if args.config:
-        return TrainConfig.from_toml(args.config, **given)
-    return TrainConfig.from_dict(given, source="command line")
+    cfg = TrainConfig.from_toml(args.config, **given) if args.config else \
+        TrainConfig.from_dict(given, source="command line")
+    if _length_given(args, given) or not cfg.data or not _schema_data(cfg):
+        return cfg
+    # data of a schema of its own, and no run length: passes over it by its size (training.default_epochs)
+    return cfg.replace(steps=None, epochs=default_epochs(cfg))
+
+
+def _length_given(args: argparse.Namespace, given: dict[str, Any]) -> bool:
+    """Whether the flags or the config file set the run's length (steps or epochs)."""
+    if "steps" in given or "epochs" in given:
+        return True
+    if not args.config:
+        return False
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    data = tomllib.loads(Path(args.config).read_text())
+    section = data.get("train", data)
+    return any(k in section for k in ("steps", "epochs"))
+
+
+def _schema_data(cfg: TrainConfig) -> bool:
+    """True for data under a schema other than Criteo's (whose runs keep their 200 steps)."""
+    from ..training import run_schema
+
+    if cfg.schema:
+        return True
+    paths = list(cfg.data)
+    return len(paths) == 1 and Path(paths[0]).is_dir() and not run_schema(cfg).is_criteo()
 
 
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:

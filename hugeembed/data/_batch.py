@@ -10,8 +10,8 @@ import torch
 
 from ..errors import InputError
 from ..features import SparseFeatures
-from ._block import CriteoBlock
-from ._schema import CAT_NAMES
+from ._block import Block
+from ._schema import CAT_NAMES, Schema
 
 __all__ = ["Batch", "sparse_from_ids"]
 
@@ -82,11 +82,21 @@ class Batch:
         return self.batch_size
 
     @staticmethod
-    def from_block(block: CriteoBlock, keys: Sequence[str] = CAT_NAMES) -> "Batch":
-        """A Batch holding (copies of) the rows of a CriteoBlock."""
+    def from_block(block: Block, keys: Sequence[str] | Schema = CAT_NAMES) -> "Batch":
+        """A Batch holding (copies of) the rows of a Block.
+
+        `keys`: the sparse feature names of a block without bags (default Criteo's C1..C26), or
+        the block's Schema, whose sparse features (single-valued in ``cats``, bags in ``bags``) give
+        the SparseFeatures in schema order.
+        """
         dense = torch.from_numpy(np.array(block.dense, dtype=np.float32, copy=True))
-        ids = torch.from_numpy(block.cats) if block.cats.flags.writeable else torch.from_numpy(np.array(block.cats))
         labels = torch.from_numpy(np.array(block.labels, dtype=np.float32, copy=True))
+        if isinstance(keys, Schema):
+            if not block.bags:
+                keys = keys.sparse_names
+            else:
+                return Batch(dense, _jagged_sparse(block, keys), labels)
+        ids = torch.from_numpy(block.cats) if block.cats.flags.writeable else torch.from_numpy(np.array(block.cats))
         return Batch(dense, sparse_from_ids(ids, keys), labels)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -102,3 +112,27 @@ class Batch:
 
     def is_pinned(self) -> bool:
         return self.dense.is_pinned() and self.sparse.is_pinned() and self.labels.is_pinned()
+
+
+def _jagged_sparse(block: Block, schema: Schema) -> SparseFeatures:
+    """SparseFeatures in schema order from a block's single-valued ids (``cats``) and bags."""
+    n = len(block)
+    values, lengths = [], []
+    single = bag = 0
+    for spec in schema.sparse:
+        if spec.is_bag:
+            b = block.bags[bag]
+            bag += 1
+            values.append(b.values)
+            lengths.append(np.diff(b.offsets))
+        else:
+            values.append(block.cats[:, single])
+            single += 1
+            lengths.append(np.ones(n, np.int64))
+    if single != block.cats.shape[1] or bag != len(block.bags):
+        raise InputError(f"Batch: the block holds {block.cats.shape[1]} single-valued features and "
+                         f"{len(block.bags)} bags, the schema names {single} and {bag}")
+    offsets = np.zeros(n * len(values) + 1, np.int64)
+    np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    return SparseFeatures(list(schema.sparse_names), torch.from_numpy(np.concatenate(values)),
+                          offsets=torch.from_numpy(offsets), batch_size=n)

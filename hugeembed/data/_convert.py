@@ -1,4 +1,4 @@
-"""Criteo TSV (.gz) -> memory-mappable binary shards, atomically.
+"""Data files (Criteo TSV, or CSV / TSV / Parquet under a schema) -> memory-mappable binary shards, atomically.
 
 The shards are written into a temporary directory beside the target
 (``.<name>.tmp-<pid>-<token>``), every file is fsynced, the manifest is written
@@ -20,10 +20,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ..errors import ConfigError, InputError
-from ._criteo import CriteoReader, PathLike, ReadSummary
+from ._criteo import PathLike, ReadSummary
 from .._durable import fsync_dir, sha256_file
-from ._shards import ARRAYS, FORMAT, FORMAT_VERSION, NpyWriter, schema_dict
+from ._reader import TableReader, fit_stats
+from ._schema import Schema, criteo_schema
+from ._shards import FORMAT, FORMAT_VERSION, SCHEMA_FORMAT, SCHEMA_FORMAT_VERSION, NpyWriter, schema_dict, shard_arrays
 
 __all__ = ["convert", "ConvertProgress", "ConvertSummary"]
 
@@ -58,10 +62,12 @@ class ConvertSummary:
 
 
 class _ShardWriter:
-    def __init__(self, root: Path, rows_per_shard: int) -> None:
+    def __init__(self, root: Path, rows_per_shard: int, schema: Schema) -> None:
         self.root, self.rows_per_shard = root, rows_per_shard
+        self.arrays = shard_arrays(schema)
         self.done: list[dict] = []
         self._writers: dict[str, NpyWriter] | None = None
+        self._bag_base: list[int] = []
 
     def _name(self) -> str:
         return f"part-{len(self.done):05d}"
@@ -71,13 +77,21 @@ class _ShardWriter:
         while pos < len(block):
             if self._writers is None:
                 name = self._name()
-                self._writers = {k: NpyWriter(self.root / f"{name}.{k}.npy", dt, shape) for k, (dt, shape) in ARRAYS.items()}
+                self._writers = {k: NpyWriter(self.root / f"{name}.{k}.npy", dt, shape)
+                                 for k, (dt, shape) in self.arrays.items()}
+                self._bag_base = [0] * len(block.bags)
+                for k in range(len(block.bags)):
+                    self._writers[f"bag{k}.offsets"].append(np.zeros(1, np.int64))
             w = self._writers
             take = min(len(block) - pos, self.rows_per_shard - w["labels"].rows)
             part = block.slice(pos, pos + take)
             w["dense"].append(part.dense)
             w["cats"].append(part.cats)
             w["labels"].append(part.labels.astype("uint8"))
+            for k, bag in enumerate(part.bags):
+                w[f"bag{k}.values"].append(bag.values)
+                w[f"bag{k}.offsets"].append(bag.offsets[1:] + self._bag_base[k])
+                self._bag_base[k] += int(bag.offsets[-1])
             pos += take
             if w["labels"].rows == self.rows_per_shard:
                 self._finish()
@@ -90,6 +104,8 @@ class _ShardWriter:
         for k, writer in w.items():
             writer.close()
             files[k] = {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": sha256_file(writer.path)}
+            if k.endswith(".values"):
+                files[k]["rows"] = writer.rows
         self.done.append({"name": name, "rows": w["labels"].rows, "files": files})
         self._writers = None
 
@@ -123,14 +139,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-            on_error: str = "raise", overwrite: bool = False,
+def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, schema: Schema | None = None,
+            rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, on_error: str = "raise", overwrite: bool = False,
             progress: Callable[[ConvertProgress], None] | None = None, chunk_bytes: int = 8 << 20,
             native: bool | None = None) -> ConvertSummary:
-    """Converts Criteo TSV files (plain or .gz) into binary shards under `out_dir`.
+    """Converts data files into binary shards under `out_dir`: Criteo TSV (plain or .gz) by default, or
+    CSV / TSV / Parquet files under `schema`.
 
     Args:
         inputs: one file or a list, converted in order (row order is kept).
+        schema: how the files' columns become model input (default: the built-in Criteo schema).  The
+            mean and std of its standardize columns are fitted on `inputs` (a first pass over those
+            columns) and stored with the schema in the manifest.
         out_dir: the directory to create; must not exist unless `overwrite`.
         rows_per_shard: rows per shard (the last shard may hold fewer).
         on_error: "raise" (InputError at the first malformed line, nothing written) or
@@ -152,7 +172,8 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
     """
     if rows_per_shard < 1:
         raise ConfigError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
-    reader = CriteoReader(inputs, on_error=on_error, chunk_bytes=chunk_bytes, native=native)
+    schema = schema or criteo_schema()
+    reader = TableReader(inputs, schema, on_error=on_error, chunk_bytes=chunk_bytes, native=native)
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(errno.EEXIST, "output exists (pass overwrite=True / --overwrite to replace it)", str(out))
@@ -161,8 +182,11 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     t0 = time.perf_counter()
-    writer = _ShardWriter(tmp, rows_per_shard)
+    writer = _ShardWriter(tmp, rows_per_shard, schema)
     try:
+        if schema.needs_stats():
+            schema = fit_stats(reader.paths, schema)
+            reader = TableReader(reader.paths, schema, on_error=on_error, chunk_bytes=chunk_bytes, native=native)
         summary = reader.summary
         for block in reader:
             writer.append(block)
@@ -177,7 +201,7 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
         writer.close()
         if progress is not None:
             progress(ConvertProgress(summary.bytes_total, summary.bytes_total, summary.rows, summary.skipped))
-        _write_manifest(tmp, writer.done, summary, on_error)
+        _write_manifest(tmp, writer.done, summary, on_error, schema)
         fsync_dir(tmp)
         _publish(tmp, out, overwrite)
     except BaseException:
@@ -188,12 +212,13 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, rows_pe
                           time.perf_counter() - t0, tuple(summary.skipped_examples))
 
 
-def _write_manifest(root: Path, shards: list[dict], summary: ReadSummary, on_error: str) -> None:
+def _write_manifest(root: Path, shards: list[dict], summary: ReadSummary, on_error: str, schema: Schema) -> None:
+    criteo = schema.is_criteo()  # Criteo shards stay as they were before schemas existed
     manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "format": FORMAT if criteo else SCHEMA_FORMAT,
+        "version": FORMAT_VERSION if criteo else SCHEMA_FORMAT_VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "schema": schema_dict(),
+        "schema": schema_dict() if criteo else schema.to_dict(),
         "rows": sum(s["rows"] for s in shards),
         "shards": shards,
         "sources": [{"path": str(Path(f.path).resolve()), "bytes": f.bytes, "lines": f.lines, "rows": f.rows,

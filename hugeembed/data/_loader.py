@@ -1,26 +1,28 @@
-"""Loader: batches from Criteo TSV/.gz files or converted shards, prefetched in a thread.
+"""Loader: batches from data files (Criteo TSV/.gz, or CSV/TSV/Parquet under a schema) or converted
+shards, read, parsed and cut into batches in a background thread.
 
 Work is planned per epoch as a list of row ranges for this rank, read block by block,
 cut into batches, and handed over through a bounded queue by a background thread:
 
-    files/shards --read--> CriteoBlock (~64k rows) --cut--> Batch --queue(prefetch)--> training loop
+    files/shards --read--> Block (~64k rows) --cut--> Batch --queue(prefetch)--> training loop
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ._batch import Batch
-from ._block import CriteoBlock, rebatch
-from ._criteo import CriteoReader, PathLike, ReadSummary, as_paths
+from ._block import Block, rebatch
+from ._criteo import PathLike, ReadSummary, as_paths
+from ._prefetch import Prefetcher as _Prefetcher
+from ._reader import TableReader
+from ._schema import Schema, criteo_schema
 from ._shards import ShardSet
 
 __all__ = ["Loader", "rank_range"]
@@ -40,11 +42,11 @@ def rank_range(total: int, rank: int, world_size: int, equal: bool) -> tuple[int
 
 
 class Loader:
-    """Iterates over :class:`Batch` es from Criteo files or converted shards.
+    """Iterates over :class:`Batch` es from data files or converted shards.
 
     Args:
-        source: a converted shard directory (or its manifest.json), or one or more
-            Criteo TSV files (plain or .gz).
+        source: a converted shard directory (or its manifest.json), or one or more data
+            files: Criteo TSV (plain or .gz), or CSV / TSV / Parquet under `schema`.
         batch_size: rows per batch.
         drop_last: drop the last, shorter batch; with shards and ``world_size > 1`` also
             give every rank exactly ``rows // world_size`` rows, so all run the same steps.
@@ -60,6 +62,9 @@ class Loader:
         chunk_rows: rows read from a shard at a time.
         verify: shards only: when files are checked against the manifest's checksums
             (``"open"``: each shard when first read; ``"all"``: all now; ``"none"``), see ShardSet.
+        schema: how the files' columns become batches (default: the built-in Criteo schema); shards
+            carry their own (a schema given with them must agree, statistics aside).  Its
+            standardize columns must be fitted (``fit_stats``).
 
     Example::
 
@@ -74,7 +79,7 @@ class Loader:
                  shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1, prefetch: int = 2,
                  pin_memory: bool = False, on_error: str = "raise", chunk_rows: int = 1 << 16,
                  shuffle_window: int = 1 << 18, chunk_bytes: int = 8 << 20, native: bool | None = None,
-                 verify: bool | str = "open") -> None:
+                 verify: bool | str = "open", schema: Schema | None = None) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -89,14 +94,20 @@ class Loader:
         self.epoch = 0
         self.summary: ReadSummary | None = None
         self.shards: ShardSet | None = None
-        self._reader: CriteoReader | None = None
+        self._reader: TableReader | None = None
         if _is_shard_dir(source):
             self.shards = ShardSet(source, verify=verify)  # type: ignore[arg-type]
+            if schema is not None and schema.fingerprint() != self.shards.schema.fingerprint():
+                raise ConfigError(f"{self.shards.root} was converted under another schema than the one given; "
+                                  f"leave the schema out (shards carry theirs) or convert again")
+            self.schema = self.shards.schema
         else:
             if shuffle:
                 raise ConfigError("shuffle=True needs converted shards (`hugeembed convert`); text files are read in order")
-            self._reader = CriteoReader(as_paths(source), on_error=on_error, chunk_bytes=chunk_bytes,
-                                        rank=self.rank, world_size=self.world_size, native=native)
+            self.schema = schema or criteo_schema()
+            self._reader = TableReader(as_paths(source), self.schema, on_error=on_error, chunk_bytes=chunk_bytes,
+                                       chunk_rows=chunk_rows, rank=self.rank, world_size=self.world_size,
+                                       native=native)
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the shuffle order of the next iteration (call it with the same value on every rank)."""
@@ -125,10 +136,10 @@ class Loader:
     def _batches(self) -> Iterator[Batch]:
         blocks = self._shard_blocks(self.epoch) if self.shards is not None else self._text_blocks()
         for blk in rebatch(blocks, self.batch_size, self.drop_last):
-            batch = Batch.from_block(blk)
+            batch = Batch.from_block(blk, self.schema)
             yield batch.pin_memory() if self.pin_memory else batch
 
-    def _text_blocks(self) -> Iterator[CriteoBlock]:
+    def _text_blocks(self) -> Iterator[Block]:
         assert self._reader is not None
         self.summary = self._reader.summary
         for blk in self._reader:
@@ -155,7 +166,7 @@ class Loader:
             units.append(cur)
         return units
 
-    def _shard_blocks(self, epoch: int) -> Iterator[CriteoBlock]:
+    def _shard_blocks(self, epoch: int) -> Iterator[Block]:
         assert self.shards is not None
         units = self._units(epoch)
         lengths = [sum(c[2] - c[1] for c in u) for u in units]
@@ -170,7 +181,7 @@ class Loader:
                 shard, a, _ = unit[0]
                 yield self.shards.read_shard_rows(shard, a + lo, a + hi)
                 continue
-            rows = CriteoBlock.concat([self.shards.read_shard_rows(s, a, b) for s, a, b in unit])
+            rows = Block.concat([self.shards.read_shard_rows(s, a, b) for s, a, b in unit])
             perm = np.random.default_rng([self.seed, epoch, u]).permutation(n)
             yield rows.take(perm[lo:hi])
 
@@ -180,61 +191,6 @@ def _is_shard_dir(source) -> bool:
         p = Path(source)
         return p.is_dir() or p.name == "manifest.json"
     return False
-
-
-class _Prefetcher:
-    """Runs a generator in a daemon thread, passing items through a bounded queue."""
-
-    def __init__(self, make: Callable[[], Iterator], depth: int) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(make,), name="hugeembed-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self, make: Callable[[], Iterator]) -> None:
-        it = None
-        try:
-            it = make()
-            for item in it:
-                if not self._put(("item", item)):
-                    return
-            self._put(("end", None))
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            self._put(("error", e))
-        finally:
-            if it is not None and hasattr(it, "close"):
-                it.close()  # runs the generators' finally blocks: files are closed here
-
-    def _put(self, msg) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(msg, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(self):
-        while True:
-            try:
-                return self._q.get(timeout=0.1)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._q.empty():
-                    return ("error", RuntimeError("hugeembed loader thread died without a result"))
-
-    def close(self) -> None:
-        self._stop.set()
-        while True:  # unblock a worker waiting on a full queue
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
 
 class _BatchIterator:

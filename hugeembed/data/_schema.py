@@ -1,36 +1,43 @@
-"""The Criteo schema: column names, dtypes, and the reserved "missing" id of each feature.
+"""The schema of a click log: which column is the label, which are dense, which are sparse, and how each
+becomes model input.  A TOML file (docs/data.md); Criteo's layout is the built-in one (``criteo.toml``)::
 
-A Criteo display-advertising line has 40 tab-separated fields::
+    format = "csv"                  # csv | tsv | parquet | criteo (default: from the file's extension)
+    header = true                   # csv/tsv: the first line names the columns (else columns = [...])
+    [label]
+    column = "clicked"              # 0/1 or true/false; or positive = ">50K" (rows equal to it are 1)
+    [dense.age]
+    transform = "log1p"             # none | log1p | standardize; fill = 0 for empty cells
+    [sparse.genres]
+    separator = "|"                 # a bag of values per cell
+    combiner = "mean"               # sum | mean | sqrtn
+    [sparse.history]
+    separator = " "
+    table = "movie_id"              # reads the rows of feature movie_id
+    max_length = 20                 # keeps the last 20 values
 
-    label \t I1 \t ... \t I13 \t C1 \t ... \t C26
-      0/1     integer counts        categorical ids: 8 hex digits (32-bit)
-              (may be empty or < 0) (may be empty)
-
-hugeembed turns it into
-
-    dense  float32 [B, 13]   log(1 + max(x, 0)), an empty field -> 0
-    cats   int64   [B, 26]   the hex value itself (no vocabulary), an empty field ->
-                             MISSING_IDS[j] = 2**32 + j for feature C{j+1}
-    labels float32 [B]       0.0 / 1.0
-
-Parsed hex ids are < 2**32, so the missing ids (2**32 .. 2**32 + 25) can never collide
-with a real one, are non-negative (negative ids are dropped as invalid by the embedding
-"clean" stage), and differ per feature so that features sharing one table still keep
-"missing C3" apart from "missing C7".
+A key this module does not know is an error naming it (a typo is never ignored).  The Criteo
+constants below (``N_DENSE``, ``CAT_NAMES``, ``MISSING_IDS`` ...) describe the built-in schema;
+``missing_id`` gives the id of an empty cell of sparse feature j of any schema: ``2**32 + j``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
 __all__ = [
-    "N_DENSE",
-    "N_CAT",
-    "N_FIELDS",
-    "DENSE_NAMES",
-    "CAT_NAMES",
-    "MISSING_ID_BASE",
-    "MISSING_IDS",
-    "missing_id",
-    "field_name",
+    "N_DENSE", "N_CAT", "N_FIELDS", "DENSE_NAMES", "CAT_NAMES", "MISSING_ID_BASE", "MISSING_IDS", "missing_id",
+    "field_name", "Schema", "LabelSpec", "DenseSpec", "SparseSpec", "load_schema", "criteo_schema", "FORMATS",
+    "TRANSFORMS", "ID_KINDS", "CRITEO_SCHEMA_PATH", "format_of",
 ]
 
 N_DENSE = 13
@@ -40,13 +47,23 @@ DENSE_NAMES: tuple[str, ...] = tuple(f"I{i}" for i in range(1, N_DENSE + 1))
 CAT_NAMES: tuple[str, ...] = tuple(f"C{i}" for i in range(1, N_CAT + 1))
 MISSING_ID_BASE = 1 << 32
 MISSING_IDS: tuple[int, ...] = tuple(MISSING_ID_BASE + j for j in range(N_CAT))
+CRITEO_SCHEMA_PATH = Path(__file__).with_name("criteo.toml")
+
+FORMATS = ("csv", "tsv", "parquet", "criteo")
+TRANSFORMS = ("none", "log1p", "standardize")
+ID_KINDS = ("hash", "int", "hex")
+COMBINERS = ("sum", "mean", "sqrtn")
+_EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 
 
 def missing_id(feature: int | str) -> int:
-    """The id that stands for an empty field of categorical `feature`.
+    """The id of an empty cell of sparse feature `feature`: ``2**32 + j`` for the j-th feature of a schema.
 
     Args:
-        feature: ``"C1"`` .. ``"C26"`` or its position 0 .. 25.
+        feature: a Criteo name ``"C1"`` .. ``"C26"``, or the position j of a feature in its schema.
+
+    Ids parsed from hex are below ``2**32`` and hashed ids have bit 62 set, so a missing id is
+    never a real one; it differs per feature, so features sharing a table keep their "missing" apart.
 
     Example::
 
@@ -57,15 +74,405 @@ def missing_id(feature: int | str) -> int:
         if feature not in CAT_NAMES:
             raise KeyError(f"no categorical feature {feature!r}; features are C1..C26")
         return MISSING_IDS[CAT_NAMES.index(feature)]
-    if not 0 <= feature < N_CAT:
-        raise IndexError(f"categorical feature position {feature} out of range 0..{N_CAT - 1}")
-    return MISSING_IDS[feature]
+    if not 0 <= feature < 1 << 31:
+        raise IndexError(f"sparse feature position {feature} out of range")
+    return MISSING_ID_BASE + feature
 
 
 def field_name(field: int) -> str:
-    """Name of field `field` of a line: 0 = "label", 1..13 = I1..I13, 14..39 = C1..C26."""
+    """Name of field `field` of a Criteo line: 0 = "label", 1..13 = I1..I13, 14..39 = C1..C26."""
     if field == 0:
         return "label"
     if 1 <= field <= N_DENSE:
         return DENSE_NAMES[field - 1]
     return CAT_NAMES[field - 1 - N_DENSE]
+
+
+def format_of(path: str | Path) -> str | None:
+    """The format a file's extension names (``x.csv.gz`` -> csv), or None."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return _EXTENSIONS.get(suffixes[-1]) if suffixes else None
+
+
+@dataclass(frozen=True)
+class LabelSpec:
+    """The label column: values 0/1 or true/false, or `positive` (its value is 1) and optionally
+    `negative` (the values that are 0; any other value is an error)."""
+
+    column: str
+    positive: str | None = None
+    negative: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A numeric column: an empty cell reads `fill`, then `transform` (log1p is ``log(1 + max(x, 0))``;
+    standardize is ``(x - mean) / std``, mean and std from the training data unless given)."""
+
+    name: str
+    column: str
+    transform: str = "none"
+    fill: float = 0.0
+    mean: float | None = None
+    std: float | None = None
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """A categorical column: one value per cell, or a bag (`separator`), its last `max_length` values kept;
+    ids hashed from the text (``hash``), the integer itself (``int``) or the hex value (``hex``)."""
+
+    name: str
+    column: str
+    ids: str = "hash"
+    separator: str | None = None
+    combiner: str = "sum"
+    table: str | None = None
+    max_length: int | None = None
+
+    @property
+    def is_bag(self) -> bool:
+        return self.separator is not None
+
+
+_TOP_KEYS = ("format", "header", "columns", "delimiter", "label", "dense", "sparse")
+_LABEL_KEYS = ("column", "positive", "negative")
+_DENSE_KEYS = ("column", "transform", "fill", "mean", "std")
+_SPARSE_KEYS = ("column", "ids", "separator", "combiner", "table", "max_length")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A validated schema (build it with :func:`load_schema` or :meth:`from_dict`).
+
+    ``dense`` and ``sparse`` keep the file's order: a batch's dense matrix has the dense columns in
+    that order, its SparseFeatures the sparse features.  ``table_of(name)`` is the table a feature
+    reads (its own name, or the feature its `table` names).
+    """
+
+    format: str | None = None
+    header: bool = True
+    columns: tuple[str, ...] | None = None
+    delimiter: str | None = None
+    label: LabelSpec | None = None
+    dense: tuple[DenseSpec, ...] = ()
+    sparse: tuple[SparseSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.dense] + [s.name for s in self.sparse]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"schema: {dup} named both as dense and as sparse")
+        if not self.sparse and not self.dense:
+            raise ConfigError("schema: names no dense and no sparse column: a model needs input")
+        sparse = {s.name: s for s in self.sparse}
+        for s in self.sparse:
+            if s.table is None:
+                continue
+            owner = sparse.get(s.table)
+            if owner is None:
+                raise ConfigError(f"schema: sparse.{s.name}.table = {s.table!r} names no sparse feature; "
+                                  f"features: {sorted(sparse)}")
+            if owner.table is not None:
+                raise ConfigError(f"schema: sparse.{s.name}.table = {s.table!r}, which itself reads table "
+                                  f"{owner.table!r}: name {owner.table!r} directly")
+        for owner, members in self.tables().items():
+            combiners = {sparse[m].combiner for m in members if sparse[m].is_bag}
+            if len(combiners) > 1:
+                raise ConfigError(f"schema: features {list(members)} share table {owner!r} but pool their bags "
+                                  f"differently ({sorted(combiners)}): give them one combiner")
+        if self.columns is not None:
+            known = set(self.columns)
+            needed = self.needed_columns()
+            lacking = [c for c in needed if c not in known]
+            if lacking:
+                raise ConfigError(f"schema: columns {lacking} are not in columns = {list(self.columns)}")
+
+    # -- what the schema says -------------------------------------------------------------------
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.dense)
+
+    @property
+    def sparse_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sparse)
+
+    @property
+    def dense_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dense)
+
+    def table_of(self, feature: str) -> str:
+        spec = next(s for s in self.sparse if s.name == feature)
+        return spec.table or spec.name
+
+    def tables(self) -> dict[str, tuple[str, ...]]:
+        """Table name -> the features that read it, in schema order."""
+        out: dict[str, list[str]] = {}
+        for s in self.sparse:
+            out.setdefault(s.table or s.name, []).append(s.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def table_combiner(self, table: str) -> str:
+        """How a table's bags pool: its bag features' combiner (single values pool the same either way)."""
+        members = self.tables()[table]
+        bags = [s.combiner for s in self.sparse if s.name in members and s.is_bag]
+        return bags[0] if bags else next(s.combiner for s in self.sparse if s.name == members[0])
+
+    def needed_columns(self) -> list[str]:
+        cols = ([self.label.column] if self.label else []) + [d.column for d in self.dense] + \
+            [s.column for s in self.sparse]
+        return list(dict.fromkeys(cols))
+
+    def resolved_format(self, path: str | Path) -> str:
+        """The schema's format, or the one `path`'s extension names; ConfigError when neither says."""
+        if self.format is not None:
+            return self.format
+        fmt = format_of(path)
+        if fmt is None:
+            raise ConfigError(f"{path}: cannot tell the format from the file name; set format = "
+                              f"\"csv\", \"tsv\", \"parquet\" or \"criteo\" in the schema")
+        return fmt
+
+    def needs_stats(self) -> bool:
+        """True while a standardize column lacks its mean and std (fit them on the training data)."""
+        return any(d.transform == "standardize" and (d.mean is None or d.std is None) for d in self.dense)
+
+    def with_stats(self, stats: Mapping[str, tuple[float, float]]) -> "Schema":
+        """The schema with (mean, std) of its standardize columns set from `stats` (by dense name)."""
+        dense = tuple(dataclasses.replace(d, mean=float(stats[d.name][0]), std=float(stats[d.name][1]))
+                      if d.transform == "standardize" and d.name in stats else d for d in self.dense)
+        return dataclasses.replace(self, dense=dense)
+
+    def without_stats(self) -> "Schema":
+        dense = tuple(dataclasses.replace(d, mean=None, std=None) if d.transform == "standardize" else d
+                      for d in self.dense)
+        return dataclasses.replace(self, dense=dense)
+
+    def fingerprint(self) -> str:
+        """sha256 of the schema without fitted statistics: two runs read data alike iff they agree."""
+        text = json.dumps(self.without_stats().to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def is_criteo(self) -> bool:
+        """True when this is the built-in Criteo layout, which the native Criteo parser reads."""
+        return self.without_stats() == criteo_schema()
+
+    def describe(self) -> list[str]:
+        """A few lines for people: label, dense columns, sparse features (bags, tables they share)."""
+        lines = []
+        if self.label is not None:
+            lab = self.label
+            lines.append(f"label   {lab.column}" + (f" (1 = {lab.positive!r})" if lab.positive is not None else ""))
+        if self.dense:
+            lines.append("dense   " + ", ".join(d.name + ("" if d.transform == "none" else f" ({d.transform})")
+                                                for d in self.dense))
+        parts = []
+        for sp in self.sparse:
+            notes = [] if sp.ids == "hash" else [f"ids {sp.ids}"]
+            if sp.is_bag:
+                notes.append(f"bag {sp.separator!r}, {sp.combiner}"
+                             + (f", last {sp.max_length}" if sp.max_length else ""))
+            if sp.table:
+                notes.append(f"table {sp.table}")
+            parts.append(sp.name + (f" ({'; '.join(notes)})" if notes else ""))
+        lines.append("sparse  " + ", ".join(parts))
+        return lines
+
+    # -- (de)serialising ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"header": self.header}
+        if self.format is not None:
+            out["format"] = self.format
+        if self.columns is not None:
+            out["columns"] = list(self.columns)
+        if self.delimiter is not None:
+            out["delimiter"] = self.delimiter
+        if self.label is not None:
+            lab: dict[str, Any] = {"column": self.label.column}
+            if self.label.positive is not None:
+                lab["positive"] = self.label.positive
+            if self.label.negative:
+                lab["negative"] = list(self.label.negative)
+            out["label"] = lab
+        # lists, not tables: the order is the model's (a JSON writer may sort a table's keys)
+        out["dense"] = [{k: v for k, v in (("name", d.name), ("column", d.column), ("transform", d.transform),
+                                           ("fill", d.fill), ("mean", d.mean), ("std", d.std)) if v is not None}
+                        for d in self.dense]
+        out["sparse"] = [{k: v for k, v in (("name", s.name), ("column", s.column), ("ids", s.ids),
+                                            ("separator", s.separator), ("combiner", s.combiner), ("table", s.table),
+                                            ("max_length", s.max_length)) if v is not None}
+                         for s in self.sparse]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "schema") -> "Schema":
+        """A schema from its TOML/JSON form; ConfigError naming `source` and the key for anything wrong."""
+        _mapping(data, source)
+        _known(data, _TOP_KEYS, source, "")
+        fmt = data.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise ConfigError(f"{source}: format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        header = data.get("header", fmt != "criteo")
+        if not isinstance(header, bool):
+            raise ConfigError(f"{source}: header must be true or false, got {header!r}")
+        columns = data.get("columns")
+        if columns is not None:
+            if not (isinstance(columns, list) and columns and all(isinstance(c, str) and c for c in columns)):
+                raise ConfigError(f"{source}: columns must be a list of column names, got {columns!r}")
+            dup = sorted({c for c in columns if columns.count(c) > 1})
+            if dup:
+                raise ConfigError(f"{source}: columns names {dup} twice")
+            columns = tuple(columns)
+        if fmt == "criteo":
+            if columns is not None and columns != ("label", *DENSE_NAMES, *CAT_NAMES):
+                raise ConfigError(f"{source}: a criteo file's columns are label, I1..I13, C1..C26: leave columns out")
+            if header:
+                raise ConfigError(f"{source}: criteo files have no header line: header = false")
+            columns = ("label", *DENSE_NAMES, *CAT_NAMES)
+        delimiter = data.get("delimiter")
+        if delimiter is not None and not (isinstance(delimiter, str) and len(delimiter) == 1 and delimiter not in "\"\n\r"):
+            raise ConfigError(f"{source}: delimiter must be one character (not a quote or a newline), got {delimiter!r}")
+        if delimiter is not None and fmt in ("parquet", "criteo"):
+            raise ConfigError(f"{source}: delimiter applies to csv and tsv files, not {fmt}")
+        if fmt in ("csv", "tsv") and not header and columns is None:
+            raise ConfigError(f"{source}: header = false needs columns = [...] naming every column in order")
+        label = _label(data.get("label"), source)
+        dense = tuple(_dense(n, v, source) for n, v in _section(data, "dense", source).items())
+        sparse = tuple(_sparse(n, v, source) for n, v in _section(data, "sparse", source).items())
+        try:
+            return cls(fmt, header, columns, delimiter, label, dense, sparse)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {str(e).removeprefix('schema: ')}") from None
+
+
+def _mapping(v: Any, where: str) -> None:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where} must be a table of settings, got {v!r}")
+
+
+def _known(d: Mapping, keys: tuple[str, ...], source: str, at: str) -> None:
+    for k in d:
+        if k not in keys:
+            close = difflib.get_close_matches(str(k), keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key {at}{k!r}{hint}; known keys: {', '.join(keys)}")
+
+
+def _section(data: Mapping, name: str, source: str) -> Mapping:
+    sec = data.get(name, {})
+    if isinstance(sec, list):  # the saved form (Schema.to_dict): a list of {"name": ..., settings}
+        if not all(isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in sec):
+            raise ConfigError(f"{source}: {name} must be a table of columns, got {sec!r}")
+        sec = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in sec}
+        if len(sec) != len(data[name]):
+            raise ConfigError(f"{source}: {name} names a column twice")
+    _mapping(sec, f"{source}: [{name}]")
+    for feature, body in sec.items():
+        _mapping(body, f"{source}: [{name}.{feature}]")
+        if not feature or "@" in feature or "." in feature:
+            raise ConfigError(f"{source}: {name} name {feature!r} must be non-empty, without '@' or '.'")
+    return sec
+
+
+def _string(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{what} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _label(v: Any, source: str) -> LabelSpec | None:
+    if v is None:
+        return None
+    _mapping(v, f"{source}: [label]")
+    _known(v, _LABEL_KEYS, source, "label.")
+    column = _string(v.get("column"), f"{source}: label.column")
+    positive = v.get("positive")
+    if positive is not None:
+        positive = _string(positive, f"{source}: label.positive")
+    negative = v.get("negative", [])
+    if isinstance(negative, str):
+        negative = [negative]
+    if not isinstance(negative, list) or not all(isinstance(x, str) and x for x in negative):
+        raise ConfigError(f"{source}: label.negative must be a string or a list of strings, got {negative!r}")
+    if negative and positive is None:
+        raise ConfigError(f"{source}: label.negative goes with label.positive (the value that is 1)")
+    if positive in negative:
+        raise ConfigError(f"{source}: label.positive {positive!r} is also in label.negative")
+    return LabelSpec(column, positive, tuple(negative))
+
+
+def _number(v: Any, what: str, positive: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise ConfigError(f"{what} must be a {'positive ' if positive else ''}finite number, got {v!r}")
+    return float(v)
+
+
+def _dense(name: str, v: Mapping, source: str) -> DenseSpec:
+    at = f"{source}: dense.{name}."
+    _known(v, _DENSE_KEYS, source, f"dense.{name}.")
+    transform = v.get("transform", "none")
+    if transform not in TRANSFORMS:
+        raise ConfigError(f"{at}transform must be one of {', '.join(TRANSFORMS)}, got {transform!r}")
+    mean, std = v.get("mean"), v.get("std")
+    if (mean is not None or std is not None) and transform != "standardize":
+        raise ConfigError(f"{at}mean and std apply to transform = \"standardize\"")
+    if (mean is None) != (std is None):
+        raise ConfigError(f"{at}mean and std go together (or leave both out: they are fitted on the training data)")
+    return DenseSpec(name, _string(v.get("column", name), f"{at}column"), transform,
+                     _number(v.get("fill", 0.0), f"{at}fill"),
+                     None if mean is None else _number(mean, f"{at}mean"),
+                     None if std is None else _number(std, f"{at}std", positive=True))
+
+
+def _sparse(name: str, v: Mapping, source: str) -> SparseSpec:
+    at = f"{source}: sparse.{name}."
+    _known(v, _SPARSE_KEYS, source, f"sparse.{name}.")
+    ids = v.get("ids", "hash")
+    if ids not in ID_KINDS:
+        raise ConfigError(f"{at}ids must be one of {', '.join(ID_KINDS)}, got {ids!r}")
+    sep = v.get("separator")
+    if sep is not None and (not isinstance(sep, str) or sep == "" or "\n" in sep or '"' in sep):
+        raise ConfigError(f"{at}separator must be a non-empty string without quotes or newlines, got {sep!r}")
+    combiner = v.get("combiner", "sum")
+    if combiner not in COMBINERS:
+        raise ConfigError(f"{at}combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
+    max_length = v.get("max_length")
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ConfigError(f"{at}max_length must be a positive integer, got {max_length!r}")
+        if sep is None:
+            raise ConfigError(f"{at}max_length applies to a bag of values: give separator too")
+    table = v.get("table")
+    if table is not None:
+        table = _string(table, f"{at}table")
+        if table == name:
+            table = None
+    return SparseSpec(name, _string(v.get("column", name), f"{at}column"), ids, sep, combiner, table, max_length)
+
+
+def load_schema(path: str | Path) -> Schema:
+    """The schema in TOML file `path`; ConfigError naming the file and the key for anything wrong."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"schema file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"schema file {path} is a directory, not a TOML file") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"schema file {path} is not valid TOML: {e}") from None
+    return Schema.from_dict(data, source=f"schema {path}")
+
+
+@lru_cache(maxsize=1)
+def criteo_schema() -> Schema:
+    """The built-in schema (``hugeembed/data/criteo.toml``): Criteo's 40 tab-separated fields."""
+    return load_schema(CRITEO_SCHEMA_PATH)

@@ -1,13 +1,19 @@
-"""Converted Criteo shards: a directory of .npy arrays plus manifest.json.
+"""Converted shards: a directory of .npy arrays plus manifest.json.
 
 Layout written by :func:`hugeembed.data.convert`::
 
     out/
       manifest.json                 format, version, schema, row counts, checksums, sources
-      part-00000.dense.npy          float32 [n0, 13]   (log1p-transformed)
-      part-00000.cats.npy           int64   [n0, 26]   (missing -> MISSING_IDS[j])
+      part-00000.dense.npy          float32 [n0, n_dense]   (transformed as the schema says)
+      part-00000.cats.npy           int64   [n0, n_single]  (single-valued features; missing -> 2**32 + j)
       part-00000.labels.npy         uint8   [n0]
+      part-00000.bag0.values.npy    int64   [nnz]       bag feature 0's ids, row after row
+      part-00000.bag0.offsets.npy   int64   [n0 + 1]    row i: values[offsets[i]:offsets[i + 1]]
       part-00001.dense.npy ...
+
+Criteo data (the built-in schema) is written as format ``hugeembed.criteo-shards`` version 1, as
+before schemas existed; any other schema as ``hugeembed.shards`` version 2, with the schema (and
+its fitted statistics) in the manifest.
 
 Every array is a plain .npy file, so ``np.load(path, mmap_mode="r")`` maps it without
 reading it; the loader reads only the rows it needs.
@@ -24,19 +30,35 @@ import numpy as np
 
 from .._durable import sha256_file
 from ..errors import InputError
-from ._block import CriteoBlock
-from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_IDS, N_CAT, N_DENSE
+from ._block import Bag, Block
+from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_IDS, N_CAT, N_DENSE, Schema, criteo_schema
 
-__all__ = ["ShardSet", "ShardInfo", "FORMAT", "FORMAT_VERSION", "ARRAYS", "NpyWriter", "schema_dict"]
+__all__ = ["ShardSet", "ShardInfo", "FORMAT", "FORMAT_VERSION", "SCHEMA_FORMAT", "SCHEMA_FORMAT_VERSION", "ARRAYS",
+           "NpyWriter", "schema_dict", "shard_arrays"]
 
 FORMAT = "hugeembed.criteo-shards"
 FORMAT_VERSION = 1
-# array name -> (dtype, row shape)
+SCHEMA_FORMAT = "hugeembed.shards"  # any schema: the schema itself is in the manifest
+SCHEMA_FORMAT_VERSION = 2
+# array name -> (dtype, row shape) of Criteo shards
 ARRAYS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "dense": (np.dtype(np.float32), (N_DENSE,)),
     "cats": (np.dtype(np.int64), (N_CAT,)),
     "labels": (np.dtype(np.uint8), ()),
 }
+
+
+def shard_arrays(schema: Schema) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The arrays of a shard under `schema`: name -> (dtype, row shape); bag k adds ``bag<k>.values``
+    ([nnz]) and ``bag<k>.offsets`` ([rows + 1])."""
+    n_bags = sum(s.is_bag for s in schema.sparse)
+    out = {"dense": (np.dtype(np.float32), (schema.num_dense,)),
+           "cats": (np.dtype(np.int64), (len(schema.sparse) - n_bags,)),
+           "labels": (np.dtype(np.uint8), ())}
+    for k in range(n_bags):
+        out[f"bag{k}.values"] = (np.dtype(np.int64), ())
+        out[f"bag{k}.offsets"] = (np.dtype(np.int64), ())
+    return out
 _HEADER_BYTES = 128  # fixed .npy header size, so the shape can be patched in place at close
 
 
@@ -116,7 +138,8 @@ class ShardSet:
 
         shards = ShardSet("criteo_shards/")
         shards.rows, len(shards.shards)          # (45840617, 44)
-        block = shards.read(1000, 2000)          # CriteoBlock of rows 1000..1999
+        block = shards.read(1000, 2000)          # Block of rows 1000..1999
+        shards.schema                            # the schema the data was converted under
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool | str = "open") -> None:
@@ -135,7 +158,8 @@ class ShardSet:
         except (OSError, ValueError) as e:
             raise InputError(f"{mpath}: unreadable manifest ({e})") from None
         m = self.manifest
-        _validate_manifest(m, mpath)
+        self.schema = _validate_manifest(m, mpath)
+        self.array_specs = shard_arrays(self.schema)
         infos, start = [], 0
         for s in m["shards"]:
             infos.append(ShardInfo(s["name"], s["rows"], start))
@@ -160,7 +184,7 @@ class ShardSet:
             if self.verify_mode == "open":
                 self._verify_shard(entry)
             got = {}
-            for name, (dtype, row_shape) in ARRAYS.items():
+            for name, (dtype, row_shape) in self.array_specs.items():
                 fpath = self.root / entry["files"][name]["file"]
                 try:
                     arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
@@ -168,14 +192,16 @@ class ShardSet:
                     raise InputError(f"{fpath}: missing shard file listed in the manifest") from None
                 except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
                     raise InputError(f"{fpath}: not a readable .npy file ({type(e).__name__}: {e})") from None
-                if arr.dtype != dtype or arr.shape != (info.rows, *row_shape):
-                    raise InputError(f"{fpath}: holds {arr.dtype} {arr.shape}, manifest says {dtype} {(info.rows, *row_shape)}")
+                rows = info.rows + 1 if name.endswith(".offsets") else \
+                    entry["files"][name].get("rows", -1) if name.endswith(".values") else info.rows
+                if arr.dtype != dtype or arr.shape != (rows, *row_shape):
+                    raise InputError(f"{fpath}: holds {arr.dtype} {arr.shape}, manifest says {dtype} {(rows, *row_shape)}")
                 got[name] = arr
             self._open[shard] = got
         return got
 
-    def read_shard_rows(self, shard: int, start: int, stop: int) -> CriteoBlock:
-        """Rows ``start:stop`` of one shard, copied into memory (labels and ids checked)."""
+    def read_shard_rows(self, shard: int, start: int, stop: int) -> Block:
+        """Rows ``start:stop`` of one shard, copied into memory (labels, ids and bag offsets checked)."""
         a = self.arrays(shard)
         cats, labels = np.array(a["cats"][start:stop]), a["labels"][start:stop]
         if labels.size and labels.max() > 1:
@@ -183,15 +209,28 @@ class ShardSet:
             raise InputError(f"{self._file(shard, 'labels')}: row {row} has label {int(labels[row - start])}; "
                              f"labels must be 0 or 1 (damaged or foreign shard)")
         if cats.size and cats.min() < 0:
-            row, col = divmod(int(np.argmax(cats.reshape(-1) < 0)), N_CAT)
-            raise InputError(f"{self._file(shard, 'cats')}: row {start + row} has {CAT_NAMES[col]} id "
+            row, col = divmod(int(np.argmax(cats.reshape(-1) < 0)), cats.shape[1])
+            names = [s.name for s in self.schema.sparse if not s.is_bag]
+            raise InputError(f"{self._file(shard, 'cats')}: row {start + row} has {names[col]} id "
                              f"{int(cats[row, col])}; category ids must be >= 0 (damaged or foreign shard)")
-        return CriteoBlock(np.array(a["dense"][start:stop]), cats, labels.astype(np.float32))
+        bags = []
+        for k in range(sum(s.is_bag for s in self.schema.sparse)):
+            offsets, values = a[f"bag{k}.offsets"], a[f"bag{k}.values"]
+            o = np.array(offsets[start: stop + 1])
+            if o.size and (np.any(np.diff(o) < 0) or o[0] < 0 or o[-1] > values.shape[0]):
+                raise InputError(f"{self._file(shard, f'bag{k}.offsets')}: offsets of rows {start}..{stop} are not "
+                                 f"increasing within the {values.shape[0]} values (damaged or foreign shard)")
+            ids = np.array(values[o[0]: o[-1]])
+            if ids.size and ids.min() < 0:
+                raise InputError(f"{self._file(shard, f'bag{k}.values')}: an id {int(ids.min())} < 0 in rows "
+                                 f"{start}..{stop} (damaged or foreign shard)")
+            bags.append(Bag(ids, o - o[0]))
+        return Block(np.array(a["dense"][start:stop]), cats, labels.astype(np.float32), tuple(bags))
 
     def _file(self, shard: int, array: str) -> Path:
         return self.root / self.manifest["shards"][shard]["files"][array]["file"]
 
-    def read(self, start: int, stop: int) -> CriteoBlock:
+    def read(self, start: int, stop: int) -> Block:
         """Global rows ``start:stop`` (may span shards)."""
         if not 0 <= start <= stop <= self.rows:
             raise IndexError(f"rows {start}:{stop} out of range 0:{self.rows}")
@@ -202,9 +241,14 @@ class ShardSet:
             end = min(stop, info.start + info.rows)
             parts.append(self.read_shard_rows(s, start - info.start, end - info.start))
             start, s = end, s + 1
-        return CriteoBlock.concat(parts)
+        return Block.concat(parts) if parts else self.empty_block()
 
-    def read_all(self) -> CriteoBlock:
+    def empty_block(self) -> Block:
+        """A block of no rows with this schema's arrays."""
+        bags = sum(s.is_bag for s in self.schema.sparse)
+        return Block.empty(self.schema.num_dense, len(self.schema.sparse) - bags, bags)
+
+    def read_all(self) -> Block:
         return self.read(0, self.rows)
 
     def verify(self) -> None:
@@ -213,7 +257,7 @@ class ShardSet:
             self._verify_shard(entry)
 
     def _verify_shard(self, entry: dict) -> None:
-        for name in ARRAYS:
+        for name in self.array_specs:
             f = entry["files"][name]
             fpath = self.root / f["file"]
             if not fpath.is_file():
@@ -226,8 +270,8 @@ class ShardSet:
                 raise InputError(f"{fpath}: checksum mismatch (file changed or corrupted since conversion)")
 
 
-def _validate_manifest(m, where: Path) -> None:
-    """Checks the shape of a shard manifest: InputError naming the file and the first bad field."""
+def _validate_manifest(m, where: Path) -> Schema:
+    """Checks the shape of a shard manifest (InputError naming the file and the first bad field); its schema."""
     def need(ok: bool, name: str, what: str, value) -> None:
         if not ok:
             text = repr(value)
@@ -237,11 +281,22 @@ def _validate_manifest(m, where: Path) -> None:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
     need(isinstance(m, dict), "the manifest", "a JSON object", m)
-    if m.get("format") != FORMAT:
-        raise InputError(f"{where}: format {m.get('format')!r} is not {FORMAT!r}")
-    if m.get("version") != FORMAT_VERSION:
+    known = {FORMAT: FORMAT_VERSION, SCHEMA_FORMAT: SCHEMA_FORMAT_VERSION}
+    if m.get("format") not in known:
+        raise InputError(f"{where}: format {m.get('format')!r} is not {FORMAT!r} or {SCHEMA_FORMAT!r}")
+    if m.get("version") != known[m["format"]]:
         raise InputError(f"{where}: format version {m.get('version')} is not supported (this hugeembed reads "
-                         f"{FORMAT_VERSION})")
+                         f"{known[m['format']]} for {m['format']})")
+    if m["format"] == FORMAT:
+        schema = criteo_schema()
+    else:
+        from ..errors import ConfigError
+
+        try:
+            schema = Schema.from_dict(m.get("schema"), source=f"{where}: schema")
+        except ConfigError as e:
+            raise InputError(str(e)) from None
+    arrays = shard_arrays(schema)
     need(count(m.get("rows")), "rows", "a non-negative integer", m.get("rows"))
     shards = m.get("shards")
     need(isinstance(shards, list), "shards", "a list of shard records", shards)
@@ -250,8 +305,8 @@ def _validate_manifest(m, where: Path) -> None:
         need(isinstance(sh.get("name"), str), f"shards[{i}].name", "a string", sh.get("name"))
         need(count(sh.get("rows")), f"shards[{i}].rows", "a non-negative integer", sh.get("rows"))
         files = sh.get("files")
-        need(isinstance(files, dict), f"shards[{i}].files", f"a mapping with {list(ARRAYS)}", files)
-        for name in ARRAYS:
+        need(isinstance(files, dict), f"shards[{i}].files", f"a mapping with {list(arrays)}", files)
+        for name in arrays:
             rec = files.get(name)
             at = f"shards[{i}].files.{name}"
             need(isinstance(rec, dict), at, "a file record (a mapping)", rec)
@@ -261,4 +316,7 @@ def _validate_manifest(m, where: Path) -> None:
             sha = rec.get("sha256")
             need(isinstance(sha, str) and len(sha) == 64, f"{at}.sha256", "a hex sha256", sha)
             need("bytes" not in rec or count(rec["bytes"]), f"{at}.bytes", "a non-negative integer", rec.get("bytes"))
+            if name.endswith(".values"):
+                need(count(rec.get("rows")), f"{at}.rows", "a non-negative integer", rec.get("rows"))
+    return schema
 

@@ -22,6 +22,7 @@ from ._tables import (
     first_order_tables,
     wide_and_deep_tables,
     with_rare_id_options,
+    schema_tables,
 )
 from ._widedeep import WIDE_AND_DEEP_PAPER_DEEP, WideAndDeep
 
@@ -46,6 +47,7 @@ __all__ = [
     "deepfm_tables",
     "wide_and_deep_tables",
     "with_rare_id_options",
+    "schema_tables",
     "MODEL_NAMES",
     "DEFAULT_INITIALIZER",
     "DEFAULT_ADMIT_MIN_COUNT",

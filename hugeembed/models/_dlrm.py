@@ -6,7 +6,8 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ConfigError
+from torch import nn
+
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel
@@ -34,7 +35,8 @@ class DLRM(RecModel):
 
     Args:
         collection: the embedding tables (pooled outputs, one common dim D).
-        num_dense: dense features per sample (Criteo: 13); at least 1.
+        num_dense: dense features per sample (Criteo: 13); 0: the dense field of the interaction is
+            a learned vector (data without dense columns).
         bottom_mlp: hidden widths of the bottom MLP (its last layer, of width D, is added).
         top_mlp: hidden widths of the top MLP (its last layer, of width 1, is added).
         self_interaction: keep the ``<t_i, t_i>`` terms too (DLRM ``--arch-interaction-itself``).
@@ -52,14 +54,14 @@ class DLRM(RecModel):
                  bottom_mlp: Sequence[int] = (512, 256), top_mlp: Sequence[int] = (512, 512, 256),
                  self_interaction: bool = False, device: torch.device | str | None = None) -> None:
         super().__init__(collection, num_dense, "DLRM")
-        if self.num_dense < 1:
-            raise ConfigError("DLRM needs dense features (num_dense >= 1): the bottom MLP output is one field "
-                              "of the dot interaction; for sparse-only data use DeepFM, WideAndDeep or DCNv2")
         device = collection.device if device is None else device
         self.fields = Fields(collection)
         dim = self.fields.common_dim("DLRM (the dot interaction)")
         self.embedding_dim = dim
-        self.bottom = MLP(self.num_dense, (*check_sizes(bottom_mlp, "DLRM bottom_mlp"), dim), device=device)
+        sizes = (*check_sizes(bottom_mlp, "DLRM bottom_mlp"), dim)
+        # without dense features the dense field is a learned vector: its dot products with the
+        # embeddings are one learned linear term per field, as the bottom MLP of a constant input gives
+        self.bottom = MLP(self.num_dense, sizes, device=device) if self.num_dense else ConstantField(dim, device)
         self.interaction = DotInteraction(len(self.fields), self_interaction=self_interaction, device=device)
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
                        final_activation=False, device=device)
@@ -74,3 +76,14 @@ class DLRM(RecModel):
         d = self.bottom(dense)
         e = self.on(self.fields.stacked(out), d)
         return self.top(self.interaction(d, e)).squeeze(1)
+
+
+class ConstantField(nn.Module):
+    """The dense field of a DLRM without dense features: one learned vector ``[D]`` for every sample."""
+
+    def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.vector = nn.Parameter(torch.empty(dim).uniform_(-0.05, 0.05).to(device))
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        return self.vector.unsqueeze(0).expand(dense.shape[0], -1)

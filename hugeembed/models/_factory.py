@@ -8,17 +8,18 @@ import torch
 from torch import nn
 
 from .._device import canonical_device
+from ..data import Schema
 from ..errors import ConfigError
 from ..nn import EmbeddingCollection, TableConfig
 from ..optim import SparseOptimizer
-from ..store import Initializer, check_initializer_spec
+from ..store import Initializer, TruncatedNormal, check_initializer_spec
 from ..types import Combiner
 from ._base import RecModel
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
 from ._dlrm import DLRM
 from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, Cardinalities, deepfm_tables, embedding_tables, \
-    wide_and_deep_tables, with_rare_id_options
+    schema_tables, wide_and_deep_tables, with_rare_id_options
 from ._widedeep import WideAndDeep
 
 __all__ = ["MODEL_NAMES", "DEFAULT_INITIALIZER", "DEFAULT_ADMIT_MIN_COUNT", "make_model"]
@@ -56,7 +57,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                first_order_optimizer: SparseOptimizer | None = None,
                initializer: Initializer | str | None = DEFAULT_INITIALIZER,
                admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT, lr_count_scale: int | None = None,
-               backend: str = "auto",
+               backend: str = "auto", schema: Schema | None = None,
                collection_factory: Callable[..., EmbeddingCollection] | None = None
                ) -> tuple[RecModel, list[nn.Parameter]]:
     """Builds a model and its embedding tables for Criteo-like data; returns ``(model, dense_parameters)``.
@@ -91,6 +92,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         lr_count_scale: per-row learning rate ``lr * min(1, hits / lr_count_scale)``
             (TableConfig.lr_count_scale); None: the full lr for every row.
         backend: the collection's lookup backend.
+        schema: build the tables a data schema asks for (hugeembed.data.Schema): its sparse features,
+            shared tables and combiners, and its dense columns (`features`, `num_dense` and
+            `combiner` are then taken from it); dynamic tables only.
         collection_factory: builds the collection from ``(tables, optimizer=, device=, seed=,
             backend=)`` instead of :class:`EmbeddingCollection` -- e.g. a
             ``hugeembed.distributed.ShardedEmbeddingCollection`` with its plan bound
@@ -133,7 +137,14 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                           f"'uniform:0.01', got {type(initializer).__name__}")
     common = dict(cardinalities=cardinalities, combiner=combiner, capacity=capacity, initializer=initializer)
     tables: list[TableConfig]
-    if name == "deepfm":
+    if schema is not None:
+        if not dynamic:
+            raise ConfigError("make_model: a schema's tables are dynamic (its ids are hashes or raw values)")
+        num_dense = schema.num_dense
+        init = TruncatedNormal(0.0, 0.01) if initializer is None and name == "deepfm" else initializer
+        tables = schema_tables(schema, embedding_dim, first_order=name in ("deepfm", "widedeep"),
+                               first_order_optimizer=first_order_optimizer, initializer=init, capacity=capacity)
+    elif name == "deepfm":
         tables = deepfm_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
     elif name == "widedeep":
         tables = wide_and_deep_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)

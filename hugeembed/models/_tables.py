@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+from ..data import Schema
 from ..errors import ConfigError
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
@@ -29,6 +30,7 @@ __all__ = [
     "deepfm_tables",
     "wide_and_deep_tables",
     "with_rare_id_options",
+    "schema_tables",
 ]
 
 CRITEO_NUM_DENSE = 13
@@ -62,12 +64,33 @@ def _features(features: Sequence[str], who: str) -> tuple[str, ...]:
     return out
 
 
-def _table(name: str, dim: int, feature: str, rows: int | None, combiner: Combiner | str,
+def _table(name: str, dim: int, feature: str | tuple[str, ...], rows: int | None, combiner: Combiner | str,
            optimizer: SparseOptimizer | None, initializer: Initializer | str | None, capacity: int | None) -> TableConfig:
     if isinstance(initializer, str):  # a spec (hugeembed.store.initializer_from_spec): "uniform" scales by the rows
         initializer = initializer_from_spec(initializer, rows if rows is not None else capacity, table=name)
-    return TableConfig(name, dim, num_rows=rows, features=(feature,), combiner=combiner, optimizer=optimizer,
-                       initializer=initializer, capacity=capacity if rows is None else None)
+    return TableConfig(name, dim, num_rows=rows, features=(feature,) if isinstance(feature, str) else feature,
+                       combiner=combiner, optimizer=optimizer, initializer=initializer,
+                       capacity=capacity if rows is None else None)
+
+
+def schema_tables(schema: Schema, dim: int, *, first_order: bool = False, optimizer: SparseOptimizer | None = None,
+                  first_order_optimizer: SparseOptimizer | None = None, initializer: Initializer | str | None = None,
+                  capacity: int | None = None) -> list[TableConfig]:
+    """The dynamic tables a schema asks for: one of dim D per table (a feature's own, or the one several
+    features share with ``table = ...``), read by its features and pooling their bags as the schema
+    says; with `first_order`, a dim-1 table beside each (DeepFM, Wide&Deep), read by the same features.
+
+    Example::
+
+        schema = load_schema("clicks.toml")     # history shares movie_id's table
+        [t.features for t in schema_tables(schema, 16)]   # [('user_id',), ('movie_id', 'history'), ...]
+    """
+    out = [_table(owner, dim, members, None, schema.table_combiner(owner), optimizer, initializer, capacity)
+           for owner, members in schema.tables().items()]
+    if first_order:
+        out += [_table(FIRST_ORDER_PREFIX + owner, 1, members, None, schema.table_combiner(owner),
+                       first_order_optimizer, Zeros(), capacity) for owner, members in schema.tables().items()]
+    return out
 
 
 def with_rare_id_options(table: TableConfig, admit_min_count: int = 1, lr_count_scale: int | None = None

@@ -3,7 +3,7 @@
 ::
 
     out/
-      manifest.json       format, dtype, the run's config, feature schema, dim groups, tables,
+      manifest.json       format, dtype, the run's config, features, data schema, dim groups, tables,
                           every file with its size and sha256, the snapshot it came from
       program.pt2         the dense part (torch.export), lookups as hugeembed_serve::pooled_lookup
       runtime.py          the op and a reader, torch + numpy only (a copy of _runtime.py)
@@ -261,6 +261,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
             "hugeembed_version": __version__, "torch_version": torch.__version__, "created_unix": time.time(),
             "model": cfg.model, "config": cfg.to_dict(),
             "features": {"dense": model.num_dense, "sparse": ec.feature_names()},
+            # the data schema (with its fitted statistics): how a request's columns become model input
+            **({} if model.schema.is_criteo() else {"schema": model.schema.to_dict()}),
             "groups": [asdict(s) for s in groups], "tables": tables, "files": files,
             "source": source_record(snap, info.manifest), "export_seconds": round(time.perf_counter() - started, 3),
         }

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..data import Batch
-from ..errors import ArtifactError, InputError
+from ..data import CAT_NAMES, N_DENSE, Batch, Schema, criteo_schema
+from ..errors import ArtifactError, ConfigError, InputError
 from ..features import SparseFeatures
 from ..models._base import check_model_inputs
 from . import _runtime
@@ -60,8 +60,21 @@ class ServingModel:
         self.dtype: str = manifest["dtype"]
         self.features: tuple[str, ...] = tuple(manifest["features"]["sparse"])
         self.num_dense: int = int(manifest["features"]["dense"])
+        self.schema: Schema | None = self._schema(manifest, directory)
         self._served = served
         self._reload_lock = threading.Lock()  # one reload at a time; calls never wait for it
+
+    def _schema(self, manifest: dict[str, Any], directory: Path) -> Schema | None:
+        """The data schema requests are read with: the artifact's, Criteo's for a Criteo model exported
+        before schemas existed, None for a model of other features without one (raw ids only)."""
+        if "schema" in manifest:
+            try:
+                return Schema.from_dict(manifest["schema"], source=f"{directory}: schema")
+            except ConfigError as e:
+                raise ArtifactError(str(e)) from None
+        if self.features == CAT_NAMES and self.num_dense == N_DENSE:
+            return criteo_schema()
+        return None
 
     @classmethod
     def load(cls, directory: str | os.PathLike, *, apply_deltas: bool = True) -> "ServingModel":

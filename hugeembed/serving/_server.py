@@ -2,7 +2,7 @@
 
 ::
 
-    POST /predict   JSON or TSV body (see _requests.py) -> {"predictions": [p, ...], "version": "step-..."}
+    POST /predict   JSON, CSV or TSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."}
     GET  /healthz   {"status": "ok", "version": ...}
     GET  /metrics   requests, rows, errors, latency p50/p99 (ms), batches, version, deltas applied
     POST /reload    applies the deltas written since (also done every --watch seconds)
@@ -30,7 +30,8 @@ import torch
 from ..errors import ArtifactError, InputError
 from ..features import SparseFeatures
 from ._model import ServingModel
-from ._requests import MAX_BODY_BYTES, parse_body
+from ._requests import MAX_BODY_BYTES
+from ._schema_requests import parse_request
 
 __all__ = ["make_app", "serve", "ServerConfig", "Metrics"]
 
@@ -165,7 +166,8 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None):
                 return bad(413, f"body larger than {cfg.max_body_bytes} bytes")
         body = b"".join(chunks)
         try:
-            dense, sparse = parse_body(body, request.headers.get("content-type", ""), model.features, model.num_dense)
+            dense, sparse = parse_request(body, request.headers.get("content-type", ""), model.schema, model.features,
+                                          model.num_dense)
             model.check(dense, sparse)  # the same checks as the Python API; changes nothing
         except (InputError, NotImplementedError) as e:
             return bad(400, str(e))

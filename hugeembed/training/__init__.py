@@ -2,7 +2,7 @@
 
 from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot, load_snapshot_model
-from ._sources import DataSource, FileSource, SyntheticSource, make_source
+from ._sources import DataSource, FileSource, SyntheticSource, default_epochs, make_source, run_schema
 from ._record import RunRecord, TrainState
 from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
 
@@ -21,6 +21,8 @@ __all__ = [
     "SyntheticSource",
     "FileSource",
     "make_source",
+    "run_schema",
+    "default_epochs",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
     "MODELS",

@@ -43,8 +43,12 @@ class TrainConfig:
 
     Args:
         model: ``dlrm | deepfm | widedeep | dcn``.
-        data: Criteo TSV / .gz files or a converted shard directory; None trains on the
-            built-in synthetic Criteo-like generator (labels from a known model).
+        data: data files (Criteo TSV / .gz, or CSV / TSV / Parquet under `schema`) or a converted
+            shard directory; None trains on the built-in synthetic Criteo-like generator (labels
+            from a known model).
+        schema: the TOML schema of `data` (hugeembed.data.load_schema): its columns, features, shared
+            tables; None: the shards' own schema, or the built-in Criteo one.  The run keeps the schema
+            (with the statistics fitted on `data`) in its snapshots: eval, export and serve read it there.
         eval_data: held-out data (only with `data`: the synthetic generator holds out its own
             rows); None holds out `eval_rows` rows (synthetic: a disjoint range of the generator;
             files: the first `eval_rows` rows, or the first `eval_fraction` of a file too small
@@ -100,6 +104,7 @@ class TrainConfig:
 
     model: str = "dlrm"
     data: tuple[str, ...] = ()
+    schema: str | None = None
     eval_data: tuple[str, ...] = ()
     embedding_dim: int = 16
     # batch, sparse optimizer and lr: measured by bench/quality.py against a plain-PyTorch DLRM
@@ -165,6 +170,11 @@ class TrainConfig:
         for name in ("model", "sparse_optimizer", "dense_optimizer", "device", "init"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{_key(name)} must be a string, got {getattr(self, name)!r}")
+        if self.schema is not None:
+            if isinstance(self.schema, os.PathLike):
+                object.__setattr__(self, "schema", os.fspath(self.schema))
+            if not isinstance(self.schema, str) or not self.schema:
+                raise ConfigError(f"schema must be the path of a schema file (TOML), got {self.schema!r}")
         if self.checkpoint_dir is not None:
             if isinstance(self.checkpoint_dir, os.PathLike):
                 object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
@@ -244,6 +254,9 @@ class TrainConfig:
             if table in seen:  # a dict would silently keep the last one
                 raise ConfigError(f"sharding: table {table!r} is placed twice")
             seen.add(table)
+        if self.schema is not None and not self.data:
+            raise ConfigError("schema describes --data files: give --data too (the synthetic generator has Criteo's "
+                              "layout)")
         if self.eval_data and not self.data:
             raise ConfigError("eval-data needs data: training on the synthetic generator evaluates on its own "
                               "held-out rows (give --data too, or leave --eval-data out)")

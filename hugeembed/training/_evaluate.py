@@ -10,7 +10,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .._durable import atomic_write_text
-from ..data import Loader
+from ..data import Loader, criteo_schema
 from ..errors import InputError
 from ._record import RunRecord
 from ._sources import make_source
@@ -23,17 +23,21 @@ def load_snapshot_model(path: str | Path, *, device: str = "auto", batch_size: i
     """The model a run saved at `path` (a snapshot or a checkpoint root: its newest), in eval mode.
 
     Returns ``(model, config, info)``: the run's TrainConfig (with `device` and `batch_size`
-    applied) and the :class:`~hugeembed.checkpoint.SnapshotInfo` of what was loaded.
+    applied) and the :class:`~hugeembed.checkpoint.SnapshotInfo` of what was loaded; the run's data
+    schema is ``model.schema`` (hugeembed.data.Schema, with its fitted statistics).
     """
     snap = Path(ckpt.read_manifest(path)["_path"])
-    saved = RunRecord.from_dict(ckpt.read_extra(snap), str(snap)).config
+    record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))
+    saved = record.config
     changes: dict[str, Any] = {"resume": False, "checkpoint_dir": None, "device": device}
     if batch_size is not None:
         changes["batch_size"] = batch_size
     cfg = saved.replace(**changes)
-    model, _ = build_model(cfg, resolve_device(cfg.device, tiered=cfg.memory_budget is not None))
+    schema = record.schema or criteo_schema()
+    model, _ = build_model(cfg, resolve_device(cfg.device, tiered=cfg.memory_budget is not None), schema=schema)
     info = ckpt.load(snap, model.embeddings, model=model, restore_rng=False)
     model.eval()
+    model.schema = schema
     return model, cfg, info
 
 
@@ -43,8 +47,8 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
 
     Args:
         path: snapshot directory, or checkpoint root (its newest snapshot).
-        data: Criteo files or shards to score; empty: the run's own held-out set (so this
-            reproduces the run's final evaluation exactly).
+        data: files (in the run's schema, saved in the snapshot) or shards to score; empty: the run's
+            own held-out set (so this reproduces the run's final evaluation exactly).
         batch_size: scoring batch size (default: the run's).
         device: where to run.
         predictions: also write one click probability per scored row to this file, in input
@@ -56,10 +60,10 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
     dev = resolve_device(cfg.device, tiered=cfg.memory_budget is not None)
     if data:
         paths = [str(p) for p in data]
-        batches = iter(Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, prefetch=2))
+        batches = iter(Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, prefetch=2, schema=model.schema))
         source = ", ".join(paths)
     else:
-        batches = make_source(cfg).eval_batches()
+        batches = make_source(cfg, schema=model.schema).eval_batches()
         source = "the run's held-out set"
     kept: list[torch.Tensor] = []
     metrics = evaluate(model, batches, dev, keep_predictions=kept if predictions is not None else None)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..data import Schema
 from ..errors import CheckpointError, ConfigError
 from ._config import ADAM_OPTIMIZERS, TrainConfig
 
@@ -93,14 +94,19 @@ class TrainState:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """A run's config, state and process count, as saved in a snapshot's ``extra``."""
+    """A run's config, state, process count and data schema (with its fitted statistics; None: the
+    built-in Criteo schema, as in snapshots written before schemas existed), as saved in ``extra``."""
 
     config: TrainConfig
     state: TrainState
     world_size: int = 1
+    schema: Schema | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict(), "train_state": self.state.to_dict(), "world_size": self.world_size}
+        out = {"config": self.config.to_dict(), "train_state": self.state.to_dict(), "world_size": self.world_size}
+        if self.schema is not None and not self.schema.is_criteo():
+            out["schema"] = self.schema.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, extra: Any, where: str) -> "RunRecord":
@@ -133,7 +139,13 @@ class RunRecord:
             raise CheckpointError(f"{where}: world_size must be a positive integer, got {_short(world)}")
         if "train_state" not in extra:
             raise CheckpointError(f"{where}: the snapshot holds no train_state")
-        return cls(config, TrainState.from_dict(extra["train_state"], where), world)
+        schema = None
+        if extra.get("schema") is not None:
+            try:
+                schema = Schema.from_dict(extra["schema"], source=f"{where}: saved schema")
+            except ConfigError as e:
+                raise CheckpointError(str(e)) from None
+        return cls(config, TrainState.from_dict(extra["train_state"], where), world, schema)
 
 
 def _number(v: Any, finite: bool = True) -> bool:

@@ -1,4 +1,4 @@
-"""Where training batches come from: the synthetic generator or Criteo files/shards.
+"""Where training batches come from: the synthetic generator, or data files / shards under a schema.
 
 Both give, per rank, the batches of an epoch (skipping those already trained on when
 resuming) and a held-out evaluation set.  With several ranks each reads its own
@@ -12,11 +12,52 @@ import abc
 import itertools
 from typing import Iterator
 
-from ..data import Batch, BayesMetrics, Loader, SyntheticConfig, SyntheticCriteo, count_lines
+from pathlib import Path
+
+from ..data import (Batch, BayesMetrics, Loader, Schema, ShardSet, SyntheticConfig, SyntheticCriteo, count_rows,
+                    criteo_schema, fit_stats, load_schema)
 from ..errors import ConfigError
 from ._config import TrainConfig
 
-__all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source"]
+__all__ = ["DataSource", "SyntheticSource", "FileSource", "make_source", "run_schema", "default_epochs",
+           "SMALL_DATA_ROWS"]
+
+# `hugeembed train` on schema data without --steps or --epochs: passes over the training data by its size,
+# measured by bench/quality.py --schema (docs/quality.md): a run of 200 steps (the synthetic main job's)
+# was 8 passes over 50 k rows and lost 0.08 AUC to overfitting; one pass under 1 M rows left the
+# dense layers short of steps (-0.006 AUC against two at 50 k rows), two passes above it gained little.
+SMALL_DATA_ROWS = 1_000_000
+
+
+def default_epochs(cfg: TrainConfig) -> int:
+    """Passes over `cfg.data` when the run's length is not given: 2 below SMALL_DATA_ROWS rows, else 1."""
+    paths = list(cfg.data)
+    if len(paths) == 1 and (Path(paths[0]).is_dir() or Path(paths[0]).name == "manifest.json"):
+        rows = ShardSet(paths[0], verify="none").rows
+    else:
+        rows = count_rows(paths, load_schema(cfg.schema) if cfg.schema else criteo_schema())
+    return 2 if rows < SMALL_DATA_ROWS else 1
+
+
+def run_schema(cfg: TrainConfig, saved: Schema | None = None) -> Schema:
+    """The schema a run reads its data with: `cfg.schema`'s file, or the shards' own, or Criteo's; with the
+    statistics of its standardize columns fitted on `cfg.data` -- or taken from `saved` (the schema a
+    resumed run saved, which must describe the data alike)."""
+    shards = None
+    if len(cfg.data) == 1 and (Path(cfg.data[0]).is_dir() or Path(cfg.data[0]).name == "manifest.json"):
+        shards = ShardSet(cfg.data[0], verify="none").schema
+    schema = load_schema(cfg.schema) if cfg.schema else shards or criteo_schema()
+    if shards is not None and schema.fingerprint() != shards.fingerprint():
+        raise ConfigError(f"{cfg.data[0]} was converted under another schema than {cfg.schema}: leave --schema out "
+                          f"(shards carry theirs) or convert the files again")
+    if saved is not None:
+        if saved.fingerprint() != schema.fingerprint():
+            raise ConfigError("the snapshot was trained under another schema than this run's: resume with the "
+                              "schema it was trained with")
+        return saved
+    if shards is not None:
+        return shards
+    return fit_stats(list(cfg.data), schema) if cfg.data and schema.needs_stats() else schema
 
 # Held-out synthetic rows start far beyond any training row.
 _EVAL_START = 1 << 44
@@ -84,13 +125,14 @@ class FileSource(DataSource):
     for evaluation instead, and says so in :attr:`notes`.
     """
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1, schema: Schema | None = None) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.schema = schema if schema is not None else run_schema(cfg)
         paths = list(cfg.data)
         source = paths[0] if len(paths) == 1 else paths
         self.loader = Loader(source, cfg.batch_size, drop_last=True, seed=cfg.seed, rank=rank, world_size=world_size,
-                             prefetch=cfg.prefetch)
-        self.description = f"Criteo data {', '.join(paths)}"
+                             prefetch=cfg.prefetch, schema=self.schema)
+        self.description = f"{'Criteo data' if self.schema.is_criteo() else 'data'} {', '.join(paths)}"
         self._eval_cache: list[Batch] | None = None
         self._eval_loader: Loader | None = None
         self.holdout = 0
@@ -99,7 +141,7 @@ class FileSource(DataSource):
         if self.loader.shards is not None:
             self.steps_per_epoch = self.estimated_steps_per_epoch = len(self.loader) - self.holdout
         else:  # rank r reads lines i % world == r, in whole batches
-            rows = (count_lines(paths) + world_size - 1 - rank) // world_size
+            rows = (count_rows(paths, self.schema) + world_size - 1 - rank) // world_size
             self.estimated_steps_per_epoch = max(0, rows // cfg.batch_size - self.holdout)
 
     def _plan_holdout(self, name: str) -> None:
@@ -140,7 +182,8 @@ class FileSource(DataSource):
             if self._eval_loader is None:  # kept: shards are checksum-verified once, not at every evaluation
                 paths = list(self.cfg.eval_data)
                 self._eval_loader = Loader(paths[0] if len(paths) == 1 else paths, self.cfg.batch_size,
-                                           rank=self.rank, world_size=self.world, prefetch=self.cfg.prefetch)
+                                           rank=self.rank, world_size=self.world, prefetch=self.cfg.prefetch,
+                                           schema=self.schema)
             yield from self._eval_loader
             return
         # read once and kept (eval_rows rows are small): the training iterator may be
@@ -151,5 +194,8 @@ class FileSource(DataSource):
         yield from self._eval_cache
 
 
-def make_source(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> DataSource:
-    return FileSource(cfg, rank, world_size) if cfg.data else SyntheticSource(cfg, rank, world_size)
+def make_source(cfg: TrainConfig, rank: int = 0, world_size: int = 1, schema: Schema | None = None) -> DataSource:
+    """The run's data; `schema`: the run's (default: :func:`run_schema`)."""
+    if not cfg.data:
+        return SyntheticSource(cfg, rank, world_size)
+    return FileSource(cfg, rank, world_size, schema if schema is not None else run_schema(cfg))

@@ -33,7 +33,7 @@ from ._config import DENSE_OPTIMIZER_CLASSES, EVAL_POINTS, TrainConfig
 from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
                            merged_tier_stats, run_info, sharded_factory, wrap_ddp)
-from ._sources import DataSource, make_source
+from ._sources import DataSource, make_source, run_schema
 
 __all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "build_model", "evaluate"]
 
@@ -65,7 +65,7 @@ def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
 
 
-def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
+def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
     """Builds the collection with every table on disk under cfg.storage_dir, the memory budget split by
     the traffic of the first batches of the data (training/_tiers.py); with several processes the
     budget is each rank's, split over the shards it holds.  The run's checkpoint directory names
@@ -82,7 +82,7 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
         states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         try:
             whole = cfg.replace(batch_size=cfg.batch_size * world_size) if world_size > 1 else cfg
-            batches = list(islice(make_source(whole).train_batches(0), 4))
+            batches = list(islice(make_source(whole, schema=schema).train_batches(0), 4))
         finally:
             torch.set_rng_state(states[0])
             np.random.set_state(states[1])
@@ -103,21 +103,24 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1):
     return factory
 
 
-def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1):
+def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, schema=None):
     """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
 
+    `schema`: the run's data schema (hugeembed.data.Schema; None or Criteo's: the Criteo tables).
     With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
     process group's ranks (collective: every rank builds its model).
     """
     rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
+    if schema is not None and schema.is_criteo():
+        schema = None  # the Criteo tables as they always were
     if cfg.memory_budget is not None:
-        factory = _tiered_factory(cfg, world_size)
+        factory = _tiered_factory(cfg, world_size, schema)
     else:
         factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
-                      collection_factory=factory)
+                      collection_factory=factory, schema=schema)
 
 
 def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
@@ -165,12 +168,13 @@ class Trainer:
         seed_everything(config.seed)
         if world_size > 1:
             check_process_group(rank, world_size)
-        self.model, dense_params = build_model(config, self.device, world_size)
+        self.schema = run_schema(config, self._saved_schema())
+        self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
         self.step_model = wrap_ddp(self.model, self.device) if world_size > 1 else self.model
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
-        self.source: DataSource = make_source(config, rank, world_size)
+        self.source: DataSource = make_source(config, rank, world_size, self.schema)
         self.state = TrainState()
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
         total = self.total_steps()
@@ -181,6 +185,15 @@ class Trainer:
         self._eval_every = config.eval_every if config.eval_every is not None else \
             100 if expected is None else max(1, expected // EVAL_POINTS)
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
+
+    def _saved_schema(self):
+        """The schema (with its statistics) of the snapshot a resume continues from, if any."""
+        if not (self.cfg.resume and self.cfg.checkpoint_dir) or not Path(self.cfg.checkpoint_dir).exists():
+            return None
+        snap = ckpt.latest(self.cfg.checkpoint_dir)
+        if snap is None:
+            return None
+        return RunRecord.from_dict(ckpt.read_extra(snap), str(snap)).schema
 
     # -- the loop ------------------------------------------------------------------
 
@@ -424,7 +437,7 @@ class Trainer:
         delta = self._next_is_delta()
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
-                         extra=RunRecord(self.cfg, self.state, self.world_size).to_dict(), delta=delta)
+                         extra=RunRecord(self.cfg, self.state, self.world_size, self.schema).to_dict(), delta=delta)
         self.progress("checkpoint", {"step": self.state.step, "path": str(path), "kind": "delta" if delta else "full"})
         return path
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hugeembed import ConfigError
+from hugeembed import ConfigError, SparseFeatures
 from hugeembed.models import DLRM, criteo_tables, embedding_tables
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import Adagrad
@@ -57,10 +57,20 @@ def test_mixed_dims_name_each_table_and_dim():
         DLRM(ec, NUM_DENSE)
 
 
-def test_needs_dense_features_and_valid_mlps():
+def test_without_dense_features_the_dense_field_is_a_learned_vector():
     ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1))
-    with pytest.raises(ConfigError, match="num_dense >= 1"):
-        DLRM(ec, 0)
+    model = DLRM(ec, 0)
+    sparse = SparseFeatures.from_lists({f: [[1], [2, 3], []] for f in FEATURES})
+    logits = model(torch.zeros(3, 0), sparse)
+    logits.sum().backward()
+    assert logits.shape == (3,) and model.bottom.vector.grad is not None
+    # the interaction reads the vector as its dense field: the same for every sample
+    d = model.bottom(torch.zeros(3, 0))
+    assert torch.equal(d[0], model.bottom.vector.detach()) and torch.equal(d[0], d[2])
+
+
+def test_valid_mlps():
+    ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1))
     with pytest.raises(ConfigError, match="bottom_mlp"):
         DLRM(ec, NUM_DENSE, bottom_mlp=(8, -1))
     with pytest.raises(ConfigError, match="top_mlp"):
