@@ -15,7 +15,8 @@ stall.  On the CPU they are plain reads of memory, but counted alike.  Native ke
 through ctypes are not torch ops, so a native step shows only the torch ops around them.
 
 "Python per table": (a step at batch 8 over 26 tables - the same at 2 tables) / 24, medians of
-interleaved runs: what each table costs a step beyond the kernels' work.
+interleaved runs, in CPU time of the calling thread: what each table costs a step beyond the
+kernels' work.
 
     python bench/ops.py                  # the tables
     python bench/ops.py --tables 2 32    # some sizes only
@@ -172,7 +173,8 @@ def worst(counts: list[CountOps]) -> tuple[int, int]:
 def python_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, samples: int = 8, steps: int = 60,
                      runs: int = 7) -> float:
     """Microseconds each table adds to a steady-state step at a tiny batch: (step(many) - step(few)) / (many - few),
-    medians of interleaved runs of `steps` steps each."""
+    medians of interleaved runs of `steps` steps each, in CPU time of the calling thread (the Python and
+    the kernels' share of the caller: on a loaded machine wall time mostly measures the other jobs)."""
     ecs = {n: collection(n, dynamic, backend, 16, 1000, None, "cpu") for n in (few, many)}
     sfs = {n: [batch(n, samples, 1000, s) for s in range(steps)] for n in (few, many)}
     for n, ec in ecs.items():  # warm up: tables grown, buffers sized
@@ -181,10 +183,10 @@ def python_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, 
     times: dict[int, list[float]] = {few: [], many: []}
     for _ in range(runs):
         for n in (few, many):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for sf in sfs[n]:
                 ecs[n](sf).stacked().sum().backward()
-            times[n].append((time.perf_counter() - t0) / steps)
+            times[n].append((time.thread_time() - t0) / steps)
     per = (statistics.median(times[many]) - statistics.median(times[few])) / (many - few)
     return per * 1e6
 
@@ -242,8 +244,8 @@ def main(argv=None) -> None:
     if not gpu:
         out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us"]
                for b in backends for d in (False, True)]
-        print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, medians of 7 "
-              "interleaved runs of 60 steps")
+        print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, CPU time of the "
+              "calling thread, medians of 7 interleaved runs of 60 steps")
         print_table(["backend", "tables", "us per table"], out)
     if gpu:
         out = []
