@@ -99,9 +99,11 @@ def test_a_group_call_with_a_bad_count_changes_no_table_and_names_the_position()
 
 def test_a_table_column_naming_no_table_of_the_group_is_our_bug_and_writes_nothing():
     s = HashStore(dim=4, name="users", backend="native")
+    s.find_or_insert(torch.arange(5), step=1)
+    s.group._room_for(1)  # (a call grows the arrays ahead of it: the kernel's refusal is what is tested)
     before = _state(s.group)
     with pytest.raises(_native.KernelError, match="table 1 at position 0 is not one of the group's 1") as info:
-        s.group.find_or_insert(torch.tensor([1]), torch.tensor([7]), step=1)
+        s.group.find_or_insert(torch.tensor([1]), torch.tensor([7]), step=2)
     assert info.value.status == _native.Status.BAD_CALL
     assert _same(_state(s.group), before)
 
