@@ -16,7 +16,7 @@ from _tiered_ids import Workload
 from hugeembed.features import SparseFeatures
 from hugeembed.nn import EmbeddingCollection
 from hugeembed.store import TieredStore
-from hugeembed.store import _tiered  # init_rows is timed there
+from hugeembed.store import _tier_cache  # init_rows is timed there (the fetch creates rows there)
 
 TABLE = "big"
 
@@ -134,11 +134,11 @@ _CURRENT: list[Clock] = []  # the clock of the runner whose step is running (ini
 
 
 class time_init_rows:
-    """Within it, hugeembed.store._tiered.init_rows (rows a fetch creates from the initializer:
+    """Within it, hugeembed.store._tier_cache.init_rows (rows a fetch creates from the initializer:
     never written to the tier) is timed and counted on the running step's clock."""
 
     def __enter__(self):
-        self.orig = orig = getattr(_tiered, "init_rows", None)
+        self.orig = orig = getattr(_tier_cache, "init_rows", None)
         if orig is None:  # moved: the profile goes without that row
             return self
 
@@ -151,12 +151,12 @@ class time_init_rows:
                     _CURRENT[0].t["init never-written rows"] += time.perf_counter() - t0
                     _CURRENT[0].n["init never-written rows"] += keys.numel()
 
-        _tiered.init_rows = timed
+        _tier_cache.init_rows = timed
         return self
 
     def __exit__(self, *exc):
         if self.orig is not None:
-            _tiered.init_rows = self.orig
+            _tier_cache.init_rows = self.orig
 
 
 def tier_stats(ec: EmbeddingCollection) -> dict:

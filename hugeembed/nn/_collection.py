@@ -23,8 +23,7 @@ from ..errors import ConfigError, InputError
 from ..features import SparseFeatures
 from ..functional import FeatureSpec, FusedEmbeddingLookup, PooledEmbeddings, TableSpec
 from ..optim import SparseOptimizer
-from ..store import TieredStore, group_tables
-from ..store._tiered_group import TieredGroup
+from ..store import TieredGroup, TieredStore, group_tables
 from . import _ops
 from ._config import TableConfig
 from ._edges import TableEdges

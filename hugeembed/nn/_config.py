@@ -13,8 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from ..optim import SparseOptimizer
-from ..store import Initializer, RowLayout
-from ..store._admit import check_admission
+from ..store import Initializer, RowLayout, check_admission
 from ._rare import check_count_scalable
 from ..types import Combiner, OutOfRange
 

@@ -15,9 +15,8 @@ import torch
 from .._tensors import repeat_each
 from ..errors import InputError
 from ..functional import PooledEmbeddings
-from ..store import EXPORT_FIELDS, RowStore, StoreExport, TieredStore
+from ..store import EXPORT_FIELDS, RowStore, StoreExport, TieredGroup, TieredStore
 from ..store._layout import LayoutViews
-from ..store._tiered_group import TieredGroup
 from ._placement import segment_column
 from ._rare import SHARED_ROW_KEY
 
@@ -41,7 +40,7 @@ class TableEdges:
     # -- views ------------------------------------------------------------------------------
 
     def _stamp(self) -> int:
-        return max(getattr(s, "write_stamp", 0) for s in self._stores)
+        return max(s.write_stamp for s in self._stores)
 
     @property
     def tables_version(self) -> int:

@@ -18,6 +18,7 @@ A table of a group is seen alone through its view, a ``RowStore`` (``StaticTable
 ``FromCallable``.  See docs/store.md.
 """
 
+from ._admit import check_admission
 from ._alloc import allocate_rows
 from ._array import ArrayStore
 from ._dict import DictStore
@@ -27,6 +28,7 @@ from ._hash import HashStore
 from ._settings import TableSettings
 from ._static import StaticGroup
 from ._tiered import CACHE_POLICIES, SLOT_METADATA_BYTES, TieredStore, cache_rows_for
+from ._tiered_group import TieredGroup
 from ._layout import RowLayout, default_state_dtype
 from ._init import (INIT_KINDS, Constant, FromCallable, Initializer, Normal, TruncatedNormal, Uniform, Zeros,
                     check_initializer_spec, initializer_from_spec)
@@ -53,6 +55,8 @@ __all__ = [
     "ArrayStore",
     "DictStore",
     "TieredStore",
+    "TieredGroup",
+    "check_admission",
     "CACHE_POLICIES",
     "cache_rows_for",
     "SLOT_METADATA_BYTES",

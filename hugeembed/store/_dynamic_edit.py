@@ -130,11 +130,8 @@ class DynamicEdits:
             self.pins.epoch += 1
         return per_rows
 
-    def forget_pending(self, step: int) -> int:
-        """Forgets the least seen pending keys of each table past its max_pending; returns how many."""
-        return self._forget_pending(step, self.tables[:, T_PENDING].tolist())
-
     def _forget_pending(self, step: int, pending: list[int]) -> int:
+        """Forgets the least seen pending keys of each table past its max_pending; returns how many."""
         done = 0
         for t, s in enumerate(self.settings):
             if s.admit_min_count == 1:  # no counter filter: no pending keys

@@ -158,6 +158,7 @@ class LayoutViews:
     """
 
     layout: RowLayout
+    write_stamp: int = 0  # a write outside training (store/_common.direct_write) sets a newer one
 
     def weights(self) -> torch.Tensor:
         """``[R, D]`` weights of the weight dtype (aliases the storage)."""

@@ -207,9 +207,6 @@ class DynamicTable(TableView):
         keys = self._keys(keys)
         return self.group.hit_counts(self._tids(keys), keys)
 
-    def forget_pending(self, step: int) -> int:
-        return self.group.forget_pending(step)
-
     def keys_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The keys at `slots` (stochastic rounding draws by key); -1 where a slot holds no key."""
         return self.group.slot_keys(slots)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hugeembed import _native
-from hugeembed.store._tiered import cache_victims
+from hugeembed.store._tier_cache import cache_victims
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
 
