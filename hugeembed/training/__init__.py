@@ -4,7 +4,8 @@ from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot, load_snapshot_model
 from ._sources import DataSource, FileSource, SyntheticSource, default_epochs, make_source, run_schema
 from ._record import RunRecord, TrainState
-from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
+from ._build import build_model, make_dense_optimizer, resolve_device
+from ._trainer import Trainer, evaluate
 
 __all__ = [
     "TrainConfig",

@@ -14,7 +14,8 @@ from ..data import Loader, criteo_schema
 from ..errors import InputError
 from ._record import RunRecord
 from ._sources import make_source
-from ._trainer import build_model, evaluate, resolve_device
+from ._build import build_model, resolve_device
+from ._trainer import evaluate
 
 __all__ = ["evaluate_snapshot", "load_snapshot_model"]
 

@@ -11,130 +11,28 @@ with `full_checkpoint_every` K > 1, every K-th is full and the others are deltas
 from __future__ import annotations
 
 import math
-import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._device import canonical_device
 from .. import _native
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
-from ..models import DEFAULT_ADMIT_MIN_COUNT, make_model
-from ..nn import EmbeddingCollection
-from ..optim import make_optimizer
-from ._config import DENSE_OPTIMIZER_CLASSES, EVAL_POINTS, TrainConfig
+from ._build import build_model, make_dense_optimizer, resolve_device, seed_everything
+from ._config import EVAL_POINTS, TrainConfig
 from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
-                           merged_tier_stats, run_info, sharded_factory, wrap_ddp)
+                           merged_tier_stats, run_info, wrap_ddp)
 from ._sources import DataSource, make_source, run_schema
 
-__all__ = ["Trainer", "TrainState", "resolve_device", "make_dense_optimizer", "build_model", "evaluate"]
+__all__ = ["Trainer", "TrainState", "evaluate"]
 
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
-
-def resolve_device(name: str, *, tiered: bool = False) -> torch.device:
-    """The device `name` names; "auto" is CUDA when present, except for a run with disk-tiered
-    tables (`tiered`), whose rows live in host memory and files: it runs on the CPU."""
-    if name == "auto":
-        return canonical_device("cuda" if torch.cuda.is_available() and not tiered else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for, but CUDA is not available here")
-    return canonical_device(device)
-
-
-def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """A torch optimizer for the dense parameters, with torch's fused kernel (one pass over
-    all parameters instead of ~10 ops per tensor; same update)."""
-    params = list(params)
-    if name not in DENSE_OPTIMIZER_CLASSES:
-        raise ConfigError(f"unknown dense optimizer {name!r}; choose one of {', '.join(DENSE_OPTIMIZER_CLASSES)}")
-    kwargs: dict[str, Any] = {"lr": lr}
-    if name == "sgd":
-        kwargs["momentum"] = 0.9
-    if params and all(p.device.type in ("cpu", "cuda") for p in params):
-        kwargs["fused"] = True
-    return getattr(torch.optim, DENSE_OPTIMIZER_CLASSES[name])(params, **kwargs)
-
-
-def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
-    """Builds the collection with every table on disk under cfg.storage_dir, the memory budget split by
-    the traffic of the first batches of the data (training/_tiers.py); with several processes the
-    budget is each rank's, split over the shards it holds.  The run's checkpoint directory names
-    it as the tier's owner, so a resume reuses the directory a crash left."""
-    from itertools import islice
-
-    from ._tiers import batch_traffic, shard_traffic, tiered_tables
-
-    owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-
-    def tier(tables, optimizer, plan=None):
-        # a look at the first global batches that leaves every random state as it was: a tiered
-        # run's numbers equal the in-memory run's (the same batches on every rank: the split agrees)
-        states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-        try:
-            whole = cfg.replace(batch_size=cfg.batch_size * world_size) if world_size > 1 else cfg
-            batches = list(islice(make_source(whole, schema=schema).train_batches(0), 4))
-        finally:
-            torch.set_rng_state(states[0])
-            np.random.set_state(states[1])
-            random.setstate(states[2])
-        row_bytes = {t.name: t.row_layout(t.optimizer or (optimizer if t.trainable else None)).row_bytes
-                     for t in tables}
-        traffic = batch_traffic(tables, batches) if plan is None else shard_traffic(tables, batches, plan)
-        return tiered_tables(tables, cfg.memory_budget, cfg.storage_dir, cfg.cache_policy, traffic, row_bytes,
-                             plan), owner
-
-    if world_size > 1:
-        return sharded_factory(cfg, world_size, tiers=lambda tables, plan, optimizer: tier(tables, optimizer, plan))
-
-    def factory(tables, **kw):
-        tables, _ = tier(tables, kw.get("optimizer"))
-        return EmbeddingCollection(tables, storage_owner=owner, **kw)
-
-    return factory
-
-
-def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, schema=None):
-    """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
-
-    `schema`: the run's data schema (hugeembed.data.Schema; None or Criteo's: the Criteo tables).
-    With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
-    process group's ranks (collective: every rank builds its model).
-    """
-    rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
-    if schema is not None and schema.is_criteo():
-        schema = None  # the Criteo tables as they always were
-    if cfg.memory_budget is not None:
-        factory = _tiered_factory(cfg, world_size, schema)
-    else:
-        factory = sharded_factory(cfg, world_size) if world_size > 1 else None
-    return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
-                      admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
-                      collection_factory=factory, schema=schema)
-
-
-def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
-    """The run's admission threshold: the config's, or by default make_model's in one process and 1
-    (a row per id) with several, whose sharded tables have no shared row of rare ids yet."""
-    if cfg.admit_min_count is not None:
-        return cfg.admit_min_count
-    return DEFAULT_ADMIT_MIN_COUNT if world_size == 1 else 1
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % (1 << 32))
-    random.seed(seed)
 
 
 class Trainer:

@@ -13,7 +13,7 @@ from hugeembed.cli.train import add_parser, config_from_args
 from hugeembed.models import DEFAULT_ADMIT_MIN_COUNT, DEFAULT_INITIALIZER
 from hugeembed.store import Uniform
 from hugeembed.training import TrainConfig
-from hugeembed.training._trainer import build_model
+from hugeembed.training import build_model
 
 Q = ["--steps", "1", "--quiet", "--threads", "1", "--batch-size", "64", "--eval-rows", "128"]
 

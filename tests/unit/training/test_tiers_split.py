@@ -122,7 +122,7 @@ def test_shard_traffic_counts_the_ids_each_rank_holds():
 def test_auto_device_keeps_a_tiered_run_on_the_cpu(monkeypatch):
     """--device auto picks CUDA when present, but a run with disk-tiered tables (rows in host memory
     and files, CPU only) runs on the CPU instead of being refused."""
-    from hugeembed.training._trainer import resolve_device
+    from hugeembed.training import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
