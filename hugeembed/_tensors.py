@@ -33,17 +33,24 @@ def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     """One view over `parts` when they lie end to end in one storage (each contiguous, of one
     dtype and row shape, starting where the one before ends), else None: per-table views of
     one array read or written with one op, without a copy."""
-    if not parts or any(p is None or p.dim() == 0 or not p.is_contiguous() for p in parts):
+    if not parts or parts[0] is None:
         return None
     first = parts[0]
+    dtype, tail, size = first.dtype, first.shape[1:], first.element_size()
     at = first.data_ptr()
+    rows = 0
     for p in parts:
-        if p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:] or \
-                p.data_ptr() != at or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        if p is None or p.dtype != dtype or p.dim() == 0 or p.shape[1:] != tail or p.data_ptr() != at or \
+                not p.is_contiguous():
             return None
-        at += p.numel() * p.element_size()
-    rows = sum(p.shape[0] for p in parts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+        at += p.numel() * size
+        rows += p.shape[0]
+    # The parts lie end to end; all in first's storage when the joined bytes lie inside it (two live
+    # storages never overlap): one storage read, not one per part.
+    store = first.untyped_storage()
+    if at > store.data_ptr() + store.nbytes() or store.device != first.device:
+        return None
+    return first.as_strided((rows, *tail), first.stride(), first.storage_offset())
 
 
 def joined(parts: list[torch.Tensor]) -> torch.Tensor:

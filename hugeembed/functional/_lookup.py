@@ -148,8 +148,13 @@ class FusedEmbeddingLookup:
         if len(storages) != self.plan.num_tables:
             raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
                               f"tables, got {len(storages)}")
-        # per batch and per table: one read of the shape (s.size(i) costs twice as much)
+        # per batch and per table: one read of the shape (s.size(i) costs twice as much); the tables
+        # of a group read one tensor: checked once for their dim and rows
+        last, last_dim = _UNSET, 0
         for spec, s in zip(self.plan.tables, storages):
+            if s is last and spec.dim <= last_dim and spec.num_rows is None:
+                continue
+            last, last_dim = s, spec.dim
             if not isinstance(s, torch.Tensor):
                 raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
             shape = s.shape
@@ -423,6 +428,9 @@ def _runs(plan: LookupPlan, row_groups) -> dict[int, list[tuple[int, int]]] | No
 
 def _weights_need_grad(weights: torch.Tensor | None) -> bool:
     return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+
+
+_UNSET = object()
 
 
 def _storages_native_ok(storages) -> bool:

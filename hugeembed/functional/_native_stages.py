@@ -37,8 +37,15 @@ def can_use_native(sf, storages: Sequence[torch.Tensor]) -> bool:
 
 def can_use_native_storages(storages: Sequence[torch.Tensor]) -> bool:
     """CPU float32 2-D row storages with unit column stride."""
-    return all(isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 2 and
-               (s.stride(1) == 1 or s.size(1) <= 1) for s in storages)
+    last = None
+    for s in storages:
+        if s is last:  # the tables of a group read one tensor: checked once
+            continue
+        if not (isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 2
+                and (s.stride(1) == 1 or s.size(1) <= 1)):
+            return False
+        last = s
+    return True
 
 
 class NativeScratch:
@@ -92,8 +99,14 @@ def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None)
     call: a kernel call's cost is mostly its buffers), a view of some columns as rows().
     `used`: only these tables' rows (the others go as None: the kernel reads no row of them).
     """
-    bufs = [s if s.is_contiguous() else nat.rows(s) for s in storages] if used is None else [None] * len(storages)
-    if used is not None:
+    if used is None:
+        bufs, last, buf = [], None, None
+        for s in storages:
+            if s is not last:  # the tables of a group read one tensor: converted once
+                last, buf = s, (s if s.is_contiguous() else nat.rows(s))
+            bufs.append(buf)
+    else:
+        bufs = [None] * len(storages)
         for t in used:
             s = storages[t]
             bufs[t] = s if s.is_contiguous() else nat.rows(s)

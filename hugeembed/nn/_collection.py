@@ -27,7 +27,7 @@ from ..store import TieredGroup, TieredStore, group_tables
 from . import _ops
 from ._config import TableConfig
 from ._edges import TableEdges
-from ._fetch import FetchStage
+from ._fetch import FetchStage, SpanRules
 from ._inflight import InFlight
 from ._optimizer import EmbeddingOptimizer
 from ._placement import Placement, table_settings
@@ -172,6 +172,7 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         self.groups = groups
         self.placement = Placement(where)
         self._units = make_units(self.placement.spans, self.tables, self.rules, settings)
+        self._span_rules = {span.group: SpanRules.of(span, self.tables) for span in self.placement.spans}
         self._refresh_views()
 
     def _make_tiered(self, t: int, settings) -> TieredStore:

@@ -118,6 +118,8 @@ class TableEdges:
     def _evict_expired(self, step: int) -> None:
         """Every group's ttl and weight-norm eviction due at `step`: one call per group."""
         for span in self.placement.spans:
+            if not self._span_rules[span.group].expires:
+                continue
             cfgs = [self.tables[t] for t in span.tables]
             due = [(c.ttl is not None or c.evict_norm_below is not None) and step % c.evict_interval == 0
                    for c in cfgs]

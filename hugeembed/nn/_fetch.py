@@ -8,6 +8,7 @@ column beside them; the slots it gives index the group's rows.  Callers that hol
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -17,11 +18,30 @@ from ._inflight import InFlight
 from ._placement import segment_column
 from ._rare import SHARED_ROW_KEY
 
-__all__ = ["FetchStage"]
+__all__ = ["FetchStage", "SpanRules"]
+
+
+@dataclass(frozen=True)
+class SpanRules:
+    """What a group's fetch and expiry do beyond find-or-insert, from its tables' configs (decided
+    at build, read every step)."""
+
+    tail: tuple[int, ...]  # local tables with a shared row (its key goes at the end of the fetch)
+    tail_admit: tuple[int, ...]  # their admission counts (a shared row is admitted at once)
+    hits: bool  # some table scales its lr by hit counts: the fetch returns them
+    expires: bool  # some table has ttl or norm eviction
+
+    @classmethod
+    def of(cls, span, tables) -> "SpanRules":
+        cfgs = [tables[t] for t in span.tables]
+        tail = tuple(i for i, c in enumerate(cfgs) if c.shared_row)
+        return cls(tail, tuple(cfgs[i].admit_min_count for i in tail),
+                   any(c.lr_count_scale is not None for c in cfgs),
+                   any(c.ttl is not None or c.evict_norm_below is not None for c in cfgs))
 
 
 class FetchStage:
-    """Mixin of EmbeddingCollection (its groups, placement and tables)."""
+    """Mixin of EmbeddingCollection (its groups, placement, tables and their SpanRules)."""
 
     def _span(self, prep, span) -> tuple[int, int]:
         """The positions of a span's tables' unique keys in the batch's arrays: [lo, hi)."""
@@ -44,7 +64,7 @@ class FetchStage:
             for span, lo, hi, column in work:
                 self.groups[span.group].reserve(column, prep.unique_keys[lo:hi])
         for span, lo, hi, column in work:
-            hits = self._wants_hits(span) and flight is not None
+            hits = self._span_rules[span.group].hits and flight is not None
             got = self._fetch_group(span, column, prep.unique_keys[lo:hi], step, training,
                                     None if counts is None else counts[lo:hi], hits)
             slots[lo:hi] = got[0]
@@ -55,29 +75,26 @@ class FetchStage:
                     flight.hits[span.group] = got[2]
         return slots
 
-    def _wants_hits(self, span) -> bool:
-        return any(self.tables[t].lr_count_scale is not None for t in span.tables)
-
     def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False):
         """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
         (tables with a shared row: ids without a row of their own get it); shared rows: per table of
         the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None."""
         group = self.groups[span.group]
-        cfgs = [self.tables[t] for t in span.tables]
+        rules = self._span_rules[span.group]
         n = keys.numel()
-        tail = [i for i, c in enumerate(cfgs) if c.shared_row]
+        tail = list(rules.tail)
         if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
             dev = keys.device
             keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
             column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
             if counts is not None:
-                admit = [cfgs[i].admit_min_count for i in tail]
+                admit = list(rules.tail_admit)
                 counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
         out_hits = torch.empty_like(keys) if hits else None
         got = group.fetch(column, keys, step, counts, hits=out_hits) if training else group.find(column, keys)
         shared = None
         if tail:
-            shared = torch.full((len(cfgs),), -1, dtype=torch.int64, device=keys.device)
+            shared = torch.full((len(span.tables),), -1, dtype=torch.int64, device=keys.device)
             shared[torch.tensor(tail, dtype=torch.int64).to(keys.device, non_blocking=True)] = got[n:]
             col = column[:n]
             got = torch.where((got[:n] < 0) & (col >= 0), shared[col.clamp(min=0)], got[:n])

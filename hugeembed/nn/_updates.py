@@ -13,7 +13,7 @@ rule on the group's rows.  What a collection does for rare ids is a property of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,14 +35,12 @@ class UpdateUnit:
     shared: tuple[bool, ...]  # per table, whether it has a shared row
     seeds: tuple[int, ...]  # per table, its seed (stochastic rounding)
     rounds: bool  # its group's weights are rounded stochastically (draws by key)
+    scaled: bool = field(init=False)  # some table has lr_count_scale
+    index: dict[int, int] = field(init=False)  # table -> its place in `tables`
 
-    @property
-    def scaled(self) -> bool:
-        return any(x is not None for x in self.scale_by)
-
-    @property
-    def index(self) -> dict[int, int]:
-        return {t: i for i, t in enumerate(self.tables)}
+    def __post_init__(self) -> None:  # read per table and step: computed once
+        object.__setattr__(self, "scaled", any(x is not None for x in self.scale_by))
+        object.__setattr__(self, "index", {t: i for i, t in enumerate(self.tables)})
 
 
 def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
