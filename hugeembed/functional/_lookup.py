@@ -150,11 +150,11 @@ class FusedEmbeddingLookup:
                               f"tables, got {len(storages)}")
         # per batch and per table: one read of the shape (s.size(i) costs twice as much); the tables
         # of a group read one tensor: checked once for their dim and rows
-        last, last_dim = _UNSET, 0
+        last, shape = _UNSET, ()
         for spec, s in zip(self.plan.tables, storages):
-            if s is last and spec.dim <= last_dim and spec.num_rows is None:
+            if s is last and spec.dim <= shape[1] and (spec.num_rows is None or shape[0] >= spec.num_rows):
                 continue
-            last, last_dim = s, spec.dim
+            last = s
             if not isinstance(s, torch.Tensor):
                 raise InputError(f"table {spec.name!r}: rows must be a tensor, got {type(s).__name__}")
             shape = s.shape

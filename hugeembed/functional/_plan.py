@@ -192,6 +192,7 @@ class LookupPlan:
         for i, t in enumerate(self.feature_table):
             by_table[t].append(i)
         self.table_features = tuple(tuple(x) for x in by_table)
+        self._pooled_names = tuple(f.name for f in self.features if f.combiner is not Combiner.NONE)
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         # a batch's keys -> (each plan feature's input position, the most features reading one input)
         self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
@@ -207,7 +208,7 @@ class LookupPlan:
         return len(self.tables)
 
     def pooled_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.features if f.combiner is not Combiner.NONE)
+        return self._pooled_names
 
     def arrays(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Per-feature and per-table index arrays on `device` (cached)."""
