@@ -58,9 +58,26 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     return codes, pos, probes
 
 
+def _firsts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, rank): x's stable sort order, and each entry's rank among the entries equal to it
+    (0 for the lowest position)."""
+    order = torch.argsort(x, stable=True)
+    xs = x[order]
+    i = torch.arange(x.numel(), device=x.device)
+    new = torch.ones_like(xs, dtype=torch.bool)
+    new[1:] = xs[1:] != xs[:-1]
+    rank = torch.empty_like(i)
+    rank[order] = i - torch.cummax(torch.where(new, i, 0), 0).values
+    return order, rank
+
+
 def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> None:
-    """Writes records int64 [n, 4] of absent, unique pairs into the first empty bucket from
-    `start` on; keys wanting one bucket: the lowest position wins, the others go on after it."""
+    """Writes records int64 [n, 4] of absent, unique pairs as linear probing places them from
+    `start` on.  Keys whose first empty bucket is one bucket take the empty buckets from there in
+    position order (the lowest position the first): one round for a crowd, not one per key; keys of
+    two crowds wanting one bucket: the lowest position wins, the other goes on after it.  Each
+    bucket a key passes is filled in the same round (by it or by a winner), so no empty bucket
+    lies between a key's home and its bucket."""
     B, dev = buckets.shape[0], records.device
     idx, p = torch.arange(records.shape[0], device=dev), start.clone()
     btabs = buckets[:, 1]
@@ -69,16 +86,15 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> 
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         empty = btabs[win] == EMPTY_TABLE
         has = empty.any(1)
-        q = win.gather(1, empty.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
-        want = torch.where(has, q, -1)
-        order = torch.argsort(want, stable=True)  # idx ascends: the lowest position first per bucket
-        first = torch.ones_like(has)
-        first[1:] = want[order][1:] != want[order][:-1]
-        won = torch.zeros_like(has)
-        won[order] = first
-        won &= has
-        buckets[q[won]] = records[idx[won]]
-        nxt = torch.where(has, q + 1, p + width) % B
+        first = win.gather(1, empty.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
+        _, rank = _firsts(torch.where(has, first, -1))
+        at = (empty.cumsum(1) <= rank[:, None]).sum(1)  # the window's (rank+1)-th empty (width: none)
+        ok = has & (at < width)
+        want = torch.where(ok, win.gather(1, at.clamp(max=width - 1)[:, None]).squeeze(1), -1)
+        _, clash = _firsts(want)
+        won = ok & (clash == 0)
+        buckets[want[won]] = records[idx[won]]
+        nxt = torch.where(ok, want + 1, p + width) % B
         keep = (~won).nonzero().squeeze(1)
         idx, p = idx[keep], nxt[keep]
         width = min(2 * width, _MAX_WINDOW)
