@@ -102,7 +102,8 @@ class Encoder:
         Without a label column (`need_label` False: serving requests) the labels are zeros."""
         import pyarrow as pa
 
-        if isinstance(batch, pa.Table) and batch.num_rows and any(c.num_chunks > 1 for c in batch.columns):
+        if isinstance(batch, pa.Table) and batch.num_rows and any(c.num_chunks > 1 and pa.types.is_dictionary(c.type)
+                                                                  for c in batch.columns):
             # one record batch at a time: joining the chunks would merge each chunk's own dictionary
             blocks, row = [], where.first_row
             for rb in batch.to_batches():
@@ -299,13 +300,13 @@ class Encoder:
         ids, present = self._ids(spec, col, where, None)
         return np.where(present, ids, missing_id(self.positions[spec.name]))
 
-    def _bag(self, spec: SparseSpec, col, where: Where) -> Bag:
+    def _bag(self, spec: SparseSpec, col, where: Where, distinct: bool = False) -> Bag:
         import pyarrow as pa
         import pyarrow.compute as pc
 
         n = len(col)
         if pa.types.is_dictionary(col.type):  # the distinct cells' bags, then each row its cell's
-            cells = self._bag(spec, pc.fill_null(col.dictionary, ""), where)
+            cells = self._bag(spec, pc.fill_null(col.dictionary, ""), where, distinct=True)
             idx = col.indices.to_numpy(zero_copy_only=False) if col.null_count == 0 else \
                 pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False)
             if (idx < 0).any():  # a null cell: an empty one
@@ -314,6 +315,8 @@ class Encoder:
             return cells.take(idx)
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             lists = col
+        elif _is_string(col.type) and spec.ids == "hash" and not distinct:  # each distinct cell split once
+            return self._bag(spec, col.dictionary_encode(), where)
         elif _is_string(col.type):
             lists = pc.split_pattern(col, spec.separator)
         else:  # a column of single numbers read as bags of one

@@ -64,32 +64,38 @@ def hash_text(text: str | object) -> int:
 
 
 def _positions(offsets: np.ndarray):
-    """(start, length) of each string, and the byte positions loop that visits the strings still long
-    enough at each position (the long tail of a column costs only its own strings)."""
+    """(start, length) of each string."""
     offsets = offsets.astype(np.int64, copy=False)
-    starts, lengths = offsets[:-1], np.diff(offsets)
-    return starts, lengths
+    return offsets[:-1], np.diff(offsets)
+
+
+def _longest_first(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, ends): the strings ordered longest first, and ``ends[p]`` = how many of them have a byte at
+    position p -- so that each byte position's pass works on a prefix of the order, not a gathered subset."""
+    key = lengths.astype(np.uint16) if lengths.size and lengths.max() < 1 << 16 else lengths
+    order = np.argsort(key, kind="stable")[::-1]  # 16-bit keys: NumPy's radix sort, linear
+    counts = np.bincount(lengths, minlength=1) if lengths.size else np.zeros(1, np.int64)
+    ends = counts[::-1].cumsum()[::-1][1:]  # ends[p] = strings longer than p
+    return order, ends
 
 
 def hash_utf8(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
     """int64 ids of the strings ``data[offsets[i]:offsets[i+1]]`` (UTF-8 bytes), as :func:`hash_text` gives.
 
-    Vectorised over the strings one byte position at a time: each pass touches the strings that
-    still have a byte there, so a column costs about its total bytes whatever its longest string.
+    Vectorised over the strings one byte position at a time, longest strings first: each pass touches
+    the strings that still have a byte there, so a column costs about its total bytes.
     """
     starts, lengths = _positions(offsets)
-    n = lengths.size
-    h = np.full(n, _FNV_OFFSET, np.uint64)
+    order, ends = _longest_first(lengths)
+    at = starts[order]
+    h = np.full(lengths.size, _FNV_OFFSET, np.uint64)
     data = np.asarray(data, np.uint8)
-    active = np.flatnonzero(lengths > 0)
     prime = np.uint64(_FNV_PRIME)
-    pos = 0
     with np.errstate(over="ignore"):
-        while active.size:
-            b = data[starts[active] + pos].astype(np.uint64)
-            h[active] = (h[active] ^ b) * prime
-            pos += 1
-            active = active[lengths[active] > pos]
+        for pos, k in enumerate(ends):
+            part = h[:k]
+            part ^= data[at[:k] + pos]
+            part *= prime
         h ^= h >> np.uint64(33)
         h *= np.uint64(_M1)
         h ^= h >> np.uint64(33)
@@ -97,7 +103,9 @@ def hash_utf8(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
         h ^= h >> np.uint64(33)
     h &= np.uint64(HASH_BIT - 1)
     h |= np.uint64(HASH_BIT)
-    return h.view(np.int64)
+    out = np.empty_like(h)
+    out[order] = h
+    return out.view(np.int64)
 
 
 _HEX_VALUE = np.full(256, 255, np.uint8)

@@ -182,23 +182,21 @@ def _parquet_batches(path: Path, schema: Schema, chunk_rows: int):
 
 
 def _column_types(schema: Schema, typed: bool) -> dict:
-    """pyarrow types of the needed columns: all text, or (`typed`) a dense column's numbers parsed by pyarrow
-    and a hashed / hex column dictionary-encoded as it is parsed (its distinct values hashed once)."""
+    """pyarrow types of the needed columns: all text, or (`typed`) a dense column's numbers parsed by pyarrow.
+    Categorical columns stay text: the encoder dictionary-encodes each once per chunk (the reader's own
+    dictionaries are per 1 MB block, so a value would be hashed once per block, and cost more to build)."""
     import pyarrow as pa
 
     uses: dict[str, set[str]] = {}
     for d in schema.dense:
         uses.setdefault(d.column, set()).add("dense")
-    for sp in schema.sparse:  # a hashed bag too: its distinct cells are split once
-        uses.setdefault(sp.column, set()).add("dict" if sp.ids == "hash" or (sp.ids == "hex" and not sp.is_bag)
-                                              else "text")
+    for sp in schema.sparse:
+        uses.setdefault(sp.column, set()).add("sparse")
     types = {c: pa.string() for c in schema.needed_columns()}
     if typed:
         for c, kinds in uses.items():
             if kinds == {"dense"} and (schema.label is None or c != schema.label.column):
                 types[c] = pa.float64()
-            elif kinds == {"dict"} and (schema.label is None or c != schema.label.column):
-                types[c] = pa.dictionary(pa.int32(), pa.string())
     return types
 
 
