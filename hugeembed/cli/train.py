@@ -21,7 +21,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
-           "sparse_eps", "average_dense")
+           "sparse_eps", "average_dense", "first_order")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
                    f"default {DEFAULT_ADMIT_MIN_COUNT} in one process, 1 with several)")
     r.add_argument("--lr-count-scale", type=int, metavar="N", help="per-row learning rate lr * min(1, hits / N): "
                    "rows seen less than N times take smaller steps (default off)")
+    p.add_argument("--first-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="DLRM: add a per-id bias (a dim-1 table beside each table) to the logit (default off: "
+                   "docs/quality.md)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--lr-decay", type=float, metavar="FRACTION", help="both learning rates fall linearly to 0 over "

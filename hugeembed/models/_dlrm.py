@@ -10,7 +10,7 @@ from torch import nn
 
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
-from ._base import Fields, RecModel
+from ._base import Fields, RecModel, resolve_first_order
 from ._layers import MLP, DotInteraction, check_sizes
 
 __all__ = ["DLRM"]
@@ -40,6 +40,9 @@ class DLRM(RecModel):
         bottom_mlp: hidden widths of the bottom MLP (its last layer, of width D, is added).
         top_mlp: hidden widths of the top MLP (its last layer, of width 1, is added).
         self_interaction: keep the ``<t_i, t_i>`` terms too (DLRM ``--arch-interaction-itself``).
+        first_order: names of dim-1 tables (:func:`~hugeembed.models.first_order_tables`) whose
+            pooled weights are added to the logit: a per-id bias, as Wide&Deep's and DeepFM's
+            first-order term, beside the interaction (which then reads the other tables).
         device: where the dense layers live (default: the collection's device).
 
     Example::
@@ -52,10 +55,15 @@ class DLRM(RecModel):
 
     def __init__(self, collection: EmbeddingCollection, num_dense: int = 13, *,
                  bottom_mlp: Sequence[int] = (512, 256), top_mlp: Sequence[int] = (512, 512, 256),
-                 self_interaction: bool = False, device: torch.device | str | None = None) -> None:
+                 self_interaction: bool = False, first_order: Sequence[str] = (),
+                 device: torch.device | str | None = None) -> None:
         super().__init__(collection, num_dense, "DLRM")
         device = collection.device if device is None else device
-        self.fields = Fields(collection)
+        first_order = (first_order,) if isinstance(first_order, str) else tuple(first_order)
+        wide, deep = resolve_first_order(collection, first_order, "DLRM") if first_order else \
+            (set(), {t.name for t in collection.tables})
+        self.first_order = Fields(collection, wide) if wide else None
+        self.fields = Fields(collection, deep)
         dim = self.fields.common_dim("DLRM (the dot interaction)")
         self.embedding_dim = dim
         sizes = (*check_sizes(bottom_mlp, "DLRM bottom_mlp"), dim)
@@ -75,7 +83,10 @@ class DLRM(RecModel):
         """
         d = self.bottom(dense)
         e = self.on(self.fields.stacked(out), d)
-        return self.top(self.interaction(d, e)).squeeze(1)
+        logit = self.top(self.interaction(d, e)).squeeze(1)
+        if self.first_order is not None:
+            logit = logit + self.on(self.first_order.concat(out), d).sum(dim=1)
+        return logit
 
 
 class ConstantField(nn.Module):

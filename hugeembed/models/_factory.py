@@ -18,8 +18,8 @@ from ._base import RecModel
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
 from ._dlrm import DLRM
-from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, Cardinalities, deepfm_tables, embedding_tables, \
-    schema_tables, wide_and_deep_tables, with_rare_id_options
+from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, FIRST_ORDER_PREFIX, Cardinalities, deepfm_tables, \
+    embedding_tables, first_order_tables, schema_tables, wide_and_deep_tables, with_rare_id_options
 from ._widedeep import WideAndDeep
 
 __all__ = ["MODEL_NAMES", "DEFAULT_INITIALIZER", "DEFAULT_ADMIT_MIN_COUNT", "make_model"]
@@ -40,7 +40,7 @@ DEFAULT_ADMIT_MIN_COUNT = 3
 
 # options each model takes beyond the common ones (anything else given is an error, not ignored)
 _OPTIONS = {
-    "dlrm": {"bottom_mlp", "top_mlp"},
+    "dlrm": {"bottom_mlp", "top_mlp", "first_order", "first_order_optimizer"},
     "deepfm": {"deep", "dropout", "first_order_optimizer"},
     "widedeep": {"deep", "dropout", "first_order_optimizer"},
     "dcn": {"deep", "dropout", "num_cross", "low_rank", "num_experts", "structure"},
@@ -54,7 +54,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                bottom_mlp: Sequence[int] | None = None, top_mlp: Sequence[int] | None = None,
                deep: Sequence[int] | None = None, dropout: float | None = None, num_cross: int | None = None,
                low_rank: int | None = None, num_experts: int | None = None, structure: str | None = None,
-               first_order_optimizer: SparseOptimizer | None = None,
+               first_order_optimizer: SparseOptimizer | None = None, first_order: bool | None = None,
                initializer: Initializer | str | None = DEFAULT_INITIALIZER,
                admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT, lr_count_scale: int | None = None,
                backend: str = "auto", schema: Schema | None = None,
@@ -77,9 +77,11 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         combiner: pooling of multi-id bags.
         capacity: dynamic tables: most rows kept per table.
         bottom_mlp, top_mlp: DLRM's MLPs (None: the model's defaults).
+        first_order: DLRM: a dim-1 table beside each embedding table (``wide_<table>``, zeros at
+            first), its weights added to the logit: a per-id bias (None / False: none).
         deep, dropout: the MLP of DeepFM, Wide&Deep and DCN-v2 (None: the model's defaults).
         num_cross, low_rank, num_experts, structure: DCN-v2's cross network.
-        first_order_optimizer: DeepFM / Wide&Deep: optimizer of the dim-1 tables
+        first_order_optimizer: DeepFM / Wide&Deep / DLRM with `first_order`: optimizer of the dim-1 tables
             (None: `sparse_optimizer`; the Wide&Deep paper uses FTRL).
         initializer: initial rows of the embedding tables (the first-order tables of DeepFM
             and Wide&Deep start at zeros): an Initializer or a spec, ``"uniform:SCALE"``,
@@ -117,12 +119,15 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                           f"got {type(sparse_optimizer).__name__}")
     given = {k for k, v in dict(bottom_mlp=bottom_mlp, top_mlp=top_mlp, deep=deep, dropout=dropout,
                                 num_cross=num_cross, low_rank=low_rank, num_experts=num_experts,
-                                structure=structure, first_order_optimizer=first_order_optimizer).items()
+                                structure=structure, first_order_optimizer=first_order_optimizer,
+                                first_order=first_order or None).items()
              if v is not None}
     foreign = sorted(given - _OPTIONS[name])
     if foreign:
         raise ConfigError(f"model {name!r} does not take {', '.join(foreign)}; "
                           f"its options: {', '.join(sorted(_OPTIONS[name]))}")
+    if name == "dlrm" and first_order_optimizer is not None and not first_order:
+        raise ConfigError("model 'dlrm' takes first_order_optimizer only with first_order=True (its dim-1 tables)")
     if dynamic and cardinalities is not None:
         raise ConfigError("cardinalities size static tables: pass dynamic=False with them")
     if not dynamic and cardinalities is None:
@@ -142,7 +147,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
             raise ConfigError("make_model: a schema's tables are dynamic (its ids are hashes or raw values)")
         num_dense = schema.num_dense
         init = TruncatedNormal(0.0, 0.01) if initializer is None and name == "deepfm" else initializer
-        tables = schema_tables(schema, embedding_dim, first_order=name in ("deepfm", "widedeep"),
+        tables = schema_tables(schema, embedding_dim, first_order=name in ("deepfm", "widedeep") or bool(first_order),
                                first_order_optimizer=first_order_optimizer, initializer=init, capacity=capacity)
     elif name == "deepfm":
         tables = deepfm_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
@@ -150,6 +155,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         tables = wide_and_deep_tables(features, embedding_dim, first_order_optimizer=first_order_optimizer, **common)
     else:
         tables = embedding_tables(features, embedding_dim, **common)
+        if first_order:
+            tables += first_order_tables(features, cardinalities=cardinalities, combiner=combiner, capacity=capacity,
+                                         optimizer=first_order_optimizer)
     tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) for t in tables]
     device = canonical_device(device)
     factory = EmbeddingCollection if collection_factory is None else collection_factory
@@ -165,7 +173,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         torch.manual_seed(seed)
         model: RecModel
         if name == "dlrm":
-            model = DLRM(collection, num_dense, device=init_on, **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
+            wide = [t.name for t in tables if first_order and t.name.startswith(FIRST_ORDER_PREFIX) and t.dim == 1]
+            model = DLRM(collection, num_dense, device=init_on, first_order=wide,
+                         **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
         elif name == "deepfm":
             model = DeepFM(collection, num_dense, device=init_on, **_given(deep=deep, dropout=dropout))
         elif name == "widedeep":

@@ -102,7 +102,7 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
-                      collection_factory=factory, schema=schema)
+                      first_order=cfg.first_order, collection_factory=factory, schema=schema)
 
 
 def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
@@ -117,3 +117,4 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % (1 << 32))
     random.seed(seed)
+

@@ -68,6 +68,9 @@ class TrainConfig:
             None: 3 (make_model's default) in one process; 1 with several, whose sharded
             tables do not support the shared row yet (the run says so in a note).
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
+        first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
+            per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
+            bench/quality.py it won on two and lost on two (docs/quality.md).
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         lr_decay: the last fraction of the run over which both learning rates fall linearly
             to 0 (0: constant).  The run's length is its steps, or its epochs of data (a text
@@ -127,6 +130,7 @@ class TrainConfig:
     init: str = DEFAULT_INITIALIZER
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
+    first_order: bool = False
     dense_optimizer: str = "adam"
     dense_lr: float = 1e-3
     # both learning rates fall linearly to 0 over the last 20% of the run: measured by
@@ -181,9 +185,12 @@ class TrainConfig:
             if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
                 raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                                   f"got {self.checkpoint_dir!r}")
-        for name in ("resume", "average_dense"):
+        for name in ("resume", "average_dense", "first_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{_key(name)} must be true or false, got {getattr(self, name)!r}")
+        if self.first_order and self.model != "dlrm":
+            raise ConfigError(f"first-order adds per-id biases to DLRM; model {self.model!r} has its own terms "
+                              f"(deepfm and widedeep: first-order tables always)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hugeembed import ConfigError, SparseFeatures
-from hugeembed.models import DLRM, criteo_tables, embedding_tables
+from hugeembed.models import DLRM, criteo_tables, embedding_tables, first_order_tables
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import Adagrad
 
@@ -85,3 +85,30 @@ def test_shared_table_outputs_are_fields_too():
     assert model.fields.names == ("a", "b", "c") and model.interaction.num_pairs == 6
     dense, sparse, _ = make_batch(B=5)
     assert model(dense, sparse).shape == (5,)
+
+
+def test_first_order_tables_add_a_per_id_bias_to_the_logit():
+    """logit = DLRM over the embedding tables only + the sum of the dim-1 tables' pooled weights."""
+    D = 4
+    ec = EmbeddingCollection(embedding_tables(FEATURES, D) + first_order_tables(FEATURES), optimizer=Adagrad(lr=0.1))
+    model = DLRM(ec, NUM_DENSE, bottom_mlp=(8,), top_mlp=(8,), first_order=[f"wide_{f}" for f in FEATURES])
+    dense, sparse, labels = make_batch(B=6)
+    train(model, model.dense_parameters(), dense, sparse, labels, steps=3)
+    model.eval()
+    assert linear_sizes(model.top)[0] == (D + 6, 8)  # the interaction reads the 3 embedding tables only
+    out = ec(sparse)
+    bias = sum(out[f"{f}@wide_{f}"][:, 0] for f in FEATURES)
+    assert float(bias.abs().sum()) > 0  # the weights moved from their zeros
+    d = model.bottom(dense)
+    vectors = [d] + [out[f"{f}@{f}"] for f in FEATURES]
+    dots = [(vectors[i] * vectors[j]).sum(dim=1) for i in range(4) for j in range(i + 1, 4)]
+    want = model.top(torch.cat([d, torch.stack(dots, dim=1)], dim=1)).squeeze(1) + bias
+    torch.testing.assert_close(model(dense, sparse), want)
+
+
+def test_first_order_names_dim_1_tables():
+    ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1), device="meta")
+    with pytest.raises(ConfigError, match="dim 1"):
+        DLRM(ec, NUM_DENSE, first_order=["a"])
+    with pytest.raises(ConfigError, match="not in the collection"):
+        DLRM(ec, NUM_DENSE, first_order=["wide_a"])

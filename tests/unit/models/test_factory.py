@@ -73,7 +73,8 @@ def test_bad_name_lists_the_choices():
 
 @pytest.mark.parametrize("name,option", [("dlrm", dict(deep=(8,))), ("deepfm", dict(top_mlp=(8,))),
                                          ("widedeep", dict(num_cross=2)), ("dcn", dict(bottom_mlp=(4,))),
-                                         ("dlrm", dict(first_order_optimizer=SGD(lr=0.1)))])
+                                         ("dcn", dict(first_order_optimizer=SGD(lr=0.1))),
+                                         ("deepfm", dict(first_order=True))])
 def test_an_option_the_model_does_not_take_is_an_error(name, option):
     with pytest.raises(ConfigError, match=f"model {name!r} does not take {next(iter(option))}"):
         make_model(name, embedding_dim=4, sparse_optimizer=Adagrad(lr=0.1), **option)
@@ -148,3 +149,12 @@ def test_table_helper_errors():
     with pytest.raises(ConfigError, match=r"no entry for features \['b'\]"):
         first_order_tables(("a", "b"), cardinalities={"a": 3})
     assert [t.num_rows for t in first_order_tables("a", cardinalities={"a": 3})] == [3]
+
+
+def test_dlrm_first_order_optimizer_needs_first_order():
+    with pytest.raises(ConfigError, match="first_order_optimizer only with first_order=True"):
+        make_model("dlrm", embedding_dim=4, sparse_optimizer=Adagrad(lr=0.1), first_order_optimizer=SGD(lr=0.1))
+    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=Adagrad(lr=0.1), features=("a", "b"), num_dense=2,
+                          first_order=True, first_order_optimizer=SGD(lr=0.1))
+    assert [(t.name, t.dim) for t in model.embeddings.tables] == [("a", 4), ("b", 4), ("wide_a", 1), ("wide_b", 1)]
+    assert [r.name for r in model.embeddings.rules][2:] == ["sgd", "sgd"]

@@ -49,3 +49,18 @@ def test_resume_equals_the_straight_run_and_keeps_the_fitted_schema(files, tmp_p
     whole = Trainer(_cfg(files, files / "train.csv", steps=8, lr_decay=0.0)).fit()
     assert cut["auc"] == whole["auc"] and cut["logloss"] == whole["logloss"]
     assert straight["steps"] == 8
+
+
+def test_first_order_run_keeps_its_per_id_biases_in_the_snapshot(files, tmp_path):
+    """--first-order: DLRM with a dim-1 table beside each table; the snapshot rebuilds the same model
+    (its evaluation scores the run's own figures)."""
+    from hugeembed.training import evaluate_snapshot, load_snapshot_model
+
+    run = tmp_path / "fo"
+    s = Trainer(_cfg(files, files / "train.csv", first_order=True, checkpoint_dir=str(run))).fit()
+    model, cfg, _ = load_snapshot_model(ckpt.latest(run), device="cpu")
+    wide = [t.name for t in model.embeddings.tables if t.dim == 1]
+    assert cfg.first_order and wide and all(n.startswith("wide_") for n in wide)
+    assert len(model.first_order) == len(model.fields)  # one bias per feature (a shared table: per reader)
+    again = evaluate_snapshot(ckpt.latest(run), data=[str(files / "test.csv")])
+    assert again["auc"] == pytest.approx(s["auc"], abs=1e-6) and again["logloss"] == pytest.approx(s["logloss"], abs=1e-6)
