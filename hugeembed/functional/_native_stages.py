@@ -111,7 +111,12 @@ def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None)
         for t in used:
             s = storages[t]
             bufs[t] = s if s.is_contiguous() else nat.rows(s)
-    return bufs, [s.stride(0) for s in storages]
+    strides, last, w = [], None, 0
+    for s in storages:
+        if s is not last:
+            last, w = s, s.stride(0)
+        strides.append(w)
+    return bufs, strides
 
 
 def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
