@@ -28,12 +28,13 @@ __all__ = ["Batcher", "Pending"]
 class Pending:
     """One admitted request: its rows, the future of its (probabilities, version), its state."""
 
-    __slots__ = ("parsed", "future", "rows", "queued", "abandoned", "admitted_at")
+    __slots__ = ("parsed", "future", "rows", "queued", "abandoned", "admitted_at", "queue_ms", "model_ms")
 
     def __init__(self, parsed: ParsedRequest, future: asyncio.Future) -> None:
         self.parsed, self.future, self.rows = parsed, future, parsed.rows
         self.queued = self.abandoned = False
         self.admitted_at = time.perf_counter()
+        self.queue_ms = self.model_ms = 0.0  # its wait for the model, and the model call it was in
 
 
 class Batcher:
@@ -102,7 +103,8 @@ class Batcher:
             if not batch:
                 continue
             started = time.perf_counter()
-            queue_ms = [(started - p.admitted_at) * 1000 for p in batch]
+            for p in batch:
+                p.queue_ms = (started - p.admitted_at) * 1000
             try:
                 results, version = await loop.run_in_executor(self.executor, self._compute, batch)
             except Exception as e:  # a bug, not a bad request (those are refused at parse): 500 for these
@@ -110,8 +112,10 @@ class Batcher:
                     if not p.future.done():
                         p.future.set_exception(e)
                 continue
-            self.on_batch(len(batch), rows, queue_ms, (time.perf_counter() - started) * 1000)
+            model_ms = (time.perf_counter() - started) * 1000
+            self.on_batch(len(batch), rows, [p.queue_ms for p in batch], model_ms)
             for p, r in zip(batch, results):
+                p.model_ms = model_ms
                 if not p.future.done():
                     p.future.set_result((r, version))
 

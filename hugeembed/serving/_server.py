@@ -2,7 +2,8 @@
 
 ::
 
-    POST /predict   JSON, TSV or CSV body (see _requests.py) -> {"predictions": [p, ...], "version": "step-..."}
+    POST /predict   JSON, TSV or CSV body (see _requests.py) -> {"predictions": [p, ...], "version": "step-..."},
+                    and a Server-Timing header: parse, queue and model milliseconds
     GET  /healthz   {"status": "ok", "version": ...}
     GET  /metrics   requests, rows, refusals by status, latency / parse / queue / model p50 and p99 (ms), ...
     POST /reload    applies the deltas written since (also done every --watch seconds)
@@ -211,7 +212,8 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
             parsed = parse_checked(body, content_type)
         else:
             parsed = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_checked, body, content_type)
-        metrics.parse_ms.append((time.perf_counter() - t0) * 1000)
+        parse_ms = (time.perf_counter() - t0) * 1000
+        metrics.parse_ms.append(parse_ms)
         p = Pending(parsed, asyncio.get_running_loop().create_future())
         if not batcher.admit(p):
             return refuse(503, f"the queue holds {batcher.queued_rows} rows: try again shortly", {"Retry-After": "1"})
@@ -228,7 +230,9 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
                 batcher.abandon(p)
         metrics.rows += len(probs)
         metrics.latency_ms.append((time.perf_counter() - t0) * 1000)
-        return JSONResponse({"predictions": probs, "version": version})
+        # the server's share of the latency (W3C Server-Timing): the rest is HTTP and the network
+        timing = f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}"
+        return JSONResponse({"predictions": probs, "version": version}, headers={"Server-Timing": timing})
 
     async def predict(request):
         t0 = time.perf_counter()
