@@ -34,7 +34,7 @@ from ._batcher import Batcher, Pending
 from ._model import ServingModel
 from ._requests import MAX_BODY_BYTES, BodyParser, RequestParser, RequestTooLarge, UnsupportedContentType, media_type
 
-__all__ = ["make_app", "serve", "ServerConfig", "Metrics", "LOOPBACK_HOSTS"]
+__all__ = ["make_app", "serve", "uvicorn_config", "ServerConfig", "Metrics", "LOOPBACK_HOSTS"]
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _INLINE_PARSE_BYTES = 64 << 10  # smaller bodies parse on the event loop: ~0.1 ms, less than a thread handoff
@@ -296,13 +296,21 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_HostCheck, allowed=cfg.allowed_hosts)])
 
 
-def serve(model: ServingModel, *, host: str = "127.0.0.1", port: int = 8080, cfg: ServerConfig | None = None,
-          log_level: str = "warning") -> None:
-    """Runs the server until SIGINT/SIGTERM (uvicorn: stops accepting, finishes the requests in flight)."""
+def uvicorn_config(model: ServingModel, *, host: str = "127.0.0.1", port: int = 8080,
+                   cfg: ServerConfig | None = None, log_level: str = "warning"):
+    """The uvicorn settings `serve` runs with: the app, the address, limit_concurrency, a graceful shutdown."""
     try:
         import uvicorn
     except ImportError:
         raise ImportError("the server needs starlette and uvicorn: pip install 'hugeembed[serve]'") from None
     cfg = cfg or ServerConfig()
-    uvicorn.run(make_app(model, cfg), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                limit_concurrency=cfg.limit_concurrency)
+    return uvicorn.Config(make_app(model, cfg), host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=10, limit_concurrency=cfg.limit_concurrency)
+
+
+def serve(model: ServingModel, *, host: str = "127.0.0.1", port: int = 8080, cfg: ServerConfig | None = None,
+          log_level: str = "warning") -> None:
+    """Runs the server until SIGINT/SIGTERM (uvicorn: stops accepting, finishes the requests in flight)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(model, host=host, port=port, cfg=cfg, log_level=log_level)).run()

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from hugeembed.data import CAT_NAMES, SyntheticConfig, SyntheticCriteo, format_criteo_lines
 from hugeembed.serving import ServingModel
-from hugeembed.serving._server import ServerConfig, make_app
+from hugeembed.serving._server import ServerConfig, uvicorn_config
 
 
 def _rows(n: int, start: int = 0):
@@ -60,8 +60,9 @@ def _serving(artifact, cfg: ServerConfig, gate: bool = False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(m, cfg), host="127.0.0.1", port=port, log_level="warning",
-                                           limit_concurrency=cfg.limit_concurrency))
+    server = uvicorn.Server(uvicorn_config(m, port=port, cfg=cfg))  # the settings `hugeembed serve` runs with
+    if g is not None:
+        g.server = server
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -156,6 +157,23 @@ def test_a_request_whose_client_left_is_dropped_before_its_model_call(model):
         assert first[0].status_code == 200
         assert httpx.post(url + "/predict", json=body, timeout=10).status_code == 200
         assert gate.rows == 16 and gate.calls == 2
+
+
+def test_connections_past_limit_concurrency_get_503(model):
+    body, _ = _rows(4)
+    # uvicorn refuses a request when the connections, its own counted, reach the limit: 3 lets two in
+    with _serving(model, ServerConfig(watch_s=0, limit_concurrency=3), gate=True) as (url, gate):
+        out: list = []
+        threads = [_post_async(url, body, out)]
+        _wait_for(lambda: gate.calls == 1, "the first request's model call")
+        threads.append(_post_async(url, body, out))  # the second connection: queued
+        _wait_for(lambda: len(gate.server.server_state.connections) == 2, "the second connection")
+        r = httpx.post(url + "/predict", json=body, timeout=10)  # a third at once: refused by uvicorn
+        assert r.status_code == 503
+        gate.open.set()
+        for t in threads:
+            t.join()
+        assert [x.status_code for x in out] == [200, 200]
 
 
 def test_bodies_and_rows_past_the_limits_get_413(model):
