@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -33,6 +34,22 @@ def add_parser(sub) -> None:
                         "'*': any). Other names get 400, so a web page cannot reach the server by DNS rebinding")
 
 
+def _passive_openmp(argv: list[str]) -> None:
+    """Runs this command again with OMP_WAIT_POLICY=PASSIVE, unless an OpenMP wait policy is set already.
+
+    The model calls run on one thread of their own; alone in OpenMP with --threads 2 on 2 CPUs that
+    other processes also use, each call took 40-140 ms instead of 1-8 (measured: libgomp's workers
+    spin at full count while the threads it manages fit the CPUs, and a spinning worker holds the CPU
+    its master waits for).  PASSIVE workers sleep at once.  libgomp reads the variable when it loads
+    (with torch, before this runs): hence the new process image (same pid)."""
+    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT"):
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "hugeembed", *argv])
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -50,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
                        max_body_bytes=args.max_body_bytes, max_request_rows=args.max_request_rows,
                        max_queue_rows=args.max_queue_rows, request_timeout_s=args.request_timeout,
                        allowed_hosts=allowed, limit_concurrency=args.limit_concurrency)
+    if args.argv == sys.argv[1:]:  # the command line's own process (not main([...]) called in another)
+        _passive_openmp(args.argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from .._native import tune_malloc

@@ -308,6 +308,13 @@ def test_maximal_bodies_stall_neither_healthz_nor_other_clients(server):
         pytest.fail(f"(unloaded p99 ms, loaded p99 ms, slowest /healthz ms, maximal bodies) per try: {tries}")
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the server's environment in /proc")
+def test_the_server_runs_with_passive_openmp_workers(server):
+    """The model thread alone in OpenMP with spinning workers took 40-140 ms a call on a loaded machine."""
+    environ = Path(f"/proc/{server['proc'].pid}/environ").read_bytes().split(b"\0")
+    assert any(v.startswith(b"OMP_WAIT_POLICY=") for v in environ)
+
+
 def test_sigterm_finishes_the_requests_in_flight_then_exits(server):
     proc, results, errors = server["proc"], [], []
     threads = [threading.Thread(target=_hammer, args=(server["url"], server["payloads"], 1.0, results, errors))
