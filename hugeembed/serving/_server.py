@@ -96,7 +96,7 @@ class Metrics:
     reloads: int = 0
     reload_errors: int = 0
     refused: collections.Counter = field(default_factory=collections.Counter)  # HTTP status -> count
-    dropped: int = 0  # the client went away before its model call
+    dropped: int = 0  # the client went away before its model call: never computed
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
     parse_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
     queue_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
@@ -221,7 +221,7 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
         try:
             await asyncio.wait((p.future, gone), return_when=asyncio.FIRST_COMPLETED)
             if not p.future.done():  # the client left: nobody reads the answer
-                metrics.dropped += 1
+                metrics.dropped += p.queued  # (one in a model call already is computed all the same)
                 return Response(status_code=499)
             probs, version = p.future.result()
         finally:
