@@ -119,6 +119,8 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
         ids = values[torch.arange(n) + torch.repeat_interleave(bounds[:, 0] - begin, per_feature, output_size=n)]
         starts = torch.cumsum(lengths, 0) - lengths
     n = ids.numel()
+    if index.numel() & (index.numel() - 1):  # not the artifact's slot index (hugeembed's own: its kernels read it)
+        raise ArtifactError(f"a key index of {index.numel()} slots: the artifact's index has a power of two")
     table = torch.repeat_interleave(torch.tensor(feature_table, dtype=torch.int64), per_feature, output_size=n)
     m = meta.index_select(0, table)  # [n, 5]: each id's table record
     static = m[:, KEY_BASE] < 0
@@ -281,6 +283,9 @@ find_accelerator: Any = None
 # feature_table, B, n_rows) -> (row of each id, bags batch-major; each bag's first id; each bag's kept
 # ids), or None.
 bags_accelerator: Any = None
+# The index the lookups of loaded tables read: fn(keys, index, meta) -> index (hugeembed.serving installs
+# a builder of its private, salted index, which only its bags_accelerator reads).
+index_builder: Any = None
 
 
 def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor
@@ -398,10 +403,11 @@ class Tables:
     def __init__(self, rows: list[torch.Tensor], keys: list[torch.Tensor], index: list[torch.Tensor],
                  meta: list[torch.Tensor]) -> None:
         self.rows, self.keys, self.index, self.meta = rows, keys, index, meta
+        self.lookup_index = index if index_builder is None else [index_builder(*a) for a in zip(keys, index, meta)]
 
     def args(self) -> tuple[list[torch.Tensor], ...]:
         """The program's table arguments, after dense, values and offsets."""
-        return self.rows, self.keys, self.index, self.meta
+        return self.rows, self.keys, self.lookup_index, self.meta
 
 
 def group_tables(group: dict[str, Any], sizes: list[int], rows: torch.Tensor, keys: torch.Tensor,
