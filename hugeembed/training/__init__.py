@@ -2,6 +2,7 @@
 
 from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot, load_snapshot_model
+from ._launch import launch_local, run_local
 from ._sources import DataSource, FileSource, SyntheticSource, make_source
 from ._record import RunRecord, TrainState
 from ._trainer import Trainer, build_model, evaluate, make_dense_optimizer, resolve_device
@@ -21,6 +22,8 @@ __all__ = [
     "SyntheticSource",
     "FileSource",
     "make_source",
+    "launch_local",
+    "run_local",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
     "MODELS",
