@@ -5,7 +5,7 @@ to a running model.  See docs/serving.md.
 
 from ._delta import export_delta
 from ._export import export
-from ._model import Served, ServingModel
+from ._model import Refusal, Served, ServingModel
 from ._quant import dequantize, quantize
 from . import _runtime
 from ._native_find import native_bags, native_find
@@ -14,4 +14,4 @@ from ._runtime import DTYPES, pooled_lookup
 # the installed runtime maps ids to rows with the kernels; artifacts' copies keep their torch path
 _runtime.find_accelerator, _runtime.bags_accelerator = native_find, native_bags
 
-__all__ = ["export", "export_delta", "ServingModel", "Served", "quantize", "dequantize", "pooled_lookup", "DTYPES"]
+__all__ = ["export", "export_delta", "ServingModel", "Served", "Refusal", "quantize", "dequantize", "pooled_lookup", "DTYPES"]
