@@ -3,9 +3,9 @@
 ::
 
     POST /predict   JSON or TSV body (see _requests.py) -> {"predictions": [p, ...], "version": "step-..."}
-    GET  /healthz   {"status": "ok", "version": ...}
+    GET  /healthz   {"status": "ok" | "degraded", "version": ...} (degraded: a delta was refused, and why)
     GET  /metrics   requests, rows, errors, latency p50/p99 (ms), batches, version, deltas applied
-    POST /reload    applies the deltas written since (also done every --watch seconds)
+    POST /reload    applies the deltas written since (with the --admin-token; also every --watch seconds)
 
 Requests are parsed in the event loop (InputError -> 400 with its one line), then queued;
 one batcher task takes the first waiting request with the others already queued (they arrived
@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, InputError
+from ..errors import InputError
 from ..features import SparseFeatures
 from ._model import ServingModel
+from ._reloader import Reloader
 from ._requests import MAX_BODY_BYTES, parse_body
 
 __all__ = ["make_app", "serve", "ServerConfig", "Metrics"]
@@ -40,11 +41,13 @@ class ServerConfig:
     """Args: max_wait_ms: longest a call waits for more requests to join it (0: none; requests that
     arrived while the previous call ran join it anyway, so batches form under load); max_batch_rows: rows
     per model call (a bigger request runs alone); watch_s: seconds between looks for new deltas
-    (0: only POST /reload); max_body_bytes: larger bodies get 413."""
+    (0, the default: none); admin_token: what POST /reload must present as ``Authorization: Bearer``
+    (None, the default: POST /reload is off); max_body_bytes: larger bodies get 413."""
 
     max_wait_ms: float = 0.0
     max_batch_rows: int = 4096
-    watch_s: float = 5.0
+    watch_s: float = 0.0
+    admin_token: str | None = field(default=None, repr=False)
     max_body_bytes: int = MAX_BODY_BYTES
 
 
@@ -146,6 +149,7 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None):
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     batcher = _Batcher(model, cfg, metrics)
+    reloader = Reloader(model, metrics, watch_s=cfg.watch_s, token=cfg.admin_token)
 
     def bad(status: int, reason: str):
         metrics.errors += 1
@@ -181,40 +185,33 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None):
         return JSONResponse({"predictions": probs, "version": version})
 
     async def healthz(request):
-        return JSONResponse({"status": "ok", "version": model.version})
+        return JSONResponse(reloader.health())
 
     async def get_metrics(request):
         return JSONResponse(metrics.snapshot(model))
 
     async def reload(request):
-        try:
-            applied = await asyncio.get_running_loop().run_in_executor(None, model.reload)
-        except ArtifactError as e:
-            metrics.reload_errors += 1
-            return PlainTextResponse(str(e).splitlines()[0] + "\n", status_code=409)
-        metrics.reloads += len(applied)
+        denied = reloader.authorize(request.headers.get("authorization"))
+        if denied is not None:
+            return PlainTextResponse(denied[1] + "\n", status_code=denied[0],
+                                     headers={"WWW-Authenticate": "Bearer"} if denied[0] == 401 else None)
+        applied = await reloader.reload_now()
+        if model.refused is not None:  # those before it were applied; the served version is the last good one
+            return JSONResponse({"version": model.version, "applied": applied, "refused": model.refused.delta,
+                                 "reason": model.refused.reason}, status_code=409)
         return JSONResponse({"version": model.version, "applied": applied})
-
-    async def watch() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(cfg.watch_s)
-            try:
-                metrics.reloads += len(await loop.run_in_executor(None, model.reload))
-            except ArtifactError:
-                metrics.reload_errors += 1  # keeps serving the version it has; /metrics shows the count
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(batcher.run())]
-        if cfg.watch_s > 0:
-            tasks.append(asyncio.create_task(watch()))
+        reloader.start()
         try:
             yield
         finally:  # uvicorn has answered every request in flight by now (graceful shutdown)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await reloader.stop()
 
     routes = [Route("/predict", predict, methods=["POST"]), Route("/healthz", healthz, methods=["GET"]),
               Route("/metrics", get_metrics, methods=["GET"]), Route("/reload", reload, methods=["POST"])]
