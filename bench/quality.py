@@ -217,7 +217,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train-rows", type=int, nargs="+", default=[200_000, 500_000])
     ap.add_argument("--test-rows", type=int, default=50_000)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

@@ -243,7 +243,8 @@ def load_bench(rows: list[int], dim: int, batch: int, work: Path) -> list[list[s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=4096)

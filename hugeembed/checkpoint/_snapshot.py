@@ -296,8 +296,8 @@ def publish(root: Path, tmp: Path, name: str, manifest: dict[str, Any]) -> Path:
         theirs = run_of(final)
         if theirs != manifest.get("run_id"):
             raise CheckpointError(f"{final} was written by another run ({describe_run(theirs)}), not by this one "
-                                  f"({describe_run(manifest.get('run_id'))}): it is not replaced; give this run its own "
-                                  f"checkpoint directory")
+                                  f"({describe_run(manifest.get('run_id'))}): it is not replaced; give this run its "
+                                  f"own checkpoint directory")
         trash = root / f".tmp-old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.replace(final, trash)
         os.replace(tmp, final)

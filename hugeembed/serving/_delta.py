@@ -202,7 +202,8 @@ def read_delta(header: DeltaHeader, base: dict[str, Any], spec: dict[str, dict[s
     dense = {}
     for name, want in spec.items():
         rec = files[f"dense.{name}"]
-        if not isinstance(rec, dict) or rec.get("dtype") != want["dtype"] or list(rec.get("shape", [])) != want["shape"]:
+        if not isinstance(rec, dict) or rec.get("dtype") != want["dtype"] \
+                or list(rec.get("shape", [])) != want["shape"]:
             raise _fail(path, f"dense weight {name!r} is {rec.get('dtype') if isinstance(rec, dict) else rec} "
                               f"{rec.get('shape') if isinstance(rec, dict) else ''}, the base program's "
                               f"{want['dtype']} {want['shape']}: a delta of another model structure is refused")
