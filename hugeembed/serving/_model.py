@@ -147,10 +147,10 @@ class ServingModel:
             applied: list[str] = []
             refused = None
             try:
+                headers = scan_deltas(self.directory, self._delta_key, skip=self._served.deltas)
                 while True:
                     served = self._served
-                    headers = scan_deltas(self.directory, self._delta_key, skip=served.deltas)
-                    nxt = next((h for h in headers if h.manifest is not None
+                    nxt = next((h for h in headers if h.manifest is not None and h.path.name not in served.deltas
                                 and h.parent_sha == served.source.get("manifest_sha256")), None)
                     if nxt is None:  # the chain ends; a delta we could not read may be why
                         bad = next((h for h in headers if h.manifest is None), None)

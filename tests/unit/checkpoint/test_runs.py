@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hugeembed import CheckpointError
-from hugeembed.checkpoint import CheckpointLock, latest, list_snapshots, load, save
+from hugeembed.checkpoint import CheckpointLock, latest, list_snapshots, load, read_manifest, save
 from hugeembed.errors import ConfigError
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import Adagrad
@@ -67,6 +67,8 @@ def test_a_dangling_latest_is_an_error_never_another_snapshot(tmp_path):
         latest(tmp_path)
     with pytest.raises(CheckpointError, match="LATEST names step-000000002"):
         load(tmp_path, ec, model=whole)
+    with pytest.raises(CheckpointError, match="LATEST names step-000000002"):
+        read_manifest(tmp_path)  # what eval, export and inspect read first
     (tmp_path / "LATEST").write_text("../elsewhere\n")
     with pytest.raises(CheckpointError, match="not a snapshot name"):
         latest(tmp_path)

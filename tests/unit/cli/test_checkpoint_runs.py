@@ -26,11 +26,12 @@ def test_a_fresh_run_into_a_used_checkpoint_dir_is_refused_unless_it_resumes_or_
     first = run_cli("train", "--steps", "4", "--checkpoint-dir", ck, "--checkpoint-every", "2", *FAST, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     theirs = _snapshots(ck)
-    run_id = json.loads((ck / theirs[-1] / "manifest.json").read_text())["run_id"]
     before = {n: (ck / n / "manifest.json").read_bytes() for n in theirs}
 
     # on 78baa67 this run exited 0 and its pruning deleted the snapshot it had just written
     fresh = run_cli("train", "--steps", "1", "--checkpoint-dir", ck, "--keep-checkpoints", "1", *FAST, cwd=tmp_path)
+    assert fresh.returncode == 2 and _snapshots(ck) == theirs, (fresh.returncode, _snapshots(ck))
+    run_id = json.loads((ck / theirs[-1] / "manifest.json").read_text())["run_id"]
     assert_one_line_error(fresh, str(ck), f"run {run_id}", "step-000000004", "--resume", "--overwrite")
     assert {n: (ck / n / "manifest.json").read_bytes() for n in _snapshots(ck)} == before  # nothing touched
 

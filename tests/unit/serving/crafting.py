@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hugeembed.serving._trust import SIGNATURE, sign
-
 
 class Payload:
     """Unpickling it calls open(marker, "w"): the file appears if, and only if, the pickle was loaded."""
@@ -75,6 +73,8 @@ def rewrite(delta: Path, mutate: Callable[[dict[str, Any]], None], key: bytes | 
     raw = json.dumps(m, indent=1, sort_keys=True).encode()
     path.write_bytes(raw)
     if key is not None:
+        from hugeembed.serving._trust import SIGNATURE, sign
+
         (delta / SIGNATURE).write_text(sign(raw, key))
     return m
 

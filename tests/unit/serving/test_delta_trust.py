@@ -61,6 +61,7 @@ def _make_old_format_delta(art, marker):
 
 
 
+@pytest.mark.slow
 def test_an_old_format_delta_carrying_code_never_runs_in_any_path(art, run, tmp_path):
     marker = tmp_path / "PAYLOAD-RAN"
     _make_old_format_delta(art, marker)
@@ -182,6 +183,7 @@ def key_file(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_with_a_delta_key_only_deltas_signed_with_it_apply(pristine, run, tmp_path, key_file):
     key = key_file.read_bytes()
     art = shutil.copytree(pristine, tmp_path / "signed")
