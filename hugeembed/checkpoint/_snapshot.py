@@ -340,28 +340,25 @@ def list_snapshots(root: str | os.PathLike) -> list[Path]:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The snapshot ``root/LATEST`` names, or without LATEST the newest complete one; None when there is none.
+    """The snapshot ``root/LATEST`` names, or the newest complete one when there is no LATEST or it holds no
+    snapshot name (damaged); None when there is none.
 
-    CheckpointError when LATEST names a snapshot that is missing or incomplete (deleted, or written
-    by hand): another snapshot is never silently used in its place."""
+    CheckpointError when LATEST names a snapshot that is missing or incomplete (deleted, or never
+    completed): another snapshot is never silently used in its place."""
     root = Path(root)
     pointer = root / LATEST
     try:
-        text = pointer.read_text(errors="replace")
-    except FileNotFoundError:  # none yet, or a directory written before LATEST: the newest complete one
-        snaps = list_snapshots(root)
-        return snaps[-1] if snaps else None
-    except OSError as e:
-        raise CheckpointError(f"{pointer} is unreadable: {e}") from None
-    name = text.strip()
-    if not is_snapshot_name(name):
-        raise CheckpointError(f"{pointer} names {name[:60]!r}, which is not a snapshot name (step-NNNNNNNNN): "
-                              f"fix or delete it")
-    if not (root / name / MANIFEST).is_file():
-        raise CheckpointError(f"{pointer} names {name}, which is missing from {root} (deleted, or never completed): "
-                              f"the newest snapshot is unknown; point LATEST at the snapshot to use, or delete it "
-                              f"to use the newest complete one")
-    return root / name
+        name = pointer.read_text(errors="replace").strip()
+    except OSError:  # none yet (or not a file): the newest complete one below
+        name = ""
+    if is_snapshot_name(name):
+        if not (root / name / MANIFEST).is_file():
+            raise CheckpointError(f"{pointer} names {name}, which is missing from {root} (deleted, or never "
+                                  f"completed): the snapshot to use is unknown; point LATEST at it, or delete "
+                                  f"LATEST to use the newest complete snapshot")
+        return root / name
+    snaps = list_snapshots(root)
+    return snaps[-1] if snaps else None
 
 
 def _resolve(path: str | os.PathLike) -> Path:

