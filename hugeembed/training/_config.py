@@ -329,6 +329,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        # what a run does to its directory when it starts, not a setting of the run: a resume never
+        # overwrites, and snapshots stay readable by a hugeembed that does not know the key
+        del d["overwrite"]
         d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
         if self.sparse_betas is not None:
             d["sparse_betas"] = list(self.sparse_betas)
