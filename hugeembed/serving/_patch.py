@@ -117,6 +117,51 @@ def patched_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tens
     B, F = batch_size, len(feature_pos)
     if F == 0 or B == 0:
         return torch.zeros(B, F, dim)
+    accelerate = _runtime.bags_accelerator
+    if accelerate is not None:  # hugeembed's kernels: each id's row in the base and in the patch, batch-major
+        base = accelerate(values, offsets, keys, index, meta, feature_pos, feature_table, B, rows.shape[0])
+        patch = accelerate(values, offsets, patch_keys, patch_index, patch_meta, feature_pos, feature_table, B,
+                           patch_rows.shape[0])
+        if base is not None and patch is not None:
+            out = _from_rows(base[0], patch[0], base[1], base[2], rows, meta, patch_rows, patch_miss, combiners,
+                             B, F, dim, dtype)
+            if out is not None:
+                return out
+    return _patched_torch(values, offsets, rows, keys, index, meta, feature_pos, feature_table, combiners, B, dim,
+                          dtype, patch_rows, patch_keys, patch_index, patch_meta, patch_miss)
+
+
+def _from_rows(base_idx: torch.Tensor, patch_idx: torch.Tensor, starts: torch.Tensor, kept: torch.Tensor,
+               rows: torch.Tensor, meta: torch.Tensor, patch_rows: torch.Tensor, patch_miss: torch.Tensor,
+               combiners: list[int], B: int, F: int, dim: int, dtype: str) -> torch.Tensor | None:
+    """The pooled bags from each id's base row and patch row (batch-major, as he_serve_bags gives them): the
+    patch's row where it holds the id, or where the base misses it and the patch holds the table's miss row.
+    None when a base miss cannot be told from a dropped id here (a table whose base has no shared row, which
+    a delta gave one: its misses read the zero row, as dropped ids do): the torch pass decides."""
+    patch_zero = patch_rows.shape[0] - 1  # what an id the patch does not hold (or a dropped one) reads there
+    from_patch = patch_idx < patch_zero
+    moved = torch.nonzero(patch_miss >= 0).squeeze(1)
+    if moved.numel():  # a base miss reads the table's miss row: the patch's where a delta changed it
+        missing = meta[moved, MISS_ROW]
+        if bool((missing == rows.shape[0] - 1).any()):
+            return None
+        order = torch.argsort(missing)
+        missing, moved = missing[order], moved[order]
+        at = torch.searchsorted(missing, base_idx).clamp_(max=missing.numel() - 1)
+        miss = (missing.index_select(0, at) == base_idx) & ~from_patch
+        patch_idx = torch.where(miss, patch_miss.index_select(0, moved.index_select(0, at)), patch_idx)
+        from_patch |= miss
+    gathered = rows.index_select(0, base_idx)  # each id's row, the patch's written over the base's
+    sel = torch.nonzero(from_patch).squeeze(1)
+    gathered.index_copy_(0, sel, patch_rows.index_select(0, patch_idx.index_select(0, sel)))
+    out = _runtime._embedding_bags(gathered, torch.arange(gathered.shape[0]), starts, dtype, dim).view(B, F, dim)
+    return _runtime._scale_bags(out, kept.view(B, F), combiners)
+
+
+def _patched_torch(values, offsets, rows, keys, index, meta, feature_pos, feature_table, combiners, B, dim, dtype,
+                   patch_rows, patch_keys, patch_index, patch_meta, patch_miss) -> torch.Tensor:
+    """patched_lookup with torch ops (no kernels): pooled_lookup's torch pass, on the base and on the patch."""
+    F = len(feature_pos)
     at = (torch.tensor(feature_pos, dtype=torch.int64) * B)[:, None] + torch.arange(B + 1)
     bounds = offsets[at]  # [F, B + 1]: the group's bags, feature-major
     lengths = (bounds[:, 1:] - bounds[:, :-1]).reshape(-1)

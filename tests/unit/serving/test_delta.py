@@ -12,6 +12,7 @@ import torch
 from hugeembed.cli import main
 from hugeembed.errors import ArtifactError, ConfigError
 from hugeembed.serving import ServingModel, export, export_delta
+from hugeembed.serving import _runtime
 from hugeembed.serving._patch import effective_rows
 
 from .conftest import snapshot
@@ -30,11 +31,15 @@ def chained(run, tmp_path_factory):
     return made
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype):
+def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype, path, monkeypatch):
     m = ServingModel.load(chained[dtype])
     assert m.version == "step-000000160" and m.served.deltas == ("step-000000080", "step-000000160")
     full = ServingModel.load(artifacts(dtype))
+    if path == "torch":  # the lookups' torch twins (the patched one's and the base op's), as an artifact's runtime.py
+        monkeypatch.setattr(_runtime, "bags_accelerator", None)
+        monkeypatch.setattr(_runtime, "find_accelerator", None)
     for b in heldout[1][:3]:
         torch.testing.assert_close(m.predict(b.dense, b.sparse), full.predict(b.dense, b.sparse), atol=0, rtol=0)
     # the tables themselves: every id either version holds (and so every id the deltas removed) reads the
