@@ -5,14 +5,16 @@ a delta of another model structure, and with --delta-key an unsigned or altered 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 
 import numpy as np
-import pytest
 import httpx
+import pytest
+import torch
 
 from hugeembed.cli import main
 from hugeembed.errors import ArtifactError, ConfigError
@@ -92,6 +94,11 @@ def test_an_old_format_delta_carrying_code_never_runs_in_any_path(art, run, tmp_
     assert main(["export", "--delta", "--checkpoint", str(run), "--out", str(art)]) == 0  # export --delta
     assert not marker.exists()
 
+    # the control: what 78baa67 did with this delta (torch.export.load of its program) runs the payload
+    with contextlib.suppress(Exception):  # torch fails on the weight after unpickling it
+        torch.export.load(str(art / "deltas" / DELTA / "program.pt2"))
+    assert marker.exists()
+
 
 @pytest.mark.parametrize("kind", ["dense", "upsert_rows"])
 def test_a_pickled_array_in_a_delta_is_never_unpickled(art, tmp_path, kind):
@@ -107,6 +114,8 @@ def test_a_pickled_array_in_a_delta_is_never_unpickled(art, tmp_path, kind):
     assert not marker.exists()
     assert model.version == "step-000000040" and model.refused.delta == DELTA
     assert "allow_pickle" in model.refused.reason or "unreadable" in model.refused.reason
+    np.load(d / rel, allow_pickle=True)  # the control: a reader that unpickles runs the payload
+    assert marker.exists()
 
 
 def test_files_another_user_could_write_are_refused(art, monkeypatch):
