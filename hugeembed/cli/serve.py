@@ -16,8 +16,12 @@ def add_parser(sub) -> None:
                    help="longest a model call waits for more requests (0: requests queued while the previous call "
                         "ran join it, a lone one does not wait)")
     p.add_argument("--max-batch-rows", type=int, default=4096, help="rows per model call")
-    p.add_argument("--watch", type=float, default=5.0, metavar="SECONDS",
-                   help="look for new deltas under PATH/deltas this often (0: only POST /reload)")
+    p.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
+                   help="look for new deltas under PATH/deltas this often (default 0: never)")
+    p.add_argument("--admin-token", metavar="FILE", help="a file holding the token that POST /reload must present "
+                   "(Authorization: Bearer <token>); without it POST /reload is off. The file: yours, mode 600")
+    p.add_argument("--delta-key", metavar="FILE", help="apply only deltas signed with this key (export --delta "
+                   "--delta-key FILE signs them): a key file of yours, mode 600")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     # requests are bounded: their size, rows, waiting rows, time and count
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413 (default 8 MiB)")
@@ -61,9 +65,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.max_wait_ms < 0 or args.max_batch_rows < 1 or args.watch < 0:
         raise ConfigError("--max-wait-ms and --watch must be >= 0 and --max-batch-rows >= 1")
+    from ..serving._trust import read_secret
+
+    token = read_secret(args.admin_token, "--admin-token").decode(errors="replace").strip() if args.admin_token \
+        else None
+    if args.admin_token and not token:
+        raise ConfigError(f"--admin-token {args.admin_token} holds no token")
+    key = read_secret(args.delta_key, "--delta-key") if args.delta_key else None
     wildcard = args.host in ("0.0.0.0", "::", "")
     allowed = (*LOOPBACK_HOSTS, *(() if wildcard else (args.host,)), *args.allow_host)
     cfg = ServerConfig(max_wait_ms=args.max_wait_ms, max_batch_rows=args.max_batch_rows, watch_s=args.watch,
+                       admin_token=token,
                        max_body_bytes=args.max_body_bytes, max_request_rows=args.max_request_rows,
                        max_queue_rows=args.max_queue_rows, request_timeout_s=args.request_timeout,
                        allowed_hosts=allowed, limit_concurrency=args.limit_concurrency)
@@ -74,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from .._native import tune_malloc
 
     tune_malloc()  # batch-sized buffers (a 4096-row call's pooled rows: 27 MB at d64) reused, not faulted in afresh
-    model = ServingModel.load(args.artifact)
+    model = ServingModel.load(args.artifact, delta_key=key)
+    if model.refused is not None:  # served: the longest valid prefix of the chain
+        print(f"hugeembed serve: {model.refused}; serving {model.version}", file=sys.stderr, flush=True)
     print(f"serving {args.artifact} ({model.dtype}, version {model.version}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     if wildcard and not args.allow_host:

@@ -4,9 +4,9 @@
 
     POST /predict   JSON, TSV or CSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."},
                     and a Server-Timing header: parse, queue and model milliseconds
-    GET  /healthz   {"status": "ok", "version": ...}
+    GET  /healthz   {"status": "ok" | "degraded", "version": ...} (degraded: a delta was refused, and why)
     GET  /metrics   requests, rows, refusals by status, latency / parse / queue / model p50 and p99 (ms), ...
-    POST /reload    applies the deltas written since (also done every --watch seconds)
+    POST /reload    applies the deltas written since (with the --admin-token; also every --watch seconds)
 
 A request is bounded at every step: its Host header must name the server (else 400: DNS
 rebinding), its content type be one the server reads (415), its body at most max_body_bytes (413)
@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArtifactError, ConfigError, InputError
+from ..errors import ConfigError, InputError
 from ._batcher import Batcher, Pending
 from ._model import ServingModel
+from ._reloader import Reloader
 from ._requests import MAX_BODY_BYTES, RequestParser, RequestTooLarge, UnsupportedContentType, media_type
 from ._schema_requests import SchemaBodyParser
 
@@ -46,7 +47,8 @@ class ServerConfig:
     """Args: max_wait_ms: longest a call waits for more requests to join it (0: none; requests that
     arrived while the previous call ran join it anyway, so batches form under load); max_batch_rows: rows
     per model call (a bigger request runs alone); watch_s: seconds between looks for new deltas
-    (0: only POST /reload); max_body_bytes: larger bodies get 413; max_request_rows: rows of one
+    (0, the default: none); admin_token: what POST /reload must present as ``Authorization: Bearer``
+    (None, the default: POST /reload is off); max_body_bytes: larger bodies get 413; max_request_rows: rows of one
     request (more: 413; None: max_batch_rows); max_queue_rows: rows that may wait for the model (a
     request that does not fit gets 503 + Retry-After; None: 4 x max_batch_rows); request_timeout_s:
     arrival to answer (then 504); allowed_hosts: names the Host header may give ("*": any);
@@ -54,7 +56,8 @@ class ServerConfig:
 
     max_wait_ms: float = 0.0
     max_batch_rows: int = 4096
-    watch_s: float = 5.0
+    watch_s: float = 0.0
+    admin_token: str | None = field(default=None, repr=False)
     max_body_bytes: int = MAX_BODY_BYTES
     max_request_rows: int | None = None
     max_queue_rows: int | None = None
@@ -179,6 +182,7 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
 
     batcher = Batcher(model, max_batch_rows=cfg.max_batch_rows, max_queue_rows=cfg.queue_rows,
                       max_wait_ms=cfg.max_wait_ms, on_batch=on_batch)
+    reloader = Reloader(model, metrics, watch_s=cfg.watch_s, token=cfg.admin_token)
 
     def refuse(status: int, reason: str, headers: dict[str, str] | None = None):
         metrics.errors += 1
@@ -255,34 +259,26 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
             return refuse(500, f"prediction failed: {type(e).__name__}: {e}")
 
     async def healthz(request):
-        return JSONResponse({"status": "ok", "version": model.version})
+        return JSONResponse(reloader.health())
 
     async def get_metrics(request):
         return JSONResponse(metrics.snapshot(model, batcher.queued_rows))
 
     async def reload(request):
-        try:
-            applied = await asyncio.get_running_loop().run_in_executor(None, model.reload)
-        except ArtifactError as e:
-            metrics.reload_errors += 1
-            return PlainTextResponse(str(e).splitlines()[0] + "\n", status_code=409)
-        metrics.reloads += len(applied)
+        denied = reloader.authorize(request.headers.get("authorization"))
+        if denied is not None:
+            return PlainTextResponse(denied[1] + "\n", status_code=denied[0],
+                                     headers={"WWW-Authenticate": "Bearer"} if denied[0] == 401 else None)
+        applied = await reloader.reload_now()
+        if model.refused is not None:  # those before it were applied; the served version is the last good one
+            return JSONResponse({"version": model.version, "applied": applied, "refused": model.refused.delta,
+                                 "reason": model.refused.reason}, status_code=409)
         return JSONResponse({"version": model.version, "applied": applied})
-
-    async def watch() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(cfg.watch_s)
-            try:
-                metrics.reloads += len(await loop.run_in_executor(None, model.reload))
-            except ArtifactError:
-                metrics.reload_errors += 1  # keeps serving the version it has; /metrics shows the count
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(batcher.run())]
-        if cfg.watch_s > 0:
-            tasks.append(asyncio.create_task(watch()))
+        reloader.start()
         try:
             yield
         finally:  # uvicorn has answered every request in flight by now (graceful shutdown)
@@ -291,6 +287,7 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
             await asyncio.gather(*tasks, return_exceptions=True)
             batcher.close()
             parse_pool.shutdown(wait=False, cancel_futures=True)
+            await reloader.stop()
 
     routes = [Route("/predict", predict, methods=["POST"]), Route("/healthz", healthz, methods=["GET"]),
               Route("/metrics", get_metrics, methods=["GET"]), Route("/reload", reload, methods=["POST"])]

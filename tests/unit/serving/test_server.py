@@ -54,8 +54,11 @@ def server(run, tmp_path_factory):
     export_delta(run, staging)  # the increment pushed during the load test
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    (d / "token").write_text("admin-token\n")
+    os.chmod(d / "token", 0o600)
     proc = subprocess.Popen([sys.executable, "-m", "hugeembed", "serve", str(base), "--port", str(port),
-                             "--watch", "0.2", "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--watch", "0.2", "--threads", "1", "--admin-token", str(d / "token")], env=env,
+                            stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -215,7 +218,7 @@ def test_a_delta_is_hot_swapped_under_load_with_no_failure_and_no_mix(server):
         np.testing.assert_allclose(body["predictions"], want, atol=1e-6, rtol=0)
     m = httpx.get(server["url"] + "/metrics", timeout=5).json()
     assert m["version"] == "step-000000160" and m["deltas"] == ["step-000000160"] and m["reloads"] == 1
-    r = httpx.post(server["url"] + "/reload", timeout=10)
+    r = httpx.post(server["url"] + "/reload", headers={"Authorization": "Bearer admin-token"}, timeout=10)
     assert r.status_code == 200 and r.json() == {"version": "step-000000160", "applied": []}
 
 
