@@ -276,7 +276,8 @@ def cost_model(args, rows: list[int], batch: int, measured: dict[int, float]) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[2048, 8192], help="global batch sizes")
     p.add_argument("--cap", type=int, default=10_000_000, help="rows per table at most")

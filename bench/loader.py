@@ -129,7 +129,8 @@ def schema_figures(workdir: Path, rows: int, repeats: int, steps: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=500_000)
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)

@@ -131,7 +131,8 @@ def bench_fbgemm(rows, dim, batches, batch, pooling, iters, runs, train: bool, s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20])
     p.add_argument("--batch", type=int, default=8192)

@@ -208,7 +208,7 @@ def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: in
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--tables", type=int, nargs="+", default=[2, 8, 32, 128])
     ap.add_argument("--backends", nargs="+", default=None, choices=["native", "torch"],
                     help="default: native and torch on cpu, torch on cuda (the native kernels are CPU code)")

@@ -306,7 +306,8 @@ def run_schema(args, variants) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schema", action="store_true", help="schema data sets (see above) instead of Criteo files")
     ap.add_argument("--sets", nargs="+", default=list(SCHEMA_SETS), metavar="NAME",
                     help=f"with --schema: {', '.join(SCHEMA_SETS)}")

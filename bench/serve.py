@@ -1,15 +1,17 @@
-"""Serving: lookup throughput of exported fp32 / int8 / int4 tables (vs TorchRec's QuantEmbeddingBagCollection
-int8 when installed), memory per row, the load time and RSS of a large artifact in a fresh process, and HTTP
-latency of `hugeembed serve` (1 / 64 / 1024 rows, 1 and 8 clients).
+"""Serving: lookup throughput of exported int8 / int4 tables against TorchRec's QuantEmbeddingBagCollection
+(when installed), ids chosen to collide in the artifact's public hash, the load time and RSS of a large
+artifact in a fresh process, and HTTP latency of `hugeembed serve` (1 / 64 / 1024 rows, 1 and 8 keep-alive
+clients, and 64 rows under a client posting maximal bodies) with its cost split.
 
     python bench/serve.py --quick       # 1/20 of the rows, fewer requests
     python bench/serve.py               # Criteo-26 rows (capped at 10 M), d64
 
-Lookup: the serving op (hugeembed_serve::pooled_lookup, one kernel per dim group) on 26 dynamic
-tables of the lookup bench's sizes, batch 4096, one id per bag, Zipf ids, 2 threads; rows/s
-counts ids looked up.  Latency: a DLRM trained for a few steps on synthetic Criteo, exported
-int8 and served on 127.0.0.1; client-side p50/p99 per request, and the server's own parse /
-model times (the rest is HTTP and JSON).
+Lookup: the serving op (hugeembed_serve::pooled_lookup, one kernel per dim group) on 26 tables of
+the lookup bench's sizes (dynamic, and static like QEBC's), batch 4096, one id per bag, Zipf ids;
+ids/s counts ids looked up; every implementation timed in interleaved runs (medians).  Latency: a
+DLRM trained for a few steps on synthetic Criteo, exported int8 and served on 127.0.0.1;
+client-side p50/p99 per request, and the server's own parse / queue / model times (Server-Timing;
+the rest is HTTP and JSON).
 """
 
 from __future__ import annotations
@@ -29,54 +31,133 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure, print_table  # noqa: E402
+from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure_together, print_table  # noqa: E402
 
+from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
+from hugeembed.serving._index import index_probes, serving_index  # noqa: E402
 from hugeembed.serving._runtime import MAX_PROBE, group_tables  # noqa: E402
 
 
-def lookup_bench(rows: list[int], dim: int, batch: int, iters: int, runs: int) -> list[list[str]]:
+def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[str]]:
+    """The serving op on Criteo-26 tables against TorchRec's QuantEmbeddingBagCollection (static tables,
+    the id is the row), all timed together (interleaved runs, medians).  Ours: dynamic tables (keys
+    ``7 i + 3``, found through the private salted index loaded tables read, or through the artifact's
+    own index) and static tables (the id is the row, as QEBC)."""
     batches = criteo_batches(rows, batch, 1, n_batches=4)
+    T = len(rows)
     keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
     weights = torch.empty(sum(rows) + 1, dim).uniform_(-0.05, 0.05)
     weights[-1] = 0
-    offsets = torch.arange(len(rows) * batch + 1, dtype=torch.int64)
-    values = [torch.cat([ids * 7 + 3 for ids in b]) for b in batches]
-    T = len(rows)
-    group = {"table_keys": list(range(T)), "table_rows": [0] * T, "table_shared": [0] * T}
+    offsets = torch.arange(T * batch + 1, dtype=torch.int64)
+    dyn_values = [torch.cat([ids * 7 + 3 for ids in b]) for b in batches]
+    static_values = [torch.cat(b) for b in batches]
+    dyn = {"table_keys": list(range(T)), "table_rows": [0] * T, "table_shared": [0] * T}
     t0 = time.perf_counter()
-    _, _, index, meta = group_tables(group, rows, weights, keys)
-    print(f"# key index: {index.numel()} {index.dtype} slots for {keys.numel()} keys, max probe "
-          f"{int(meta[:, MAX_PROBE].max())}, built in {time.perf_counter() - t0:.1f} s")
-    out = []
-    for dtype in ("fp32", "int8", "int4"):
-        stored = quantize(weights, dtype)
+    _, _, index, meta = group_tables(dyn, rows, weights, keys)
+    t1 = time.perf_counter()
+    private = serving_index(keys, meta)
+    t2 = time.perf_counter()
+    print(f"# key index: {keys.numel()} keys; the artifact's: {index.numel()} {index.dtype} slots, longest chain "
+          f"{int(meta[:, MAX_PROBE].max())}, built in {t1 - t0:.1f} s (torch); the private salted one: longest chain "
+          f"{int(private[2])}, built in {t2 - t1:.2f} s (kernels, at load)")
+    static = {"table_keys": [-1] * T, "table_rows": list(rows), "table_shared": [0] * T}
+    _, _, s_index, s_meta = group_tables(static, rows, weights, torch.zeros(0, dtype=torch.int64))
+    stored = {d: quantize(weights, d) for d in ("int8", "int4")}
 
-        def step(i, stored=stored, dtype=dtype):
-            pooled_lookup(values[i % 4], offsets, stored, keys, index, meta, list(range(T)), list(range(T)), [0] * T,
+    def ours(dtype, values, idx, m):
+        def step(i):
+            pooled_lookup(values[i % 4], offsets, stored[dtype], keys, idx, m, list(range(T)), list(range(T)), [0] * T,
                           batch, dim, dtype)
+        return step
 
-        t = measure(step, iters, runs)
-        out.append([f"ours {dtype}", fmt_rate(batch * T / t.median_s), _spread(batch * T, t),
-                    f"{stored.shape[1] * stored.element_size()}"])
+    fns = {}
+    for dtype in ("int8", "int4"):
+        fns[f"ours {dtype}, dynamic (private index)"] = ours(dtype, dyn_values, private, meta)
+        fns[f"ours {dtype}, dynamic (artifact index)"] = ours(dtype, dyn_values, index, meta)
+        fns[f"ours {dtype}, static"] = ours(dtype, static_values, s_index, s_meta)
+    qebc = _qebc(rows, dim, batches, offsets)
+    fns.update(qebc)
+    t = measure_together(fns, 0, runs, seconds=0.5)
+    out = []
+    for name, timing in t.items():
+        dtype = "int8" if "int8" in name else "int4"
+        ref = t.get(f"torchrec QEBC {dtype}")
+        ratio = f"{ref.median_s / timing.median_s:.2f}x" if ref is not None else "-"
+        width = stored[dtype].shape[1]
+        out.append([name, fmt_rate(batch * T / timing.median_s), _spread(batch * T, timing), ratio, str(width)])
+    if not qebc:
+        out.append(["torchrec QEBC", "not installed", "-", "-", "-"])
+    return out
+
+
+def _qebc(rows, dim, batches, offsets) -> dict:
+    """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed)."""
     try:
         from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:
-        out.append(["torchrec QEBC int8", "not installed", "-", "-"])
-        return out
-    cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
-                               data_type=DataType.INT8) for t, n in enumerate(rows)]
-    ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
-    ebc.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.PlaceholderObserver,
-                                                weight=torch.ao.quantization.PlaceholderObserver.with_args(
-                                                    dtype=torch.qint8))
-    qebc = QEBC.from_float(ebc)
+        return {}
+    T = len(rows)
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
-    t = measure(lambda i: qebc(kjts[i % 4]), iters, runs)
-    out.append(["torchrec QEBC int8", fmt_rate(batch * T / t.median_s), _spread(batch * T, t), f"{dim + 8}"])
+    out = {}
+    for dtype, dt, qdt in (("int8", DataType.INT8, torch.qint8), ("int4", DataType.INT4, torch.quint4x2)):
+        cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
+                                   data_type=dt) for t, n in enumerate(rows)]
+        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
+        ebc.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.PlaceholderObserver,
+                                                    weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=qdt))
+        qebc = QEBC.from_float(ebc)
+        del ebc
+        out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc)
+    return out
+
+
+def hostile_bench(n: int, runs: int) -> list[list[str]]:
+    """Issue 31: `n` ids chosen to share one home slot of the artifact's index (its hash is public), looked
+    up through that index and through the private salted one, against as many random ids: the time of a
+    lookup of every id, and the slots read (he_serve_index_probes)."""
+    m64 = (1 << 64) - 1
+
+    def unsplitmix(z):
+        def unxs(y, s):
+            x = y
+            for _ in range(64 // s + 1):
+                x = y ^ (x >> s)
+            return x
+        z = unxs(z, 31)
+        z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & m64
+        z = unxs(z, 27)
+        z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & m64
+        return unxs(z, 30)
+
+    def signed(x):
+        return x - (1 << 64) if x >> 63 else x
+
+    hostile = sorted(signed((unsplitmix(3 + (j << 32)) - 0x9E3779B97F4A7C15) & m64) for j in range(n))
+    rng = np.random.default_rng(0)
+    random_ids = sorted(set(rng.integers(-(1 << 62), 1 << 62, n).tolist()))
+    out = []
+    dim = 8
+    for name, ids in (("chosen ids", hostile), ("random ids", random_ids)):
+        keys = torch.tensor(ids, dtype=torch.int64)
+        rows = quantize(torch.zeros(len(ids) + 1, dim), "int8")
+        group = {"table_keys": [0], "table_rows": [0], "table_shared": [0]}
+        t0 = time.perf_counter()
+        _, _, index, meta = group_tables(group, [len(ids)], rows, keys)
+        built = time.perf_counter() - t0
+        private = serving_index(keys, meta)
+        offsets = torch.arange(len(ids) + 1, dtype=torch.int64)
+        fns = {idx_name: (lambda idx: lambda i: pooled_lookup(keys, offsets, rows, keys, idx, meta, [0], [0], [0],
+                                                              len(ids), dim, "int8"))(idx)
+               for idx_name, idx in (("artifact index", index), ("private index", private))}
+        t = measure_together(fns, 0, runs, seconds=0.3)
+        _, probes = index_probes(private, keys, torch.zeros_like(keys), keys, meta)
+        out.append([name, f"{t['artifact index'].median_s * 1000:.2f}", f"{int(meta[0, MAX_PROBE])}",
+                    f"{built:.1f}", f"{t['private index'].median_s * 1000:.2f}",
+                    f"{float(probes.double().mean()):.2f}", f"{int(private[2])}"])
     return out
 
 
@@ -91,10 +172,107 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def latency_bench(n_requests: int, work: Path) -> list[list[str]]:
+def _predict_body(gen, n: int) -> bytes:
+    import json
+
+    from hugeembed.data import CAT_NAMES
+
+    blk = gen.rows(10**7, n)
+    return json.dumps({"dense": blk.dense.tolist(),
+                       "sparse": {f: [[int(x)] for x in blk.cats[:, j]] for j, f in enumerate(CAT_NAMES)}}).encode()
+
+
+def _maximal_body(gen) -> bytes:
+    """Just under 8 MiB of JSON (the default body limit): 4096 rows (the row limit) of 9 ids a bag, refused at
+    its last id, so the server parses all of it and answers 400."""
+    import json
+
+    from hugeembed.data import CAT_NAMES
+
+    blk = gen.rows(2 * 10**7, 4096)
+    ids = (blk.cats[:, :, None] % 10_000_000 + np.arange(9)).tolist()
+    body = {"dense": blk.dense.astype(np.float64).round(3).tolist(),
+            "sparse": {f: [row[j] for row in ids] for j, f in enumerate(CAT_NAMES)}}
+    body["sparse"]["C26"][-1][-1] = "zz"
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _clients(port: int, body: bytes, clients: int, per_client: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep-alive clients (one connection each) posting `body` in turn: (latency ms, server's parse + queue +
+    model ms from its Server-Timing header) of every request."""
+    import http.client
+
+    lat, server = [], []
+
+    def client():
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(per_client):
+            t0 = time.perf_counter()
+            c.request("POST", "/predict", body, {"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            lat.append((time.perf_counter() - t0) * 1000)
+            if r.status != 200:
+                raise SystemExit(f"latency bench: the server answered {r.status}")
+            parts = dict(p.strip().split(";dur=") for p in r.getheader("server-timing").split(","))
+            server.append([float(parts[k]) for k in ("parse", "queue", "model")])
+        c.close()
+
+    ts = [threading.Thread(target=client) for _ in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return np.array(lat), np.array(server)
+
+
+class _BigBodies:
+    """One client posting maximal bodies in a loop, and a probe timing /healthz every 20 ms, while running."""
+
+    def __init__(self, port: int, body: bytes) -> None:
+        import http.client
+
+        self.stop, self.health, self.posted = threading.Event(), [], 0
+
+        def loader():
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            while not self.stop.is_set():
+                c.request("POST", "/predict", body, {"content-type": "application/json"})
+                c.getresponse().read()
+                self.posted += 1
+            c.close()
+
+        def prober():
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                c.request("GET", "/healthz")
+                c.getresponse().read()
+                self.health.append((time.perf_counter() - t0) * 1000)
+                time.sleep(0.02)
+            c.close()
+
+        self.threads = [threading.Thread(target=loader), threading.Thread(target=prober)]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        while not self.posted:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def latency_bench(n_requests: int, threads: int, work: Path) -> list[list[str]]:
+    """`hugeembed serve` of an int8 DLRM d64 on 127.0.0.1, keep-alive clients: latency p50 / p99 and its
+    split (the server's parse, queue and model medians from Server-Timing; HTTP + JSON: the rest)."""
     import httpx
 
-    from hugeembed.data import CAT_NAMES, SyntheticConfig, SyntheticCriteo
+    from hugeembed.data import SyntheticConfig, SyntheticCriteo
     from hugeembed.serving import export
     from hugeembed.training import TrainConfig, Trainer
 
@@ -105,7 +283,7 @@ def latency_bench(n_requests: int, work: Path) -> list[list[str]]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "hugeembed", "serve", str(art), "--port", str(port),
-                             "--watch", "0", "--threads", "2"], env=env)
+                             "--watch", "0", "--threads", str(threads)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -115,36 +293,26 @@ def latency_bench(n_requests: int, work: Path) -> list[list[str]]:
             except httpx.TransportError:
                 time.sleep(0.1)
         gen = SyntheticCriteo(SyntheticConfig(max_cardinality=200_000))
-        rows_out = []
+        bodies = {n: _predict_body(gen, n) for n in (1, 64, 1024)}
+        big = _maximal_body(gen)
+
+        def row(label, n, clients, lat, server, extra="-"):
+            split = np.median(server, axis=0)
+            rest = np.median(lat - server.sum(axis=1))
+            return [label, str(n), str(clients), f"{np.percentile(lat, 50):.2f}", f"{np.percentile(lat, 99):.2f}",
+                    f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}", extra]
+
+        out = []
         for n in (1, 64, 1024):
-            blk = gen.rows(10**7, n)
-            body = {"dense": blk.dense.tolist(), "sparse": {f: [[int(x)] for x in blk.cats[:, j]]
-                                                            for j, f in enumerate(CAT_NAMES)}}
             for clients in (1, 8):
-                lat: list[float] = []
-
-                def client():
-                    with httpx.Client(timeout=30) as c:
-                        for _ in range(max(5, n_requests // clients)):
-                            t0 = time.perf_counter()
-                            c.post(url + "/predict", json=body).raise_for_status()
-                            lat.append((time.perf_counter() - t0) * 1000)
-
-                client()  # warm-up
-                lat.clear()
-                before = httpx.get(url + "/metrics").json()
-                ts = [threading.Thread(target=client) for _ in range(clients)]
-                t0 = time.perf_counter()
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                wall = time.perf_counter() - t0
-                m = httpx.get(url + "/metrics").json()
-                rows_out.append([str(n), str(clients), f"{np.percentile(lat, 50):.2f}", f"{np.percentile(lat, 99):.2f}",
-                                 f"{m['parse_ms']['p50']:.2f}", f"{m['model_ms']['p50']:.2f}",
-                                 fmt_rate(len(lat) * n / wall), f"{(m['requests'] - before['requests']) / max(1, m['batches'] - before['batches']):.1f}"])
-        return rows_out
+                per = max(5, (n_requests if n < 1024 else n_requests // 4) // clients)
+                _clients(port, bodies[n], clients, 3)  # warm-up
+                out.append(row("", n, clients, *_clients(port, bodies[n], clients, per)))
+        per = max(5, n_requests // 8)
+        with _BigBodies(port, big) as load:
+            lat, server = _clients(port, bodies[64], 8, per)
+        out.append(row("big-body load", 64, 8, lat, server, f"{max(load.health):.0f} ({load.posted} bodies)"))
+        return out
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -242,8 +410,19 @@ def load_bench(rows: list[int], dim: int, batch: int, work: Path) -> list[list[s
              f"{r['first_batch_s'] * 1000:.0f}"]]
 
 
+def _passive_openmp() -> None:
+    """Runs this script again with OMP_WAIT_POLICY=PASSIVE (as `hugeembed serve` runs), unless a wait policy is
+    set: with spinning workers every implementation here ran 2-3x slower on a loaded 2-CPU machine."""
+    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT"):
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=4096)
@@ -253,12 +432,19 @@ def main(argv=None) -> int:
     p.add_argument("--no-lookup", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    tune_malloc()  # for every implementation alike: they share this process (and `hugeembed serve` does it too)
     rows = criteo_rows(scale=0.05 if args.quick else 1.0)
     if not args.no_lookup:
         print(f"# lookup: Criteo-26, {sum(rows) / 1e6:.1f} M rows, d{args.dim}, batch {args.batch}, P1, "
-              f"{args.threads} threads (range: the slowest and fastest of 3 runs)")
-        print_table(["impl", "ids/s", "range", "bytes/row"],
-                    lookup_bench(rows, args.dim, args.batch, 5 if args.quick else 10, 3))
+              f"{args.threads} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Zipf ids; interleaved runs, medians (range: the slowest and fastest run); "
+              f"vs QEBC: QEBC's time / ours, same dtype")
+        print_table(["impl", "ids/s", "range", "vs QEBC", "bytes/row"],
+                    lookup_bench(rows, args.dim, args.batch, 3 if args.quick else 5))
+        n = 4000 if args.quick else 24000
+        print(f"\n# {n} ids chosen to share one home slot of the artifact's index (its hash is public), and {n} "
+              f"random ids: a lookup of each, ms (issue 31: 24 k made a table 800x slower)")
+        print_table(["ids", "artifact index ms", "longest chain", "index built s", "private index ms",
+                     "mean slots read", "longest chain"], hostile_bench(n, 3))
     if not args.no_load:
         print(f"\n# load: an int8 d{args.dim} artifact of these tables in a fresh process (s; RSS MiB; warm page "
               f"cache: the files were just written); verify: sha256 of every file, part of load")
@@ -266,12 +452,15 @@ def main(argv=None) -> int:
             print_table(["artifact", "import", "load", "verify", "RSS start", "RSS loaded",
                          f"RSS after {args.batch} rows", "batch ms"], load_bench(rows, args.dim, args.batch, Path(d)))
     if not args.no_latency:
-        print("\n# server latency (int8 DLRM d64, JSON bodies; ms; parse/model: the server's own p50)")
+        print(f"\n# server latency: int8 DLRM d64, JSON bodies, keep-alive clients, --threads {args.threads} (ms; "
+              f"parse, queue, model: the server's medians from Server-Timing; HTTP+JSON: the median rest; big-body "
+              f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz)")
         with tempfile.TemporaryDirectory() as d:
-            print_table(["rows", "clients", "p50", "p99", "parse p50", "model p50", "rows/s", "req/batch"],
-                        latency_bench(100 if args.quick else 400, Path(d)))
+            print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON",
+                         "slowest /healthz"], latency_bench(100 if args.quick else 400, args.threads, Path(d)))
     return 0
 
 
 if __name__ == "__main__":
+    _passive_openmp()
     raise SystemExit(main())

@@ -78,7 +78,8 @@ def child(kind: str, op: str, rows: int, dim: int, root: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

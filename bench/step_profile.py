@@ -35,7 +35,8 @@ def _fold(sf: SparseFeatures, cards: list[int]) -> SparseFeatures:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch", type=int, default=8192)

@@ -262,7 +262,8 @@ PARTS = {"store": bench_store, "step": bench_step}
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=[*PARTS, "all"], default="all", help="which benchmark to run")
     p.add_argument("--quick", action="store_true", help="small sizes for a ~20 s smoke run")
     p.add_argument("--keys", type=int, default=50_000_000, help="keys pre-filled in the table")

@@ -471,7 +471,8 @@ def check_parity(root) -> bool:
 # ------------------------------------------------------------------ main
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--table-gib", type=float, default=1.5, help="case 1: the table's bytes in memory (sets rows)")
     p.add_argument("--rows", type=int, default=0, help="case 1: rows (overrides --table-gib)")

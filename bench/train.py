@@ -166,7 +166,8 @@ def bench_torchrec(dim: int, batch: int, mem_batches, cards: dict[str, int], ite
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", type=int, nargs="+", default=[16, 64])
     p.add_argument("--batches", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--runs", type=int, default=5)

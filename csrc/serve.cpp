@@ -1,120 +1,86 @@
-// The serving lookup's key index probe (hugeembed/serving/_runtime.py::_find, bit for bit): the
-// position in the group's key array of each (id, table), or -1.
-//
-// The index is open addressing with linear probing over the keys of a dim group's dynamic
-// tables; the home slot of (id, table t) is splitmix64's finalizer of id + (t + 1) * GOLDEN
-// (unsigned 64-bit arithmetic, as torch's wrapping int64 ops compute it), masked to the
-// capacity.  A probe ends at an empty slot (-1), at a key of the id's table equal to the id,
-// or after the table's max probe length (meta column 4).  Static tables (key base -1) and ids
-// of tables outside [0, T) are not probed: -1.
+// The serving lookup's id -> row pass (hugeembed/serving/_runtime.py::pooled_lookup's torch pass, bit
+// for bit), over either key index of csrc/serve_index.h: the artifact's own (he_serve_bags,
+// he_serve_find) or hugeembed's private, salted one built at load (he_serve_index_build,
+// he_serve_index_bags, he_serve_index_probes).  Static tables (key base -1) read the id as the row.
+#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
+#include "serve_index.h"
 
 namespace {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-
-// splitmix64's finalizer (not he::mix64, MurmurHash3's): the serving format fixes this one.
-inline uint64_t splitmix64(uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xBF58476D1CE4E5B9ULL;
-  z ^= z >> 27;
-  z *= 0x94D049BB133111EBULL;
-  z ^= z >> 31;
-  return z;
-}
-
-// One (id, table t) through the index: its position in `keys`, or -1 (m: table t's meta row).
-template <class Slot>
-int64_t probe(int64_t id, int64_t t, const int64_t* m, const int64_t* keys, int64_t nkeys, const Slot* index,
-              uint64_t mask) {
-  const int64_t lo = m[2], hi = m[2] + m[1], limit = m[4];
-  uint64_t h = splitmix64((uint64_t)(t + 1) * kGolden + (uint64_t)id) & mask;
-  for (int64_t r = 0; r < limit; ++r) {
-    const int64_t s = (int64_t)index[h];
-    if (s < 0) return -1;
-    if (s >= lo && s < hi && s < nkeys && keys[s] == id) return s;
-    h = (h + 1) & mask;
-  }
-  return -1;
-}
+using he::serve::SlotIndex;
 
 // The position in `keys` of each (id, table), or -1 (static tables and tables outside [0, T): -1).
 template <class Slot>
-void find(const int64_t* ids, const int64_t* table, int64_t n, const int64_t* keys, int64_t nkeys, const Slot* index,
-          int64_t cap, const int64_t* meta, int64_t T, int64_t* out, int64_t nthreads) {
-  const uint64_t mask = (uint64_t)cap - 1;
+void find(const int64_t* ids, const int64_t* table, int64_t n, const SlotIndex<Slot>& index, const int64_t* meta,
+          int64_t T, int64_t* out, int64_t nthreads) {
   he::parallel_for(n, (int)nthreads, 8192, [&](int64_t b, int64_t e, int) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = table[i];
       const bool dynamic = t >= 0 && t < T && meta[5 * t + 2] >= 0;
-      out[i] = dynamic ? probe(ids[i], t, meta + 5 * t, keys, nkeys, index, mask) : -1;
+      out[i] = dynamic ? index.position(ids[i], t, meta + 5 * t) : -1;
     }
   });
 }
 
-template <class Slot>
-void bags(const int64_t* values, const int64_t* offsets, int64_t B, int64_t F, const int64_t* feature_pos,
-          const int64_t* feature_table, const int64_t* keys, int64_t nkeys, const Slot* index, int64_t cap,
-          const int64_t* meta, int64_t zero_row, const int64_t* starts, int64_t* idx, int64_t* kept,
-          int64_t nthreads) {
-  const uint64_t mask = (uint64_t)cap - 1;
-  // Bags visited feature-major (the ids and offsets read in order; the row indices written to their
-  // batch-major places): measured 2.5x faster than visiting them batch-major, where each sample's
-  // F bags read F distant parts of `values`.
-  he::parallel_for(B * F, (int)nthreads, 1024, [&](int64_t q0, int64_t q1, int) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t f = q / B, b = q % B, j = b * F + f, t = feature_table[f];
-      const int64_t in_bag = feature_pos[f] * B + b;
-      const int64_t* m = meta + 5 * t;  // ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE
-      int64_t o = starts[j], n = 0;
-      for (int64_t i = offsets[in_bag]; i < offsets[in_bag + 1]; ++i, ++o) {
-        const int64_t id = values[i];
-        if (id < 0) {  // dropped: reads the zero row, not counted
-          idx[o] = zero_row;
-          continue;
-        }
-        ++n;
-        if (m[2] < 0) {  // static: the id is the row
-          idx[o] = id < m[1] ? m[0] + id : m[3];
-        } else {
-          const int64_t s = probe(id, t, m, keys, nkeys, index, mask);
-          idx[o] = s >= 0 ? m[0] + (s - m[2]) : m[3];
-        }
-      }
-      kept[j] = n;
-    }
-  });
-}
-
-// bags() on the index's slot type; apart from the checked call (and compiled apart from it).
-__attribute__((noinline)) void run_bags(const int64_t* values, const int64_t* offsets, int64_t B, int64_t F,
-                                        const int64_t* feature_pos, const int64_t* feature_table, const int64_t* keys,
-                                        int64_t nkeys, const void* index, int64_t index_bytes, int64_t cap,
-                                        const int64_t* meta, int64_t zero_row, const int64_t* starts, int64_t* idx,
-                                        int64_t* kept, int64_t nthreads) {
-  if (index_bytes == 4)
-    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int32_t*>(index), cap, meta,
-         zero_row, starts, idx, kept, nthreads);
-  else
-    bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, static_cast<const int64_t*>(index), cap, meta,
-         zero_row, starts, idx, kept, nthreads);
-}
-
-}  // namespace
-
-// What a refused he_serve_bags / he_serve_find found inconsistent: detail[0] of its HE_BAD_VALUE.
-enum : int64_t {
-  kServeBadIndex = 1,
-  kServeBadRows = 2,
-  kServeBadMeta = 3,
-  kServeBadFeature = 4,
-  kServeBadOffsets = 5,
-  kServeBadCapacity = 6,
+// What the bags pass reads and writes (checked by bags_args).
+struct Bags {
+  const int64_t *values, *offsets, *feature_pos, *feature_table, *meta, *starts;
+  int64_t B, F, zero_row;
+  int64_t *idx, *kept;
 };
 
-namespace {
+// Bags visited feature-major (the ids and offsets read in order; the row indices written to their
+// batch-major places): measured 2.5x faster than visiting them batch-major, where each sample's F
+// bags read F distant parts of `values`.  The home slots of the next kStep bags' ids are fetched
+// before their probes, so their cache misses overlap (26 x 4096 Zipf ids over 10 M keys, one
+// thread, CPU time: ~6 -> ~4.5 ms in the runs that were not swamped by the shared machine's noise;
+// fetching the keys the slots name one step further ahead measured no better).
+template <class Index>
+void bags(const Bags& a, const Index& index, int64_t nthreads) {
+  constexpr int64_t kStep = 16;
+  const int64_t B = a.B;
+  he::parallel_for(B * a.F, (int)nthreads, 1024, [&](int64_t q0, int64_t q1, int) {
+    for (int64_t s0 = q0; s0 < q1; s0 += kStep) {
+      const int64_t s1 = std::min(q1, s0 + kStep);
+      for (int64_t q = s0; q < s1; ++q) {
+        const int64_t f = q / B, t = a.feature_table[f], in_bag = a.feature_pos[f] * B + q % B;
+        if (a.meta[5 * t + 2] < 0) continue;
+        for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i)
+          if (a.values[i] >= 0) index.prefetch(a.values[i], t);
+      }
+      for (int64_t q = s0; q < s1; ++q) {
+        const int64_t f = q / B, b = q % B, j = b * a.F + f, t = a.feature_table[f];
+        const int64_t in_bag = a.feature_pos[f] * B + b;
+        const int64_t* m = a.meta + 5 * t;  // ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE
+        int64_t o = a.starts[j], n = 0;
+        for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i, ++o) {
+          const int64_t id = a.values[i];
+          if (id < 0) {  // dropped: reads the zero row, not counted
+            a.idx[o] = a.zero_row;
+            continue;
+          }
+          ++n;
+          if (m[2] < 0) {  // static: the id is the row
+            a.idx[o] = id < m[1] ? m[0] + id : m[3];
+          } else {
+            const int64_t row = index.find(id, t, m);
+            a.idx[o] = row >= 0 ? row : m[3];
+          }
+        }
+        a.kept[j] = n;
+      }
+    }
+  });
+}
+
+// bags() on the index's type; apart from the checked call (and compiled apart from it).
+template <class Index>
+__attribute__((noinline)) void run_bags(const Bags& a, const Index& index, int64_t nthreads) {
+  bags(a, index, nthreads);
+}
 
 // The index, buffer k: int32 or int64 slots, a power-of-two count of them (else HE_BAD_VALUE,
 // detail = (kServeBadIndex, capacity)).  Returns the element size.
@@ -130,6 +96,78 @@ int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* c
     call.fail(HE_BAD_VALUE, "index capacity %lld is not a power of two", (long long)*cap);
   }
   return type == HE_I32 ? 4 : 8;
+}
+
+// The checks and the `starts` of a bags call whose index is buffer 5 (read by the caller): see he_serve_bags.
+Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_out) {
+  const int64_t B = call.i(0), T = call.i(1), n_rows = call.i(2);
+  const int64_t F = call.numel(2);
+  if (B < 0 || T < 0 || T > INT64_MAX / 5 || (F > 0 && B > INT64_MAX / F))
+    call.fail(HE_BAD_CALL, "B %lld, T %lld, F %lld: need B >= 0, T >= 0", (long long)B, (long long)T, (long long)F);
+  const int64_t n_values = call.numel(0), n_offsets = call.numel(1), nkeys = nkeys_min_for_meta;
+  Bags a;
+  a.B = B;
+  a.F = F;
+  a.values = call.buf<const int64_t>(0, n_values, "values");
+  a.offsets = call.buf<const int64_t>(1, n_offsets, "offsets");
+  a.feature_pos = call.buf<const int64_t>(2, F, "feature_pos");
+  a.feature_table = call.buf<const int64_t>(3, F, "feature_table");
+  const int64_t* meta = call.buf<const int64_t>(6, 5 * T, "meta");
+  a.meta = meta;
+  int64_t* starts = call.buf<int64_t>(7, B * F, "starts");
+  a.starts = starts;
+  a.kept = call.buf<int64_t>(9, B * F, "kept");
+  if (n_rows < 1) {
+    call.detail({kServeBadRows, n_rows});
+    call.fail(HE_BAD_VALUE, "no zero row (%lld rows)", (long long)n_rows);
+  }
+  a.zero_row = n_rows - 1;
+  for (int64_t t = 0; t < T; ++t) {  // every row an id can read lies in `rows`
+    const int64_t* m = meta + 5 * t;
+    if (m[0] < 0 || m[1] < 0 || m[0] + m[1] > n_rows || m[3] < 0 || m[3] >= n_rows || m[4] < 0 ||
+        (m[2] >= 0 && m[2] + m[1] > nkeys)) {
+      call.detail({kServeBadMeta, t, m[0], m[1], m[2], m[3]});
+      call.fail(HE_BAD_VALUE, "table %lld: rows [%lld, +%lld), keys from %lld, miss row %lld, probes %lld outside "
+                "%lld rows, %lld keys", (long long)t, (long long)m[0], (long long)m[1], (long long)m[2],
+                (long long)m[3], (long long)m[4], (long long)n_rows, (long long)nkeys);
+    }
+  }
+  for (int64_t f = 0; f < F; ++f)
+    if (a.feature_table[f] < 0 || a.feature_table[f] >= T || a.feature_pos[f] < 0 ||
+        (B > 0 && a.feature_pos[f] >= n_offsets / B)) {  // so feature_pos[f] * B + b stays in int64
+      call.detail({kServeBadFeature, f, a.feature_table[f], a.feature_pos[f]});
+      call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
+                (long long)a.feature_table[f], (long long)T, (long long)a.feature_pos[f]);
+    }
+  int64_t total = 0;  // checked first (feature-major: each feature's offsets in order), starts written after
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t in_bag = a.feature_pos[f] * B + b;
+      const bool inside = in_bag + 1 < n_offsets;
+      const int64_t i0 = inside ? a.offsets[in_bag] : -1, i1 = inside ? a.offsets[in_bag + 1] : -1;
+      if (!inside || i0 < 0 || i1 < i0 || i1 > n_values) {
+        const int64_t j = b * F + f;
+        call.detail({kServeBadOffsets, j, in_bag, i0, i1});
+        call.fail(HE_BAD_VALUE, "bag %lld (input bag %lld): offsets [%lld, %lld) outside %lld values (%lld offsets)",
+                  (long long)j, (long long)in_bag, (long long)i0, (long long)i1, (long long)n_values,
+                  (long long)n_offsets);
+      }
+      total += i1 - i0;
+    }
+  if (total > call.numel(8)) {
+    call.detail({kServeBadCapacity, total, call.numel(8)});
+    call.fail(HE_BAD_VALUE, "the bags read %lld ids, idx holds %lld", (long long)total, (long long)call.numel(8));
+  }
+  a.idx = call.buf<int64_t>(8, total, "idx");
+  total = 0;
+  for (int64_t b = 0, j = 0; b < B; ++b)
+    for (int64_t f = 0; f < F; ++f, ++j) {
+      const int64_t in_bag = a.feature_pos[f] * B + b;
+      starts[j] = total;
+      total += a.offsets[in_bag + 1] - a.offsets[in_bag];
+    }
+  *total_out = total;
+  return a;
 }
 
 }  // namespace
@@ -156,77 +194,36 @@ int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* c
 //   kServeBadCapacity (ids read, idx length): idx too short for the ids the bags read
 HE_KERNEL(he_serve_bags) {
   call.expect(10, 3, 0);
-  const int64_t B = call.i(0), T = call.i(1), n_rows = call.i(2);
-  const int64_t F = call.numel(2);
-  if (B < 0 || T < 0 || T > INT64_MAX / 5 || (F > 0 && B > INT64_MAX / F))
-    call.fail(HE_BAD_CALL, "B %lld, T %lld, F %lld: need B >= 0, T >= 0", (long long)B, (long long)T, (long long)F);
-  const int64_t n_values = call.numel(0), n_offsets = call.numel(1), nkeys = call.numel(4);
-  const int64_t* values = call.buf<const int64_t>(0, n_values, "values");
-  const int64_t* offsets = call.buf<const int64_t>(1, n_offsets, "offsets");
-  const int64_t* feature_pos = call.buf<const int64_t>(2, F, "feature_pos");
-  const int64_t* feature_table = call.buf<const int64_t>(3, F, "feature_table");
+  const int64_t nkeys = call.numel(4);
   const int64_t* keys = call.buf<const int64_t>(4, nkeys, "keys");
-  const void* index = nullptr;
+  const void* slots = nullptr;
   int64_t cap = 0;
-  const int64_t index_bytes = index_of(call, 5, &index, &cap);
-  const int64_t* meta = call.buf<const int64_t>(6, 5 * T, "meta");
-  int64_t* starts = call.buf<int64_t>(7, B * F, "starts");
-  int64_t* kept = call.buf<int64_t>(9, B * F, "kept");
-  if (n_rows < 1) {
-    call.detail({kServeBadRows, n_rows});
-    call.fail(HE_BAD_VALUE, "no zero row (%lld rows)", (long long)n_rows);
-  }
-  for (int64_t t = 0; t < T; ++t) {  // every row an id can read lies in `rows`
-    const int64_t* m = meta + 5 * t;
-    if (m[0] < 0 || m[1] < 0 || m[0] + m[1] > n_rows || m[3] < 0 || m[3] >= n_rows || m[4] < 0 ||
-        (m[2] >= 0 && m[2] + m[1] > nkeys)) {
-      call.detail({kServeBadMeta, t, m[0], m[1], m[2], m[3]});
-      call.fail(HE_BAD_VALUE, "table %lld: rows [%lld, +%lld), keys from %lld, miss row %lld, probes %lld outside "
-                "%lld rows, %lld keys", (long long)t, (long long)m[0], (long long)m[1], (long long)m[2],
-                (long long)m[3], (long long)m[4], (long long)n_rows, (long long)nkeys);
-    }
-  }
-  for (int64_t f = 0; f < F; ++f)
-    if (feature_table[f] < 0 || feature_table[f] >= T || feature_pos[f] < 0 ||
-        (B > 0 && feature_pos[f] >= n_offsets / B)) {  // so feature_pos[f] * B + b stays in int64
-      call.detail({kServeBadFeature, f, feature_table[f], feature_pos[f]});
-      call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
-                (long long)feature_table[f], (long long)T, (long long)feature_pos[f]);
-    }
-  int64_t total = 0;  // checked first (feature-major: each feature's offsets in order), starts written after
-  for (int64_t f = 0; f < F; ++f)
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t in_bag = feature_pos[f] * B + b;
-      const bool inside = in_bag + 1 < n_offsets;
-      const int64_t i0 = inside ? offsets[in_bag] : -1, i1 = inside ? offsets[in_bag + 1] : -1;
-      if (!inside || i0 < 0 || i1 < i0 || i1 > n_values) {
-        const int64_t j = b * F + f;
-        call.detail({kServeBadOffsets, j, in_bag, i0, i1});
-        call.fail(HE_BAD_VALUE, "bag %lld (input bag %lld): offsets [%lld, %lld) outside %lld values (%lld offsets)",
-                  (long long)j, (long long)in_bag, (long long)i0, (long long)i1, (long long)n_values,
-                  (long long)n_offsets);
-      }
-      total += i1 - i0;
-    }
-  if (total > call.numel(8)) {
-    call.detail({kServeBadCapacity, total, call.numel(8)});
-    call.fail(HE_BAD_VALUE, "the bags read %lld ids, idx holds %lld", (long long)total, (long long)call.numel(8));
-  }
-  int64_t* idx = call.buf<int64_t>(8, total, "idx");
-  total = 0;
-  for (int64_t b = 0, j = 0; b < B; ++b)
-    for (int64_t f = 0; f < F; ++f, ++j) {
-      const int64_t in_bag = feature_pos[f] * B + b;
-      starts[j] = total;
-      total += offsets[in_bag + 1] - offsets[in_bag];
-    }
-  run_bags(values, offsets, B, F, feature_pos, feature_table, keys, nkeys, index, index_bytes, cap, meta, n_rows - 1,
-           starts, idx, kept, call.nthreads());
+  const int64_t index_bytes = index_of(call, 5, &slots, &cap);
+  int64_t total = 0;
+  const Bags a = bags_args(call, nkeys, &total);
+  if (index_bytes == 4)
+    run_bags(a, SlotIndex<int32_t>{static_cast<const int32_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
+  else
+    run_bags(a, SlotIndex<int64_t>{static_cast<const int64_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
   return total;
 }
 
-// The position in `keys` of each (id, table): out[i], or -1 (static tables and tables outside
-// [0, T): -1).
+// he_serve_bags over the private index (he_serve_index_build): the same buffers and results, buffer 5
+// the private index (else HE_BAD_VALUE with kServeBadIndex).
+HE_KERNEL(he_serve_index_bags) {
+  call.expect(10, 3, 0);
+  const int64_t nkeys = call.numel(4);
+  const int64_t* keys = call.buf<const int64_t>(4, nkeys, "keys");
+  int64_t total = 0;
+  he::serve::with_private_index(call, 5, keys, nkeys, [&](const auto& index) {
+    const Bags a = bags_args(call, nkeys, &total);
+    run_bags(a, index, call.nthreads());
+  });
+  return total;
+}
+
+// The position in `keys` of each (id, table) through the artifact's slot index: out[i], or -1
+// (static tables and tables outside [0, T): -1).
 //   bufs: ids int64 [n], table int64 [n], keys int64 [nkeys], index int32 or int64 [cap] (a power
 //         of two), meta int64 [T * 5], out int64 [n]
 //   ints: T
@@ -245,8 +242,10 @@ HE_KERNEL(he_serve_find) {
   const void* index = nullptr;
   int64_t cap = 0;
   if (index_of(call, 3, &index, &cap) == 4)
-    find(ids, table, n, keys, nkeys, static_cast<const int32_t*>(index), cap, meta, T, out, call.nthreads());
+    find(ids, table, n, SlotIndex<int32_t>{static_cast<const int32_t*>(index), (uint64_t)cap - 1, keys, nkeys}, meta,
+         T, out, call.nthreads());
   else
-    find(ids, table, n, keys, nkeys, static_cast<const int64_t*>(index), cap, meta, T, out, call.nthreads());
+    find(ids, table, n, SlotIndex<int64_t>{static_cast<const int64_t*>(index), (uint64_t)cap - 1, keys, nkeys}, meta,
+         T, out, call.nthreads());
   return 0;
 }

@@ -1,4 +1,8 @@
-"""Durable writes: fsync a directory, replace a file atomically (used by snapshots and shards)."""
+"""Durable writes: fsync a directory, replace a file atomically (used by snapshots and shards).
+
+Files are opened with ``O_NOFOLLOW``: a symbolic link planted where we write (a temp file's
+name is predictable) is refused, never written through.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,12 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_write", "atomic_write_text", "sha256_file"]
+__all__ = ["fsync_dir", "fsync_write", "atomic_write_text", "sha256_file", "open_no_follow"]
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """os.open with O_NOFOLLOW | O_CLOEXEC: OSError (ELOOP) when `path` is a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,19 +27,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_write(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` and fsyncs the file."""
-    with open(path, "wb") as f:
+def fsync_write(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+    """Writes `data` to `path` (never through a symbolic link; `exclusive`: a new file only) and fsyncs it."""
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC))
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Replaces `path` with `text` atomically (write beside, fsync, rename, fsync dir)."""
+    """Replaces `path` with `text` atomically (write beside, fsync, rename, fsync dir).
+
+    The file beside is created exclusively: one left by a crashed process of the same pid is
+    removed first (unlink removes a link itself, never its target)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fsync_write(tmp, text.encode())
+    try:
+        fsync_write(tmp, text.encode(), exclusive=True)
+    except FileExistsError:
+        tmp.unlink()
+        fsync_write(tmp, text.encode(), exclusive=True)  # another one planted meanwhile: FileExistsError
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

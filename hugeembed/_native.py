@@ -236,13 +236,18 @@ def call(name: str, bufs=(), ints=(), reals=()) -> int:
         fr.busy = True
         try:
             fb, types, j = fr.bufs, _TYPES, 0
+            last = entry = None
             for k, b in enumerate(bufs):
+                if b is last and b is not None:  # the tables of a group: one tensor, given once per table
+                    pass
                 # the common case inline (a kernel call per table and step: ~0.3 us a buffer)
-                if type(b) is torch.Tensor and b.is_cpu and b.is_contiguous() and b.dtype in types:
+                elif type(b) is torch.Tensor and b.is_cpu and b.is_contiguous() and b.dtype in types:
                     n = b.numel()
-                    fb[j], fb[j + 1], fb[j + 2] = b.data_ptr() if n else 0, n, types[b.dtype]
+                    entry = (b.data_ptr() if n else 0, n, types[b.dtype])
                 else:
-                    fb[j], fb[j + 1], fb[j + 2] = _entry(name, k, b)
+                    entry = _entry(name, k, b)
+                last = b
+                fb[j], fb[j + 1], fb[j + 2] = entry
                 j += 3
             c = fr.record
             fr.ints[: len(ints)] = ints

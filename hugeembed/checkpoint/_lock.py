@@ -13,6 +13,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from .._durable import open_no_follow
 from ..errors import CheckpointError
 
 __all__ = ["CheckpointLock", "LOCK_NAME"]
@@ -40,7 +41,11 @@ class CheckpointLock:
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(f"checkpoint directory {self.root} is a file, not a directory")
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never through a symbolic link planted at .lock (it would truncate the file it points to)
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            raise CheckpointError(f"cannot lock checkpoint directory {self.root}: {self.path}: {e.strerror}"
+                                  f"{' (a symbolic link: refused)' if self.path.is_symlink() else ''}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

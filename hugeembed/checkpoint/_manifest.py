@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..store import EXPORT_FIELDS
 
 __all__ = ["FORMAT_VERSION", "DELTA_FORMAT_VERSION", "MANIFEST", "LATEST", "REMOVED", "snapshot_name",
-           "is_snapshot_name", "validate_manifest", "is_delta", "check_tables"]
+           "is_snapshot_name", "snapshot_step", "validate_manifest", "is_delta", "check_tables"]
 
 FORMAT_VERSION = 1  # full snapshots
 DELTA_FORMAT_VERSION = 2  # deltas
@@ -43,6 +43,11 @@ def snapshot_name(step: int) -> str:
 def is_snapshot_name(name: Any) -> bool:
     """A snapshot directory's name (``step-<9+ digits>``): never a path that leaves the root."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def snapshot_step(name: str) -> int:
+    """The step of a snapshot name, the key snapshots sort by (as text, step-1000000000 would come first)."""
+    return int(name[len("step-"):])
 
 
 def is_delta(manifest: dict[str, Any]) -> bool:
@@ -102,6 +107,8 @@ def validate_manifest(m: Any, where: Path) -> None:
     need(integer(get(m, "world_size", "world_size"), 1), "world_size", "a positive integer", m["world_size"])
     need(isinstance(m.get("hugeembed_version", ""), str), "hugeembed_version", "a string", m.get("hugeembed_version"))
     need(m.get("plan") is None or isinstance(m["plan"], dict), "plan", "null or a mapping", m.get("plan"))
+    need(m.get("run_id") is None or (isinstance(m["run_id"], str) and m["run_id"] != ""), "run_id",
+         "a non-empty string", m.get("run_id"))
     files = get(m, "files", "files")
     need(isinstance(files, dict), "files", "a mapping of names to file records", files)
     for k, rec in files.items():

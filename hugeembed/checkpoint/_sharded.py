@@ -35,7 +35,7 @@ __all__ = ["save_sharded", "owned_filter", "rng_key"]
 
 def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, dense_optimizer=None,
                  step: int | None = None, extra: dict[str, Any] | None = None, keep: int | None = None,
-                 rng: bool = True, delta: bool = False) -> Path:
+                 rng: bool = True, delta: bool = False, run_id: str | None = None) -> Path:
     """The multi-rank :func:`hugeembed.checkpoint.save` (collective: every rank calls it).
 
     A delta (``delta=True`` on every rank) holds each rank's rows seen since the parent and the
@@ -90,8 +90,8 @@ def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, de
             if errors:
                 raise CheckpointError("; ".join(errors))
             final = str(_commit(root, tmp, name, step, collection, [m for m, _ in everyone], model,
-                                dense_optimizer, extra, parent))
-            prune(root, keep)
+                                dense_optimizer, extra, parent, run_id))
+            prune(root, keep, run_id)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             err = f"snapshot {name} not saved: {e}"
@@ -103,7 +103,7 @@ def save_sharded(root, collection: ShardedEmbeddingCollection, *, model=None, de
 
 
 def _commit(root: Path, tmp: Path, name: str, step: int, collection, records, model, dense_optimizer,
-            extra, parent) -> Path:
+            extra, parent, run_id: str | None) -> Path:
     by_table: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     for tables, rank_files in records:  # rank order: shards listed rank by rank
@@ -117,7 +117,7 @@ def _commit(root: Path, tmp: Path, name: str, step: int, collection, records, mo
     files.update(dense_files(tmp, collection, model, dense_optimizer, extra))
     if "rng.r0" in files:
         files["rng"] = files["rng.r0"]  # what a single process restores
-    manifest = {**manifest_head(collection, step, collection.world_size, collection.plan.to_dict(), parent),
+    manifest = {**manifest_head(collection, step, collection.world_size, collection.plan.to_dict(), parent, run_id),
                 "tables": [by_table[t.name] for t in collection.tables], "files": files}
     return publish(root, tmp, name, manifest)
 

@@ -21,6 +21,10 @@ A snapshot is full or a *delta* (``save(..., delta=True)``): only the rows seen 
 parent, the keys removed since, and the dense state in full.  Loading a delta applies its
 chain of parents from the full base; pruning keeps every snapshot a kept delta needs.
 See _delta.py.
+
+A snapshot names the run that wrote it (``run_id`` in its manifest): pruning removes only
+the pruning run's own snapshots, and a save never replaces another run's ``step-N``.
+Snapshots sort by their step as a number (``step-1000000000`` after ``step-999999999``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -42,7 +47,9 @@ import torch
 from ..errors import CheckpointError
 from ..store import EXPORT_FIELDS, ExportIndex, StoreExport
 from ._files import atomic_write_text, fsync_dir, read_tensor, verify, write_bytes, write_rows, write_tensor
-from ._manifest import FORMAT_VERSION, LATEST, MANIFEST, REMOVED, check_tables, snapshot_name, validate_manifest
+from ._manifest import (FORMAT_VERSION, LATEST, MANIFEST, REMOVED, check_tables, is_snapshot_name, snapshot_name,
+                        snapshot_step, validate_manifest)
+from ._runs import describe_run, run_of
 
 __all__ = ["save", "load", "latest", "read_manifest", "read_extra", "read_table", "SnapshotInfo", "FORMAT_VERSION",
            "list_snapshots", "validate_manifest"]
@@ -146,26 +153,35 @@ def _write_shard(directory: Path, stem: str, store, ex: ExportIndex, removed: to
     return files
 
 
+_TMP_PID = re.compile(r"\.tmp-.*-([0-9]+)-[0-9a-f]{8}")  # .tmp-<name>-<pid>-<id>, .tmp-old-<name>-<pid>-<id>
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (EPERM: it does, under another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _remove_stale_tmp(root: Path) -> None:
     """Deletes temp directories of saves whose process is gone (crashed mid-save)."""
     for d in root.glob(".tmp-*"):
-        try:
-            pid = int(d.name.split("-")[3])
-        except (IndexError, ValueError):
+        m = _TMP_PID.fullmatch(d.name)
+        if m is None:
             continue
-        try:
-            os.kill(pid, 0)
-            alive = pid != os.getpid()
-        except OSError:
-            alive = False
-        if not alive:
+        pid = int(m.group(1))
+        if pid != os.getpid() and not _process_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
 
 
 def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None = None,
          dense_optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
          extra: dict[str, Any] | None = None, keep: int | None = None, rng: bool = True,
-         delta: bool = False) -> Path:
+         delta: bool = False, run_id: str | None = None) -> Path:
     """Saves a complete, atomic snapshot under `root` and returns its directory.
 
     Args:
@@ -177,8 +193,9 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         dense_optimizer: the torch optimizer of the dense parameters.
         step: the training step (default: the collection's).
         extra: more state to keep (lr scheduler state, data position...): plain data/tensors.
-        keep: keep only the newest `keep` snapshots (None: keep all), and every snapshot
-            that a kept delta needs (its parents up to its full base): a delta alone loads nothing.
+        keep: keep only the newest `keep` snapshots of this run (`run_id`; None: keep all), and
+            every snapshot that a kept delta needs (its parents up to its full base): a delta
+            alone loads nothing.  Other runs' snapshots are never removed.
         rng: save torch/CUDA/NumPy/Python RNG states (for bit-identical resume).
         delta: write only the table rows whose ids were seen since the newest snapshot under
             `root` (admitted and pending) and the keys removed since; the dense model,
@@ -186,6 +203,9 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
             when no delta can follow: no snapshot yet, the collection did not save or load
             the newest one, its rows were replaced since (``load_state_dict``,
             ``catch_up_rows``), or its tables differ.  :func:`delta_parent` asks first.
+        run_id: the run writing (recorded in the manifest): pruning removes only its snapshots, and
+            a ``step-N`` of another run is never replaced (CheckpointError).  None: the snapshots
+            that have none (written by a program that does not name its runs).
 
     Example::
 
@@ -199,7 +219,7 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         from ._sharded import save_sharded
 
         return save_sharded(root, collection, model=model, dense_optimizer=dense_optimizer, step=step, extra=extra,
-                            keep=keep, rng=rng, delta=delta)
+                            keep=keep, rng=rng, delta=delta, run_id=run_id)
     from ._delta import parent_for_delta, remember
 
     root = Path(root)
@@ -212,17 +232,18 @@ def save(root: str | os.PathLike, collection, *, model: torch.nn.Module | None =
         files = dense_files(tmp, collection, model, dense_optimizer, extra)
         if rng:
             files["rng"] = rng_file(tmp)
-        manifest = {**manifest_head(collection, step, 1, None, parent), "tables": tables, "files": files}
+        manifest = {**manifest_head(collection, step, 1, None, parent, run_id), "tables": tables, "files": files}
         final = publish(root, tmp, name, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     remember(collection, final)
-    prune(root, keep)
+    prune(root, keep, run_id)
     return final
 
 
-def manifest_head(collection, step: int, world_size: int, plan: dict | None, parent) -> dict[str, Any]:
+def manifest_head(collection, step: int, world_size: int, plan: dict | None, parent, run_id: str | None
+                  ) -> dict[str, Any]:
     """A manifest's fields but its tables and files; a delta's name its parent (`parent`, a DeltaParent)."""
     from .. import __version__
 
@@ -230,6 +251,8 @@ def manifest_head(collection, step: int, world_size: int, plan: dict | None, par
             "created_unix": time.time(), "world_size": world_size, "plan": plan, "collection_step": collection.step,
             # rows last seen at or before it change only when seen again: what a delta after this one holds
             "settled_step": collection.settled_step(), "depth": 0}
+    if run_id is not None:
+        head["run_id"] = run_id
     if parent is not None:
         head.update(parent.manifest_fields())
     return head
@@ -270,6 +293,11 @@ def publish(root: Path, tmp: Path, name: str, manifest: dict[str, Any]) -> Path:
     fsync_dir(tmp)
     final = root / name
     if final.exists():  # re-saving a step: move the old one aside, swap, then delete it
+        theirs = run_of(final)
+        if theirs != manifest.get("run_id"):
+            raise CheckpointError(f"{final} was written by another run ({describe_run(theirs)}), not by this one "
+                                  f"({describe_run(manifest.get('run_id'))}): it is not replaced; give this run its "
+                                  f"own checkpoint directory")
         trash = root / f".tmp-old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.replace(final, trash)
         os.replace(tmp, final)
@@ -281,15 +309,19 @@ def publish(root: Path, tmp: Path, name: str, manifest: dict[str, Any]) -> Path:
     return final
 
 
-def prune(root: Path, keep: int | None) -> None:
-    """Deletes all but the newest `keep` snapshots and the ones their chains need (a delta's parents and base)."""
+def prune(root: Path, keep: int | None, run_id: str | None = None) -> None:
+    """Deletes all but the newest `keep` snapshots of run `run_id`, and never one that a kept snapshot's
+    chain needs (a delta's parents and base, of any run).  Other runs' snapshots are never deleted."""
     if keep is None or keep <= 0:
         return
     from ._delta import chain_names
 
     snaps = list_snapshots(root)
-    needed = set().union(*(chain_names(s) for s in snaps[-keep:]))
-    for old in snaps[:-keep]:
+    mine = [s for s in snaps if run_of(s) == run_id]
+    doomed = mine[:-keep]
+    kept = [s for s in snaps if s not in doomed]
+    needed = set().union(*(chain_names(s) for s in kept))
+    for old in doomed:
         if old.name not in needed:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -301,21 +333,29 @@ def _dense_state(model: torch.nn.Module, collection) -> dict[str, torch.Tensor]:
 
 
 def list_snapshots(root: str | os.PathLike) -> list[Path]:
-    """Complete snapshots under root (those with a manifest), oldest first."""
+    """Complete snapshots under root (those with a manifest), oldest first: by step, as a number."""
     root = Path(root)
-    found = [d for d in root.glob("step-*") if (d / MANIFEST).exists()]
-    return sorted(found, key=lambda d: d.name)
+    found = [d for d in root.glob("step-*") if is_snapshot_name(d.name) and (d / MANIFEST).exists()]
+    return sorted(found, key=lambda d: snapshot_step(d.name))
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete snapshot under root, or None."""
+    """The snapshot ``root/LATEST`` names, or the newest complete one when there is no LATEST or it holds no
+    snapshot name (damaged); None when there is none.
+
+    CheckpointError when LATEST names a snapshot that is missing or incomplete (deleted, or never
+    completed): another snapshot is never silently used in its place."""
     root = Path(root)
     pointer = root / LATEST
     try:
         name = pointer.read_text(errors="replace").strip()
     except OSError:  # none yet (or not a file): the newest complete one below
         name = ""
-    if name.startswith("step-") and "/" not in name and (root / name / MANIFEST).exists():
+    if is_snapshot_name(name):
+        if not (root / name / MANIFEST).is_file():
+            raise CheckpointError(f"{pointer} names {name}, which is missing from {root} (deleted, or never "
+                                  f"completed): the snapshot to use is unknown; point LATEST at it, or delete "
+                                  f"LATEST to use the newest complete snapshot")
         return root / name
     snaps = list_snapshots(root)
     return snaps[-1] if snaps else None

@@ -26,6 +26,13 @@ COMMANDS: dict[str, str] = {
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser of the command line: no abbreviated flags (``--npro 2`` is not ``--nproc 2``: a
+    prefix would be taken for a flag, and train --nproc passes the flags on to its processes)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, exit 2 (argparse prints usage + message)
         self.exit(2, f"hugeembed: error: {message}\n")
 

@@ -17,14 +17,23 @@ def add_parser(sub) -> None:
                    help="rows as served: int8/int4 are row-wise quantized (scale and bias per row)")
     p.add_argument("--delta", action="store_true",
                    help="write the rows changed since the snapshot the artifact serves into OUT/deltas/")
+    p.add_argument("--delta-key", metavar="FILE", help="with --delta: sign the delta with this key (the server's "
+                   "serve --delta-key): a key file of yours, mode 600")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..serving import export, export_delta
 
     started = time.perf_counter()
+    if args.delta_key and not args.delta:
+        from ..errors import ConfigError
+
+        raise ConfigError("--delta-key signs deltas: give it with --delta")
     if args.delta:
-        path = export_delta(args.checkpoint, args.out)
+        from ..serving._trust import read_secret
+
+        key = read_secret(args.delta_key, "--delta-key") if args.delta_key else None
+        path = export_delta(args.checkpoint, args.out, key=key)
         what = "delta"
     else:
         path = export(args.checkpoint, args.out, dtype=args.dtype)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from ._output import Progress, check_output_paths, human_bytes, plot_history, pr
 _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
-           "keep_checkpoints", "resume", "seed", "capacity", "device", "threads", "eval_fraction",
+           "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order")
@@ -88,7 +87,10 @@ def add_parser(sub) -> None:
     p.add_argument("--full-checkpoint-every", type=int, metavar="K", help="every K-th snapshot is full, the others "
                    "are deltas holding only the table rows seen since the previous one (default 1: all full)")
     p.add_argument("--keep-checkpoints", type=int, help="snapshots kept (and any a kept delta needs)")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest snapshot")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest snapshot "
+                   "(without it, a --checkpoint-dir holding snapshots is refused: they are another run's)")
+    p.add_argument("--overwrite", action="store_true", default=None, help="delete the snapshots in --checkpoint-dir "
+                   "(another run's) before starting afresh there")
     p.add_argument("--seed", type=int)
     p.add_argument("--capacity", type=int, help="most rows per embedding table (default unbounded)")
     p.add_argument("--synthetic-rows", type=int, help="rows per epoch of the synthetic data")
@@ -103,8 +105,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int)
     d = p.add_argument_group("distributed", "several processes (tables sharded over them, dense part under DDP); "
                              "also works under `torchrun --nproc_per_node N -m hugeembed train ...`")
-    d.add_argument("--nproc", type=int, metavar="N", help="launch N processes on this machine with torchrun "
-                   "(gloo on CPU, NCCL on GPU); --batch-size stays per process")
+    d.add_argument("--nproc", type=int, metavar="N", help="launch N processes on this machine, their rendezvous on "
+                   "127.0.0.1 only (gloo on CPU, NCCL on GPU); --batch-size stays per process")
     d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
                    help="place a table: row_wise, data_parallel or table_wise@RANK (repeatable; the rest is planned)")
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
@@ -183,16 +185,18 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import DistEnv, init_from_env, launch_command
+    from ..distributed import DistEnv, init_from_env
+    from ..training import launch_local
 
     cfg = config_from_args(args)
     check_output_paths(summary_json=args.summary_json, plot=args.plot)
     env = DistEnv.from_environ(os.environ)
     if args.nproc is not None:
         if env is not None:
-            raise ValueError("--nproc launches torchrun itself: under torchrun, leave it out")
-        # the processes inherit this terminal; each parses the same flags (without --nproc)
-        return subprocess.call(launch_command(args.nproc, _without_nproc(list(args.argv))))
+            raise ValueError("--nproc launches the processes itself: under torchrun (or --nproc), leave it out")
+        # the processes inherit this terminal; each parses the same flags (without --nproc); their
+        # rendezvous listens on the loopback interface only
+        return launch_local(args.nproc, _without_nproc(list(args.argv)))
     if args.plot:  # fail on a missing matplotlib before training, not after it
         import importlib.util
 

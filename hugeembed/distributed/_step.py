@@ -76,7 +76,7 @@ class OwnedRowsGroup:
     def owned_slots(self, st: StepState, uniq: torch.Tensor, per_table: list[int], counts: torch.Tensor | None,
                     training: bool) -> torch.Tensor:
         """Row slots of the distinct keys `uniq` (grouped by table as `per_table`): in training
-        one find_or_insert_many over the tables (new keys get rows, pinned until the backward
+        one fetch per group (fetch_slots: new keys get rows, pinned until the backward
         of the step), else find (readers take the rows through ``coll.current_rows``)."""
         parts, start = [], 0
         for t, n in zip(self.ts, per_table):

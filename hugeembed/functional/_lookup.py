@@ -16,6 +16,7 @@ from .. import _native
 from ..errors import ConfigError, InputError
 from ._native_stages import (NativeScratch, backward_native, batch_arrays, can_use_native, can_use_native_storages,
                              pool_direct, pool_native, prepare_native, unpooled_native, unpooled_rows)
+from ._grad_rows import GradRows, blocks_of_tables, compact_slots, row_starts, tables_of_blocks
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
@@ -75,6 +76,9 @@ class FusedEmbeddingLookup:
         if complete is not None and len(complete) != self.plan.num_tables:
             raise ConfigError(f"complete has {len(complete)} entries for {self.plan.num_tables} tables")
         self._complete = [False] * self.plan.num_tables if complete is None else [bool(c) for c in complete]
+        # the tables whose ids may read zeros (slot -1), given slots looked up / the ids themselves
+        self._unsure = [t for t in range(self.plan.num_tables) if not self._complete[t]]
+        self._unsure_by_ids = [t for t in self._unsure if self.plan.tables[t].num_rows is None]
         self._scratch: NativeScratch | None = None
         self._where: dict[str, tuple[int, int]] = {}
         for g, group in enumerate(self.plan.groups):
@@ -250,9 +254,7 @@ class FusedEmbeddingLookup:
                              "their gradient cannot be computed: call prepare() with grad enabled")
         # static tables read through static_slots(): the slots are the ids prepare range-checked,
         # so none is -1 (the backward's check would be a pass over every slot for nothing)
-        by_ids = slots is prep.unique_keys
-        unsure = [t for t, spec in enumerate(self.plan.tables)
-                  if not (self._complete[t] or (by_ids and spec.num_rows is not None))]
+        unsure = self._unsure_by_ids if slots is prep.unique_keys else self._unsure
         run = _LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, unsure)
         run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:
@@ -354,18 +356,31 @@ class _LookupRun:
         if self.hook is None and not self.params:
             return gw, []
         if self.native and (self.read is None or _storages_native_ok(storages)):
-            table_grads = backward_native(plan, prep, storages, slots, pooled, unpooled)
+            blocks, row0 = backward_native(plan, prep, storages, slots, pooled, unpooled)
+            table_grads = None
         else:
             table_grads = backward_torch(plan, prep, storages, slots, pooled, unpooled)
+            blocks = row0 = None
         out: list[torch.Tensor | None] = [None] * len(self.params)
-        table_slots = prep.per_table(self.slots)
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
         # the tables whose ids may lack a row (one host sync per step, none when none may), per
         # table only when some id has no row
-        unsure = [table_slots[t] for t in self.unsure if table_slots[t].numel()]
+        table_slots = prep.per_table(self.slots) if self.unsure else None
+        unsure = [table_slots[t] for t in self.unsure if table_slots[t].numel()] if self.unsure else []
         some_unknown = bool((torch.cat(unsure) < 0).any()) if unsure else False
-        # a hook with a `many` method takes every table's rows in one call (it may update
-        # tables that share storage together)
+        # a hook with a `spans` method takes every table's rows by dim, end to end (when every id
+        # has a row); one with `many` every table's rows in one call (it may update tables that
+        # share storage together)
+        spans = getattr(self.hook, "spans", None)
+        if spans is not None and not some_unknown:
+            if blocks is None:
+                blocks, (row0, _) = blocks_of_tables(plan, table_grads), row_starts(plan, prep)
+            spans(GradRows(blocks, compact_slots(plan, prep, self.slots, row0), row0, prep.unique_count))
+            return gw, out
+        if table_grads is None:
+            table_grads = tables_of_blocks(plan, blocks, prep.unique_count)
+        if table_slots is None:
+            table_slots = prep.per_table(self.slots)
         many = getattr(self.hook, "many", None)
         items = []
         for t, grad in enumerate(table_grads):

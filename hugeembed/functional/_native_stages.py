@@ -15,6 +15,7 @@ import torch
 
 from .. import _native as nat
 from ..errors import InputError
+from ._grad_rows import row_starts
 from ._plan import DimGroup, LookupPlan, Prepared
 
 __all__ = ["NativeScratch", "prepare_native", "pool_native", "unpooled_native", "backward_native", "can_use_native",
@@ -110,7 +111,12 @@ def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None)
         for t in used:
             s = storages[t]
             bufs[t] = s if s.is_contiguous() else nat.rows(s)
-    return bufs, [s.stride(0) for s in storages]
+    strides, last, w = [], None, 0
+    for s in storages:
+        if s is not last:
+            last, w = s, s.stride(0)
+        strides.append(w)
+    return bufs, strides
 
 
 def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -227,7 +233,8 @@ def unpooled_native(plan: LookupPlan, prep: Prepared, storages, slots, group: Di
 
 
 def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads):
-    """Per table, the gradient rows of its unique keys: a list of [U_t, D_t] tensors.
+    """(blocks, row0): per dim D, the gradient rows of its tables' unique keys end to end, [n_D, D]
+    (functional/_grad_rows.py), and each table's first row in its dim's block.
 
     pooled_grads[g] is the gradient of group g's pooled output [B, F_g, D];
     unpooled_grads[g] that of its unpooled rows [sum n_f, D].
@@ -250,26 +257,16 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
             for f, n in zip(group.unpooled, unpooled_rows(prep, group)):
                 where[3 * f : 3 * f + 3] = (len(grads) - 1, row * D, D)
                 row += n
-    # Tables of one dim lie side by side in the gradient buffer: their [U_t, D] blocks come
-    # out of one view and one split per dim, not two ops per table.
-    dims = [t.dim for t in plan.tables]
-    by_dim: dict[int, list[int]] = {}
-    for t in range(T):
-        by_dim.setdefault(dims[t], []).append(t)
-    gbase, total = [0] * T, 0
-    for D, ts in by_dim.items():
-        for t in ts:
-            gbase[t] = total
-            total += prep.unique_count[t] * D
+    # Tables of one dim lie side by side in the gradient buffer: a dim's rows are one view of it.
+    row0, rows = row_starts(plan, prep)
+    start, total = {}, 0
+    for D in plan.tables_by_dim:
+        start[D] = total
+        total += rows[D] * D
+    gbase = [start[spec.dim] + r * spec.dim for spec, r in zip(plan.tables, row0)]
     gbuf = torch.empty(total, dtype=torch.float32)
     tables, strides = _tables(storages, pb.clipped)  # it reads rows only to differentiate max_norm
     nat.call("he_lookup_backward",
              [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, *grads, *tables],
              (B, F, T, prep.capacity, len(grads), *strides, *prep.unique_base, *prep.unique_count, *gbase, *where))
-    out: list[torch.Tensor] = [gbuf] * T
-    for D, ts in by_dim.items():
-        start, rows = gbase[ts[0]], [prep.unique_count[t] for t in ts]
-        block = gbuf[start : start + sum(rows) * D].view(-1, D)
-        for t, g in zip(ts, block.split(rows) if len(ts) > 1 else (block,)):
-            out[t] = g
-    return out
+    return {D: gbuf[start[D] : start[D] + rows[D] * D].view(-1, D) for D in plan.tables_by_dim}, row0

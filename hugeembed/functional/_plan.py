@@ -193,6 +193,10 @@ class LookupPlan:
             by_table[t].append(i)
         self.table_features = tuple(tuple(x) for x in by_table)
         self._pooled_names = tuple(f.name for f in self.features if f.combiner is not Combiner.NONE)
+        by_dim: dict[int, list[int]] = {}
+        for t, spec in enumerate(self.tables):
+            by_dim.setdefault(spec.dim, []).append(t)
+        self.tables_by_dim = {d: tuple(ts) for d, ts in by_dim.items()}  # tables of each dim, in order
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         # a batch's keys -> (each plan feature's input position, the most features reading one input)
         self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}

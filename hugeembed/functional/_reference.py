@@ -302,7 +302,7 @@ def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: Dim
 
 
 def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads):
-    """Per table, gradient rows [U_t, D_t] of its unique keys (same contract as backward_native)."""
+    """Per table, gradient rows [U_t, D_t] of its unique keys (backward_native gives them by dim)."""
     dev = prep.offsets.device
     grads_by_dim: dict[int, torch.Tensor] = {}
     for g, group in enumerate(plan.groups):

@@ -172,6 +172,7 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         self.groups = groups
         self.placement = Placement(where)
         self._units = make_units(self.placement.spans, self.tables, self.rules, settings)
+        self._unit_list = list({id(u): u for u in self._units.values()}.values())
         self._span_rules = {span.group: SpanRules.of(span, self.tables) for span in self.placement.spans}
         self._refresh_views()
 

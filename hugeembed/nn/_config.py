@@ -130,8 +130,10 @@ class TableConfig:
 
     def __post_init__(self) -> None:
         who = f"table {self.name!r}"
-        if not isinstance(self.name, str) or not self.name or "@" in self.name or "." in self.name:
-            raise ConfigError(f"table name must be a non-empty string without '@' or '.', got {self.name!r}")
+        # the name is part of file names (snapshots, artifacts): '/', '\\' and NUL would leave their directory
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "@./\\\0"):
+            raise ConfigError(f"table name must be a non-empty string without '@', '.', '/', '\\' or NUL, "
+                              f"got {self.name!r}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim <= 0:
             raise ConfigError(f"{who}: dim must be a positive int, got {self.dim!r}")
         if self.num_rows is not None and (isinstance(self.num_rows, bool) or not isinstance(self.num_rows, int)

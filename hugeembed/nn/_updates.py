@@ -21,7 +21,7 @@ from .._tensors import joined, repeat_each
 from ..optim import SparseOptimizer
 from ._rare import coalesce, count_lr_scale, update_scaled
 
-__all__ = ["UpdateUnit", "make_units", "apply_unit", "RowUpdates"]
+__all__ = ["UpdateUnit", "make_units", "apply_unit", "update", "RowUpdates"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,12 +35,19 @@ class UpdateUnit:
     shared: tuple[bool, ...]  # per table, whether it has a shared row
     seeds: tuple[int, ...]  # per table, its seed (stochastic rounding)
     rounds: bool  # its group's weights are rounded stochastically (draws by key)
+    positions: tuple[int, ...]  # per table, its lookup position
+    dim: int
     scaled: bool = field(init=False)  # some table has lr_count_scale
+    coalesces: bool = field(init=False)  # some table has a shared row
     index: dict[int, int] = field(init=False)  # table -> its place in `tables`
+    run: tuple[int, int] | None = field(init=False)  # (first, last) lookup position when consecutive
 
     def __post_init__(self) -> None:  # read per table and step: computed once
         object.__setattr__(self, "scaled", any(x is not None for x in self.scale_by))
+        object.__setattr__(self, "coalesces", any(self.shared))
         object.__setattr__(self, "index", {t: i for i, t in enumerate(self.tables)})
+        p = self.positions
+        object.__setattr__(self, "run", (p[0], p[-1]) if p == tuple(range(p[0], p[0] + len(p))) else None)
 
 
 def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
@@ -54,7 +61,8 @@ def make_units(spans, configs, rules, settings) -> dict[int, UpdateUnit]:
         for ts in by_key.values():
             unit = UpdateUnit(span.group, rules[ts[0]], tuple(ts), tuple(configs[t].lr_count_scale for t in ts),
                               tuple(configs[t].shared_row for t in ts), tuple(settings[t].seed for t in ts),
-                              settings[ts[0]].layout.stochastic_rounding)
+                              settings[ts[0]].layout.stochastic_rounding,
+                              tuple(span.first + span.tables.index(t) for t in ts), configs[ts[0]].dim)
             units.update(dict.fromkeys(ts, unit))
     return units
 
@@ -91,14 +99,21 @@ def apply_unit(unit: UpdateUnit, group, parts: list[tuple], lrs: list[float], st
             if shared is not None:  # the shared row takes every rare id's gradient at the full lr
                 own = shared[repeat_each([p[1] for p in mine], sizes, slots.device)]
                 scale = torch.where(slots == own, 1.0, scale)
-        if any(unit.shared):
-            # rare ids all read their table's shared row: one summed gradient per row, for every
-            # table at once (their slots are apart in the group)
-            slots, grad, scale, keys, seeds = coalesce(slots, grad, scale, keys, seeds)
-        if scale is None:  # the group's own slots of this step: in range
-            unit.rule.update(group, slots, grad, lr=lr, step=step, slots_checked=True, keys=keys, seeds=seeds)
-        else:
-            update_scaled(unit.rule, group, slots, grad, lr=lr, step=step, scale=scale)
+        update(unit, group, slots, grad, lr, step, keys, seeds, scale)
+
+
+def update(unit: UpdateUnit, group, slots: torch.Tensor, grad: torch.Tensor, lr: float, step: int,
+           keys: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> None:
+    """`unit`'s rule on its rows at `slots` (its tables' rows end to end, one lr)."""
+    if unit.coalesces:
+        # rare ids all read their table's shared row: one summed gradient per row, for every
+        # table at once (their slots are apart in the group)
+        slots, grad, scale, keys, seeds = coalesce(slots, grad, scale, keys, seeds)
+    if scale is None:  # the group's own slots of this step: in range
+        unit.rule.update(group, slots, grad, lr=lr, step=step, slots_checked=True, keys=keys, seeds=seeds)
+    else:
+        update_scaled(unit.rule, group, slots, grad, lr=lr, step=step, scale=scale)
 
 
 class RowUpdates:
@@ -128,9 +143,9 @@ class RowUpdates:
         return t, local, slots, grad, keys, hits
 
     def many(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        coll, flight = self.coll, self.flight
-        at = coll.placement.at  # per lookup position: (table, group, its index in the group)
-        units = coll._units
+        """Per table (lookup position) with rows, its slots and gradient rows."""
+        at = self.coll.placement.at  # per lookup position: (table, group, its index in the group)
+        units = self.coll._units
         by_unit: dict[int, tuple] = {}
         touched: dict[int, None] = {}
         for p, slots, grad in items:
@@ -139,16 +154,53 @@ class RowUpdates:
             unit = units.get(t)
             if unit is not None:
                 by_unit.setdefault(id(unit), (unit, []))[1].append(self._part(p, t, local, slots, grad, unit))
+        self._apply([(unit, parts, None) for unit, parts in by_unit.values()], touched)
+
+    def spans(self, rows) -> None:
+        """Every table's rows by dim, end to end (functional/_grad_rows.GradRows; every id has a
+        row): a unit of consecutive tables of one lr is one slice of them, no join."""
+        coll = self.coll
+        count = rows.count
+        touched = {s.group: None for s in coll.placement.spans if any(count[s.first : s.first + len(s.tables)])}
+        groups, lr_of = coll.optimizer.param_groups, coll.optimizer.group_of_table
+        work = []
+        for unit in coll._unit_list:
+            if unit.group not in touched:
+                continue
+            lrs = {groups[lr_of[t]]["lr"] for t in unit.tables}
+            if unit.run is not None and len(lrs) == 1 and not (unit.rounds or unit.scaled):
+                slots, grad = rows.of_tables(*unit.run, unit.dim)
+                if slots.numel():
+                    work.append((unit, None, (slots, grad, lrs.pop())))
+                continue
+            parts = []
+            for t, p in zip(unit.tables, unit.positions):
+                if count[p]:
+                    slots, grad = rows.of_tables(p, p, unit.dim)
+                    parts.append(self._part(p, t, coll.placement.at[p][2], slots, grad, unit))
+            if parts:
+                work.append((unit, parts, None))
+        self._apply(work, touched)
+
+    def _apply(self, work: list[tuple], touched: dict[int, None]) -> None:
+        """Applies each (unit, parts, joined) of `work` (joined: (slots, grad, lr) of a unit whose
+        tables' rows are end to end, else its per-table parts), once every touched group's rows are
+        confirmed still where the forward read them; releases the groups updated."""
+        coll, flight = self.coll, self.flight
         for g in touched:  # before any update: a failure changes no table
             flight.check(g, coll.groups[g], coll.groups[g].names)
         failed: set[int] = set()
         groups = coll.optimizer.param_groups
         lr_of = coll.optimizer.group_of_table
         try:
-            for unit, parts in by_unit.values():
+            for unit, parts, whole in work:
                 failed.add(unit.group)
-                apply_unit(unit, coll.groups[unit.group], parts, [groups[lr_of[part[0]]]["lr"] for part in parts],
-                           flight.step, flight.shared.get(unit.group))
+                group = coll.groups[unit.group]
+                if whole is not None:
+                    update(unit, group, whole[0], whole[1], whole[2], flight.step)
+                else:
+                    apply_unit(unit, group, parts, [groups[lr_of[part[0]]]["lr"] for part in parts], flight.step,
+                               flight.shared.get(unit.group))
                 failed.discard(unit.group)
         finally:  # the rows of the groups updated may go (an update that raised keeps its pins)
             for g in touched:

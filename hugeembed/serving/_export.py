@@ -41,7 +41,7 @@ from . import _runtime
 from ._quant import quantize
 
 __all__ = ["export", "GroupSpec", "serving_groups", "table_weights", "export_program", "write_array", "publish_dir",
-           "source_record", "write_group"]
+           "source_record", "write_group", "dense_state", "dense_spec"]
 
 _COMBINERS = {Combiner.SUM: 0, Combiner.MEAN: 1, Combiner.SQRTN: 2}
 
@@ -131,6 +131,18 @@ class _Program(torch.nn.Module):
         return self.model.forward_pooled(dense, self.model.embeddings.lookup.pooled_from_groups(blocks))
 
 
+def dense_state(model: RecModel, groups: list[GroupSpec], dtype: str) -> dict[str, torch.Tensor]:
+    """The weights of the exported program (its state_dict: the dense layers, not the tables), by name:
+    what an artifact delta carries, as plain arrays, for the base's program."""
+    with model.embeddings.tables_left_out_of_state_dict():
+        return {k: v.detach() for k, v in _Program(model, groups, dtype).state_dict().items()}
+
+
+def dense_spec(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """name -> shape and dtype of each weight (the base manifest's ``dense`` record; a delta must match it)."""
+    return {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()}
+
+
 def export_program(model: RecModel, groups: list[GroupSpec], dtype: str, width: list[int], path: Path
                    ) -> dict[str, Any]:
     """torch.export of the dense part with symbolic batch, ids, rows, keys and index slots; saved to `path`.
@@ -192,7 +204,12 @@ def source_record(snap: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def publish_dir(tmp: Path, final: Path) -> Path:
-    """Fsyncs tmp and renames it to `final` (which must not exist): all or nothing."""
+    """Fsyncs tmp and renames it to `final` (which must not exist): all or nothing.  Nothing in it is left
+    writable by group or others (a server refuses such files, whatever the umask was)."""
+    for path in (tmp, *tmp.rglob("*")):
+        mode = path.lstat().st_mode
+        if mode & 0o022:
+            os.chmod(path, mode & 0o7755)
     fsync_dir(tmp)
     if final.exists():
         raise ConfigError(f"{final} exists: export to a new path (a served artifact is never overwritten)")
@@ -264,6 +281,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
             # the data schema (with its fitted statistics): how a request's columns become model input
             **({} if model.schema.is_criteo() else {"schema": model.schema.to_dict()}),
             "groups": [asdict(s) for s in groups], "tables": tables, "files": files,
+            "dense": dense_spec(dense_state(model, groups, dtype)),
             "source": source_record(snap, info.manifest), "export_seconds": round(time.perf_counter() - started, 3),
         }
         ckpt.write_bytes(tmp / _runtime.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())

@@ -1,7 +1,10 @@
 """ServingModel: a loaded artifact (plus its deltas) called on dense features and SparseFeatures.
 
-The served state (tables, program, version) is one immutable object swapped by a single
-assignment: a call reads it once, so every call sees the old model or the new one whole.
+The served state (tables, patch, program, version) is one immutable object swapped by a single
+assignment: a call reads it once, so every call sees the old model or the new one whole.  A
+delta that fails changes nothing and stops nothing: the model keeps the last good version and
+says which delta it refused and why (``refused``), at start (the longest valid prefix of the
+chain is served) and on every reload.
 """
 
 from __future__ import annotations
@@ -18,20 +21,23 @@ from ..data import CAT_NAMES, N_DENSE, Batch, Schema, criteo_schema
 from ..errors import ArtifactError, ConfigError, InputError
 from ..features import SparseFeatures
 from ..models._base import check_model_inputs
-from . import _runtime
+from . import _runtime, _trust
+from ._export import dense_spec
+from ._patch import PatchGroup, merge_patch, version_program
 from ._runtime import Tables
 
-__all__ = ["ServingModel", "Served"]
+__all__ = ["ServingModel", "Served", "Refusal"]
 
 
 @dataclass(frozen=True)
 class Served:
     """One version of the model: what every call reads at once."""
 
-    tables: Tables
-    program: Any
+    tables: Tables  # the base artifact's (memory-mapped, never changed)
+    program: Any  # the base's program with this version's dense weights (and patched lookups)
     source: dict[str, Any]  # the snapshot these rows and this program come from (name, step, manifest_sha256)
     deltas: tuple[str, ...]  # artifact deltas applied on the base, in order
+    patch: tuple[PatchGroup | None, ...] = ()  # per dim group: the rows the deltas changed (_patch.py)
 
     @property
     def version(self) -> str:
@@ -39,8 +45,29 @@ class Served:
         return str(self.source["name"])
 
 
-def _artifact_error(e: _runtime.ArtifactError) -> ArtifactError:
+@dataclass(frozen=True)
+class Refusal:
+    """A delta the model did not apply: its directory name under ``deltas/`` and why."""
+
+    delta: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"delta {self.delta} refused: {self.reason}"
+
+
+def _artifact_error(e: Exception) -> ArtifactError:
     return ArtifactError(str(e))
+
+
+def _check_base(directory: Path) -> dict[str, Any]:
+    """The base artifact's manifest, after checking that its directory and every file it names are trusted."""
+    _trust.check_dir(directory, follow=True)
+    _trust.check_file(directory, _runtime.MANIFEST)
+    manifest = _runtime.read_manifest(directory)
+    for rec in manifest["files"].values():
+        _trust.check_file(directory, rec.get("file") if isinstance(rec, dict) else rec)
+    return manifest
 
 
 class ServingModel:
@@ -48,21 +75,32 @@ class ServingModel:
 
     Example::
 
-        model = ServingModel.load("dlrm.int8")          # base artifact + the deltas in its deltas/
+        model = ServingModel.load("dlrm.int8")          # base artifact + the valid chain of deltas/
         probs = model.predict(batch.dense, batch.sparse)  # [B] click probabilities
         model.reload()                                    # apply deltas written since (export --delta)
+        model.refused                                     # None, or the delta it could not apply and why
 
-    Unknown ids read zeros, ids < 0 are dropped; nothing is ever inserted or counted.
+    Unknown ids read zeros, ids < 0 are dropped; nothing is ever inserted or counted.  The base
+    artifact is code (its program is unpickled): load only artifacts from a trusted place.  Its
+    deltas are data: every file is checked (owner and modes, paths, sha256, shapes, the model's
+    structure; with `delta_key` its signature) and nothing in them is unpickled or executed.
     """
 
-    def __init__(self, directory: Path, manifest: dict[str, Any], served: Served) -> None:
+    def __init__(self, directory: Path, manifest: dict[str, Any], served: Served, exported,
+                 delta_key: bytes | None = None) -> None:
         self.directory, self.manifest = directory, manifest
         self.dtype: str = manifest["dtype"]
         self.features: tuple[str, ...] = tuple(manifest["features"]["sparse"])
         self.num_dense: int = int(manifest["features"]["dense"])
         self.schema: Schema | None = self._schema(manifest, directory)
         self._served = served
+        self._exported = exported
+        self._delta_key = delta_key
+        self.dense_spec = dense_spec(served.program.state_dict())  # what a delta's weights must be
         self._reload_lock = threading.Lock()  # one reload at a time; calls never wait for it
+        self.refused: Refusal | None = None
+        self.refusals = 0  # refusals so far (a delta refused again unchanged is not counted twice)
+        self._failed: dict[str, tuple[tuple, Refusal]] = {}  # delta -> (its files' stat, the refusal): not retried
 
     def _schema(self, manifest: dict[str, Any], directory: Path) -> Schema | None:
         """The data schema requests are read with: the artifact's, Criteo's for a Criteo model exported
@@ -77,19 +115,26 @@ class ServingModel:
         return None
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, *, apply_deltas: bool = True) -> "ServingModel":
-        """Loads the artifact at `directory` (every file verified; tables memory-mapped) and, unless
-        ``apply_deltas=False``, the chain of deltas under ``directory/deltas``.
+    def load(cls, directory: str | os.PathLike, *, apply_deltas: bool = True,
+             delta_key: bytes | None = None) -> "ServingModel":
+        """Loads the artifact at `directory` (every file trusted and verified; tables memory-mapped) and, unless
+        ``apply_deltas=False``, the longest valid prefix of the chain of deltas under ``directory/deltas``
+        (``refused`` names the delta it stopped at).  With `delta_key`, only deltas signed with it apply.
 
-        ArtifactError (naming the file) for a missing, damaged or foreign artifact."""
+        ArtifactError (naming the file) for a missing, damaged, foreign or untrusted base artifact."""
         directory = Path(directory)
         try:
+            _check_base(directory)
             art = _runtime.load(directory)
         except _runtime.ArtifactError as e:
             raise _artifact_error(e) from None
-        model = cls(directory, art.manifest, Served(art.tables, art.program, art.manifest["source"], ()))
+        model = cls(directory, art.manifest, Served(art.tables, art.program, art.manifest["source"], ()),
+                    art.exported, delta_key)
         if apply_deltas:
-            model.reload()
+            try:
+                model.reload()
+            except ArtifactError:
+                pass  # serving the longest valid prefix: model.refused says which delta and why
         return model
 
     # -- versions -------------------------------------------------------------------------------
@@ -103,32 +148,90 @@ class ServingModel:
         return self._served
 
     def reload(self) -> list[str]:
-        """Applies, in order, the deltas under ``deltas/`` that follow the served version; returns their
-        names.  Each is checked (chain link, checksums) and built beside the served model, then
-        swapped in whole; a refused delta changes nothing (ArtifactError naming it)."""
-        from ._delta import apply_delta, pending_deltas
+        """Applies, in order, the deltas under ``deltas/`` that follow the served version; returns their names.
+
+        Each is checked (trust, chain link, signature, checksums, structure), built beside the served
+        model and swapped in whole.  When one is refused, the ones before it stay applied, nothing of it
+        is, ``refused`` names it, and ArtifactError says why (an unchanged refused delta is not read
+        again).  Any error is caught the same way: the served version is always the last good one."""
+        from ._delta import scan_deltas
 
         with self._reload_lock:
-            applied = []
+            applied: list[str] = []
+            refused = None
             try:
-                for path in pending_deltas(self.directory, self._served):
-                    self._served = apply_delta(self.manifest, self._served, path)
-                    applied.append(path.name)
-            except _runtime.ArtifactError as e:
-                raise _artifact_error(e) from None
+                headers = scan_deltas(self.directory, self._delta_key, skip=self._served.deltas)
+                while True:
+                    served = self._served
+                    nxt = next((h for h in headers if h.manifest is not None and h.path.name not in served.deltas
+                                and h.parent_sha == served.source.get("manifest_sha256")), None)
+                    if nxt is None:  # the chain ends; a delta we could not read may be why
+                        bad = next((h for h in headers if h.manifest is None), None)
+                        refused = None if bad is None else Refusal(bad.path.name, bad.error or "unreadable")
+                        break
+                    refused = self._failed_before(nxt.path)
+                    if refused is not None:
+                        break
+                    try:
+                        self._served = self._next_version(served, nxt)
+                    except Exception as e:  # noqa: BLE001 -- every failure leaves the served version as it was
+                        refused = Refusal(nxt.path.name, _reason(e))
+                        self._failed[nxt.path.name] = (_stat(nxt.path), refused)
+                        break
+                    applied.append(nxt.path.name)
+            except Exception as e:  # noqa: BLE001 -- the deltas directory itself (untrusted, unreadable)
+                refused = Refusal("deltas/", _reason(e))
+            if refused is not None and refused != self.refused:
+                self.refusals += 1
+            self.refused = refused
+            if refused is not None:
+                raise ArtifactError(str(refused))
             return applied
 
     def apply_delta(self, path: str | os.PathLike) -> str:
         """Applies the artifact delta at `path` (it must follow the served version); returns the new version.
-        ArtifactError (and nothing changes) when it does not follow, or is damaged."""
-        from ._delta import apply_delta
+        ArtifactError (and nothing changes) when it does not follow, or is damaged, untrusted or unsigned."""
+        from ._delta import read_header
 
         with self._reload_lock:
+            header = read_header(Path(path), self._delta_key)
+            if header.manifest is None:
+                raise ArtifactError(header.error or f"{path} is unreadable")
+            if header.parent_sha != self._served.source.get("manifest_sha256"):
+                parent = header.manifest.get("parent") or {}
+                raise ArtifactError(f"{path} follows {parent.get('name')}, the model serves {self.version}: "
+                                    f"apply the deltas in order")
             try:
-                self._served = apply_delta(self.manifest, self._served, Path(path))
-            except _runtime.ArtifactError as e:
-                raise _artifact_error(e) from None
+                self._served = self._next_version(self._served, header)
+            except Exception as e:  # noqa: BLE001
+                raise ArtifactError(f"delta {Path(path).name} refused: {_reason(e)}") from None
             return self.version
+
+    def _next_version(self, served: Served, header) -> Served:
+        """The version after the delta of `header`, built beside `served` (untouched)."""
+        from ._delta import read_delta
+
+        data = read_delta(header, self.manifest, self.dense_spec)
+        source = data.manifest["source"]
+        if not (isinstance(source, dict) and isinstance(source.get("name"), str)
+                and isinstance(source.get("manifest_sha256"), str)):
+            raise _runtime.ArtifactError(f"delta {header.path}: its source record is damaged")
+        groups = self.manifest["groups"]
+        prev = served.patch or (None,) * len(groups)
+        patch = tuple(merge_patch(group, served.tables.rows[g], served.tables.meta[g], prev[g],
+                                  {n: data.upserts[n] for n in group["tables"]},
+                                  {n: data.removed[n] for n in group["tables"]})
+                      for g, group in enumerate(groups))
+        program = version_program(self._exported, groups, data.dense, patch)
+        return Served(served.tables, program, source, served.deltas + (header.path.name,), patch)
+
+    def _failed_before(self, path: Path) -> Refusal | None:
+        """The refusal of this delta when it was refused before and its files have not changed since."""
+        seen = self._failed.get(path.name)
+        if seen is None or seen[0] != _stat(path):
+            self._failed.pop(path.name, None)
+            return None
+        return seen[1]
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -169,3 +272,21 @@ class ServingModel:
         if values.dtype != torch.int64:
             raise InputError(f"sparse ids must be int64, got {values.dtype}")
         return values, sparse.offsets().to(torch.int64)
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text if isinstance(e, (_runtime.ArtifactError, ArtifactError)) else f"{type(e).__name__}: {text}"
+
+
+def _stat(path: Path) -> tuple:
+    """What changes when a delta's files are replaced or edited: each entry's name, inode, size and mtime."""
+    out = []
+    for here, dirs, files in os.walk(path):  # never follows a link
+        for name in sorted(dirs + files):
+            try:
+                st = os.lstat(os.path.join(here, name))
+            except OSError:
+                continue
+            out.append((os.path.join(here, name), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))

@@ -10,8 +10,17 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from ._index import is_serving_index, serving_index
 
-__all__ = ["native_find", "native_bags"]
+__all__ = ["native_find", "native_bags", "native_index"]
+
+
+def native_index(keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The lookup index of a dim group as loaded (``_runtime.Tables``): the private, salted index where
+    the kernels run (``_index.py``), else the artifact's own."""
+    if not _native.available() or any(t.device.type != "cpu" for t in (keys, index, meta)):
+        return index
+    return serving_index(keys, meta)
 
 
 def native_find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
@@ -43,6 +52,7 @@ def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
     """(row of each id in batch-major bag order, first id of each bag, kept ids per bag) of one dim
     group (see he_serve_bags), or None when the kernels cannot run here or refuse the arguments."""
     tensors = (values, offsets, keys, index, meta)
+    private = is_serving_index(index)
     if not _native.available() or any(t.device.type != "cpu" for t in tensors) or \
             index.dtype not in (torch.int32, torch.int64) or meta.dim() != 2 or meta.shape[1] != 5:
         return None
@@ -62,12 +72,12 @@ def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
     kept = torch.empty(B * F, dtype=torch.int64)
     idx = torch.empty(capacity, dtype=torch.int64)
     try:
-        n = _native.call("he_serve_bags", [values, offsets, pos, table, keys, index, meta, starts, idx, kept],
-                         [B, meta.shape[0], n_rows])
+        n = _native.call("he_serve_index_bags" if private else "he_serve_bags",
+                         [values, offsets, pos, table, keys, index, meta, starts, idx, kept], [B, meta.shape[0], n_rows])
     except ImportError:  # kernels built before he_serve_bags
         return None
     except _native.KernelError as e:  # inconsistent arguments (BAD_VALUE, nothing written): the torch pass decides
-        if e.status != _native.Status.BAD_VALUE:
+        if e.status != _native.Status.BAD_VALUE or private:  # (it cannot read the private index)
             raise
         return None
     return idx[:n], starts, kept

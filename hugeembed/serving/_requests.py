@@ -1,161 +1,163 @@
-"""Request bodies -> (dense, SparseFeatures): JSON or Criteo TSV lines.  Every error is an InputError
-of one line naming the feature, row and value, so the server answers 400 with it.
+"""Request bodies -> arrays: one step, ``parser(body, content_type) -> ParsedRequest``, run off the
+server's event loop.  Every refusal is an InputError of one line naming the feature, row and value
+(the server's 400), ``RequestTooLarge`` (413) or ``UnsupportedContentType`` (415).
 
-JSON::
+Content types (exactly these; anything else, or none, is refused, so no web page can send a
+request without a CORS preflight)::
 
-    {"dense": [[0.1, 2.0, ... 13 floats], ...],          the model's dense input (as Batch.dense)
-     "sparse": {"C1": [[id, ...], ...], ..., "C26": [...]}}   a bag of ids per row and feature
+    application/json            {"dense": [[13 floats], ...], "sparse": {"C1": [[id, ...], ...], ...}}
+    text/tab-separated-values   Criteo lines, the label column present (40 fields) or absent (39)
+    text/csv                    the same lines, comma-separated
 
-An id is an int64, or a raw Criteo field: a string of 1-8 hex digits, read as the Criteo
-reader reads it (its hex value; "" is the feature's missing id).  A bag may be empty
-(pools to zeros) or hold several ids.
+JSON (_json_body.py): the model's dense input (as ``Batch.dense``) and a bag of ids per row and
+feature; an id is an int64 or a raw Criteo field (1-8 hex digits; "" is the feature's missing id).
+Lines (_lines_body.py) are parsed by the Criteo reader's parser (dense ``log(1 + max(x, 0))``).
+Both parse in the native kernels (csrc/request.cpp), which release the interpreter lock, with a
+Python twin where they are not built.
 
-TSV (``text/tab-separated-values``): Criteo lines, the label column present (40 fields) or
-absent (39), parsed by the Criteo reader's own parser (dense ``log(1 + max(x, 0))``).
+A different parser (another body schema) plugs in as any callable with the same signature
+returning a ParsedRequest; the server checks its arrays (:meth:`ParsedRequest.check`).
 """
 
 from __future__ import annotations
 
-import json
-import re
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..data import CAT_NAMES, N_DENSE, missing_id, parse_buffer, sparse_from_ids
 from ..errors import InputError
 from ..features import SparseFeatures
 
-__all__ = ["parse_json", "parse_tsv", "parse_body", "MAX_BODY_BYTES"]
+__all__ = ["ParsedRequest", "RequestParser", "BodyParser", "RequestTooLarge", "UnsupportedContentType",
+           "CONTENT_TYPES", "media_type", "concat_requests", "MAX_BODY_BYTES", "MAX_DEPTH"]
 
-MAX_BODY_BYTES = 64 << 20
-_HEX = re.compile(r"[0-9a-fA-F]{1,8}")
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+MAX_BODY_BYTES = 8 << 20
+MAX_DEPTH = 32  # JSON nesting: arrays and objects inside each other (a request needs 4)
+CONTENT_TYPES = ("application/json", "text/tab-separated-values", "text/csv")
+_CHARSETS = ("utf-8", "utf8", "us-ascii", "ascii")
 
 
-def parse_body(body: bytes, content_type: str, features: Sequence[str], num_dense: int
-               ) -> tuple[torch.Tensor, SparseFeatures]:
-    """(dense [B, num_dense] float32, sparse) of a request body, by its content type."""
-    kind = content_type.split(";")[0].strip().lower()
-    if kind in ("text/tab-separated-values", "text/plain", "text/tsv"):
-        return parse_tsv(body, features, num_dense)
-    if kind in ("application/json", ""):
-        return parse_json(body, features, num_dense)
-    raise InputError(f"content type {kind!r}: send application/json or text/tab-separated-values")
+class RequestTooLarge(InputError):
+    """A request larger than the server takes (its body, or its rows): HTTP 413."""
 
 
-def parse_json(body: bytes, features: Sequence[str], num_dense: int) -> tuple[torch.Tensor, SparseFeatures]:
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"malformed JSON: {str(e).splitlines()[0]}") from None
-    if not isinstance(doc, dict) or "dense" not in doc or "sparse" not in doc:
-        raise InputError('the body must be a JSON object with "dense" and "sparse"')
-    dense = _dense(doc["dense"], num_dense)
-    B = dense.shape[0]
-    sparse = doc["sparse"]
-    if not isinstance(sparse, dict):
-        raise InputError('"sparse" must be an object of feature name -> list of id lists')
-    missing = [f for f in features if f not in sparse]
-    if missing:
-        raise InputError(f'"sparse" lacks features {missing[:5]}{" ..." if len(missing) > 5 else ""}')
-    values, lengths = [], []
-    for f in features:
-        v, n = _feature_ids(f, sparse[f], B)
-        values.append(v)
-        lengths.append(n)
-    vals = torch.from_numpy(np.concatenate(values)) if values else torch.zeros(0, dtype=torch.int64)
-    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    offsets = np.zeros(lens.size + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return dense, SparseFeatures(list(features), vals, offsets=torch.from_numpy(offsets), batch_size=B)
+class UnsupportedContentType(InputError):
+    """A body of a content type the server does not read: HTTP 415."""
 
 
-def _dense(rows: Any, num_dense: int) -> torch.Tensor:
-    if not isinstance(rows, list) or not rows:
-        raise InputError('"dense" must be a non-empty list of rows')
-    for i, r in enumerate(rows):
-        if not isinstance(r, list) or len(r) != num_dense:
-            got = f"{len(r)} values" if isinstance(r, list) else _short(r)
-            raise InputError(f'"dense" row {i}: expected {num_dense} numbers, got {got}')
-        for j, x in enumerate(r):
-            if type(x) not in (int, float):
-                raise InputError(f'"dense" row {i}, column {j}: not a number: {_short(x)}')
-    arr = np.asarray(rows, dtype=np.float32)
-    if not np.isfinite(arr).all():
-        i, j = np.argwhere(~np.isfinite(arr))[0]
-        raise InputError(f'"dense" row {i}, column {j}: not a finite float32: {rows[i][j]!r}')
-    return torch.from_numpy(arr)
+def media_type(content_type: str | None) -> str:
+    """The accepted media type of a Content-Type header value (lower case, parameters dropped), or
+    UnsupportedContentType naming it.  A charset parameter, if any, must be UTF-8 (or ASCII)."""
+    if not content_type:
+        raise UnsupportedContentType(f"no content type: send one of {', '.join(CONTENT_TYPES)}")
+    kind, *params = content_type.split(";")
+    kind = kind.strip().lower()
+    if kind not in CONTENT_TYPES:
+        raise UnsupportedContentType(f"content type {kind[:60]!r}: send one of {', '.join(CONTENT_TYPES)}")
+    for p in params:
+        name, _, value = p.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in _CHARSETS:
+            raise UnsupportedContentType(f"charset {value.strip()[:30]!r}: bodies are UTF-8")
+    return kind
 
 
-def _feature_ids(feature: str, bags: Any, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int64, bag lengths) of one feature's B bags."""
-    if not isinstance(bags, list) or len(bags) != B:
-        got = f"{len(bags)} bags" if isinstance(bags, list) else _short(bags)
-        raise InputError(f'feature {feature!r}: expected {B} bags (one per dense row), got {got}')
-    lengths = np.empty(B, np.int64)
-    flat: list[Any] = []
-    for b, bag in enumerate(bags):
-        if not isinstance(bag, list):
-            raise InputError(f"feature {feature!r}, row {b}: a bag must be a list of ids, got {_short(bag)}")
-        lengths[b] = len(bag)
-        flat.extend(bag)
-    if all(type(x) is int for x in flat):  # the common case, converted in one call
-        try:
-            return np.array(flat, dtype=np.int64), lengths
-        except OverflowError:
-            pass  # named below
-    out = np.empty(len(flat), np.int64)
-    row = np.repeat(np.arange(B), lengths)
-    for i, x in enumerate(flat):
-        out[i] = _one_id(feature, int(row[i]), x)
-    return out, lengths
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One request's rows, as the served program takes them.
+
+    Args:
+        dense: float32 ``[B, num_dense]``.
+        values: int64 ids, feature-major in the model's feature order (``SparseFeatures`` layout).
+        offsets: int64 ``[F * B + 1]``: bag ``f * B + b`` is ``values[offsets[f*B+b] : offsets[f*B+b+1]]``.
+    """
+
+    dense: np.ndarray
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.dense.shape[0])
+
+    def check(self, num_features: int, num_dense: int) -> "ParsedRequest":
+        """InputError unless the arrays have the layout above (what a plugged-in parser must return)."""
+        d, v, o = self.dense, self.values, self.offsets
+        if not all(isinstance(a, np.ndarray) for a in (d, v, o)):
+            raise InputError("a parsed request holds numpy arrays (dense, values, offsets)")
+        if d.dtype != np.float32 or d.ndim != 2 or d.shape[1] != num_dense or d.shape[0] < 1:
+            raise InputError(f"parsed dense rows: float32 [B >= 1, {num_dense}], got {d.dtype} {list(d.shape)}")
+        if v.dtype != np.int64 or v.ndim != 1 or o.dtype != np.int64 or o.shape != (num_features * d.shape[0] + 1,):
+            raise InputError(f"parsed ids: int64 values and int64 [{num_features} x {d.shape[0]} + 1] offsets, got "
+                             f"{v.dtype} {list(v.shape)}, {o.dtype} {list(o.shape)}")
+        if o[0] != 0 or o[-1] != v.shape[0] or (o.size > 1 and bool((o[1:] < o[:-1]).any())):
+            raise InputError("parsed offsets must rise from 0 to the number of ids")
+        if not bool(np.isfinite(d).all()):
+            raise InputError("parsed dense rows hold a non-finite value")
+        return self
+
+    def tensors(self, features: Sequence[str]) -> tuple[torch.Tensor, SparseFeatures]:
+        """(dense, SparseFeatures) of the request (sharing its arrays)."""
+        return torch.from_numpy(self.dense), SparseFeatures(list(features), torch.from_numpy(self.values),
+                                                            offsets=torch.from_numpy(self.offsets),
+                                                            batch_size=self.rows)
 
 
-def _one_id(feature: str, row: int, x: Any) -> int:
-    if type(x) is int:
-        if not _INT64[0] <= x <= _INT64[1]:
-            raise InputError(f"feature {feature!r}, row {row}: id {x} is out of the int64 range")
-        return x
-    if isinstance(x, str):
-        if x == "":
-            if feature not in CAT_NAMES:
-                raise InputError(f"feature {feature!r}, row {row}: an empty id names Criteo's missing value, and "
-                                 f"{feature!r} is no Criteo feature")
-            return missing_id(CAT_NAMES.index(feature))
-        if _HEX.fullmatch(x) is None:
-            raise InputError(f"feature {feature!r}, row {row}: not a hex id of 1-8 digits: {_short(x)}")
-        return int(x, 16)
-    raise InputError(f"feature {feature!r}, row {row}: an id is an integer or a hex string, got {_short(x)}")
+RequestParser = Callable[[bytes, str], ParsedRequest]
 
 
-def parse_tsv(body: bytes, features: Sequence[str], num_dense: int) -> tuple[torch.Tensor, SparseFeatures]:
-    if tuple(features) != CAT_NAMES or num_dense != N_DENSE:
-        raise InputError("TSV bodies are Criteo lines; this model reads other features: send JSON")
-    lines = body.rstrip(b"\n").split(b"\n")
-    if not body.strip():
-        raise InputError("empty TSV body: send one Criteo line per row")
-    fields = lines[0].count(b"\t") + 1
-    if fields == 39:  # no label column: give every line a dummy one, so the reader's parser takes them
-        counts = [ln.count(b"\t") + 1 for ln in lines]
-        bad = next((i for i, n in enumerate(counts) if n != 39), None)
-        if bad is not None:
-            raise InputError(f"TSV line {bad + 1}: expected 39 tab-separated fields like line 1 (I1..I13, C1..C26), "
-                             f"got {counts[bad]}")
-        body = b"\n".join(b"0\t" + ln for ln in lines)
-    elif fields != 40:
-        raise InputError(f"TSV line 1: expected 40 tab-separated fields (label, I1..I13, C1..C26) or 39 (no label), "
-                         f"got {fields}")
-    buf = np.frombuffer(body, dtype=np.uint8).copy()
-    block = parse_buffer(buf, source="request line")  # InputError: "request line:3: field C7 (column 21): ..."
-    if len(block.block) != len(lines):
-        raise InputError(f"TSV body: {len(lines)} lines but {len(block.block)} rows parsed (an empty line?)")
-    blk = block.block
-    dense = torch.from_numpy(np.ascontiguousarray(blk.dense, dtype=np.float32))
-    return dense, sparse_from_ids(torch.from_numpy(np.ascontiguousarray(blk.cats)))
+class BodyParser:
+    """The server's parse step for one model: ``parser(body, content_type) -> ParsedRequest``.
+
+    Args:
+        features: the model's sparse features, in its order.  num_dense: its dense width.
+        max_rows: rows one request may hold (more: RequestTooLarge).
+        native: use the kernels (True), the Python twin (False), or the kernels where built (None).
+
+    Example::
+
+        parse = BodyParser(model.features, model.num_dense, max_rows=4096)
+        req = parse(b'{"dense": [[0.5, ...]], "sparse": {"C1": [["68fd1e64"]], ...}}', "application/json")
+    """
+
+    def __init__(self, features: Sequence[str], num_dense: int, *, max_rows: int, native: bool | None = None,
+                 max_depth: int = MAX_DEPTH) -> None:
+        from . import _json_body, _lines_body
+
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.features, self.num_dense, self.max_rows = tuple(features), int(num_dense), int(max_rows)
+        self._json = _json_body.JsonBody(self.features, self.num_dense, max_rows=self.max_rows, max_depth=max_depth,
+                                         native=native)
+        self._lines = _lines_body.LinesBody(self.features, self.num_dense, max_rows=self.max_rows, native=native)
+
+    def __call__(self, body: bytes, content_type: str) -> ParsedRequest:
+        kind = media_type(content_type)
+        if kind == "application/json":
+            return self._json(body)
+        return self._lines(body, "\t" if kind == "text/tab-separated-values" else ",")
+
+
+def concat_requests(requests: Sequence[ParsedRequest], num_features: int) -> ParsedRequest:
+    """The requests' rows one after the other, still feature-major: each feature's bags of every
+    request in turn.  One gather, no loop over ids or features."""
+    if len(requests) == 1:
+        return requests[0]
+    F = num_features
+    rows = np.array([r.rows for r in requests], np.int64)
+    dense = np.concatenate([r.dense for r in requests])
+    # where each (request, feature) run of ids starts in its request and in the joined values
+    bounds = np.stack([r.offsets[np.arange(F + 1) * r.rows] for r in requests])  # [k, F + 1]
+    base = np.zeros(len(requests), np.int64)
+    np.cumsum([r.values.shape[0] for r in requests[:-1]], out=base[1:])
+    start = (bounds[:, :-1] + base[:, None]).T.reshape(-1)  # feature-major: [F, k]
+    length = np.diff(bounds, axis=1).T.reshape(-1)
+    total = int(length.sum())
+    out_start = np.cumsum(length) - length
+    gather = np.repeat(start - out_start, length) + np.arange(total)
+    values = np.concatenate([r.values for r in requests])[gather]
+    lengths = np.concatenate([np.diff(r.offsets).reshape(F, int(n)) for r, n in zip(requests, rows)], axis=1)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths.reshape(-1), out=offsets[1:])
+    return ParsedRequest(dense, values, offsets)

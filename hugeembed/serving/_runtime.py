@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 __all__ = ["ArtifactError", "pooled_lookup", "load", "Artifact", "Tables", "verify_file", "read_array",
-           "build_index", "table_meta", "group_tables", "DTYPES", "COMBINERS", "FORMAT", "FORMAT_VERSION", "MANIFEST"]
+           "build_index", "table_meta", "group_tables", "relative_file", "parse_manifest", "DTYPES", "COMBINERS",
+           "FORMAT", "FORMAT_VERSION", "MANIFEST"]
 
 FORMAT = "hugeembed-serving"
 FORMAT_VERSION = 2  # 2: one key array and a hash index per dim group (1: sorted keys per table)
@@ -119,6 +120,8 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
         ids = values[torch.arange(n) + torch.repeat_interleave(bounds[:, 0] - begin, per_feature, output_size=n)]
         starts = torch.cumsum(lengths, 0) - lengths
     n = ids.numel()
+    if index.numel() & (index.numel() - 1):  # not the artifact's slot index (hugeembed's own: its kernels read it)
+        raise ArtifactError(f"a key index of {index.numel()} slots: the artifact's index has a power of two")
     table = torch.repeat_interleave(torch.tensor(feature_table, dtype=torch.int64), per_feature, output_size=n)
     m = meta.index_select(0, table)  # [n, 5]: each id's table record
     static = m[:, KEY_BASE] < 0
@@ -281,6 +284,9 @@ find_accelerator: Any = None
 # feature_table, B, n_rows) -> (row of each id, bags batch-major; each bag's first id; each bag's kept
 # ids), or None.
 bags_accelerator: Any = None
+# The index the lookups of loaded tables read: fn(keys, index, meta) -> index (hugeembed.serving installs
+# a builder of its private, salted index, which only its bags_accelerator reads).
+index_builder: Any = None
 
 
 def _find(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor
@@ -337,6 +343,28 @@ def sha256_of(path: Path) -> str:
             h.update(b)
 
 
+def relative_file(rel: Any, directory: Path) -> Path:
+    """A manifest's file name as a path inside `directory`: relative, no ``..``, no NUL (ArtifactError otherwise:
+    a manifest naming /etc/passwd or ../../x would read files outside the artifact)."""
+    p = Path(rel) if isinstance(rel, str) else None
+    if p is None or "\0" in rel or "\\" in rel or p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ArtifactError(f"{directory / MANIFEST}: file name {rel!r} is not a relative path inside the artifact")
+    return p
+
+
+def artifact_file(directory: Path, rec: Any) -> Path:
+    """The path of a manifest file record's file (checked by relative_file; a symbolic link is refused)."""
+    if not isinstance(rec, dict):
+        raise ArtifactError(f"{directory / MANIFEST}: a file record must be a mapping, got {rec!r}")
+    path = directory / relative_file(rec.get("file"), directory)
+    here = directory
+    for part in path.relative_to(directory).parts:
+        here = here / part
+        if here.is_symlink():
+            raise ArtifactError(f"{here} is a symbolic link: refused inside an artifact")
+    return path
+
+
 def verify_file(path: Path, rec: dict[str, Any]) -> None:
     """ArtifactError if the file is missing, of another size or altered (its sha256)."""
     if not path.is_file():
@@ -372,8 +400,17 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ArtifactError(f"{directory} is not a hugeembed serving artifact (no {MANIFEST})")
     try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{path} is unreadable: {e}") from None
+    return parse_manifest(data, path)
+
+
+def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
+    """A manifest from its bytes (`path`: where they were read, for messages), its format and keys checked."""
+    try:
+        m = json.loads(data)
+    except ValueError as e:
         raise ArtifactError(f"{path} is unreadable: {e}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a hugeembed serving manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
@@ -383,6 +420,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     for key in ("kind", "dtype", "groups", "tables", "files", "features", "source"):
         if key not in m:
             raise ArtifactError(f"{path}: {key} is missing (a damaged manifest)")
+    if not isinstance(m["files"], dict):
+        raise ArtifactError(f"{path}: files must be a mapping of names to file records")
     if m["dtype"] not in DTYPES:
         raise ArtifactError(f"{path}: dtype {m['dtype']!r}, expected one of {DTYPES}")
     return m
@@ -398,10 +437,11 @@ class Tables:
     def __init__(self, rows: list[torch.Tensor], keys: list[torch.Tensor], index: list[torch.Tensor],
                  meta: list[torch.Tensor]) -> None:
         self.rows, self.keys, self.index, self.meta = rows, keys, index, meta
+        self.lookup_index = index if index_builder is None else [index_builder(*a) for a in zip(keys, index, meta)]
 
     def args(self) -> tuple[list[torch.Tensor], ...]:
         """The program's table arguments, after dense, values and offsets."""
-        return self.rows, self.keys, self.index, self.meta
+        return self.rows, self.keys, self.lookup_index, self.meta
 
 
 def group_tables(group: dict[str, Any], sizes: list[int], rows: torch.Tensor, keys: torch.Tensor,
@@ -428,8 +468,10 @@ def group_tables(group: dict[str, Any], sizes: list[int], rows: torch.Tensor, ke
 class Artifact:
     """A loaded artifact: manifest, tables (memory-mapped) and the exported dense program."""
 
-    def __init__(self, directory: Path, manifest: dict[str, Any], tables: Tables, program) -> None:
-        self.directory, self.manifest, self.tables, self.program = directory, manifest, tables, program
+    def __init__(self, directory: Path, manifest: dict[str, Any], tables: Tables, exported) -> None:
+        self.directory, self.manifest, self.tables = directory, manifest, tables
+        self.exported = exported  # the torch.export ExportedProgram (its weights: a delta's are applied to it)
+        self.program = exported.module()
         self.features: list[str] = list(manifest["features"]["sparse"])
         self.num_dense: int = int(manifest["features"]["dense"])
 
@@ -441,10 +483,11 @@ class Artifact:
 
 
 def load_program(path: Path, rec: dict[str, Any]):
-    """The exported dense program (a torch.export .pt2 file), verified, as a callable module."""
+    """The exported dense program (a torch.export .pt2 file, the base artifact's only: it is code, unpickled
+    by torch.export.load), verified, as an ExportedProgram."""
     verify_file(path, rec)
     try:
-        return torch.export.load(str(path)).module()
+        return torch.export.load(str(path))
     except Exception as e:  # torch raises many types for a bad archive
         raise ArtifactError(f"artifact file {path}: the exported program does not load: {e}") from None
 
@@ -460,7 +503,7 @@ def load_tables(directory: Path, manifest: dict[str, Any]) -> Tables:
             rec = files.get(f"{what}.{g}")
             if rec is None:
                 raise ArtifactError(f"{directory / MANIFEST}: file {what}.{g} is missing (a damaged manifest)")
-            arrays.append(read_array(directory / rec["file"], rec))
+            arrays.append(read_array(artifact_file(directory, rec), rec))
         probe = files[f"index.{g}"].get("max_probe")
         if not isinstance(probe, list) or len(probe) != len(group["tables"]):
             raise ArtifactError(f"{directory / MANIFEST}: index.{g} has no max probe per table (a damaged manifest)")
@@ -476,5 +519,5 @@ def load(directory: str | os.PathLike) -> Artifact:
     if m["kind"] != "full":
         raise ArtifactError(f"{directory} is an artifact delta: load the full artifact it follows")
     tables = load_tables(directory, m)
-    program = load_program(directory / m["files"]["program"]["file"], m["files"]["program"])
+    program = load_program(artifact_file(directory, m["files"].get("program")), m["files"]["program"])
     return Artifact(directory, m, tables, program)

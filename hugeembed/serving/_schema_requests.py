@@ -1,36 +1,39 @@
-"""A request body -> model inputs ``(dense [B, num_dense] float32, SparseFeatures)`` under the model's data schema.
+"""A request body -> ParsedRequest under the model's data schema (the server's parse step).
 
-Bodies, by content type::
+Bodies, by content type (_requests.py refuses any other, or none, with 415)::
 
     application/json   {"rows": [{"user_id": "196", "genres": "Action|Comedy", "age": 24}, ...]}
                        rows keyed by column name, values as in the data files (a bag as its text, or a
                        list); the label column may be there (it is ignored)
                        {"dense": [[...]], "sparse": {"C1": [[id, ...]], ...}}: model inputs directly
-                       (ids as int64; Criteo's as their hex text), as before schemas existed
+                       (ids as int64; Criteo's as their hex text), parsed by the native kernels
     text/csv           lines in the model's own format: its header line first when the schema has one
-    text/tab-separated-values     (a Criteo model: its 39 or 40 tab-separated fields, no header)
+    text/tab-separated-values     (a Criteo model: its 39 or 40 fields, no header: the native kernels)
 
-The rows go through the same encoder as the training files (hugeembed.data), so a value is the
-same id and the same dense input at training and serving time.  Any bad row is an InputError of
-one line naming row, column and value (the server answers 400 with it); rows count from 1.
+Rows by column name and a schema's own lines go through the same encoder as the training files
+(hugeembed.data), so a value is the same id and the same dense input at training and serving time.
+Any bad row is an InputError of one line naming row, column and value (the server answers 400
+with it); rows count from 1.  More rows than the server takes: RequestTooLarge (413).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..data import Batch, Schema, value_text
 from ..data._encode import Encoder, Where, require_pyarrow
 from ..errors import InputError
 from ..features import SparseFeatures
-from ._requests import parse_json, parse_tsv
+from ._requests import BodyParser, ParsedRequest, RequestTooLarge, media_type
 
-__all__ = ["parse_request", "parse_rows", "parse_text"]
+__all__ = ["SchemaBodyParser", "parse_request", "parse_rows", "parse_text"]
 
-_TEXT_TYPES = {"text/csv": ",", "text/tab-separated-values": "\t", "text/tsv": "\t", "text/plain": "\t"}
+_ROWS_FORM = re.compile(rb'\s*\{\s*"rows"\s*:')  # {"rows": ...}: "rows" is its one key
 
 
 def _short(value: Any) -> str:
@@ -38,42 +41,70 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def parse_request(body: bytes, content_type: str, schema: Schema | None, features: Sequence[str], num_dense: int
-                  ) -> tuple[torch.Tensor, SparseFeatures]:
-    """(dense, sparse) of a request body for a model reading `features` and `num_dense` dense columns,
-    under its data `schema` (None: a model without one takes model inputs as JSON only).  The sparse
-    features come in the order of `features` (the artifact's, which groups the features of a table)."""
-    dense, sparse = _parse(body, content_type, schema, features, num_dense)
-    if tuple(sparse.keys()) != tuple(features):
-        missing = [f for f in features if f not in sparse.keys()]
-        if missing:
-            raise InputError(f"sparse features {missing} are missing (the model reads {list(features)})")
-        sparse = sparse.select(list(features))
-    return dense, sparse
+class SchemaBodyParser:
+    """``parser(body, content_type) -> ParsedRequest`` for a model of `features` and `num_dense`
+    dense columns under its data `schema` (None: a model without one takes model inputs only).
+    Model inputs and Criteo lines go to the native BodyParser; rows by column name and a schema's
+    own lines to the schema's encoder."""
 
+    def __init__(self, schema: Schema | None, features: Sequence[str], num_dense: int, *, max_rows: int,
+                 native: bool | None = None) -> None:
+        self.schema, self.features, self.num_dense, self.max_rows = schema, tuple(features), int(num_dense), max_rows
+        self.inputs = BodyParser(self.features, self.num_dense, max_rows=max_rows, native=native)
+        self._own_lines = schema is not None and not schema.is_criteo()
 
-def _parse(body: bytes, content_type: str, schema: Schema | None, features: Sequence[str], num_dense: int
-           ) -> tuple[torch.Tensor, SparseFeatures]:
-    kind = content_type.split(";")[0].strip().lower()
-    if kind in ("application/json", ""):
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InputError(f"malformed JSON: {str(e).splitlines()[0]}") from None
-        if isinstance(doc, dict) and "rows" in doc:
-            if schema is None:
+    def __call__(self, body: bytes, content_type: str) -> ParsedRequest:
+        kind = media_type(content_type)
+        if kind == "application/json":
+            if not _ROWS_FORM.match(body[:256]):
+                return self.inputs(body, content_type)
+            if self.schema is None:
                 raise InputError('this model has no data schema: send {"dense": ..., "sparse": ...}')
-            return parse_rows(doc, schema)
-        return parse_json(body, features, num_dense)
-    if kind in _TEXT_TYPES:
-        if schema is None:
-            raise InputError('this model has no data schema: send JSON {"dense": ..., "sparse": ...}')
-        if schema.is_criteo():
-            if kind == "text/csv":
-                raise InputError("a Criteo model takes its lines tab-separated: send text/tab-separated-values")
-            return parse_tsv(body, features, num_dense)
-        return parse_text(body, schema, _TEXT_TYPES[kind] if kind != "text/plain" else None)
-    raise InputError(f"content type {kind!r}: send application/json, text/csv or text/tab-separated-values")
+            doc = _load_json(body)
+            rows = doc.get("rows") if isinstance(doc, dict) else None
+            if isinstance(rows, list) and len(rows) > self.max_rows:
+                raise RequestTooLarge(f"{len(rows)} rows, more than {self.max_rows} (--max-request-rows)")
+            dense, sparse = parse_rows(doc, self.schema)
+        elif self._own_lines:
+            dense, sparse = parse_text(body, self.schema, "," if kind == "text/csv" else "\t")
+        else:
+            return self.inputs(body, content_type)
+        if dense.shape[0] > self.max_rows:
+            raise RequestTooLarge(f"{dense.shape[0]} rows, more than {self.max_rows} (--max-request-rows)")
+        return _parsed(dense, _in_order(sparse, self.features))
+
+
+def _load_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"malformed JSON: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise InputError("malformed JSON: nested too deep") from None
+
+
+def _in_order(sparse: SparseFeatures, features: Sequence[str]) -> SparseFeatures:
+    """`sparse` in the order of `features` (the artifact's, which groups the features of a table)."""
+    if tuple(sparse.keys()) == tuple(features):
+        return sparse
+    missing = [f for f in features if f not in sparse.keys()]
+    if missing:
+        raise InputError(f"sparse features {missing} are missing (the model reads {list(features)})")
+    return sparse.select(list(features))
+
+
+def _parsed(dense: torch.Tensor, sparse: SparseFeatures) -> ParsedRequest:
+    return ParsedRequest(np.ascontiguousarray(dense.numpy(), dtype=np.float32),
+                         np.ascontiguousarray(sparse.values().numpy(), dtype=np.int64),
+                         np.ascontiguousarray(sparse.offsets().numpy(), dtype=np.int64))
+
+
+def parse_request(body: bytes, content_type: str, schema: Schema | None, features: Sequence[str], num_dense: int,
+                  max_rows: int = 1 << 20) -> tuple[torch.Tensor, SparseFeatures]:
+    """(dense, sparse) of a request body for a model reading `features` and `num_dense` dense
+    columns under its data `schema`: SchemaBodyParser's arrays as the model's inputs."""
+    parsed = SchemaBodyParser(schema, features, num_dense, max_rows=max_rows)(body, content_type)
+    return parsed.check(len(features), num_dense).tensors(features)
 
 
 def _inputs(block, schema: Schema) -> tuple[torch.Tensor, SparseFeatures]:

@@ -2,17 +2,19 @@
 
 ::
 
-    POST /predict   JSON, CSV or TSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."}
-    GET  /healthz   {"status": "ok", "version": ...}
-    GET  /metrics   requests, rows, errors, latency p50/p99 (ms), batches, version, deltas applied
-    POST /reload    applies the deltas written since (also done every --watch seconds)
+    POST /predict   JSON, TSV or CSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."},
+                    and a Server-Timing header: parse, queue and model milliseconds
+    GET  /healthz   {"status": "ok" | "degraded", "version": ...} (degraded: a delta was refused, and why)
+    GET  /metrics   requests, rows, refusals by status, latency / parse / queue / model p50 and p99 (ms), ...
+    POST /reload    applies the deltas written since (with the --admin-token; also every --watch seconds)
 
-Requests are parsed in the event loop (InputError -> 400 with its one line), then queued;
-one batcher task takes the first waiting request with the others already queued (they arrived
-while the previous call ran), gathers more for at most `max_wait_ms` (default 0: a lone request
-does not wait), up to `max_batch_rows`, runs the model once on their concatenation in a worker thread
-and hands each request its slice.  One model call reads one served version: every
-response (it names its version) comes from the old model or the new one, never a mix.
+A request is bounded at every step: its Host header must name the server (else 400: DNS
+rebinding), its content type be one the server reads (415), its body at most max_body_bytes (413)
+and its rows at most max_request_rows (413).  The body is parsed off the event loop (small ones
+inline: the kernels take microseconds; larger ones on the parse thread, the interpreter lock
+released), then queued unless the queue holds max_queue_rows already (503 + Retry-After); the
+batcher (_batcher.py) runs the model on its own thread.  A request not answered within
+request_timeout_s gets 504; one whose client went away is dropped before its model call.
 """
 
 from __future__ import annotations
@@ -21,19 +23,23 @@ import asyncio
 import collections
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..errors import ArtifactError, InputError
-from ..features import SparseFeatures
+from ..errors import ConfigError, InputError
+from ._batcher import Batcher, Pending
 from ._model import ServingModel
-from ._requests import MAX_BODY_BYTES
-from ._schema_requests import parse_request
+from ._reloader import Reloader
+from ._requests import MAX_BODY_BYTES, RequestParser, RequestTooLarge, UnsupportedContentType, media_type
+from ._schema_requests import SchemaBodyParser
 
-__all__ = ["make_app", "serve", "ServerConfig", "Metrics"]
+__all__ = ["make_app", "serve", "uvicorn_config", "ServerConfig", "Metrics", "LOOPBACK_HOSTS"]
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_INLINE_PARSE_BYTES = 64 << 10  # smaller bodies parse on the event loop: ~0.1 ms, less than a thread handoff
 
 
 @dataclass(frozen=True)
@@ -41,17 +47,51 @@ class ServerConfig:
     """Args: max_wait_ms: longest a call waits for more requests to join it (0: none; requests that
     arrived while the previous call ran join it anyway, so batches form under load); max_batch_rows: rows
     per model call (a bigger request runs alone); watch_s: seconds between looks for new deltas
-    (0: only POST /reload); max_body_bytes: larger bodies get 413."""
+    (0, the default: none); admin_token: what POST /reload must present as ``Authorization: Bearer``
+    (None, the default: POST /reload is off); max_body_bytes: larger bodies get 413; max_request_rows: rows of one
+    request (more: 413; None: max_batch_rows); max_queue_rows: rows that may wait for the model (a
+    request that does not fit gets 503 + Retry-After; None: 4 x max_batch_rows); request_timeout_s:
+    arrival to answer (then 504); allowed_hosts: names the Host header may give ("*": any);
+    limit_concurrency: connections and requests at once (uvicorn answers 503 beyond)."""
 
     max_wait_ms: float = 0.0
     max_batch_rows: int = 4096
-    watch_s: float = 5.0
+    watch_s: float = 0.0
+    admin_token: str | None = field(default=None, repr=False)
     max_body_bytes: int = MAX_BODY_BYTES
+    max_request_rows: int | None = None
+    max_queue_rows: int | None = None
+    request_timeout_s: float = 10.0
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+    limit_concurrency: int = 64
+
+    def __post_init__(self) -> None:
+        checks = [("max_wait_ms", self.max_wait_ms >= 0), ("max_batch_rows", self.max_batch_rows >= 1),
+                  ("max_body_bytes", self.max_body_bytes >= 1), ("request_timeout_s", self.request_timeout_s > 0),
+                  ("limit_concurrency", self.limit_concurrency >= 1),
+                  ("max_request_rows", self.max_request_rows is None or self.max_request_rows >= 1)]
+        bad = [name for name, ok in checks if not ok]
+        if bad:
+            raise ConfigError(f"server settings out of range: {', '.join(bad)} (sizes and limits must be >= 1, "
+                              f"max_wait_ms >= 0)")
+        if self.max_queue_rows is not None and self.max_queue_rows < self.request_rows:
+            raise ConfigError(f"max_queue_rows {self.max_queue_rows} is less than a request's rows "
+                              f"({self.request_rows}): a full request could never be queued")
+        if not self.allowed_hosts:
+            raise ConfigError("allowed_hosts is empty: no request could be served (give '*' to allow any)")
+
+    @property
+    def request_rows(self) -> int:
+        return self.max_batch_rows if self.max_request_rows is None else self.max_request_rows
+
+    @property
+    def queue_rows(self) -> int:
+        return 4 * max(self.max_batch_rows, self.request_rows) if self.max_queue_rows is None else self.max_queue_rows
 
 
 @dataclass
 class Metrics:
-    """Counters and the latencies of the last 10 000 requests (ms, arrival to response)."""
+    """Counters and the latencies of the last 10 000 requests (ms; latency: arrival to response)."""
 
     requests: int = 0
     rows: int = 0
@@ -59,175 +99,216 @@ class Metrics:
     batches: int = 0
     reloads: int = 0
     reload_errors: int = 0
+    refused: collections.Counter = field(default_factory=collections.Counter)  # HTTP status -> count
+    dropped: int = 0  # the client went away before its model call: never computed
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
     parse_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
+    queue_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
     model_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10_000))
 
-    def snapshot(self, model: ServingModel) -> dict[str, Any]:
-        def pct(d, q):
-            return round(float(np.percentile(np.fromiter(d, float), q)), 3) if d else None
+    def snapshot(self, model: ServingModel, queued_rows: int = 0) -> dict[str, Any]:
+        def pct(d):
+            if not d:
+                return {"p50": None, "p99": None}
+            a = np.fromiter(d, float)
+            return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3)}
 
         return {"requests": self.requests, "rows": self.rows, "errors": self.errors, "batches": self.batches,
-                "latency_ms": {"p50": pct(self.latency_ms, 50), "p99": pct(self.latency_ms, 99)},
-                "parse_ms": {"p50": pct(self.parse_ms, 50), "p99": pct(self.parse_ms, 99)},
-                "model_ms": {"p50": pct(self.model_ms, 50), "p99": pct(self.model_ms, 99)},
+                "refused": {str(k): v for k, v in sorted(self.refused.items())}, "dropped": self.dropped,
+                "queued_rows": queued_rows,
+                "latency_ms": pct(self.latency_ms), "parse_ms": pct(self.parse_ms), "queue_ms": pct(self.queue_ms),
+                "model_ms": pct(self.model_ms),
                 "version": model.version, "deltas": list(model.served.deltas), "dtype": model.dtype,
                 "reloads": self.reloads, "reload_errors": self.reload_errors}
 
 
-@dataclass
-class _Pending:
-    dense: torch.Tensor
-    sparse: SparseFeatures
-    future: asyncio.Future
+class _HostCheck:
+    """ASGI middleware: 400 unless the Host header names an allowed host (any port).  A page that
+    rebinds its own DNS name to 127.0.0.1 sends its own name here, and is refused."""
+
+    def __init__(self, app, allowed: tuple[str, ...]) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.allowed = frozenset(h.strip().lower().rstrip(".").strip("[]") for h in allowed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and not self.any:
+            raw = next((v for k, v in scope.get("headers", ()) if k == b"host"), None)
+            name = host_name(raw.decode("latin-1")) if raw is not None else None
+            if name not in self.allowed:
+                from starlette.responses import PlainTextResponse
+
+                shown = "no Host header" if raw is None else f"host {raw.decode('latin-1')[:80]!r}"
+                await PlainTextResponse(f"{shown} is not served here (hugeembed serve --allow-host NAME)\n",
+                                        status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-class _Batcher:
-    def __init__(self, model: ServingModel, cfg: ServerConfig, metrics: Metrics) -> None:
-        self.model, self.cfg, self.metrics = model, cfg, metrics
-        self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self.task: asyncio.Task | None = None
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = [await self.queue.get()]
-            rows = batch[0].dense.shape[0]
-            deadline = loop.time() + self.cfg.max_wait_ms / 1000
-            while rows < self.cfg.max_batch_rows:
-                left = deadline - loop.time()
-                if self.queue.empty() and left <= 0:  # nothing queued, no (more) wait: start the call
-                    break
-                try:
-                    nxt = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(
-                        self.queue.get(), left)
-                except (asyncio.TimeoutError, TimeoutError):
-                    break
-                batch.append(nxt)
-                rows += nxt.dense.shape[0]
-            try:
-                results, version = await loop.run_in_executor(None, self._compute, batch)
-            except Exception as e:  # a bug, not a bad request (those are refused at parse): 500 for these
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            for p, r in zip(batch, results):
-                if not p.future.done():
-                    p.future.set_result((r, version))
-
-    def _compute(self, batch: list[_Pending]) -> tuple[list[list[float]], str]:
-        started = time.perf_counter()
-        served = self.model.served  # one version for the whole call
-        if len(batch) == 1:
-            dense, sparse = batch[0].dense, batch[0].sparse
-        else:
-            dense = torch.cat([p.dense for p in batch])
-            sparse = SparseFeatures.concat_batches([p.sparse for p in batch])
-        values, offsets = sparse.values(), sparse.offsets()
-        probs = torch.sigmoid(self.model.logits_raw(dense, values, offsets, served)).tolist()
-        out, at = [], 0
-        for p in batch:
-            n = p.dense.shape[0]
-            out.append(probs[at: at + n])
-            at += n
-        self.metrics.batches += 1
-        self.metrics.model_ms.append((time.perf_counter() - started) * 1000)
-        return out, served.version
+def host_name(host: str) -> str:
+    """The name of a Host header value, lower case, without port, brackets or a final dot."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1: h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":")[0]
+    return h.rstrip(".")
 
 
-def make_app(model: ServingModel, cfg: ServerConfig | None = None):
-    """The starlette application serving `model` (the batcher and the delta watcher start with it)."""
+def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: RequestParser | None = None):
+    """The starlette application serving `model` (the batcher and the delta watcher start with it).
+
+    `parse(body, content_type) -> ParsedRequest` reads request bodies (default: SchemaBodyParser,
+    under the model's data schema); it runs off the event loop and may raise InputError (400), RequestTooLarge (413)
+    or UnsupportedContentType (415)."""
     try:
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, PlainTextResponse
+        from starlette.middleware import Middleware
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse, PlainTextResponse, Response
         from starlette.routing import Route
     except ImportError:
         raise ImportError("the server needs starlette and uvicorn: pip install 'hugeembed[serve]'") from None
     cfg = cfg or ServerConfig()
     metrics = Metrics()
-    batcher = _Batcher(model, cfg, metrics)
+    parse = parse or SchemaBodyParser(model.schema, model.features, model.num_dense, max_rows=cfg.request_rows)
+    F, num_dense = len(model.features), model.num_dense
+    parse_pool = ThreadPoolExecutor(1, thread_name_prefix="hugeembed-parse")
 
-    def bad(status: int, reason: str):
+    def on_batch(requests: int, rows: int, queue_ms: list[float], model_ms: float) -> None:
+        metrics.batches += 1
+        metrics.queue_ms.extend(queue_ms)
+        metrics.model_ms.append(model_ms)
+
+    batcher = Batcher(model, max_batch_rows=cfg.max_batch_rows, max_queue_rows=cfg.queue_rows,
+                      max_wait_ms=cfg.max_wait_ms, on_batch=on_batch)
+    reloader = Reloader(model, metrics, watch_s=cfg.watch_s, token=cfg.admin_token)
+
+    def refuse(status: int, reason: str, headers: dict[str, str] | None = None):
         metrics.errors += 1
-        return PlainTextResponse(reason.splitlines()[0] + "\n", status_code=status)
+        metrics.refused[status] += 1
+        return PlainTextResponse(reason.splitlines()[0] + "\n", status_code=status, headers=headers)
+
+    def parse_checked(body: bytes, content_type: str):
+        return parse(body, content_type).check(F, num_dense)
+
+    async def read_body(request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
+            raise RequestTooLarge(f"body of {declared} bytes, more than {cfg.max_body_bytes} (--max-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise RequestTooLarge(f"body larger than {cfg.max_body_bytes} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def client_gone(receive) -> None:
+        """Returns when the client disconnects (the body is read: the next message is the disconnect)."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def answer(request, t0: float):
+        content_type = request.headers.get("content-type")
+        media_type(content_type)  # 415 before the body is read
+        body = await read_body(request)
+        if len(body) <= _INLINE_PARSE_BYTES:
+            parsed = parse_checked(body, content_type)
+        else:
+            parsed = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_checked, body, content_type)
+        parse_ms = (time.perf_counter() - t0) * 1000
+        metrics.parse_ms.append(parse_ms)
+        p = Pending(parsed, asyncio.get_running_loop().create_future())
+        if not batcher.admit(p):
+            return refuse(503, f"the queue holds {batcher.queued_rows} rows: try again shortly", {"Retry-After": "1"})
+        gone = asyncio.ensure_future(client_gone(request.receive))
+        try:
+            await asyncio.wait((p.future, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not p.future.done():  # the client left: nobody reads the answer
+                metrics.dropped += p.queued  # (one in a model call already is computed all the same)
+                return Response(status_code=499)
+            probs, version = p.future.result()
+        finally:
+            gone.cancel()
+            if not p.future.done():
+                batcher.abandon(p)
+        metrics.rows += len(probs)
+        metrics.latency_ms.append((time.perf_counter() - t0) * 1000)
+        # the server's share of the latency (W3C Server-Timing): the rest is HTTP and the network
+        timing = f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}"
+        return JSONResponse({"predictions": probs, "version": version}, headers={"Server-Timing": timing})
 
     async def predict(request):
         t0 = time.perf_counter()
         metrics.requests += 1
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
-            return bad(413, f"body of {declared} bytes, more than {cfg.max_body_bytes}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > cfg.max_body_bytes:
-                return bad(413, f"body larger than {cfg.max_body_bytes} bytes")
-        body = b"".join(chunks)
         try:
-            dense, sparse = parse_request(body, request.headers.get("content-type", ""), model.schema, model.features,
-                                          model.num_dense)
-            model.check(dense, sparse)  # the same checks as the Python API; changes nothing
+            return await asyncio.wait_for(answer(request, t0), cfg.request_timeout_s)
+        except UnsupportedContentType as e:
+            return refuse(415, str(e))
+        except RequestTooLarge as e:
+            return refuse(413, str(e))
         except (InputError, NotImplementedError) as e:
-            return bad(400, str(e))
-        metrics.parse_ms.append((time.perf_counter() - t0) * 1000)
-        fut = asyncio.get_running_loop().create_future()
-        await batcher.queue.put(_Pending(dense, sparse, fut))
-        try:
-            probs, version = await fut
-        except Exception as e:
-            return bad(500, f"prediction failed: {type(e).__name__}: {e}")
-        metrics.rows += len(probs)
-        metrics.latency_ms.append((time.perf_counter() - t0) * 1000)
-        return JSONResponse({"predictions": probs, "version": version})
+            return refuse(400, str(e))
+        except asyncio.TimeoutError:
+            return refuse(504, f"no prediction within {cfg.request_timeout_s:g} s (--request-timeout)")
+        except ClientDisconnect:
+            metrics.dropped += 1
+            return Response(status_code=499)
+        except Exception as e:  # a bug, not a bad request
+            return refuse(500, f"prediction failed: {type(e).__name__}: {e}")
 
     async def healthz(request):
-        return JSONResponse({"status": "ok", "version": model.version})
+        return JSONResponse(reloader.health())
 
     async def get_metrics(request):
-        return JSONResponse(metrics.snapshot(model))
+        return JSONResponse(metrics.snapshot(model, batcher.queued_rows))
 
     async def reload(request):
-        try:
-            applied = await asyncio.get_running_loop().run_in_executor(None, model.reload)
-        except ArtifactError as e:
-            metrics.reload_errors += 1
-            return PlainTextResponse(str(e).splitlines()[0] + "\n", status_code=409)
-        metrics.reloads += len(applied)
+        denied = reloader.authorize(request.headers.get("authorization"))
+        if denied is not None:
+            return PlainTextResponse(denied[1] + "\n", status_code=denied[0],
+                                     headers={"WWW-Authenticate": "Bearer"} if denied[0] == 401 else None)
+        applied = await reloader.reload_now()
+        if model.refused is not None:  # those before it were applied; the served version is the last good one
+            return JSONResponse({"version": model.version, "applied": applied, "refused": model.refused.delta,
+                                 "reason": model.refused.reason}, status_code=409)
         return JSONResponse({"version": model.version, "applied": applied})
-
-    async def watch() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(cfg.watch_s)
-            try:
-                metrics.reloads += len(await loop.run_in_executor(None, model.reload))
-            except ArtifactError:
-                metrics.reload_errors += 1  # keeps serving the version it has; /metrics shows the count
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(batcher.run())]
-        if cfg.watch_s > 0:
-            tasks.append(asyncio.create_task(watch()))
+        reloader.start()
         try:
             yield
         finally:  # uvicorn has answered every request in flight by now (graceful shutdown)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            batcher.close()
+            parse_pool.shutdown(wait=False, cancel_futures=True)
+            await reloader.stop()
 
     routes = [Route("/predict", predict, methods=["POST"]), Route("/healthz", healthz, methods=["GET"]),
               Route("/metrics", get_metrics, methods=["GET"]), Route("/reload", reload, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_HostCheck, allowed=cfg.allowed_hosts)])
+
+
+def uvicorn_config(model: ServingModel, *, host: str = "127.0.0.1", port: int = 8080,
+                   cfg: ServerConfig | None = None, log_level: str = "warning"):
+    """The uvicorn settings `serve` runs with: the app, the address, limit_concurrency, a graceful shutdown."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError("the server needs starlette and uvicorn: pip install 'hugeembed[serve]'") from None
+    cfg = cfg or ServerConfig()
+    return uvicorn.Config(make_app(model, cfg), host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=10, limit_concurrency=cfg.limit_concurrency)
 
 
 def serve(model: ServingModel, *, host: str = "127.0.0.1", port: int = 8080, cfg: ServerConfig | None = None,
           log_level: str = "warning") -> None:
     """Runs the server until SIGINT/SIGTERM (uvicorn: stops accepting, finishes the requests in flight)."""
-    try:
-        import uvicorn
-    except ImportError:
-        raise ImportError("the server needs starlette and uvicorn: pip install 'hugeembed[serve]'") from None
-    uvicorn.run(make_app(model, cfg), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(model, host=host, port=port, cfg=cfg, log_level=log_level)).run()

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .. import _native
+from .._durable import fsync_write, open_no_follow
 from ..errors import ConfigError, StoreError
 
 __all__ = ["RowFile", "TableDir", "IO_THREADS"]
@@ -167,7 +168,7 @@ class TableDir:
     def _open_fresh(self, meta: dict) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_no_follow(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)  # never through a planted link
         except OSError as e:
             raise ConfigError(f"table '{self.table}': cannot use storage directory {self.path}: {e}") from None
         try:
@@ -196,7 +197,8 @@ class TableDir:
             for stale in self.path.glob("rows-*.bin"):  # our own run's leftovers: the snapshot has the rows
                 stale.unlink()
             tmp = self.path / f".tier.json.{os.getpid()}"
-            tmp.write_text(json.dumps(meta, sort_keys=True))
+            tmp.unlink(missing_ok=True)  # a crashed process's of the same pid (a link itself, never its target)
+            fsync_write(tmp, json.dumps(meta, sort_keys=True).encode(), exclusive=True)  # a new file, no link
             os.replace(tmp, info)
         except BaseException:
             os.close(fd)

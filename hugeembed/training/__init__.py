@@ -2,6 +2,7 @@
 
 from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
 from ._evaluate import evaluate_snapshot, load_snapshot_model
+from ._launch import launch_local, run_local
 from ._sources import DataSource, FileSource, SyntheticSource, default_epochs, make_source, run_schema
 from ._record import RunRecord, TrainState
 from ._build import build_model, make_dense_optimizer, resolve_device
@@ -24,6 +25,8 @@ __all__ = [
     "make_source",
     "run_schema",
     "default_epochs",
+    "launch_local",
+    "run_local",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
     "MODELS",

@@ -88,7 +88,10 @@ class TrainConfig:
         full_checkpoint_every: every this many snapshots one is full and the others are
             deltas (the table rows seen since the previous snapshot, the dense state in full);
             counted along the chain, so a resumed run keeps the rhythm.  1: every snapshot full.
-        resume: continue from the newest snapshot in `checkpoint_dir`.
+        resume: continue from the newest snapshot in `checkpoint_dir`.  Without it, a run into a
+            `checkpoint_dir` that holds snapshots is refused (they are another run's).
+        overwrite: a run without `resume` first deletes every snapshot (and LATEST) in
+            `checkpoint_dir`, then starts afresh there.
         seed: seeds data order, tables, dense init and everything random.
         capacity: most rows per dynamic table (None: unbounded).
         device: ``auto | cpu | cuda``.
@@ -151,6 +154,7 @@ class TrainConfig:
     keep_checkpoints: int | None = 3
     full_checkpoint_every: int = 1
     resume: bool = False
+    overwrite: bool = False
     seed: int = 0
     capacity: int | None = None
     synthetic_rows: int = 1 << 22
@@ -185,7 +189,7 @@ class TrainConfig:
             if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
                 raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                                   f"got {self.checkpoint_dir!r}")
-        for name in ("resume", "average_dense", "first_order"):
+        for name in ("resume", "overwrite", "average_dense", "first_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{_key(name)} must be true or false, got {getattr(self, name)!r}")
         if self.first_order and self.model != "dlrm":
@@ -269,6 +273,11 @@ class TrainConfig:
                               "held-out rows (give --data too, or leave --eval-data out)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir (where the snapshots are)")
+        if self.overwrite and not self.checkpoint_dir:
+            raise ConfigError("--overwrite needs --checkpoint-dir (whose snapshots it deletes)")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the snapshots in --checkpoint-dir, --overwrite deletes them: "
+                              "give one of them")
 
     def _check_adam_settings(self) -> None:
         b = self.sparse_betas
@@ -309,9 +318,21 @@ class TrainConfig:
             raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
         except (OSError, ValueError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        section = data.get("train", data)
-        if not isinstance(section, dict):
-            raise ConfigError(f"config file {path}: train must be a table of settings ([train]), got {section!r}")
+        if "train" in data:  # the settings under [train]: nothing else may sit beside it (a typo is never ignored)
+            section = data["train"]
+            if not isinstance(section, dict):
+                raise ConfigError(f"config file {path}: train must be a table of settings ([train]), got {section!r}")
+            others = [k for k in data if k != "train"]
+            if others:
+                what = ", ".join(f"section [{k}]" if isinstance(data[k], dict) else f"key {k}" for k in others)
+                raise ConfigError(f"config file {path}: unknown {what} beside [train] (the only section; the "
+                                  f"settings go under it)")
+        else:  # the settings at the top level: a table there is a section we do not know
+            section = data
+            tables = [k for k, v in data.items() if isinstance(v, dict)]
+            if tables:
+                raise ConfigError(f"config file {path}: unknown section [{tables[0]}]; the only section is [train] "
+                                  f"(or put the settings at the top level)")
         return cls.from_dict({**section, **overrides}, source=f"config file {path}")
 
     @classmethod
@@ -328,6 +349,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        # what a run does to its directory when it starts, not a setting of the run: a resume never
+        # overwrites, and snapshots stay readable by a hugeembed that does not know the key
+        del d["overwrite"]
         d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
         if self.sparse_betas is not None:
             d["sparse_betas"] = list(self.sparse_betas)

@@ -74,6 +74,7 @@ class Trainer:
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
         self.source: DataSource = make_source(config, rank, world_size, self.schema)
         self.state = TrainState()
+        self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
         total = self.total_steps()
         self._record_every = config.log_every if total is None else max(1, min(config.log_every, total // 50))
@@ -105,32 +106,45 @@ class Trainer:
         """Trains (resuming if asked), evaluates, snapshots; returns the summary.
 
         With a checkpoint_dir the run holds its lock throughout (rank 0 takes it for all
-        ranks): a second run writing into the same directory is refused with a CheckpointError.
+        ranks): a second run writing into the same directory is refused with a CheckpointError,
+        and so is a run without resume into a directory holding snapshots (another run's),
+        unless `overwrite` (which deletes them first).
         """
-        lock = self._lock_checkpoint_dir()
+        lock = self._claim_checkpoint_dir()
         try:
             return self._fit()
         finally:
             if lock is not None:
                 lock.release()
 
-    def _lock_checkpoint_dir(self) -> "ckpt.CheckpointLock | None":
+    def _claim_checkpoint_dir(self) -> "ckpt.CheckpointLock | None":
+        """Rank 0 locks the checkpoint directory and, for a run that does not resume, checks that it
+        holds no snapshot (or deletes them: overwrite); every rank learns the outcome and the run's id."""
         if not self.cfg.checkpoint_dir:
             return None
-        lock, err = None, None
+        lock, err, removed = None, None, 0
+        self.run_id = ckpt.new_run_id()  # a resume takes the id of the run it continues
         if self.rank == 0:
             try:
                 lock = ckpt.CheckpointLock(self.cfg.checkpoint_dir).acquire()
+                if not self.cfg.resume:
+                    removed = ckpt.claim_for_fresh_run(self.cfg.checkpoint_dir, overwrite=self.cfg.overwrite)
             except (CheckpointError, OSError) as e:
                 err = e
         if self.world_size > 1:  # every rank stops if rank 0 could not take it
-            msg = self.collection.comm.all_gather_object("checkpoint lock", str(err) if err else None)[0]
+            msg, self.run_id = self.collection.comm.all_gather_object(
+                "checkpoint lock", (str(err) if err else None, self.run_id))[0]
             if msg is not None:
                 if lock is not None:
                     lock.release()
                 raise CheckpointError(msg)
         if err is not None:
+            if lock is not None:
+                lock.release()
             raise err
+        if removed:
+            self.progress("note", {"message": f"--overwrite: deleted {removed} snapshot{'s' if removed > 1 else ''} "
+                                              f"of another run from {self.cfg.checkpoint_dir}"})
         return lock
 
     def _fit(self) -> dict[str, Any]:
@@ -335,7 +349,8 @@ class Trainer:
         delta = self._next_is_delta()
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
-                         extra=RunRecord(self.cfg, self.state, self.world_size, self.schema).to_dict(), delta=delta)
+                         extra=RunRecord(self.cfg, self.state, self.world_size, self.schema).to_dict(), delta=delta,
+                         run_id=self.run_id)
         self.progress("checkpoint", {"step": self.state.step, "path": str(path), "kind": "delta" if delta else "full"})
         return path
 
@@ -382,6 +397,9 @@ class Trainer:
             raise CheckpointError(f"{snap}: train_state.dense_average holds {len(avg)} tensors of shapes "
                                   f"{[tuple(a.shape) for a in avg][:4]}..., not the model's dense parameters")
         ckpt.load(snap, self.collection, model=self.model, dense_optimizer=self.dense_optimizer)
+        # the run goes on under its id (snapshots written before run ids: a new one, so that its
+        # pruning never removes the id-less snapshots, which may be another run's)
+        self.run_id = ckpt.run_of(snap) or self.run_id
         self.state = record.state
         self._resume_dense_average(params)
         return True

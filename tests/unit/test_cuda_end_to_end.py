@@ -425,6 +425,7 @@ def test_snapshot_resumes_on_the_other_device(tmp_path, first, then):
     ck = tmp_path / "ck"
     trainer(base.replace(device=first, checkpoint_dir=str(ck), checkpoint_every=3, keep_checkpoints=10)).fit()
     shutil.rmtree(ck / "step-000000012")  # as if the run had stopped after its step-9 snapshot
+    (ck / "LATEST").write_text("step-000000009\n")  # (which LATEST then named)
     assert ckpt.latest(ck).name == "step-000000009"
     resumed_t = Trainer(base.replace(device=then, checkpoint_dir=str(ck), resume=True))
     resumed = resumed_t.fit()

@@ -53,7 +53,7 @@ def test_a_second_run_on_one_checkpoint_dir_is_refused_and_a_killed_holder_frees
             holder.kill()
             holder.wait()
         holder.stderr.close()
-    done = run_cli("train", "--steps", "2", "--checkpoint-dir", ck, *FAST, cwd=tmp_path)
+    done = run_cli("train", "--steps", "2", "--checkpoint-dir", ck, "--overwrite", *FAST, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (ck / "LATEST").read_text().strip() == "step-000000002"
     assert (ck / ".lock").read_text() == ""

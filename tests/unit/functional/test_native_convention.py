@@ -85,8 +85,9 @@ def test_backward_refuses_a_gradient_one_row_short():
     lookup, tables, _, prep = _setup(max_norm=1.0)
     slots = lookup.static_slots(prep)
     grad = torch.randn(B, 2, D)
-    full = ns.backward_native(lookup.plan, prep, tables, slots, [grad], [None])
-    assert [tuple(g.shape) for g in full] == [(prep.unique_count[0], D), (prep.unique_count[1], D)]
+    blocks, row0 = ns.backward_native(lookup.plan, prep, tables, slots, [grad], [None])
+    assert row0 == [0, prep.unique_count[0]]
+    assert tuple(blocks[D].shape) == (prep.unique_count[0] + prep.unique_count[1], D)
     with pytest.raises(nat.KernelError, match="output gradient") as info:
         ns.backward_native(lookup.plan, prep, tables, slots, [grad[:-1]], [None])
     assert info.value.status == nat.Status.BAD_CALL

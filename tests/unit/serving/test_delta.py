@@ -1,5 +1,6 @@
 """Artifact deltas: a base export plus deltas serves exactly what a full export of the newest snapshot does;
-deltas apply in chain order only, and a refused or damaged one changes nothing."""
+deltas apply in chain order only, and a refused or damaged one changes nothing (the longest valid prefix of
+the chain is served)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from hugeembed.cli import main
 from hugeembed.errors import ArtifactError, ConfigError
+from hugeembed.serving._index import is_serving_index
 from hugeembed.serving import ServingModel, export, export_delta
+from hugeembed.serving import _runtime
+from hugeembed.serving._patch import effective_rows
 
 from .conftest import snapshot
 
@@ -28,16 +32,36 @@ def chained(run, tmp_path_factory):
     return made
 
 
+@pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype):
+def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype, path, monkeypatch):
+    if path == "torch":  # the lookups' torch twins (the patched one's and the base op's), as an artifact's runtime.py
+        # runs them: on the artifact's own key index (hugeembed's private one is read by its kernels only)
+        monkeypatch.setattr(_runtime, "bags_accelerator", None)
+        monkeypatch.setattr(_runtime, "find_accelerator", None)
+        monkeypatch.setattr(_runtime, "index_builder", None)
     m = ServingModel.load(chained[dtype])
     assert m.version == "step-000000160" and m.served.deltas == ("step-000000080", "step-000000160")
+    patches = [p for p in m.served.patch if p is not None]
+    assert patches and all(is_serving_index(p.index) == (path == "kernels") for p in patches)  # keyed like the base
     full = ServingModel.load(artifacts(dtype))
     for b in heldout[1][:3]:
         torch.testing.assert_close(m.predict(b.dense, b.sparse), full.predict(b.dense, b.sparse), atol=0, rtol=0)
-    # the tables themselves: same keys, same stored rows
-    for a, b in zip(m.served.tables.rows, full.served.tables.rows):
-        assert torch.equal(a, b)
+    # the tables themselves: every id either version holds (and so every id the deltas removed) reads the
+    # same stored row, the base's untouched (only the rows the deltas changed live beside it)
+    base = ServingModel.load(chained[dtype], apply_deltas=False)
+    for g, group in enumerate(m.manifest["groups"]):
+        for t in range(len(group["tables"])):
+            if group["table_keys"][t] < 0:
+                ids = torch.arange(group["table_rows"][t] + 3)  # static: its rows and a few beyond
+            else:
+                held = [v.served.tables.keys[g][int(v.served.tables.meta[g][t, 2]):][:int(v.served.tables.meta[g][t, 1])]
+                        for v in (full, base)]
+                ids = torch.cat([*held, torch.tensor([10**15])]).unique()
+            got = effective_rows(m.served.tables, m.served.patch, g, t, ids)
+            want = effective_rows(full.served.tables, (None,) * len(m.manifest["groups"]), g, t, ids)
+            assert torch.equal(got, want), (group["tables"][t], dtype)
+    assert all(torch.equal(a, b) for a, b in zip(m.served.tables.rows, base.served.tables.rows))
 
 
 def test_reload_applies_only_what_follows_in_order(chained, run, tmp_path):
@@ -67,12 +91,20 @@ def test_a_damaged_delta_is_refused_and_the_served_version_kept(chained, tmp_pat
     data = bytearray(rows.read_bytes())
     data[-1] ^= 0x55
     rows.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match="C3.upsert_rows.npy is damaged"):
-        ServingModel.load(art)
+    started = ServingModel.load(art)  # serves the longest valid prefix, and says which delta it refused
+    assert started.version == "step-000000080" and started.refused.delta == "step-000000160"
+    assert "C3.upsert_rows.npy is damaged" in started.refused.reason
     m = ServingModel.load(art, apply_deltas=False)
-    with pytest.raises(ArtifactError):
+    with pytest.raises(ArtifactError, match="step-000000160 refused.*C3.upsert_rows.npy is damaged"):
         m.reload()
     assert m.version == "step-000000080"  # the good delta before it was applied, the damaged one not
+    assert m.refusals == 1
+    with pytest.raises(ArtifactError):
+        m.reload()  # refused again, unchanged: not read again, not counted twice
+    assert m.refusals == 1 and m.version == "step-000000080"
+    data[-1] ^= 0x55  # repaired: the next reload applies it
+    rows.write_bytes(bytes(data))
+    assert m.reload() == ["step-000000160"] and m.refused is None
 
 
 def test_export_delta_refusals(chained, run, tmp_path, capsys):

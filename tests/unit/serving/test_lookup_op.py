@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hugeembed.serving import _runtime, dequantize, pooled_lookup, quantize
+from hugeembed.serving._index import is_serving_index as serving_index_of
 
 
 I64_MAX = (1 << 63) - 1
@@ -73,10 +74,11 @@ def oracle(D, keys, weights, B, combiners, bags, shared, pos, read):
     return out
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["private index", "kernels", "torch"])
 def id_pass(request, monkeypatch):
-    """pooled_lookup with hugeembed's kernels plugged in (csrc/serve.cpp), and with the torch path
-    an artifact's own runtime copy runs."""
+    """pooled_lookup over the private, salted index loaded tables read (serving/_index.py), with the
+    kernels over the artifact's slot index (csrc/serve.cpp), and with the torch path an artifact's own
+    runtime copy runs."""
     if request.param == "torch":
         monkeypatch.setattr(_runtime, "bags_accelerator", None)
         monkeypatch.setattr(_runtime, "find_accelerator", None)
@@ -85,7 +87,7 @@ def id_pass(request, monkeypatch):
     return request.param
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
 def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     D, keys, weights, B, combiners, bags, shared, pos = case
@@ -97,6 +99,9 @@ def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     group = {"table_keys": [0, -1, 1], "table_rows": [0, weights[1].shape[0], 0], "table_shared": [int(shared), 0, 0]}
     args = _runtime.group_tables(group, [w.shape[0] for w in weights], rows,
                                  torch.tensor(keys[0] + keys[1], dtype=torch.int64))
+    if id_pass == "private index":
+        args = [a[0] for a in _runtime.Tables(*([a] for a in args)).args()]
+        assert serving_index_of(args[2])
     got = pooled_lookup(values, offsets, *args, pos, [0, 1, 0, 2], combiners, B, D, dtype)
 
     def read(w):  # what the stored rows hold, as float32
@@ -266,8 +271,12 @@ def test_arguments_the_bags_kernel_refuses_take_the_torch_path(monkeypatch):
     assert native_bags(values, offsets, keys, odd, meta, [0], [0], 2, 4) is None
     assert native_find(values, torch.zeros(3, dtype=torch.int64), keys, odd, meta) is None
     rows = torch.arange(16, dtype=torch.float32).view(4, 4)
-    args = (values, offsets, rows, keys, odd, meta, [0], [0], [0], 2, 4, "fp32")
+    args = (values, bad_offsets[:2].contiguous(), rows, keys, index, meta, [0], [0], [0], 1, 4, "fp32")
+    assert native_bags(values, bad_offsets[:2].contiguous(), keys, index, meta, [0], [0], 1, 4) is not None
     got = pooled_lookup(*args)
     monkeypatch.setattr(_runtime, "bags_accelerator", None)
     monkeypatch.setattr(_runtime, "find_accelerator", None)
     assert torch.equal(got, pooled_lookup(*args))
+    # an index of no power of two is refused by the torch pass too (it is no artifact index)
+    with pytest.raises(_runtime.ArtifactError, match="power of two"):
+        pooled_lookup(values, offsets, rows, keys, odd, meta, [0], [0], [0], 2, 4, "fp32")

@@ -103,10 +103,10 @@ def test_through_the_http_app(served):
         warnings.filterwarnings("ignore", message=".*httpx2.*")
         from starlette.testclient import TestClient
 
-        client = TestClient(make_app(model, ServerConfig(watch_s=0)))
+        client = TestClient(make_app(model, ServerConfig(watch_s=0)), base_url="http://localhost")
     with client:
         r = client.post("/predict", content=(d / "test.csv").read_bytes(), headers={"content-type": "text/csv"})
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
         np.testing.assert_allclose(r.json()["predictions"], _expected(model, d / "test.csv").numpy(), rtol=1e-6)
         r = client.post("/predict", json={"rows": [{"user_id": "a"}]})
         assert r.status_code == 400 and "row 1: missing column" in r.text

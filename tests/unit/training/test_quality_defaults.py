@@ -153,6 +153,7 @@ def test_resume_inside_the_decay_phase_equals_the_uninterrupted_run(tmp_path):
     first = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4, keep_checkpoints=10))
     first.fit()
     shutil.rmtree(tmp_path / "ck" / "step-000000016")
+    (tmp_path / "ck" / "LATEST").write_text("step-000000012\n")  # as a run that stopped after step 12 left it
     resumed = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True))
     s_resumed = resumed.fit()
     assert s_resumed["auc"] == s_whole["auc"] and s_resumed["copc"] == s_whole["copc"]
@@ -188,6 +189,7 @@ def test_a_resume_that_changes_the_runs_length_restarts_the_mean_in_its_own_phas
                       keep_checkpoints=10, **SMALL)
     Trainer(cfg).fit()
     shutil.rmtree(tmp_path / "ck" / "step-000000010")
+    (tmp_path / "ck" / "LATEST").write_text("step-000000008\n")  # as a run that stopped after step 8 left it
     same = Trainer(cfg.replace(resume=True))
     assert same.resume() and same.state.dense_average_steps == 2
     longer = Trainer(cfg.replace(resume=True, steps=30))  # its decay starts at step 24: the mean is dropped

@@ -57,6 +57,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_eval_reproduces(tmp_path):
     first.fit()
     for late in ("step-000000015", "step-000000020", "step-000000024"):
         shutil.rmtree(tmp_path / "ck" / late)
+    (tmp_path / "ck" / "LATEST").write_text("step-000000010\n")  # as that run left it
     resumed = Trainer(base.replace(checkpoint_dir=str(tmp_path / "ck"), resume=True))
     s_resumed = resumed.fit()
 
