@@ -43,7 +43,7 @@ def _context():
 def _forked(argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="hugeembed-cli-") as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = _context().Process(target=_command, args=(argv, None if cwd is None else str(cwd), out, err))
+        p = _context().Process(target=_command, args=(argv, None if cwd is None else str(cwd), out, err, _env()))
         p.start()
         p.join(timeout)
         if p.is_alive():
@@ -54,9 +54,13 @@ def _forked(argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess
         return subprocess.CompletedProcess(["hugeembed", *argv], p.exitcode, read(out), read(err))
 
 
-def _command(argv: list[str], cwd: str | None, out: str, err: str) -> None:
-    """In the forked process: ``python -m hugeembed ARGV`` with stdout / stderr into the files."""
+def _command(argv: list[str], cwd: str | None, out: str, err: str, env: dict[str, str]) -> None:
+    """In the forked process: ``python -m hugeembed ARGV`` with stdout / stderr into the files, under the
+    caller's environment now (a variable read when torch or hugeembed is imported keeps the zygote's)."""
     import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
 
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
