@@ -14,7 +14,7 @@ from hugeembed.training import TrainConfig, Trainer
 
 from ._harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # whole training runs of several processes: CI, not the inner loop
 
 PER_PROCESS = dict(model="dlrm", embedding_dim=4, batch_size=64, steps=12, eval_every=6, eval_rows=512,
                    synthetic_max_cardinality=5000, log_every=5, threads=1, sparse_optimizer="adagrad",

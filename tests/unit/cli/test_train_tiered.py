@@ -28,6 +28,7 @@ def summary(tmp_path, name, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # two whole CLI training runs
 def test_a_tiered_run_equals_the_in_memory_run_and_reports_its_cache(tmp_path):
     mem = summary(tmp_path, "mem")
     tier = summary(tmp_path, "tier", "--memory-budget", BUDGET, "--storage-dir", tmp_path / "rows",
