@@ -454,22 +454,26 @@ def _sparse(name: str, v: Mapping, source: str) -> SparseSpec:
     return SparseSpec(name, _string(v.get("column", name), f"{at}column"), ids, sep, combiner, table, max_length)
 
 
-def load_schema(path: str | Path) -> Schema:
-    """The schema in TOML file `path`; ConfigError naming the file and the key for anything wrong."""
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """The TOML file `path` as a dict; ConfigError naming the `what` file ("schema", "config") otherwise."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"schema file {path} does not exist") from None
+        raise ConfigError(f"{what} file {path} does not exist") from None
     except IsADirectoryError:
-        raise ConfigError(f"schema file {path} is a directory, not a TOML file") from None
+        raise ConfigError(f"{what} file {path} is a directory, not a TOML file") from None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"schema file {path} is not valid TOML: {e}") from None
-    return Schema.from_dict(data, source=f"schema {path}")
+        raise ConfigError(f"{what} file {path} is not valid TOML: {e}") from None
+
+
+def load_schema(path: str | Path) -> Schema:
+    """The schema in TOML file `path`; ConfigError naming the file and the key for anything wrong."""
+    return Schema.from_dict(read_toml(path, "schema"), source=f"schema {path}")
 
 
 @lru_cache(maxsize=1)

@@ -305,19 +305,10 @@ class TrainConfig:
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
         """A config from a TOML file (keys as the fields, e.g. ``batch_size = 4096``), then `overrides`."""
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
+        from ..data._schema import read_toml
+
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        data = read_toml(path, "config")
         if "train" in data:  # the settings under [train]: nothing else may sit beside it (a typo is never ignored)
             section = data["train"]
             if not isinstance(section, dict):
