@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA check in one call: build, the suite's CUDA cases, then the GPU benchmarks.
 #
-#   bash bench/gpu_check.sh [tests|bench|all] [OUTDIR]
+#   bash bench/gpu_check.sh [compile|tests|bench|all] [OUTDIR]
+#
+# "compile" needs no GPU: every triton kernel compiled for sm_90 (one line per kernel, exit 1 on a failure).
 #
 # Runs from the repository root with the machine's own python3 (its torch must see a GPU).
 # "tests": every test whose id names cuda (the `device` fixture's cuda case and
@@ -15,11 +17,18 @@ what=${1:-all}
 out=${2:-gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [[ $what == compile ]]; then
+    TRITON_INTERPRET=0 exec python3 -m hugeembed._triton.compile_check ${ARCH:-90}
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name())"
 python3 setup.py build_ext --inplace -q >/tmp/hugeembed-build.log 2>&1 || { echo "native build failed"; tail -20 /tmp/hugeembed-build.log; }
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 
+if [[ $what == all ]]; then
+    echo "== triton kernels compiled for sm_90"
+    TRITON_INTERPRET=0 python3 -m hugeembed._triton.compile_check 90 2>&1 | tee "$out/compile.log" | tail -30
+fi
 if [[ $what == tests || $what == all ]]; then
     echo "== CUDA cases"
     # -v: a run cut short by the timeout still shows each result

@@ -21,6 +21,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Without CUDA the triton kernels run in triton's CPU interpreter; it must be chosen before triton
+# is imported (triton.jit reads it when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

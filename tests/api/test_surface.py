@@ -17,7 +17,7 @@ PACKAGE_DIR = Path(hugeembed.__file__).parent
 # before it in this list, never from one after it (docs/architecture.md, rules).
 LAYERS = [
     {"errors", "types", "_native", "_hashing", "_tensors", "_durable", "_format", "_device", "_kernels", "_kernels_avx2",
-     "__version__"},
+     "_triton", "__version__"},
     {"features"},
     {"functional"},
     {"store"},
