@@ -92,8 +92,18 @@ class ReplicatedGroup(OwnedRowsGroup):
         overlay = own[5] if own is not None else {}
         for t, lt in zip(self.ts, self.lts):
             st.storages_l[lt] = overlay.get(t, self.coll.rows_of(t))
-        if own is not None:
-            st.slots_l[st.req[self][0]] = own[4]
+        if own is None:
+            return
+        pos, counts = st.req[self]
+        local = own[4]
+        if st.stale_reads:  # the replica changes before this batch's forward: copy its rows as of now
+            local, start = local.clone(), 0
+            for lt, n in zip(self.lts, counts):
+                s = local[start : start + n]
+                st.storages_l[lt] = st.storages_l[lt][s.clamp(min=0)]
+                local[start : start + n] = torch.where(s >= 0, torch.arange(n, device=s.device), s)
+                start += n
+        st.slots_l[pos] = local
 
     # -- backward ------------------------------------------------------------------------
 

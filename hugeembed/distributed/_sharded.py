@@ -36,6 +36,7 @@ from ..optim import SparseOptimizer
 from ..types import Combiner, ShardKind
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._data_parallel import ReplicatedGroup
+from ._pipeline import StalePipeline
 from ._plan import ShardingPlan, propose_plan
 from ._row_wise import RowWiseGroup, owner_index
 from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
@@ -66,6 +67,10 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             gradients of the ranks' losses add up.
         memory_budget_per_rank: bytes, for the proposed plan when `plan` is None.
         storage_owner: as for EmbeddingCollection (the run's tag in tiered tables' directories).
+        staleness: None (default): every exchange runs inside its forward / backward.  K >= 0: the
+            exchanges run on a thread K steps ahead (distributed/_pipeline.py): batch t reads rows
+            holding the updates of batches up to t-K-1 exactly; hand each training batch over with
+            :meth:`enqueue` K steps before its forward, and :meth:`drain` before a snapshot.
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -89,7 +94,7 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                  plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
-                 storage_owner: str | None = None) -> None:
+                 storage_owner: str | None = None, staleness: int | None = None) -> None:
         tables = list(tables)
         device = canonical_device(device)
         rare = [t.name for t in tables if isinstance(t, TableConfig) and (t.shared_row or t.lr_count_scale)]
@@ -114,6 +119,11 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                          storage_owner=storage_owner)
         self._check_ranks_agree()
         self._build_routes()
+        self._pipeline = None
+        if staleness is not None:
+            if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+                raise ConfigError(f"staleness must be an int >= 0 (steps), got {staleness!r}")
+            self._pipeline = StalePipeline(self, staleness)
 
     # -- construction -----------------------------------------------------------------
 
@@ -289,14 +299,53 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
             # table-wise owners pool with the weights they receive: no gradient would come back
             raise NotImplementedError("gradients with respect to per-id weights are not implemented for the sharded "
                                       "collection; detach the weights or use EmbeddingCollection in one process")
+        if self._pipeline is not None:
+            if training:
+                return self._pool(self._pipeline.take(features, step))
+            self._pipeline.drain()  # an eval forward's collectives run here, with the thread idle
+        return self._pool(self._fetch_step(features, step, training))
+
+    def _fetch_step(self, features: SparseFeatures, step: int, training: bool = True) -> StepState:
+        """input_dist -> compute -> output_dist of one batch (on the exchange thread under staleness)."""
         scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
+        st.stale_reads = training and self._pipeline is not None and self._pipeline.staleness > 0
         self.comm.step = step
         self.comm.stats.new_step()
         self.input_dist(st, features)
         self.compute(st)
         self.output_dist(st)
-        return self._pool(st)
+        return st
+
+    # -- staleness ----------------------------------------------------------------------
+
+    @property
+    def staleness(self) -> int | None:
+        """K of the exchange pipeline, or None (synchronous, no exchange thread)."""
+        return None if self._pipeline is None else self._pipeline.staleness
+
+    def enqueue(self, features: SparseFeatures) -> None:
+        """Hands a future training batch (this rank's local batch) over to the exchange thread: its
+        rows are fetched once the updates of every step K or more before it have been applied.
+        Batches are taken by the training forwards in the order they were enqueued."""
+        if self._pipeline is None:
+            raise ShardingError("enqueue needs a collection built with staleness=K")
+        if not isinstance(features, SparseFeatures):
+            raise ShardingError(f"enqueue takes a SparseFeatures batch, got {type(features).__name__}")
+        if features.device != self.device:
+            raise ShardingError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
+                                f"{self.device}: move it with batch.to(device) before enqueue")
+        self._pipeline.enqueue(features)
+
+    def drain(self) -> None:
+        """Waits until every exchange handed over has run (a no-op without staleness)."""
+        if self._pipeline is not None:
+            self._pipeline.drain()
+
+    @property
+    def batches_ahead(self) -> int:
+        """Training batches enqueued whose forward has not run yet."""
+        return 0 if self._pipeline is None else len(self._pipeline.ahead)
 
     def _dummies(self, ts) -> list[torch.Tensor]:
         return [torch.empty(0, self.tables[t].dim, dtype=self.tables[t].dtype, device=self.device) for t in ts]
@@ -403,6 +452,15 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 gs.append(g)
         if tensors:
             torch.autograd.backward(tensors, gs)  # local lookup backward -> st.local_grads, pooled leaves' .grad
+        if self._pipeline is not None:
+            # the learning rates of this step, as the synchronous backward would read them now
+            st.flight.lrs = {t: self._lr(t) for t in range(len(self.tables)) if self.rules[t] is not None}
+            self._pipeline.submit_grads(st)
+            return
+        self._grad_exchange(st)
+
+    def _grad_exchange(self, st: StepState) -> None:
+        """grad_dist and the owners' updates of one step (on the exchange thread under staleness)."""
         self.comm.step = st.step
         packer = Packer(self.world_size)
         for route in self._routes:

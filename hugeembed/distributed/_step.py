@@ -46,6 +46,7 @@ class StepState:
         self.local_grads: dict = {}
         self.outputs: list = []
         self.flight = None  # InFlight of the owner rows this rank fetched for a training step
+        self.stale_reads = False  # rows are read K >= 1 steps ahead: replicas are copied at the fetch
 
 
 class ExchangeBackward(torch.autograd.Function):

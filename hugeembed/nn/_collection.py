@@ -316,7 +316,8 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         unit = self._units.get(t)
         if unit is not None and slots.numel():
             local = self.placement.span_of[g].tables.index(t)
-            apply_unit(unit, self.groups[g], [(t, local, slots, grad, keys, None)], [self._lr(t)], flight.step,
+            lr = self._lr(t) if flight.lrs is None else flight.lrs[t]
+            apply_unit(unit, self.groups[g], [(t, local, slots, grad, keys, None)], [lr], flight.step,
                        flight.shared.get(g))
 
     def _in_flight(self, step: int, keys: torch.Tensor | None = None) -> InFlight:

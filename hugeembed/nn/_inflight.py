@@ -45,6 +45,7 @@ class InFlight:
         self.hits: dict[int, torch.Tensor] = {}
         self.shared: dict[int, torch.Tensor] = {}  # group -> per table of it, its shared row's slot (-1: none)
         self.applied = False  # some gradient was applied (its step is no longer pending)
+        self.lrs: dict[int, float] | None = None  # table -> lr of its step, when applied later (staleness)
         self._handles: dict[int, list[int]] = {}
         self._released: dict[int, int] = {}  # group -> its eviction epoch when its pins were released
         self._finalizer = weakref.finalize(self, _unpin_all, self.groups, self._handles)

@@ -93,8 +93,11 @@ def dense_model(in_dim: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(in_dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
 
-def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, record=None, wide: bool = False):
+def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, record=None, wide: bool = False,
+          ahead: int | None = None, outputs: list | None = None):
     """Trains `ec` (and a dense model) on the global batches of `steps`; returns the first forward's output.
+    `ahead` K: a collection built with staleness K, each batch enqueued K steps before its forward
+    (then drained); `outputs` collects every forward's pooled output.
 
     Without `dense` the loss is linear in the pooled vectors (its gradient is exact, so
     sharded and unsharded row gradients agree bit for bit where the summation order
@@ -103,14 +106,22 @@ def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, 
     B = GLOBAL_BATCH // world
     sl = slice(rank * B, (rank + 1) * B)
     first = None
-    for step in steps:
-        out = ec(local_batch(step, rank, world, wide))
+    steps = list(steps)
+    batches = [local_batch(step, rank, world, wide) for step in steps]
+    nxt = 0
+    for i, step in enumerate(steps):
+        while ahead is not None and nxt < len(steps) and nxt <= i + ahead:
+            ec.enqueue(batches[nxt])
+            nxt += 1
+        out = ec(batches[i])
         x = out.concat()
         seq = out.unpooled["hist"].values  # this rank's ids of the sequence feature, in global order
         at = int(global_batch(step, wide=wide).feature("hist").offsets[rank * B])
         seq_coef = torch.randn(1000, seq.shape[1], generator=torch.Generator().manual_seed(8000 + step))
         if first is None:
             first = torch.cat([x.detach().flatten(), seq.detach().flatten()])
+        if outputs is not None:
+            outputs.append(x.detach().clone())
         seq_loss = (seq * seq_coef[at : at + seq.shape[0]]).sum() / B
         if dense is None:
             loss = (x * coef(step, x.shape[1])[sl]).sum() / B + seq_loss
@@ -122,6 +133,8 @@ def train(ec, steps, rank: int = 0, world: int = 1, dense=None, dense_opt=None, 
             dense_opt.step()
         if record is not None:
             record.append(dict(ec.comm.stats.step))
+    if ahead is not None:
+        ec.drain()
     return first
 
 

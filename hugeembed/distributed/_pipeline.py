@@ -1,0 +1,146 @@
+"""Bounded staleness: a sharded collection's exchanges run K steps ahead on one thread per rank.
+
+With ``staleness=K`` every rank hands its exchanges to an :class:`ExchangeThread`, which runs
+them one after another, in the order they were handed over — the same order on every rank, so
+the collectives match::
+
+    fetch(1) .. fetch(K+1), grads(1), fetch(K+2), grads(2), fetch(K+3), ...
+
+``fetch(b)`` is batch b's input_dist + owners' find-or-insert + output_dist (rows and pooled
+vectors back); ``grads(t)`` is step t's grad_dist + the owners' updates.  So the rows batch b
+reads hold the updates of batches up to b-K-1 and none later (exactly, not "at most"), and a
+rank waits for its peers only when it needs the rows of a batch or has K exchanges queued: a
+rank stalled for a few steps is caught up with instead of gating every step.  K = 0 is the
+synchronous order (fetch(t), grads(t), fetch(t+1), ...).
+
+``drain()`` waits until every exchange handed over has run (snapshots, evaluation and the end
+of training need a state no exchange is changing).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from concurrent.futures import Future
+
+from ..errors import ShardingError
+
+__all__ = ["ExchangeThread", "PendingFetch"]
+
+
+class ExchangeThread:
+    """Runs callables one at a time, in submission order, on a daemon thread; each gives a Future.
+
+    After a failure the thread runs nothing more: every later submit fails with the first error
+    (a collective that failed leaves the ranks out of step: nothing after it can be trusted)."""
+
+    def __init__(self, name: str) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            fn, fut = item
+            if self._failed is not None:
+                fut.set_exception(self._failed)
+            else:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to whoever waits on it, and to every later task
+                    self._failed = e
+                    fut.set_exception(e)
+            with self._lock:
+                self._pending -= 1
+
+    def submit(self, fn) -> Future:
+        if self._failed is not None:
+            raise self._failed
+        fut: Future = Future()
+        with self._lock:
+            self._pending += 1
+        self._tasks.put((fn, fut))
+        return fut
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        self._tasks.put(None)
+
+
+class PendingFetch:
+    """A training batch handed over ahead of its forward: its step, the batch and the fetch's Future."""
+
+    __slots__ = ("step", "features", "future")
+
+    def __init__(self, step: int, features, future: Future) -> None:
+        self.step, self.features, self.future = step, features, future
+
+
+class StalePipeline:
+    """The queue of a collection's fetches ahead and its exchange thread (see the module docstring).
+
+    Args:
+        coll: the ShardedEmbeddingCollection (``_fetch_step(features, step)`` and
+            ``_grad_exchange(st)`` run on the thread).
+        staleness: K >= 0.
+    """
+
+    def __init__(self, coll, staleness: int) -> None:
+        self.coll, self.staleness = coll, staleness
+        self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
+        self.ahead: collections.deque[PendingFetch] = collections.deque()
+        self.grads: collections.deque[Future] = collections.deque()
+        self.last_enqueued = coll.step  # the step of the newest batch handed over
+
+    def enqueue(self, features) -> None:
+        """Hands the next training batch over (it runs after the grads of every step before it minus K)."""
+        step = self.last_enqueued + 1
+        fut = self.thread.submit(lambda: self.coll._fetch_step(features, step))
+        self.ahead.append(PendingFetch(step, features, fut))
+        self.last_enqueued = step
+
+    def take(self, features, step: int):
+        """The StepState of the training forward of `step` (its fetch handed over before)."""
+        if not self.ahead:
+            if self.staleness == 0:  # the synchronous order needs no look-ahead: hand it over now
+                self.enqueue(features)
+            else:
+                raise ShardingError(
+                    f"step {step}: with staleness {self.staleness} every training batch must be handed over "
+                    f"{self.staleness} steps ahead (collection.enqueue(batch.sparse)) before its forward")
+        head = self.ahead[0]
+        if head.step != step or head.features is not features:
+            raise ShardingError(f"step {step}: the forward's batch is not the one handed over for step {head.step} "
+                                f"(collection.enqueue): forwards must take the enqueued batches, in order")
+        self.ahead.popleft()
+        return self._result(head.future)
+
+    def submit_grads(self, st) -> None:
+        self.grads.append(self.thread.submit(lambda: self.coll._grad_exchange(st)))
+        while self.grads and self.grads[0].done():
+            self._result(self.grads.popleft())
+
+    def drain(self) -> None:
+        """Waits for every exchange handed over; fetches ahead stay (their batches still come)."""
+        while self.grads:
+            self._result(self.grads.popleft())
+        for p in self.ahead:
+            self._result(p.future)
+
+    @staticmethod
+    def _result(fut: Future):
+        return fut.result()  # re-raises the thread's error (a ShardingError naming step and stage)
+
+    def close(self) -> None:
+        self.thread.close()
