@@ -18,7 +18,9 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
-           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "memory_budget", "storage_dir",
+           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
+           "jitter", "memory_budget",
+           "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order")
 
@@ -112,6 +114,13 @@ def add_parser(sub) -> None:
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
+    d.add_argument("--staleness", type=int, metavar="K", help="run the table exchanges K steps ahead and apply dense "
+                   "gradients K steps late: a rank stalled for a few steps no longer stalls everyone; batch t reads "
+                   "the updates of batches up to t-K-1, exactly (default 0: synchronous)")
+    d.add_argument("--dense-staleness", type=int, metavar="D", help="all-reduce the dense gradients in the background "
+                   "and apply those of step t at step t+D (default 0: at their own step, as DDP does)")
+    d.add_argument("--jitter", metavar="P:F", help="simulated stragglers: with probability P a step sleeps F-1 times "
+                   "its compute (benchmarks; default off)")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="save the curves: training and held-out log loss, held-out "
                    "AUC (with the best possible one on synthetic data), COPC")
@@ -202,9 +211,10 @@ def run(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"')
-    if (env is None or env.world_size == 1) and (cfg.sharding or cfg.memory_per_rank is not None):
-        raise ConfigError("--shard / --memory-per-rank place tables over processes; with one process they would be "
-                          "ignored: add --nproc N (or run under torchrun with N > 1)")
+    if (env is None or env.world_size == 1) and (cfg.sharding or cfg.memory_per_rank is not None or cfg.staleness
+                                                  or cfg.dense_staleness):
+        raise ConfigError("--shard / --memory-per-rank / --staleness / --dense-staleness are about several processes; "
+                          "with one process they would be ignored: add --nproc N (or run under torchrun with N > 1)")
     rank, world = 0, 1
     if env is not None:
         device = init_from_env(env, cfg.device, cfg.dist_timeout)

@@ -6,11 +6,14 @@
   (row-wise = HugeCTR's "distributed", table-wise = "localized", data-parallel replicas).
 * :class:`Comm`: the collectives, each with a timeout that turns a dead peer into a
   :class:`~hugeembed.errors.ShardingError` naming the step and the stage.
+* ``ShardedEmbeddingCollection(staleness=K)`` + :class:`DelayedDenseGrads`: bounded staleness
+  (exchanges K steps ahead on a thread; dense gradients applied K steps later).
 
 See docs/distributed.md.
 """
 
 from ._comm import DEFAULT_TIMEOUT_S, Comm, ExchangeStats, new_embedding_group
+from ._dense import DelayedDenseGrads
 from ._env import DistEnv, init_from_env, launch_command
 from ._estimate import TableEstimate, estimate_table
 from ._plan import ShardingPlan, TablePlacement, propose_plan
@@ -33,4 +36,5 @@ __all__ = [
     "launch_command",
     "ShardArrayStore",
     "AbsentShard",
+    "DelayedDenseGrads",
 ]

@@ -25,8 +25,9 @@ import threading
 from concurrent.futures import Future
 
 from ..errors import ShardingError
+from ..features import SparseFeatures
 
-__all__ = ["ExchangeThread", "PendingFetch"]
+__all__ = ["ExchangeThread", "PendingFetch", "StalePipeline", "PipelinedExchanges"]
 
 
 class ExchangeThread:
@@ -101,14 +102,12 @@ class StalePipeline:
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
-        self.last_enqueued = coll.step  # the step of the newest batch handed over
 
     def enqueue(self, features) -> None:
         """Hands the next training batch over (it runs after the grads of every step before it minus K)."""
-        step = self.last_enqueued + 1
+        step = self.coll.step + len(self.ahead) + 1  # (the collection's step: training forwards taken, or loaded)
         fut = self.thread.submit(lambda: self.coll._fetch_step(features, step))
         self.ahead.append(PendingFetch(step, features, fut))
-        self.last_enqueued = step
 
     def take(self, features, step: int):
         """The StepState of the training forward of `step` (its fetch handed over before)."""
@@ -144,3 +143,37 @@ class StalePipeline:
 
     def close(self) -> None:
         self.thread.close()
+
+
+class PipelinedExchanges:
+    """The staleness API of ShardedEmbeddingCollection (which sets ``_pipeline``: a StalePipeline or None)."""
+
+    _pipeline: StalePipeline | None
+
+    @property
+    def staleness(self) -> int | None:
+        """K of the exchange pipeline, or None (synchronous, no exchange thread)."""
+        return None if self._pipeline is None else self._pipeline.staleness
+
+    def enqueue(self, features: SparseFeatures) -> None:
+        """Hands a future training batch (this rank's local batch) over to the exchange thread: its
+        rows are fetched once the updates of every step K or more before it have been applied.
+        Batches are taken by the training forwards in the order they were enqueued."""
+        if self._pipeline is None:
+            raise ShardingError("enqueue needs a collection built with staleness=K")
+        if not isinstance(features, SparseFeatures):
+            raise ShardingError(f"enqueue takes a SparseFeatures batch, got {type(features).__name__}")
+        if features.device != self.device:
+            raise ShardingError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
+                                f"{self.device}: move it with batch.to(device) before enqueue")
+        self._pipeline.enqueue(features)
+
+    def drain(self) -> None:
+        """Waits until every exchange handed over has run (a no-op without staleness)."""
+        if self._pipeline is not None:
+            self._pipeline.drain()
+
+    @property
+    def batches_ahead(self) -> int:
+        """Training batches enqueued whose forward has not run yet."""
+        return 0 if self._pipeline is None else len(self._pipeline.ahead)

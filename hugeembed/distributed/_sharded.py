@@ -28,25 +28,24 @@ import torch
 from .._device import canonical_device
 from ..errors import ConfigError, ShardingError
 from ..features import SparseFeatures
-from ..functional import (FeatureSpec, FusedEmbeddingLookup, JaggedEmbeddings, LookupPlan, PooledEmbeddings,
-                          TableSpec)
+from ..functional import JaggedEmbeddings, PooledEmbeddings
 from ..nn import EmbeddingCollection, TableConfig
 from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
-from ..types import Combiner, ShardKind
+from ..types import ShardKind
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
-from ._data_parallel import ReplicatedGroup
-from ._pipeline import StalePipeline
+from ._pipeline import PipelinedExchanges, StalePipeline
 from ._plan import ShardingPlan, propose_plan
-from ._row_wise import RowWiseGroup, owner_index
-from ._step import MAGIC, ExchangeBackward, StepState, compute_dtype, group_dtypes
+from ._routes import build_routes
+from ._row_wise import owner_index
+from ._step import MAGIC, ExchangeBackward, StepState
 from ._stores import AbsentShard
-from ._table_wise import TableWisePooling
 from ._wire import DTYPE_CODE, Packer, readers
 
 __all__ = ["ShardedEmbeddingCollection"]
 
-class ShardedEmbeddingCollection(EmbeddingCollection):
+
+class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
     """An :class:`EmbeddingCollection` whose tables are spread over the ranks of a process group.
 
     Same configs, same forward (a SparseFeatures of this rank's LOCAL batch -> the
@@ -164,97 +163,8 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
                 raise ShardingError(f"rank {r} built its ShardedEmbeddingCollection with a different {what} than "
                                     f"rank {self.rank}: every rank needs the same tables, seed and plan")
 
-    def _route_kind(self, t: int) -> str:
-        p = self.plan[self.tables[t].name]
-        if p.kind is ShardKind.DATA_PARALLEL:
-            return "replica"
-        if p.kind is ShardKind.TABLE_WISE and self.tables[t].combiner is not Combiner.NONE:
-            return "pool"
-        return "row"
-
     def _build_routes(self) -> None:
-        # the collection's plan with its tables in their own order (the lookup's is in group order):
-        # the same features and dim groups, feature_table naming collection tables
-        full = LookupPlan([TableSpec(t.name, t.dim, num_rows=t.num_rows, max_norm=t.max_norm) for t in self.tables],
-                          self.lookup.plan.features)
-        T = len(self.tables)
-        kinds = [self._route_kind(t) for t in range(T)]
-        local = [t for t in range(T) if kinds[t] != "pool"]
-        pool = [t for t in range(T) if kinds[t] == "pool"]
-        mine = [t for t in pool if self.plan[self.tables[t].name].owner == self.rank]
-
-        def specs(ts, rows: bool):
-            return [TableSpec(self.tables[t].name, self.tables[t].dim,
-                              num_rows=self.tables[t].num_rows if rows else None,
-                              max_norm=self.tables[t].max_norm) for t in ts]
-
-        def feats(ts) -> list[FeatureSpec]:
-            return [f for f, t in zip(full.features, full.feature_table) if t in ts]
-
-        def lookup(ts, rows: bool):
-            return FusedEmbeddingLookup(specs(ts, rows), feats(ts), backend=self.backend) if ts else None
-
-        # prepare checks ids against num_rows; pooling reads received rows, fewer than num_rows
-        # (or a replica's caught-up copies, in eval of global Adam tables: coll.current_rows)
-        self._local_prep, self._local_pool = lookup(local, True), lookup(local, False)
-        # the owner pools a batch it assembled itself (ids checked where they were prepared), from
-        # its storage or, in eval of global Adam tables, from caught-up copies of fewer rows
-        self._pool_req, self._pool_own = lookup(pool, True), lookup(mine, False)
-        self._local_index = {t: i for i, t in enumerate(local)}
-        self._pool_tables = pool
-        dtypes = [t.dtype for t in self.tables]
-        full_dt = group_dtypes(full, dtypes)
-        local_dt = group_dtypes(self._local_pool.plan, [dtypes[t] for t in local]) if local else {}
-        self._routes: list = []
-        col = StepState.COMMON
-        groups: dict[tuple, list] = {}  # row-wise tables exchange together, per (dim, dtype, trainable)
-        for t in local:
-            cfg, lt = self.tables[t], self._local_index[t]
-            if kinds[t] == "row":
-                key = (cfg.dim, cfg.dtype, self.rules[t] is not None)
-                groups.setdefault(key, []).append((t, lt, self.plan[cfg.name].ranks))
-        for members in groups.values():
-            route = RowWiseGroup(self, members, col, compute_dtype(local_dt[members[0][1]]))
-            self._routes.append(route)
-            col += route.header_cols
-        replicas: dict[tuple, list] = {}
-        for t in local:
-            if kinds[t] == "replica":
-                cfg = self.tables[t]
-                replicas.setdefault((cfg.dim, cfg.dtype, self.rules[t] is not None), []).append(
-                    (t, self._local_index[t]))
-        for members in replicas.values():
-            route = ReplicatedGroup(self, members, col, compute_dtype(local_dt[members[0][1]]))
-            self._routes.append(route)
-            col += route.header_cols
-        self._exchanges = any(k != "replica" for k in kinds)
-        if pool:
-            tables = [(t, i, self.plan[self.tables[t].name].owner) for i, t in enumerate(pool)]
-            pooling = TableWisePooling(self, tables, col, [full_dt[t] for t in pool])
-            self._routes.append(pooling)
-            col += pooling.header_cols
-        self._header_cols = col
-        self._pool_anchor = torch.zeros(0, requires_grad=True, device=self.device)
-        self._inner_anchor = torch.zeros(0, requires_grad=True, device=self.device)
-        # how each output group of the full plan is assembled: pooled names per group, each
-        # from the local lookup or from a table-wise owner; a whole local group is reused as is
-        local_groups = {}
-        if local:
-            lp = self._local_pool.plan
-            local_groups = {tuple(lp.features[f].name for f in g.pooled): i for i, g in enumerate(lp.groups)}
-        self._assembly = []
-        for g in full.groups:
-            names = tuple(full.features[f].name for f in g.pooled)
-            cols = []
-            for f in g.pooled:
-                t = full.feature_table[f]
-                if kinds[t] == "pool":
-                    pooled = [full.features[h].name for h in full.table_features[t]]
-                    cols.append(("pool", t, pooled.index(full.features[f].name)))
-                else:
-                    cols.append(("local", full.features[f].name, 0))
-            self._assembly.append((g.dim, full_dt[full.feature_table[g.pooled[0]]] if g.pooled else None,
-                                   local_groups.get(names) if names else None, cols))
+        build_routes(self)  # distributed/_routes.py
 
     # -- ownership ----------------------------------------------------------------------
 
@@ -316,36 +226,6 @@ class ShardedEmbeddingCollection(EmbeddingCollection):
         self.compute(st)
         self.output_dist(st)
         return st
-
-    # -- staleness ----------------------------------------------------------------------
-
-    @property
-    def staleness(self) -> int | None:
-        """K of the exchange pipeline, or None (synchronous, no exchange thread)."""
-        return None if self._pipeline is None else self._pipeline.staleness
-
-    def enqueue(self, features: SparseFeatures) -> None:
-        """Hands a future training batch (this rank's local batch) over to the exchange thread: its
-        rows are fetched once the updates of every step K or more before it have been applied.
-        Batches are taken by the training forwards in the order they were enqueued."""
-        if self._pipeline is None:
-            raise ShardingError("enqueue needs a collection built with staleness=K")
-        if not isinstance(features, SparseFeatures):
-            raise ShardingError(f"enqueue takes a SparseFeatures batch, got {type(features).__name__}")
-        if features.device != self.device:
-            raise ShardingError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
-                                f"{self.device}: move it with batch.to(device) before enqueue")
-        self._pipeline.enqueue(features)
-
-    def drain(self) -> None:
-        """Waits until every exchange handed over has run (a no-op without staleness)."""
-        if self._pipeline is not None:
-            self._pipeline.drain()
-
-    @property
-    def batches_ahead(self) -> int:
-        """Training batches enqueued whose forward has not run yet."""
-        return 0 if self._pipeline is None else len(self._pipeline.ahead)
 
     def _dummies(self, ts) -> list[torch.Tensor]:
         return [torch.empty(0, self.tables[t].dim, dtype=self.tables[t].dtype, device=self.device) for t in ts]

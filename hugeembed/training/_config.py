@@ -102,6 +102,13 @@ class TrainConfig:
             refuses a plan that does not fit); None: no limit.
         dist_timeout: distributed runs: seconds any collective may wait before a peer counts
             as dead or hung (the run then stops with a ShardingError naming step and stage).
+        staleness: distributed runs: K >= 1 pipelines the table exchanges K steps ahead (batch t
+            reads the rows holding the updates of batches up to t-K-1 exactly; docs/distributed.md);
+            0: synchronous.
+        dense_staleness: distributed runs: D >= 1 all-reduces the dense gradients in the background
+            and applies those of step t at step t+D (instead of DDP); 0: at their own step.
+        jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
+            stragglers, for benchmarks); None: off.
         memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
             live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
             together, split by each table's traffic; with several processes, each process's
@@ -166,6 +173,9 @@ class TrainConfig:
     sharding: tuple[str, ...] = ()
     memory_per_rank: int | None = None
     dist_timeout: float = 300.0
+    staleness: int = 0
+    dense_staleness: int = 0
+    jitter: str | None = None
     memory_budget: int | None = None
     storage_dir: str | None = None
     cache_policy: str = "lfu"
@@ -256,6 +266,9 @@ class TrainConfig:
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or \
                 not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
+        positive("staleness", allow_zero=True)
+        positive("dense_staleness", allow_zero=True)
+        self.jitter_spec()
         seen = set()
         for item in self.sharding:
             table, eq, kind = item.partition("=")
@@ -292,6 +305,21 @@ class TrainConfig:
             verb = "apply" if len(given) > 1 else "applies"
             raise ConfigError(f"{' and '.join(given)} {verb} to the Adam optimizers ({', '.join(ADAM_OPTIMIZERS)}), "
                               f"not to sparse optimizer {self.sparse_optimizer!r}")
+
+    def jitter_spec(self) -> tuple[float, float] | None:
+        """(P, F) of ``jitter`` "P:F" (0 <= P <= 1, F >= 1), or None."""
+        if self.jitter is None:
+            return None
+        text = str(self.jitter)
+        p, sep, f = text.partition(":")
+        try:
+            prob, factor = float(p), float(f)
+        except ValueError:
+            prob = factor = float("nan")
+        if not sep or not (0.0 <= prob <= 1.0) or not (factor >= 1.0 and math.isfinite(factor)):
+            raise ConfigError(f"jitter must be P:F (a probability 0..1, a slowdown factor >= 1), e.g. 0.2:3; "
+                              f"got {text!r}")
+        return prob, factor
 
     def sparse_optimizer_options(self) -> dict[str, Any]:
         """The sparse optimizer's settings: its lr, and for Adam its betas and eps (the measured

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _native
 from .. import checkpoint as ckpt
+from ..distributed import Comm
 from ..errors import CheckpointError, ConfigError, InputError
 from ..metrics import MetricSet
 from ._build import build_model, make_dense_optimizer, resolve_device, seed_everything
@@ -28,6 +30,7 @@ from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
                            merged_tier_stats, run_info, wrap_ddp)
 from ._sources import DataSource, make_source, run_schema
+from ._stale import StaleRun
 
 __all__ = ["Trainer", "TrainState", "evaluate"]
 
@@ -70,8 +73,16 @@ class Trainer:
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
-        self.step_model = wrap_ddp(self.model, self.device) if world_size > 1 else self.model
+        staleness, dense_staleness = (config.staleness, config.dense_staleness) if world_size > 1 else (0, 0)
+        # (under staleness the dense gradients are all-reduced in the background instead: _stale.py)
+        self.step_model = wrap_ddp(self.model, self.device) if world_size > 1 and not (staleness or dense_staleness) \
+            else self.model
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
+        self.stale = StaleRun(self.collection, self._dense_params(), staleness, dense_staleness, config.jitter_spec(),
+                              config.seed, rank, config.dist_timeout)
+        # the loop's own small collectives (loss reports): on the default group, never interleaving with the
+        # embedding exchanges, which run on another thread under staleness
+        self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
         self.source: DataSource = make_source(config, rank, world_size, self.schema)
         self.state = TrainState()
         self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
@@ -177,7 +188,8 @@ class Trainer:
         done = total is not None and st.step >= total
         while not done:
             any_batch = False
-            for batch in self._with_prefetch(self.source.train_batches(st.epoch, skip=st.step_in_epoch)):
+            for batch in self.stale.batches(self._with_prefetch(self.source.train_batches(
+                    st.epoch, skip=st.step_in_epoch)), st.step, self.device, self._drains_after):
                 any_batch = True
                 self._train_step(batch)
                 if self._eval_every and st.step % self._eval_every == 0 and (total is None or st.step < total):
@@ -202,6 +214,7 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         """The end of a run: the averaged dense layers, the last evaluation and snapshot, the summary."""
+        self._drain()  # the last steps' dense gradients first
         self._apply_dense_average()
         self.evaluate()
         if self.cfg.checkpoint_dir:
@@ -225,6 +238,19 @@ class Trainer:
             yield cur
             cur = nxt
 
+    def _drain(self) -> None:
+        """Under staleness: every exchange and dense gradient still in flight lands (counted as training time)."""
+        t0 = time.perf_counter()
+        self.stale.drain(self.dense_optimizer)
+        self.state.train_seconds += time.perf_counter() - t0
+
+    def _drains_after(self, step: int) -> bool:
+        """Whether an evaluation, a snapshot or the run's end follows training step `step` (1-based)."""
+        cfg, total = self.cfg, self.total_steps()
+        return bool((self._eval_every and step % self._eval_every == 0)
+                    or (cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                    or (total is not None and step >= total))
+
     def lr_factor(self, step: int) -> float:
         """The learning rates' multiplier at training step `step` (0-based): 1, then falling
         linearly to 0 over the last `lr_decay` of the expected steps (a pure function of the
@@ -241,7 +267,7 @@ class Trainer:
         for opt, base in zip((self.dense_optimizer, self.collection.optimizer), self._base_lrs):
             for group, lr in zip(opt.param_groups, base):
                 group["lr"] = lr * f
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         batch = batch.to(self.device, non_blocking=True)
         try:
             logits = self.step_model(batch.dense, batch.sparse)
@@ -254,8 +280,9 @@ class Trainer:
             if err is not None:
                 raise err from e
             raise
-        self.dense_optimizer.step()
+        self.stale.dense_step(st.step + 1, self.dense_optimizer)
         self.collection.optimizer.step()
+        self.stale.straggle(time.thread_time() - cpu0)
         if self.cfg.average_dense and f < 1.0:
             self._add_to_dense_average()
         value = float(loss.detach())
@@ -302,7 +329,7 @@ class Trainer:
         st = self.state
         if st.loss_count:
             if self.world_size > 1:  # the mean over every rank's local losses (one small collective)
-                sums = self.collection.comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
+                sums = self._loop_comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
                 st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
             avg = st.loss_sum / st.loss_count
             st.history["step"].append(st.step)
@@ -315,7 +342,11 @@ class Trainer:
 
     def _tier_stats(self) -> dict | None:
         """The tiers' figures of every rank (collective with several processes)."""
-        return merged_tier_stats(self.collection) if self.world_size > 1 else self.collection.tier_stats()
+        if self.world_size == 1:
+            return self.collection.tier_stats()
+        if self.collection.has_tiered_tables:
+            self.collection.drain()  # its collective and the counters it reads: with the exchange thread idle
+        return merged_tier_stats(self.collection)
 
     def samples_per_s(self) -> float:
         return self.state.samples / self.state.train_seconds if self.state.train_seconds else 0.0
@@ -325,6 +356,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Metrics over the whole held-out set (no id is inserted or counted)."""
+        self._drain()
         if self.world_size > 1:  # every rank scores its slice; the accumulators are merged exactly
             empty = empty_batch(self.collection.feature_names(), self.model.num_dense, self.device)
             metrics = evaluate(self.model, aligned(self.source.eval_batches(), self.collection, empty), self.device,
@@ -346,6 +378,7 @@ class Trainer:
     # -- snapshots -----------------------------------------------------------------
 
     def save(self):
+        self._drain()
         delta = self._next_is_delta()
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,

@@ -92,3 +92,11 @@ def test_batch_j_reads_the_updates_of_batches_up_to_j_minus_k_minus_1_exactly(ru
     for n in NAMES:
         rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
         torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)  # every update applied once, after drain
+
+
+def test_a_killed_rank_stops_the_others_with_a_clear_error_under_staleness():
+    got = run_ranks(2, "tests.dist.workers_stale:die", {"victim": 1, "at": 3, "timeout": 5.0, "broken_group": True},
+                    expected_codes={1: 3})
+    err = got[0]["error"]
+    assert err is not None and "rank 0 of 2" in err and "a peer process died" in err, err
+    assert got[0]["seconds"] < 5.0 + 10.0

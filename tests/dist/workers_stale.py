@@ -71,3 +71,24 @@ def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2,
         outs = train_linear(ec, steps, rank, world, k)
         out["linear"][k] = {"outputs": outs, "tables": export_all(ec)}
     return out
+
+
+def die(rank: int, world: int, workdir: str, victim: int = 1, at: int = 3, timeout: float = 5.0,
+        broken_group: bool = True) -> dict:
+    """Rank `victim` dies after `at` steps of a staleness-2 run; the others report the error and its delay."""
+    import os
+    import time
+
+    from hugeembed import ShardingError
+
+    ec = ShardedEmbeddingCollection(tables("adagrad"), plan=ShardingPlan(world, PLAN),
+                                    process_group=new_embedding_group("cpu", timeout), timeout=timeout, staleness=2)
+    train(ec, range(at), rank, world, ahead=2)
+    if rank == victim:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        train(ec, range(at, at + 6), rank, world, ahead=2)
+    except ShardingError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}

@@ -90,6 +90,11 @@ def test_bench_runs_the_scripts_it_finds(tmp_path, capsys):
     (["bench", "nope"], "unknown benchmark 'nope'"),
     (["train", "--shard", "C3=row_wise"], "with one process they would be ignored"),
     (["train", "--nproc", "2", "--shard", "C3=row_wise", "--shard", "C3=data_parallel"], "'C3' is placed twice"),
+    (["train", "--staleness", "2"], "with one process they would be ignored"),
+    (["train", "--nproc", "2", "--staleness", "-1"], "staleness must be a non-negative integer, got -1"),
+    (["train", "--jitter", "0.2"], "jitter must be P:F"),
+    (["train", "--jitter", "1.5:3"], "jitter must be P:F"),
+    (["train", "--jitter", "0.2:0.5"], "jitter must be P:F"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     assert main(argv) == 2
