@@ -67,7 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (HugeEmbedError, OSError, ValueError, ImportError) as e:
         print(f"hugeembed {args.command}: error: {e}", file=sys.stderr)
+        _exit_now_if_distributed(2)
         return 2
     except KeyboardInterrupt:
         print(f"hugeembed {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _exit_now_if_distributed(code: int) -> None:
+    """A failed process of a distributed run exits at once: tearing its process group down would wait
+    for (or abort on) peers that are dead, and for an exchange thread still inside a collective."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
