@@ -31,11 +31,7 @@ import random
 import triton
 import triton.language as tl
 
-__all__ = ["pooled_kernel", "COMPILE_CASES", "LAUNCH_COLUMNS", "SUM", "MEAN", "SQRTN"]
-
-SUM, MEAN, SQRTN = 0, 1, 2  # LookupPlan.arrays()'s combiner codes
-# the launch's table of features: plan feature, output column, element base of its rows, row stride
-LAUNCH_COLUMNS = 4
+__all__ = ["pooled_kernel", "COMPILE_CASES", "block_bags", "launch"]
 
 
 @triton.jit
@@ -62,6 +58,7 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
     lane = q < n_bags
     k = tl.where(lane, q // B, 0)
     b = q - k * B
+    # the launch's features, 4 int64 each: plan feature, output column, element base of its rows, row stride
     f = tl.load(launch_ptr + k * 4, mask=lane, other=0)
     col = tl.load(launch_ptr + k * 4 + 1, mask=lane, other=0)
     base = tl.load(launch_ptr + k * 4 + 2, mask=lane, other=0)
@@ -138,6 +135,7 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
         w2sum = tl.where(fill, 1.0, w2sum)
         tl.store(status_ptr + q, bad.to(tl.int8), mask=lane)
 
+    # LookupPlan.arrays()'s combiner codes: 0 sum, 1 mean, 2 sqrtn
     denom = tl.where(combiner == 1, wsum, tl.where(combiner == 2, tl.sqrt(w2sum), 1.0))
     denom = tl.where(wsum > 0, denom, 1.0)
     out = acc / denom[:, None]
