@@ -3,7 +3,8 @@
 Stages (docs/architecture.md): clean + dedup (``prepare``), fetch (slots: identity for static
 tables, a store for dynamic ones), pool, and in backward the per-unique-row
 gradient handed to a hook (an optimizer applied in place) or returned as a sparse
-gradient.  Native kernels on CPU float32, the torch twin everywhere else.
+gradient.  Native kernels on CPU float32, the triton pool on CUDA (when triton imports), the torch
+twin everywhere else.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import _native
+from .. import _native, _triton
 from ..errors import ConfigError, InputError
 from ._native_stages import (NativeScratch, backward_native, batch_arrays, can_use_native, can_use_native_storages,
                              pool_direct, pool_native, prepare_native, unpooled_native, unpooled_rows)
@@ -20,6 +21,7 @@ from ._grad_rows import GradRows, blocks_of_tables, compact_slots, row_starts, t
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
+from ._triton_stages import forward_direct_triton, pool_triton, triton_runs_on
 
 __all__ = ["FusedEmbeddingLookup", "RowGradHook"]
 
@@ -32,7 +34,7 @@ RowGradHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 of the gradients of every use of each row.  An optimizer applies its update here, in place.
 """
 
-_BACKENDS = ("auto", "native", "torch")
+_BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,8 +48,13 @@ class FusedEmbeddingLookup:
     Args:
         tables: the tables (:class:`TableSpec`), in order.
         features: the outputs (:class:`FeatureSpec`), in order.
-        backend: ``"auto"`` (native kernels on CPU float32, torch otherwise),
-            ``"native"`` (raise if they cannot run) or ``"torch"``.
+        backend: ``"auto"`` (native kernels on CPU float32, triton on CUDA when triton imports, torch
+            otherwise), ``"native"`` (raise if they cannot run), ``"triton"`` (raise if triton does not
+            import or the tensors are on neither CUDA nor, under ``TRITON_INTERPRET=1``, the CPU) or
+            ``"torch"``.  The triton backend pools (functional/_triton_stages.py: pooled features of
+            fp32/fp16/bf16 rows, float32 or no weights; forward-only static lookups straight from the
+            batch); the clean + dedup stage, unpooled features, float64 rows or weights and the whole
+            backward run on the torch reference.
 
         row_groups: per table, the group of tables whose rows it reads from one storage (a table
             group's rows: each call then gives every table of the group that same tensor, and
@@ -66,10 +73,14 @@ class FusedEmbeddingLookup:
         out.stacked()                                          # [B, 2, 16]
     """
 
+    BACKENDS = _BACKENDS
+
     def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *, backend: str = "auto",
                  row_groups: Sequence[int | None] | None = None, complete: Sequence[bool] | None = None) -> None:
         if backend not in _BACKENDS:
             raise ConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if backend == "triton" and not _triton.available():
+            raise ConfigError("backend='triton' needs triton: pip install 'hugeembed[triton]'")
         self.plan = LookupPlan(tables, features)
         self.backend = backend
         self._runs = _runs(self.plan, row_groups)
@@ -112,7 +123,7 @@ class FusedEmbeddingLookup:
         return ok
 
     def _native_ok(self, sf, storages) -> bool:
-        if self.backend == "torch":
+        if self.backend in ("torch", "triton"):
             return False
         if _weights_need_grad(sf.weights_or_none()):
             # the kernels compute no gradient for per-id weights; the torch path does
@@ -130,6 +141,16 @@ class FusedEmbeddingLookup:
                              "float32 tables and a CPU batch with float32 (or no) weights")
         return ok
 
+    def triton_pools(self, device: torch.device) -> bool:
+        """Whether the triton kernels pool tensors on `device`: backend 'triton' (which raises where they
+        cannot run), or 'auto' on CUDA when triton imports."""
+        if self.backend == "triton":
+            if not triton_runs_on(device):
+                raise InputError(f"backend='triton' runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
+                                 f"set before triton is imported); the batch is on {device}")
+            return True
+        return self.backend == "auto" and device.type == "cuda" and triton_runs_on(device)
+
     def prepare(self, sf, storages: Sequence[torch.Tensor] = (), *, deduplicate: bool = True) -> Prepared:
         """Clean + dedup a batch: unique keys per table and each id's index into them.
 
@@ -137,6 +158,7 @@ class FusedEmbeddingLookup:
         lookup (inference), which sums no gradient per row; such a batch refuses a backward.
         """
         self.plan.check_batch(sf, ends=False)
+        self.triton_pools(sf.device)  # (backend='triton' refuses a device it cannot run on, before any work)
         if self._native_checked(sf, storages, ends=False):
             if self._scratch is None:
                 self._scratch = NativeScratch()
@@ -194,6 +216,8 @@ class FusedEmbeddingLookup:
             return None
         plan.check_batch(sf, ends=False)
         self._check_storages(storages, sf.device)
+        if self.triton_pools(sf.device):
+            return self._forward_static_triton(storages, sf)
         if not self._native_checked(sf, storages, ends=True):
             return None
         groups, arrays = [], batch_arrays(sf)  # the batch's arrays once, not per dim group
@@ -204,6 +228,21 @@ class FusedEmbeddingLookup:
                 return None
             groups.append(out)
         return PooledEmbeddings(plan.pooled_names(), groups, self._where, {})
+
+    def _forward_static_triton(self, storages, sf) -> PooledEmbeddings | None:
+        """forward_static on the triton kernel (pooled features, no weights that need grad)."""
+        if _weights_need_grad(sf.weights_or_none()):
+            return None  # the direct kernel gives the weights no gradient: prepare + lookup does
+        self.plan.check_unread_bags(sf)
+        got = forward_direct_triton(self.plan, sf, storages)
+        if got is None:
+            return None
+        outs, bad = got
+        if bad:  # prepare raises the error with its details
+            self.prepare(sf, storages, deduplicate=False)
+            return None
+        dtypes = self.output_dtypes(storages)
+        return PooledEmbeddings(self.plan.pooled_names(), [o.to(dt) for o, dt in zip(outs, dtypes)], self._where, {})
 
     def output_dtypes(self, storages: Sequence[torch.Tensor]) -> list[torch.dtype]:
         """Per dim group, the dtype of its outputs: its tables' row dtypes promoted."""
@@ -300,6 +339,7 @@ class _LookupRun:
         # the tables whose ids may have no row (slot -1): the backward looks for those in them only
         self.params, self.hook, self.runs, self.unsure = params, hook, owner._runs, unsure
         self.native = prep.native and _storages_native_ok(storages)
+        self.triton = not self.native and owner.triton_pools(prep.offsets.device)
         self.dtypes = owner.output_dtypes(storages)
         self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
         self.weights_grad = False  # the per-id weights get a gradient (set by lookup)
@@ -311,7 +351,9 @@ class _LookupRun:
             cdt = _compute_dtype(self.dtypes[g])
             if group.pooled:
                 o = (pool_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs))
+                     else pool_triton(plan, prep, self.storages, self.slots, group) if self.triton else None)
+                if o is None:  # (what the triton kernel does not take)
+                    o = pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs)
                 outs.append(o.to(self.dtypes[g]))
             if group.unpooled:
                 o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native

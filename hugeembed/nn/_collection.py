@@ -54,7 +54,9 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         optimizer: the sparse optimizer of tables whose config names none.
         device: where rows live (``"cpu"``, ``"cuda"``, or ``"meta"`` for shape checks).
         seed: base seed of the initializers (rows are deterministic per id).
-        backend: ``"auto" | "native" | "torch"`` for the lookup and the hash tables.
+        backend: ``"auto" | "native" | "torch" | "triton"`` for the lookup and the hash tables
+            (``"triton"``: the lookup's triton pool, see FusedEmbeddingLookup; the hash tables then pick
+            their own backend, as with ``"auto"``).
 
     In training mode (``module.train()`` with grad enabled) a lookup inserts unseen ids into
     dynamic tables, counts hits, and ``loss.backward()`` applies each table's optimizer to the
@@ -98,8 +100,8 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
             raise ConfigError(f"duplicate table names {sorted({n for n in names if names.count(n) > 1})}")
         if optimizer is not None and not isinstance(optimizer, SparseOptimizer):
             raise ConfigError(f"optimizer must be a hugeembed.optim rule, got {type(optimizer).__name__}")
-        if backend not in ("auto", "native", "torch"):
-            raise ConfigError(f"backend must be one of ('auto', 'native', 'torch'), got {backend!r}")
+        if backend not in FusedEmbeddingLookup.BACKENDS:
+            raise ConfigError(f"backend must be one of {FusedEmbeddingLookup.BACKENDS}, got {backend!r}")
         self.tables: tuple[TableConfig, ...] = tuple(tables)
         self.seed, self.backend, self.device = int(seed), backend, canonical_device(device)
         # names the run in a tiered table's directory: a crashed run's leftovers are reused by it only
@@ -160,8 +162,7 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         self._settings = settings
         plain = [t for t, s in enumerate(settings) if s is not None and not
                  (self.tables[t].tiered and self.device.type != "meta")]
-        backend = None if self.backend == "auto" else self.backend
-        groups, placed = group_tables([settings[t] for t in plain], self.device, backend)
+        groups, placed = group_tables([settings[t] for t in plain], self.device, self._index_backend())
         where: list = [None] * len(settings)
         for t, w in zip(plain, placed):
             where[t] = w
@@ -176,12 +177,16 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         self._span_rules = {span.group: SpanRules.of(span, self.tables) for span in self.placement.spans}
         self._refresh_views()
 
+    def _index_backend(self) -> str | None:
+        """The hash tables' backend (store/_dynamic.py::pick_backend): None picks their own."""
+        return None if self.backend in ("auto", "triton") else self.backend
+
     def _make_tiered(self, t: int, settings) -> TieredStore:
         cfg = self.tables[t]
         if self.device.type != "cpu":
             raise ConfigError(f"table {cfg.name!r}: a disk-tiered table (storage_dir) lives on the CPU, "
                               f"the collection is on {self.device}")
-        index_group = group_tables([settings], self.device, None if self.backend == "auto" else self.backend)[0][0]
+        index_group = group_tables([settings], self.device, self._index_backend())[0][0]
         index = type(index_group)([settings], device=self.device, rows=False,
                                   **({} if settings.static else {"backend": index_group.backend}))
         return TieredStore(index.view(0), initializer=settings.initializer, init_state=settings.init_state,

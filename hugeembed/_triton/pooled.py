@@ -1,0 +1,186 @@
+"""The fused pooled forward: every pooled feature of a dim group over one rows tensor, in one launch.
+
+A program pools ``BLOCK_B`` bags (bag ``q = k * B + b``: the launch's feature k, sample b): it walks
+the bags' ids side by side, loads each id's row as a vector of D (fp32, fp16 or bf16 rows), clips it
+to its table's max_norm, scales it by the id's weight and sums it in fp32 registers, then divides
+by the combiner's denominator (sum: 1, mean: sum of weights, sqrtn: sqrt of the sum of squared
+weights; an empty bag gives zeros).  Each bag's row and output are its own: no atomics, and the
+sums run in bag order, so the result does not depend on how programs are scheduled.
+
+Two ways to find an id's row (``DIRECT``):
+
+* prepared (``DIRECT=0``): a batch after clean + dedup (functional/_reference.py::prepare_torch):
+  cleaned bags ``offsets [F*B+1]``, each kept id's unique index ``inverse`` and weight, and
+  ``slots`` per unique index (-1: the row reads zeros, its weight still counts);
+* direct (``DIRECT=1``, static tables, forward only: each row read once, nothing else materialized):
+  the raw batch, with TF's cleaning inline: ids < 0 dropped (``prune_negative``), weights <= 0
+  dropped, an id outside its table pruned, mapped to ``default_id`` or flagged (``out_of_range``),
+  an empty bag given its feature's ``default_id`` row (weight 1) or zeros.  The row of id k is
+  row k of its table.  Bad input (offsets, a weight not finite, an id out of range under "error")
+  sets the bag's ``status``; the caller then takes the path that raises the error with its details.
+
+Rows are addressed as ``rows + base[k] + slot * stride[k]`` (in elements): a group's rows tensor holds
+its tables one after another (``base`` = a table's first row times the row stride), and a row may be
+wider than D (optimizer state beside it): only its first D columns are read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["pooled_kernel", "COMPILE_CASES", "LAUNCH_COLUMNS", "SUM", "MEAN", "SQRTN"]
+
+SUM, MEAN, SQRTN = 0, 1, 2  # LookupPlan.arrays()'s combiner codes
+# the launch's table of features: plan feature, output column, element base of its rows, row stride
+LAUNCH_COLUMNS = 4
+
+
+@triton.jit
+def _clipped(row, max_norm, CLIP: tl.constexpr):
+    """TF's clip_by_norm per row of a [BLOCK_B, BLOCK_D] tile: ``row * c / max(||row||, c)`` where c > 0."""
+    if CLIP:
+        norm = tl.sqrt(tl.sum(row * row, axis=1))
+        c = max_norm
+        clip = c > 0
+        denom = tl.where(clip, tl.maximum(norm, c), 1.0)
+        row = tl.where(clip[:, None], (row * tl.where(clip, c, 1.0)[:, None]) / denom[:, None], row)
+    return row
+
+
+@triton.jit
+def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, max_norm_ptr,
+                  offsets_ptr, ids_ptr, weights_ptr, slots_ptr,
+                  source_ptr, prune_neg_ptr, oor_ptr, has_default_ptr, default_id_ptr, num_rows_ptr, status_ptr,
+                  B, D, out_stride, n_ids, n_bags, pid0,
+                  DIRECT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, CLIP: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = pid0 + tl.program_id(0)
+    q = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    lane = q < n_bags
+    k = tl.where(lane, q // B, 0)
+    b = q - k * B
+    f = tl.load(launch_ptr + k * 4, mask=lane, other=0)
+    col = tl.load(launch_ptr + k * 4 + 1, mask=lane, other=0)
+    base = tl.load(launch_ptr + k * 4 + 2, mask=lane, other=0)
+    stride = tl.load(launch_ptr + k * 4 + 3, mask=lane, other=0)
+    t = tl.load(feat_table_ptr + f, mask=lane, other=0)
+    combiner = tl.load(combiner_ptr + f, mask=lane, other=0).to(tl.int32)
+    max_norm = tl.load(max_norm_ptr + t, mask=lane, other=0.0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+
+    if DIRECT:
+        bag = tl.load(source_ptr + f, mask=lane, other=0) * B + b
+        start = tl.load(offsets_ptr + bag, mask=lane, other=0)
+        end = tl.load(offsets_ptr + bag + 1, mask=lane, other=0)
+        bad = lane & ((start < 0) | (end < start) | (end > n_ids))
+        prune_neg = tl.load(prune_neg_ptr + f, mask=lane, other=0) != 0
+        policy = tl.load(oor_ptr + f, mask=lane, other=0).to(tl.int32)
+        default_id = tl.load(default_id_ptr + f, mask=lane, other=0)
+        num_rows = tl.load(num_rows_ptr + t, mask=lane, other=0)
+    else:
+        bag = f * B + b
+        start = tl.load(offsets_ptr + bag, mask=lane, other=0)
+        end = tl.load(offsets_ptr + bag + 1, mask=lane, other=0)
+        bad = lane & (end < start)  # (never made by prepare: read as an empty bag)
+    length = tl.where(lane & ~bad, end - start, 0)
+
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_B], dtype=tl.float32)
+    w2sum = tl.zeros([BLOCK_B], dtype=tl.float32)
+    kept = tl.zeros([BLOCK_B], dtype=tl.int32)
+    # a while loop: the interpreter's range() cannot take a bound reduced from a tensor under numpy 2
+    longest = tl.max(length, axis=0)
+    j = 0
+    while j < longest:
+        m = j < length
+        pos = start + j
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + pos, mask=m, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(m, 1.0, 0.0)
+        if DIRECT:
+            v = tl.load(ids_ptr + pos, mask=m, other=0)
+            bad = bad | (m & ~(tl.abs(w) <= 3.4028234663852886e38))  # NaN or inf
+            keep = m & (w > 0) & ~((v < 0) & prune_neg)
+            oob = keep & (num_rows >= 0) & ((v < 0) | (v >= num_rows))
+            bad = bad | (oob & (policy == 0))
+            keep = keep & ~(oob & (policy != 2))
+            slot = tl.where(oob & (policy == 2), default_id, v)
+            has_row = keep
+        else:
+            u = tl.load(ids_ptr + pos, mask=m, other=0).to(tl.int64)
+            slot = tl.load(slots_ptr + u, mask=m, other=-1)
+            keep = m
+            has_row = m & (slot >= 0)
+        w = tl.where(keep, w, 0.0)
+        at = base[:, None] + tl.where(has_row, slot, 0)[:, None] * stride[:, None] + d[None, :]
+        row = tl.load(rows_ptr + at, mask=has_row[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        row = _clipped(row, max_norm, CLIP)
+        acc += row * w[:, None]
+        wsum += w
+        w2sum += w * w
+        kept += keep.to(tl.int32)
+        j += 1
+
+    if DIRECT:
+        # an empty bag reads its feature's default_id row, weight 1 (TF's "fill empty rows")
+        fill = lane & ~bad & (kept == 0) & (tl.load(has_default_ptr + f, mask=lane, other=0) != 0)
+        at = base[:, None] + tl.where(fill, default_id, 0)[:, None] * stride[:, None] + d[None, :]
+        row = tl.load(rows_ptr + at, mask=fill[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        row = _clipped(row, max_norm, CLIP)
+        acc = tl.where(fill[:, None], row, acc)
+        wsum = tl.where(fill, 1.0, wsum)
+        w2sum = tl.where(fill, 1.0, w2sum)
+        tl.store(status_ptr + q, bad.to(tl.int8), mask=lane)
+
+    denom = tl.where(combiner == 1, wsum, tl.where(combiner == 2, tl.sqrt(w2sum), 1.0))
+    denom = tl.where(wsum > 0, denom, 1.0)
+    out = acc / denom[:, None]
+    tl.store(out_ptr + b[:, None] * out_stride + col[:, None] * D + d[None, :], out,
+             mask=lane[:, None] & dmask[None, :])
+
+
+def _signature(rows: str, direct: bool, weights: bool) -> dict[str, str]:
+    sig = {"rows_ptr": f"*{rows}", "out_ptr": "*fp32", "launch_ptr": "*i64", "feat_table_ptr": "*i64",
+           "combiner_ptr": "*i8", "max_norm_ptr": "*fp32", "offsets_ptr": "*i64", "ids_ptr": "*i64",
+           "weights_ptr": "*fp32" if weights else "*i64", "slots_ptr": "*i64", "source_ptr": "*i64",
+           "prune_neg_ptr": "*i8", "oor_ptr": "*i8", "has_default_ptr": "*i8", "default_id_ptr": "*i64",
+           "num_rows_ptr": "*i64", "status_ptr": "*i8", "B": "i64", "D": "i32", "out_stride": "i64",
+           "n_ids": "i64", "n_bags": "i64", "pid0": "i32"}
+    for name in ("DIRECT", "HAS_WEIGHTS", "CLIP", "BLOCK_B", "BLOCK_D"):
+        sig[name] = "constexpr"
+    return sig
+
+
+# every variant the dispatcher (functional/_triton_stages.py) launches: rows dtype x prepared/direct x
+# weights x max_norm, at the tile of a d16 table (the tile's size does not change the code's shape)
+COMPILE_CASES = [
+    (f"pooled[{dt},{'direct' if direct else 'prepared'}{',w' if w else ''}{',clip' if clip else ''}]",
+     pooled_kernel, _signature(dt, direct, w),
+     {"DIRECT": direct, "HAS_WEIGHTS": w, "CLIP": clip, "BLOCK_B": 64, "BLOCK_D": 16})
+    for dt in ("fp32", "fp16", "bf16") for direct in (False, True) for w in (False, True) for clip in (False, True)
+]
+
+
+def block_bags(dim: int) -> tuple[int, int]:
+    """(BLOCK_B, BLOCK_D) for rows of `dim`: the whole row in one tile (max_norm needs its norm), up to 2048
+    values a program."""
+    block_d = triton.next_power_of_2(dim)
+    return max(1, min(64, 2048 // block_d)), block_d
+
+
+def launch(n_bags: int, args: dict, constexprs: dict, order=None) -> None:
+    """Runs pooled_kernel over `n_bags` bags: one launch of ``cdiv(n_bags, BLOCK_B)`` programs, or with
+    `order` (tests: a permutation of the program ids) one launch of one program per id, in that order."""
+    programs = triton.cdiv(n_bags, constexprs["BLOCK_B"])
+    if programs == 0:
+        return
+    if order is None:
+        pooled_kernel[(programs,)](**args, n_bags=n_bags, pid0=0, **constexprs)
+        return
+    if sorted(order) != list(range(programs)):
+        raise ValueError(f"order must be a permutation of the {programs} program ids, got {list(order)}")
+    for pid in order:
+        pooled_kernel[(1,)](**args, n_bags=n_bags, pid0=int(pid), **constexprs)
