@@ -41,7 +41,7 @@ class Dedup:
 
     order: int64 [N] entry positions sorted by key (stable); the valid ones first.
     rows: int32/int64 [N] each unique key (the group row) at its unique index; past n_unique: unset.
-    tables: int32 [N] each unique key's table; past n_unique: unset.
+    tables: int32 [N] each unique key's table (its first entry's); past n_unique: unset.
     seg_start: int32 [N + 1] first sorted position of each unique key; n_valid from n_unique on.
     inverse: int32 [N] each entry's unique index (-1 for invalid entries).
     counts: int32 [2] (n_valid, n_unique) on the device.
@@ -94,8 +94,8 @@ def _segment_heads(pid0, sorted_keys, heads, n, sentinel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _encode_runs(pid0, sorted_keys, order, uid, heads, table_base, n_tables,
-                 rows, tables, seg_start, inverse, counts, n, BLOCK: tl.constexpr, T_BLOCK: tl.constexpr):
+def _encode_runs(pid0, sorted_keys, order, uid, heads, entry_tables, rows, tables, seg_start, inverse, counts, n,
+                 BLOCK: tl.constexpr):
     """From the heads' inclusive prefix sum `uid`: each run's row, table and start, each entry's
     unique index; seg_start past n_unique holds n_valid; counts[1] = n_unique."""
     pid = pid0 + tl.program_id(0)
@@ -105,16 +105,11 @@ def _encode_runs(pid0, sorted_keys, order, uid, heads, table_base, n_tables,
     n_unique = tl.load(uid + n - 1)
     u = tl.load(uid + at, mask=inside, other=0) - 1
     head = tl.load(heads + at, mask=inside, other=0) != 0
-    key = tl.load(sorted_keys + at, mask=inside, other=0).to(tl.int64)
-    # the key's table: the last table whose base is <= key (bases ascend; a short scan, T small)
-    tb = tl.arange(0, T_BLOCK)
-    bases = tl.load(table_base + tb, mask=tb < n_tables, other=0)
-    le = (bases[None, :] <= key[:, None]) & (tb[None, :] < n_tables)
-    t = tl.sum(le.to(tl.int32), axis=1) - 1
-    tl.store(rows + u, key.to(rows.dtype.element_ty), mask=head)
-    tl.store(tables + u, t, mask=head)
-    tl.store(seg_start + u, at.to(tl.int32), mask=head)
+    key = tl.load(sorted_keys + at, mask=inside, other=0)
     j = tl.load(order + at, mask=inside, other=0)
+    tl.store(rows + u, key, mask=head)
+    tl.store(tables + u, tl.load(entry_tables + j, mask=head, other=0).to(tl.int32), mask=head)
+    tl.store(seg_start + u, at.to(tl.int32), mask=head)
     tl.store(inverse + j, tl.where(at < n_valid, u, -1), mask=inside)
     # the tail of seg_start (N + 1 entries: this grid covers it with one more program's worth)
     tail = (at >= n_unique) & (at <= n)
@@ -129,7 +124,8 @@ def dedup(ids: torch.Tensor, tables: torch.Tensor, table_base: torch.Tensor, tab
     Args:
         ids: int64 [N] ids (rows of their table).
         tables: int32/int64 [N] each entry's table, in [0, T).
-        table_base: int64 [T] ascending: the group row of each table's row 0.
+        table_base: int64 [T]: the group row of each table's row 0 (tables of a group: ascending; 0 for
+            every table when `ids` are the group's rows already, e.g. a training step's slots).
         table_rows: int64 [T] rows of each table (an id outside [0, rows) is dropped, as invalid).
         group_rows: R, the group's rows (keys are int32 when R < 2^31).
         valid: bool/int [N] or None: which entries count (padding from an over-allocated batch).
@@ -161,8 +157,8 @@ def dedup(ids: torch.Tensor, tables: torch.Tensor, table_base: torch.Tensor, tab
     heads = torch.empty(n, dtype=torch.int32, device=dev)
     launch(_segment_heads, programs, sorted_keys, heads, n, sentinel, BLOCK=_BLOCK)
     uid = torch.cumsum(heads, 0, dtype=torch.int32)
-    launch(_encode_runs, triton.cdiv(n + 1, _BLOCK), sorted_keys, order, uid, heads, table_base, T, rows, utables, seg_start,
-                        inverse, counts, n, BLOCK=_BLOCK, T_BLOCK=triton.next_power_of_2(T))
+    launch(_encode_runs, triton.cdiv(n + 1, _BLOCK), sorted_keys, order, uid, heads, tables, rows, utables,
+           seg_start, inverse, counts, n, BLOCK=_BLOCK)
     return Dedup(order, rows, utables, seg_start, inverse, counts)
 
 
@@ -171,15 +167,14 @@ def _cases():
            "table_rows": "*i64", "keys": "*i32", "counts": "*i32", "n": "i32", "sentinel": "i32"}
     heads = {"pid0": "i32", "sorted_keys": "*i32", "heads": "*i32", "n": "i32", "sentinel": "i32"}
     enc = {"pid0": "i32", "sorted_keys": "*i32", "order": "*i64", "uid": "*i32", "heads": "*i32",
-           "table_base": "*i64", "n_tables": "i32", "rows": "*i32", "tables": "*i32",
-           "seg_start": "*i32", "inverse": "*i32", "counts": "*i32", "n": "i32"}
+           "entry_tables": "*i32", "rows": "*i32", "tables": "*i32", "seg_start": "*i32", "inverse": "*i32",
+           "counts": "*i32", "n": "i32"}
     out = []
     for has_valid in (False, True):
         out.append((f"dedup.linear_keys[valid={int(has_valid)}]", _linear_keys, {**sig, "HAS_VALID": "constexpr",
                     "BLOCK": "constexpr"}, {"HAS_VALID": has_valid, "BLOCK": _BLOCK}))
     out.append(("dedup.segment_heads", _segment_heads, {**heads, "BLOCK": "constexpr"}, {"BLOCK": _BLOCK}))
-    out.append(("dedup.encode_runs", _encode_runs, {**enc, "BLOCK": "constexpr", "T_BLOCK": "constexpr"},
-                {"BLOCK": _BLOCK, "T_BLOCK": 32}))
+    out.append(("dedup.encode_runs", _encode_runs, {**enc, "BLOCK": "constexpr"}, {"BLOCK": _BLOCK}))
     return out
 
 

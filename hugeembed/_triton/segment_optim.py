@@ -148,7 +148,7 @@ def _chunk_sums(pid0, order, seg_start, counts, cum_extra, partial, chunk, bag_o
 @triton.jit
 def _update_rows(pid0, order, seg_start, counts, rows, tables, cum_extra, partial, chunk,
                  bag_of, slot, weights, denom, grad, grad_stride, B, Fg,
-                 wts, w_stride, st, s_stride, D, table_base, table_seed, mixed, step,
+                 wts, w_stride, st, s_stride, D, entry_keys, table_seed, mixed, step,
                  p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, q0, q1, q2, q3,
                  RULE: tl.constexpr, WD: tl.constexpr, NESTEROV: tl.constexpr, ADAM_MODE: tl.constexpr,
                  DECOUPLED: tl.constexpr, EPS_TF: tl.constexpr, FTRL_SQRT: tl.constexpr,
@@ -259,10 +259,9 @@ def _update_rows(pid0, order, seg_start, counts, rows, tables, cum_extra, partia
         w = tl.div_rn(tl.minimum(tl.maximum(z, -p1), p1) - z, quad)
         tl.store(sp + d, to_nearest(n_new, st.dtype.element_ty), mask=ok)
         tl.store(sp + D + d, to_nearest(z, st.dtype.element_ty), mask=ok)
-    if STOCHASTIC:  # the row's key and its table's seed draw the rounding
-        t = tl.load(tables + s)
-        key = r - tl.load(table_base + t)
-        seed = tl.load(table_seed + t)
+    if STOCHASTIC:  # the row's key (its first entry's) and its table's seed draw the rounding
+        key = tl.load(entry_keys + tl.load(order + start))
+        seed = tl.load(table_seed + tl.load(tables + s))
     else:
         key = r
         seed = r
@@ -270,7 +269,7 @@ def _update_rows(pid0, order, seg_start, counts, rows, tables, cum_extra, partia
 
 
 def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: torch.Tensor, rule_params, *,
-                   step: int, chunk: int = 64, table_base: torch.Tensor | None = None,
+                   step: int, chunk: int = 64, keys: torch.Tensor | None = None,
                    table_seed: torch.Tensor | None = None, rounding_mix: int = 0) -> None:
     """Sums each unique row's gradient and applies one rule step to the row and its state, in place.
 
@@ -282,7 +281,8 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
         rule_params: (p, q, flags) of optim._kernel_params.kernel_params for this step.
         step: the table's 1-based step (global Adam's catch-up; per-row and global counters).
         chunk: entries a program sums (hot rows are split across programs in chunks of it).
-        table_base, table_seed: int64 [T] (stochastic rounding: the row's key is row - base of its table).
+        keys, table_seed: stochastic rounding: int64 [N] each entry's key (a row draws by its key) and
+            int64 [T] each table's seed (dd.tables index it); None: rounded to nearest.
         rounding_mix: ``mix64_int(step ^ salt)`` of hugeembed._hashing (stochastic rounding).
     """
     p, q, flags = rule_params
@@ -298,8 +298,8 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     if not 1 <= step < 2**31:
         raise InputError(f"segment_update: step must be in [1, 2^31), got {step}")
     stochastic = table_seed is not None
-    if stochastic and (weights.dtype == torch.float32 or table_base is None):
-        raise InputError("segment_update: stochastic rounding needs 16-bit weights and table_base")
+    if stochastic and (weights.dtype == torch.float32 or keys is None):
+        raise InputError("segment_update: stochastic rounding needs 16-bit weights and the entries' keys")
     n = dd.capacity
     if n == 0:
         return
@@ -315,11 +315,11 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     launch(_chunk_sums, n_partial, dd.order, dd.seg_start, dd.counts, cum_extra, partial, chunk, src.bag_of,
            src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, D, HAS_W=has_w, BLOCK_D=block_d)
     st = state if state.numel() else weights
-    base = table_base if table_base is not None else dd.counts
+    keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
     seeds = table_seed if stochastic else dd.counts
     launch(_update_rows, min(n, weights.shape[0]), dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables, cum_extra, partial, chunk,
            src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg,
-           weights, weights.stride(0), st, st.stride(0), D, base, seeds, rounding_mix, step, *p, *q,
+           weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
            STOCHASTIC=stochastic, HAS_W=has_w, BLOCK_D=block_d, **flags)
 
 
@@ -339,7 +339,7 @@ def _cases():
         return {"pid0": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "rows": "*i32",
                 "tables": "*i32", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
                 "wts": f"*{wdt}", "w_stride": "i32", "st": "*fp32", "s_stride": "i32", "D": "i32",
-                "table_base": "*i64", "table_seed": "*i64", "mixed": "i64", "step": "i32",
+                "entry_keys": "*i64", "table_seed": "*i64", "mixed": "i64", "step": "i32",
                 **{f"p{i}": "fp32" for i in range(13)}, **{f"q{i}": "i64" for i in range(4)},
                 **{f: "constexpr" for f in flags}}
 

@@ -32,7 +32,7 @@ def _check(d, ids, tables, base, rows, valid):
     n_valid, n_unique = d.counts.tolist()
     assert n_unique == len(uniq) and n_valid == sum(k is not None for k in keys)
     assert d.rows[:n_unique].tolist() == uniq
-    assert d.tables[:n_unique].tolist() == [max(t for t in range(len(base)) if base[t] <= k) for k in uniq]
+    assert d.tables[:n_unique].tolist() == [tables[keys.index(k)] for k in uniq]
     assert d.inverse.tolist() == inverse
     seg = d.seg_start.tolist()
     assert seg[n_unique:] == [n_valid] * (len(ids) + 1 - n_unique)

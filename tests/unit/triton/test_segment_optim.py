@@ -92,7 +92,7 @@ def _triton_step(rule, plan, prep, group, grads, lr, step, base, chunk=64):
     storage = group.storage()
     sr = lay.stochastic_rounding
     segment_update(dd, src, lay.weights(storage), lay.state(storage), kernel_params(rule, lr, step, lay.dtype),
-                   step=step, chunk=chunk, table_base=base, table_seed=torch.tensor(SEEDS[: plan.num_tables]) if sr
+                   step=step, chunk=chunk, keys=ids, table_seed=torch.tensor(SEEDS[: plan.num_tables]) if sr
                    else None, rounding_mix=mix64_int((step ^ _ROUNDING_SALT) & _MASK64))
 
 
