@@ -10,6 +10,7 @@ twins compute them.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -38,8 +39,11 @@ def _bits(x: float) -> int:
 
 
 def _f32(x: float) -> float:
-    """`x` rounded to float32 (what a float32 tensor times `x` uses; inf past its range)."""
-    return torch.tensor(float(x), dtype=torch.float32).item()
+    """`x` rounded to float32 (what a float32 tensor times `x` uses; inf past its range), on the host."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", float(x)))[0]
+    except OverflowError:  # (beyond float32's range: what the cast gives)
+        return math.copysign(math.inf, x)
 
 
 def kernel_params(rule: SparseOptimizer, lr: float, step: int, weight_dtype: torch.dtype):
