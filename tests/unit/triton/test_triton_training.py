@@ -90,3 +90,32 @@ def test_a_step_reads_the_host_at_most_once(fused_calls):
         out = ec(sf).stacked()
         out.sum().backward()
     assert fused_calls and counter.syncs() <= 1, dict(counter.ops)
+
+
+def test_dynamic_tables_take_the_fused_path(fused_calls):
+    """Hash tables whose every id gets a row: the entries' slots are their group's rows, as for static ones."""
+    def make(backend):
+        return EmbeddingCollection([TableConfig("a", 4, combiner="sum"), TableConfig("b", 4, combiner="mean")],
+                                   optimizer=SGD(lr=0.1), backend=backend, seed=3)
+    tri, ref = make("triton"), make("torch")
+    _train(tri, range(3))
+    _train(ref, range(3))
+    assert len(fused_calls) == 3
+    for k, v in ref.state_dict().items():
+        got = tri.state_dict()[k]
+        assert torch.equal(got, v) if not v.dtype.is_floating_point else torch.allclose(got, v, rtol=1e-5, atol=1e-6), k
+
+
+def test_what_the_kernels_do_not_take_falls_back_to_torch(fused_calls):
+    """lr_count_scale (a per-row lr) is not in the kernel: the step takes the torch path, same result."""
+    def make(backend):
+        return EmbeddingCollection([TableConfig("a", 4, num_rows=9, combiner="sum", lr_count_scale=3),
+                                    TableConfig("b", 4, num_rows=5, combiner="mean")],
+                                   optimizer=Adagrad(lr=0.1), backend=backend, seed=3)
+    tri, ref = make("triton"), make("torch")
+    _train(tri, range(2))
+    _train(ref, range(2))
+    assert fused_calls == []
+    for k, v in ref.state_dict().items():
+        got = tri.state_dict()[k]
+        assert torch.equal(got, v) if not v.dtype.is_floating_point else torch.allclose(got, v, rtol=1e-5, atol=1e-6), k
