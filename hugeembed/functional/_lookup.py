@@ -54,8 +54,9 @@ class FusedEmbeddingLookup:
             import or the tensors are on neither CUDA nor, under ``TRITON_INTERPRET=1``, the CPU) or
             ``"torch"``.  The triton backend pools (functional/_triton_stages.py: pooled features of
             fp32/fp16/bf16 rows, float32 or no weights; forward-only static lookups straight from the
-            batch); the clean + dedup stage, unpooled features, float64 rows or weights and the whole
-            backward run on the torch reference.
+            batch); the clean + dedup stage, unpooled features, float64 rows or weights run on the
+            torch reference, and so does the backward unless a row_grad_hook takes the fused triton
+            update (functional/_triton_backward.py: an EmbeddingCollection's training step).
 
         row_groups: per table, the group of tables whose rows it reads from one storage (a table
             group's rows: each call then gives every table of the group that same tensor, and
