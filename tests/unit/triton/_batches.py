@@ -1,5 +1,8 @@
 """Tiny batches for the triton kernel tests: a plan of static tables, a prepared batch, the kernels'
-inputs read off it (the entries' ids and tables), and one row group laid out like a store's."""
+inputs read off it (the entries' ids and tables), and one row group laid out like a store's.
+
+DEV: where the kernels run: CUDA when there is one (compiled kernels), else the CPU under triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 there)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from hugeembed.functional._plan import LookupPlan
 from hugeembed.functional._reference import prepare_torch
 
 COMBINERS = ("sum", "mean", "sqrtn")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @st.composite
@@ -34,17 +38,18 @@ def batches(draw, max_tables: int = 3, max_batch: int = 4, max_len: int = 5, dim
     sf = SparseFeatures([f.name for f in feats], torch.tensor(values, dtype=torch.int64),
                         lengths=torch.tensor(lengths, dtype=torch.int64), weights=w if weighted else None,
                         batch_size=B)
-    return plan, sf
+    return plan, sf.to(DEV)
 
 
 def entries(plan: LookupPlan, prep):
     """(ids int64 [N], table int32 [N], bag int64 [N]) of a prepared batch's kept entries."""
     n = prep.inverse.numel()
-    ids = prep.unique_keys[prep.inverse.long()] if n else torch.zeros(0, dtype=torch.int64)
-    pos = torch.arange(n)
+    dev = prep.offsets.device
+    ids = prep.unique_keys[prep.inverse.long()] if n else torch.zeros(0, dtype=torch.int64, device=dev)
+    pos = torch.arange(n, device=dev)
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     feature = bag // max(prep.batch_size, 1)
-    table = plan.arrays()["table"][feature].to(torch.int32)
+    table = plan.arrays(dev)["table"][feature].to(torch.int32)
     return ids, table, bag
 
 
@@ -56,4 +61,5 @@ def group_base(plan: LookupPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(table_base, table_rows, R) of all the plan's tables as one row group, in table order."""
     rows = [t.num_rows for t in plan.tables]
     base = [sum(rows[:i]) for i in range(len(rows))]
-    return torch.tensor(base, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64), sum(rows)
+    return (torch.tensor(base, dtype=torch.int64, device=DEV), torch.tensor(rows, dtype=torch.int64, device=DEV),
+            sum(rows))

@@ -10,7 +10,7 @@ from hugeembed._triton._grid import shuffled_programs
 from hugeembed._triton.dedup import dedup
 from hugeembed.errors import InputError
 
-from ._batches import batches, entries, group_base, prepared
+from ._batches import DEV, batches, entries, group_base, prepared
 
 pytestmark = pytest.mark.triton
 
@@ -48,8 +48,9 @@ def test_dedup_matches_oracle(ids, data):
     tables = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
     valid = data.draw(st.none() | st.lists(st.booleans(), min_size=n, max_size=n))
     base, rows = [0, 7, 7], [7, 0, 10]  # an empty table between two
-    d = dedup(torch.tensor(ids, dtype=torch.int64), torch.tensor(tables, dtype=torch.int32), torch.tensor(base),
-              torch.tensor(rows), 17, None if valid is None else torch.tensor(valid))
+    d = dedup(torch.tensor(ids, dtype=torch.int64, device=DEV), torch.tensor(tables, dtype=torch.int32, device=DEV),
+              torch.tensor(base, device=DEV), torch.tensor(rows, device=DEV), 17,
+              None if valid is None else torch.tensor(valid, device=DEV))
     _check(d, ids, tables, base, rows, valid)
 
 
@@ -70,9 +71,9 @@ def test_dedup_equals_prepare_torch(case):
 
 def test_dedup_shuffled_program_order_is_identical():
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 9, (700,), generator=g)  # several programs of 256
-    tables = torch.randint(0, 2, (700,), generator=g, dtype=torch.int32)
-    base, rows = torch.tensor([0, 9]), torch.tensor([9, 9])
+    ids = torch.randint(0, 9, (700,), generator=g).to(DEV)  # several programs of 256
+    tables = torch.randint(0, 2, (700,), generator=g, dtype=torch.int32).to(DEV)
+    base, rows = torch.tensor([0, 9], device=DEV), torch.tensor([9, 9], device=DEV)
     want = dedup(ids, tables, base, rows, 18)
     with shuffled_programs(11):
         got = dedup(ids, tables, base, rows, 18)
@@ -83,8 +84,8 @@ def test_dedup_shuffled_program_order_is_identical():
 
 
 def test_dedup_empty_and_bad_shapes():
-    d = dedup(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), torch.tensor([0]),
-              torch.tensor([4]), 4)
+    d = dedup(torch.zeros(0, dtype=torch.int64, device=DEV), torch.zeros(0, dtype=torch.int32, device=DEV),
+              torch.tensor([0], device=DEV), torch.tensor([4], device=DEV), 4)
     assert d.counts.tolist() == [0, 0] and d.seg_start.tolist() == [0]
     with pytest.raises(InputError, match="one entry each"):
         dedup(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), torch.tensor([0]),

@@ -20,7 +20,7 @@ from hugeembed.optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, RowWiseAdagra
 from hugeembed.optim._kernel_params import kernel_params
 from hugeembed.store import RowLayout
 
-from ._batches import batches, entries, group_base, prepared
+from ._batches import DEV, batches, entries, group_base, prepared
 
 pytestmark = pytest.mark.triton
 
@@ -60,9 +60,9 @@ def _group(rule, plan, dtype, sr, seed=0):
     D = plan.tables[0].dim
     lay = RowLayout(dim=D, dtype=dtype, state_width=rule.state_width(D), stochastic_rounding=sr)
     R = sum(t.num_rows for t in plan.tables)
-    storage = lay.empty(R).zero_()  # (a packed row's padding too: rows compare whole)
+    storage = lay.empty(R, DEV).zero_()  # (a packed row's padding too: rows compare whole)
     g = torch.Generator().manual_seed(seed)
-    lay.weights(storage).copy_(torch.randn(R, D, generator=g))
+    lay.weights(storage).copy_(torch.randn(R, D, generator=g).to(DEV))
     rule.init_state(lay.state(storage)) if lay.state_width else None
     return _Group(lay, storage)
 
@@ -72,11 +72,11 @@ def _reference_step(rule, plan, prep, group, grads, lr, step, base):
     T = plan.num_tables
     slots = prep.unique_keys  # static tables: a key is its row
     rows = backward_torch(plan, prep, [None] * T, slots, grads, [None] * len(plan.groups))
-    ts = torch.cat([torch.full((prep.unique_count[t],), t) for t in range(T)])
+    ts = torch.cat([torch.full((prep.unique_count[t],), t, device=DEV) for t in range(T)])
     keys = prep.unique_keys
     if keys.numel() == 0:
         return
-    seeds = torch.tensor(SEEDS[:T])[ts]
+    seeds = torch.tensor(SEEDS[:T], device=DEV)[ts]
     rule.update(group, base[ts] + keys, torch.cat(rows), lr=lr, step=step, keys=keys, seeds=seeds)
 
 
@@ -88,11 +88,11 @@ def _triton_step(rule, plan, prep, group, grads, lr, step, base, chunk=64):
     B, F = prep.batch_size, plan.num_features
     bag_of, denom = bag_terms(prep.offsets, prep.weights, plan.arrays()["combiner"], B, ids.numel())
     D = lay.dim
-    src = PooledGrads(grads[0].reshape(-1, D), torch.arange(F, dtype=torch.int32), bag_of, denom, prep.weights, B, F)
+    src = PooledGrads(grads[0].reshape(-1, D), torch.arange(F, dtype=torch.int32, device=DEV), bag_of, denom, prep.weights, B, F)
     storage = group.storage()
     sr = lay.stochastic_rounding
     segment_update(dd, src, lay.weights(storage), lay.state(storage), kernel_params(rule, lr, step, lay.dtype),
-                   step=step, chunk=chunk, keys=ids, table_seed=torch.tensor(SEEDS[: plan.num_tables]) if sr
+                   step=step, chunk=chunk, keys=ids, table_seed=torch.tensor(SEEDS[: plan.num_tables], device=DEV) if sr
                    else None, rounding_mix=mix64_int((step ^ _ROUNDING_SALT) & _MASK64))
 
 
@@ -117,7 +117,7 @@ def _run_both(rule, plan, sf, dtype, sr, steps=(1, 4), chunk=64):
     g = torch.Generator().manual_seed(5)
     for step in steps:
         B, D = prep.batch_size, plan.tables[0].dim
-        grads = [torch.randn(B, plan.num_features, D, generator=g)]
+        grads = [torch.randn(B, plan.num_features, D, generator=g).to(DEV)]
         _reference_step(rule, plan, prep, ref, grads, 0.05, step, base)
         _triton_step(rule, plan, prep, tri, grads, 0.05, step, base, chunk)
     _assert_rows_equal(tri, ref)
@@ -133,7 +133,8 @@ def _fixed_batch(dim=3):
     values = [5, 1, 5, 5, 5, 2, 5, 0, 3, 3, 3, 1, 5, 5, 5, 6, 5, 5, 0, 2]
     weights = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25, 1.0, 3.0, 1.0, 2.0, 0.5, 1.0, 1.0, 0.75, 1.0, 2.0, 1.0, 0.5,
                             1.0, 1.0, 1.5])
-    return plan, SparseFeatures(["a", "b", "c"], torch.tensor(values), lengths=torch.tensor(lengths), weights=weights)
+    return plan, SparseFeatures(["a", "b", "c"], torch.tensor(values), lengths=torch.tensor(lengths),
+                                weights=weights).to(DEV)
 
 
 # every rule in float32 and in one 16-bit case (the 16-bit cases rotate over the rules); the rest of
@@ -181,7 +182,7 @@ def test_empty_batch_changes_nothing():
                SparseFeatures(["a"], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64))):
         rule = RULES["adam_global"]
         before = _group(rule, plan, torch.float32, False).storage().clone()
-        tri = _run_both(rule, plan, sf, torch.float32, False)
+        tri = _run_both(rule, plan, sf.to(DEV), torch.float32, False)
         assert torch.equal(tri.storage(), before)
 
 
@@ -202,8 +203,8 @@ def test_bad_arguments_raise_and_change_nothing():
     grp = _group(rule, plan, torch.float32, False)
     before = grp.storage().clone()
     with pytest.raises(InputError, match="gradient float32"):
-        _triton_step(rule, plan, prep, grp, [torch.zeros(3, 3, 3, dtype=torch.float64)], 0.1, 1,
+        _triton_step(rule, plan, prep, grp, [torch.zeros(3, 3, 3, dtype=torch.float64, device=DEV)], 0.1, 1,
                      group_base(plan)[0])
     with pytest.raises(InputError, match="step must be"):
-        _triton_step(rule, plan, prep, grp, [torch.zeros(3, 3, 3)], 0.1, 0, group_base(plan)[0])
+        _triton_step(rule, plan, prep, grp, [torch.zeros(3, 3, 3, device=DEV)], 0.1, 0, group_base(plan)[0])
     assert torch.equal(grp.storage(), before)
