@@ -70,9 +70,10 @@ def _linear_keys(pid0, ids, tables, valid, table_base, table_rows, keys, counts,
     inside = at < n
     t = tl.load(tables + at, mask=inside, other=0)
     i = tl.load(ids + at, mask=inside, other=0).to(tl.int64)
-    ok = inside
+    ok = inside & (t >= 0)  # table -1: an entry that does not count
     if HAS_VALID:
         ok = ok & (tl.load(valid + at, mask=inside, other=0) != 0)
+    t = tl.maximum(t, 0)
     nr = tl.load(table_rows + t, mask=inside, other=0)
     ok = ok & (i >= 0) & (i < nr)
     base = tl.load(table_base + t, mask=inside, other=0)
@@ -123,7 +124,7 @@ def dedup(ids: torch.Tensor, tables: torch.Tensor, table_base: torch.Tensor, tab
 
     Args:
         ids: int64 [N] ids (rows of their table).
-        tables: int32/int64 [N] each entry's table, in [0, T).
+        tables: int32/int64 [N] each entry's table, in [0, T), or -1 for an entry that does not count.
         table_base: int64 [T]: the group row of each table's row 0 (tables of a group: ascending; 0 for
             every table when `ids` are the group's rows already, e.g. a training step's slots).
         table_rows: int64 [T] rows of each table (an id outside [0, rows) is dropped, as invalid).

@@ -1,14 +1,15 @@
 """Segment reduce + fused optimizer: each unique row's gradient summed from the pooled outputs'
-gradients and the rule applied to the row and its state in place, in two launches and no host read.
+gradients and the rule applied to the row and its state in place: four launches (the rows' chunk
+counts, their prefix sum, the chunk sums, the update), no host read.
 
 After :func:`hugeembed._triton.dedup.dedup`, unique row u's entries are ``order[seg_start[u] :
 seg_start[u + 1]]`` (kept ids, batch order).  Entry j of bag ``f * B + b`` adds
 ``grad[b * Fg + slot[f]] * w_j / denom[f * B + b]`` (its pooled output's gradient, per-id weight and
 combiner divisor), the sum backward_torch makes.  A row's entries are cut in chunks of `chunk`:
 
-    launch 1 (_chunk_sums): one program per chunk after a row's first: its partial sum  -> partial[e]
-    launch 2 (_update_rows): one program per unique row: its first chunk's sum, plus its partials
-                             in chunk order (deterministic: no float atomics), then the rule
+    _chunk_sums: one program per chunk after a row's first: its partial sum  -> partial[e]
+    _update_rows: one program per unique row: its first chunk's sum, plus its partials in chunk
+                  order (deterministic: no float atomics), then the rule
 
 so a Zipf-hot row's thousands of entries are summed by many programs, and a row with at most
 `chunk` entries (nearly all) never leaves registers.  Both grids are sized from shapes (N entries,
@@ -60,17 +61,26 @@ class PooledGrads:
 
 
 @triton.jit
-def _bag_terms(pid0, offsets, weights, combiner, bag_of, denom, B, HAS_W: tl.constexpr):
+def _bag_terms(pid0, offsets, weights, combiner, bag_of, denom, B, inverse, slots, keys, feat_table,
+               entry_table, entry_slot, entry_key, HAS_W: tl.constexpr, ENTRIES: tl.constexpr):
     """Bag f*B+b: its entries' bag, and its divisor (sum: 1, mean: sum w, sqrtn: sqrt(sum w^2); 1 when
-    empty), summed in entry order as backward_torch's index_add."""
+    empty), summed in entry order as backward_torch's index_add.  ENTRIES: also each entry's table,
+    slot and key (``feat_table[f]``, ``slots[inverse[i]]``, ``keys[inverse[i]]``)."""
     bag = pid0 + tl.program_id(0)
     lo = tl.load(offsets + bag)
     hi = tl.load(offsets + bag + 1)
     ws = tl.zeros((), tl.float32)
     w2 = tl.zeros((), tl.float32)
+    if ENTRIES:
+        t = tl.load(feat_table + bag // B)
     i = lo
     while i < hi:  # (a while: the interpreter's range() cannot take a loaded bound under numpy 2)
         tl.store(bag_of + i, bag.to(tl.int32))
+        if ENTRIES:
+            u = tl.load(inverse + i)
+            tl.store(entry_table + i, t)
+            tl.store(entry_slot + i, tl.load(slots + u))
+            tl.store(entry_key + i, tl.load(keys + u))
         if HAS_W:
             w = tl.load(weights + i)
         else:
@@ -84,16 +94,26 @@ def _bag_terms(pid0, offsets, weights, combiner, bag_of, denom, B, HAS_W: tl.con
 
 
 def bag_terms(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: torch.Tensor, batch_size: int,
-              n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+              n_entries: int, entries: tuple | None = None):
     """(bag_of int32 [N], denom float32 [F * B]) of a prepared batch: `offsets` int64 [F*B + 1] (its
-    cleaned bags), `weights` its kept weights or None, `combiner` int8 [F] (plan.arrays' codes)."""
+    cleaned bags), `weights` its kept weights or None, `combiner` int8 [F] (plan.arrays' codes).
+
+    `entries`: (inverse [N], slots [U], keys [U], feat_table int64 [F]): the same launch also gives
+    each entry's (table, slot, key), int64 [N] each, appended to the result."""
     dev = offsets.device
     n_bags = offsets.numel() - 1
     bag_of = torch.empty(n_entries, dtype=torch.int32, device=dev)
     denom = torch.empty(n_bags, dtype=torch.float32, device=dev)
+    if entries is not None:
+        inverse, slots, keys, feat_table = entries
+        outs = [torch.empty(n_entries, dtype=torch.int64, device=dev) for _ in range(3)]
+    else:
+        inverse = slots = keys = feat_table = bag_of
+        outs = [bag_of] * 3
     launch(_bag_terms, n_bags, offsets, weights if weights is not None else denom, combiner, bag_of, denom,
-           max(batch_size, 1), HAS_W=weights is not None)
-    return bag_of, denom
+           max(batch_size, 1), inverse, slots, keys, feat_table, *outs, HAS_W=weights is not None,
+           ENTRIES=entries is not None)
+    return (bag_of, denom) if entries is None else (bag_of, denom, *outs)
 
 
 @triton.jit
@@ -143,6 +163,15 @@ def _chunk_sums(pid0, order, seg_start, counts, cum_extra, partial, chunk, bag_o
     acc = _sum_entries(tl.zeros((BLOCK_D,), tl.float32), start, end, order, bag_of, slot, weights, denom, grad,
                        grad_stride, B, Fg, d, dmask, HAS_W)
     tl.store(partial + e.to(tl.int64) * D + d, acc, mask=dmask & live)
+
+
+@triton.jit
+def _extra_chunks(pid0, seg_start, extra, chunk, n, BLOCK: tl.constexpr):
+    """extra[s]: the chunks of unique row s after its first (0 past n_unique: seg_start's tail is flat)."""
+    at = (pid0 + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < n
+    lens = tl.load(seg_start + at + 1, mask=inside, other=0) - tl.load(seg_start + at, mask=inside, other=0)
+    tl.store(extra + at, tl.maximum((lens + chunk - 1) // chunk - 1, 0), mask=inside)
 
 
 @triton.jit
@@ -304,8 +333,9 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     if n == 0:
         return
     dev = weights.device
-    lens = dd.seg_start[1:] - dd.seg_start[:-1]  # 0 past n_unique
-    cum_extra = torch.cumsum(((lens + (chunk - 1)) // chunk - 1).clamp_(min=0), 0, dtype=torch.int32)
+    extra = torch.empty(n, dtype=torch.int32, device=dev)
+    launch(_extra_chunks, triton.cdiv(n, 256), dd.seg_start, extra, chunk, n, BLOCK=256)
+    cum_extra = torch.cumsum(extra, 0, dtype=torch.int32)
     n_partial = triton.cdiv(n, chunk)  # at most this many extra chunks in all
     partial = torch.empty(n_partial, D, dtype=torch.float32, device=dev)
     block_d = triton.next_power_of_2(D)
@@ -325,12 +355,17 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
 
 def _cases():
     bag = {"pid0": "i32", "offsets": "*i64", "weights": "*fp32", "combiner": "*i8", "bag_of": "*i32",
-           "denom": "*fp32", "B": "i32", "HAS_W": "constexpr"}
+           "denom": "*fp32", "B": "i32", "inverse": "*i64", "slots": "*i64", "keys": "*i64", "feat_table": "*i64",
+           "entry_table": "*i64", "entry_slot": "*i64", "entry_key": "*i64", "HAS_W": "constexpr",
+           "ENTRIES": "constexpr"}
     src = {"bag_of": "*i32", "slot": "*i32", "weights": "*fp32", "denom": "*fp32", "grad": "*fp32",
            "grad_stride": "i32", "B": "i32", "Fg": "i32"}
     chunks = {"pid0": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "cum_extra": "*i32",
               "partial": "*fp32", "chunk": "i32", **src, "D": "i32", "HAS_W": "constexpr", "BLOCK_D": "constexpr"}
-    out = [(f"segment_optim.bag_terms[w={int(w)}]", _bag_terms, bag, {"HAS_W": w}) for w in (False, True)]
+    out = [(f"segment_optim.bag_terms[w={int(w)},entries={int(e)}]", _bag_terms, bag, {"HAS_W": w, "ENTRIES": e})
+           for w in (False, True) for e in (False, True)]
+    out.append(("segment_optim.extra_chunks", _extra_chunks, {"pid0": "i32", "seg_start": "*i32", "extra": "*i32",
+                "chunk": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
     out.append(("segment_optim.chunk_sums[d64]", _chunk_sums, chunks, {"HAS_W": True, "BLOCK_D": 64}))
     flags = ("RULE", "WD", "NESTEROV", "ADAM_MODE", "DECOUPLED", "EPS_TF", "FTRL_SQRT", "STOCHASTIC", "HAS_W",
              "BLOCK_D")

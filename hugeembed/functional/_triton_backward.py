@@ -27,7 +27,7 @@ def fuses(plan: LookupPlan, prep: Prepared, pooled: list, unpooled: list, unsure
 class FusedGrads:
     """One step's pooled-output gradients and, per kept entry (``prep.inverse``'s order), its row (slot
     in its group's rows), its key and its table (lookup position); per dim, the :class:`PooledGrads`
-    the kernel reads.  Made with 4 launches (the bags' divisors, three gathers) and no host read."""
+    the kernel reads.  Made in one launch (segment_optim.bag_terms) and no host read."""
 
     def __init__(self, plan: LookupPlan, prep: Prepared, slots: torch.Tensor, pooled: list) -> None:
         from .._triton.segment_optim import PooledGrads, bag_terms  # (triton imports: the lookup runs on it)
@@ -36,11 +36,9 @@ class FusedGrads:
         B = prep.batch_size
         n = prep.inverse.numel()
         arrays = plan.arrays(dev)
-        bag_of, denom = bag_terms(prep.offsets, prep.weights, arrays["combiner"], B, n)
-        inverse = prep.inverse.long()
-        self.entry_slots = slots[inverse]
-        self.entry_keys = prep.unique_keys[inverse]
-        self.entry_tables = arrays["table"][bag_of.long() // max(B, 1)]
+        bag_of, denom, self.entry_tables, self.entry_slots, self.entry_keys = bag_terms(
+            prep.offsets, prep.weights, arrays["combiner"], B, n,
+            entries=(prep.inverse, slots, prep.unique_keys, arrays["table"]))
         self.count = n
         self._by_dim: dict[int, PooledGrads] = {}
         for g, group in enumerate(plan.groups):

@@ -21,7 +21,8 @@ from ..optim._kernel_params import kernel_params, supported_rule
 __all__ = ["unit_fuses", "fused_update"]
 
 _WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
-# per unit and device: (lookup position -> the unit's table index or -1, the tables' seeds): made once
+# per unit and device: (lookup position -> the unit's table index or -1, the tables' seeds, their bases
+# (0: the entries' slots are rows of the group already) and row bound (none: slots are in range)): made once
 _CONSTANTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -38,8 +39,11 @@ def _constants(unit, positions: int, device: torch.device):
         local = [-1] * positions
         for i, p in enumerate(unit.positions):
             local[p] = i
+        n = len(unit.tables)
         got = per[device] = (host_to_device(local, torch.int64, device),
-                             host_to_device(list(unit.seeds), torch.int64, device))
+                             host_to_device(list(unit.seeds), torch.int64, device),
+                             host_to_device([0] * n, torch.int64, device),
+                             host_to_device([2**62] * n, torch.int64, device))
     return got
 
 
@@ -52,14 +56,10 @@ def fused_update(unit, group, grads, positions: int, lr: float, step: int) -> No
     if grads.count == 0:
         return
     dev = grads.entry_slots.device
-    local, seeds = _constants(unit, positions, dev)
-    table = local[grads.entry_tables]
+    local, seeds, base, bound = _constants(unit, positions, dev)
     storage = group.storage()
-    R = storage.shape[0]
-    n_tables = len(unit.tables)
-    # the entries' slots are rows of the group already: every table's base 0, its range the group's
-    dd = dedup(grads.entry_slots, table.clamp(min=0), torch.zeros(n_tables, dtype=torch.int64, device=dev),
-               torch.full((n_tables,), R, dtype=torch.int64, device=dev), R, table >= 0)
+    # the entries' slots are rows of the group already; entries of other units' tables: table -1
+    dd = dedup(grads.entry_slots, local[grads.entry_tables], base, bound, storage.shape[0])
     lay = group.layout
     segment_update(dd, grads.of_dim(unit.dim), lay.weights(storage), lay.state(storage),
                    kernel_params(unit.rule, lr, step, lay.dtype), step=step,
