@@ -20,10 +20,12 @@ kernels' work.
 
     python bench/ops.py                  # the tables
     python bench/ops.py --tables 2 32    # some sizes only
-    python bench/ops.py --device cuda    # on a GPU: the torch backend, and the step time vs tables
+    python bench/ops.py --device cuda    # on a GPU: the torch and triton backends, the CUDA launches per step
+                                         # (torch profiler) and the step time vs tables
 
 Issue 29's targets: ops for 32 tables <= 1.2x those for 2 tables from the first step on, at most 2
-reads per step on the native backend, and <= 5 us of Python per table per step.
+reads per step on the native backend, and <= 5 us of Python per table per step.  Issue 32's: <= 25
+CUDA launches per training step static, <= 40 dynamic, independent of the number of tables.
 """
 
 from __future__ import annotations
@@ -191,6 +193,25 @@ def python_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, 
     return per * 1e6
 
 
+def cuda_launches(tables: int, dynamic: bool, backend: str, device: str, samples: int = 256,
+                  warmup: int = 8) -> tuple[int, int]:
+    """(kernels, memcpy + memset) the GPU ran for one steady-state training step, as torch's profiler
+    records them (CUPTI: every launch, triton's included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ec = collection(tables, dynamic, backend, 16, 1000, None, device)
+    for s in range(warmup):  # tables grown, kernels compiled, buffers sized
+        ec(batch(tables, samples, 1000, s, device)).stacked().sum().backward()
+    sf = batch(tables, samples, 1000, warmup, device)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ec(sf).stacked().sum().backward()
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(name.startswith(("Memcpy", "Memset")) for name in on_gpu)
+    return len(on_gpu) - copies, copies
+
+
 def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: int, dim: int = 16,
               rows: int = 100_000, warmup: int = 5, steps: int = 20) -> float:
     """Median seconds of one steady-state training step (the device synchronized around each)."""
@@ -210,16 +231,26 @@ def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: in
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--tables", type=int, nargs="+", default=[2, 8, 32, 128])
-    ap.add_argument("--backends", nargs="+", default=None, choices=["native", "torch"],
-                    help="default: native and torch on cpu, torch on cuda (the native kernels are CPU code)")
+    ap.add_argument("--backends", nargs="+", default=None, choices=["native", "torch", "triton"],
+                    help="default: native and torch on cpu, torch and triton on cuda (the native kernels are CPU code)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--time-samples", type=int, nargs="+", default=[256, 8192],
                     help="on cuda: batch sizes of the timed steps")
     args = ap.parse_args(argv)
     gpu = args.device != "cpu"
-    backends = args.backends or (["torch"] if gpu else ["native", "torch"])
+    backends = args.backends or (["torch", "triton"] if gpu else ["native", "torch"])
     header = ["backend", "tables"] + [f"{n} tables" for n in args.tables] + [
         f"ops {args.tables[-1]}/{args.tables[0]}", f"reads at {args.tables[-1]}"]
+    if gpu:  # first: the figure issue 32 targets (a run cut short by gpu_check's timeout still shows it)
+        out = []
+        for backend in backends:
+            for dynamic in (False, True):
+                launches = [cuda_launches(n, dynamic, backend, args.device) for n in args.tables]
+                out.append([backend, "dynamic" if dynamic else "static", *[f"{k} + {c}" for k, c in launches]])
+        print("CUDA launches per training step (torch profiler: kernels + memcpy/memset), steady state, 256 samples, "
+              "1 id per bag, d16")
+        print_table(["backend", "tables", *[f"{n} tables" for n in args.tables]], out)
+        print()
     out = []
     for backend in backends:
         for dynamic in (False, True):

@@ -26,14 +26,12 @@ wider than D (optimizer state beside it): only its first D columns are read.
 
 from __future__ import annotations
 
+import random
+
 import triton
 import triton.language as tl
 
-__all__ = ["pooled_kernel", "COMPILE_CASES", "LAUNCH_COLUMNS", "SUM", "MEAN", "SQRTN"]
-
-SUM, MEAN, SQRTN = 0, 1, 2  # LookupPlan.arrays()'s combiner codes
-# the launch's table of features: plan feature, output column, element base of its rows, row stride
-LAUNCH_COLUMNS = 4
+__all__ = ["pooled_kernel", "COMPILE_CASES", "block_bags", "launch"]
 
 
 @triton.jit
@@ -60,6 +58,7 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
     lane = q < n_bags
     k = tl.where(lane, q // B, 0)
     b = q - k * B
+    # the launch's features, 4 int64 each: plan feature, output column, element base of its rows, row stride
     f = tl.load(launch_ptr + k * 4, mask=lane, other=0)
     col = tl.load(launch_ptr + k * 4 + 1, mask=lane, other=0)
     base = tl.load(launch_ptr + k * 4 + 2, mask=lane, other=0)
@@ -102,8 +101,9 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
             w = tl.where(m, 1.0, 0.0)
         if DIRECT:
             v = tl.load(ids_ptr + pos, mask=m, other=0)
-            bad = bad | (m & ~(tl.abs(w) <= 3.4028234663852886e38))  # NaN or inf
-            keep = m & (w > 0) & ~((v < 0) & prune_neg)
+            finite = tl.abs(w) <= 3.4028234663852886e38  # (not NaN, not inf)
+            bad = bad | (m & ~finite)
+            keep = m & finite & (w > 0) & ~((v < 0) & prune_neg)
             oob = keep & (num_rows >= 0) & ((v < 0) | (v >= num_rows))
             bad = bad | (oob & (policy == 0))
             keep = keep & ~(oob & (policy != 2))
@@ -135,6 +135,7 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
         w2sum = tl.where(fill, 1.0, w2sum)
         tl.store(status_ptr + q, bad.to(tl.int8), mask=lane)
 
+    # LookupPlan.arrays()'s combiner codes: 0 sum, 1 mean, 2 sqrtn
     denom = tl.where(combiner == 1, wsum, tl.where(combiner == 2, tl.sqrt(w2sum), 1.0))
     denom = tl.where(wsum > 0, denom, 1.0)
     out = acc / denom[:, None]
@@ -171,16 +172,14 @@ def block_bags(dim: int) -> tuple[int, int]:
     return max(1, min(64, 2048 // block_d)), block_d
 
 
-def launch(n_bags: int, args: dict, constexprs: dict, order=None) -> None:
+def launch(n_bags: int, args: dict, constexprs: dict, shuffle: int | None = None) -> None:
     """Runs pooled_kernel over `n_bags` bags: one launch of ``cdiv(n_bags, BLOCK_B)`` programs, or with
-    `order` (tests: a permutation of the program ids) one launch of one program per id, in that order."""
+    `shuffle` (tests) one launch of one program per program id, in an order drawn from that seed."""
     programs = triton.cdiv(n_bags, constexprs["BLOCK_B"])
     if programs == 0:
         return
-    if order is None:
+    if shuffle is None:
         pooled_kernel[(programs,)](**args, n_bags=n_bags, pid0=0, **constexprs)
         return
-    if sorted(order) != list(range(programs)):
-        raise ValueError(f"order must be a permutation of the {programs} program ids, got {list(order)}")
-    for pid in order:
-        pooled_kernel[(1,)](**args, n_bags=n_bags, pid0=int(pid), **constexprs)
+    for pid in random.Random(shuffle).sample(range(programs), programs):
+        pooled_kernel[(1,)](**args, n_bags=n_bags, pid0=pid, **constexprs)

@@ -78,11 +78,11 @@ def _settings(plan: LookupPlan, group: DimGroup, device: torch.device) -> tuple[
 
 
 def pool_triton(plan: LookupPlan, prep: Prepared, storages, slots: torch.Tensor, group: DimGroup,
-                order=None) -> torch.Tensor | None:
+                shuffle: int | None = None) -> torch.Tensor | None:
     """Pooled output ``float32 [B, F_g, D]`` of the group's pooled features from a prepared batch (the
     same numbers as ``pool_torch``), or None when the kernel does not take these rows or weights.
 
-    `order`: for tests, each launch's programs one at a time in this order (see pooled.launch)."""
+    `shuffle`: for tests, each launch's programs one at a time in an order drawn from this seed."""
     from .._triton import pooled
 
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
@@ -104,11 +104,11 @@ def pool_triton(plan: LookupPlan, prep: Prepared, storages, slots: torch.Tensor,
                     slots_ptr=slots.contiguous(), source_ptr=prep.offsets, status_ptr=prep.offsets,
                     B=B, D=D, out_stride=n * D, n_ids=prep.inverse.numel(), **settings)
         pooled.launch(B * count, args, dict(DIRECT=False, HAS_WEIGHTS=weights is not None, CLIP=clip,
-                                            BLOCK_B=block_b, BLOCK_D=block_d), order)
+                                            BLOCK_B=block_b, BLOCK_D=block_d), shuffle)
     return out
 
 
-def forward_direct_triton(plan: LookupPlan, sf, storages, order=None) -> tuple[list[torch.Tensor], bool] | None:
+def forward_direct_triton(plan: LookupPlan, sf, storages, shuffle: int | None = None) -> tuple[list[torch.Tensor], bool] | None:
     """Every dim group's pooled output ``float32 [B, F_g, D]`` of static tables straight from the raw
     batch (TF's cleaning inline, each row read once), and whether some bag holds bad input (bad
     offsets, a weight not finite, an id out of range under "error": the caller then runs the path
@@ -142,7 +142,7 @@ def forward_direct_triton(plan: LookupPlan, sf, storages, order=None) -> tuple[l
                         weights_ptr=offsets if weights is None else weights, slots_ptr=offsets, source_ptr=source,
                         status_ptr=status[done:], B=B, D=D, out_stride=n * D, n_ids=N, **settings)
             pooled.launch(B * count, args, dict(DIRECT=True, HAS_WEIGHTS=weights is not None, CLIP=clip,
-                                                BLOCK_B=block_b, BLOCK_D=block_d), order)
+                                                BLOCK_B=block_b, BLOCK_D=block_d), shuffle)
             done += B * count
     # offsets must run from 0 to len(values) (the bags the plan reads are checked by the kernel)
     bad = bool(torch.cat([status.to(torch.int64), offsets[:1], offsets[-1:] - N]).any())  # the one read

@@ -1,0 +1,28 @@
+"""Every triton kernel compiles for sm_90 on a machine without a GPU (the interpreter accepts code the GPU
+compiler rejects): ``python -m hugeembed._triton.compile_check``, as ``bash bench/gpu_check.sh compile`` runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hugeembed import _triton
+
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not _triton.available(), reason="triton does not import")]
+
+
+@pytest.mark.slow  # ~10 s: two dozen cubins
+def test_every_kernel_case_compiles_for_sm90_one_ok_line_each():
+    cases = [c[0] for m in _triton.kernel_modules() for c in getattr(m, "COMPILE_CASES", [])]
+    assert cases, "no kernel declares COMPILE_CASES"
+    run = subprocess.run([sys.executable, "-m", "hugeembed._triton.compile_check", "90"],
+                         env=dict(os.environ, TRITON_INTERPRET="0"), cwd=Path(__file__).resolve().parents[3],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(cases), run.stdout
+    assert sorted(line.split()[1] for line in lines if line.startswith("ok ")) == sorted(cases), run.stdout
