@@ -21,6 +21,7 @@ from ._grad_rows import GradRows, blocks_of_tables, compact_slots, row_starts, t
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import backward_torch, pool_torch, prepare_torch, unpooled_torch, weights_backward_torch
+from ._triton_backward import FusedGrads, fuses
 from ._triton_stages import forward_direct_triton, pool_triton, triton_runs_on
 
 __all__ = ["FusedEmbeddingLookup", "RowGradHook"]
@@ -53,8 +54,9 @@ class FusedEmbeddingLookup:
             import or the tensors are on neither CUDA nor, under ``TRITON_INTERPRET=1``, the CPU) or
             ``"torch"``.  The triton backend pools (functional/_triton_stages.py: pooled features of
             fp32/fp16/bf16 rows, float32 or no weights; forward-only static lookups straight from the
-            batch); the clean + dedup stage, unpooled features, float64 rows or weights and the whole
-            backward run on the torch reference.
+            batch); the clean + dedup stage, unpooled features, float64 rows or weights run on the
+            torch reference, and so does the backward unless a row_grad_hook takes the fused triton
+            update (functional/_triton_backward.py: an EmbeddingCollection's training step).
 
         row_groups: per table, the group of tables whose rows it reads from one storage (a table
             group's rows: each call then gives every table of the group that same tensor, and
@@ -397,6 +399,11 @@ class _LookupRun:
               if weights_grad else None)
         if self.hook is None and not self.params:
             return gw, []
+        if self.triton and getattr(self.hook, "fused", None) is not None and \
+                fuses(plan, prep, pooled, unpooled, self.unsure) and self.hook.fusable():
+            # (the triton backward: each row's gradient summed and its rule applied in the same kernel)
+            self.hook.fused(FusedGrads(plan, prep, self.slots, pooled))
+            return gw, [None] * len(self.params)
         if self.native and (self.read is None or _storages_native_ok(storages)):
             blocks, row0 = backward_native(plan, prep, storages, slots, pooled, unpooled)
             table_grads = None

@@ -19,6 +19,7 @@ import torch
 
 from .._tensors import joined, repeat_each
 from ..optim import SparseOptimizer
+from ._fused_updates import fused_update, unit_fuses
 from ._rare import coalesce, count_lr_scale, update_scaled
 
 __all__ = ["UpdateUnit", "make_units", "apply_unit", "update", "RowUpdates"]
@@ -122,6 +123,7 @@ class RowUpdates:
 
     def __init__(self, coll, flight: InFlight, prep, slots: torch.Tensor) -> None:
         self.coll, self.flight, self.prep, self.slots = coll, flight, prep, slots
+        self._fused_work: list[tuple] = []  # (unit, lr) of the units with rows, once fusable() said yes
 
     def __call__(self, p: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
         self.many([(p, slots, grad)])
@@ -181,6 +183,39 @@ class RowUpdates:
             if parts:
                 work.append((unit, parts, None))
         self._apply(work, touched)
+
+    def fusable(self) -> bool:
+        """Whether every unit with rows this step takes the fused triton update (nn/_fused_updates.py)."""
+        coll, count = self.coll, self.prep.unique_count
+        groups, lr_of = coll.optimizer.param_groups, coll.optimizer.group_of_table
+        work = []
+        for unit in coll._unit_list:
+            if not any(count[p] for p in unit.positions):
+                continue
+            lrs = {groups[lr_of[t]]["lr"] for t in unit.tables}
+            if not unit_fuses(unit, coll.groups[unit.group].layout, lrs):
+                return False
+            work.append((unit, lrs.pop()))
+        self._fused_work = work
+        return True
+
+    def fused(self, grads) -> None:
+        """Applies every unit's rule on the triton kernels, reading the step's pooled gradients through
+        `grads` (functional's FusedGrads); after :meth:`fusable` said yes."""
+        coll, flight, count = self.coll, self.flight, self.prep.unique_count
+        touched = {s.group: None for s in coll.placement.spans if any(count[s.first : s.first + len(s.tables)])}
+        for g in touched:  # before any update: a failure changes no table
+            flight.check(g, coll.groups[g], coll.groups[g].names)
+        failed: set[int] = set()
+        try:
+            for unit, lr in self._fused_work:
+                failed.add(unit.group)
+                fused_update(unit, coll.groups[unit.group], grads, len(coll.placement.at), lr, flight.step)
+                failed.discard(unit.group)
+        finally:
+            for g in touched:
+                if g not in failed:
+                    flight.release(g)
 
     def _apply(self, work: list[tuple], touched: dict[int, None]) -> None:
         """Applies each (unit, parts, joined) of `work` (joined: (slots, grad, lr) of a unit whose
