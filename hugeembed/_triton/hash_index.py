@@ -39,7 +39,8 @@ STAMP_BITS = 40
 _INT32_MAX = 2**31 - 1
 # the same values as the kernels see them (a kernel reads only constexpr globals)
 _K_EMPTY, _K_PENDING, _K_INT32_MAX = tl.constexpr(EMPTY_TABLE), tl.constexpr(PENDING), tl.constexpr(_INT32_MAX)
-_K_FOUND, _K_NEW, _K_PROMOTE, _K_MADE = tl.constexpr(FOUND), tl.constexpr(NEW), tl.constexpr(PROMOTE), tl.constexpr(MADE)
+_K_FOUND, _K_NEW = tl.constexpr(FOUND), tl.constexpr(NEW)
+_K_PROMOTE, _K_MADE = tl.constexpr(PROMOTE), tl.constexpr(MADE)
 _K_STAMP_BITS, _K_STAMP_LOW = tl.constexpr(STAMP_BITS), tl.constexpr((1 << STAMP_BITS) - 1)
 
 

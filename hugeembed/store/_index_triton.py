@@ -142,10 +142,7 @@ class TritonIndex(TorchIndex):
         rc = Outcome(x[_X_OUTCOME])
         made: tuple = ()
         if rc == Outcome.DONE:
-            left = x[_X_LEFT]
-            while left:  # crowds longer than the windows so far: a read per further round, as the reference
-                self._claim(g, keys, tids, word2, last, active, pos, (_LAST_WIDTH,))
-                left = int(active.sum())
+            self._finish(g, keys, tids, word2, last, active, pos, x[_X_LEFT])
             m = need[3]
             take = min(m, nfree)
             g.scalars[G_ENTRIES] = entries + need[0]
@@ -210,6 +207,18 @@ class TritonIndex(TorchIndex):
             self._launch(k.claim_place_kernel, n, self._claim_block, g.buckets, B, n, active, start, want,
                          self._claims, self._epoch, keys, tids, word2, last, W=width)
 
+    def _finish(self, g, keys, tids, word2, last, active, start, left: int) -> None:
+        """Further rounds (128-bucket windows), a read each, until the `left` records still active are
+        placed: crowds longer than the windows so far, as the reference goes on."""
+        # a round places a record, or moves every one a window on when none sees an empty bucket
+        for _ in range(left * (g.buckets.shape[0] // _LAST_WIDTH + 2)):
+            if not left:
+                return
+            self._claim(g, keys, tids, word2, last, active, start, (_LAST_WIDTH,))
+            left = int(active.sum())
+        if left:
+            raise StoreError(f"tables {g.names()}: {left} new keys found no empty bucket (internal error)")
+
     def insert(self, g, keys, tids, codes, counts, lasts) -> None:
         n = keys.numel()
         if n == 0:
@@ -218,7 +227,7 @@ class TritonIndex(TorchIndex):
         word2 = pack(codes.to(torch.int64), counts).contiguous()
         active = torch.ones(n, dtype=torch.int32, device=keys.device)
         start = _homes(g, keys, tids)
-        self._claim(g, keys, tids, word2, lasts.contiguous(), active, start, _BLIND_WIDTHS)
-        while int(active.sum()):  # an import, not a step: a read per round
-            self._claim(g, keys, tids, word2, lasts.contiguous(), active, start, (_LAST_WIDTH,))
+        lasts = lasts.contiguous()
+        self._claim(g, keys, tids, word2, lasts, active, start, _BLIND_WIDTHS)
+        self._finish(g, keys, tids, word2, lasts, active, start, int(active.sum()))  # an import, not a step
         g.scalars[G_ENTRIES] += n
