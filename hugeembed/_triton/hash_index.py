@@ -56,7 +56,9 @@ def _home(key, hash_key, nbuckets):
     return (((x >> 32) * nbuckets.to(tl.uint64)) >> 32).to(tl.int64)
 
 
-@triton.jit
+# Scalars are never specialized: triton turns an int argument equal to 1 into a constexpr on the GPU
+# (not in the interpreter), where `.to(tl.int64)` would fail to compile (a step, epoch or count of 1).
+@triton.jit(do_not_specialize=["nbuckets", "n", "ntables", "pid0"])
 def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks, counts, admit,
                  codes, pos, probes, homes, n_after, flags, hits, per_table, pid0,
                  INSERT: tl.constexpr, ROWS_ONLY: tl.constexpr, HAS_COUNTS: tl.constexpr,
@@ -124,7 +126,7 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
         tl.atomic_add(per_table + t * 3 + 2, one, mask=promote)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_free", "row_hwm", "step", "pid0"])
 def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, num_free, row_hwm, step, ok_flag,
                   out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
     """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
@@ -168,7 +170,7 @@ def _window_empty(buckets, nb, p, active, W: tl.constexpr):
     return active[:, None] & (table == _K_EMPTY)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nbuckets", "n", "pid0"])
 def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
     """first[j]: the first empty bucket in key j's window [p, p + W), -1 when none or j is placed."""
     j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -181,7 +183,7 @@ def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.co
     tl.store(first + j, tl.where(a & (at < W), (p + at) % nb, -1), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
 def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, epoch, pid0, W: tl.constexpr,
                       BLOCK: tl.constexpr):
     """want[j]: the (rank + 1)-th empty bucket of key j's window (-1 past the window); stamps it
@@ -201,7 +203,7 @@ def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, e
     tl.store(want + j, tl.where(ok, bucket, -1), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
 def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch, rec_keys, rec_tids, rec_word2,
                        rec_last, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
     """The winners write their records; the others go on from the bucket after the one they
@@ -256,3 +258,6 @@ COMPILE_CASES = [
     ("hash_index.claim_want", claim_want_kernel, _WANT, {"W": 128, "BLOCK": 32}),
     ("hash_index.claim_place", claim_place_kernel, _PLACE, {"W": 128, "BLOCK": 32}),
 ]
+# the same with every scalar an i32 (values below 2**31 arrive so)
+COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)
+                  for name, fn, sig, cx in COMPILE_CASES]
