@@ -30,6 +30,11 @@ _INT64_MAX = 2**63 - 1
 _X_OUTCOME, _X_BAD_TID, _X_BAD_AT, _X_BAD_COUNT, _X_BAD_TABLE, _X_LEFT, _X_LEN = range(7)
 
 
+def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 0-d index tensor without a host read (x[i] reads i to the host)."""
+    return x.index_select(0, i.reshape(1)).reshape(())
+
+
 class TritonIndex(TorchIndex):
     """Args:
         block: keys per program of the probe and commit kernels.
@@ -127,8 +132,8 @@ class TritonIndex(TorchIndex):
         last = torch.full((n,), step, **i64)
         self._claim(g, keys, tids, word2, last, active, pos, _BLIND_WIDTHS)
         bad = bad_at.clamp(max=n - 1)
-        extra = torch.stack([outcome, bad_tid.to(torch.int64), bad_at, c[bad] if counts is not None else bad_at,
-                             tids[bad], active.sum()])
+        extra = torch.stack([outcome, bad_tid.to(torch.int64), bad_at, _at(c, bad) if counts is not None else bad_at,
+                             _at(tids, bad), active.sum()])
         head = torch.stack([n_new, n_rows, pend_t.sum(), torch.where(ok, gets_row.sum(), 0), dup_key, dup_table,
                             long_table, longest])
         values = torch.cat([head, per_table[:, :2].reshape(-1), extra, per_table[:, 2]]).tolist()  # the one read
@@ -164,14 +169,14 @@ class TritonIndex(TorchIndex):
         its table (the first in batch order), unless the new keys placed alone into an empty index
         (sorted by home, batch order within) would probe longer: ids chosen to collide."""
         longest, i = probes.max(0)
-        table = torch.where(longest > 0, tids[i], -1)
+        table = torch.where(longest > 0, _at(tids, i), -1)
         m = new.sum()
         order = torch.argsort(torch.where(new, homes, _INT64_MAX), stable=True)  # the new keys first
         hs = homes[order]
         crowd = torch.cummax(hs - at, 0).values + at - hs + 1
         crowd, j = torch.where((at < m) & (m >= 2), crowd, 0).max(0)
         longer = crowd > longest
-        return torch.where(longer, crowd, longest), torch.where(longer, tids[order[j]], table)
+        return torch.where(longer, crowd, longest), torch.where(longer, _at(tids, _at(order, j)), table)
 
     @staticmethod
     def _duplicate(keys, tids, todo, T: int, at) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,7 +191,7 @@ class TritonIndex(TorchIndex):
         first = torch.where(twin, at, keys.numel()).min()
         dup = first < keys.numel()
         j = first.clamp(max=keys.numel() - 1)
-        return dup, torch.where(dup, ks[j], 0), torch.where(dup, ts[j], 0)
+        return dup, torch.where(dup, _at(ks, j), 0), torch.where(dup, _at(ts, j), 0)
 
     # ------------------------------------------------------------------ claims
     def _claim(self, g, keys, tids, word2, last, active, start, widths) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hugeembed import SparseFeatures
 from hugeembed._triton import hash_index, interpreting
@@ -192,6 +193,44 @@ def test_a_crowd_longer_than_the_rounds_before_the_read_is_placed_as_the_referen
     _fetch_both(a, b, *_batch([(0, k, 1) for k in crowd[:4]] + [(1, k, 2) for k in crowd]), 0)
     assert len(rounds) > 1  # rounds after the call's read, one read each
     assert int(b.scalars[0]) == 304
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts reads of one element to the host (item(), int(t), bool(t), t[i] with a 0-d index i)
+    outside the kernels' launches (the interpreter's own work is not the index's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_find_or_insert_reads_the_host_only_for_its_need(monkeypatch):
+    g = _group("triton", buckets=256)
+    g.find_or_insert(*_batch([(0, 99, 1)])[:2], 0)  # rows to hand out
+    launch = TritonIndex._launch
+    spy = _ScalarReads()
+
+    def launch_unwatched(self, *args, **kwargs):
+        spy.paused = True
+        try:
+            launch(self, *args, **kwargs)
+        finally:
+            spy.paused = False
+
+    monkeypatch.setattr(TritonIndex, "_launch", launch_unwatched)
+    needs = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _f=torch.Tensor.tolist: needs.append(t.shape) or _f(t))
+    t, k, c = _batch([(0, 1, 1), (1, 2, 1), (1, 3, 2), (2, 4, 1), (0, 5, 1), (-1, 6, 1)])
+    with spy:
+        rc, need, made = g._index.find_or_insert(g, k, t, c, None, 0, torch.empty_like(k), None, None)
+    assert rc == Outcome.DONE and need.made == 4
+    assert spy.reads == 0
+    assert needs == [g.scalars.shape, torch.Size([8 + 2 * 3 + 6 + 3]), g.scalars.shape, torch.Size([6])]
 
 
 def _collection(backend: str) -> EmbeddingCollection:
