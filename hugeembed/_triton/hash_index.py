@@ -11,8 +11,8 @@ kernels to equal bucket for bucket:
                      row slots in batch order (smallest free slot first), the found keys' counts and
                      last steps, the records of the new keys, the slots returned;
 * ``claim_*``        one round of placing new records as the reference does: each key's window of
-                     W buckets, its crowd's rank (keys whose first empty bucket is one bucket), the
-                     bucket it wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per
+                     W buckets, its crowd's rank (keys whose first empty bucket is one bucket: a
+                     stable sort of those buckets, then a binary search in it), the bucket it wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per
                      wanted bucket, then the winners write and the losers probe on.  A round's
                      result never depends on the order the programs run in.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_want_kernel", "claim_place_kernel",
+__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel", "claim_place_kernel",
            "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS", "COMPILE_CASES"]
 
 # store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
@@ -183,6 +183,26 @@ def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.co
     tl.store(first + j, tl.where(a & (at < W), (p + at) % nb, -1), mask=live)
 
 
+@triton.jit(do_not_specialize=["n", "pid0"])
+def claim_rank_kernel(first, order, rank, n, pid0, BLOCK: tl.constexpr):
+    """rank[j]: how many keys before j in batch order share j's first empty bucket (its crowd):
+    `order` sorts `first` stably, so j's rank is its distance to where its value starts there
+    (a binary search).  0 where first is -1."""
+    s = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = s < n
+    j = tl.load(order + s, mask=live, other=0)
+    f = tl.load(first + j, mask=live, other=-1)
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = tl.where(live & (f >= 0), s, 0)
+    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(first + tl.load(order + mid, mask=open_, other=0), mask=open_, other=0) < f
+        lo = tl.where(open_ & below, mid + 1, lo)
+        hi = tl.where(open_ & ~below, mid, hi)
+    tl.store(rank + j, tl.where(f >= 0, s - lo, 0), mask=live)
+
+
 @triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
 def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, epoch, pid0, W: tl.constexpr,
                       BLOCK: tl.constexpr):
@@ -243,6 +263,7 @@ _COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows num_free r
                 "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
 _ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "pid0": _I64, "active": "*i32", "W": _CONST, "BLOCK": _CONST}
 _SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
+_RANK = _sig("first order rank n pid0 BLOCK", _ROUND)
 _WANT = _sig("buckets nbuckets n active start rank want claims epoch pid0 W BLOCK", _ROUND)
 _PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last pid0 W BLOCK",
               _ROUND)
@@ -255,6 +276,7 @@ COMPILE_CASES = [
      {"INSERT": True, "ROWS_ONLY": False, "HAS_COUNTS": True, "HAS_ADMIT": True, "HAS_HITS": True, "BLOCK": 128}),
     ("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128}),
     ("hash_index.claim_scan", claim_scan_kernel, _SCAN, {"W": 128, "BLOCK": 32}),
+    ("hash_index.claim_rank", claim_rank_kernel, _RANK, {"BLOCK": 128}),
     ("hash_index.claim_want", claim_want_kernel, _WANT, {"W": 128, "BLOCK": 32}),
     ("hash_index.claim_place", claim_place_kernel, _PLACE, {"W": 128, "BLOCK": 32}),
 ]

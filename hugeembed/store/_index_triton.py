@@ -17,7 +17,7 @@ import torch
 from ..errors import InputError, StoreError
 from ._index import (G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PROBE_LIMIT, T_ADMIT_K, T_HASH_KEY, T_PENDING,
                      T_ROW_LIMIT, T_ROWS, Need, Outcome, pack)
-from ._index_torch import TorchIndex, _check, _firsts, _homes
+from ._index_torch import TorchIndex, _check, _homes
 
 __all__ = ["TritonIndex"]
 
@@ -202,11 +202,12 @@ class TritonIndex(TorchIndex):
                 self._epoch + len(widths) >= 2 ** (63 - k.STAMP_BITS):
             self._claims = torch.zeros(B, dtype=torch.int64, device=g.buckets.device)
             self._epoch = 0
-        first, want = torch.empty_like(start), torch.empty_like(start)
+        first, rank, want = (torch.empty_like(start) for _ in range(3))
         for width in widths:
             self._epoch += 1
             self._launch(k.claim_scan_kernel, n, self._claim_block, g.buckets, B, n, active, start, first, W=width)
-            _, rank = _firsts(first)
+            order = torch.argsort(first, stable=True)
+            self._launch(k.claim_rank_kernel, n, self._block, first, order, rank, n)
             self._launch(k.claim_want_kernel, n, self._claim_block, g.buckets, B, n, active, start, rank, want,
                          self._claims, self._epoch, W=width)
             self._launch(k.claim_place_kernel, n, self._claim_block, g.buckets, B, n, active, start, want,
