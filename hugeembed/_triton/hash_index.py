@@ -12,9 +12,10 @@ kernels to equal bucket for bucket:
                      last steps, the records of the new keys, the slots returned;
 * ``claim_*``        one round of placing new records as the reference does: each key's window of
                      W buckets, its crowd's rank (keys whose first empty bucket is one bucket: a
-                     stable sort of those buckets, then a binary search in it), the bucket it wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per
-                     wanted bucket, then the winners write and the losers probe on.  A round's
-                     result never depends on the order the programs run in.
+                     stable sort of those buckets, then a binary search in it), the bucket it
+                     wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per wanted
+                     bucket, then the winners write and the losers probe on.  A round's result
+                     never depends on the order the programs run in.
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
@@ -26,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel", "claim_place_kernel",
-           "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS", "COMPILE_CASES"]
+__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel",
+           "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS", "COMPILE_CASES"]
 
 # store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
 EMPTY_TABLE = -1
