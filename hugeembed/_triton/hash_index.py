@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel",
-           "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS", "COMPILE_CASES"]
+           "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS",
+           "COMPILE_CASES"]
 
 # store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
 EMPTY_TABLE = -1
