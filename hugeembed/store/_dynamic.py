@@ -11,7 +11,7 @@ takes a table column beside the keys::
     -> slots [ 0,  1,  2,  3]      (table 1's key 17 is another row than table 0's)
 
 Per table stay its settings (capacity, admission, eviction, initializer, salt) and counts.  The
-index runs on the native kernels (CPU) or on the torch reference (any device).  A call that
+index runs on the native kernels (CPU), the triton kernels (CUDA) or the torch reference (any device).  A call that
 fails (a duplicate key, a capacity error) leaves the group as it was, except that on_full="evict"
 may have evicted rows before finding that nothing more could go.  Growth is explicit and amortized:
 the index to under MAX_LOAD (x1.5 at least), the rows x1.5; each is one copy (old and new held at
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .. import _native
+from .. import _native, _triton
 from .._device import canonical_device
 from .._hashing import mix64, seed_mix
 from .._tensors import joined, repeat_each
@@ -40,6 +40,7 @@ from ._index import (G_ENTRIES, G_LEN, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING
                      T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, hash_key, new_buckets)
 from ._index_native import NativeIndex
 from ._index_torch import TorchIndex
+from ._index_triton import TritonIndex
 from ._init import Constant, Normal, TruncatedNormal, Uniform, _signed, init_rows_native
 from ._pins import PinnedRows
 from ._settings import TableSettings, draw_salt
@@ -68,11 +69,19 @@ def _init_key(init) -> tuple:
 
 
 def pick_backend(backend: str | None, device: torch.device) -> str:
-    """"native" (C++, CPU) or "torch" (the reference, any device); None picks native where it runs."""
+    """"native" (C++, CPU), "triton" (CUDA; CPU tensors under TRITON_INTERPRET=1, for the tests) or
+    "torch" (the reference, any device); None picks native on CPU, triton on CUDA, where they run."""
     if backend is None:
-        return "native" if device.type == "cpu" and _native.available() else "torch"
-    if backend not in ("native", "torch"):
-        raise ConfigError(f"backend must be 'native', 'torch' or None, got {backend!r}")
+        if device.type == "cpu" and _native.available():
+            return "native"
+        return "triton" if device.type == "cuda" and _triton.available() else "torch"
+    if backend not in ("native", "triton", "torch"):
+        raise ConfigError(f"backend must be 'native', 'triton', 'torch' or None, got {backend!r}")
+    if backend == "triton" and not _triton.available():
+        raise ConfigError("the triton backend needs triton (pip install -e '.[triton]')")
+    if backend == "triton" and device.type != "cuda" and not _triton.interpreting():
+        raise ConfigError(f"the triton backend runs on CUDA (or on CPU under TRITON_INTERPRET=1); the tables are "
+                          f"on {device}")
     if backend == "native" and device.type != "cpu":
         raise ConfigError(f"the native backend runs on CPU only; the tables are on {device}")
     if backend == "native" and not _native.available():
@@ -86,7 +95,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
     Args:
         tables: their settings (one layout: ``tables[i].layout`` equal for all).
         device: where the rows and the index live.
-        backend: "native", "torch" or None (native where it runs).
+        backend: "native", "triton", "torch" or None (native on CPU, triton on CUDA, where they run).
         rows: False makes the group a key index without rows (a tiered table's, store/_tiered.py):
             slots are row numbers only; the slots it frees go to ``on_free``, weight norms come
             from ``row_norms``.
@@ -149,7 +158,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
         self._set_backend(pick_backend(backend, self.device))
 
     def _set_backend(self, backend: str) -> None:
-        self._index = NativeIndex() if backend == "native" else TorchIndex()
+        self._index = {"native": NativeIndex, "triton": TritonIndex, "torch": TorchIndex}[backend]()
         self._kernel_init = self._kernel_init_args() if backend == "native" else None
 
     def rows_capacity(self) -> int:

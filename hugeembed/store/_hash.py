@@ -47,7 +47,8 @@ class HashStore(DynamicTable):
             past it); None: DEFAULT_MAX_PENDING.
         seed: initializer seed.
         initial_rows: reserve room for this many rows (a hint; saves rehashes).
-        backend: "native" (C++, CPU), "torch" (any device) or None (native when possible).
+        backend: "native" (C++, CPU), "triton" (CUDA), "torch" (any device) or None (native on CPU,
+            triton on CUDA, where they run).
         rows: False makes this store the key index of a tiered table (store/_tiered.py): it keeps
             keys, slots, counts, admission and eviction, but no rows; the slots it frees are
             reported to ``on_free`` and weight norms read through ``row_norms``.

@@ -112,7 +112,7 @@ def _crowding(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[int, int]:
     if keys.numel() < 2:
         return 0, -1
     homes = _homes(g, keys, tids)
-    order = torch.argsort(homes)
+    order = torch.argsort(homes, stable=True)  # ties in batch order: the table reported is the same on any device
     i = torch.arange(keys.numel(), device=keys.device)
     h = homes[order]
     probes = torch.cummax(h - i, 0).values + i - h + 1

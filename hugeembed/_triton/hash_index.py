@@ -1,0 +1,287 @@
+"""Find and find-or-insert of a dynamic group's key index as triton kernels (issue 32, item 4).
+
+The layout is store/_index.py's (buckets int64 [B, 4]: key, table (-1 empty), code + count << 32,
+last step); the specification is store/_index_torch.py, which store/_index_triton.py drives these
+kernels to equal bucket for bucket:
+
+* ``probe_kernel``   every (table, key) walks from its home to its record or the first empty bucket;
+                     with INSERT it also classifies the key (found / new / promoted / given a row)
+                     by its table's admission count and adds the table's counts (integer atomics);
+* ``commit_kernel``  gated by a device flag (the call's outcome, never read by the host first):
+                     row slots in batch order (smallest free slot first), the found keys' counts and
+                     last steps, the records of the new keys, the slots returned;
+* ``claim_*``        one round of placing new records as the reference does: each key's window of
+                     W buckets, its crowd's rank (keys whose first empty bucket is one bucket: a
+                     stable sort of those buckets, then a binary search in it), the bucket it
+                     wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per wanted
+                     bucket, then the winners write and the losers probe on.  A round's result
+                     never depends on the order the programs run in.
+
+Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
+shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
+int64 before it meets 64-bit words.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel",
+           "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS",
+           "COMPILE_CASES"]
+
+# store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
+EMPTY_TABLE = -1
+PENDING = -2
+# flags per key of a find-or-insert
+FOUND, NEW, PROMOTE, MADE = 1, 2, 4, 8
+# a claim stamp: the round's epoch above, (2**STAMP_BITS - 1 - batch position) below: max = lowest position
+STAMP_BITS = 40
+_INT32_MAX = 2**31 - 1
+# the same values as the kernels see them (a kernel reads only constexpr globals)
+_K_EMPTY, _K_PENDING, _K_INT32_MAX = tl.constexpr(EMPTY_TABLE), tl.constexpr(PENDING), tl.constexpr(_INT32_MAX)
+_K_FOUND, _K_NEW = tl.constexpr(FOUND), tl.constexpr(NEW)
+_K_PROMOTE, _K_MADE = tl.constexpr(PROMOTE), tl.constexpr(MADE)
+_K_STAMP_BITS, _K_STAMP_LOW = tl.constexpr(STAMP_BITS), tl.constexpr((1 << STAMP_BITS) - 1)
+
+
+@triton.jit
+def _home(key, hash_key, nbuckets):
+    """((mix64(key ^ hash_key) >> 32) * B) >> 32 in unsigned 64-bit arithmetic (store/_index.py::home)."""
+    x = (key ^ hash_key).to(tl.uint64, bitcast=True)
+    x = x ^ (x >> 33)
+    x = x * 0xFF51AFD7ED558CCD
+    x = x ^ (x >> 33)
+    x = x * 0xC4CEB9FE1A85EC53
+    x = x ^ (x >> 33)
+    return (((x >> 32) * nbuckets.to(tl.uint64)) >> 32).to(tl.int64)
+
+
+# Scalars are never specialized: triton turns an int argument equal to 1 into a constexpr on the GPU
+# (not in the interpreter), where `.to(tl.int64)` would fail to compile (a step, epoch or count of 1).
+@triton.jit(do_not_specialize=["nbuckets", "n", "ntables", "pid0"])
+def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks, counts, admit,
+                 codes, pos, probes, homes, n_after, flags, hits, per_table, pid0,
+                 INSERT: tl.constexpr, ROWS_ONLY: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                 HAS_ADMIT: tl.constexpr, HAS_HITS: tl.constexpr, BLOCK: tl.constexpr):
+    """codes[i]: slot, PENDING or -1 (absent, skipped); hits[i]: count (find) or count after the
+    call (INSERT).  INSERT also writes pos (the key's bucket or the first empty one on its path, -1
+    skipped), probes (buckets looked at), homes, n_after, flags and adds per table [T, 3] (new rows,
+    new pending keys, promoted keys)."""
+    i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    t = tl.load(tids + i, mask=live, other=-1)
+    on = live & (t >= 0) & (t < ntables)
+    key = tl.load(keys + i, mask=live, other=0)
+    nb = nbuckets.to(tl.int64)
+    start = _home(key, tl.load(hash_keys + t, mask=on, other=0), nb)
+    p = start
+    active = on
+    hit = on & (t < 0)  # all false
+    looked = tl.zeros([BLOCK], tl.int64)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        table = tl.load(buckets + p * 4 + 1, mask=active, other=_K_EMPTY)
+        here = active & (table == t) & (tl.load(buckets + p * 4, mask=active, other=0) == key)
+        hit = hit | here
+        looked += active.to(tl.int64)
+        # a table never fuller than MAX_LOAD has an empty bucket: `looked < nb` only bounds the loop
+        active = active & ~here & (table != _K_EMPTY) & (looked < nb)
+        p = tl.where(active, p + 1, p)
+        p = tl.where(p == nb, 0, p)
+    word = tl.load(buckets + p * 4 + 2, mask=hit, other=0)
+    code = tl.where(hit, (word << 32) >> 32, -1)
+    count = tl.where(hit, word >> 32, 0)
+    if not INSERT:
+        if ROWS_ONLY:
+            code = tl.maximum(code, -1)
+        tl.store(codes + i, code, mask=live)
+        if HAS_HITS:
+            tl.store(hits + i, count, mask=live)
+    else:
+        if HAS_COUNTS:
+            c = tl.load(counts + i, mask=on, other=1).to(tl.int64)
+        else:
+            c = tl.full([BLOCK], 1, tl.int64)
+        if HAS_ADMIT:
+            drawn = tl.load(admit + i, mask=on, other=1) != 0
+        else:
+            drawn = on | ~on
+        admit_k = tl.load(admit_ks + t, mask=on, other=1)
+        after = count + c
+        new = on & ~hit & drawn
+        promote = hit & (code == _K_PENDING) & (after >= admit_k)
+        made = new & (c >= admit_k)
+        f = hit.to(tl.int32) * _K_FOUND + new.to(tl.int32) * _K_NEW + promote.to(tl.int32) * _K_PROMOTE + \
+            made.to(tl.int32) * _K_MADE
+        tl.store(codes + i, code, mask=live)
+        tl.store(pos + i, tl.where(on, p, -1), mask=live)
+        tl.store(probes + i, tl.where(on, (p - start + nb) % nb + 1, 0), mask=live)
+        tl.store(homes + i, start, mask=live)
+        tl.store(n_after + i, after, mask=live)
+        tl.store(flags + i, f, mask=live)
+        if HAS_HITS:
+            tl.store(hits + i, tl.where(hit | new, tl.minimum(after, _K_INT32_MAX), 0), mask=live)
+        one = tl.full([BLOCK], 1, tl.int64)
+        tl.atomic_add(per_table + t * 3, one, mask=made | promote)
+        tl.atomic_add(per_table + t * 3 + 1, one, mask=new & ~made)
+        tl.atomic_add(per_table + t * 3 + 2, one, mask=promote)
+
+
+@triton.jit(do_not_specialize=["n", "num_free", "row_hwm", "step", "pid0"])
+def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, num_free, row_hwm, step, ok_flag,
+                  out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
+    """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
+    record's word 2 (code + count) into word2, new rows' (slot, key, table) at their rank; out[i]
+    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it)."""
+    ok = tl.load(ok_flag) != 0
+    i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    t = tl.load(tids + i, mask=live, other=-1)
+    on = live & (t >= 0)
+    f = tl.load(flags + i, mask=live, other=0)
+    code = tl.load(codes + i, mask=live, other=-1)
+    gets_row = (f & (_K_MADE | _K_PROMOTE)) != 0
+    r = tl.load(rank + i, mask=live, other=0)
+    nfree = num_free.to(tl.int64)
+    from_free = r < nfree
+    freed = tl.load(free_rows + (nfree - 1 - r), mask=live & gets_row & from_free, other=0).to(tl.int64)
+    slot = tl.where(from_free, freed, row_hwm.to(tl.int64) + r - nfree)
+    now = tl.where(gets_row, slot, tl.where((f & _K_NEW) != 0, _K_PENDING, code))
+    done = tl.where(now >= 0, now, -1)
+    tl.store(out + i, tl.where(on, tl.where(ok, done, tl.maximum(code, -1)), -1), mask=live)
+    count = tl.minimum(tl.maximum(tl.load(n_after + i, mask=live, other=0), 0), _K_INT32_MAX)
+    low = now - ((now >> 32) << 32)  # the code's low 32 bits, as unsigned
+    w = (count << 32) | low
+    tl.store(word2 + i, w, mask=live)
+    write = live & ok & ((f & _K_FOUND) != 0)
+    p = tl.load(pos + i, mask=write, other=0)
+    tl.store(buckets + p * 4 + 2, w, mask=write)
+    tl.store(buckets + p * 4 + 3, tl.zeros([BLOCK], tl.int64) + step.to(tl.int64), mask=write)
+    give = live & ok & gets_row
+    tl.store(made_slots + r, slot, mask=give)
+    tl.store(made_keys + r, tl.load(keys + i, mask=give, other=0), mask=give)
+    tl.store(made_tids + r, t.to(tl.int64), mask=give)
+
+
+@triton.jit
+def _window_empty(buckets, nb, p, active, W: tl.constexpr):
+    """[BLOCK, W]: whether bucket (p + w) % B is empty, for the active keys."""
+    win = (p[:, None] + tl.arange(0, W)[None, :]) % nb
+    table = tl.load(buckets + win * 4 + 1, mask=active[:, None], other=0)
+    return active[:, None] & (table == _K_EMPTY)
+
+
+@triton.jit(do_not_specialize=["nbuckets", "n", "pid0"])
+def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """first[j]: the first empty bucket in key j's window [p, p + W), -1 when none or j is placed."""
+    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n
+    a = live & (tl.load(active + j, mask=live, other=0) != 0)
+    p = tl.load(start + j, mask=a, other=0)
+    nb = nbuckets.to(tl.int64)
+    empty = _window_empty(buckets, nb, p, a, W)
+    at = tl.min(tl.where(empty, tl.arange(0, W)[None, :], W), axis=1)
+    tl.store(first + j, tl.where(a & (at < W), (p + at) % nb, -1), mask=live)
+
+
+@triton.jit(do_not_specialize=["n", "pid0"])
+def claim_rank_kernel(first, order, rank, n, pid0, BLOCK: tl.constexpr):
+    """rank[j]: how many keys before j in batch order share j's first empty bucket (its crowd):
+    `order` sorts `first` stably, so j's rank is its distance to where its value starts there
+    (a binary search).  0 where first is -1."""
+    s = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = s < n
+    j = tl.load(order + s, mask=live, other=0)
+    f = tl.load(first + j, mask=live, other=-1)
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = tl.where(live & (f >= 0), s, 0)
+    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(first + tl.load(order + mid, mask=open_, other=0), mask=open_, other=0) < f
+        lo = tl.where(open_ & below, mid + 1, lo)
+        hi = tl.where(open_ & ~below, mid, hi)
+    tl.store(rank + j, tl.where(f >= 0, s - lo, 0), mask=live)
+
+
+@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
+def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, epoch, pid0, W: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """want[j]: the (rank + 1)-th empty bucket of key j's window (-1 past the window); stamps it
+    with atomic_max so the lowest batch position wanting a bucket holds its claim."""
+    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n
+    a = live & (tl.load(active + j, mask=live, other=0) != 0)
+    p = tl.load(start + j, mask=a, other=0)
+    nb = nbuckets.to(tl.int64)
+    empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
+    r = tl.load(rank + j, mask=a, other=0)
+    at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
+    ok = a & (tl.max(empty, axis=1) > 0) & (at < W)
+    bucket = (p + at) % nb
+    stamp = (epoch.to(tl.int64) << _K_STAMP_BITS) | (_K_STAMP_LOW - j)
+    tl.atomic_max(claims + bucket, stamp, mask=ok)
+    tl.store(want + j, tl.where(ok, bucket, -1), mask=live)
+
+
+@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
+def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch, rec_keys, rec_tids, rec_word2,
+                       rec_last, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """The winners write their records; the others go on from the bucket after the one they
+    wanted (or past their window)."""
+    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n
+    a = live & (tl.load(active + j, mask=live, other=0) != 0)
+    p = tl.load(start + j, mask=a, other=0)
+    bucket = tl.load(want + j, mask=a, other=-1)
+    ok = a & (bucket >= 0)
+    stamp = (epoch.to(tl.int64) << _K_STAMP_BITS) | (_K_STAMP_LOW - j)
+    won = ok & (tl.load(claims + bucket, mask=ok, other=0) == stamp)
+    rec = buckets + bucket * 4
+    tl.store(rec, tl.load(rec_keys + j, mask=won, other=0), mask=won)
+    tl.store(rec + 1, tl.load(rec_tids + j, mask=won, other=0).to(tl.int64), mask=won)
+    tl.store(rec + 2, tl.load(rec_word2 + j, mask=won, other=0), mask=won)
+    tl.store(rec + 3, tl.load(rec_last + j, mask=won, other=0), mask=won)
+    nb = nbuckets.to(tl.int64)
+    tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=a & ~won)
+    tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
+
+
+def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
+    """A compile signature: every name an int64 pointer unless `types` says otherwise."""
+    return {name: types.get(name, "*i64") for name in names.split()}
+
+
+_I64 = "i64"
+_CONST = "constexpr"
+_PROBE = _sig("buckets nbuckets keys tids n ntables hash_keys admit_ks counts admit codes pos probes homes n_after "
+              "flags hits per_table pid0 INSERT ROWS_ONLY HAS_COUNTS HAS_ADMIT HAS_HITS BLOCK",
+              {"nbuckets": _I64, "n": _I64, "ntables": _I64, "pid0": _I64, "admit": "*u8", "flags": "*i32",
+               **{k: _CONST for k in ("INSERT", "ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS", "BLOCK")}})
+_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows num_free row_hwm step ok_flag out word2 "
+               "made_slots made_keys keys made_tids pid0 BLOCK",
+               {"n": _I64, "num_free": _I64, "row_hwm": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
+                "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
+_ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "pid0": _I64, "active": "*i32", "W": _CONST, "BLOCK": _CONST}
+_SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
+_RANK = _sig("first order rank n pid0 BLOCK", _ROUND)
+_WANT = _sig("buckets nbuckets n active start rank want claims epoch pid0 W BLOCK", _ROUND)
+_PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last pid0 W BLOCK",
+              _ROUND)
+
+# (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
+COMPILE_CASES = [
+    ("hash_index.probe (find)", probe_kernel, _PROBE,
+     {"INSERT": False, "ROWS_ONLY": True, "HAS_COUNTS": False, "HAS_ADMIT": False, "HAS_HITS": True, "BLOCK": 128}),
+    ("hash_index.probe (find_or_insert)", probe_kernel, _PROBE,
+     {"INSERT": True, "ROWS_ONLY": False, "HAS_COUNTS": True, "HAS_ADMIT": True, "HAS_HITS": True, "BLOCK": 128}),
+    ("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128}),
+    ("hash_index.claim_scan", claim_scan_kernel, _SCAN, {"W": 128, "BLOCK": 32}),
+    ("hash_index.claim_rank", claim_rank_kernel, _RANK, {"BLOCK": 128}),
+    ("hash_index.claim_want", claim_want_kernel, _WANT, {"W": 128, "BLOCK": 32}),
+    ("hash_index.claim_place", claim_place_kernel, _PLACE, {"W": 128, "BLOCK": 32}),
+]
+# the same with every scalar an i32 (values below 2**31 arrive so)
+COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)
+                  for name, fn, sig, cx in COMPILE_CASES]
