@@ -89,9 +89,9 @@ class RowWiseGroup(OwnedRowsGroup):
         self._identity = all(r == tuple(range(W)) for _, _, r in members)
         self._all_dynamic = not bool(self._static.any())
         # tables with a shared row (their local index in the group), and each one's admission count
-        shares = [i for i, t in enumerate(self.ts) if coll.tables[t].shared_row]
-        self._shares = torch.tensor(shares, dtype=torch.int64, device=dev) if shares else None
-        self._shares_admit = [coll.tables[self.ts[i]].admit_min_count for i in shares]
+        self._share_list = [i for i, t in enumerate(self.ts) if coll.tables[t].shared_row]
+        self._shares = torch.tensor(self._share_list, dtype=torch.int64, device=dev) if self._share_list else None
+        self._admit = {i: coll.tables[self.ts[i]].admit_min_count for i in self._share_list}
         self._row_bytes = self.dim * torch.empty(0, dtype=self.dtype).element_size()
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
 
@@ -164,10 +164,10 @@ class RowWiseGroup(OwnedRowsGroup):
         shared_at = self._shared_keys(uniq, per_table)
         if shared_at and ucounts is not None:  # a shared row counts once per step, admitted at once (as in one process)
             for i, at in shared_at.items():
-                ucounts[at] = self._shares_admit[self._shares.tolist().index(i)]
+                ucounts[at] = self._admit[i]
         slots = self.owned_slots(st, uniq, per_table, ucounts, st.training, shared_rows=False)
         if shared_at:  # the shared rows held here: they move at the full lr (lr_count_scale)
-            hits, shared = st.rare[self]
+            shared = st.rare[self][1]
             for i, at in shared_at.items():
                 shared[i] = int(slots[at])
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
@@ -200,9 +200,8 @@ class RowWiseGroup(OwnedRowsGroup):
         """Per table with a shared row whose key came: its position in `uniq` (the first of its
         table: the keys of a table are sorted, and ids are >= 0)."""
         out, start = {}, 0
-        shares = set(self._shares.tolist()) if self._shares is not None else ()
         for i, n in enumerate(per_table):
-            if n and i in shares and int(uniq[start]) == SHARED_ROW_KEY:
+            if n and i in self._admit and int(uniq[start]) == SHARED_ROW_KEY:
                 out[i] = start
             start += n
         return out
@@ -289,8 +288,7 @@ class RowWiseGroup(OwnedRowsGroup):
                     read |= readers[r].take(self._shares.numel(), torch.uint8).cpu().bool()
             own = st.own.get(self)
             if own is not None:
-                slots, shares = own[1], self._shares.tolist()
                 for i, at in own[4].items():  # (the shared rows held here)
-                    if not read[shares.index(i)]:
-                        slots[at] = -1
+                    if not read[self._share_list.index(i)]:
+                        own[1][at] = -1  # its slot: no update
         super().apply(st, readers)
