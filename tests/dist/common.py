@@ -43,12 +43,17 @@ def tables(opt_name: str = "adagrad", dim: int = 4, dtype: str = "float32"):
     ]
 
 
+# the CLI's default sparse optimizer besides (Adam with per-row bias correction, no first moment)
+RARE_OPTIMIZERS = {**OPTIMIZERS, "adam_per_row": lambda: Adam(lr=0.05, betas=(0.0, 0.999), eps=1e-5,
+                                                             bias_correction="per_row")}
+
+
 def rare_tables(opt_name: str = "adagrad", dim: int = 4):
     """The tables of `tables` as the CLI trains them by default: ids seen fewer than k times read
     their table's shared row (admission k = 2 or 3), rows stepped at lr * min(1, hits / scale)."""
     from hugeembed.nn import TableConfig
 
-    opt = OPTIMIZERS[opt_name]()
+    opt = RARE_OPTIMIZERS[opt_name]()
     rare = dict(shared_row=True, optimizer=opt)
     return [
         TableConfig("user", dim, combiner="sum", admit_min_count=3, ttl=3, evict_interval=2, lr_count_scale=4, **rare),

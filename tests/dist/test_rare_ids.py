@@ -35,6 +35,9 @@ def cases(world: int) -> list[dict]:
     if world == 2:  # per-row state (one accumulator per row) and lazy Adam, row-wise
         out += [{"name": f"{o}/row_wise", "opt": o, "plan": plans(world)["row_wise"], "steps": STEPS, "rare": True}
                 for o in ("rowwise_adagrad", "adam_lazy")]
+    if world == 2:  # the CLI's default optimizer (Adam, per-row bias correction, no first moment), every kind
+        out += [{"name": f"adam_per_row/{k}", "opt": "adam_per_row", "plan": plans(world)[k], "steps": STEPS,
+                 "rare": True} for k in ("row_wise", "table_wise", "data_parallel")]
     # wide batches: most ids come once or twice, many stay pending and read the shared row to the end
     out += [{"name": f"wide/{k}", "opt": "adagrad", "plan": plans(world)[k], "steps": STEPS, "rare": True,
              "wide": True} for k in (("row_wise", "data_parallel") if world == 2 else ("mixed",))]
@@ -116,7 +119,7 @@ def test_two_ranks_train_rare_ids_like_one_process_and_reshard_the_shared_row(sn
     link = {"plan": plans(2)["row_wise"], "opt": "adagrad", "rare": True, "load": str(snapshot / "one"),
             "train": (3, 6), "save": str(snapshot / "two")}
     two = run_ranks(2, "tests.dist.workers:main", {"cases": cases(2), "chain": [link]})
-    assert check(two, 2) == 8
+    assert check(two, 2) == 11
     ec = EmbeddingCollection(rare_tables())  # 2 ranks' snapshot -> one process: as if never split
     ckpt.load(snapshot / "two", ec, restore_rng=False)
     assert ec.step == 6
