@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                    f"uniform (U(+-sqrt(1/n)) for n rows: needs --capacity); default {DEFAULT_INITIALIZER}")
     r.add_argument("--admit-min-count", type=int, metavar="K", help="an id gets its own row at its K-th hit; rarer "
                    "and unseen ids read one shared trainable row per table (1: a row at first sight; "
-                   f"default {DEFAULT_ADMIT_MIN_COUNT} in one process, 1 with several)")
+                   f"default {DEFAULT_ADMIT_MIN_COUNT}, with any number of processes)")
     r.add_argument("--lr-count-scale", type=int, metavar="N", help="per-row learning rate lr * min(1, hits / N): "
                    "rows seen less than N times take smaller steps (default off)")
     p.add_argument("--first-order", action=argparse.BooleanOptionalAction, default=None,

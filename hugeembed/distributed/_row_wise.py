@@ -20,6 +20,15 @@ number of tensor ops whatever the number of tables)::
 
 A table-wise table whose features are sequences (combiner "none") takes this path with
 its single owner: there is nothing to pool.
+
+Shared row of rare ids (TableConfig.shared_row): one row per table, the key SHARED_ROW_KEY
+held by that key's owner like any key (so snapshots reshard it like any key).  Requesters ask
+for it with their keys; owners send back, beside the rows, whether each key has a row of its
+own; a requester reads the shared row for the keys that have none, and sends their summed
+gradient to the shared row's owner, which applies it once, as one process does::
+
+    requester: keys of t + SHARED_ROW_KEY ─► owners ─► rows + "has a row" flags
+               keys without a row pool from the shared row; their gradients add up in its row
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 
 from .._hashing import mix64
 from ..errors import ShardingError
+from ..nn._rare import SHARED_ROW_KEY
 from ._step import OwnedRowsGroup
 from ._wire import Packer, padded, segments, union_received
 
@@ -78,6 +88,10 @@ class RowWiseGroup(OwnedRowsGroup):
                                    device=dev)
         self._identity = all(r == tuple(range(W)) for _, _, r in members)
         self._all_dynamic = not bool(self._static.any())
+        # tables with a shared row (their local index in the group), and each one's admission count
+        self._share_list = [i for i, t in enumerate(self.ts) if coll.tables[t].shared_row]
+        self._shares = torch.tensor(self._share_list, dtype=torch.int64, device=dev) if self._share_list else None
+        self._admit = {i: coll.tables[self.ts[i]].admit_min_count for i in self._share_list}
         self._row_bytes = self.dim * torch.empty(0, dtype=self.dtype).element_size()
         self._grad_bytes = self.dim * torch.empty(0, dtype=grad_dtype).element_size()
 
@@ -105,7 +119,13 @@ class RowWiseGroup(OwnedRowsGroup):
         pos, tid = segments([prep.unique_base[lt] for lt in self.lts], counts, dev)
         keys = prep.unique_keys[pos]
         hits = prep.unique_counts[pos].to(torch.int32) if st.training else None
-        if W == 1:
+        if self._shares is not None:  # each shared row is asked for like a key (its owner counts it once)
+            S = self._shares.numel()
+            keys = torch.cat([keys, torch.full((S,), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
+            tid = torch.cat([tid, self._shares])
+            if hits is not None:
+                hits = torch.cat([hits, torch.zeros(S, dtype=torch.int32, device=dev)])
+        if W == 1 and self._shares is None:
             perm, per_dest = None, [N]
             header[0, self.cols] = torch.tensor(counts, dtype=torch.int64)
         else:
@@ -123,7 +143,7 @@ class RowWiseGroup(OwnedRowsGroup):
                 if hits is not None:
                     packer.add(d, hits[off : off + n])
                 off += n
-        st.req[self] = (pos, perm, per_dest)
+        st.req[self] = (pos, perm, per_dest, tid)
 
     def input_bytes(self, st, r: int) -> int:
         n = int(st.hdr_in[r, self.cols].sum())
@@ -141,7 +161,15 @@ class RowWiseGroup(OwnedRowsGroup):
             st.own[self] = None
             return
         per_src, inv, uniq, per_table, ucounts = got
-        slots = self.owned_slots(st, uniq, per_table, ucounts, st.training)
+        shared_at = self._shared_keys(uniq, per_table)
+        if shared_at and ucounts is not None:  # a shared row counts once per step, admitted at once (as in one process)
+            for i, at in shared_at.items():
+                ucounts[at] = self._admit[i]
+        slots = self.owned_slots(st, uniq, per_table, ucounts, st.training, shared_rows=False)
+        if shared_at:  # the shared rows held here: they move at the full lr (lr_count_scale)
+            shared = st.rare[self][1]
+            for i, at in shared_at.items():
+                shared[i] = int(slots[at])
         rows = torch.zeros(uniq.numel(), self.dim, dtype=self.dtype, device=self.coll.device)
         start = 0
         for t, n in zip(self.ts, per_table):
@@ -158,16 +186,32 @@ class RowWiseGroup(OwnedRowsGroup):
                     rows[sl][known] = weights[got[known]]
             start += n
         back = rows[inv]  # each requester's keys, in the order they came
+        has_row = (slots >= 0).to(torch.uint8)[inv] if self._shares is not None else None
         off = 0
         for r, n in enumerate(per_src):
             if n:
                 replies.add(r, back[off : off + n])
+                if has_row is not None:
+                    replies.add(r, has_row[off : off + n])
                 off += n
-        st.own[self] = (inv, slots, per_table, uniq)
+        st.own[self] = (inv, slots, per_table, uniq, shared_at)
+
+    def _shared_keys(self, uniq: torch.Tensor, per_table: list[int]) -> dict[int, int]:
+        """Per table with a shared row whose key came: its position in `uniq` (the first of its
+        table: the keys of a table are sorted, and ids are >= 0)."""
+        out, start = {}, 0
+        for i, n in enumerate(per_table):
+            if n and i in self._admit and int(uniq[start]) == SHARED_ROW_KEY:
+                out[i] = start
+            start += n
+        return out
 
     def output_bytes(self, st, d: int) -> int:
         req = st.req[self]
-        return 0 if req is None else padded(req[2][d] * self._row_bytes)
+        if req is None:
+            return 0
+        flags = padded(req[2][d]) if self._shares is not None else 0
+        return padded(req[2][d] * self._row_bytes) + flags
 
     def output_dist(self, st, readers) -> None:
         """Requester: the received rows become the storage every table of the group pools from."""
@@ -178,15 +222,31 @@ class RowWiseGroup(OwnedRowsGroup):
             for lt in self.lts:
                 st.storages_l[lt] = empty
             return
-        pos, perm, per_dest = req
-        parts = [readers[d].take(n * self.dim, self.dtype).view(n, self.dim) for d, n in enumerate(per_dest) if n]
+        pos, perm, per_dest, tid = req
+        parts, flags = [], []
+        for d, n in enumerate(per_dest):
+            if n:
+                parts.append(readers[d].take(n * self.dim, self.dtype).view(n, self.dim))
+                if self._shares is not None:
+                    flags.append(readers[d].take(n, torch.uint8))
         rows = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dev)
         for lt in self.lts:
             st.storages_l[lt] = rows
-        where = torch.arange(rows.shape[0], device=dev)
+        where = torch.arange(rows.shape[0], device=dev)  # each key's row among the received ones
         if perm is not None:
             where = torch.empty_like(where).index_copy_(0, perm, where)
-        st.slots_l[pos] = where
+        N = pos.numel()
+        slots = where[:N]
+        if self._shares is not None:  # keys without a row of their own read their table's shared row
+            has_row = torch.cat(flags).to(dev).bool()
+            shared_row = torch.full((len(self.ts),), -1, dtype=torch.int64, device=dev)
+            shared_row[self._shares] = where[N:]
+            redirect = (shared_row[tid[:N]] >= 0) & ~has_row[slots]
+            slots = torch.where(redirect, shared_row[tid[:N]], slots)
+            # whether this batch read each shared row: its owner updates it only if some batch did
+            read = torch.bincount(tid[:N][redirect], minlength=len(self.ts))[self._shares] > 0
+            st.req[self] = (*req, read.to(torch.uint8))
+        st.slots_l[pos] = slots
 
     # -- backward ------------------------------------------------------------------------
 
@@ -200,11 +260,35 @@ class RowWiseGroup(OwnedRowsGroup):
         for lt in self.lts:
             got = st.local_grads.get(lt)
             if got is not None:  # slots are positions in the received rows: the owner-sorted order
-                grad.index_copy_(0, got[0], got[1].to(self.grad_dtype))
+                # (index_add: the keys reading a shared row add their gradients up in its row)
+                grad.index_add_(0, got[0], got[1].to(self.grad_dtype))
         if st.grad_scale != 1.0:
             grad.mul_(st.grad_scale)
         off = 0
         for d, n in enumerate(per_dest):
             if n:
+                if self._shares is not None:  # first: whether this batch read each shared row
+                    packer.add(d, req[4])
                 packer.add(d, grad[off : off + n])
                 off += n
+
+    def grad_bytes(self, st, r: int) -> int:
+        flags = padded(self._shares.numel()) if self._shares is not None and self.trainable and bool(
+            st.hdr_in[r, self.cols].any()) else 0
+        return flags + super().grad_bytes(st, r)
+
+    def apply(self, st, readers) -> None:
+        """The owners' update (OwnedRowsGroup.apply); a shared row held here that no rank's batch read
+        this step takes no update, as in one process (lazy Adam would move it on a zero gradient)."""
+        if self.trainable and self._shares is not None:
+            senders = st.hdr_in[:, self.cols].sum(1).tolist()
+            read = torch.zeros(self._shares.numel(), dtype=torch.bool)
+            for r, n in enumerate(senders):
+                if n:
+                    read |= readers[r].take(self._shares.numel(), torch.uint8).cpu().bool()
+            own = st.own.get(self)
+            if own is not None:
+                for i, at in own[4].items():  # (the shared rows held here)
+                    if not read[self._share_list.index(i)]:
+                        own[1][at] = -1  # its slot: no update
+        super().apply(st, readers)

@@ -96,10 +96,6 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                  storage_owner: str | None = None, staleness: int | None = None) -> None:
         tables = list(tables)
         device = canonical_device(device)
-        rare = [t.name for t in tables if isinstance(t, TableConfig) and (t.shared_row or t.lr_count_scale)]
-        if rare:  # the owners' fetch and update do not map rare ids to a shared row nor scale rows yet
-            raise ConfigError(f"tables {rare}: shared_row and lr_count_scale are not supported in a sharded "
-                              f"collection yet; train them in one process")
         if gradient_reduction not in ("mean", "sum"):
             raise ConfigError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
         group = process_group if process_group is not None else new_embedding_group(device, timeout)

@@ -41,6 +41,7 @@ class StepState:
         self.storages_l: list = []
         self.req: dict = {}
         self.own: dict = {}
+        self.rare: dict = {}  # owner groups: (hit counts per distinct key or None, per table its shared row's slot)
         self.pooled: dict = {}
         self.pool_replies: list = []
         self.local_grads: dict = {}
@@ -75,22 +76,33 @@ class OwnedRowsGroup:
     coll and trainable."""
 
     def owned_slots(self, st: StepState, uniq: torch.Tensor, per_table: list[int], counts: torch.Tensor | None,
-                    training: bool) -> torch.Tensor:
+                    training: bool, shared_rows: bool = True) -> torch.Tensor:
         """Row slots of the distinct keys `uniq` (grouped by table as `per_table`): in training
         one fetch per group (fetch_slots: new keys get rows, pinned until the backward
-        of the step), else find (readers take the rows through ``coll.current_rows``)."""
+        of the step), else find (readers take the rows through ``coll.current_rows``).
+        Leaves ``st.rare[self]``: hit counts (lr_count_scale) and each table's shared row slot.
+        `shared_rows`: as for fetch_slots (False: row-wise shards)."""
         parts, start = [], 0
         for t, n in zip(self.ts, per_table):
             if n:
                 parts.append((t, slice(start, start + n)))
             start += n
         got = self.coll.fetch_slots([t for t, _ in parts], [uniq[sl] for _, sl in parts], st.step, training,
-                                    None if counts is None else [counts[sl] for _, sl in parts])
+                                    None if counts is None else [counts[sl] for _, sl in parts],
+                                    shared_rows=shared_rows)
         slots = torch.empty(uniq.numel(), dtype=torch.int64, device=uniq.device)
-        for (t, sl), g in zip(parts, got):
+        hits = None
+        shared = dict.fromkeys(self.ts, -1)
+        for (t, sl), g, h, sh in zip(parts, got.slots, got.hits, got.shared):
             slots[sl] = g
+            shared[t] = sh
+            if h is not None:
+                if hits is None:
+                    hits = torch.zeros(uniq.numel(), dtype=torch.int64, device=uniq.device)
+                hits[sl] = h
             if training:
                 st.flight.pin(self.coll.group_index(t), g)
+        st.rare[self] = (hits, [shared[t] for t in self.ts])
         return slots
 
     def grad_bytes(self, st: StepState, r: int) -> int:
@@ -114,6 +126,7 @@ class OwnedRowsGroup:
             if n:
                 grad.index_add_(0, inv[off : off + n], parts[r].to(dev))
                 off += n
+        hits, shared = st.rare.get(self, (None, [-1] * len(self.ts)))
         start = 0
         for i, n in enumerate(per_table):
             rule, sl = self.rules[i], slice(start, start + n)
@@ -121,8 +134,10 @@ class OwnedRowsGroup:
             if rule is None or n == 0:
                 continue
             s, g, k = slots[sl], grad[sl], uniq[sl]
+            h = hits[sl] if hits is not None and self.coll.tables[self.ts[i]].lr_count_scale is not None else None
             known = s >= 0  # keys not admitted yet take no update
             if not bool(known.all()):
                 s, g, k = s[known], g[known], k[known]
+                h = h[known] if h is not None else None
             if s.numel():
-                self.coll.update_rows(self.ts[i], s, g, st.flight, keys=k)
+                self.coll.update_rows(self.ts[i], s, g, st.flight, keys=k, hits=h, shared_slot=shared[i])

@@ -107,7 +107,8 @@ class TableWisePooling:
         Bm = sum(Bs)
         st.pool_replies = []
         lengths_all, ids_all, w_all = [], [], []
-        ukeys, ucounts, base, count, slots_all = [], [], [], [], []
+        ukeys, ucounts, base, count, slots_all, hits_all = [], [], [], [], [], []
+        st.rare[self] = {}  # per table owned: its shared row's slot
         overlay = {}  # eval: caught-up copies of rows read (global Adam), see coll.current_rows
         for p in self.mine:
             F = len(p.feats)
@@ -133,7 +134,10 @@ class TableWisePooling:
                 if st.training:
                     uc = torch.zeros(uniq.numel(), dtype=torch.int64, device=dev).index_add_(
                         0, inv, torch.cat(counts).to(torch.int64))
-            got = self.coll.fetch_slots([p.t], [uniq], st.step, st.training, None if uc is None else [uc])[0]
+            fetched = self.coll.fetch_slots([p.t], [uniq], st.step, st.training, None if uc is None else [uc])
+            got = fetched.slots[0]
+            hits_all.append(fetched.hits[0])
+            st.rare[self][p.t] = fetched.shared[0]
             if st.training:
                 st.flight.pin(self.coll.group_index(p.t), got)
             else:
@@ -171,7 +175,7 @@ class TableWisePooling:
         trainable = st.training and any(p.rule is not None for p in self.mine)
         if trainable:
             out = self.coll._pool_own.lookup(mprep, storages, slots, params=[self.coll._pool_anchor],
-                                             row_grad_hook=self._owner_hook(st, mprep, slots))
+                                             row_grad_hook=self._owner_hook(st, mprep, slots, hits_all))
         else:
             out = self.coll._pool_own.lookup(mprep, storages, slots)
         start = 0
@@ -183,13 +187,15 @@ class TableWisePooling:
                     st.pool_replies.append(block)
             start += Bs[r]
 
-    def _owner_hook(self, st, prep, all_slots):
+    def _owner_hook(self, st, prep, all_slots, hits: list):
         def apply(j: int, slots: torch.Tensor, grad: torch.Tensor) -> None:
             b, n = prep.unique_base[j], prep.unique_count[j]
-            keys = prep.unique_keys[b : b + n]
+            keys, h = prep.unique_keys[b : b + n], hits[j]
             if slots.numel() != n:  # the lookup dropped ids without a row
-                keys = keys[all_slots[b : b + n] >= 0]
-            self.coll.update_rows(self.mine[j].t, slots, grad, st.flight, keys=keys)
+                known = all_slots[b : b + n] >= 0
+                keys, h = keys[known], (h[known] if h is not None else None)
+            t = self.mine[j].t
+            self.coll.update_rows(t, slots, grad, st.flight, keys=keys, hits=h, shared_slot=st.rare[self][t])
 
         return apply
 

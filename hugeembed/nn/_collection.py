@@ -312,18 +312,25 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
         return self.optimizer.param_groups[self.optimizer.group_of_table[t]]["lr"]
 
     def update_rows(self, t: int, slots: torch.Tensor, grad: torch.Tensor, flight: InFlight,
-                    keys: torch.Tensor | None = None) -> None:
-        """Applies table `t`'s rule to its rows at `slots` (one gradient row each; `keys` their keys,
-        for stochastic rounding) at `flight`'s step: the update stage for callers holding rows per
-        table (the sharded owners)."""
+                    keys: torch.Tensor | None = None, hits: torch.Tensor | None = None,
+                    shared_slot: int = -1) -> None:
+        """Applies table `t`'s rule to its rows at `slots` (one gradient row each; several ids reading
+        the shared row may share a slot: their gradients add up) at `flight`'s step: the update stage
+        for callers holding rows per table (the sharded owners).  `keys`: their keys (stochastic
+        rounding); `hits`: their hit counts after the fetch (lr_count_scale); `shared_slot`: the
+        table's shared row here (it moves at the full lr), -1 if none."""
         g = self.group_index(t)
         flight.check(g, self.groups[g], [self.tables[t].name])
         unit = self._units.get(t)
         if unit is not None and slots.numel():
-            local = self.placement.span_of[g].tables.index(t)
+            span = self.placement.span_of[g]
+            local = span.tables.index(t)
+            shared = None
+            if shared_slot >= 0:
+                shared = torch.full((len(span.tables),), -1, dtype=torch.int64, device=slots.device)
+                shared[local] = shared_slot
             lr = self._lr(t) if flight.lrs is None else flight.lrs[t]
-            apply_unit(unit, self.groups[g], [(t, local, slots, grad, keys, None)], [lr], flight.step,
-                       flight.shared.get(g))
+            apply_unit(unit, self.groups[g], [(t, local, slots, grad, keys, hits)], [lr], flight.step, shared)
 
     def _in_flight(self, step: int, keys: torch.Tensor | None = None) -> InFlight:
         """A new training forward's InFlight: the rows it reads get pinned in it (see InFlight)."""

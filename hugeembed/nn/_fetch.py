@@ -9,7 +9,7 @@ column beside them; the slots it gives index the group's rows.  Callers that hol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -18,7 +18,15 @@ from ._inflight import InFlight
 from ._placement import segment_column
 from ._rare import SHARED_ROW_KEY
 
-__all__ = ["FetchStage", "SpanRules"]
+__all__ = ["FetchStage", "SpanRules", "OwnerFetch"]
+
+
+class OwnerFetch(NamedTuple):
+    """What :meth:`FetchStage.fetch_slots` gives, per table asked for."""
+
+    slots: list[torch.Tensor]  # row slots (-1: reads zeros)
+    hits: list[torch.Tensor | None]  # each key's hit count after the fetch (training, lr_count_scale), else None
+    shared: list[int]  # its shared row's slot here (-1: none, or not held here)
 
 
 @dataclass(frozen=True)
@@ -75,20 +83,22 @@ class FetchStage:
                     flight.hits[span.group] = got[2]
         return slots
 
-    def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False):
+    def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False,
+                     tail: tuple[int, ...] | None = None):
         """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
         (tables with a shared row: ids without a row of their own get it); shared rows: per table of
-        the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None."""
+        the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None.
+        `tail`: the local tables whose shared row this fetch reads (default: every one of the group)."""
         group = self.groups[span.group]
         rules = self._span_rules[span.group]
         n = keys.numel()
-        tail = list(rules.tail)
+        tail = list(rules.tail if tail is None else tail)
         if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
             dev = keys.device
             keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
             column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
             if counts is not None:
-                admit = list(rules.tail_admit)
+                admit = [rules.tail_admit[rules.tail.index(i)] for i in tail]
                 counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
         out_hits = torch.empty_like(keys) if hits else None
         got = group.fetch(column, keys, step, counts, hits=out_hits) if training else group.find(column, keys)
@@ -101,11 +111,19 @@ class FetchStage:
         return got, shared, None if out_hits is None else out_hits[:n]
 
     def fetch_slots(self, ts: Sequence[int], keys: Sequence[torch.Tensor], step: int, training: bool,
-                    counts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    counts: Sequence[torch.Tensor] | None = None, *, shared_rows: bool = True) -> OwnerFetch:
         """Row slots (into :meth:`rows_of`) of the distinct ids ``keys[i]`` of table ``ts[i]``, -1
         where a row reads zeros: the fetch stage for callers holding keys per table (the sharded
-        owners); one call per group.  Training: new ids get rows, hits counted by `counts`."""
+        owners); one call per group.  Training: new ids get rows, hits counted by `counts` (and
+        returned for tables with lr_count_scale).
+
+        `shared_rows`: the tables' shared rows (TableConfig.shared_row) are held here (a whole table,
+        a replica): fetched with the keys, ids without a row of their own read them, as in one
+        process.  False (a row-wise shard): the shared row is the key SHARED_ROW_KEY on its own owner,
+        asked for like any key; ids without a row here get -1."""
         out: list[torch.Tensor | None] = [None] * len(ts)
+        out_hits: list[torch.Tensor | None] = [None] * len(ts)
+        shared_out = [-1] * len(ts)
         by_group: dict[int, list[int]] = {}
         for i, t in enumerate(ts):
             by_group.setdefault(self.group_index(t), []).append(i)
@@ -118,10 +136,21 @@ class FetchStage:
             span = span_of[g]
             column, k = self._column(span, [ts[i] for i in idx], [keys[i] for i in idx])
             c = torch.cat([counts[i] for i in idx]).to(torch.int64) if counts is not None and idx else None
-            got = self._fetch_group(span, column, k, step, training, c)[0]
-            for i, part in zip(idx, got.split([keys[i].numel() for i in idx])):
+            local = [span.tables.index(ts[i]) for i in idx]
+            tail = tuple(j for j in self._span_rules[g].tail if j in local) if shared_rows else ()
+            hits = training and any(self.tables[ts[i]].lr_count_scale is not None for i in idx)
+            got, shared, h = self._fetch_group(span, column, k, step, training, c, hits, tail)
+            sizes = [keys[i].numel() for i in idx]
+            for j, (i, part) in enumerate(zip(idx, got.split(sizes))):
                 out[i] = part
-        return [o if o is not None else torch.empty(0, dtype=torch.int64, device=dev) for o in out]
+                if shared is not None:
+                    shared_out[i] = int(shared[local[j]])
+            if h is not None:
+                for i, part in zip(idx, h.split(sizes)):
+                    out_hits[i] = part
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        slots = [o if o is not None else empty for o in out]
+        return OwnerFetch(slots, out_hits, shared_out)
 
     def _column(self, span, ts: list[int], keys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         local = {t: i for i, t in enumerate(span.tables)}

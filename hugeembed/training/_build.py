@@ -101,16 +101,14 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
         factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
-                      admit_min_count=admit_min_count(cfg, world_size), lr_count_scale=cfg.lr_count_scale,
+                      admit_min_count=admit_min_count(cfg), lr_count_scale=cfg.lr_count_scale,
                       first_order=cfg.first_order, collection_factory=factory, schema=schema)
 
 
-def admit_min_count(cfg: TrainConfig, world_size: int) -> int:
-    """The run's admission threshold: the config's, or by default make_model's in one process and 1
-    (a row per id) with several, whose sharded tables have no shared row of rare ids yet."""
-    if cfg.admit_min_count is not None:
-        return cfg.admit_min_count
-    return DEFAULT_ADMIT_MIN_COUNT if world_size == 1 else 1
+def admit_min_count(cfg: TrainConfig) -> int:
+    """The run's admission threshold: the config's, or by default make_model's (with any number of
+    processes: sharded tables keep the shared row of rare ids as one process does)."""
+    return cfg.admit_min_count if cfg.admit_min_count is not None else DEFAULT_ADMIT_MIN_COUNT
 
 
 def seed_everything(seed: int) -> None:

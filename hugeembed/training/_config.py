@@ -65,8 +65,7 @@ class TrainConfig:
             ``truncnormal:STD``, or ``uniform`` (U(+-sqrt(1/n)) for n rows: needs `capacity`).
         admit_min_count: an id gets its own row at its k-th hit; rarer ids, and ids unseen
             in training, read one shared trainable row per table (1: a row at first sight).
-            None: 3 (make_model's default) in one process; 1 with several, whose sharded
-            tables do not support the shared row yet (the run says so in a note).
+            None: 3 (make_model's default), with any number of processes.
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of

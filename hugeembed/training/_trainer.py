@@ -137,10 +137,6 @@ class Trainer(TrainerSnapshots):
         total = self.total_steps()
         for note in self.source.notes:
             self.progress("note", {"message": note})
-        if self.world_size > 1 and cfg.admit_min_count is None:
-            self.progress("note", {"message": "sharded tables give every id a row at first sight (admit-min-count 1): "
-                                              "the shared row of rare ids is not supported with several processes "
-                                              "yet"})
         if cfg.resume and st.step > 0 and (st.step >= total if total is not None else st.epoch >= cfg.epochs):
             if st.dense_average is not None:
                 # a snapshot of the last step saved before the run ended (an epoch's last batch), and

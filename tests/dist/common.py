@@ -43,6 +43,27 @@ def tables(opt_name: str = "adagrad", dim: int = 4, dtype: str = "float32"):
     ]
 
 
+# the CLI's default sparse optimizer besides (Adam with per-row bias correction, no first moment)
+RARE_OPTIMIZERS = {**OPTIMIZERS, "adam_per_row": lambda: Adam(lr=0.05, betas=(0.0, 0.999), eps=1e-5,
+                                                             bias_correction="per_row")}
+
+
+def rare_tables(opt_name: str = "adagrad", dim: int = 4):
+    """The tables of `tables` as the CLI trains them by default: ids seen fewer than k times read
+    their table's shared row (admission k = 2 or 3), rows stepped at lr * min(1, hits / scale)."""
+    from hugeembed.nn import TableConfig
+
+    opt = RARE_OPTIMIZERS[opt_name]()
+    rare = dict(shared_row=True, optimizer=opt)
+    return [
+        TableConfig("user", dim, combiner="sum", admit_min_count=3, ttl=3, evict_interval=2, lr_count_scale=4, **rare),
+        TableConfig("item", dim, combiner="mean", admit_min_count=2, lr_count_scale=3, **rare),
+        TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, lr_count_scale=2, optimizer=opt),
+        TableConfig("page", dim, combiner="sqrtn", max_norm=0.6, admit_min_count=2, **rare),
+        TableConfig("hist", dim, combiner="none", admit_min_count=2, lr_count_scale=2, **rare),
+    ]
+
+
 def typed_rows(exported: dict, layouts: dict) -> dict:
     """`exported` tables with each raw row record replaced by its weights then state as float64
     (read through the table's RowLayout): packed 16-bit rows compared value by value."""
@@ -183,8 +204,8 @@ def metrics_model(collection_factory=None):
     """A small DLRM over the test tables (seeded: the same dense weights in every process)."""
     from hugeembed.models import make_model
 
-    # a row per id (admit_min_count=1): a sharded collection refuses the default shared row
-    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=OPTIMIZERS["adagrad"](), seed=1, admit_min_count=1,
+    # the default admission: ids seen fewer than 3 times read a shared row, in one process and sharded alike
+    model, _ = make_model("dlrm", embedding_dim=4, sparse_optimizer=OPTIMIZERS["adagrad"](), seed=1,
                           features=("user", "item", "country", "page"), num_dense=3, bottom_mlp=(8,), top_mlp=(8,),
                           collection_factory=collection_factory)
     return model

@@ -19,16 +19,17 @@ from hugeembed import ShardingError, SparseFeatures, StoreError
 from hugeembed import checkpoint as ckpt
 from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
 
-from .common import dense_model, export_all, local_batch, metrics_batch, metrics_model, tables, train
+from .common import dense_model, export_all, local_batch, metrics_batch, metrics_model, rare_tables, tables, train
 
 EVAL_STEP = 100  # the batch scored in eval mode after training
 
 
 def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0,
-          dtype: str = "float32", tiered: dict | None = None) -> ShardedEmbeddingCollection:
+          dtype: str = "float32", tiered: dict | None = None, rare: bool = False) -> ShardedEmbeddingCollection:
     """The test tables under `plan`; with `tiered` ({"dir", "cache_rows"}) every table's rows on disk under
-    "dir", each rank's shard of table t caching cache_rows[t] rows (each rank makes its own subdirectory)."""
-    ts = tables(opt, dtype=dtype)
+    "dir", each rank's shard of table t caching cache_rows[t] rows (each rank makes its own subdirectory);
+    `rare`: common.rare_tables (shared rows of rare ids, lr_count_scale) instead."""
+    ts = rare_tables(opt) if rare else tables(opt, dtype=dtype)
     if tiered is not None:
         from hugeembed.store import SLOT_METADATA_BYTES
 
@@ -40,7 +41,8 @@ def build(world: int, plan: dict, opt: str, group, timeout: float = 30.0,
 
 def run_case(rank: int, world: int, group, case: dict) -> dict:
     """Trains one sharded collection (optionally with a DDP dense model); records what to compare."""
-    ec = build(world, case["plan"], case["opt"], group, dtype=case.get("dtype", "float32"), tiered=case.get("tiered"))
+    ec = build(world, case["plan"], case["opt"], group, dtype=case.get("dtype", "float32"), tiered=case.get("tiered"),
+               rare=case.get("rare", False))
     dense = ddp = opt = None
     if case.get("dense"):
         dense = dense_model(16)
@@ -62,7 +64,7 @@ def run_chain_link(rank: int, world: int, group, link: dict) -> dict:
     """Optionally loads a snapshot into this world size and plan, trains some steps, optionally saves (a delta
     with ``"delta": True``), then optionally evicts each rank's dynamic rows down to ``"evict_to"``, trains on
     and saves a delta (``"then_delta": (a, b)``)."""
-    ec = build(world, link["plan"], link["opt"], group, tiered=link.get("tiered"))
+    ec = build(world, link["plan"], link["opt"], group, tiered=link.get("tiered"), rare=link.get("rare", False))
     out: dict = {}
     if link.get("load"):
         ckpt.load(link["load"], ec, restore_rng=False)

@@ -163,10 +163,3 @@ def test_bad_rare_id_options_name_the_table_and_the_value(table, match):
 def test_the_collections_rule_is_checked_too():
     with pytest.raises(ConfigError, match=r"table 'u'.*'ftrl' is not"):
         EmbeddingCollection([TableConfig("u", 3, lr_count_scale=2)], optimizer=FTRL(lr=0.1))
-
-
-def test_a_sharded_collection_refuses_them_before_joining_a_group():
-    from hugeembed.distributed import ShardedEmbeddingCollection
-
-    with pytest.raises(ConfigError, match=r"\['u'\].*sharded"):
-        ShardedEmbeddingCollection([TableConfig("u", 3, admit_min_count=2, shared_row=True)], optimizer=SGD(lr=0.1))
