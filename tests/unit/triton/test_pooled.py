@@ -13,7 +13,7 @@ from hugeembed import _triton
 from hugeembed.errors import ConfigError, InputError
 from hugeembed.features import SparseFeatures
 from hugeembed.functional import FeatureSpec, FusedEmbeddingLookup, TableSpec, safe_embedding_lookup_sparse
-from hugeembed.functional import _lookup, _triton_stages
+from hugeembed.functional import _lookup_run, _triton_stages
 from hugeembed.nn import EmbeddingCollection, TableConfig
 from hugeembed.optim import SGD
 
@@ -196,8 +196,8 @@ def test_bad_ids_and_weights_are_refused_with_the_reference_message():
 def test_what_the_kernel_does_not_take_runs_on_the_reference(monkeypatch):
     """Pooled fp32 features never reach pool_torch; float64 rows and unpooled features do."""
     calls = []
-    real = _lookup.pool_torch
-    monkeypatch.setattr(_lookup, "pool_torch", lambda *a, **k: calls.append(a[-2]) or real(*a, **k))
+    real = _lookup_run.pool_torch
+    monkeypatch.setattr(_lookup_run, "pool_torch", lambda *a, **k: calls.append(a[-2]) or real(*a, **k))
     sf = SparseFeatures(["a"], torch.tensor([1, 2, 2]), lengths=torch.tensor([2, 1]), batch_size=2)
     for dtype, expect in ((torch.float32, 0), (torch.float64, 1)):
         W = torch.randn(4, 3, dtype=dtype, requires_grad=True)
