@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import InputError
 from ._block import Bag, Block
+from ._cells import hash_cells, native_cells, split_hash
 from ._hash import hash_utf8, hex_utf8
 from ._schema import DenseSpec, Schema, SparseSpec, missing_id
 
@@ -92,9 +93,11 @@ def _strings(arr):
 class Encoder:
     """Turns record batches with the schema's columns into Blocks (:meth:`encode`)."""
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, *, native: bool | None = None) -> None:
         require_pyarrow()
         self.schema = schema
+        # hashed text columns in one native pass (csrc/encode.cpp); the NumPy path gives the same ids
+        self.native = native_cells() if native is None else bool(native)
         self.positions = {s.name: j for j, s in enumerate(schema.sparse)}
 
     def encode(self, batch, where: Where, *, need_label: bool = True) -> Block:
@@ -291,12 +294,18 @@ class Encoder:
                 raise InputError(f"{where.row(row(i))}: column {spec.column!r}: id {int(ids[i])} < 0 (ids = \"int\" "
                                  f"takes ids >= 0; ids = \"hash\" takes any value)")
             return ids, present
+
     def _single(self, spec: SparseSpec, col, where: Where) -> np.ndarray:
         import pyarrow as pa
 
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             raise InputError(f"{where.source}: column {spec.column!r} holds lists ({col.type}): give "
                              f"sparse.{spec.name} a separator to read it as a bag")
+        if self.native and spec.ids == "hash":
+            if _is_string(col.type):
+                return hash_cells(col, missing_id(self.positions[spec.name]))
+            if _is_number(col.type) and not pa.types.is_decimal(col.type):  # a number hashes as its text
+                return hash_cells(col.cast(pa.string()), missing_id(self.positions[spec.name]))
         ids, present = self._ids(spec, col, where, None)
         return np.where(present, ids, missing_id(self.positions[spec.name]))
 
@@ -305,6 +314,8 @@ class Encoder:
         import pyarrow.compute as pc
 
         n = len(col)
+        if self.native and spec.ids == "hash" and _is_string(col.type):
+            return split_hash(col, spec.separator, spec.max_length, missing_id(self.positions[spec.name]))
         if pa.types.is_dictionary(col.type):  # the distinct cells' bags, then each row its cell's
             cells = self._bag(spec, pc.fill_null(col.dictionary, ""), where, distinct=True)
             idx = col.indices.to_numpy(zero_copy_only=False) if col.null_count == 0 else \

@@ -87,7 +87,7 @@ class TableReader:
                                         world_size=world_size, native=native)
         else:
             require_pyarrow()
-            self._encoder = Encoder(self.schema)
+            self._encoder = Encoder(self.schema, native=native)
             for path, fmt in zip(self.paths, self.formats):  # every file's columns checked before reading any
                 if fmt == "parquet":
                     _check_columns(path, self.schema, _parquet_names(path), "file")

@@ -1,0 +1,64 @@
+"""Text cells -> hashed ids in one native pass over an Arrow string array's own buffers (csrc/encode.cpp).
+
+The ids are :func:`~hugeembed.data._hash.hash_text`'s (the tests hold both to it); an empty or null cell is
+the given missing id.  No dictionary, no copy of the text: hashing each cell's bytes where they lie costs
+less than finding the distinct values first.  Used by the Encoder where the native kernels are built; its
+NumPy path (dictionary encoding + ``hash_utf8``) gives the same ids without them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _native
+from ._block import Bag
+
+__all__ = ["native_cells", "hash_cells", "split_hash"]
+
+_ALL_VALID = np.zeros(0, np.uint8)  # an empty valid buffer: no cell is null
+
+
+def native_cells() -> bool:
+    """True when the native kernels are built (and not disabled)."""
+    return _native.available()
+
+
+def _buffers(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(offsets int32 / int64 [n + 1], data uint8, valid uint8 [n] or None) of a string / large_string
+    array, the offsets and data viewing Arrow's memory (they index the data from its start)."""
+    import pyarrow as pa
+
+    n = len(arr)
+    wide = pa.types.is_large_string(arr.type)
+    width = 8 if wide else 4
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], np.int64 if wide else np.int32, n + 1, arr.offset * width) if n else \
+        np.zeros(1, np.int32)
+    data = np.frombuffer(bufs[2], np.uint8) if len(bufs) > 2 and bufs[2] is not None else np.zeros(0, np.uint8)
+    valid = None
+    if arr.null_count:
+        valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), np.uint8)
+    return offsets, data, valid
+
+
+def hash_cells(arr, missing_id: int) -> np.ndarray:
+    """int64 [n]: each cell's hash, `missing_id` where the cell is empty or null."""
+    offsets, data, valid = _buffers(arr)
+    ids = np.empty(len(arr), np.int64)
+    _native.call("he_hash_cells", [offsets, data, _ALL_VALID if valid is None else valid, ids],
+                 [len(arr), int(missing_id)])
+    return ids
+
+
+def split_hash(arr, separator: str, max_length: int | None, missing_id: int) -> Bag:
+    """Each cell split at `separator` into the hashes of its non-empty pieces, the last `max_length` kept;
+    an empty or null cell is one `missing_id`."""
+    offsets, data, valid = _buffers(arr)
+    n = len(arr)
+    span = int(offsets[-1] - offsets[0]) if n else 0
+    ids = np.empty(span + n, np.int64)  # each id comes from a byte of its cell, or is a cell's one missing id
+    bag_offsets = np.empty(n + 1, np.int64)
+    sep = np.frombuffer(separator.encode("utf-8"), np.uint8)
+    written = _native.call("he_split_hash", [offsets, data, _ALL_VALID if valid is None else valid, sep, bag_offsets,
+                                             ids], [n, int(max_length or 0), int(missing_id)])
+    return Bag(ids[:written].copy(), bag_offsets)
