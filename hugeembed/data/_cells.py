@@ -13,7 +13,7 @@ import numpy as np
 from .. import _native
 from ._block import Bag
 
-__all__ = ["native_cells", "hash_cells", "split_hash"]
+__all__ = ["native_cells", "hash_cells", "split_hash", "string_buffers"]
 
 _ALL_VALID = np.zeros(0, np.uint8)  # an empty valid buffer: no cell is null
 
@@ -23,7 +23,7 @@ def native_cells() -> bool:
     return _native.available()
 
 
-def _buffers(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def string_buffers(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(offsets int32 / int64 [n + 1], data uint8, valid uint8 [n] or None) of a string / large_string
     array, the offsets and data viewing Arrow's memory (they index the data from its start)."""
     import pyarrow as pa
@@ -41,19 +41,27 @@ def _buffers(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return offsets, data, valid
 
 
-def hash_cells(arr, missing_id: int) -> np.ndarray:
-    """int64 [n]: each cell's hash, `missing_id` where the cell is empty or null."""
-    offsets, data, valid = _buffers(arr)
-    ids = np.empty(len(arr), np.int64)
-    _native.call("he_hash_cells", [offsets, data, _ALL_VALID if valid is None else valid, ids],
-                 [len(arr), int(missing_id)])
-    return ids
+def hash_cells(arr, missing_id: int, out: np.ndarray | None = None, column: int = 0) -> np.ndarray:
+    """int64 [n]: each cell's hash, `missing_id` where the cell is empty or null.  With `out` (a C-contiguous
+    int64 [n, k] matrix) the ids go into its column `column`, and that column is returned."""
+    offsets, data, valid = string_buffers(arr)
+    n = len(arr)
+    if out is None:
+        out = np.empty((n, 1), np.int64)
+    if out.dtype != np.int64 or out.ndim != 2 or out.shape[0] != n or not out.flags.c_contiguous or \
+            not 0 <= column < out.shape[1]:
+        raise ValueError(f"hash_cells: out must be a C-contiguous int64 [{n}, k] matrix with column {column}, got "
+                         f"{out.dtype} {out.shape}")
+    flat = out.reshape(-1)[column:]
+    _native.call("he_hash_cells", [offsets, data, _ALL_VALID if valid is None else valid, flat],
+                 [n, int(missing_id), out.shape[1]])
+    return out[:, column]
 
 
 def split_hash(arr, separator: str, max_length: int | None, missing_id: int) -> Bag:
     """Each cell split at `separator` into the hashes of its non-empty pieces, the last `max_length` kept;
     an empty or null cell is one `missing_id`."""
-    offsets, data, valid = _buffers(arr)
+    offsets, data, valid = string_buffers(arr)
     n = len(arr)
     span = int(offsets[-1] - offsets[0]) if n else 0
     ids = np.empty(span + n, np.int64)  # each id comes from a byte of its cell, or is a cell's one missing id

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InputError
 from ._block import Bag, Block
-from ._cells import hash_cells, native_cells, split_hash
+from ._cells import hash_cells, native_cells, split_hash, string_buffers
 from ._hash import hash_utf8, hex_utf8
 from ._schema import DenseSpec, Schema, SparseSpec, missing_id
 
@@ -90,6 +90,18 @@ def _strings(arr):
     return offsets, data, valid
 
 
+def _digit_labels(col) -> np.ndarray | None:
+    """The labels of a string column whose every cell is one byte "0" or "1" (the usual label column),
+    read straight off its buffers; None for any other column (the general path then reads it)."""
+    offsets, data, _ = string_buffers(col)
+    if not len(col) or offsets[-1] - offsets[0] != len(col) or not (np.diff(offsets) == 1).all():
+        return None
+    digits = data[offsets[0]:offsets[-1]]
+    if ((digits != 48) & (digits != 49)).any():  # b"0", b"1"
+        return None
+    return (digits - 48).astype(np.float32)
+
+
 class Encoder:
     """Turns record batches with the schema's columns into Blocks (:meth:`encode`)."""
 
@@ -118,14 +130,15 @@ class Encoder:
         dense = np.empty((n, s.num_dense), np.float32)
         for k, d in enumerate(s.dense):
             dense[:, k] = self._dense(d, self._column(batch, d.column, where), where)
-        singles, bags = [], []
+        cats = np.empty((n, sum(not spec.is_bag for spec in s.sparse)), np.int64)
+        bags, j = [], 0
         for spec in s.sparse:
             col = self._column(batch, spec.column, where)
             if spec.is_bag:
                 bags.append(self._bag(spec, col, where))
             else:
-                singles.append(self._single(spec, col, where))
-        cats = np.stack(singles, axis=1) if singles else np.zeros((n, 0), np.int64)
+                self._single(spec, col, where, cats, j)
+                j += 1
         if s.label is not None and (need_label or s.label.column in batch.schema.names):
             labels = self._label(self._column(batch, s.label.column, where), where)
         else:
@@ -164,19 +177,22 @@ class Encoder:
                 raise
         elif _is_number(col.type):
             values = pc.cast(col, pa.float64())
-            empty = pc.is_null(values)
+            empty = pc.is_null(values) if values.null_count else None
         else:
             raise InputError(f"{where.source}: column {d.column!r} holds {col.type}, a dense column needs numbers "
                              f"(or their text)")
         x = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
-        missing = np.asarray(empty.to_numpy(zero_copy_only=False), bool) | np.isnan(x)
-        bad = np.isinf(x) & ~missing
-        if bad.any():
-            i = int(np.argmax(bad))
+        missing = np.isnan(x)
+        if empty is not None:
+            missing |= np.asarray(empty.to_numpy(zero_copy_only=False), bool)
+        bad = np.isinf(x)
+        if bad.any() and (bad & ~missing).any():
+            i = int(np.argmax(bad & ~missing))
             raise InputError(f"{where.row(i)}: column {d.column!r}: not a finite number: {_short(col[i].as_py())}")
-        x[missing] = d.fill
+        if missing.any():
+            x[missing] = d.fill
         if d.transform == "log1p":
-            x = np.log1p(np.maximum(x, 0.0))
+            x = np.log1p(np.maximum(x, 0.0, out=x), out=x)
         elif d.transform == "standardize":
             if d.mean is None or d.std is None:
                 raise InputError(f"dense column {d.name!r} is standardized but its mean and std were never fitted "
@@ -196,6 +212,10 @@ class Encoder:
         if null.any():
             i = int(np.argmax(null))
             raise InputError(f"{where.row(i)}: column {lab.column!r}: the label is empty")
+        if lab.positive is None and pa.types.is_string(col.type):
+            digits = _digit_labels(col)
+            if digits is not None:
+                return digits
         if lab.positive is not None:
             text = np.asarray(pc.cast(col, pa.string()).to_numpy(zero_copy_only=False), dtype=object)
             y = text == lab.positive
@@ -295,19 +315,23 @@ class Encoder:
                                  f"takes ids >= 0; ids = \"hash\" takes any value)")
             return ids, present
 
-    def _single(self, spec: SparseSpec, col, where: Where) -> np.ndarray:
+    def _single(self, spec: SparseSpec, col, where: Where, cats: np.ndarray, j: int) -> None:
+        """Column `j` of `cats`: the feature's id in each row."""
         import pyarrow as pa
 
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             raise InputError(f"{where.source}: column {spec.column!r} holds lists ({col.type}): give "
                              f"sparse.{spec.name} a separator to read it as a bag")
+        missing = missing_id(self.positions[spec.name])
         if self.native and spec.ids == "hash":
             if _is_string(col.type):
-                return hash_cells(col, missing_id(self.positions[spec.name]))
+                hash_cells(col, missing, cats, j)
+                return
             if _is_number(col.type) and not pa.types.is_decimal(col.type):  # a number hashes as its text
-                return hash_cells(col.cast(pa.string()), missing_id(self.positions[spec.name]))
+                hash_cells(col.cast(pa.string()), missing, cats, j)
+                return
         ids, present = self._ids(spec, col, where, None)
-        return np.where(present, ids, missing_id(self.positions[spec.name]))
+        cats[:, j] = np.where(present, ids, missing)
 
     def _bag(self, spec: SparseSpec, col, where: Where, distinct: bool = False) -> Bag:
         import pyarrow as pa
