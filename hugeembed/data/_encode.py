@@ -271,7 +271,8 @@ class Encoder:
                                  + ("categorical values are text or integers" if spec.ids == "hash"
                                     else 'ids = "hex" needs text'))
             offsets, data, _ = _strings(enc.dictionary)
-            idx = enc.indices.to_numpy(zero_copy_only=False)
+            # a null value's index is null: 0 stands in for it (it is not present), NumPy takes no nulls
+            idx = np.asarray(pc.fill_null(enc.indices, 0).to_numpy(zero_copy_only=False), np.int64)
             present = ~_nulls(enc.indices)
             empty_code = np.flatnonzero(np.diff(offsets) == 0)
             if empty_code.size:

@@ -111,15 +111,17 @@ def test_hex_ids():
 
 # -- readers against the plain-Python reader ----------------------------------------------------
 
-@pytest.mark.parametrize("name,delimiter,fmt", [("d.csv", ",", None), ("d.tsv.gz", "\t", "tsv")])
-def test_reader_matches_a_plain_python_reader(tmp_path, schema, name, delimiter, fmt):
+@pytest.mark.parametrize("name,delimiter,fmt,native", [("d.csv", ",", None, None), ("d.tsv.gz", "\t", "tsv", None),
+                                                      ("d.csv", ",", None, False)])
+def test_reader_matches_a_plain_python_reader(tmp_path, schema, name, delimiter, fmt, native):
+    """The native encoder (where built) and the NumPy path, each against the plain-Python reader."""
     path = write_rows(tmp_path / name, 700, seed=3, delimiter=delimiter)
     s = Schema.from_dict({**{k: v for k, v in schema.to_dict().items() if k != "format"}, **({"format": fmt} if fmt
                                                                                            else {})})
     dense, cats, labels, bags = oracle(path, delimiter)
     blocks = list(TableReader(path, s, chunk_bytes=4096))
     assert len(blocks) > 3  # several chunks
-    got = read_table(path, s)
+    got = TableReader(path, s, native=native).read_all()
     np.testing.assert_array_equal(got.dense, dense)
     np.testing.assert_array_equal(got.cats, cats)
     np.testing.assert_array_equal(got.labels, labels)
