@@ -21,8 +21,9 @@ inline uint64_t fnv(uint64_t h, const uint8_t* p, int64_t n) {
 inline int64_t finish(uint64_t h) { return (int64_t)((he::mix64(h) & (kHashBit - 1)) | kHashBit); }
 
 // put(i, the hash of piece(i) = (bytes, length)) for i < n.  Four pieces at a time in lockstep over
-// their common length: FNV is one long chain of multiplies per piece, so four independent chains
-// (and one loop exit for four short pieces, not four) run about three times as fast.
+// their common length: FNV is one chain of dependent multiplies per piece, four independent chains
+// overlap.  (About 6 ns a cell of 4-5 bytes here, all passes included; a branch-free form over the
+// longest piece measured no faster.)
 template <class Piece, class Put>
 void hash_pieces(int64_t n, Piece piece, Put put) {
   int64_t i = 0;
