@@ -151,7 +151,8 @@ HE_KERNEL(he_split_hash) {
   int64_t* ids = call.opt<int64_t>(5, cap, "ids");
   // first each kept piece's (start in data, length): the start in ids, the length beside it
   // (-1: a row's missing id); then all of them hashed in one pass, in place
-  static thread_local std::vector<int64_t> lens;  // kept between calls: its pages are not faulted in afresh
+  // (not zeroed: only the pages the pieces reach are ever touched)
+  const std::unique_ptr<int64_t[]> lens(new int64_t[(size_t)std::max<int64_t>(cap, 1)]);
   int64_t at = 0;
   bag_offsets[0] = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -160,7 +161,6 @@ HE_KERNEL(he_split_hash) {
       call.detail({i, cap});
       call.fail(HE_BAD_CALL, "ids holds %lld, too few at cell %lld", (long long)cap, (long long)i);
     }
-    if ((int64_t)lens.size() < at + len + 1) lens.resize((size_t)std::max(2 * lens.size(), (size_t)(at + len + 1)));
     const int64_t start = at;
     if (len > 0 && !(cells.valid && !cells.valid[i]))
       split(cells.data + b, cells.data + b + len, sep, sep_len, [&](const uint8_t* p, int64_t k) {
@@ -169,7 +169,7 @@ HE_KERNEL(he_split_hash) {
       });
     if (max_length > 0 && at - start > max_length) {  // a sequence keeps its latest values
       std::memmove(ids + start, ids + at - max_length, (size_t)max_length * sizeof(int64_t));
-      std::memmove(lens.data() + start, lens.data() + at - max_length, (size_t)max_length * sizeof(int64_t));
+      std::memmove(lens.get() + start, lens.get() + at - max_length, (size_t)max_length * sizeof(int64_t));
       at = start + max_length;
     }
     if (at == start) {

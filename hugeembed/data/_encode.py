@@ -5,8 +5,9 @@ line of a text file), the column and the value::
 
     clicks.csv: row 17 (line 18): column 'age': not a number: 'abc'
 
-Categorical values are hashed once per distinct value of a chunk (``dictionary_encode``), so a
-column costs about its distinct values' bytes, not its rows'.
+Hashed text columns (single values and bags) go through the native encoder (``_cells``: one pass over
+pyarrow's buffers); elsewhere, and where the kernels are not built, a column is dictionary-encoded and
+each distinct value hashed once (``_hash.hash_utf8``).  Both give ``hash_text``'s ids.
 """
 
 from __future__ import annotations
@@ -74,20 +75,6 @@ def _nulls(arr) -> np.ndarray:
     if arr.null_count == 0:
         return np.zeros(len(arr), bool)
     return np.asarray(arr.is_null().to_numpy(zero_copy_only=False), bool)
-
-
-def _strings(arr):
-    """(offsets int64, data uint8, valid bool) of a string array (nulls: valid False)."""
-    import pyarrow as pa
-
-    if pa.types.is_large_string(arr.type):
-        arr = arr.cast(pa.string())
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4).astype(np.int64)
-    data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    valid = ~_nulls(arr)
-    return offsets, data, valid
 
 
 def _digit_labels(col) -> np.ndarray | None:
@@ -270,7 +257,7 @@ class Encoder:
                 raise InputError(f"{where.source}: column {spec.column!r} holds {t}: "
                                  + ("categorical values are text or integers" if spec.ids == "hash"
                                     else 'ids = "hex" needs text'))
-            offsets, data, _ = _strings(enc.dictionary)
+            offsets, data, _ = string_buffers(enc.dictionary)
             # a null value's index is null: 0 stands in for it (it is not present), NumPy takes no nulls
             idx = np.asarray(pc.fill_null(enc.indices, 0).to_numpy(zero_copy_only=False), np.int64)
             present = ~_nulls(enc.indices)
