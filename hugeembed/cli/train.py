@@ -19,7 +19,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
-           "jitter", "memory_budget",
+           "jitter", "data_queue", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order")
@@ -121,6 +121,10 @@ def add_parser(sub) -> None:
                    "and apply those of step t at step t+D (default 0: at their own step, as DDP does)")
     d.add_argument("--jitter", metavar="P:F", help="simulated stragglers: with probability P a step sleeps F-1 times "
                    "its compute (benchmarks; default off)")
+    d.add_argument("--data-queue", type=int, nargs="?", const=65536, metavar="ROWS", help="ranks take the next "
+                   "chunk of ROWS rows (default 65536) of the epoch from a shared queue as they finish one, instead of "
+                   "slice r of every global batch: every row trained once per epoch, equal in distribution (not bit "
+                   "for bit) to the run without it; synthetic data or converted shards")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="save the curves: training and held-out log loss, held-out "
                    "AUC (with the best possible one on synthetic data), COPC")

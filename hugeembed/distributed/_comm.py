@@ -172,6 +172,12 @@ class Comm:
             self._run(stage, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return int(t.item())
 
+    def all_reduce_sum(self, stage: str, value: int) -> int:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            self._run(stage, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        return int(t.item())
+
     def barrier(self, stage: str) -> None:
         if self.world_size > 1:
             t = torch.zeros(1, device=self.device)

@@ -108,6 +108,9 @@ class TrainConfig:
             and applies those of step t at step t+D (instead of DDP); 0: at their own step.
         jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
             stragglers, for benchmarks); None: off.
+        data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
+            they finish one (synthetic data or converted shards; every row trained once per epoch,
+            runs equal in distribution, not bit for bit); None: rank r reads slice r of every global batch.
         memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
             live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
             together, split by each table's traffic; with several processes, each process's
@@ -175,6 +178,7 @@ class TrainConfig:
     staleness: int = 0
     dense_staleness: int = 0
     jitter: str | None = None
+    data_queue: int | None = None
     memory_budget: int | None = None
     storage_dir: str | None = None
     cache_policy: str = "lfu"
@@ -267,6 +271,7 @@ class TrainConfig:
             raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         positive("staleness", allow_zero=True)
         positive("dense_staleness", allow_zero=True)
+        positive("data_queue", allow_none=True)
         self.jitter_spec()
         seen = set()
         for item in self.sharding:

@@ -32,6 +32,7 @@ from ._distributed import (aligned, as_sharding_error, check_process_group, empt
 from ._sources import DataSource, make_source, run_schema
 from ._snapshots import TrainerSnapshots
 from ._stale import StaleRun
+from ._queue import queue_source
 
 __all__ = ["Trainer", "TrainState", "evaluate"]
 
@@ -85,6 +86,9 @@ class Trainer(TrainerSnapshots):
         # embedding exchanges, which run on another thread under staleness
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
         self.source: DataSource = make_source(config, rank, world_size, self.schema)
+        if config.data_queue is not None:  # ranks take chunks of the epoch from a shared queue instead of slices
+            self.source = queue_source(self.source, config.data_queue, config.batch_size, rank, world_size,
+                                       config.dist_timeout)
         self.state = TrainState()
         self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
@@ -238,7 +242,10 @@ class Trainer(TrainerSnapshots):
         batch = batch.to(self.device, non_blocking=True)
         try:
             logits = self.step_model(batch.dense, batch.sparse)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            if self.cfg.data_queue is None:
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            else:  # the queue's short (or empty) batches weigh by their rows
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.cfg.batch_size
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()  # the embedding tables are updated in here
         except RuntimeError as e:
@@ -256,11 +263,14 @@ class Trainer(TrainerSnapshots):
         st.train_seconds += time.perf_counter() - t0
         st.step += 1
         st.step_in_epoch += 1
-        st.samples += batch.batch_size * self.world_size
+        st.samples += self.source.trained(batch, self.world_size)
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss became {value} at step {st.step}: lower the learning rates")
-        st.loss_sum += value
-        st.loss_count += 1
+        if self.cfg.data_queue is not None and batch.batch_size:  # the mean over the batch's rows
+            value *= self.cfg.batch_size / batch.batch_size
+        if batch.batch_size:  # a rank that ran out of the queue's rows trains empty batches: no loss to report
+            st.loss_sum += value
+            st.loss_count += 1
         if st.step % self._record_every == 0 or st.step == 1:
             self._record_loss()
 
@@ -294,10 +304,11 @@ class Trainer(TrainerSnapshots):
     def _record_loss(self) -> None:
         """Appends the mean loss since the last record to the history (and reports it)."""
         st = self.state
+        if self.world_size > 1:  # the mean over every rank's local losses (one small collective; on every rank,
+            # also one whose batches were all empty: --data-queue's ranks that ran out)
+            sums = self._loop_comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
+            st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
         if st.loss_count:
-            if self.world_size > 1:  # the mean over every rank's local losses (one small collective)
-                sums = self._loop_comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
-                st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
             avg = st.loss_sum / st.loss_count
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
