@@ -40,7 +40,8 @@ def test_uneven_shards_through_the_queue_with_staleness_resume_on_three_processe
     assert first["steps"] == 6 and first["samples"] == 6 * 2 * 128  # no rank ran out yet
     state = ckpt.read_extra(ckpt.latest(tmp_path / "ck"))["train_state"]["data_queue"]
     assert state["epoch"] == 0 and sum(b - a for a, b in state["ranges"]) == 2300 - 6 * 2 * 128
-    # resumed on 3 processes x 100 rows: the rest of epoch 0, then epoch 1, every row once per epoch
-    rest = _train(tmp_path, 3, "rest", "--batch-size", "100", "--resume")
+    # resumed on 3 processes x 100 rows, staleness 1: the rest of epoch 0, then epoch 1, every row once per epoch
+    # (ranks that run out at an epoch's end train empty batches through the pipeline)
+    rest = _train(tmp_path, 3, "rest", "--batch-size", "100", "--staleness", "1", "--resume")
     assert rest["samples"] == 2 * 2300 and rest["epochs"] == 2
     assert 0.55 < rest["auc"] < 1.0  # it learned (synthetic data of a known model)
