@@ -37,6 +37,7 @@ def _check_epoch(results, epoch: int, want: list[int], batch: int) -> None:
     assert all(sum(len(s[t][0]) for s in steps) > 0 for t in range(len(steps[0])))  # no step of empty batches only
 
 
+@pytest.mark.slow
 def test_every_row_is_trained_exactly_once_per_epoch_with_uneven_shards_and_a_slow_rank():
     results = run_ranks(3, "tests.dist.workers_queue:consume",
                         {"rows": ROWS, "cuts": CUTS, "chunk": 64, "batch": 16, "epochs": (0, 1), "slow_rank": 1})

@@ -6,10 +6,10 @@ import pytest
 
 from ._harness import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # runs of 3 ranks
 
 
-@pytest.mark.parametrize("staleness", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("staleness", [0, 2])
 def test_the_survivors_of_a_killed_rank_name_it(staleness):
     got = run_ranks(3, "tests.dist.workers_stale:die", {"victim": 2, "at": 3, "timeout": 10.0, "broken_group": True,
                                                         "staleness": staleness}, expected_codes={2: 3})
