@@ -197,6 +197,13 @@ def _maximal_body(gen) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process `pid` has used: its work, whatever the load."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _clients(port: int, body: bytes, clients: int, per_client: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep-alive clients (one connection each) posting `body` in turn: (latency ms, server's parse + queue +
     model ms from its Server-Timing header) of every request."""
@@ -267,19 +274,22 @@ class _BigBodies:
             t.join()
 
 
-def latency_bench(n_requests: int, threads: int, work: Path) -> list[list[str]]:
+def latency_bench(n_requests: int, threads: int, work: Path, art: Path | None = None,
+                  sizes: tuple[int, ...] = (1, 64, 1024), big: bool = True) -> list[list[str]]:
     """`hugeembed serve` of an int8 DLRM d64 on 127.0.0.1, keep-alive clients: latency p50 / p99 and its
-    split (the server's parse, queue and model medians from Server-Timing; HTTP + JSON: the rest)."""
+    split (the server's parse, queue and model medians from Server-Timing; HTTP + JSON: the rest).
+    `art`: an artifact of that model exported before (else one is trained and exported here)."""
     import httpx
 
     from hugeembed.data import SyntheticConfig, SyntheticCriteo
     from hugeembed.serving import export
     from hugeembed.training import TrainConfig, Trainer
 
-    Trainer(TrainConfig(steps=20, batch_size=1024, embedding_dim=64, checkpoint_dir=str(work / "run"),
-                        checkpoint_every=20, eval_every=0, eval_rows=1024, synthetic_max_cardinality=200_000),
-            progress=None).fit()
-    art = export(work / "run", work / "art", dtype="int8")
+    if art is None:
+        Trainer(TrainConfig(steps=20, batch_size=1024, embedding_dim=64, checkpoint_dir=str(work / "run"),
+                            checkpoint_every=20, eval_every=0, eval_rows=1024, synthetic_max_cardinality=200_000),
+                progress=None).fit()
+        art = export(work / "run", work / "art", dtype="int8")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "hugeembed", "serve", str(art), "--port", str(port),
@@ -293,25 +303,32 @@ def latency_bench(n_requests: int, threads: int, work: Path) -> list[list[str]]:
             except httpx.TransportError:
                 time.sleep(0.1)
         gen = SyntheticCriteo(SyntheticConfig(max_cardinality=200_000))
-        bodies = {n: _predict_body(gen, n) for n in (1, 64, 1024)}
-        big = _maximal_body(gen)
+        bodies = {n: _predict_body(gen, n) for n in sizes}
 
-        def row(label, n, clients, lat, server, extra="-"):
+        def row(label, n, clients, lat, server, cpu_s, extra="-"):
             split = np.median(server, axis=0)
             rest = np.median(lat - server.sum(axis=1))
             return [label, str(n), str(clients), f"{np.percentile(lat, 50):.2f}", f"{np.percentile(lat, 99):.2f}",
-                    f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}", extra]
+                    f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}",
+                    f"{cpu_s * 1000 / len(lat):.2f}", extra]
+
+        def timed(n, clients, per):
+            cpu0 = _cpu_s(proc.pid)
+            lat, server = _clients(port, bodies[n], clients, per)
+            return lat, server, _cpu_s(proc.pid) - cpu0
 
         out = []
-        for n in (1, 64, 1024):
+        for n in sizes:
             for clients in (1, 8):
                 per = max(5, (n_requests if n < 1024 else n_requests // 4) // clients)
                 _clients(port, bodies[n], clients, 3)  # warm-up
-                out.append(row("", n, clients, *_clients(port, bodies[n], clients, per)))
+                out.append(row("", n, clients, *timed(n, clients, per)))
+        if not big or 64 not in bodies:
+            return out
         per = max(5, n_requests // 8)
-        with _BigBodies(port, big) as load:
-            lat, server = _clients(port, bodies[64], 8, per)
-        out.append(row("big-body load", 64, 8, lat, server, f"{max(load.health):.0f} ({load.posted} bodies)"))
+        with _BigBodies(port, _maximal_body(gen)) as load:
+            lat, server, cpu_s = timed(64, 8, per)
+        out.append(row("big-body load", 64, 8, lat, server, cpu_s, f"{max(load.health):.0f} ({load.posted} bodies)"))
         return out
     finally:
         proc.terminate()
@@ -430,6 +447,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--no-load", action="store_true", help="skip exporting and loading the large artifact")
     p.add_argument("--no-lookup", action="store_true")
+    p.add_argument("--artifact", type=Path, help="latency: serve this int8 DLRM d64 export (else one is trained)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024], help="latency: request sizes")
+    p.add_argument("--requests", type=int, help="latency: requests per size (default 100 --quick, else 400)")
+    p.add_argument("--no-big", action="store_true", help="latency: skip the run under maximal bodies")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_malloc()  # for every implementation alike: they share this process (and `hugeembed serve` does it too)
@@ -454,10 +475,12 @@ def main(argv=None) -> int:
     if not args.no_latency:
         print(f"\n# server latency: int8 DLRM d64, JSON bodies, keep-alive clients, --threads {args.threads} (ms; "
               f"parse, queue, model: the server's medians from Server-Timing; HTTP+JSON: the median rest; big-body "
-              f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz)")
+              f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz; server CPU: the server "
+              f"process's CPU ms per request, every thread)")
         with tempfile.TemporaryDirectory() as d:
-            print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON",
-                         "slowest /healthz"], latency_bench(100 if args.quick else 400, args.threads, Path(d)))
+            print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON", "server CPU",
+                         "slowest /healthz"], latency_bench(args.requests or (100 if args.quick else 400), args.threads,
+                                                            Path(d), args.artifact, tuple(args.rows), not args.no_big))
     return 0
 
 
