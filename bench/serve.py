@@ -35,6 +35,7 @@ from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure_
 
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
+from hugeembed.serving._quant import row_width, storage_dtype  # noqa: E402
 from hugeembed.serving._index import index_probes, serving_index  # noqa: E402
 from hugeembed.serving._runtime import MAX_PROBE, group_tables  # noqa: E402
 
@@ -47,14 +48,15 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
     batches = criteo_batches(rows, batch, 1, n_batches=4)
     T = len(rows)
     keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
-    weights = torch.empty(sum(rows) + 1, dim).uniform_(-0.05, 0.05)
-    weights[-1] = 0
+    # the stored rows straight from chunks of random weights: at full size (33.6 M rows) float32 weights
+    # alone would take 8.6 GB
+    stored = {d: _random_rows(sum(rows) + 1, dim, d) for d in ("int8", "int4")}
     offsets = torch.arange(T * batch + 1, dtype=torch.int64)
     dyn_values = [torch.cat([ids * 7 + 3 for ids in b]) for b in batches]
     static_values = [torch.cat(b) for b in batches]
     dyn = {"table_keys": list(range(T)), "table_rows": [0] * T, "table_shared": [0] * T}
     t0 = time.perf_counter()
-    _, _, index, meta = group_tables(dyn, rows, weights, keys)
+    _, _, index, meta = group_tables(dyn, rows, stored["int8"], keys)
     t1 = time.perf_counter()
     private = serving_index(keys, meta)
     t2 = time.perf_counter()
@@ -62,8 +64,8 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
           f"{int(meta[:, MAX_PROBE].max())}, built in {t1 - t0:.1f} s (torch); the private salted one: longest chain "
           f"{int(private[2])}, built in {t2 - t1:.2f} s (kernels, at load)")
     static = {"table_keys": [-1] * T, "table_rows": list(rows), "table_shared": [0] * T}
-    _, _, s_index, s_meta = group_tables(static, rows, weights, torch.zeros(0, dtype=torch.int64))
-    stored = {d: quantize(weights, d) for d in ("int8", "int4")}
+    _, _, s_index, s_meta = group_tables(static, rows, stored["int8"], torch.zeros(0, dtype=torch.int64))
+    free_memory()
 
     def ours(dtype, values, idx, m):
         def step(i):
@@ -76,7 +78,7 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
         fns[f"ours {dtype}, dynamic (private index)"] = ours(dtype, dyn_values, private, meta)
         fns[f"ours {dtype}, dynamic (artifact index)"] = ours(dtype, dyn_values, index, meta)
         fns[f"ours {dtype}, static"] = ours(dtype, static_values, s_index, s_meta)
-    qebc = _qebc(rows, dim, batches, offsets)
+    qebc = _qebc(rows, dim, batches, offsets, stored)
     fns.update(qebc)
     t = measure_together(fns, 0, runs, seconds=0.5)
     out = []
@@ -91,11 +93,25 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
     return out
 
 
-def _qebc(rows, dim, batches, offsets) -> dict:
-    """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed)."""
+def _random_rows(n: int, dim: int, dtype: str, chunk: int = 1 << 20) -> torch.Tensor:
+    """`n` stored rows of `dtype` quantized from uniform(-0.05, 0.05) weights a chunk at a time (the last row
+    zero: the zero row), never holding the float32 weights of more than one chunk."""
+    out = torch.empty(n, row_width(dtype, dim), dtype=storage_dtype(dtype))
+    g = torch.Generator().manual_seed(0)
+    for s in range(0, n, chunk):
+        w = torch.empty(min(chunk, n - s), dim).uniform_(-0.05, 0.05, generator=g)
+        if s + w.shape[0] == n:
+            w[-1] = 0
+        out[s: s + w.shape[0]] = quantize(w, dtype)
+    return out
+
+
+def _qebc(rows, dim, batches, offsets, stored) -> dict:
+    """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed), holding
+    the same quantized rows as ours (`stored`), copied into FBGEMM's layout table by table: no float
+    EmbeddingBagCollection first, which at full size would hold 8.6 GB of float32 weights per dtype."""
     try:
         from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:
@@ -103,14 +119,22 @@ def _qebc(rows, dim, batches, offsets) -> dict:
     T = len(rows)
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
     out = {}
-    for dtype, dt, qdt in (("int8", DataType.INT8, torch.qint8), ("int4", DataType.INT4, torch.quint4x2)):
+    for dtype, dt in (("int8", DataType.INT8), ("int4", DataType.INT4)):
         cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
                                    data_type=dt) for t, n in enumerate(rows)]
-        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
-        ebc.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.PlaceholderObserver,
-                                                    weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=qdt))
-        qebc = QEBC.from_float(ebc)
-        del ebc
+        qebc = QEBC(cfgs, is_weighted=False, device=torch.device("cpu"))
+        (tbe,) = qebc._emb_modules
+        width = dim if dtype == "int8" else dim // 2
+        first = 0
+        for (w, scale_bias), n in zip(tbe.split_embedding_weights(split_scale_shifts=True), rows):
+            ours = stored[dtype][first: first + n]
+            first += n
+            w[:, :width].copy_(ours[:, :width])
+            sb = scale_bias.view(torch.float16)  # FBGEMM: float16 scale, bias before the row's bytes
+            if dtype == "int8":  # ours: float32 scale, bias after them
+                sb.copy_(ours[:, width:].view(torch.float32))
+            else:  # ours: float16 scale, bias after them
+                sb.copy_(ours[:, width: width + 4].view(torch.float16))
         out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc)
     return out
 
