@@ -36,8 +36,8 @@ from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure_
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
 from hugeembed.serving._quant import row_width, storage_dtype  # noqa: E402
-from hugeembed.serving._index import index_probes, serving_index  # noqa: E402
-from hugeembed.serving._runtime import MAX_PROBE, group_tables  # noqa: E402
+from hugeembed.serving._index import group_tables, index_probes, serving_index  # noqa: E402
+from hugeembed.serving._runtime import MAX_PROBE  # noqa: E402
 
 
 def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[str]]:
