@@ -261,6 +261,8 @@ def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, ow
     nbag = prep.batch_size * len(group.pooled)
     out_bag = sample * len(group.pooled) + owner
     w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
+    if group in plan.summed_groups:  # every divisor 1: the ones the passes below would give
+        return torch.ones(nbag, dtype=dtype, device=dev), w, out_bag
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
     comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)]
