@@ -200,6 +200,7 @@ class LookupPlan:
         for t, spec in enumerate(self.tables):
             by_dim.setdefault(spec.dim, []).append(t)
         self.tables_by_dim = {d: tuple(ts) for d, ts in by_dim.items()}  # tables of each dim, in order
+        self.clipped = tuple(t for t, spec in enumerate(self.tables) if spec.max_norm)  # tables with max_norm
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         # a batch's keys -> (each plan feature's input position, the most features reading one input)
         self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
