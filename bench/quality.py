@@ -86,6 +86,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "defaults_1124": {"sparse_lr": 0.04, **_BEFORE_1125},  # the defaults of 2026-11-24 (docs/quality.md)
     "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3, **_BEFORE_1125},  # the defaults before 2026-11-24
     "lr0.04": {"sparse_lr": 0.04},
+    # schema data: the passes chosen on the last 10% of the training rows (up to 6, as the reference's)
+    "choose6": {"choose_epochs": 6},
+    "choose6_first_order": {"choose_epochs": 6, "first_order": True},
 }
 
 

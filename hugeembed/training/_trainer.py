@@ -59,7 +59,7 @@ class Trainer(TrainerSnapshots):
     """
 
     def __init__(self, config: TrainConfig, *, progress: ProgressFn | None = None, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, source: DataSource | None = None) -> None:
         self.cfg = config
         self.rank, self.world_size = rank, world_size
         self.progress = progress or (lambda event, info: None)
@@ -71,6 +71,9 @@ class Trainer(TrainerSnapshots):
         if world_size > 1:
             check_process_group(rank, world_size)
         self.schema = run_schema(config, self._saved_schema())
+        self.epoch_choice = None
+        if config.choose_epochs is not None:
+            self.cfg = config = self._choose_epochs(config)
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
@@ -84,7 +87,8 @@ class Trainer(TrainerSnapshots):
         # the loop's own small collectives (loss reports): on the default group, never interleaving with the
         # embedding exchanges, which run on another thread under staleness
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
-        self.source: DataSource = make_source(config, rank, world_size, self.schema)
+        self.source: DataSource = source if source is not None else make_source(config, rank, world_size,
+                                                                                 self.schema)
         self.state = TrainState()
         self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
@@ -96,6 +100,17 @@ class Trainer(TrainerSnapshots):
         self._eval_every = config.eval_every if config.eval_every is not None else \
             100 if expected is None else max(1, expected // EVAL_POINTS)
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
+
+    def _choose_epochs(self, config: TrainConfig) -> TrainConfig:
+        """The run's config with its passes chosen on a held-out tail (a seeded trial run: _choose.py)."""
+        from ._choose import choose_epochs
+
+        if self.world_size > 1:
+            raise ConfigError("choose-epochs runs its trial in one process: give --epochs with several processes")
+        self.epoch_choice = choose_epochs(config, self.schema)
+        self.progress("note", {"message": self.epoch_choice.message()})
+        seed_everything(config.seed)  # the run starts as one given these passes would
+        return config.replace(epochs=self.epoch_choice.epochs)
 
     def _saved_schema(self):
         """The schema (with its statistics) of the snapshot a resume continues from, if any."""
@@ -362,6 +377,8 @@ class Trainer(TrainerSnapshots):
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
+        if self.epoch_choice is not None:
+            out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
         tiers = self._tier_stats()
         if tiers is not None:
             out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})
