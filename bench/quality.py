@@ -271,6 +271,8 @@ def hugeembed_schema(data: dict, seed: int, overrides: dict[str, object]) -> dic
     if overrides:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides}, source="bench/quality.py")
     s = Trainer(cfg).fit()
+    if "tail_auc" in s:  # choose_epochs: the trial's AUC on the held-out tail after each pass
+        print(f"  tail AUC by passes: {', '.join(f'{a:.4f}' for a in s['tail_auc'])}", file=sys.stderr, flush=True)
     return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")} | {"epochs": s["epochs"]}
 
 

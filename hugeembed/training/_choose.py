@@ -16,7 +16,7 @@ from typing import Iterator
 from ..data import Batch, Loader, Schema
 from ..errors import ConfigError
 from ._config import TrainConfig
-from ._sources import DataSource
+from ._sources import DataSource, FileSource
 
 __all__ = ["TailSource", "EpochChoice", "choose_epochs"]
 
@@ -25,11 +25,13 @@ PATIENCE = 2
 
 
 class TailSource(DataSource):
-    """The training data of `cfg` split in two: batches ``[0, n - h)`` train, the last ``h`` batches are held
-    out (``h = max(1, round(fraction * n))`` of the data's ``n`` whole batches of ``cfg.batch_size`` rows;
-    rows after the last whole batch are read by neither, as a run drops them)."""
+    """The training data of `cfg` split in two: batches ``[head, n - h)`` train, the last ``h`` batches are
+    held out (``h = max(1, round(fraction * (n - head)))``, of the data's ``n`` whole batches of
+    ``cfg.batch_size`` rows; rows after the last whole batch are read by neither, as a run drops them).
+    `head`: the first batches, which neither side reads (the run's own evaluation rows when it has no
+    eval data)."""
 
-    def __init__(self, cfg: TrainConfig, schema: Schema, fraction: float) -> None:
+    def __init__(self, cfg: TrainConfig, schema: Schema, fraction: float, head: int = 0) -> None:
         self.cfg = cfg
         paths = list(cfg.data)
         self.loader = Loader(paths[0] if len(paths) == 1 else paths, cfg.batch_size, drop_last=True, seed=cfg.seed,
@@ -39,23 +41,25 @@ class TailSource(DataSource):
         else:  # a text file's line count may differ from its rows (quoted newlines): count the batches read
             self.loader.set_epoch(0)
             batches = sum(1 for _ in self.loader)
-        self.tail = max(1, round(fraction * batches))
-        if batches - self.tail < 1:
+        self.head = head
+        self.tail = max(1, round(fraction * (batches - head)))
+        if batches - head - self.tail < 1:
             raise ConfigError(f"choose-epochs: {', '.join(paths)} has {batches} batch(es) of {cfg.batch_size} rows: "
                               f"too few to hold out a tail and train on the rest (give more data or a smaller "
                               f"--batch-size, or --epochs)")
-        self.steps_per_epoch = self.estimated_steps_per_epoch = batches - self.tail
-        self.description = f"data {', '.join(paths)}, all but its last {self.tail} batch(es)"
+        self._stop = batches - self.tail
+        self.steps_per_epoch = self.estimated_steps_per_epoch = self._stop - head
+        self.description = f"data {', '.join(paths)}, batches {head} to {self._stop - 1} (the last {self.tail} held out)"
         self._tail_cache: list[Batch] | None = None
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         self.loader.set_epoch(epoch)
-        return itertools.islice(iter(self.loader), skip, self.steps_per_epoch)
+        return itertools.islice(iter(self.loader), self.head + skip, self._stop)
 
     def eval_batches(self) -> Iterator[Batch]:
         if self._tail_cache is None:
             self.loader.set_epoch(0)
-            self._tail_cache = list(itertools.islice(iter(self.loader), self.steps_per_epoch, None))
+            self._tail_cache = list(itertools.islice(iter(self.loader), self._stop, None))
         yield from self._tail_cache
 
 
@@ -75,13 +79,15 @@ class EpochChoice:
 
 def choose_epochs(cfg: TrainConfig, schema: Schema) -> EpochChoice:
     """Up to ``cfg.choose_epochs`` trial passes over all but the last ``cfg.choose_holdout`` of the training
-    batches, with constant learning rates and the last step's dense layers (the count, not the schedule, is
+    batches (and, without eval data, but the run's own held-out first batches), with constant learning rates and the last step's dense layers (the count, not the schedule, is
     chosen); stops after PATIENCE passes without a better tail AUC.  Seeded as the run."""
     from ._trainer import Trainer
 
     if not cfg.data:
         raise ConfigError("choose-epochs holds out a tail of --data: the synthetic generator has none (give --steps)")
-    source = TailSource(cfg, schema, cfg.choose_holdout)
+    # without eval data the run evaluates on its first batches: the trial reads neither them nor the tail
+    head = 0 if cfg.eval_data else FileSource(cfg, schema=schema).holdout
+    source = TailSource(cfg, schema, cfg.choose_holdout, head)
     trial = cfg.replace(choose_epochs=None, steps=None, epochs=cfg.choose_epochs, eval_data=(), eval_every=0,
                         lr_decay=0.0, average_dense=False, checkpoint_dir=None, checkpoint_every=0, resume=False,
                         overwrite=False)

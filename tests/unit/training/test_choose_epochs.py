@@ -75,6 +75,20 @@ def test_tail_is_the_last_whole_batches_and_the_head_the_rest(data):
     assert _row_numbers(src.train_batches(0, skip=2)) == list(range(100, (whole - tail) * 50))
 
 
+def test_without_eval_data_the_runs_held_out_head_is_read_by_neither_side(data):
+    """The run evaluates on its first eval_rows rows; the trial neither trains on them nor scores them."""
+    from hugeembed.training._choose import choose_epochs
+
+    d, rows = data
+    cfg = _cfg(d, eval_data=(), eval_rows=120, choose_epochs=1)  # the run holds out its first 3 batches
+    src = TailSource(cfg, load_schema(d / "s.toml"), 0.1, head=3)
+    whole = len(rows) // 50
+    tail = round(0.1 * (whole - 3))  # 2
+    assert _row_numbers(src.train_batches(0)) == list(range(150, (whole - tail) * 50))
+    assert _row_numbers(src.eval_batches()) == list(range((whole - tail) * 50, whole * 50))
+    assert choose_epochs(cfg, load_schema(d / "s.toml")).tail_batches == tail
+
+
 @pytest.mark.slow
 def test_trial_aucs_are_head_runs_scored_on_the_tail_and_the_run_makes_the_best_count(data, tmp_path):
     d, rows = data
