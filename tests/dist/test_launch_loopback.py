@@ -36,6 +36,7 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+@pytest.mark.slow
 def test_the_store_of_a_local_launch_listens_on_loopback_only(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.txt"

@@ -66,6 +66,7 @@ def _table_bytes(tables) -> int:
     return sum(t.numel() * t.element_size() for part in tables.args() for t in part)
 
 
+@pytest.mark.slow
 def test_applying_a_delta_allocates_for_its_rows_not_for_the_tables(small_delta):
     model = ServingModel.load(small_delta, apply_deltas=False)
     from hugeembed.serving._delta import read_delta, read_header

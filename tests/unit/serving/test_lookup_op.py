@@ -89,6 +89,7 @@ def id_pass(request, monkeypatch):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
+@pytest.mark.slow
 def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     D, keys, weights, B, combiners, bags, shared, pos = case
     values = torch.tensor([i for f in bags for bag in f for i in bag], dtype=torch.int64)
@@ -178,6 +179,7 @@ def test_the_native_probe_finds_what_the_torch_rounds_find(tables, queries, with
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),
        st.floats(1e-3, 1e3))
+@pytest.mark.slow
 def test_row_wise_quantization_error_is_half_a_step(n, dim, seed, spread):
     """int8: |x - q(x)| <= (max - min) / 255 / 2 per row; int4: / 15 / 2 (+ float16 scale rounding)."""
     w = torch.from_numpy(np.random.default_rng(seed).normal(scale=spread, size=(n, dim)).astype(np.float32))
