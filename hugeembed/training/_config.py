@@ -74,7 +74,8 @@ class TrainConfig:
             on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
             for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
             best trial's passes over all the data.  None: `epochs` passes (or `steps`).  Needs `data` and no
-            `steps`; one process.
+            `steps`; one process; a resumed run chooses again (the trial is seeded: the same count).
+            Off by default: measured in docs/quality.md, the tail chose worse counts on time-split data.
         choose_holdout: the share of the training batches (the last ones) `choose_epochs` holds out.
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         lr_decay: the last fraction of the run over which both learning rates fall linearly
