@@ -70,6 +70,13 @@ class TrainConfig:
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
             bench/quality.py it won on two and lost on two (docs/quality.md).
+        choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
+            on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
+            for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
+            best trial's passes over all the data.  None: `epochs` passes (or `steps`).  Needs `data` and no
+            `steps`; one process; a resumed run chooses again (the trial is seeded: the same count).
+            Off by default: measured in docs/quality.md, the tail chose worse counts on time-split data.
+        choose_holdout: the share of the training batches (the last ones) `choose_epochs` holds out.
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         lr_decay: the last fraction of the run over which both learning rates fall linearly
             to 0 (0: constant).  The run's length is its steps, or its epochs of data (a text
@@ -143,6 +150,8 @@ class TrainConfig:
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
     first_order: bool = False
+    choose_epochs: int | None = None
+    choose_holdout: float = 0.1
     dense_optimizer: str = "adam"
     dense_lr: float = 1e-3
     # both learning rates fall linearly to 0 over the last 20% of the run: measured by
@@ -227,6 +236,17 @@ class TrainConfig:
         positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
         positive("admit_min_count", allow_none=True)
         positive("lr_count_scale", allow_none=True)
+        positive("choose_epochs", allow_none=True)
+        if isinstance(self.choose_holdout, bool) or not (isinstance(self.choose_holdout, (int, float))
+                                                         and 0.0 < self.choose_holdout < 1.0):
+            raise ConfigError(f"choose-holdout must be a fraction of the training rows in (0, 1), "
+                              f"got {self.choose_holdout!r}")
+        if self.choose_epochs is not None and self.steps is not None:
+            raise ConfigError(f"choose-epochs chooses the run's length in passes over the data: leave steps out "
+                              f"(got steps={self.steps})")
+        if self.choose_epochs is not None and not self.data:
+            raise ConfigError("choose-epochs holds out the last rows of --data: give --data (the synthetic "
+                              "generator is endless; give --steps)")
         check_initializer_spec(self.init, "init")
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
             positive(name, allow_none=True)

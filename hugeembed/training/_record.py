@@ -44,6 +44,27 @@ class TrainState:
     # --data-queue: the rows of the epoch in progress not trained yet ({"epoch": e, "ranges": [[a, b], ...]})
     data_queue: dict | None = None
 
+    @torch.no_grad()
+    def add_to_dense_average(self, params: list[torch.Tensor]) -> None:
+        """The running mean of the dense parameters over the decay phase's steps so far (kept here, so a
+        snapshot mid-phase resumes it exactly)."""
+        if self.dense_average is None:
+            self.dense_average, self.dense_average_steps = [p.detach().clone() for p in params], 1
+            return
+        self.dense_average_steps += 1
+        w = 1.0 / self.dense_average_steps
+        for avg, p in zip(self.dense_average, params):
+            avg.lerp_(p.detach(), w)
+
+    @torch.no_grad()
+    def apply_dense_average(self, params: list[torch.Tensor]) -> None:
+        """Copies the mean into the parameters and ends the phase (nothing outside one)."""
+        if self.dense_average is None:
+            return
+        for avg, p in zip(self.dense_average, params):
+            p.copy_(avg)
+        self.dense_average, self.dense_average_steps = None, 0
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
