@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hugeembed.serving import _runtime  # importing hugeembed.serving installs the kernels' accelerators
+from hugeembed.serving._index import group_tables
 from hugeembed.serving._patch import merge_patch, patched_lookup
 from hugeembed.serving._quant import quantize, row_width, storage_dtype
 
@@ -75,7 +76,7 @@ def make_group(n_static: int, dim: int, dtype: str, seed: int = 0):
         hi = min(lo + (1 << 20), rows.shape[0] - 1)
         rows[lo:hi] = quantize(torch.randn(hi - lo, dim, generator=g), dtype)
     rows[-1] = 0
-    rows, keys, index, meta = _runtime.group_tables(group, [n_static, n_keys], rows, keys)
+    rows, keys, index, meta = group_tables(group, [n_static, n_keys], rows, keys)
     return group, rows, keys, index, meta
 
 

@@ -15,8 +15,8 @@ stall.  On the CPU they are plain reads of memory, but counted alike.  Native ke
 through ctypes are not torch ops, so a native step shows only the torch ops around them.
 
 "Python per table": (a step at batch 8 over 26 tables - the same at 2 tables) / 24, medians of
-interleaved runs, in CPU time of the calling thread: what each table costs a step beyond the
-kernels' work.
+interleaved runs, in CPU time of the calling thread with one intra-op thread: what each table costs a
+step beyond the kernels' work.
 
     python bench/ops.py                  # the tables
     python bench/ops.py --tables 2 32    # some sizes only
@@ -173,10 +173,25 @@ def worst(counts: list[CountOps]) -> tuple[int, int]:
 
 
 def python_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, samples: int = 8, steps: int = 60,
-                     runs: int = 7) -> float:
+                     runs: int = 7, threads: int = 1) -> float:
     """Microseconds each table adds to a steady-state step at a tiny batch: (step(many) - step(few)) / (many - few),
     medians of interleaved runs of `steps` steps each, in CPU time of the calling thread (the Python and
-    the kernels' share of the caller: on a loaded machine wall time mostly measures the other jobs)."""
+    the kernels' share of the caller: on a loaded machine wall time mostly measures the other jobs).
+
+    With one intra-op thread (`threads`): at batch 8 no op gains from a second one, and some of torch's
+    CPU ops (index_add_, searchsorted, ...) hand work to their OpenMP workers once a batch array passes
+    a size that 26 tables reach and 2 do not; on a shared machine the calling thread then spins for
+    milliseconds until a worker gets a core, which is neither Python nor per-table work."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _python_per_table(backend, dynamic, few, many, samples, steps, runs)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _python_per_table(backend: str, dynamic: bool, few: int, many: int, samples: int, steps: int,
+                      runs: int) -> float:
     ecs = {n: collection(n, dynamic, backend, 16, 1000, None, "cpu") for n in (few, many)}
     sfs = {n: [batch(n, samples, 1000, s) for s in range(steps)] for n in (few, many)}
     for n, ec in ecs.items():  # warm up: tables grown, buffers sized
@@ -276,7 +291,7 @@ def main(argv=None) -> None:
         out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us"]
                for b in backends for d in (False, True)]
         print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, CPU time of the "
-              "calling thread, medians of 7 interleaved runs of 60 steps")
+              "calling thread, one intra-op thread, medians of 7 interleaved runs of 60 steps")
         print_table(["backend", "tables", "us per table"], out)
     if gpu:
         out = []

@@ -86,6 +86,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "defaults_1124": {"sparse_lr": 0.04, **_BEFORE_1125},  # the defaults of 2026-11-24 (docs/quality.md)
     "lr0.02": {"sparse_lr": 0.02, "lr_decay": 0.3, **_BEFORE_1125},  # the defaults before 2026-11-24
     "lr0.04": {"sparse_lr": 0.04},
+    # schema data: the passes chosen on the last 10% of the training rows (up to 6, as the reference's)
+    "choose6": {"choose_epochs": 6},
+    "choose6_first_order": {"choose_epochs": 6, "first_order": True},
 }
 
 
@@ -268,6 +271,8 @@ def hugeembed_schema(data: dict, seed: int, overrides: dict[str, object]) -> dic
     if overrides:
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **overrides}, source="bench/quality.py")
     s = Trainer(cfg).fit()
+    if "tail_auc" in s:  # choose_epochs: the trial's AUC on the held-out tail after each pass
+        print(f"  tail AUC by passes: {', '.join(f'{a:.4f}' for a in s['tail_auc'])}", file=sys.stderr, flush=True)
     return {k: s[k] for k in ("auc", "logloss", "copc", "ctr", "pctr", "samples_per_s")} | {"epochs": s["epochs"]}
 
 

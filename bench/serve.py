@@ -35,8 +35,9 @@ from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure_
 
 from hugeembed._native import tune_malloc  # noqa: E402
 from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
-from hugeembed.serving._index import index_probes, serving_index  # noqa: E402
-from hugeembed.serving._runtime import MAX_PROBE, group_tables  # noqa: E402
+from hugeembed.serving._quant import row_width, storage_dtype  # noqa: E402
+from hugeembed.serving._index import group_tables, index_probes, serving_index  # noqa: E402
+from hugeembed.serving._runtime import MAX_PROBE  # noqa: E402
 
 
 def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[str]]:
@@ -47,14 +48,15 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
     batches = criteo_batches(rows, batch, 1, n_batches=4)
     T = len(rows)
     keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
-    weights = torch.empty(sum(rows) + 1, dim).uniform_(-0.05, 0.05)
-    weights[-1] = 0
+    # the stored rows straight from chunks of random weights: at full size (33.6 M rows) float32 weights
+    # alone would take 8.6 GB
+    stored = {d: _random_rows(sum(rows) + 1, dim, d) for d in ("int8", "int4")}
     offsets = torch.arange(T * batch + 1, dtype=torch.int64)
     dyn_values = [torch.cat([ids * 7 + 3 for ids in b]) for b in batches]
     static_values = [torch.cat(b) for b in batches]
     dyn = {"table_keys": list(range(T)), "table_rows": [0] * T, "table_shared": [0] * T}
     t0 = time.perf_counter()
-    _, _, index, meta = group_tables(dyn, rows, weights, keys)
+    _, _, index, meta = group_tables(dyn, rows, stored["int8"], keys)
     t1 = time.perf_counter()
     private = serving_index(keys, meta)
     t2 = time.perf_counter()
@@ -62,8 +64,8 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
           f"{int(meta[:, MAX_PROBE].max())}, built in {t1 - t0:.1f} s (torch); the private salted one: longest chain "
           f"{int(private[2])}, built in {t2 - t1:.2f} s (kernels, at load)")
     static = {"table_keys": [-1] * T, "table_rows": list(rows), "table_shared": [0] * T}
-    _, _, s_index, s_meta = group_tables(static, rows, weights, torch.zeros(0, dtype=torch.int64))
-    stored = {d: quantize(weights, d) for d in ("int8", "int4")}
+    _, _, s_index, s_meta = group_tables(static, rows, stored["int8"], torch.zeros(0, dtype=torch.int64))
+    free_memory()
 
     def ours(dtype, values, idx, m):
         def step(i):
@@ -76,7 +78,7 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
         fns[f"ours {dtype}, dynamic (private index)"] = ours(dtype, dyn_values, private, meta)
         fns[f"ours {dtype}, dynamic (artifact index)"] = ours(dtype, dyn_values, index, meta)
         fns[f"ours {dtype}, static"] = ours(dtype, static_values, s_index, s_meta)
-    qebc = _qebc(rows, dim, batches, offsets)
+    qebc = _qebc(rows, dim, batches, offsets, stored)
     fns.update(qebc)
     t = measure_together(fns, 0, runs, seconds=0.5)
     out = []
@@ -91,11 +93,25 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
     return out
 
 
-def _qebc(rows, dim, batches, offsets) -> dict:
-    """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed)."""
+def _random_rows(n: int, dim: int, dtype: str, chunk: int = 1 << 20) -> torch.Tensor:
+    """`n` stored rows of `dtype` quantized from uniform(-0.05, 0.05) weights a chunk at a time (the last row
+    zero: the zero row), never holding the float32 weights of more than one chunk."""
+    out = torch.empty(n, row_width(dtype, dim), dtype=storage_dtype(dtype))
+    g = torch.Generator().manual_seed(0)
+    for s in range(0, n, chunk):
+        w = torch.empty(min(chunk, n - s), dim).uniform_(-0.05, 0.05, generator=g)
+        if s + w.shape[0] == n:
+            w[-1] = 0
+        out[s: s + w.shape[0]] = quantize(w, dtype)
+    return out
+
+
+def _qebc(rows, dim, batches, offsets, stored) -> dict:
+    """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed), holding
+    the same quantized rows as ours (`stored`), copied into FBGEMM's layout table by table: no float
+    EmbeddingBagCollection first, which at full size would hold 8.6 GB of float32 weights per dtype."""
     try:
         from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:
@@ -103,14 +119,22 @@ def _qebc(rows, dim, batches, offsets) -> dict:
     T = len(rows)
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
     out = {}
-    for dtype, dt, qdt in (("int8", DataType.INT8, torch.qint8), ("int4", DataType.INT4, torch.quint4x2)):
+    for dtype, dt in (("int8", DataType.INT8), ("int4", DataType.INT4)):
         cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
                                    data_type=dt) for t, n in enumerate(rows)]
-        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("cpu"))
-        ebc.qconfig = torch.ao.quantization.QConfig(activation=torch.ao.quantization.PlaceholderObserver,
-                                                    weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=qdt))
-        qebc = QEBC.from_float(ebc)
-        del ebc
+        qebc = QEBC(cfgs, is_weighted=False, device=torch.device("cpu"))
+        (tbe,) = qebc._emb_modules
+        width = dim if dtype == "int8" else dim // 2
+        first = 0
+        for (w, scale_bias), n in zip(tbe.split_embedding_weights(split_scale_shifts=True), rows):
+            ours = stored[dtype][first: first + n]
+            first += n
+            w[:, :width].copy_(ours[:, :width])
+            sb = scale_bias.view(torch.float16)  # FBGEMM: float16 scale, bias before the row's bytes
+            if dtype == "int8":  # ours: float32 scale, bias after them
+                sb.copy_(ours[:, width:].view(torch.float32))
+            else:  # ours: float16 scale, bias after them
+                sb.copy_(ours[:, width: width + 4].view(torch.float16))
         out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc)
     return out
 
@@ -197,6 +221,13 @@ def _maximal_body(gen) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process `pid` has used: its work, whatever the load."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _clients(port: int, body: bytes, clients: int, per_client: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep-alive clients (one connection each) posting `body` in turn: (latency ms, server's parse + queue +
     model ms from its Server-Timing header) of every request."""
@@ -267,19 +298,22 @@ class _BigBodies:
             t.join()
 
 
-def latency_bench(n_requests: int, threads: int, work: Path) -> list[list[str]]:
+def latency_bench(n_requests: int, threads: int, work: Path, art: Path | None = None,
+                  sizes: tuple[int, ...] = (1, 64, 1024), big: bool = True) -> list[list[str]]:
     """`hugeembed serve` of an int8 DLRM d64 on 127.0.0.1, keep-alive clients: latency p50 / p99 and its
-    split (the server's parse, queue and model medians from Server-Timing; HTTP + JSON: the rest)."""
+    split (the server's parse, queue and model medians from Server-Timing; HTTP + JSON: the rest).
+    `art`: an artifact of that model exported before (else one is trained and exported here)."""
     import httpx
 
     from hugeembed.data import SyntheticConfig, SyntheticCriteo
     from hugeembed.serving import export
     from hugeembed.training import TrainConfig, Trainer
 
-    Trainer(TrainConfig(steps=20, batch_size=1024, embedding_dim=64, checkpoint_dir=str(work / "run"),
-                        checkpoint_every=20, eval_every=0, eval_rows=1024, synthetic_max_cardinality=200_000),
-            progress=None).fit()
-    art = export(work / "run", work / "art", dtype="int8")
+    if art is None:
+        Trainer(TrainConfig(steps=20, batch_size=1024, embedding_dim=64, checkpoint_dir=str(work / "run"),
+                            checkpoint_every=20, eval_every=0, eval_rows=1024, synthetic_max_cardinality=200_000),
+                progress=None).fit()
+        art = export(work / "run", work / "art", dtype="int8")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, "-m", "hugeembed", "serve", str(art), "--port", str(port),
@@ -293,25 +327,32 @@ def latency_bench(n_requests: int, threads: int, work: Path) -> list[list[str]]:
             except httpx.TransportError:
                 time.sleep(0.1)
         gen = SyntheticCriteo(SyntheticConfig(max_cardinality=200_000))
-        bodies = {n: _predict_body(gen, n) for n in (1, 64, 1024)}
-        big = _maximal_body(gen)
+        bodies = {n: _predict_body(gen, n) for n in sizes}
 
-        def row(label, n, clients, lat, server, extra="-"):
+        def row(label, n, clients, lat, server, cpu_s, extra="-"):
             split = np.median(server, axis=0)
             rest = np.median(lat - server.sum(axis=1))
             return [label, str(n), str(clients), f"{np.percentile(lat, 50):.2f}", f"{np.percentile(lat, 99):.2f}",
-                    f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}", extra]
+                    f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}",
+                    f"{cpu_s * 1000 / len(lat):.2f}", extra]
+
+        def timed(n, clients, per):
+            cpu0 = _cpu_s(proc.pid)
+            lat, server = _clients(port, bodies[n], clients, per)
+            return lat, server, _cpu_s(proc.pid) - cpu0
 
         out = []
-        for n in (1, 64, 1024):
+        for n in sizes:
             for clients in (1, 8):
                 per = max(5, (n_requests if n < 1024 else n_requests // 4) // clients)
                 _clients(port, bodies[n], clients, 3)  # warm-up
-                out.append(row("", n, clients, *_clients(port, bodies[n], clients, per)))
+                out.append(row("", n, clients, *timed(n, clients, per)))
+        if not big or 64 not in bodies:
+            return out
         per = max(5, n_requests // 8)
-        with _BigBodies(port, big) as load:
-            lat, server = _clients(port, bodies[64], 8, per)
-        out.append(row("big-body load", 64, 8, lat, server, f"{max(load.health):.0f} ({load.posted} bodies)"))
+        with _BigBodies(port, _maximal_body(gen)) as load:
+            lat, server, cpu_s = timed(64, 8, per)
+        out.append(row("big-body load", 64, 8, lat, server, cpu_s, f"{max(load.health):.0f} ({load.posted} bodies)"))
         return out
     finally:
         proc.terminate()
@@ -430,6 +471,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--no-load", action="store_true", help="skip exporting and loading the large artifact")
     p.add_argument("--no-lookup", action="store_true")
+    p.add_argument("--artifact", type=Path, help="latency: serve this int8 DLRM d64 export (else one is trained)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024], help="latency: request sizes")
+    p.add_argument("--requests", type=int, help="latency: requests per size (default 100 --quick, else 400)")
+    p.add_argument("--no-big", action="store_true", help="latency: skip the run under maximal bodies")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_malloc()  # for every implementation alike: they share this process (and `hugeembed serve` does it too)
@@ -454,10 +499,12 @@ def main(argv=None) -> int:
     if not args.no_latency:
         print(f"\n# server latency: int8 DLRM d64, JSON bodies, keep-alive clients, --threads {args.threads} (ms; "
               f"parse, queue, model: the server's medians from Server-Timing; HTTP+JSON: the median rest; big-body "
-              f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz)")
+              f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz; server CPU: the server "
+              f"process's CPU ms per request, every thread)")
         with tempfile.TemporaryDirectory() as d:
-            print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON",
-                         "slowest /healthz"], latency_bench(100 if args.quick else 400, args.threads, Path(d)))
+            print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON", "server CPU",
+                         "slowest /healthz"], latency_bench(args.requests or (100 if args.quick else 400), args.threads,
+                                                            Path(d), args.artifact, tuple(args.rows), not args.no_big))
     return 0
 
 

@@ -42,17 +42,21 @@ template <class Index>
 void bags(const Bags& a, const Index& index, int64_t nthreads) {
   constexpr int64_t kStep = 16;
   const int64_t B = a.B;
+  if (B == 0) return;
   he::parallel_for(B * a.F, (int)nthreads, 1024, [&](int64_t q0, int64_t q1, int) {
+    // bag q is (feature q / B, sample q % B): one division a step, then counted on (a 64-bit division per
+    // bag cost more than a static table's whole lookup)
     for (int64_t s0 = q0; s0 < q1; s0 += kStep) {
-      const int64_t s1 = std::min(q1, s0 + kStep);
-      for (int64_t q = s0; q < s1; ++q) {
-        const int64_t f = q / B, t = a.feature_table[f], in_bag = a.feature_pos[f] * B + q % B;
-        if (a.meta[5 * t + 2] < 0) continue;
-        for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i)
-          if (a.values[i] >= 0) index.prefetch(a.values[i], t);
+      const int64_t s1 = std::min(q1, s0 + kStep), f0 = s0 / B, b0 = s0 - f0 * B;
+      for (int64_t q = s0, f = f0, b = b0; q < s1; ++q) {
+        const int64_t t = a.feature_table[f], in_bag = a.feature_pos[f] * B + b;
+        if (a.meta[5 * t + 2] >= 0)
+          for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i)
+            if (a.values[i] >= 0) index.prefetch(a.values[i], t);
+        if (++b == B) b = 0, ++f;
       }
-      for (int64_t q = s0; q < s1; ++q) {
-        const int64_t f = q / B, b = q % B, j = b * a.F + f, t = a.feature_table[f];
+      for (int64_t q = s0, f = f0, b = b0; q < s1; ++q) {
+        const int64_t j = b * a.F + f, t = a.feature_table[f];
         const int64_t in_bag = a.feature_pos[f] * B + b;
         const int64_t* m = a.meta + 5 * t;  // ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE
         int64_t o = a.starts[j], n = 0;
@@ -71,6 +75,7 @@ void bags(const Bags& a, const Index& index, int64_t nthreads) {
           }
         }
         a.kept[j] = n;
+        if (++b == B) b = 0, ++f;
       }
     }
   });
@@ -139,7 +144,10 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
       call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
                 (long long)a.feature_table[f], (long long)T, (long long)a.feature_pos[f]);
     }
-  int64_t total = 0;  // checked first (feature-major: each feature's offsets in order), starts written after
+  // Checked first, feature-major (each feature's offsets read in order); then each bag's length is
+  // written to its batch-major place in `starts` (again reading the offsets in order) and summed in
+  // place: reading the offsets batch-major instead (F strided streams) took most of this function's time.
+  int64_t total = 0;
   for (int64_t f = 0; f < F; ++f)
     for (int64_t b = 0; b < B; ++b) {
       const int64_t in_bag = a.feature_pos[f] * B + b;
@@ -159,13 +167,16 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
     call.fail(HE_BAD_VALUE, "the bags read %lld ids, idx holds %lld", (long long)total, (long long)call.numel(8));
   }
   a.idx = call.buf<int64_t>(8, total, "idx");
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t* at = a.offsets + a.feature_pos[f] * B;
+    for (int64_t b = 0; b < B; ++b) starts[b * F + f] = at[b + 1] - at[b];
+  }
   total = 0;
-  for (int64_t b = 0, j = 0; b < B; ++b)
-    for (int64_t f = 0; f < F; ++f, ++j) {
-      const int64_t in_bag = a.feature_pos[f] * B + b;
-      starts[j] = total;
-      total += a.offsets[in_bag + 1] - a.offsets[in_bag];
-    }
+  for (int64_t j = 0; j < B * F; ++j) {
+    const int64_t len = starts[j];
+    starts[j] = total;
+    total += len;
+  }
   *total_out = total;
   return a;
 }

@@ -19,10 +19,10 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
-           "jitter", "memory_budget",
+           "jitter", "data_queue", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
-           "sparse_eps", "average_dense", "first_order")
+           "sparse_eps", "average_dense", "first_order", "choose_epochs", "choose_holdout")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -57,6 +57,12 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, help="training steps (default 200; with --epochs: until the epochs end; "
                    "on data of a --schema: 2 passes under 1 M rows, else 1)")
     p.add_argument("--epochs", type=int)
+    p.add_argument("--choose-epochs", type=int, metavar="MAX", help="choose the passes over --data: a trial run "
+                   "trains on all but the last --choose-holdout of the rows, scoring them after each pass (up to MAX; "
+                   "it stops after 2 passes without a better AUC), then the run makes the best trial's passes over "
+                   "all rows")
+    p.add_argument("--choose-holdout", type=float, metavar="FRACTION", help="the last share of the training rows "
+                   "--choose-epochs holds out (default 0.1)")
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS)
     p.add_argument("--sparse-lr", type=float)
     p.add_argument("--sparse-betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="Adam optimizers' betas "
@@ -121,6 +127,10 @@ def add_parser(sub) -> None:
                    "and apply those of step t at step t+D (default 0: at their own step, as DDP does)")
     d.add_argument("--jitter", metavar="P:F", help="simulated stragglers: with probability P a step sleeps F-1 times "
                    "its compute (benchmarks; default off)")
+    d.add_argument("--data-queue", type=int, nargs="?", const=65536, metavar="ROWS", help="ranks take the next "
+                   "chunk of ROWS rows (default 65536) of the epoch from a shared queue as they finish one, instead of "
+                   "slice r of every global batch: every row trained once per epoch, equal in distribution (not bit "
+                   "for bit) to the run without it; synthetic data or converted shards")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="save the curves: training and held-out log loss, held-out "
                    "AUC (with the best possible one on synthetic data), COPC")
@@ -129,7 +139,7 @@ def add_parser(sub) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given: dict[str, Any] = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
-    if "epochs" in given and "steps" not in given:
+    if ("epochs" in given or "choose_epochs" in given) and "steps" not in given:
         given["steps"] = None  # train for the epochs, not for a step count
     cfg = TrainConfig.from_toml(args.config, **given) if args.config else \
         TrainConfig.from_dict(given, source="command line")
@@ -141,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _length_given(args: argparse.Namespace, given: dict[str, Any]) -> bool:
     """Whether the flags or the config file set the run's length (steps or epochs)."""
-    if "steps" in given or "epochs" in given:
+    if "steps" in given or "epochs" in given or "choose_epochs" in given:
         return True
     if not args.config:
         return False
@@ -151,7 +161,7 @@ def _length_given(args: argparse.Namespace, given: dict[str, Any]) -> bool:
         import tomli as tomllib  # type: ignore[no-redef]
     data = tomllib.loads(Path(args.config).read_text())
     section = data.get("train", data)
-    return any(k in section for k in ("steps", "epochs"))
+    return any(k in section for k in ("steps", "epochs", "choose_epochs"))
 
 
 def _schema_data(cfg: TrainConfig) -> bool:

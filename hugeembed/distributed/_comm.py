@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, ShardingError
+from ._liveness import describe_failure, start_heartbeat
 
 __all__ = ["Comm", "ExchangeStats", "DEFAULT_TIMEOUT_S", "new_embedding_group", "as_timeout"]
 
@@ -100,6 +101,8 @@ class Comm:
             torch.device("cpu")
         self.step = 0
         self.stats = ExchangeStats()
+        if self.world_size > 1:  # so that a failed collective can name the rank that is gone
+            start_heartbeat(self.timeout.total_seconds())
 
     # -- errors --------------------------------------------------------------------------
 
@@ -108,7 +111,7 @@ class Comm:
             f"rank {self.rank} of {self.world_size}: collective '{stage}' at step {self.step} failed "
             f"(timeout {self.timeout.total_seconds():g} s): a peer process died, hung or took a different path. "
             f"Check the other ranks' logs; resume from the last snapshot with --resume. Cause: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}." + describe_failure())
 
     def _run(self, stage: str, launch) -> None:
         t0 = time.perf_counter()
@@ -167,6 +170,12 @@ class Comm:
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             self._run(stage, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return int(t.item())
+
+    def all_reduce_sum(self, stage: str, value: int) -> int:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            self._run(stage, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         return int(t.item())
 
     def barrier(self, stage: str) -> None:

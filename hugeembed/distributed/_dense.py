@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, ShardingError
 from ._comm import DEFAULT_TIMEOUT_S, as_timeout
+from ._liveness import describe_failure
 
 __all__ = ["DelayedDenseGrads"]
 
@@ -67,7 +68,7 @@ class DelayedDenseGrads:
                 raise ShardingError(f"the dense gradient all-reduce of step {step} failed (timeout "
                                     f"{self.timeout.total_seconds():g} s): a peer process died or hung; resume "
                                     f"from the last snapshot with --resume. Cause: {type(e).__name__}: "
-                                    f"{str(e).splitlines()[0] if str(e) else ''}") from e
+                                    f"{str(e).splitlines()[0] if str(e) else ''}." + describe_failure()) from e
         start = 0
         for p in self.params:
             n = p.numel()

@@ -6,6 +6,8 @@ parts (the per-table Python of a step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import sub
 
 import torch
 
@@ -33,6 +35,9 @@ class GradRows:
 
 def row_starts(plan: LookupPlan, prep: Prepared) -> tuple[list[int], dict[int, int]]:
     """(row0, rows per dim): each table's first row in its dim's arrays, tables in order."""
+    if len(plan.tables_by_dim) == 1:  # one dim: the counts' running sum (no Python per table)
+        ends = list(accumulate(prep.unique_count, initial=0))
+        return ends[:-1], {plan.tables[0].dim: ends[-1]}
     row0, at = [0] * plan.num_tables, {}
     for t, (spec, n) in enumerate(zip(plan.tables, prep.unique_count)):
         row0[t] = at.get(spec.dim, 0)
@@ -46,9 +51,13 @@ def compact_slots(plan: LookupPlan, prep: Prepared, slots: torch.Tensor, row0: l
     out = {}
     dev = slots.device
     for D, ts in plan.tables_by_dim.items():
-        counts = [prep.unique_count[t] for t in ts]
+        if len(ts) == plan.num_tables:  # every table of this dim (no Python per table)
+            counts, shifts = prep.unique_count, list(map(sub, prep.unique_base, row0))
+        else:
+            counts = [prep.unique_count[t] for t in ts]
+            shifts = [prep.unique_base[t] - row0[t] for t in ts]
         n = sum(counts)
-        shift = repeat_each([prep.unique_base[t] - row0[t] for t in ts], counts, dev)
+        shift = repeat_each(shifts, counts, dev)
         out[D] = slots.index_select(0, shift + torch.arange(n, device=dev))
     return out
 

@@ -4,6 +4,8 @@ triton update), for FusedEmbeddingLookup.lookup (functional/_lookup.py)."""
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from typing import TYPE_CHECKING
@@ -14,7 +16,7 @@ from ._native_stages import backward_native, can_use_native_storages, pool_nativ
 from ._grad_rows import GradRows, blocks_of_tables, compact_slots, row_starts, tables_of_blocks
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import LookupPlan, Prepared
-from ._reference import backward_torch, pool_torch, unpooled_torch, weights_backward_torch
+from ._reference import backward_torch, gradient_rows_torch, pool_torch, unpooled_torch, weights_backward_torch
 from ._triton_backward import FusedGrads, fuses
 from ._triton_stages import pool_triton
 
@@ -104,6 +106,10 @@ class LookupRun:
         if self.native and (self.read is None or _storages_native_ok(storages)):
             blocks, row0 = backward_native(plan, prep, storages, slots, pooled, unpooled)
             table_grads = None
+        elif len(plan.tables_by_dim) == 1 and not plan.clipped and prep.capacity == sum(prep.unique_count) and \
+                prep.unique_base == list(accumulate(prep.unique_count[:-1], initial=0)):
+            # one dim, nothing clipped, tables end to end from 0: the dim's gradient rows are the block
+            blocks, row0, table_grads = gradient_rows_torch(plan, prep, pooled, unpooled), prep.unique_base, None
         else:
             table_grads = backward_torch(plan, prep, storages, slots, pooled, unpooled)
             blocks = row0 = None

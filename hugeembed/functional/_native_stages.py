@@ -38,15 +38,17 @@ def can_use_native(sf, storages: Sequence[torch.Tensor]) -> bool:
 
 def can_use_native_storages(storages: Sequence[torch.Tensor]) -> bool:
     """CPU float32 2-D row storages with unit column stride."""
-    last = None
-    for s in storages:
-        if s is last:  # the tables of a group read one tensor: checked once
-            continue
+    for s in _distinct(storages).values():  # the tables of a group read one tensor: checked once
         if not (isinstance(s, torch.Tensor) and s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 2
                 and (s.stride(1) == 1 or s.size(1) <= 1)):
             return False
-        last = s
     return True
+
+
+def _distinct(storages: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """id -> tensor of the distinct tensors of `storages` (the tables of a group read one), made
+    without Python per table (all are alive, so their ids are distinct)."""
+    return dict(zip(map(id, storages), storages))
 
 
 class NativeScratch:
@@ -100,22 +102,17 @@ def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None)
     call: a kernel call's cost is mostly its buffers), a view of some columns as rows().
     `used`: only these tables' rows (the others go as None: the kernel reads no row of them).
     """
+    distinct = _distinct(storages)
     if used is None:
-        bufs, last, buf = [], None, None
-        for s in storages:
-            if s is not last:  # the tables of a group read one tensor: converted once
-                last, buf = s, (s if s.is_contiguous() else nat.rows(s))
-            bufs.append(buf)
+        as_buf = {k: s if s.is_contiguous() else nat.rows(s) for k, s in distinct.items()}
+        bufs = list(map(as_buf.__getitem__, map(id, storages)))
     else:
         bufs = [None] * len(storages)
         for t in used:
             s = storages[t]
             bufs[t] = s if s.is_contiguous() else nat.rows(s)
-    strides, last, w = [], None, 0
-    for s in storages:
-        if s is not last:
-            last, w = s, s.stride(0)
-        strides.append(w)
+    stride = {k: s.stride(0) for k, s in distinct.items()}
+    strides = list(map(stride.__getitem__, map(id, storages)))
     return bufs, strides
 
 

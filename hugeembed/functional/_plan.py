@@ -187,6 +187,9 @@ class LookupPlan:
             pooled, unpooled = groups.setdefault(d, ([], []))
             (unpooled if f.combiner is Combiner.NONE else pooled).append(i)
         self.groups = tuple(DimGroup(d, tuple(p), tuple(u)) for d, (p, u) in groups.items())
+        # dim groups whose pooled features all sum: every bag's divisor is 1, known without a pass
+        self.summed_groups = frozenset(g for g in self.groups if all(self.features[f].combiner is Combiner.SUM
+                                                                     for f in g.pooled))
         # features of each table, CSR
         by_table: list[list[int]] = [[] for _ in self.tables]
         for i, t in enumerate(self.feature_table):
@@ -197,6 +200,7 @@ class LookupPlan:
         for t, spec in enumerate(self.tables):
             by_dim.setdefault(spec.dim, []).append(t)
         self.tables_by_dim = {d: tuple(ts) for d, ts in by_dim.items()}  # tables of each dim, in order
+        self.clipped = tuple(t for t, spec in enumerate(self.tables) if spec.max_norm)  # tables with max_norm
         self._arrays: dict[torch.device, dict[str, torch.Tensor]] = {}
         # a batch's keys -> (each plan feature's input position, the most features reading one input)
         self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}

@@ -17,8 +17,8 @@ from .._tensors import kept_positions
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
-__all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "weights_backward_torch", "clip_rows",
-           "clip_rows_backward"]
+__all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "gradient_rows_torch",
+           "weights_backward_torch", "clip_rows", "clip_rows_backward"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -261,6 +261,8 @@ def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, ow
     nbag = prep.batch_size * len(group.pooled)
     out_bag = sample * len(group.pooled) + owner
     w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
+    if group in plan.summed_groups:  # every divisor 1: the ones the passes below would give
+        return torch.ones(nbag, dtype=dtype, device=dev), w, out_bag
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
     comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)]
@@ -304,6 +306,23 @@ def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: Dim
 def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads):
     """Per table, gradient rows [U_t, D_t] of its unique keys (backward_native gives them by dim)."""
     dev = prep.offsets.device
+    grads_by_dim = gradient_rows_torch(plan, prep, pooled_grads, unpooled_grads)
+    parts = {D: prep.per_table(acc) for D, acc in grads_by_dim.items()}  # one split per dim, not a slice per table
+    out = []
+    for t, spec in enumerate(plan.tables):
+        b, n = prep.unique_base[t], prep.unique_count[t]
+        g = parts[spec.dim][t] if spec.dim in parts else torch.zeros(n, spec.dim, device=dev)
+        if spec.max_norm and n:
+            g = clip_rows_backward(_rows_at(storages[t], slots[b : b + n], spec.dim, g.dtype), g, spec.max_norm)
+        out.append(g)
+    return out
+
+
+def gradient_rows_torch(plan: LookupPlan, prep: Prepared, pooled_grads, unpooled_grads) -> dict[int, torch.Tensor]:
+    """Per dim D, ``[capacity, D]``: the summed output gradient of each unique key of its tables
+    (rows of the other dims' keys stay zero), before any max_norm clipping.  With one dim, no
+    table clipped and a torch prepare (tables end to end from 0) it is backward_native's block."""
+    dev = prep.offsets.device
     grads_by_dim: dict[int, torch.Tensor] = {}
     for g, group in enumerate(plan.groups):
         D = group.dim
@@ -322,15 +341,7 @@ def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gra
                 go = go * prep.weights[pos].to(dtype).unsqueeze(1)
             acc.index_add_(0, prep.inverse[pos].long(), go)
         grads_by_dim[D] = acc if D not in grads_by_dim else grads_by_dim[D] + acc
-    parts = {D: prep.per_table(acc) for D, acc in grads_by_dim.items()}  # one split per dim, not a slice per table
-    out = []
-    for t, spec in enumerate(plan.tables):
-        b, n = prep.unique_base[t], prep.unique_count[t]
-        g = parts[spec.dim][t] if spec.dim in parts else torch.zeros(n, spec.dim, device=dev)
-        if spec.max_norm and n:
-            g = clip_rows_backward(_rows_at(storages[t], slots[b : b + n], spec.dim, g.dtype), g, spec.max_norm)
-        out.append(g)
-    return out
+    return grads_by_dim
 
 
 def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads,

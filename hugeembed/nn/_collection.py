@@ -227,6 +227,8 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
     def _storages(self) -> list[torch.Tensor]:
         """What the lookup reads, per lookup position: its group's rows (one tensor per group)."""
         rows = [g.lookup_rows() for g in self.groups]
+        if None not in self._pos_group:  # every table held here: one C-level pass
+            return list(map(rows.__getitem__, self._pos_group))
         return [rows[g] if g is not None else self._dummy(p) for p, g in enumerate(self._pos_group)]
 
     def _dummy(self, p: int) -> torch.Tensor:

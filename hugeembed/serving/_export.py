@@ -10,7 +10,7 @@
       tables/g<k>.rows.npy   the rows of dim group k: its tables one after the other, then a zero row
       tables/g<k>.keys.npy   the keys of group k's dynamic tables, table after table, each ascending
                              (row i of a table holds its key i)
-      tables/g<k>.index.npy  group k's hash index over those keys (_runtime.build_index)
+      tables/g<k>.index.npy  group k's hash index over those keys (_index.build_index)
       deltas/<snapshot>/  increments (export --delta), applied in order by the loader
 
 Rows are the model's rows brought current (``catch_up_rows``: global Adam's lag), in the
@@ -38,6 +38,7 @@ from ..nn import EmbeddingCollection
 from ..training import load_snapshot_model
 from ..types import Combiner, OutOfRange
 from . import _runtime
+from ._index import group_tables
 from ._quant import quantize
 
 __all__ = ["export", "GroupSpec", "serving_groups", "table_weights", "export_program", "write_array", "publish_dir",
@@ -190,7 +191,7 @@ def write_group(directory: Path, g: int, spec: GroupSpec, sizes: list[int], rows
                 keys: torch.Tensor) -> dict[str, Any]:
     """Writes group g's rows, keys and hash index (built here) under directory/tables; their file records.
     The index record carries the max probe length of each table (the lookup's bound)."""
-    _, _, index, meta = _runtime.group_tables(asdict(spec), sizes, rows, keys)
+    _, _, index, meta = group_tables(asdict(spec), sizes, rows, keys)
     files = {f"rows.{g}": write_array(directory, f"tables/g{g}.rows.npy", rows),
              f"keys.{g}": write_array(directory, f"tables/g{g}.keys.npy", keys),
              f"index.{g}": write_array(directory, f"tables/g{g}.index.npy", index)}

@@ -1,6 +1,7 @@
-"""The served tables' private key index: the artifact's layout with a random salt, built at load.
+"""The key indexes of a dim group: the artifact's (built at export, index.npy) and the served tables' private
+one (the artifact's layout with a random salt, built at load).
 
-The artifact's own index (``_runtime.build_index``, index.npy) hashes ids with a fixed, public
+The artifact's own index (:func:`build_index`; ``_runtime`` reads it, see its "key index" notes) hashes ids with a fixed, public
 function: anyone can compute ids that share one home slot, and 24 k such ids made a table 800x
 slower (every probe walks the whole chain).  hugeembed builds its own index of every dim group when
 tables are loaded (``_runtime.Tables``: a delta's new tables too), in the server's memory only, with
@@ -28,7 +29,8 @@ import torch
 from .. import _native
 from . import _runtime
 
-__all__ = ["serving_index", "index_probes", "is_serving_index", "index_salt", "INDEX_MAGIC", "PROBE_CAP"]
+__all__ = ["serving_index", "index_probes", "is_serving_index", "index_salt", "build_index", "index_capacity",
+           "group_tables", "INDEX_MAGIC", "PROBE_CAP"]
 
 INDEX_MAGIC = 0x31534548  # csrc/serve_index.h kIndexMagic ("HES1")
 HEADER = 8  # words: magic, log2(slots), longest chain, the salt in four 16-bit parts, 0
@@ -68,7 +70,7 @@ def serving_index(keys: torch.Tensor, meta: torch.Tensor, *, salt: int | None = 
     meta = meta.to(torch.int64).contiguous()
     n = int(keys.numel())
     # >= 16 slots: 8 + 2^k words (k >= 4) are never a power of two, which the runtime's torch path refuses
-    log2cap = max(4, _runtime.index_capacity(n).bit_length() - 1)
+    log2cap = max(4, index_capacity(n).bit_length() - 1)
     dtype = torch.int32 if n < (1 << 31) else torch.int64
     for attempt in range(4 * _SALT_DRAWS):
         s = (secrets.randbits(64) if salt is None else salt) & ((1 << 64) - 1)
@@ -96,3 +98,50 @@ def index_probes(index: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, ke
     _native.call("he_serve_index_probes", [ids, table, keys.contiguous(), index, meta.to(torch.int64).contiguous(),
                                            pos, probes])
     return pos, probes
+
+
+# -- the artifact's index (export, deltas' patches): only built here, read by _runtime ------------------------------
+
+
+def index_capacity(num_keys: int) -> int:
+    """The smallest power of two >= 2 * num_keys (and >= 2): load factor <= 0.5."""
+    return 1 << max(1, (2 * num_keys - 1).bit_length())
+
+
+def build_index(keys: torch.Tensor, table_of: torch.Tensor, num_tables: int) -> tuple[torch.Tensor, list[int]]:
+    """(slots, max probes per table) of a group's keys; ``table_of[i]``: the table (index in the group)
+    key i belongs to.  Vectorized and deterministic: round r places every unplaced key at its home + r
+    if that slot is free, the lowest key position winning a slot several keys want (scatter amin);
+    the others move on.  Slots are int32 when the positions fit (< 2^31), else int64."""
+    n = int(keys.numel())
+    cap = index_capacity(n)
+    slots = torch.full((cap,), -1, dtype=torch.int64)
+    probes = torch.zeros(num_tables, dtype=torch.int64)
+    home = _runtime.hash_slots(keys.to(torch.int64), table_of.to(torch.int64), cap)
+    pending = torch.arange(n, dtype=torch.int64)
+    r = 0
+    while pending.numel():
+        at = (home.index_select(0, pending) + r).bitwise_and_(cap - 1)
+        free = slots.index_select(0, at) == -1
+        want, where = pending[free], at[free]
+        slots.index_fill_(0, where, n)  # above every position: amin leaves the lowest contender
+        slots.scatter_reduce_(0, where, want, "amin")
+        won = torch.zeros_like(free)
+        won[free] = slots.index_select(0, where) == want
+        done = pending[won]
+        probes.scatter_reduce_(0, table_of.index_select(0, done).to(torch.int64),
+                               torch.full_like(done, r + 1), "amax")
+        pending = pending[~won]
+        r += 1
+    return (slots.to(torch.int32) if n < (1 << 31) else slots), probes.tolist()
+
+
+def group_tables(group: dict, sizes: list[int], rows: torch.Tensor, keys: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_runtime.group_tables`` of a group whose index is built here from its keys (export, a patch)."""
+    dyn = [t for t, k in enumerate(group["table_keys"]) if k >= 0]
+    table_of = torch.repeat_interleave(torch.tensor(dyn, dtype=torch.int64),
+                                       torch.tensor([sizes[t] for t in dyn], dtype=torch.int64),
+                                       output_size=int(keys.numel()))
+    index, max_probe = build_index(keys, table_of, len(sizes))
+    return _runtime.group_tables(group, sizes, rows, keys, index, max_probe)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import _runtime
-from ._index import index_probes, is_serving_index
+from ._index import group_tables, index_probes, is_serving_index
 from ._runtime import KEY_BASE, MISS_ROW, NUM, ROW_BASE, SHARED_ROW_KEY
 
 __all__ = ["PatchGroup", "merge_patch", "patched_lookup", "version_program", "effective_rows"]
@@ -90,7 +90,7 @@ def merge_patch(group: dict[str, Any], base_rows: torch.Tensor, base_meta: torch
     rows = torch.cat([*(r for _, r, _ in parts), empty_rows.new_zeros((1, *base_rows.shape[1:]))])
     flags = torch.cat([f for _, _, f in parts])
     record = {"table_keys": list(range(len(names))), "table_rows": [0] * len(names), "table_shared": [0] * len(names)}
-    rows, keys, index, meta = _runtime.group_tables(record, sizes, rows, keys)
+    rows, keys, index, meta = group_tables(record, sizes, rows, keys)
     if _runtime.index_builder is not None:  # the patch's keys under a private, salted index, as the base's
         index = _runtime.index_builder(keys, index, meta)
     miss = torch.full((len(names),), -1, dtype=torch.int64)

@@ -1,9 +1,8 @@
 """The serving runtime: the lookup custom op and the artifact reader, with torch and numpy alone.
 
-This file imports nothing from hugeembed: an export copies it into the artifact
-(``runtime.py``), so a process without hugeembed's training code (or without hugeembed)
-can load the artifact and run its program (``hugeembed.serving`` itself plugs its compiled
-key index probe in, ``find_accelerator``: the same positions, faster)::
+An export copies this file into the artifact (``runtime.py``): it imports nothing from hugeembed, so a
+process without hugeembed can load the artifact and run its program (``hugeembed.serving`` plugs its
+compiled id -> row pass and private key index in through the hooks below: the same rows, faster)::
 
     import importlib.util
     spec = importlib.util.spec_from_file_location("he_runtime", "model.export/runtime.py")
@@ -11,24 +10,12 @@ key index probe in, ``find_accelerator``: the same positions, faster)::
     art = rt.load("model.export")                 # verified, tables memory-mapped
     logits = art.logits(dense, values, offsets)   # feature-major jagged ids, as SparseFeatures
 
-The lookup of all tables of one dim is one custom op, ``hugeembed_serve::pooled_lookup``
-(a ``torch.library`` op with a fake impl, so ``torch.export`` keeps the graph whole), and
-one kernel call: the tables of a dim group are stored as one row matrix (tables one after
-the other, then one zero row that unknown ids read); the keys of its dynamic tables are one
-key array (table after table, each ascending) with one hash index over all of them (open
-addressing, linear probing: an id is found in one or two slot reads; see build_index).
-A table trained with a shared row (``TableConfig.shared_row``) keeps it under the key
-``SHARED_ROW_KEY`` (-1, first in its sorted keys); ids it does not hold read that row
-instead of zeros, as the training model's eval does.
-
-Row formats (``dtype`` of the artifact):
-
-    fp32  float32 [R, D]
-    fp16  float16 [R, D]
-    int8  uint8 [R, D + 8]:       torch.ops.quantized.embedding_bag_byte_prepack (per row
-                                  float32 scale and bias after the D bytes)
-    int4  uint8 [R, D/2 + 4]:     torch.ops.quantized.embedding_bag_4bit_prepack (two values
-                                  a byte, then float16 scale and bias)
+The lookup of all tables of one dim is one custom op, ``hugeembed_serve::pooled_lookup`` (with a fake
+impl, so ``torch.export`` keeps the graph whole), and one kernel call over the group's row matrix
+(tables one after the other, then a zero row).  Rows: fp32 / fp16 ``[R, D]``; int8 ``uint8 [R, D + 8]``
+and int4 ``uint8 [R, D/2 + 4]`` in torch's ``embedding_bag_byte_prepack`` / ``embedding_bag_4bit_prepack``
+layouts (per row scale and bias after the values).  Keys and the hash index: see "the key index" below
+(built at export by ``hugeembed.serving._index.build_index``).
 """
 
 from __future__ import annotations
@@ -43,7 +30,7 @@ import numpy as np
 import torch
 
 __all__ = ["ArtifactError", "pooled_lookup", "load", "Artifact", "Tables", "verify_file", "read_array",
-           "build_index", "table_meta", "group_tables", "relative_file", "parse_manifest", "DTYPES", "COMBINERS",
+           "table_meta", "group_tables", "relative_file", "parse_manifest", "DTYPES", "COMBINERS",
            "FORMAT", "FORMAT_VERSION", "MANIFEST"]
 
 FORMAT = "hugeembed-serving"
@@ -76,7 +63,7 @@ def pooled_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tenso
         keys: int64, the keys of the group's dynamic tables, one table after the other, each
             ascending (a dynamic table's row i holds its key i).
         index: int32 or int64 ``[C]`` (C a power of two), the group's hash index: a position in
-            `keys` or -1 per slot (see build_index).
+            `keys` or -1 per slot (see the key index below).
         meta: int64 ``[T, 5]``, per table of the group (table_meta): its first row in `rows`, its
             rows, its first key in `keys` (-1: a static table, the id is the row), the row an id it
             does not hold reads (its shared row, the key SHARED_ROW_KEY, or the zero row), and its
@@ -219,39 +206,6 @@ def hash_slots(ids: torch.Tensor, table: torch.Tensor, capacity: int) -> torch.T
     z *= _MIX2
     z ^= _srl(z, 31)
     return z.bitwise_and_(capacity - 1)
-
-
-def index_capacity(num_keys: int) -> int:
-    """The smallest power of two >= 2 * num_keys (and >= 2): load factor <= 0.5."""
-    return 1 << max(1, (2 * num_keys - 1).bit_length())
-
-
-def build_index(keys: torch.Tensor, table_of: torch.Tensor, num_tables: int) -> tuple[torch.Tensor, list[int]]:
-    """(slots, max probes per table) of a group's keys; ``table_of[i]``: the table (index in the group)
-    key i belongs to.  Vectorized and deterministic: round r places every unplaced key at its home + r
-    if that slot is free, the lowest key position winning a slot several keys want (scatter amin);
-    the others move on.  Slots are int32 when the positions fit (< 2^31), else int64."""
-    n = int(keys.numel())
-    cap = index_capacity(n)
-    slots = torch.full((cap,), _EMPTY, dtype=torch.int64)
-    probes = torch.zeros(num_tables, dtype=torch.int64)
-    home = hash_slots(keys.to(torch.int64), table_of.to(torch.int64), cap)
-    pending = torch.arange(n, dtype=torch.int64)
-    r = 0
-    while pending.numel():
-        at = (home.index_select(0, pending) + r).bitwise_and_(cap - 1)
-        free = slots.index_select(0, at) == _EMPTY
-        want, where = pending[free], at[free]
-        slots.index_fill_(0, where, n)  # above every position: amin leaves the lowest contender
-        slots.scatter_reduce_(0, where, want, "amin")
-        won = torch.zeros_like(free)
-        won[free] = slots.index_select(0, where) == want
-        done = pending[won]
-        probes.scatter_reduce_(0, table_of.index_select(0, done).to(torch.int64),
-                               torch.full_like(done, r + 1), "amax")
-        pending = pending[~won]
-        r += 1
-    return (slots.to(torch.int32) if n < (1 << 31) else slots), probes.tolist()
 
 
 def table_meta(table_keys: list[int], table_rows: list[int], table_shared: list[int], sizes: list[int],
@@ -445,16 +399,9 @@ class Tables:
 
 
 def group_tables(group: dict[str, Any], sizes: list[int], rows: torch.Tensor, keys: torch.Tensor,
-                 index: torch.Tensor | None = None, max_probe: list[int] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, keys, index, meta) of one dim group (`group`: its manifest record) whose tables hold
-    `sizes` rows; the index is built from the keys unless given (with its max probes)."""
-    if index is None or max_probe is None:
-        dyn = [t for t, k in enumerate(group["table_keys"]) if k >= 0]
-        table_of = torch.repeat_interleave(torch.tensor(dyn, dtype=torch.int64),
-                                           torch.tensor([sizes[t] for t in dyn], dtype=torch.int64),
-                                           output_size=int(keys.numel()))
-        index, max_probe = build_index(keys, table_of, len(sizes))
+                 index: torch.Tensor, max_probe: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, keys, index, meta) of one dim group (`group`: its manifest record) whose tables hold `sizes` rows,
+    checked (``hugeembed.serving._index.group_tables`` builds the index of new keys)."""
     cap = int(index.numel())
     if cap < 2 or cap & (cap - 1) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
         raise ArtifactError(f"a key index of {index.dtype} {list(index.shape)}: expected int32 or int64 slots, "

@@ -40,17 +40,19 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
     idx, p = torch.arange(n, device=dev), start.clone()
-    bkeys, btabs = g.buckets[:, 0], g.buckets[:, 1]
     width = _FIRST_WINDOW
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
-        stop = ((bkeys[win] == keys[idx, None]) & (btabs[win] == tids[idx, None])) | (btabs[win] == EMPTY_TABLE)
+        # the window's (key, table) columns in one gather of whole records
+        rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
+        bkeys, btabs = rec[..., 0], rec[..., 1]
+        stop = ((bkeys == keys[idx, None]) & (btabs == tids[idx, None])) | (btabs == EMPTY_TABLE)
         done = stop.any(1)
         q = win.gather(1, stop.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
         d = done.nonzero().squeeze(1)  # a read of the device per round
         pos[idx[d]] = q[d]
-        hit = btabs[q[d]] != EMPTY_TABLE
-        codes[idx[d]] = torch.where(hit, code_of(g.buckets[q[d], 2]), -1)
+        got = g.buckets[q[d]]
+        codes[idx[d]] = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
         keep = (~done).nonzero().squeeze(1)
         idx, p = idx[keep], (p[keep] + width) % B
         width = min(2 * width, _MAX_WINDOW)

@@ -70,6 +70,13 @@ class TrainConfig:
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
             bench/quality.py it won on two and lost on two (docs/quality.md).
+        choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
+            on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
+            for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
+            best trial's passes over all the data.  None: `epochs` passes (or `steps`).  Needs `data` and no
+            `steps`; one process; a resumed run chooses again (the trial is seeded: the same count).
+            Off by default: measured in docs/quality.md, the tail chose worse counts on time-split data.
+        choose_holdout: the share of the training batches (the last ones) `choose_epochs` holds out.
         dense_optimizer, dense_lr: torch optimizer of the MLPs.
         lr_decay: the last fraction of the run over which both learning rates fall linearly
             to 0 (0: constant).  The run's length is its steps, or its epochs of data (a text
@@ -108,6 +115,9 @@ class TrainConfig:
             and applies those of step t at step t+D (instead of DDP); 0: at their own step.
         jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
             stragglers, for benchmarks); None: off.
+        data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
+            they finish one (synthetic data or converted shards; every row trained once per epoch,
+            runs equal in distribution, not bit for bit); None: rank r reads slice r of every global batch.
         memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
             live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
             together, split by each table's traffic; with several processes, each process's
@@ -140,6 +150,8 @@ class TrainConfig:
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
     first_order: bool = False
+    choose_epochs: int | None = None
+    choose_holdout: float = 0.1
     dense_optimizer: str = "adam"
     dense_lr: float = 1e-3
     # both learning rates fall linearly to 0 over the last 20% of the run: measured by
@@ -175,6 +187,7 @@ class TrainConfig:
     staleness: int = 0
     dense_staleness: int = 0
     jitter: str | None = None
+    data_queue: int | None = None
     memory_budget: int | None = None
     storage_dir: str | None = None
     cache_policy: str = "lfu"
@@ -223,6 +236,17 @@ class TrainConfig:
         positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
         positive("admit_min_count", allow_none=True)
         positive("lr_count_scale", allow_none=True)
+        positive("choose_epochs", allow_none=True)
+        if isinstance(self.choose_holdout, bool) or not (isinstance(self.choose_holdout, (int, float))
+                                                         and 0.0 < self.choose_holdout < 1.0):
+            raise ConfigError(f"choose-holdout must be a fraction of the training rows in (0, 1), "
+                              f"got {self.choose_holdout!r}")
+        if self.choose_epochs is not None and self.steps is not None:
+            raise ConfigError(f"choose-epochs chooses the run's length in passes over the data: leave steps out "
+                              f"(got steps={self.steps})")
+        if self.choose_epochs is not None and not self.data:
+            raise ConfigError("choose-epochs holds out the last rows of --data: give --data (the synthetic "
+                              "generator is endless; give --steps)")
         check_initializer_spec(self.init, "init")
         for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
             positive(name, allow_none=True)
@@ -267,6 +291,7 @@ class TrainConfig:
             raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         positive("staleness", allow_zero=True)
         positive("dense_staleness", allow_zero=True)
+        positive("data_queue", allow_none=True)
         self.jitter_spec()
         seen = set()
         for item in self.sharding:

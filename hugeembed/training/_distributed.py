@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..data import Batch
 from ..distributed import ShardedEmbeddingCollection, propose_plan
+from ..distributed._liveness import describe_failure
 from ..errors import ShardingError
 from ..features import SparseFeatures
 from ..metrics import MetricSet
@@ -129,7 +130,7 @@ def as_sharding_error(e: BaseException, rank: int, step: int, stage: str) -> Sha
         return None
     first = text.splitlines()[0] if text else type(e).__name__
     return ShardingError(f"rank {rank}: {stage} at step {step} failed: a peer process died or hung; resume from "
-                         f"the last snapshot with --resume. Cause: {type(e).__name__}: {first}")
+                         f"the last snapshot with --resume. Cause: {type(e).__name__}: {first}." + describe_failure())
 
 
 def run_info(collection: Any) -> dict[str, Any]:

@@ -82,9 +82,13 @@ def _wait(procs: list[subprocess.Popen]) -> int:
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                return _status(failed[0])
+                rank, code = failed[0]
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                print(f"hugeembed: rank {rank} of {len(procs)} {how}; stopping the other ranks", file=sys.stderr,
+                      flush=True)
+                return _status(code)
             if all(c == 0 for c in codes):
                 return 128 + received[0] if received else 0
             time.sleep(_POLL_S)

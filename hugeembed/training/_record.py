@@ -17,6 +17,7 @@ import torch
 from ..data import Schema
 from ..errors import CheckpointError, ConfigError
 from ._config import ADAM_OPTIMIZERS, TrainConfig
+from ._queue import check_queue_state
 
 __all__ = ["TrainState", "RunRecord"]
 
@@ -40,6 +41,29 @@ class TrainState:
     # (in the dense optimizer's parameter order) and the steps it covers; None outside the phase
     dense_average: list[torch.Tensor] | None = None
     dense_average_steps: int = 0
+    # --data-queue: the rows of the epoch in progress not trained yet ({"epoch": e, "ranges": [[a, b], ...]})
+    data_queue: dict | None = None
+
+    @torch.no_grad()
+    def add_to_dense_average(self, params: list[torch.Tensor]) -> None:
+        """The running mean of the dense parameters over the decay phase's steps so far (kept here, so a
+        snapshot mid-phase resumes it exactly)."""
+        if self.dense_average is None:
+            self.dense_average, self.dense_average_steps = [p.detach().clone() for p in params], 1
+            return
+        self.dense_average_steps += 1
+        w = 1.0 / self.dense_average_steps
+        for avg, p in zip(self.dense_average, params):
+            avg.lerp_(p.detach(), w)
+
+    @torch.no_grad()
+    def apply_dense_average(self, params: list[torch.Tensor]) -> None:
+        """Copies the mean into the parameters and ends the phase (nothing outside one)."""
+        if self.dense_average is None:
+            return
+        for avg, p in zip(self.dense_average, params):
+            p.copy_(avg)
+        self.dense_average, self.dense_average_steps = None, 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,6 +79,8 @@ class TrainState:
         names = [f.name for f in dataclasses.fields(cls)]
         if "dense_average" not in data and "dense_average_steps" not in data:
             data = {**data, "dense_average": None, "dense_average_steps": 0}  # saved before averaging existed
+        if "data_queue" not in data:
+            data = {**data, "data_queue": None}  # saved before --data-queue existed
         missing = [n for n in names if n not in data]
         unknown = sorted(set(map(str, data)) - set(names))
         if missing or unknown:
@@ -89,7 +115,8 @@ class TrainState:
             raise bad("dense_average", "null or a list of tensors", avg)
         if (avg is None) != (data["dense_average_steps"] == 0):
             raise bad("dense_average_steps", "0 exactly when dense_average is null", data["dense_average_steps"])
-        return cls(**{n: data[n] for n in names})
+        return cls(**{n: data[n] for n in names if n != "data_queue"},
+                   data_queue=check_queue_state(data["data_queue"], where))
 
 
 @dataclass(frozen=True)

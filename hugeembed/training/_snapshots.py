@@ -48,6 +48,8 @@ class TrainerSnapshots:
 
     def save(self):
         self._drain()
+        if self.cfg.data_queue is not None:  # the rows not trained yet (collective)
+            self.state.data_queue = self.source.position()
         delta = self._next_is_delta()
         path = ckpt.save(self.cfg.checkpoint_dir, self.collection, model=self.model,
                          dense_optimizer=self.dense_optimizer, step=self.state.step, keep=self.cfg.keep_checkpoints,
@@ -87,8 +89,12 @@ class TrainerSnapshots:
         theirs, mine = ({k: v for k, v in c.sparse_optimizer_options().items() if k != "lr"} for c in (saved, self.cfg))
         if "sparse_optimizer" not in changed and theirs != mine:
             msgs.append(f"sparse optimizer settings ({theirs} vs {mine}: give --sparse-betas / --sparse-eps as saved)")
-        # any number of processes may resume, but the data position counts global batches
-        if saved.batch_size * record.world_size != self.cfg.batch_size * self.world_size:
+        mid_epoch = record.state.step_in_epoch > 0 or record.state.data_queue is not None
+        if (saved.data_queue is None) != (self.cfg.data_queue is None) and mid_epoch:
+            msgs.append(f"data queue (--data-queue {saved.data_queue} vs {self.cfg.data_queue}: the position in "
+                        f"the epoch is kept {'as rows' if saved.data_queue else 'in global batches'}; give it as saved)")
+        # any number of processes may resume; the data position counts global batches (the queue's: rows)
+        if saved.data_queue is None and saved.batch_size * record.world_size != self.cfg.batch_size * self.world_size:
             msgs.append(f"global batch ({saved.batch_size} x {record.world_size} processes vs "
                         f"{self.cfg.batch_size} x {self.world_size})")
         if msgs:
@@ -103,6 +109,8 @@ class TrainerSnapshots:
         # pruning never removes the id-less snapshots, which may be another run's)
         self.run_id = ckpt.run_of(snap) or self.run_id
         self.state = record.state
+        if self.cfg.data_queue is not None:
+            self.source.restore(self.state.data_queue)
         self._resume_dense_average(params)
         return True
 

@@ -85,6 +85,11 @@ class DataSource(abc.ABC):
         """Best achievable metrics (known for synthetic data only)."""
         return None
 
+    def trained(self, batch: Batch, world_size: int) -> int:
+        """Called after each training step, in order: this rank trained `batch`; returns the step's rows over
+        all ranks (every rank a batch of the same size here; --data-queue: training/_queue.py)."""
+        return batch.batch_size * world_size
+
 
 class SyntheticSource(DataSource):
     def __init__(self, cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> None:

@@ -32,6 +32,7 @@ from ._distributed import (aligned, as_sharding_error, check_process_group, empt
 from ._sources import DataSource, make_source, run_schema
 from ._snapshots import TrainerSnapshots
 from ._stale import StaleRun
+from ._queue import queue_source
 
 __all__ = ["Trainer", "TrainState", "evaluate"]
 
@@ -59,7 +60,7 @@ class Trainer(TrainerSnapshots):
     """
 
     def __init__(self, config: TrainConfig, *, progress: ProgressFn | None = None, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, source: DataSource | None = None) -> None:
         self.cfg = config
         self.rank, self.world_size = rank, world_size
         self.progress = progress or (lambda event, info: None)
@@ -71,6 +72,9 @@ class Trainer(TrainerSnapshots):
         if world_size > 1:
             check_process_group(rank, world_size)
         self.schema = run_schema(config, self._saved_schema())
+        self.epoch_choice = None
+        if config.choose_epochs is not None:
+            self.cfg = config = self._choose_epochs(config)
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
@@ -84,7 +88,11 @@ class Trainer(TrainerSnapshots):
         # the loop's own small collectives (loss reports): on the default group, never interleaving with the
         # embedding exchanges, which run on another thread under staleness
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
-        self.source: DataSource = make_source(config, rank, world_size, self.schema)
+        self.source: DataSource = source if source is not None else make_source(config, rank, world_size,
+                                                                                 self.schema)
+        if config.data_queue is not None:  # ranks take chunks of the epoch from a shared queue instead of slices
+            self.source = queue_source(self.source, config.data_queue, config.batch_size, rank, world_size,
+                                       config.dist_timeout)
         self.state = TrainState()
         self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
@@ -96,6 +104,17 @@ class Trainer(TrainerSnapshots):
         self._eval_every = config.eval_every if config.eval_every is not None else \
             100 if expected is None else max(1, expected // EVAL_POINTS)
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
+
+    def _choose_epochs(self, config: TrainConfig) -> TrainConfig:
+        """The run's config with its passes chosen on a held-out tail (a seeded trial run: _choose.py)."""
+        from ._choose import choose_epochs
+
+        if self.world_size > 1:
+            raise ConfigError("choose-epochs runs its trial in one process: give --epochs with several processes")
+        self.epoch_choice = choose_epochs(config, self.schema)
+        self.progress("note", {"message": self.epoch_choice.message()})
+        seed_everything(config.seed)  # the run starts as one given these passes would
+        return config.replace(epochs=self.epoch_choice.epochs)
 
     def _saved_schema(self):
         """The schema (with its statistics) of the snapshot a resume continues from, if any."""
@@ -238,7 +257,10 @@ class Trainer(TrainerSnapshots):
         batch = batch.to(self.device, non_blocking=True)
         try:
             logits = self.step_model(batch.dense, batch.sparse)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            if self.cfg.data_queue is None:
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            else:  # the queue's short (or empty) batches weigh by their rows
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.cfg.batch_size
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()  # the embedding tables are updated in here
         except RuntimeError as e:
@@ -251,53 +273,37 @@ class Trainer(TrainerSnapshots):
         self.collection.optimizer.step()
         self.stale.straggle(time.thread_time() - cpu0)
         if self.cfg.average_dense and f < 1.0:
-            self._add_to_dense_average()
+            self.state.add_to_dense_average(self._dense_params())
         value = float(loss.detach())
         st.train_seconds += time.perf_counter() - t0
         st.step += 1
         st.step_in_epoch += 1
-        st.samples += batch.batch_size * self.world_size
+        st.samples += self.source.trained(batch, self.world_size)
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss became {value} at step {st.step}: lower the learning rates")
-        st.loss_sum += value
-        st.loss_count += 1
+        if self.cfg.data_queue is not None and batch.batch_size:  # the mean over the batch's rows
+            value *= self.cfg.batch_size / batch.batch_size
+        if batch.batch_size:  # a rank that ran out of the queue's rows trains empty batches: no loss to report
+            st.loss_sum += value
+            st.loss_count += 1
         if st.step % self._record_every == 0 or st.step == 1:
             self._record_loss()
 
     def _dense_params(self) -> list[torch.Tensor]:
         return [p for g in self.dense_optimizer.param_groups for p in g["params"]]
 
-    @torch.no_grad()
-    def _add_to_dense_average(self) -> None:
-        """The running mean of the dense parameters over the decay phase's steps so far (kept in
-        the train state, so a snapshot mid-phase resumes it exactly)."""
-        st = self.state
-        params = self._dense_params()
-        if st.dense_average is None:
-            st.dense_average, st.dense_average_steps = [p.detach().clone() for p in params], 1
-            return
-        st.dense_average_steps += 1
-        w = 1.0 / st.dense_average_steps
-        for avg, p in zip(st.dense_average, params):
-            avg.lerp_(p.detach(), w)
-
-    @torch.no_grad()
     def _apply_dense_average(self) -> None:
         """The end of the run: the dense parameters become their mean over the decay phase."""
-        st = self.state
-        if st.dense_average is None:
-            return
-        for avg, p in zip(st.dense_average, self._dense_params()):
-            p.copy_(avg)
-        st.dense_average, st.dense_average_steps = None, 0
+        self.state.apply_dense_average(self._dense_params())
 
     def _record_loss(self) -> None:
         """Appends the mean loss since the last record to the history (and reports it)."""
         st = self.state
+        if self.world_size > 1:  # the mean over every rank's local losses (one small collective; on every rank,
+            # also one whose batches were all empty: --data-queue's ranks that ran out)
+            sums = self._loop_comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
+            st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
         if st.loss_count:
-            if self.world_size > 1:  # the mean over every rank's local losses (one small collective)
-                sums = self._loop_comm.all_gather_object("loss report", (st.loss_sum, st.loss_count))
-                st.loss_sum, st.loss_count = sum(s for s, _ in sums), sum(c for _, c in sums)
             avg = st.loss_sum / st.loss_count
             st.history["step"].append(st.step)
             st.history["loss"].append(avg)
@@ -362,6 +368,8 @@ class Trainer(TrainerSnapshots):
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
+        if self.epoch_choice is not None:
+            out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
         tiers = self._tier_stats()
         if tiers is not None:
             out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})

@@ -44,6 +44,7 @@ def test_native_steady_steps_do_not_grow_with_tables(ops, dynamic, rule):
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.slow
 def test_the_first_steps_of_a_new_collection_do_not_grow_with_tables(ops, backend, dynamic):
     """From the first step on: each of the first 3 steps (bags of 0-3 ids from 1,000: new ids every
     step, the dynamic tables growing) costs no more ops at 32 tables than 1.2x at 2; the native
@@ -57,6 +58,7 @@ def test_the_first_steps_of_a_new_collection_do_not_grow_with_tables(ops, backen
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.slow
 def test_torch_steady_steps_do_not_grow_with_tables(ops, dynamic):
     few = ops.count_step(2, dynamic, "torch", samples=64, rows=128, warmup=24)
     many = ops.count_step(32, dynamic, "torch", samples=64, rows=128, warmup=24)

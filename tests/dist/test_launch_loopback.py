@@ -36,6 +36,7 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+@pytest.mark.slow
 def test_the_store_of_a_local_launch_listens_on_loopback_only(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.txt"
@@ -45,6 +46,7 @@ def test_the_store_of_a_local_launch_listens_on_loopback_only(tmp_path):
     assert addresses == ["0100007F"], addresses  # 127.0.0.1 (little-endian hex), and nothing else
 
 
-def test_a_failing_process_stops_the_launch_with_its_status(tmp_path):
+def test_a_failing_process_stops_the_launch_with_its_status(tmp_path, capfd):
     code = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"
     assert run_local(2, [sys.executable, "-c", code]) == 3
+    assert "hugeembed: rank 1 of 2 exited with status 3; stopping the other ranks" in capfd.readouterr().err

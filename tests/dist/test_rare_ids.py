@@ -114,6 +114,7 @@ def snapshot(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_two_ranks_train_rare_ids_like_one_process_and_reshard_the_shared_row(snapshot):
     # one process's snapshot -> 2 ranks (row-wise: each shared row goes to the owner of key -1), 3 steps, save
     link = {"plan": plans(2)["row_wise"], "opt": "adagrad", "rare": True, "load": str(snapshot / "one"),

@@ -152,6 +152,7 @@ def two(chain):
         "metrics": {"plan": {t: "row_wise" for t in POOLED}, "batches_per_rank": EVAL_BATCHES}})
 
 
+@pytest.mark.slow
 def test_held_out_metrics_merge_every_rank_predictions_exactly(two):
     from hugeembed.training import evaluate
 
@@ -252,6 +253,7 @@ def test_tiered_shards_train_bit_for_bit_as_in_memory_shards(two):
         assert sum(t[n]["rows_read"] for t in tiers for n in t) > 0, case["name"]
 
 
+@pytest.mark.slow
 def test_four_ranks_train_like_one_process(four):
     assert check_cases(four, 4) == 3 * 3 + 2 + 2 + 1 + 2
 
@@ -372,6 +374,7 @@ def two_again(chain, four):
                      expected_codes={1: 3})
 
 
+@pytest.mark.slow
 def test_reshard_four_to_two_then_training_continues(chain, two_again):
     links = [r["chain"][0] for r in two_again]  # rank 1 saved its result before it was killed
     assert all(r["loaded_step"] == 8 for r in links)
@@ -387,6 +390,7 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(two_again):
     assert fail["seconds"] < 20.0  # gloo sees the closed connection at once; the timeout is 20 s
 
 
+@pytest.mark.slow
 def test_a_hung_rank_stops_the_others_after_the_timeout():
     fail = {"plan": plans(2)["row_wise"], "step": 1, "victim": 1, "mode": "hang", "timeout": 3.0}
     res = run_ranks(2, "tests.dist.workers:main", {"fail": fail, "broken_group": True}, expected_codes={1: None})

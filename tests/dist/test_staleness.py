@@ -38,6 +38,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_collection_bit_for_bit(runs):
     for r in runs:
         sync, k0 = r["full"]["None"][0], r["full"]["0"][0]
@@ -94,6 +95,7 @@ def test_batch_j_reads_the_updates_of_batches_up_to_j_minus_k_minus_1_exactly(ru
         torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)  # every update applied once, after drain
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_with_a_clear_error_under_staleness():
     got = run_ranks(2, "tests.dist.workers_stale:die", {"victim": 1, "at": 3, "timeout": 5.0, "broken_group": True},
                     expected_codes={1: 3})

@@ -74,21 +74,25 @@ def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2,
 
 
 def die(rank: int, world: int, workdir: str, victim: int = 1, at: int = 3, timeout: float = 5.0,
-        broken_group: bool = True) -> dict:
-    """Rank `victim` dies after `at` steps of a staleness-2 run; the others report the error and its delay."""
+        broken_group: bool = True, staleness: int = 2) -> dict:
+    """Rank `victim` dies after `at` steps of a run with `staleness`; the others report the error and its delay."""
     import os
     import time
 
     from hugeembed import ShardingError
 
     ec = ShardedEmbeddingCollection(tables("adagrad"), plan=ShardingPlan(world, PLAN),
-                                    process_group=new_embedding_group("cpu", timeout), timeout=timeout, staleness=2)
-    train(ec, range(at), rank, world, ahead=2)
+                                    process_group=new_embedding_group("cpu", timeout), timeout=timeout,
+                                    staleness=staleness)
+    train(ec, range(at), rank, world, ahead=staleness)
     if rank == victim:
         os._exit(3)
     t0 = time.monotonic()
     try:
-        train(ec, range(at, at + 6), rank, world, ahead=2)
+        train(ec, range(at, at + 6), rank, world, ahead=staleness)
     except ShardingError as e:
-        return {"error": str(e), "seconds": time.monotonic() - t0}
+        out = {"error": str(e), "seconds": time.monotonic() - t0}
+        if rank == 0 and world > 2:  # rank 0 hosts the store under tcp:// init: up while the others look
+            time.sleep(4.0)
+        return out
     return {"error": None, "seconds": time.monotonic() - t0}

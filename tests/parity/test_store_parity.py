@@ -34,6 +34,7 @@ def _workload(seed: int):
 
 
 @pytest.mark.parametrize("admit, capacity", [(1, None), (3, None), (2, 2500)])
+@pytest.mark.slow
 def test_native_equals_torch_over_a_workload(admit, capacity):
     kw = dict(initializer=TruncatedNormal(0.0, 0.1), init_state=lambda s: s.fill_(1.0), admit_min_count=admit,
               capacity=capacity, eviction_policy="lru", seed=5)

@@ -71,6 +71,7 @@ def _avx2_build() -> bool:
 
 
 @pytest.mark.skipif(not _avx2_build(), reason="needs the AVX2 build and an AVX2 CPU")
+@pytest.mark.slow
 def test_portable_and_avx2_builds_agree_to_the_last_bit():
     portable, avx2 = _run("portable"), _run("avx2")
     assert "_kernels_avx2" not in portable[0] and "_kernels_avx2" in avx2[0]

@@ -82,6 +82,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_crash_mid_save_leaves_previous_snapshot_loadable(tmp_path):
     script = _CRASH_SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path), die_after=5)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

@@ -31,6 +31,7 @@ def test_lock_in_one_process_family(tmp_path):
         CheckpointLock(tmp_path / "file").acquire()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_one_checkpoint_dir_is_refused_and_a_killed_holder_frees_it(tmp_path):
     ck = tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

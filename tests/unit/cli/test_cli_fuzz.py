@@ -45,6 +45,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv,fragments", CASES, ids=[" ".join(a[:3]) for a, _ in CASES])
+@pytest.mark.slow
 def test_garbage_is_one_line_exit_2(junk, argv, fragments):
     before = sorted(os.listdir(junk))
     assert_one_line_error(run_cli(*argv, cwd=junk), *fragments)
@@ -81,6 +82,7 @@ def trained(tmp_path_factory):
     return d / "ck"
 
 
+@pytest.mark.slow
 def test_nothing_to_score_is_an_error_not_nan_metrics(trained, junk, shard_dir):
     assert_one_line_error(run_cli("eval", "--checkpoint", trained, "--data", "empty.tsv", cwd=junk),
                           "empty.tsv: no rows to score")

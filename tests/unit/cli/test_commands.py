@@ -111,6 +111,7 @@ def test_unreadable_data_is_one_line(tmp_path, capsys):
     assert "bad.tsv:1" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_bad_flag_exits_2_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "hugeembed", "train", "--model", "gpt"], capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice: 'gpt'" in proc.stderr and "Traceback" not in proc.stderr

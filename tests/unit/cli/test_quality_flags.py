@@ -26,6 +26,9 @@ Q = ["--steps", "1", "--quiet", "--threads", "1", "--batch-size", "64", "--eval-
     (["--admit-min-count", "two"], ["--admit-min-count", "'two'"]),
     (["--lr-count-scale", "-3"], ["lr-count-scale", "-3"]),
     (["--lr-decay", "1.5"], ["lr-decay", "1.5"]),
+    (["--choose-epochs", "0"], ["choose-epochs", "0"]),
+    (["--choose-holdout", "1.5"], ["choose-holdout", "1.5"]),
+    (["--choose-epochs", "3"], ["choose-epochs", "steps=1"]),  # Q's --steps: the run's length given twice
 ])
 def test_a_bad_quality_flag_is_one_line_naming_flag_and_value(tmp_path, flags, fragments):
     proc = run_cli("train", *Q, *flags, "--summary-json", tmp_path / "s.json", cwd=tmp_path)
@@ -57,3 +60,9 @@ def test_without_flags_the_tables_take_the_measured_defaults():
     # --admit-min-count 1: a row at first sight, no shared row (the store's plain behaviour)
     model, _ = build_model(_config("--admit-min-count", "1"), torch.device("cpu"))
     assert {(t.admit_min_count, t.shared_row) for t in model.embeddings.tables} == {(1, False)}
+
+
+def test_choose_epochs_sets_the_run_length_in_passes():
+    cfg = _config("--data", "clicks.csv", "--choose-epochs", "4", "--choose-holdout", "0.2")
+    assert (cfg.steps, cfg.choose_epochs, cfg.choose_holdout) == (None, 4, 0.2)
+    assert _config("--data", "clicks.csv").choose_epochs is None  # off unless asked (docs/quality.md)

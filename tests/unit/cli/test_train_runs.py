@@ -86,6 +86,7 @@ def test_long_runs_record_every_log_every_steps():
     assert Trainer(TrainConfig(steps=200, log_every=10, **SMALL))._record_every == 4
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_changes_nothing(tmp_path):
     ck = tmp_path / "ck"
     args = ["train", "--steps", "4", "--eval-every", "2", "--checkpoint-dir", ck, "--quiet", *FAST]

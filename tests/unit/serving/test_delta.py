@@ -34,6 +34,7 @@ def chained(run, tmp_path_factory):
 
 @pytest.mark.parametrize("path", ["kernels", "torch"])
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.slow
 def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype, path, monkeypatch):
     if path == "torch":  # the lookups' torch twins (the patched one's and the base op's), as an artifact's runtime.py
         # runs them: on the artifact's own key index (hugeembed's private one is read by its kernels only)
@@ -85,6 +86,7 @@ def test_a_delta_that_does_not_follow_is_refused_and_changes_nothing(chained, tm
     assert base.apply_delta(art / "deltas" / "step-000000080") == "step-000000080"
 
 
+@pytest.mark.slow
 def test_a_damaged_delta_is_refused_and_the_served_version_kept(chained, tmp_path):
     art = shutil.copytree(chained["int8"], tmp_path / "a")
     rows = next((art / "deltas" / "step-000000160" / "tables").glob("C3.upsert_rows.npy"))
@@ -107,6 +109,7 @@ def test_a_damaged_delta_is_refused_and_the_served_version_kept(chained, tmp_pat
     assert m.reload() == ["step-000000160"] and m.refused is None
 
 
+@pytest.mark.slow
 def test_export_delta_refusals(chained, run, tmp_path, capsys):
     with pytest.raises(ConfigError, match="already serves step-000000160"):
         export_delta(run, chained["fp32"])
@@ -115,6 +118,7 @@ def test_export_delta_refusals(chained, run, tmp_path, capsys):
     assert "not after the served step-000000160" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_export_delta(run, tmp_path, capsys):
     art = tmp_path / "a"
     assert main(["export", "--checkpoint", str(snapshot(run, 120)), "--out", str(art), "--dtype", "int4"]) == 0

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hugeembed.errors import ArtifactError
 from hugeembed.serving import ServingModel, export, export_delta
 from hugeembed.serving import _model
+from hugeembed.serving._index import group_tables
 
 from .conftest import snapshot
 from .crafting import record, rewrite
@@ -66,6 +67,7 @@ def _table_bytes(tables) -> int:
     return sum(t.numel() * t.element_size() for part in tables.args() for t in part)
 
 
+@pytest.mark.slow
 def test_applying_a_delta_allocates_for_its_rows_not_for_the_tables(small_delta):
     model = ServingModel.load(small_delta, apply_deltas=False)
     from hugeembed.serving._delta import read_delta, read_header
@@ -89,7 +91,6 @@ def test_applying_a_delta_allocates_for_its_rows_not_for_the_tables(small_delta)
 def test_the_patch_of_a_huge_table_costs_what_the_delta_changes():
     """merge_patch alone, over a base group of 4 M static rows (64 MB) and a dynamic table: the allocation
     follows the 1000 rows a delta changes, whatever the size of the tables."""
-    from hugeembed.serving import _runtime
     from hugeembed.serving._patch import merge_patch
 
     n_static, width = 4_000_000, 16  # int8 rows of dim 8: 8 bytes, then a float32 scale and bias
@@ -97,7 +98,7 @@ def test_the_patch_of_a_huge_table_costs_what_the_delta_changes():
              "dim": 8}
     keys = torch.cat([torch.tensor([-1]), torch.arange(50_000) * 7])  # the shared row, then 50 k ids
     rows = torch.zeros(n_static + keys.numel() + 1, width, dtype=torch.uint8)
-    _, _, _, meta = _runtime.group_tables(group, [n_static, keys.numel()], rows, keys)
+    _, _, _, meta = group_tables(group, [n_static, keys.numel()], rows, keys)
     g = torch.Generator().manual_seed(0)
     upserts = {"big": (torch.randperm(n_static, generator=g)[:500], torch.ones(500, width, dtype=torch.uint8)),
                "users": (torch.arange(500) * 7 + 1, torch.full((500, width), 2, dtype=torch.uint8))}

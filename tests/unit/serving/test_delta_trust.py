@@ -101,6 +101,7 @@ def test_an_old_format_delta_carrying_code_never_runs_in_any_path(art, run, tmp_
 
 
 @pytest.mark.parametrize("kind", ["dense", "upsert_rows"])
+@pytest.mark.slow
 def test_a_pickled_array_in_a_delta_is_never_unpickled(art, tmp_path, kind):
     marker = tmp_path / "PAYLOAD-RAN"
     d = art / "deltas" / DELTA

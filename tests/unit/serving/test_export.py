@@ -26,6 +26,7 @@ def served_probs(art, batches) -> torch.Tensor:
     return torch.cat([m.predict(b.dense, b.sparse) for b in batches])
 
 
+@pytest.mark.slow
 def test_fp32_export_equals_eval_and_fp16_is_close(artifacts, heldout):
     model, batches = heldout
     ref = reference_probs(model, batches[:4])
@@ -145,6 +146,7 @@ def test_cli_export_and_eval_predictions(run, tmp_path, capsys, heldout):
     torch.testing.assert_close(torch.tensor([float(x) for x in lines]), ref, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_program_runs_in_a_process_without_hugeembed(artifacts, heldout, tmp_path):
     """runtime.py (a copy in the artifact) and torch alone load and run the export."""
     art = artifacts("int4")

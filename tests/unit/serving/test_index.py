@@ -87,7 +87,7 @@ def test_ids_chosen_to_collide_under_salt_0_cost_no_more_than_random_ids_under_a
     rng = np.random.default_rng(0)
     random_ids = sorted(set(rng.integers(I64_MIN, I64_MAX, n, dtype=np.int64).tolist()))
     keys, meta = _meta([random_ids])
-    slots = _runtime.index_capacity(len(random_ids))
+    slots = _index.index_capacity(len(random_ids))
     hostile_keys, hostile_meta = _meta([colliding_ids(len(random_ids), slots)])
 
     def probes(index, keys, meta):
@@ -106,13 +106,13 @@ def test_ids_chosen_to_collide_under_salt_0_cost_no_more_than_random_ids_under_a
     assert drawn <= 1.15 * baseline and baseline < 2, (drawn, baseline)
     # the artifact's index, whose hash is public (salt 0 for good), is what the served tables no longer read
     chosen = sorted(colliding_ids(500, 1 << 20))  # one home slot in any index of up to 2^20 slots
-    _, art_probes = _runtime.build_index(torch.tensor(chosen), torch.zeros(500, dtype=torch.int64), 1)
+    _, art_probes = _index.build_index(torch.tensor(chosen), torch.zeros(500, dtype=torch.int64), 1)
     assert art_probes[0] == 500
 
 
 def test_a_chain_past_the_cap_draws_another_salt(monkeypatch):
     n = 2000
-    keys, meta = _meta([colliding_ids(n, _runtime.index_capacity(n))])
+    keys, meta = _meta([colliding_ids(n, _index.index_capacity(n))])
     drawn = iter([0, 0, 12345])  # the first two draws: the salt the ids were chosen for
     monkeypatch.setattr(_index.secrets, "randbits", lambda bits: next(drawn))
     index = serving_index(keys, meta)
@@ -122,7 +122,7 @@ def test_a_chain_past_the_cap_draws_another_salt(monkeypatch):
 def test_loaded_tables_read_the_private_index_and_an_artifacts_runtime_refuses_it():
     keys, meta = _meta([[3, 10, 20], [10, 40]])
     rows = quantize(torch.arange(6 * 4, dtype=torch.float32).view(6, 4), "fp32")  # 5 rows and the zero row
-    slots, probes = _runtime.build_index(keys, torch.tensor([0, 0, 0, 1, 1]), 2)
+    slots, probes = _index.build_index(keys, torch.tensor([0, 0, 0, 1, 1]), 2)
     meta = _runtime.table_meta([0, 1], [0, 0], [0, 0], [3, 2], keys, probes)
     tables = _runtime.Tables([rows], [keys], [slots], [meta])
     assert is_serving_index(tables.lookup_index[0]) and tables.index[0] is slots

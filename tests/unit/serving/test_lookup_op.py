@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hugeembed.serving import _runtime, dequantize, pooled_lookup, quantize
+from hugeembed.serving import _index, _runtime, dequantize, pooled_lookup, quantize
 from hugeembed.serving._index import is_serving_index as serving_index_of
 
 
@@ -18,7 +18,7 @@ I64_MIN = -(1 << 63)
 
 def colliding_keys(n: int, table: int = 0) -> list[int]:
     """`n` keys whose home slot (table `table`, the index of 2n keys) is one and the same."""
-    cap = _runtime.index_capacity(2 * n)
+    cap = _index.index_capacity(2 * n)
     cand = torch.arange(1 << 16, dtype=torch.int64) * 1_000_003 + 17
     home = _runtime.hash_slots(cand, torch.full_like(cand, table), cap)
     return cand[home == home[0]][:n].tolist()
@@ -89,6 +89,7 @@ def id_pass(request, monkeypatch):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases(), st.sampled_from(["fp32", "fp16", "int8", "int4"]))
+@pytest.mark.slow
 def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     D, keys, weights, B, combiners, bags, shared, pos = case
     values = torch.tensor([i for f in bags for bag in f for i in bag], dtype=torch.int64)
@@ -97,7 +98,7 @@ def test_pooled_lookup_matches_the_oracle(id_pass, case, dtype):
     # the group's matrix: dynamic table, static table, dynamic table, zero row; keys of tables 0 and 2
     rows = quantize(torch.cat([*weights, torch.zeros(1, D)]), dtype)
     group = {"table_keys": [0, -1, 1], "table_rows": [0, weights[1].shape[0], 0], "table_shared": [int(shared), 0, 0]}
-    args = _runtime.group_tables(group, [w.shape[0] for w in weights], rows,
+    args = _index.group_tables(group, [w.shape[0] for w in weights], rows,
                                  torch.tensor(keys[0] + keys[1], dtype=torch.int64))
     if id_pass == "private index":
         args = [a[0] for a in _runtime.Tables(*([a] for a in args)).args()]
@@ -130,8 +131,8 @@ def test_the_hash_is_splitmix64_of_key_and_table(keys, table):
 def test_index_build_is_deterministic_and_finds_every_key_when_all_collide():
     keys = torch.tensor(sorted(colliding_keys(40)), dtype=torch.int64)
     table_of = torch.zeros(40, dtype=torch.int64)
-    a, probes = _runtime.build_index(keys, table_of, 1)
-    b, _ = _runtime.build_index(keys.clone(), table_of, 1)
+    a, probes = _index.build_index(keys, table_of, 1)
+    b, _ = _index.build_index(keys.clone(), table_of, 1)
     assert torch.equal(a, b) and a.dtype == torch.int32 and a.numel() == 128
     assert probes == [40]  # one home slot: the keys lie one after the other
     meta = _runtime.table_meta([0], [0], [0], [40], keys, probes)
@@ -158,7 +159,7 @@ def test_the_native_probe_finds_what_the_torch_rounds_find(tables, queries, with
     int32 slots: he_serve_find (csrc/serve.cpp) against _find_torch, position for position."""
     keys = torch.tensor([k for t in tables for k in sorted(t)], dtype=torch.int64)
     table_of = torch.tensor([i for i, t in enumerate(tables) for _ in t], dtype=torch.int64)
-    index, probes = _runtime.build_index(keys, table_of, len(tables))
+    index, probes = _index.build_index(keys, table_of, len(tables))
     sizes = [len(t) for t in tables]
     meta = _runtime.table_meta([0] * len(tables), [0] * len(tables), [0] * len(tables), sizes, keys, probes)
     if with_static:  # a static table's ids are rows, never probed
@@ -178,6 +179,7 @@ def test_the_native_probe_finds_what_the_torch_rounds_find(tables, queries, with
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),
        st.floats(1e-3, 1e3))
+@pytest.mark.slow
 def test_row_wise_quantization_error_is_half_a_step(n, dim, seed, spread):
     """int8: |x - q(x)| <= (max - min) / 255 / 2 per row; int4: / 15 / 2 (+ float16 scale rounding)."""
     w = torch.from_numpy(np.random.default_rng(seed).normal(scale=spread, size=(n, dim)).astype(np.float32))
@@ -203,7 +205,7 @@ native = pytest.mark.skipif(not _runtime.bags_accelerator, reason="native kernel
 def _group():
     """One dynamic table of 3 keys (rows 0..2, the zero row 3): keys, index, meta."""
     keys = torch.tensor([10, 20, 30], dtype=torch.int64)
-    index, probes = _runtime.build_index(keys, torch.zeros(3, dtype=torch.int64), 1)
+    index, probes = _index.build_index(keys, torch.zeros(3, dtype=torch.int64), 1)
     meta = _runtime.table_meta([0], [0], [0], [3], keys, probes)
     return keys, index, meta
 

@@ -58,6 +58,7 @@ def _predict(client, model):
     return r.json()
 
 
+@pytest.mark.slow
 def test_watching_is_off_by_default_and_reload_needs_the_admin_token(art, tmp_path):
     assert ServerConfig().watch_s == 0 and build_parser().parse_args(["serve", "x"]).watch == 0
     staged = shutil.move(art / "deltas", tmp_path / "staged")

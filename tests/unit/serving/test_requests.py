@@ -121,6 +121,7 @@ _MUTATIONS = st.one_of(
 @needs_native
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests(), st.lists(_MUTATIONS, min_size=1, max_size=3))
+@pytest.mark.slow
 def test_mutated_json_bodies_get_the_same_answer_from_the_kernel_and_its_twin(req, mutations):
     _, body = req
     for m in mutations:

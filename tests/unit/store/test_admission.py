@@ -21,6 +21,7 @@ def same_export(a, b) -> None:
         assert torch.equal(getattr(ea, f), getattr(eb, f)), f
 
 
+@pytest.mark.slow
 def test_pending_keys_are_bounded_and_their_bytes_counted():
     def stream(max_pending):
         s = HashStore("t", 4, capacity=1000, admit_min_count=2, max_pending=max_pending)

@@ -60,6 +60,7 @@ def run(owner, tick, keys, freq, exclude, min_take, want):
 
 @settings(max_examples=120, deadline=None)
 @given(caches())
+@pytest.mark.slow
 def test_victims_are_the_smallest_candidates_in_lexicographic_order(cache):
     n, got = run(*cache)
     want_n, want = oracle(*cache)
@@ -103,6 +104,7 @@ def test_a_too_short_buffer_is_refused_and_nothing_written(short):
 
 
 @pytest.mark.parametrize("tick_span", [20, 2**40])  # one histogram round per column; rounds past its window
+@pytest.mark.slow
 def test_many_candidates_match_a_sort(tick_span):
     g = torch.Generator().manual_seed(0)
     cap = 300_007  # enough candidates for the widest histogram

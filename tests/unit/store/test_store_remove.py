@@ -105,3 +105,5 @@ TestNativeRemoveAgainstDict = pytest.mark.skipif(not _native.available(), reason
     TestNativeRemoveAgainstDict)
 TestTorchRemoveAgainstDict = TorchRemoveMachine.TestCase
 TestTorchRemoveAgainstDict.settings = _SETTINGS
+TestNativeRemoveAgainstDict = pytest.mark.slow(TestNativeRemoveAgainstDict)  # a few hundred store calls per example
+TestTorchRemoveAgainstDict = pytest.mark.slow(TestTorchRemoveAgainstDict)  # a few hundred store calls per example

@@ -139,3 +139,5 @@ TestNativeAgainstDict = pytest.mark.skipif(not _native.available(), reason="nati
 )
 TestTorchAgainstDict = TorchStoreMachine.TestCase
 TestTorchAgainstDict.settings = _SETTINGS
+TestNativeAgainstDict = pytest.mark.slow(TestNativeAgainstDict)  # a few hundred store calls per example
+TestTorchAgainstDict = pytest.mark.slow(TestTorchAgainstDict)  # a few hundred store calls per example

@@ -36,6 +36,7 @@ def test_the_decayed_rates_reach_both_optimizers():
         pytest.approx([cfg.sparse_lr / 2] * len(t.collection.optimizer.param_groups))
 
 
+@pytest.mark.slow
 def test_short_runs_evaluate_about_ten_times_and_record_copc():
     s = Trainer(TrainConfig(steps=30, **SMALL)).fit()
     h = s["history"]
@@ -108,6 +109,7 @@ def test_cli_flags_of_adam_settings_and_dense_averaging():
 
 
 @pytest.mark.parametrize("model", ["dlrm", "deepfm"])
+@pytest.mark.slow
 def test_average_dense_ends_the_run_with_the_mean_over_the_decay_phase(model):
     # 8 steps, a tail of round(8 * 0.5) = 4: the rates are below 1 at steps 5, 6, 7 (0-based)
     cfg = TrainConfig(model=model, steps=8, lr_decay=0.5, eval_every=0, **SMALL)
@@ -138,6 +140,7 @@ def test_average_dense_ends_the_run_with_the_mean_over_the_decay_phase(model):
     assert avg.state.dense_average is None  # applied, and not carried into a later snapshot
 
 
+@pytest.mark.slow
 def test_a_run_without_decay_is_not_averaged():
     cfg = TrainConfig(steps=4, lr_decay=0.0, eval_every=0, **SMALL)
     a, b = Trainer(cfg), Trainer(cfg.replace(average_dense=False))
@@ -145,6 +148,7 @@ def test_a_run_without_decay_is_not_averaged():
     assert all(torch.equal(x, y) for x, y in zip(_dense(a), _dense(b)))
 
 
+@pytest.mark.slow
 def test_resume_inside_the_decay_phase_equals_the_uninterrupted_run(tmp_path):
     # 16 steps, tail 8: averaging from step 9 on; the snapshot at step 12 holds 4 steps of the mean
     base = TrainConfig(steps=16, lr_decay=0.5, eval_every=0, **SMALL)
@@ -183,6 +187,7 @@ def test_a_record_saved_before_these_settings_keeps_torch_adam_and_the_last_step
     assert RunRecord.from_dict({"config": cfg_adagrad, "train_state": state}, "old").config.sparse_betas is None
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_runs_length_restarts_the_mean_in_its_own_phase(tmp_path):
     # 10 steps, tail 5: the mean starts at step index 6; the step-8 snapshot holds 2 steps of it
     cfg = TrainConfig(steps=10, lr_decay=0.5, eval_every=0, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4,
@@ -200,6 +205,7 @@ def test_a_resume_that_changes_the_runs_length_restarts_the_mean_in_its_own_phas
     assert any("dense average restarts at step 9" in i.get("message", "") for e, i in notes if e == "note")
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_averaged_model_was_not_saved_saves_it_on_resume(tmp_path):
     # an epoch of a text file ends at its last batch: the loop's snapshot of that step holds the
     # mean not yet applied; a process that dies there leaves that snapshot as the newest

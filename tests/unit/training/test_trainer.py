@@ -30,11 +30,13 @@ def test_dlrm_learns_well_above_chance_and_loss_decreases():
 
 
 @pytest.mark.parametrize("model", ["deepfm", "widedeep", "dcn"])
+@pytest.mark.slow
 def test_other_models_train(model):
     s = Trainer(TrainConfig(model=model, steps=40, eval_every=0, **SMALL)).fit()
     assert s["auc"] > 0.6 and s["steps"] == 40
 
 
+@pytest.mark.slow
 def test_same_seed_same_run_different_seed_different_run():
     cfg = TrainConfig(steps=15, eval_every=0, **SMALL)
     a, b = Trainer(cfg), Trainer(cfg)
@@ -46,6 +48,7 @@ def test_same_seed_same_run_different_seed_different_run():
     assert sc["history"]["loss"] != sa["history"]["loss"]
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_equals_uninterrupted_and_eval_reproduces(tmp_path):
     base = TrainConfig(steps=24, eval_every=12, **SMALL)
     whole = Trainer(base)
@@ -102,6 +105,7 @@ def test_config_errors_and_toml(tmp_path):
         TrainConfig.from_toml(f)
 
 
+@pytest.mark.slow
 def test_trains_on_criteo_files_with_held_out_rows(tmp_path):
     from hugeembed.data import SyntheticConfig, write_criteo_tsv
 

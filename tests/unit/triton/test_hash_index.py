@@ -110,6 +110,7 @@ op = st.one_of(
 @on_device
 @settings(max_examples=30)
 @given(ops=st.lists(op, min_size=1, max_size=6))
+@pytest.mark.slow
 def test_triton_index_equals_the_torch_index_call_for_call(device, ops):
     a, b = _group("torch", device), _group("triton", device)
     for step, (kind, *args) in enumerate(ops):

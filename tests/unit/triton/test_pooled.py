@@ -78,6 +78,7 @@ def batch_of(bags, weighted) -> SparseFeatures:
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @settings(max_examples=40)
 @given(case=cases())
+@pytest.mark.slow
 def test_pooled_forward_equals_the_torch_reference_and_tf_semantics(device, case):
     tables, feats, weights, bags, weighted = case
     sf = batch_of(bags, weighted).to(device)
