@@ -15,13 +15,13 @@ index runs on the native kernels (CPU), the triton kernels (CUDA) or the torch r
 fails (a duplicate key, a capacity error) leaves the group as it was, except that on_full="evict"
 may have evicted rows before finding that nothing more could go.  Growth is explicit and amortized:
 the index to under MAX_LOAD (x1.5 at least), the rows x1.5; each is one copy (old and new held at
-once: the peak is 2.5x the rows, docs/store.md).
+once: the peak is 2.5x the rows, docs/store.md).  Growth, rekeying, row slots and every edit but the
+fetch live in store/_dynamic_edit.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 from typing import Sequence
 
@@ -31,13 +31,12 @@ from .. import _native, _triton
 from .._device import canonical_device
 from .._hashing import mix64, seed_mix
 from .._tensors import joined, repeat_each
-from ..errors import CapacityError, ConfigError, InputError, StoreError
+from ..errors import ConfigError, InputError, StoreError
 from . import _alloc
 from ._admit import admission_draw
-from ._dynamic_edit import DynamicEdits
+from ._dynamic_edit import AUTO_EVICT_SLACK, MAX_LOAD, DynamicEdits
 from ._group import GroupBase
-from ._index import (G_ENTRIES, G_LEN, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PENDING, T_ADMIT_K, T_HASH_KEY, T_LEN,
-                     T_PENDING, T_ROW_LIMIT, T_ROWS, Outcome, hash_key, new_buckets)
+from ._index import G_LEN, PENDING, T_ADMIT_K, T_PENDING, T_ROWS, Outcome, hash_key, new_buckets
 from ._index_native import NativeIndex
 from ._index_torch import TorchIndex
 from ._index_triton import TritonIndex
@@ -47,16 +46,7 @@ from ._settings import TableSettings, draw_salt
 
 __all__ = ["DynamicGroup", "MAX_LOAD", "AUTO_EVICT_SLACK", "pick_backend"]
 
-# The index grows (x1.5, or to what a batch needs) when it would be fuller than this.  Measured
-# (docs/store.md): find at load 0.49 / 0.59 / 0.69 / 0.78 runs at 38 / 33 / 28 / 23 M keys per CPU-second.
-MAX_LOAD = 0.6
-# on_full="evict" frees this fraction of the capacity beyond what the batch needs, so a full table
-# looks for victims once per capacity/64 new rows rather than at every batch.
-AUTO_EVICT_SLACK = 64
-_GROWTH = 1.5
-_MAX_BUCKETS = 2**32
 _MIN_BUCKETS = 64
-_MIN_ROWS = 64
 
 
 # Initializers whose values are a function of each key's stream alone: many tables' rows in one call.
@@ -333,18 +323,6 @@ class DynamicGroup(DynamicEdits, GroupBase):
             admit[sel] = admission_draw(keys[sel], step, s.seed, s.admit_probability).to(torch.uint8)
         return admit
 
-    def _make_room(self, t: int, step: int, needed: int, protect: torch.Tensor, retried: bool) -> None:
-        s = self.settings[t]
-        cap, live = s.capacity, self.table_rows(t)
-        msg = f"table '{s.name}': capacity {cap} rows reached ({live} live); this batch needs {needed} new rows"
-        if s.on_full == "error" or needed > cap or retried:
-            raise CapacityError(msg + (" and on_full='error'" if s.on_full == "error" else ""))
-        self.evict(t, step, max_rows=max(0, cap - needed - cap // AUTO_EVICT_SLACK), protect=protect)
-        if self.table_rows(t) + needed > cap:
-            raise CapacityError(msg + f"; only {cap - self.table_rows(t)} could be freed without evicting rows of this "
-                                "batch" + (f" or of the {len(self.pins)} batches whose backward has not run (pinned)"
-                                           if len(self.pins) else ""))
-
     def fetch(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
               out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
         """The group interface's training fetch (:meth:`find_or_insert`)."""
@@ -362,100 +340,6 @@ class DynamicGroup(DynamicEdits, GroupBase):
     def hit_counts(self, tids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Hits of the pairs so far (admitted or pending; 0 for an unknown key); changes nothing."""
         return self._index.find(self, keys, tids, rows_only=False, hits=True)[1]
-
-    # ---------------------------------------------------------------- growth
-    def _state_now(self) -> tuple[int, int, int]:
-        """(entries, row_hwm, free rows listed): as the last call reported them, else read once."""
-        if self._known is None:
-            self._known = tuple(self.scalars.tolist())
-        return self._known
-
-    def _room_for(self, n: int) -> None:
-        """Grows the group ahead of a call of `n` keys that might not fit (were every key new and every
-        one a row): the call then needs no second try for room, and its one read tells all.  The
-        rows grow ahead by at most one batch more than they turn out to need."""
-        entries, hwm, nfree = self._state_now()
-        if entries + n > self.max_entries() or hwm + max(0, n - nfree) > self.rows.shape[0]:
-            self._grow_for(n, n, ahead=True)
-
-    def _grow_for(self, new_entries: int, new_rows: int, ahead: bool = False) -> None:
-        """Grows the index (to under MAX_LOAD, x1.5 at least) and the rows (x1.5) to fit this many
-        more (`ahead`: a guess, so rows stop at the tables' capacities instead of raising)."""
-        entries, row_hwm, nfree = self._state_now()
-        need = entries + new_entries
-        nb = self.buckets.shape[0]
-        if need > int(nb * MAX_LOAD):
-            nb = max(math.ceil(need / MAX_LOAD), int(nb * _GROWTH))
-            nb = -(-nb // 64) * 64
-            if nb > _MAX_BUCKETS:
-                raise CapacityError(f"tables {self.names()}: {need} keys exceed the index limit of one group "
-                                    f"({int(_MAX_BUCKETS * MAX_LOAD)})")
-            self._rehash(nb)
-        hwm = row_hwm + max(0, new_rows - nfree)
-        limit = self._rows_limit()
-        if ahead:
-            hwm = min(hwm, limit)
-        if hwm > limit:
-            raise CapacityError(f"tables {self.names()}: {hwm} rows exceed the {limit} row slots of one group")
-        if hwm > self.rows.shape[0]:
-            self._grow_rows(min(limit, max(hwm, int(self.rows.shape[0] * _GROWTH), _MIN_ROWS)))
-
-    def _rows_limit(self) -> int:
-        """Row slots the group may hand out: the tables' capacities when all have one."""
-        from ._index import MAX_SLOTS
-
-        caps = [t.capacity for t in self.settings]
-        return MAX_SLOTS if None in caps else min(MAX_SLOTS, sum(caps))
-
-    def _rehash(self, nbuckets: int) -> None:
-        new = _alloc.empty((nbuckets, 4), torch.int64, self.device)
-        if self.device.type == "meta":  # shapes only (memory planning): no records to move
-            self.buckets = new
-            return
-        expected = self._state_now()[0]
-        moved = self._index.rehash(self, new)
-        if moved != expected:
-            raise StoreError(f"tables {self.names()}: rehash moved {moved} keys, expected {expected} (internal error)")
-        self.buckets = new
-
-    def rekey(self, t: int) -> None:
-        """Gives table `t` a new random salt and rehashes (a chain grew too long: keys chosen to
-        collide under the old salt spread out under the new one)."""
-        self.salts[t] = draw_salt()
-        self.tables[t, T_HASH_KEY] = hash_key(self.salts[t], t)
-        self._rehash(self.buckets.shape[0])
-
-    def _grow_rows(self, rows: int) -> None:
-        used = self._state_now()[1]
-        grown = _alloc.empty((rows, self.rows.shape[1]), self.rows.dtype, self.device)
-        if self.device.type == "meta":
-            self.rows = grown
-            return
-        grown[:used] = self.rows[:used]
-        # Touch the spare rows now: first-touch page faults cost more than the writes
-        # themselves (docs/architecture.md), better paid at growth than per batch.
-        grown[used:] = 0
-        self.rows = grown
-
-    # ---------------------------------------------------------------- row slots
-    def take_rows(self, m: int) -> torch.Tensor:
-        """`m` row slots: free ones smallest first, then fresh ones (the room is there)."""
-        nf, hwm = int(self.scalars[G_NUM_FREE]), int(self.scalars[G_ROW_HWM])
-        take = min(m, nf)
-        slots = torch.cat([self.free_rows[nf - take : nf].flip(0).to(torch.int64),
-                           torch.arange(hwm, hwm + m - take, device=self.device)])
-        self.scalars[G_NUM_FREE] = nf - take
-        self.scalars[G_ROW_HWM] = hwm + m - take
-        self._known = None
-        return slots
-
-    def release_rows(self, slots: torch.Tensor) -> None:
-        if self.on_free is not None and slots.numel():
-            self.on_free(slots.to(torch.int64))
-        nf = int(self.scalars[G_NUM_FREE])
-        self.free_rows = torch.cat([self.free_rows[:nf], slots.to(torch.int32)]).sort(descending=True).values
-        self.scalars[G_NUM_FREE] = self.free_rows.numel()
-        self._known = None
 
     # ---------------------------------------------------------------- memory
     def memory_breakdown(self) -> dict[str, int]:
