@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hugeembed import _native  # noqa: E402
 from hugeembed._hashing import mix64  # noqa: E402
 from hugeembed.store import HashStore, TruncatedNormal, Uniform  # noqa: E402
-from hugeembed.store import _alloc, _hash  # noqa: E402
+from hugeembed.store import _alloc  # noqa: E402
+from hugeembed.store._dynamic import MAX_LOAD  # noqa: E402
 
 _SALT = 0x5DEECE66D
 
@@ -140,9 +141,8 @@ def bench_store(args) -> None:
     init = Uniform(-0.05, 0.05) if args.init == "uniform" else TruncatedNormal(0.0, 0.05)
     print(f"# store: {args.keys:,} keys, batches of {args.batch:,} unique keys (Zipf {args.zipf}, "
           f"{args.new_frac:.0%} new), dim {args.dim}, {args.init} init, {args.threads} threads, "
-          f"huge pages {'on' if _alloc.HUGE_PAGES else 'off'}, max load {args.max_load}, median of {args.runs} runs")
+          f"huge pages {'on' if _alloc.HUGE_PAGES else 'off'}, max load {MAX_LOAD}, median of {args.runs} runs")
     backend = "native" if _native.available() else "torch"
-    _hash.MAX_LOAD = args.max_load
     # The reservation hint covers the keys the timed batches will add, so no
     # growth (a one-off 1.5x copy of the storage) lands inside a timed run.
     backends = [b for b in args.backends.split(",") if b and (b != "native" or _native.available())]
@@ -276,7 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch / kernel threads")
     p.add_argument("--no-hugepages", action="store_true", help="do not madvise(MADV_HUGEPAGE) the store arrays")
     p.add_argument("--no-reference", action="store_true", help="skip the sorted-array reference")
-    p.add_argument("--max-load", type=float, default=_hash.MAX_LOAD, help="bucket load factor that triggers growth")
     p.add_argument("--backends", default="native,torch", help="HashStore backends to time (comma-separated)")
     p.add_argument("--warm-batches", type=int, default=60,
                    help="step part: batches the dynamic tables train on before the steady-state timing")

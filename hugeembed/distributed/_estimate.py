@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-import torch
-
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
 from ..store._dynamic import MAX_LOAD

@@ -12,7 +12,6 @@ from typing import Iterator
 
 import torch
 
-from .._tensors import repeat_each
 from ..errors import InputError
 from ..functional import PooledEmbeddings
 from ..store import EXPORT_FIELDS, RowStore, StoreExport, TieredGroup, TieredStore

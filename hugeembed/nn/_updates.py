@@ -14,6 +14,7 @@ rule on the group's rows.  What a collection does for rare ids is a property of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from .._tensors import joined, repeat_each
 from ..optim import SparseOptimizer
 from ._fused_updates import fused_update, unit_fuses
 from ._rare import coalesce, count_lr_scale, update_scaled
+
+if TYPE_CHECKING:  # annotations only
+    from ._inflight import InFlight
 
 __all__ = ["UpdateUnit", "make_units", "apply_unit", "update", "RowUpdates"]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from ..errors import ConfigError
 from . import _native_ops
 from ._base import SparseOptimizer, check_bool, check_real

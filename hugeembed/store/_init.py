@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .. import _native
-from .._hashing import _base, _unit, logical_shift_right, mix64, mix64_int, seed_mix
+from .._hashing import _base, _unit, logical_shift_right, mix64
 from ..errors import ConfigError, InputError
 
 __all__ = ["Initializer", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros", "FromCallable", "INIT_KINDS",
