@@ -11,6 +11,7 @@ them.  Ids may repeat: a row is read in once and counted once per occurrence."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -21,7 +22,8 @@ from ._common import as_keys, init_rows
 from ._evict import EVICTION_POLICIES, choose_victims, policy_columns
 from ._tier_space import MOVED
 
-__all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for", "new_map"]
+__all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for", "new_map",
+           "one_thread"]
 
 CACHE_POLICIES = EVICTION_POLICIES  # the cache's victims are chosen as the dynamic store's (store/_evict.py)
 MAP_WIDTH = 3  # per logical row: cache slot (-1: not resident), accesses while not resident, record (-1: none)
@@ -35,6 +37,26 @@ _EVICT_SLACK = 64
 def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
     """Rows a cache of `memory_budget` bytes holds (each row with its slot metadata)."""
     return int(memory_budget) // (int(row_bytes) + SLOT_METADATA_BYTES)
+
+
+def one_thread(method):
+    """Runs `method` with one intra-op thread.  The tier's torch ops are small (a batch's ids, a few
+    segments): split over OpenMP workers, each op ends at a barrier where the caller spins until every
+    worker ran, and on a busy machine a worker waits for a core -- with 2 threads a d64 step took ~10x
+    the in-memory one.  The setting is this thread's (libgomp's per-thread ICV) and is restored."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        n = torch.get_num_threads()
+        if n == 1:
+            return method(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+
+    return wrapper
 
 
 def new_map(rows: int, old: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,10 +299,7 @@ class TierCache:
         if bool(rest.any()):
             lg, sl, rec = logical[rest], slots[rest], rec[rest]
             order = rec.argsort()
-            lg, sl = lg[order], sl[order]
-            buf = self.layout.empty(lg.numel())
-            self.file.read(rec[order], buf)
-            self._rows.index_copy_(0, sl, buf)
+            self.file.read_rows(rec[order], self._rows, sl[order])
             self.stats["rows_read"] += lg.numel()
 
     def _drop_logical(self, freed: torch.Tensor) -> None:
@@ -296,6 +315,7 @@ class TierCache:
         self._mark_stale(freed)
 
     # ------------------------------------------------------------- prefetch
+    @one_thread
     def prefetch(self, keys: torch.Tensor) -> int:
         """Starts reading the rows of `keys` (e.g. the next batch's ids) that are on disk and not
         resident, in the background; the next fetches take them from there (the reads of the

@@ -48,7 +48,8 @@ from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 from ._tier_file import IO_THREADS, RowFile, TableDir
 from .. import _native
-from ._tier_cache import CACHE_POLICIES, SLOT_METADATA_BYTES, TierCache, cache_rows_for, new_map
+from ._tier_cache import (CACHE_POLICIES, SLOT_METADATA_BYTES, TierCache, cache_rows_for, new_map,
+                          one_thread)
 from ._tier_space import RecordSpace
 
 __all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for"]
@@ -168,6 +169,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         """The keys of the rows at cache `slots` (stochastic rounding draws by key)."""
         return self._keys[slots]
 
+    @one_thread
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
         step = check_step(self.name, step)
@@ -181,6 +183,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         self._fit_map()
         return self._bring_in(logical, keys, counts, training=True)
 
+    @one_thread
     def reserve(self, keys: torch.Tensor) -> None:
         """Makes room in the cache for `keys` (victims written back) ahead of ``find_or_insert(keys)``:
         a collection reserves in every tiered table before any table counts or inserts, so a write
@@ -196,6 +199,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         """Hits of `keys` so far (the key index keeps them); changes nothing."""
         return self.index.hit_counts(keys)
 
+    @one_thread
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
         if keys.numel() == 0:
