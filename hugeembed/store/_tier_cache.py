@@ -271,7 +271,7 @@ class TierCache:
         self.stats["accesses"] += acc
         self.stats["hits"] += hits
         if released:
-            self._space.dropped(released, out[3 : 3 + emptied].tolist())
+            self._space.dropped(released, sorted(out[3 : 3 + emptied].tolist()))  # as torch.unique
         return cs
 
     def _fill_slots(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor) -> None:
