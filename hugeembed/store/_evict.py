@@ -14,7 +14,7 @@ Protected slots (the current batch, pinned in-flight batches) never go.
 One victim chooser serves every store: ``choose_victims`` takes the k smallest candidates in
 the policy's order (``policy_columns``: the same for the dynamic store's max_rows and the
 tiered cache's victims) with a linear time selection, not a sort of the table: the native
-kernel he_choose_victims (csrc/tier_cache.cpp) on the CPU, _common.lowest_k elsewhere.
+kernel he_choose_victims (csrc/victims.cpp) on the CPU, _common.lowest_k elsewhere.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """choose_victims (store/_evict.py: the one victim chooser of the dynamic store's eviction and the
-tiered cache; he_choose_victims in csrc/tier_cache.cpp, lowest_k off the CPU) against a plain-Python
+tiered cache; he_choose_victims in csrc/victims.cpp, lowest_k off the CPU) against a plain-Python
 oracle: the candidates (valid, not excluded) sorted by the policy's columns and the first `want` of
 them taken.  Both backends: the native kernel and the torch selection."""
 
