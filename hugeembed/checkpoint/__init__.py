@@ -5,8 +5,8 @@ from ._files import write_bytes, write_tensor
 from ._lock import CheckpointLock
 from ._manifest import DELTA_FORMAT_VERSION
 from ._runs import claim_for_fresh_run, new_run_id, run_of
-from ._snapshot import (FORMAT_VERSION, SnapshotInfo, latest, list_snapshots, load, read_extra, read_manifest,
-                        read_table, save)
+from ._restore import SnapshotInfo, latest, list_snapshots, load, read_extra, read_manifest, read_table
+from ._snapshot import FORMAT_VERSION, save
 
 __all__ = ["save", "load", "latest", "list_snapshots", "read_manifest", "read_extra", "read_table", "SnapshotInfo",
            "FORMAT_VERSION", "DELTA_FORMAT_VERSION", "CheckpointLock", "delta_parent", "snapshot_chain",

@@ -41,7 +41,8 @@ from ..distributed import ShardedEmbeddingCollection
 from ..errors import CheckpointError
 from ..store import ExportIndex, StoreExport
 from ._files import read_tensor, sha256_file, verify
-from ._manifest import DELTA_FORMAT_VERSION, MANIFEST, REMOVED, is_delta, is_snapshot_name
+from ._manifest import DELTA_FORMAT_VERSION, MANIFEST, REMOVED, check_tables, is_delta, is_snapshot_name
+from ._restore import latest, read_manifest, read_table
 
 __all__ = ["DeltaParent", "remember", "parent_for_delta", "delta_parent", "resolve_chain", "snapshot_chain",
            "chain_names", "read_delta", "check_chain", "apply_deltas", "verify_files", "TableDelta"]
@@ -146,7 +147,6 @@ def resolve_chain(tip: dict[str, Any]) -> list[dict[str, Any]]:
     manifest changed since the child was written (sha256), steps not strictly increasing,
     a parent that is the child itself or an earlier link (a cycle), a base that differs.
     """
-    from ._snapshot import read_manifest
 
     chain = [tip]
     seen = {Path(tip["_path"]).name}
@@ -190,7 +190,6 @@ def snapshot_chain(path) -> list[Path]:
     A full snapshot is its own chain; a delta's chain runs back to its full base, every
     link verified (see :func:`resolve_chain`).
     """
-    from ._snapshot import read_manifest
 
     return [Path(m["_path"]) for m in resolve_chain(read_manifest(path))]
 
@@ -225,7 +224,6 @@ def parent_for_delta(root: Path, collection, step: int) -> DeltaParent:
     training (see the module docstring); when `step` is the newest snapshot's own step (a
     re-save), that delta's parent.
     """
-    from ._snapshot import check_tables, latest, read_manifest
 
     newest = latest(root)
     if newest is None:
@@ -294,7 +292,6 @@ class TableDelta:
 def read_delta(manifest: dict[str, Any], collection) -> dict[str, TableDelta]:
     """Every table of a delta (all shards, verified; a sharded collection keeps the keys it owns)."""
     from ._sharded import owned_filter
-    from ._snapshot import read_table
 
     snap = Path(manifest["_path"])
     return {t["name"]: TableDelta(read_table(snap, t, owned_filter(collection, t["name"])),

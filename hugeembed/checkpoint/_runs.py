@@ -43,7 +43,7 @@ def claim_for_fresh_run(root: str | Path, *, overwrite: bool) -> int:
     CheckpointError naming the run found when `root` holds complete snapshots, unless
     `overwrite`: then every ``step-*`` snapshot directory and LATEST are deleted first.
     The caller holds the directory's lock (CheckpointLock)."""
-    from ._snapshot import list_snapshots
+    from ._restore import list_snapshots
 
     root = Path(root)
     if not root.is_dir():

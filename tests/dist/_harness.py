@@ -3,8 +3,9 @@
 ``run_ranks(2, "tests.dist.workers_parity:main", args)`` starts 2 Python processes, each
 initialising torch.distributed (gloo, tcp://127.0.0.1:<free port>) and calling
 ``main(rank, world_size, **args)``; returns each rank's return value (via torch.save).
-Plain subprocesses, not torch.multiprocessing.spawn: the failure test needs the other
-ranks to keep running when one dies.
+Processes of their own forked from the tests' zygote (tests/_zygote.py; ``HUGEEMBED_TEST_RANK_SUBPROCESS=1``:
+fresh interpreters), not torch.multiprocessing.spawn: the failure test needs the other ranks to keep
+running when one dies.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tests._zygote import Child, child_env, enter_child
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,17 +34,44 @@ def free_port() -> int:
 
 
 def start_ranks(world_size: int, target: str, args: dict[str, Any], workdir: Path,
-                timeout_s: float = 60.0) -> list[subprocess.Popen]:
+                timeout_s: float = 60.0) -> list[Child | subprocess.Popen]:
     port = free_port()
     (workdir / "args.pkl").write_bytes(pickle.dumps(args))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HUGEEMBED_NUM_THREADS": "1"}
+    env = child_env({"OMP_NUM_THREADS": "1", "HUGEEMBED_NUM_THREADS": "1"})
+    fresh = os.environ.get("HUGEEMBED_TEST_RANK_SUBPROCESS") == "1"
     procs = []
     for rank in range(world_size):
-        with open(workdir / f"log.{rank}.txt", "w") as out:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.dist._worker", target, str(rank), str(world_size), str(port),
-                 str(workdir), str(timeout_s)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+        argv = [target, str(rank), str(world_size), str(port), str(workdir), str(timeout_s)]
+        log = workdir / f"log.{rank}.txt"
+        if not fresh:
+            procs.append(Child(_rank, (argv, env, str(log))))
+            continue
+        with open(log, "w") as out:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.dist._worker", *argv], cwd=ROOT, env=env,
+                                          stdout=out, stderr=subprocess.STDOUT))
     return procs
+
+
+def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """In a forked child: one rank, as ``python -m tests.dist._worker ARGV`` runs it."""
+    import traceback
+
+    enter_child(env, log)
+    os.chdir(ROOT)
+    code = 0
+    try:
+        from tests.dist._worker import main
+
+        main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def logs(workdir: Path, world_size: int) -> str:

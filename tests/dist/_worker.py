@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 
-def main() -> None:
-    target, rank, world, port, workdir, timeout = sys.argv[1:7]
+def main(argv: list[str] | None = None) -> None:
+    target, rank, world, port, workdir, timeout = (sys.argv[1:7] if argv is None else argv)
     rank, world, workdir = int(rank), int(world), Path(workdir)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -1,26 +1,20 @@
 """run_cli: runs the real ``hugeembed`` command in a process of its own (this tree's package on PYTHONPATH).
 
-A process is forked from a zygote that imported torch and hugeembed once and never ran a torch op
-(multiprocessing's forkserver): the command runs as ``python -m hugeembed`` does (its own process, its
-exit status, its stdout and stderr) without paying ~3.5 s of interpreter and torch start-up per call.
+A process is forked from the tests' zygote (tests/_zygote.py): the command runs as ``python -m hugeembed``
+does (its own process, its exit status, its stdout and stderr) without ~3.5 s of start-up per call.
 ``HUGEEMBED_TEST_CLI_SUBPROCESS=1`` (or arguments beyond ``cwd``) runs a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-_CTX = None
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+from tests._zygote import ROOT, Child, enter_child
+from tests._zygote import child_env as _env
 
 
 def run_cli(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
@@ -31,43 +25,25 @@ def run_cli(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return _forked(argv, kw.get("cwd"), timeout)
 
 
-def _context():
-    global _CTX
-    if _CTX is None:
-        os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]  # the zygote imports this tree's package
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "hugeembed.cli"])
-    return _CTX
-
-
 def _forked(argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="hugeembed-cli-") as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = _context().Process(target=_command, args=(argv, None if cwd is None else str(cwd), out, err, _env()))
-        p.start()
-        p.join(timeout)
-        if p.is_alive():
+        p = Child(_command, (argv, None if cwd is None else str(cwd), out, err, _env()))
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
             p.kill()
-            p.join()
-            raise subprocess.TimeoutExpired(["hugeembed", *argv], timeout)
+            p.wait()
+            raise subprocess.TimeoutExpired(["hugeembed", *argv], timeout) from None
         read = lambda path: Path(path).read_text(errors="replace") if os.path.exists(path) else ""  # noqa: E731
-        return subprocess.CompletedProcess(["hugeembed", *argv], p.exitcode, read(out), read(err))
+        return subprocess.CompletedProcess(["hugeembed", *argv], p.returncode, read(out), read(err))
 
 
 def _command(argv: list[str], cwd: str | None, out: str, err: str, env: dict[str, str]) -> None:
-    """In the forked process: ``python -m hugeembed ARGV`` with stdout / stderr into the files, under the
-    caller's environment now (a variable read when torch or hugeembed is imported keeps the zygote's)."""
+    """In the forked process: ``python -m hugeembed ARGV`` with stdout / stderr into the files."""
     import traceback
 
-    os.environ.clear()
-    os.environ.update(env)
-
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", closefd=False)
+    enter_child(env, out, err)
     code = 1
     try:
         if cwd is not None:
