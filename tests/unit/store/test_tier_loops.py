@@ -6,7 +6,8 @@ every call their maps, cache metadata, record maps and rows must be equal.  The 
 written here) says what each call must leave: every id's slot holds its key, the last value written
 for a key reads back (through write-back and read-in), each key's accesses are the sum of its
 counts in training calls, hits are the occurrences whose row was resident before the call.
-Ids repeat (eval reads: the key index refuses repeated keys to find_or_insert), batches are empty, victims are all dirty (training) or all clean (after a flush, eval
+Ids repeat (eval reads: the key index refuses repeated keys to find_or_insert), batches are
+empty, victims are all dirty (training) or all clean (after a flush, eval
 reads), and the file grows and is cleaned (small segments)."""
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def state(s: TieredStore) -> dict:
     sp = s._space
     return {"map": s._map.clone(), "owner": s._owner.clone(), "keys": s._keys.clone(), "tick": s._tick.clone(),
             "dirty": s._dirty.clone(), "slot_freq": s._slot_freq.clone(), "free": s._free[: s._nfree].clone(),
-            "rows": s._rows[s._owner >= 0].clone(),  # free slots hold garbage "live": sp.live.clone(), "n_live": sp.n_live, "seg_free": list(sp.free),
+            "rows": s._rows[s._owner >= 0].clone(),  # free slots hold garbage
+            "live": sp.live.clone(), "n_live": sp.n_live, "seg_free": list(sp.free),
             "open": (list(sp.open_seg), list(sp.open_next)), "stats": dict(s.stats)}
 
 

@@ -261,7 +261,8 @@ def test_a_victim_choice_the_kernel_refuses_is_an_internal_store_error(tmp_path,
     g = torch.Generator().manual_seed(9)
     store = tier.store("s")
     monkeypatch.setattr(store._pins, "slots", lambda: torch.tensor([store.capacity_rows + 5]))
-    with pytest.raises(StoreError, match=r"table 's': the victim choice \(he_choose_victims\) failed: .*not an index of the"
+    with pytest.raises(StoreError, match=r"table 's': the victim choice \(he_choose_victims\) failed: "
+                                         r".*not an index of the"
                                          r".*\(internal error\)"):
         for _ in range(10):
             step(tier, batch(g))
