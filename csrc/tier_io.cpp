@@ -12,7 +12,9 @@
 // record past the end of the file), the index in `records` of its first record, that record).
 // The calls that succeeded before it have moved their records (the kernel cannot undo I/O).
 #include <cerrno>
+#include <climits>
 #include <cstring>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -110,4 +112,61 @@ HE_KERNEL(he_tier_write) {
     }
     return 0;
   });
+}
+
+// Row slots[i] of `rows` (a cache: C rows of record_bytes) = record records[i] of the file, for i
+// in [0, n): the bring-in's reads land in their cache slots, no buffer and no scatter after.  A run
+// of adjacent records is one preadv, one iovec per row.
+// bufs: records int64 [n], rows bytes [C * record_bytes] (out), slots int64 [n]; ints: fd, record_bytes,
+// io_threads.  Returns 0; fails with HE_IO_ERROR (see above), HE_BAD_VALUE for a slot outside the
+// rows (detail = (index, slot, C)), before any read.
+HE_KERNEL(he_tier_read_rows) {
+  call.expect(3, 3, 0);
+  const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
+  const int64_t n = call.numel(0);
+  if (fd < 0 || fd > INT32_MAX || record_bytes < 1 || io_threads < 1)
+    call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld", (long long)fd, (long long)record_bytes,
+              (long long)io_threads);
+  const int64_t C = call.numel(1) / record_bytes;
+  const int64_t* records = call.buf<const int64_t>(0, n, "records");
+  char* rows = call.bytes<char>(1, C * record_bytes, "rows");
+  const int64_t* slots = call.buf<const int64_t>(2, n, "slots");
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= C) {
+      call.detail({i, slots[i], C});
+      call.fail(HE_BAD_VALUE, "slots[%lld] = %lld is not a row of the cache (%lld)", (long long)i,
+                (long long)slots[i], (long long)C);
+    }
+  int64_t where = -1;
+  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
+  const int64_t e = for_runs(records, n, max_run, io_threads, &where, [&](int64_t a, int64_t b) -> int64_t {
+    struct iovec iov[kMaxRun];
+    int k = 0;
+    for (int64_t i = a; i < b; ++i) iov[k++] = {rows + slots[i] * record_bytes, (size_t)record_bytes};
+    int first = 0;  // the iovec a short read stopped in
+    int64_t off = records[a] * record_bytes;
+    while (first < k) {
+      ssize_t got = preadv((int)fd, iov + first, k - first, (off_t)off);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        return (int64_t)errno;
+      }
+      if (got == 0) return (int64_t)EIO;  // past the end: the record was never written
+      off += got;
+      while (got > 0 && first < k) {  // skip what arrived; a part-filled iovec goes on where it stopped
+        const size_t take = std::min<size_t>((size_t)got, iov[first].iov_len);
+        iov[first].iov_base = (char*)iov[first].iov_base + take;
+        iov[first].iov_len -= take;
+        got -= (ssize_t)take;
+        if (iov[first].iov_len == 0) ++first;
+      }
+    }
+    return 0;
+  });
+  if (e != 0) {
+    call.detail({e, where, where >= 0 ? records[where] : -1});
+    call.fail(HE_IO_ERROR, "reading record %lld: %s", (long long)(where >= 0 ? records[where] : -1),
+              std::strerror((int)e));
+  }
+  return 0;
 }

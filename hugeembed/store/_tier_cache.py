@@ -1,20 +1,32 @@
 """The cache half of a TieredStore: which logical rows are resident in which cache slot, victims,
-write-back, reading rows in and prefetching them (store/_tiered.py is the table; this is its cache)."""
+write-back, reading rows in and prefetching them (store/_tiered.py is the table; this is its cache).
+
+The tier map is one record per logical row (``_map``, int32 [N, 3]: cache slot, accesses while not
+resident, record in the file), so that a miss touches one cache line, not three arrays.  The
+per-id passes of a fetch -- where each id's row is, the missing rows' slots and metadata, the
+accesses, the dirty bits, the records that become garbage; the dirty victims' rows gathered and
+their slots freed -- are native loops over it (csrc/tier_cache.cpp: he_tier_plan, he_tier_admit,
+he_tier_dirty_rows, he_tier_release); the torch twins below do the same and the tests compare
+them.  Ids may repeat: a row is read in once and counted once per occurrence."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .. import _native
 from ..errors import CapacityError, StoreError
-from ._common import as_keys, init_rows, lowest_k
+from ._common import as_keys, init_rows
+from ._evict import EVICTION_POLICIES, choose_victims, policy_columns
 from ._tier_space import MOVED
 
-__all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for", "cache_victims"]
+__all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for", "new_map",
+           "one_thread"]
 
-CACHE_POLICIES = ("lru", "lfu")
+CACHE_POLICIES = EVICTION_POLICIES  # the cache's victims are chosen as the dynamic store's (store/_evict.py)
+MAP_WIDTH = 3  # per logical row: cache slot (-1: not resident), accesses while not resident, record (-1: none)
 # Per cache slot beside its row: owner (logical slot), key, last access, its place in the free
 # stack (int64 each), the row's accesses (int32: the LFU order, read without touching the
 # per-logical-row map), dirty (bool).
@@ -27,20 +39,44 @@ def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
     return int(memory_budget) // (int(row_bytes) + SLOT_METADATA_BYTES)
 
 
-def cache_victims(owner: torch.Tensor, tick: torch.Tensor, keys: torch.Tensor, freq: torch.Tensor | None,
-                  exclude: torch.Tensor, min_take: int, want: int) -> tuple[int, torch.Tensor]:
-    """he_cache_victims (csrc/tier_cache.cpp): among cache slots s with ``owner[s] >= 0`` not in `exclude`
-    (entries < 0 ignored), the ``min(candidates, want)`` smallest by (freq[s], tick[s], keys[s]) --
-    (tick[s], keys[s]) when `freq` is None -- in ascending slot order.  Returns (candidates, victims);
-    victims is empty when there are fewer than `min_take` candidates.  Raises _native.KernelError
-    (BAD_VALUE) for an `exclude` entry that is no slot of the cache."""
-    cap = owner.numel()
-    exclude = exclude.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(max(0, min(int(want), cap)), dtype=torch.int64)
-    n = _native.call("he_cache_victims", [owner, tick, keys, freq, exclude, out], [int(min_take), int(want)])
-    if n < min_take:
-        return n, out[:0]
-    return n, out[: min(n, out.numel())]
+def one_thread(method):
+    """Runs `method` with one intra-op thread.  The tier's torch ops are small (a batch's ids, a few
+    segments): split over OpenMP workers, each op ends at a barrier where the caller spins until every
+    worker ran, and on a busy machine a worker waits for a core -- with 2 threads a d64 step took ~10x
+    the in-memory one.  The setting is this thread's (libgomp's per-thread ICV) and is restored."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        n = torch.get_num_threads()
+        if n == 1:
+            return method(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+
+    return wrapper
+
+
+def new_map(rows: int, old: torch.Tensor | None = None) -> torch.Tensor:
+    """A tier map of `rows` records (not resident, no accesses, not on disk), `old`'s first."""
+    m = torch.empty((rows, MAP_WIDTH), dtype=torch.int32)
+    m[:, 0], m[:, 1], m[:, 2] = -1, 0, -1
+    if old is not None:
+        m[: old.shape[0]] = old
+    return m
+
+
+def _first_seen(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct values of `x` in first-seen order, and for each entry its value's index among them."""
+    u, inv = torch.unique(x, return_inverse=True)
+    first = torch.full((u.numel(),), x.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inv, torch.arange(x.numel()), "amin")
+    order = first.argsort()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return u[order], rank[inv]
 
 
 class TierCache:
@@ -52,62 +88,45 @@ class TierCache:
         """Frees cache slots for every row of `logical` (-1: a key that may get a new row) not resident,
         evicting (and writing back) rows this call does not read; changes no row's value."""
         self._fit_map()
-        known = logical >= 0
-        res = torch.full_like(logical, -1)
-        res[known] = self._where[logical[known]].to(torch.int64)
-        need = int((res < 0).sum())
+        if self.native_loops:
+            cs = torch.empty_like(logical)
+            scratch = torch.empty((2, logical.numel()), dtype=torch.int64)
+            missing = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
+            mine = cs[cs >= 0]
+        else:
+            known = logical[logical >= 0]
+            cs = self._where[known].to(torch.int64)
+            missing = int(torch.unique(known[cs < 0]).numel())
+            mine = cs[cs >= 0]
+        need = missing + int((logical < 0).sum())
         if need <= self._nfree:
             return
         short = need - self._nfree
-        mine = res[res >= 0]
         want = short + self.capacity_rows // _EVICT_SLACK
-        if _native.available():
-            victims = self._victims_native(mine, need, short, want)
-        else:
-            victims = self._victims_torch(mine, need, short, want)
+        pinned = self._pins.slots()
+        exclude = mine if pinned is None else torch.cat([mine, pinned.to(torch.int64)])
+        cols = policy_columns(self.cache_policy, self._slot_freq, self._tick, self._keys)
+        try:
+            n, victims = choose_victims(cols, want, self._owner, exclude, short)
+        except _native.KernelError as e:
+            raise StoreError(f"table '{self.name}': the victim choice (he_choose_victims) failed: {e} "
+                             f"(internal error)") from None
+        if n < short:
+            used = int((self._owner >= 0).sum())
+            raise CapacityError(
+                f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
+                f"more resident beside its {mine.numel()}, and only {n} can leave the cache "
+                f"({used - n - mine.numel()} are pinned by batches whose backward has not "
+                f"run): raise memory_budget")
         self._write_back(victims)
         self._release_slots(victims)
         self._cache_epoch += 1
 
-    def _capacity_error(self, need: int, mine: torch.Tensor, candidates: int) -> CapacityError:
-        used = int((self._owner >= 0).sum())
-        return CapacityError(
-            f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
-            f"more resident beside its {mine.numel()}, and only {candidates} can leave the cache "
-            f"({used - candidates - mine.numel()} are pinned by batches whose backward has not "
-            f"run): raise memory_budget")
-
-    def _victims_native(self, mine: torch.Tensor, need: int, short: int, want: int) -> torch.Tensor:
-        """The victims (ascending cache slots) chosen by he_cache_victims (csrc/tier_cache.cpp): one pass
-        over the slots' metadata and a selection, no tensor over all C slots."""
-        pinned = self._pins.slots()
-        exclude = mine if pinned is None else torch.cat([mine, pinned.to(torch.int64)])
-        freq = None if self.cache_policy == "lru" else self._slot_freq
+    def _native_call(self, kernel: str, bufs: list, ints=()) -> int:
         try:
-            n, victims = cache_victims(self._owner, self._tick, self._keys, freq, exclude, short, want)
+            return _native.call(kernel, bufs, ints)
         except _native.KernelError as e:
-            raise StoreError(f"table '{self.name}': he_cache_victims failed: {e} (internal error)") from None
-        if n < short:
-            raise self._capacity_error(need, mine, n)
-        return victims
-
-    def _victims_torch(self, mine: torch.Tensor, need: int, short: int, want: int) -> torch.Tensor:
-        """The plain-PyTorch twin of _victims_native (the kernels not built or disabled)."""
-        cand = self._owner >= 0
-        cand[mine] = False
-        pinned = self._pins.slots()
-        if pinned is not None:
-            p = pinned[pinned >= 0]
-            cand[p] = False
-        idx = cand.nonzero().squeeze(1)
-        if idx.numel() < short:
-            raise self._capacity_error(need, mine, idx.numel())
-        take = min(idx.numel(), want)
-        if self.cache_policy == "lru":
-            cols = [self._tick[idx], self._keys[idx]]
-        else:  # the slots' own copy: a gather over the logical map per eviction cost ~27 ms at 700 k slots
-            cols = [self._slot_freq[idx].to(torch.int64), self._tick[idx], self._keys[idx]]
-        return idx[lowest_k(cols, take)]
+            raise StoreError(f"table '{self.name}': {kernel} failed: {e} (internal error)") from None
 
     def _set_dirty(self, slots: torch.Tensor) -> None:
         """The cached rows at `slots` are (about to be) newer than any copy on disk: their records are
@@ -120,10 +139,20 @@ class TierCache:
         """Writes the dirty rows among cache `slots` to the tier as one run of fresh records (after moving
         the rows of the segments the space cleans to make room); they stay resident.  A failed read or
         write changes no row: records are committed after their write, and a move keeps values."""
-        d = slots[self._dirty[slots]]
+        if self.native_loops:
+            m = slots.numel()
+            out = torch.empty((2, m), dtype=torch.int64)
+            rows = self.layout.empty(m)
+            nd = self._native_call("he_tier_dirty_rows", [slots, self._owner, self._dirty.view(torch.uint8),
+                                                          self._rows.view(torch.uint8), out[0], out[1],
+                                                          rows.view(torch.uint8)], [self.layout.row_bytes])
+            d, logical, rows = out[0, :nd], out[1, :nd], rows[:nd]
+        else:
+            d = slots[self._dirty[slots]]
+            logical, rows = self._owner[d], self._rows.index_select(0, d)
         if d.numel() == 0:
             return
-        self._append(self._owner[d], self._rows.index_select(0, d))
+        self._append(logical, rows)
         self._dirty[d] = False
         self.stats["rows_written"] += d.numel()
 
@@ -159,6 +188,11 @@ class TierCache:
         """Cache slots back to the free stack (their rows are on disk or not needed)."""
         if slots.numel() == 0:
             return
+        if self.native_loops:
+            self._nfree = self._native_call("he_tier_release", [self._map, slots, self._owner,
+                                                                self._dirty.view(torch.uint8), self._slot_freq,
+                                                                self._free], [self._nfree])
+            return
         own = self._owner[slots]
         self._freq[own] = self._slot_freq[slots]
         self._where[own] = -1
@@ -177,63 +211,95 @@ class TierCache:
 
     def _bring_in(self, logical: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor | None,
                   training: bool) -> torch.Tensor:
-        """Cache slots of `logical` (rows read in or created where missing); -1 where logical is -1."""
+        """Cache slots of `logical` (rows read in or created where missing); -1 where logical is -1.
+        Training, each id counts (`counts`: its occurrences) and its row becomes dirty."""
+        if self.native_loops:
+            return self._bring_in_native(logical, keys, counts, training)
         valid = logical >= 0
         out = torch.full_like(logical, -1)
-        if bool(valid.all()):
-            lv, kv, cv = logical, keys, counts
-        else:
-            lv, kv, cv = logical[valid], keys[valid], None if counts is None else counts[valid]
-        cs = self._where[lv].to(torch.int64)
+        lv, kv = logical[valid], keys[valid]
+        cv = torch.ones_like(lv) if counts is None else counts[valid]
+        u, inv = _first_seen(lv)  # a row is read in once, however often its id repeats
+        cs = self._where[u].to(torch.int64)
         miss = cs < 0
         n_miss = int(miss.sum())
         if n_miss:
-            ml, mk = lv[miss], kv[miss]
+            first = torch.full((u.numel(),), lv.numel(), dtype=torch.int64)
+            first.scatter_reduce_(0, inv, torch.arange(lv.numel()), "amin")
+            ml, mk = u[miss], kv[first[miss]]
             slots = self._take_slots(n_miss)
-            fresh = ~self._space.on_disk(ml)
-            read = ~fresh
-            try:
-                if bool(read.any()):
-                    self._read_rows(ml[read], slots[read])
-                if bool(fresh.any()):
-                    init_rows(self._rows, slots[fresh], mk[fresh], self.layout, self.initializer, self.init_state,
-                              self.seed)
-            except BaseException:
-                self._free[self._nfree : self._nfree + n_miss] = slots.flip(0)
-                self._nfree += n_miss
-                raise
+            rec = self._space.records_of(ml)
+            self._fill_slots(ml, mk, rec, slots)
             self._owner[slots] = ml
             self._keys[slots] = mk
             self._slot_freq[slots] = self._freq[ml]
             self._where[ml] = slots.to(torch.int32)
-            self._dirty[slots[fresh]] = True  # not on disk: must be written if it leaves
+            self._dirty[slots] = rec < 0  # not on disk: must be written if it leaves
             cs[miss] = slots
         self._clock += 1
         self._tick[cs] = self._clock
         if training:
             self._set_dirty(cs)
-            c = torch.ones_like(lv) if cv is None else cv
+            uc = torch.zeros(u.numel(), dtype=torch.int64).index_add_(0, inv, cv)
             # counted on the cache slot (a small array): the logical map gets it when the row leaves
-            self._slot_freq[cs] = (self._slot_freq[cs].to(torch.int64) + c).clamp_(max=2**31 - 1).to(torch.int32)
-        total = int(cv.sum()) if cv is not None else lv.numel()
-        missed = (int(cv[miss].sum()) if cv is not None else n_miss) if n_miss else 0
+            self._slot_freq[cs] = (self._slot_freq[cs].to(torch.int64) + uc).clamp_(max=2**31 - 1).to(torch.int32)
+        total = int(cv.sum())
         self.stats["accesses"] += total
-        self.stats["hits"] += total - missed
-        out[valid] = cs
+        self.stats["hits"] += total - (int(cv[miss[inv]].sum()) if n_miss else 0)
+        out[valid] = cs[inv]
         return out
 
-    def _read_rows(self, logical: torch.Tensor, slots: torch.Tensor) -> None:
-        """Rows of `logical` (on disk) into cache `slots`: from the prefetched ones where staged, else the file."""
+    def _bring_in_native(self, logical: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor | None,
+                         training: bool) -> torch.Tensor:
+        """_bring_in as two native loops around the reads: he_tier_plan finds the missing rows (changing
+        nothing), they are read into fresh slots, he_tier_admit records them and stamps every id."""
+        n = logical.numel()
+        cs = torch.empty_like(logical)
+        scratch = torch.empty((2, n), dtype=torch.int64)
+        m = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
+        mpos, rec = scratch[0, :m], scratch[1, :m]
+        slots = self._take_slots(m) if m else mpos
+        if m:
+            self._fill_slots(logical[mpos], keys[mpos], rec, slots)
+        out = torch.empty(3 + m + n, dtype=torch.int64)
+        self._clock += 1
+        live = self._space.live
+        emptied = self._native_call("he_tier_admit", [
+            self._map, logical, keys, counts, cs, mpos, slots, self._owner, self._keys, self._tick,
+            self._dirty.view(torch.uint8), self._slot_freq, live, out], [self._clock, int(training), self._space.S])
+        acc, hits, released = out[:3].tolist()
+        self.stats["accesses"] += acc
+        self.stats["hits"] += hits
+        if released:
+            self._space.dropped(released, sorted(out[3 : 3 + emptied].tolist()))  # as torch.unique
+        return cs
+
+    def _fill_slots(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor) -> None:
+        """The rows of `logical` into cache `slots` (taken): read where on disk (`rec` >= 0), else new.
+        On a failure the slots go back to the free stack and nothing else changed."""
+        read = rec >= 0
+        try:
+            if bool(read.any()):
+                self._read_rows(logical[read], slots[read], rec[read])
+            fresh = ~read
+            if bool(fresh.any()):
+                init_rows(self._rows, slots[fresh], keys[fresh], self.layout, self.initializer, self.init_state,
+                          self.seed)
+        except BaseException:
+            n = slots.numel()
+            self._free[self._nfree : self._nfree + n] = slots.flip(0)
+            self._nfree += n
+            raise
+
+    def _read_rows(self, logical: torch.Tensor, slots: torch.Tensor, rec: torch.Tensor) -> None:
+        """Rows of `logical` (on disk at records `rec`) into cache `slots`: from the prefetched ones where
+        staged, else the file."""
         got = self._take_staged(logical, slots)
         rest = ~got
         if bool(rest.any()):
-            lg, sl = logical[rest], slots[rest]
-            rec = self._space.records_of(lg)
+            lg, sl, rec = logical[rest], slots[rest], rec[rest]
             order = rec.argsort()
-            lg, sl = lg[order], sl[order]
-            buf = self.layout.empty(lg.numel())
-            self.file.read(rec[order], buf)
-            self._rows.index_copy_(0, sl, buf)
+            self.file.read_rows(rec[order], self._rows, sl[order])
             self.stats["rows_read"] += lg.numel()
 
     def _drop_logical(self, freed: torch.Tensor) -> None:
@@ -249,6 +315,7 @@ class TierCache:
         self._mark_stale(freed)
 
     # ------------------------------------------------------------- prefetch
+    @one_thread
     def prefetch(self, keys: torch.Tensor) -> int:
         """Starts reading the rows of `keys` (e.g. the next batch's ids) that are on disk and not
         resident, in the background; the next fetches take them from there (the reads of the

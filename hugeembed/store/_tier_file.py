@@ -93,6 +93,28 @@ class RowFile:
             if os.preadv(self.fd, [view[i * b : (i + 1) * b]], r * b) != b:
                 raise _io_error(self.table, f"reading row {r}", errno.EIO, self.path)
 
+    def read_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """``rows[slots[i]] = record records[i]`` (rows: contiguous [C, W] CPU rows, a cache; slots
+        distinct): a read straight into its cache slots (he_tier_read_rows), no buffer between."""
+        if records.numel() == 0:
+            return
+        if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
+                or slots.numel() != records.numel() or rows[0].numel() * rows.element_size() != self.record_bytes:
+            raise StoreError(f"table '{self.table}': tier reads need contiguous CPU rows of {self.record_bytes} "
+                             f"bytes and a slot per record (internal error)")
+        if not _native.available():
+            buf = torch.empty((records.numel(), *rows.shape[1:]), dtype=rows.dtype)
+            self.read(records, buf)
+            rows.index_copy_(0, slots, buf)
+            return
+        try:
+            _native.call("he_tier_read_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
+                         [self.fd, self.record_bytes, self.io_threads])
+        except _native.KernelError as e:
+            if e.status != _native.Status.IO_ERROR:
+                raise
+            raise _io_error(self.table, f"reading {records.numel()} rows", e.detail[0], self.path) from None
+
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""
         if records.numel() == 0:

@@ -75,6 +75,11 @@ class RecordSpace:
         if n_logical > have:
             self.rec = torch.cat([self.rec, torch.full((n_logical - have,), -1, dtype=torch.int32)])
 
+    def bind(self, rec: torch.Tensor) -> None:
+        """Keeps the record of each logical row in `rec` (int32, may be a column of a wider map: the
+        tier map's per-row record) from now on; it holds the current ones already."""
+        self.rec = rec
+
     @property
     def records(self) -> int:
         """Records the file spans (live or garbage)."""
@@ -103,6 +108,12 @@ class RecordSpace:
         old = old[had].to(torch.int64)
         self.rec[logical[had]] = -1
         self._drop(old)
+
+    def dropped(self, n: int, emptied: list[int]) -> None:
+        """A native loop (he_tier_admit) released `n` records itself (``rec`` and ``live`` updated);
+        `emptied`: the segments it left without a live record."""
+        self.n_live -= n
+        self._add_free(emptied)
 
     def _drop(self, records: torch.Tensor) -> None:
         segs = records // self.S

@@ -47,13 +47,15 @@ from ._layout import LayoutViews, check_import_rows
 from ._pins import Pinnable, PinnedRows
 from ._protocol import ExportIndex, StoreExport
 from ._tier_file import IO_THREADS, RowFile, TableDir
-from ._tier_cache import CACHE_POLICIES, SLOT_METADATA_BYTES, TierCache, cache_rows_for
+from .. import _native
+from ._tier_cache import (CACHE_POLICIES, SLOT_METADATA_BYTES, TierCache, cache_rows_for, new_map,
+                          one_thread)
 from ._tier_space import RecordSpace
 
 __all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_for"]
 
 # Per logical row in the tier map: its cache slot (int32) and accesses (int32); its record in the file
-# (int32) is RecordSpace's.
+# (int32, the map's third column) is counted by RecordSpace.
 _MAP_BYTES = 8
 _CHUNK_ROWS = 1 << 16  # rows per chunk when streaming a table in or out
 
@@ -111,9 +113,9 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         self._slot_freq = torch.zeros(cap, dtype=torch.int32)  # accesses of resident rows (_freq: the others')
         self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int64)  # a stack: smallest slot on top
         self._nfree = cap
-        self._where = torch.zeros(0, dtype=torch.int32)  # logical slot -> cache slot (-1: not resident)
-        self._freq = torch.zeros(0, dtype=torch.int32)
         self._space = RecordSpace(lay.row_bytes, name)
+        self._bind_map(new_map(0))
+        self.native_loops = _native.available()  # the fetch's per-id passes as native loops (else torch ops)
         self.stats = {"accesses": 0, "hits": 0, "rows_read": 0, "rows_written": 0, "rows_prefetched": 0,
                       "rows_relocated": 0}
         self._pool: ThreadPoolExecutor | None = None
@@ -150,11 +152,14 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
     def _fit_map(self) -> None:
         """Grows the per-logical-row map with the key index (new logical slots: not resident, not on disk)."""
         n = self._logical_rows()
-        have = self._where.numel()
-        if n > have:
-            grow = lambda t, fill: torch.cat([t, torch.full((n - have,), fill, dtype=t.dtype)])  # noqa: E731
-            self._where, self._freq = grow(self._where, -1), grow(self._freq, 0)
-            self._space.grow(n)
+        if n > self._map.shape[0]:
+            self._bind_map(new_map(n, self._map))
+
+    def _bind_map(self, m: torch.Tensor) -> None:
+        """The tier map, one int32 record per logical row (store/_tier_cache.py); its columns as views."""
+        self._map = m
+        self._where, self._freq = m[:, 0], m[:, 1]  # cache slot (-1: not resident); accesses while not resident
+        self._space.bind(m[:, 2])  # record in the file (-1: none)
 
     # -------------------------------------------------------------- protocol
     def storage(self) -> torch.Tensor:
@@ -164,6 +169,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         """The keys of the rows at cache `slots` (stochastic rounding draws by key)."""
         return self._keys[slots]
 
+    @one_thread
     def find_or_insert(self, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
         step = check_step(self.name, step)
@@ -177,6 +183,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         self._fit_map()
         return self._bring_in(logical, keys, counts, training=True)
 
+    @one_thread
     def reserve(self, keys: torch.Tensor) -> None:
         """Makes room in the cache for `keys` (victims written back) ahead of ``find_or_insert(keys)``:
         a collection reserves in every tiered table before any table counts or inserts, so a write
@@ -192,6 +199,7 @@ class TieredStore(TierCache, LayoutViews, Pinnable):
         """Hits of `keys` so far (the key index keeps them); changes nothing."""
         return self.index.hit_counts(keys)
 
+    @one_thread
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         keys = as_keys(self.name, keys, self.device)
         if keys.numel() == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._group import GroupBase
+from ._tier_cache import one_thread
 from ._tiered import TieredStore
 
 __all__ = ["TieredGroup"]
@@ -33,9 +34,11 @@ class TieredGroup(GroupBase):
         sel = tids >= 0
         return sel, keys[sel]
 
+    @one_thread
     def reserve(self, tids: torch.Tensor, keys: torch.Tensor) -> None:
         self.store.reserve(self._mine(tids, keys)[1])
 
+    @one_thread
     def fetch(self, tids, keys, step: int, counts=None, out=None, hits=None) -> torch.Tensor:
         sel, k = self._mine(tids, keys)
         out = torch.empty_like(keys) if out is None else out
@@ -46,6 +49,7 @@ class TieredGroup(GroupBase):
             hits[sel] = self.store.hit_counts(k)
         return out
 
+    @one_thread
     def find(self, tids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         sel, k = self._mine(tids, keys)
         out = torch.full_like(keys, -1)

@@ -153,7 +153,8 @@ def test_unique_ids_beyond_the_budget_are_refused_naming_the_table(tmp_path):
 class CacheModel:
     """The documented policy in plain Python: on a miss with the cache full, evict the
     needed rows plus capacity // 64 among unpinned rows the call does not read, smallest by
-    (last access, key) for LRU, (accesses, last access, key) for LFU."""
+    (last access, accesses, key) for LRU, (accesses, last access, key) for LFU (the dynamic store's
+    orders, store/_evict.py)."""
 
     def __init__(self, cap: int, policy: str) -> None:
         self.cap, self.policy = cap, policy
@@ -168,7 +169,7 @@ class CacheModel:
             cand = [k for k in self.resident if k not in keys]
             take = min(len(cand), len(need) - free + self.cap // 64)
             if self.policy == "lru":
-                order = sorted(cand, key=lambda k: (self.resident[k], k))
+                order = sorted(cand, key=lambda k: (self.resident[k], self.freq.get(k, 0), k))
             else:
                 order = sorted(cand, key=lambda k: (self.freq.get(k, 0), self.resident[k], k))
             for k in order[:take]:
@@ -254,13 +255,14 @@ def test_snapshot_of_a_tiered_table_resumes_bit_identically(tmp_path):
 
 @pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
 def test_a_victim_choice_the_kernel_refuses_is_an_internal_store_error(tmp_path, monkeypatch):
-    """he_cache_victims refuses a pinned slot outside the cache (KernelError BAD_VALUE): the store
+    """he_choose_victims refuses a pinned slot outside the cache (KernelError BAD_VALUE): the store
     says so as a StoreError naming the table, as it did for the kernel's error code."""
     tier = EmbeddingCollection(tables(tmp_path, 18, SGD(lr=0.5)), optimizer=SGD(lr=0.5))
     g = torch.Generator().manual_seed(9)
     store = tier.store("s")
     monkeypatch.setattr(store._pins, "slots", lambda: torch.tensor([store.capacity_rows + 5]))
-    with pytest.raises(StoreError, match=r"table 's': he_cache_victims failed: .*not a slot of the cache"
+    with pytest.raises(StoreError, match=r"table 's': the victim choice \(he_choose_victims\) failed: "
+                                         r".*not an index of the"
                                          r".*\(internal error\)"):
         for _ in range(10):
             step(tier, batch(g))
