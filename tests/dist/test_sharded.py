@@ -282,6 +282,7 @@ def pad8(n: int) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_bytes_sent_are_unique_keys_per_destination_times_record_size(two, four, world):
     results = two if world == 2 else four
     D, key_bytes, count_bytes, row_bytes = 4, 8, 4, 4 * 4
@@ -382,6 +383,7 @@ def test_reshard_four_to_two_then_training_continues(chain, two_again):
                   "4 -> 2 ranks: trained on")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_with_a_clear_error(two_again):
     fail = two_again[0]["fail"]
     assert fail["error"] is not None, "rank 0 kept training after rank 1 died"

@@ -33,6 +33,7 @@ _segment = st.tuples(st.lists(_batches, max_size=3), st.one_of(st.none(), st.int
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @settings(max_examples=8)
 @given(segments=st.lists(_segment, min_size=2, max_size=5))
+@pytest.mark.slow
 def test_a_base_and_chain_of_deltas_load_as_the_live_collection_was(opt, segments):
     ec = make(opt)
     # durability is test_snapshot.py's business: here fsync would only cost most of the time

@@ -20,6 +20,7 @@ def _step(store, keys, step):
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.slow
 def test_a_compiled_store_step_equals_the_eager_one(backend, compiler):
     eager, compiled = _twins(backend=backend, admit_min_count=2)
     fn = torch.compile(_step, fullgraph=True, backend=compiler)

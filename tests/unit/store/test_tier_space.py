@@ -80,6 +80,7 @@ def test_every_row_reads_its_last_write_and_the_file_stays_bounded(ops, seg):
 
 
 @pytest.mark.parametrize("seg", [16, 64])
+@pytest.mark.slow
 def test_a_steady_stream_of_write_backs_cleans_instead_of_growing(seg):
     """Rows written back over and over (a cache's traffic): cleaning moves rows, the file stops growing
     (within 2x the live rows even with segments this small next to the writes: at real sizes a

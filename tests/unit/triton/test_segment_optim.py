@@ -151,6 +151,7 @@ def _every(name, dt):
 
 
 @pytest.mark.parametrize("name,dt", _FAST)
+@pytest.mark.slow
 def test_every_rule_equals_reference(name, dt):
     _every(name, dt)
 
