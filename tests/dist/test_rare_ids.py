@@ -19,7 +19,7 @@ from hugeembed.nn._rare import SHARED_ROW_KEY
 
 from ._harness import run_ranks
 from .common import GLOBAL_BATCH, assert_tables, export_all, local_batch, merge_shards, rare_tables, train
-from .test_sharded import ALL, POOLED, plans, replicated
+from .test_sharded import POOLED, plans, replicated
 from .workers import EVAL_STEP
 
 pytestmark = pytest.mark.dist

@@ -5,8 +5,6 @@ A failure half-way changes nothing."""
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import numpy as np
 import pytest

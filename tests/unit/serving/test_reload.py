@@ -5,7 +5,6 @@ prefix of the chain is served; reloads run on a thread of their own."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hugeembed.data import Batch, format_criteo_lines, load_schema, read_table, SyntheticConfig, SyntheticCriteo
+from hugeembed.data import Batch, format_criteo_lines, read_table, SyntheticConfig, SyntheticCriteo
 from hugeembed.errors import InputError
 from hugeembed.serving import ServingModel, export
 from hugeembed.serving._schema_requests import parse_request
