@@ -128,12 +128,18 @@ def _number(v: Any, what: str, positive: bool = False) -> float:
     return float(v)
 
 
+def _choice(v: Mapping, key: str, default: str, choices, at: str) -> str:
+    """v[key] (or the default), which must be one of `choices` (ConfigError naming the key otherwise)."""
+    value = v.get(key, default)
+    if value not in choices:
+        raise ConfigError(f"{at}{key} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def _dense(name: str, v: Mapping, source: str) -> DenseSpec:
     at = f"{source}: dense.{name}."
     _known(v, _DENSE_KEYS, source, f"dense.{name}.")
-    transform = v.get("transform", "none")
-    if transform not in TRANSFORMS:
-        raise ConfigError(f"{at}transform must be one of {', '.join(TRANSFORMS)}, got {transform!r}")
+    transform = _choice(v, "transform", "none", TRANSFORMS, at)
     mean, std = v.get("mean"), v.get("std")
     if (mean is not None or std is not None) and transform != "standardize":
         raise ConfigError(f"{at}mean and std apply to transform = \"standardize\"")
@@ -148,15 +154,11 @@ def _dense(name: str, v: Mapping, source: str) -> DenseSpec:
 def _sparse(name: str, v: Mapping, source: str) -> SparseSpec:
     at = f"{source}: sparse.{name}."
     _known(v, _SPARSE_KEYS, source, f"sparse.{name}.")
-    ids = v.get("ids", "hash")
-    if ids not in ID_KINDS:
-        raise ConfigError(f"{at}ids must be one of {', '.join(ID_KINDS)}, got {ids!r}")
+    ids = _choice(v, "ids", "hash", ID_KINDS, at)
     sep = v.get("separator")
     if sep is not None and (not isinstance(sep, str) or sep == "" or "\n" in sep or '"' in sep):
         raise ConfigError(f"{at}separator must be a non-empty string without quotes or newlines, got {sep!r}")
-    combiner = v.get("combiner", "sum")
-    if combiner not in COMBINERS:
-        raise ConfigError(f"{at}combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
+    combiner = _choice(v, "combiner", "sum", COMBINERS, at)
     max_length = v.get("max_length")
     if max_length is not None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
