@@ -53,7 +53,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     advise = _madvise()
     if device.type != "cpu" or not HUGE_PAGES or nbytes < _MIN_BYTES or advise is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.frombuffer(mmap.mmap(-1, nbytes + _HUGE), dtype=torch.uint8)  # freed with its last view
+    # MAP_PRIVATE: mmap's default anonymous map is MAP_SHARED (shmem), which THP never backs
+    region = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # freed with its last view
     offset = (-raw.data_ptr()) % _HUGE
     out = raw[offset : offset + nbytes].view(dtype).view(shape)
     # A refusal (no THP support) only costs speed: the memory is valid either way.
