@@ -26,6 +26,7 @@ from concurrent.futures import Future
 
 from ..errors import ShardingError
 from ..features import SparseFeatures
+from ._stale_rows import RowStaleness, scalable, scale_row_steps
 
 __all__ = ["ExchangeThread", "PendingFetch", "StalePipeline", "PipelinedExchanges"]
 
@@ -97,8 +98,10 @@ class StalePipeline:
         staleness: K >= 0.
     """
 
-    def __init__(self, coll, staleness: int) -> None:
+    def __init__(self, coll, staleness: int, row_scale: bool = True) -> None:
         self.coll, self.staleness = coll, staleness
+        # K >= 1: each row's step scaled by 1 / (1 + its updates in flight) (_stale_rows.py)
+        self.rows = RowStaleness(staleness) if staleness and row_scale else None
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
@@ -106,7 +109,7 @@ class StalePipeline:
     def enqueue(self, features) -> None:
         """Hands the next training batch over (it runs after the grads of every step before it minus K)."""
         step = self.coll.step + len(self.ahead) + 1  # (the collection's step: training forwards taken, or loaded)
-        fut = self.thread.submit(lambda: self.coll._fetch_step(features, step))
+        fut = self.thread.submit(lambda: self._fetch(features, step))
         self.ahead.append(PendingFetch(step, features, fut))
 
     def take(self, features, step: int):
@@ -125,8 +128,18 @@ class StalePipeline:
         self.ahead.popleft()
         return self._result(head.future)
 
+    def _fetch(self, features, step: int):
+        if self.rows is not None:
+            self.rows.fetched(step)
+        return self.coll._fetch_step(features, step)
+
+    def _grads(self, st) -> None:
+        self.coll._grad_exchange(st)
+        if self.rows is not None:
+            self.rows.applied(st.step)
+
     def submit_grads(self, st) -> None:
-        self.grads.append(self.thread.submit(lambda: self.coll._grad_exchange(st)))
+        self.grads.append(self.thread.submit(lambda: self._grads(st)))
         while self.grads and self.grads[0].done():
             self._result(self.grads.popleft())
 
@@ -167,6 +180,19 @@ class PipelinedExchanges:
             raise ShardingError(f"batch {list(features.keys())} is on {features.device} but the tables are on "
                                 f"{self.device}: move it with batch.to(device) before enqueue")
         self._pipeline.enqueue(features)
+
+    def update_rows(self, t: int, slots, grad, flight, keys=None, hits=None, shared_slot: int = -1) -> None:
+        """The owners' update; under staleness K >= 1 each row's step scaled by 1 / (1 + n), n its
+        updates since the fetch that read it (_stale_rows.py)."""
+        rows = None if self._pipeline is None else self._pipeline.rows
+        plain = lambda: super(PipelinedExchanges, self).update_rows(  # noqa: E731
+            t, slots, grad, flight, keys=keys, hits=hits, shared_slot=shared_slot)
+        if rows is None or keys is None or not slots.numel():
+            return plain()
+        scale = rows.applying(flight.step, t, keys)
+        if not scalable(self, t) or bool((scale == 1.0).all()):
+            return plain()
+        scale_row_steps(self, t, slots, scale, shared_slot, plain)
 
     def drain(self) -> None:
         """Waits until every exchange handed over has run (a no-op without staleness)."""

@@ -70,6 +70,8 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             exchanges run on a thread K steps ahead (distributed/_pipeline.py): batch t reads rows
             holding the updates of batches up to t-K-1 exactly; hand each training batch over with
             :meth:`enqueue` K steps before its forward, and :meth:`drain` before a snapshot.
+        stale_row_scale: with K >= 1, each row's step is scaled by 1 / (1 + n), n the in-flight
+            batches that updated it since its fetch (distributed/_stale_rows.py); False: the plain step.
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -93,7 +95,8 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                  plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
-                 storage_owner: str | None = None, staleness: int | None = None) -> None:
+                 storage_owner: str | None = None, staleness: int | None = None,
+                 stale_row_scale: bool = True) -> None:
         tables = list(tables)
         device = canonical_device(device)
         if gradient_reduction not in ("mean", "sum"):
@@ -118,7 +121,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         if staleness is not None:
             if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
                 raise ConfigError(f"staleness must be an int >= 0 (steps), got {staleness!r}")
-            self._pipeline = StalePipeline(self, staleness)
+            self._pipeline = StalePipeline(self, staleness, row_scale=stale_row_scale)
 
     # -- construction -----------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Oracles: the synchronous sharded collection (K = 0 pipelined equals it bit for bit), a second
 run of the same K (bit for bit), and, for static SGD tables under a loss linear in the pooled
 vectors (row gradients independent of the rows), rows computed here in float64: the outputs of
-batch j are the pooled rows after the updates of batches 0 .. j-K-1 exactly.
+batch j are the pooled rows after the updates of batches 0 .. j-K-1 exactly, each row's update
+scaled by 1 / (1 + the in-flight batches j-K .. j-1 holding its key) (the staleness-aware step).
 """
 
 from __future__ import annotations
@@ -60,14 +61,21 @@ def _oracle(steps: int, k: int) -> tuple[list[torch.Tensor], dict[str, torch.Ten
     keys = {n: s.export().keys for n, s in zip(NAMES, (s for _, s in ref.stores()))}
     w = {n: torch.zeros(20, 4, dtype=torch.float64).index_copy(0, keys[n], rows[n]) for n in NAMES}
     states = [w]
+    touched = [{n: set(linear_batch(j, 0, 1).feature(n).values.tolist()) for n in NAMES} for j in range(steps)]
     for j in range(steps):
         sf, c = linear_batch(j, 0, 1), linear_coef(j).double()
         new = {n: t.clone() for n, t in w.items()}
         for f, n in enumerate(NAMES):
             feat = sf.feature(n)
+            step = {}
             for i in range(8):
                 for idx in feat.values[feat.offsets[i] : feat.offsets[i + 1]].tolist():
-                    new[n][idx] -= 0.5 * c[i, 4 * f : 4 * f + 4] / 8  # SGD, the mean over the global batch
+                    step[idx] = step.get(idx, 0) - 0.5 * c[i, 4 * f : 4 * f + 4] / 8  # SGD, the global batch's mean
+            for idx, d in step.items():
+                # the batches in flight between batch j's fetch and its update (j-K .. j-1) that hold
+                # the same key: the row's step is scaled by 1 / (1 + their number)
+                n_in_flight = sum(idx in touched[s][n] for s in range(max(0, j - k), j))
+                new[n][idx] += d / (1 + n_in_flight)
         w = new
         states.append(w)
     outs = []
