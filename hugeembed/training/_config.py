@@ -113,6 +113,9 @@ class TrainConfig:
             0: synchronous.
         dense_staleness: distributed runs: D >= 1 all-reduces the dense gradients in the background
             and applies those of step t at step t+D (instead of DDP); 0: at their own step.
+        stale_scale: under staleness, staleness-aware steps: each row's step scaled by 1 / (1 + the
+            batches in flight that updated it since its fetch), a delayed dense step (D >= 1) at
+            1 / (1 + D) of the dense lr (docs/distributed.md); False: plain steps.
         jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
             stragglers, for benchmarks); None: off.
         data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
@@ -186,6 +189,7 @@ class TrainConfig:
     dist_timeout: float = 300.0
     staleness: int = 0
     dense_staleness: int = 0
+    stale_scale: bool = True
     jitter: str | None = None
     data_queue: int | None = None
     memory_budget: int | None = None
@@ -211,7 +215,7 @@ class TrainConfig:
             if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
                 raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                                   f"got {self.checkpoint_dir!r}")
-        for name in ("resume", "overwrite", "average_dense", "first_order"):
+        for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{_key(name)} must be true or false, got {getattr(self, name)!r}")
         if self.first_order and self.model != "dlrm":

@@ -52,7 +52,8 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
         if tiers is not None:
             tables, owner = tiers(tables, plan, optimizer)
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
-                                          storage_owner=owner, staleness=cfg.staleness or None, **kw)
+                                          storage_owner=owner, staleness=cfg.staleness or None,
+                                          stale_row_scale=cfg.stale_scale, **kw)
 
     return build
 

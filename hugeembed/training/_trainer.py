@@ -84,7 +84,7 @@ class Trainer(TrainerSnapshots):
             else self.model
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
         self.stale = StaleRun(self.collection, self._dense_params(), staleness, dense_staleness, config.jitter_spec(),
-                              config.seed, rank, config.dist_timeout)
+                              config.seed, rank, config.dist_timeout, config.stale_scale)
         # the loop's own small collectives (loss reports): on the default group, never interleaving with the
         # embedding exchanges, which run on another thread under staleness
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
