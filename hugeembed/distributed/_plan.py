@@ -35,9 +35,10 @@ class TablePlacement:
 
     Args:
         kind: ``table_wise`` (whole table on ``ranks[0]``), ``row_wise`` (rows spread over
-            `ranks` by key), ``data_parallel`` (a replica on every rank).
+            `ranks` by key), ``data_parallel`` (a replica on every rank), ``column_wise``
+            (rank ``ranks[i]`` holds the i-th of ``len(ranks)`` equal blocks of columns).
         ranks: the ranks holding the table: one rank for table-wise, every rank of the
-            group for data-parallel, any non-empty subset for row-wise.
+            group for data-parallel, any non-empty subset for row-wise and column-wise.
     """
 
     kind: ShardKind | str
@@ -55,8 +56,6 @@ class TablePlacement:
             raise ConfigError(f"{self.kind.value} placement: ranks {ranks} repeat a rank")
         if self.kind is ShardKind.TABLE_WISE and len(ranks) != 1:
             raise ConfigError(f"table_wise placement lives on exactly one rank, got ranks {ranks}")
-        if self.kind is ShardKind.COLUMN_WISE:
-            raise NotImplementedError("column_wise sharding is not implemented; use row_wise for wide tables")
         object.__setattr__(self, "ranks", ranks)
 
     @property
@@ -181,6 +180,12 @@ class ShardingPlan:
             raise ShardingError(f"the sharding plan places no table {missing}; it places {sorted(self.placements)}")
         if extra:
             raise ShardingError(f"the sharding plan places tables {extra} that the collection does not have")
+        for t in tables:  # the rest of column-wise's checks need the table's optimizer (_column_wise.py)
+            p = self.placements[t.name]
+            if p.kind is ShardKind.COLUMN_WISE and t.dim % len(p.ranks):
+                raise ConfigError(f"table {t.name!r}: column_wise over ranks {list(p.ranks)}: dim {t.dim} is not "
+                                  f"divisible by {len(p.ranks)} ranks; use a dim divisible by the number of ranks, "
+                                  f"or list fewer ranks (e.g. 'column_wise@0,1')")
 
     # -- plain data -------------------------------------------------------------------
 

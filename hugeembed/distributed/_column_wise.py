@@ -1,0 +1,169 @@
+"""Column-wise sharding (TorchRec's COLUMN_WISE): each rank of a table's placement holds one
+contiguous block of its columns, for every row.
+
+A table of dim D on n ranks: rank ``ranks[i]`` holds columns ``[i*D/n, (i+1)*D/n)`` of every
+row, with the optimizer state of those columns.  Every block sees every id of the table, so
+each block owner pools its columns for every rank exactly as a table-wise owner pools the
+whole table (_table_wise.py carries one entry per block); a rank's pooled output is the
+concatenation of the blocks in column order.  What lets the blocks stay one table:
+
+* sum / mean / sqrtn pool per column (sqrtn's 1/sqrt(bag length) is per bag, not per row);
+* the rules whose state is per element (SGD, momentum, Adagrad, Adam, FTRL) update each
+  column on its own; Adam's per-row counter is the same in every block (same ids, same steps);
+* admission, hit counts, last steps, eviction by count or age and the shared row decide by
+  ids and counts only, which every block sees alike, so the blocks keep the same keys;
+* rows start as the columns of the unsharded table's initial rows (ColumnBlockInit).
+
+Refused, naming the table: ``max_norm`` and ``evict_norm_below`` (they need the whole row's
+norm), row-wise Adagrad (its state is per row: the whole row's mean squared gradient),
+stochastic rounding (its draws are per column of the whole row), 16-bit packed rows, disk
+tiers, sequence tables (combiner "none"), and a dim the ranks do not divide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import _native
+from ..errors import ConfigError, ShardingError
+from ..nn import TableConfig
+from ..optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, SparseOptimizer
+from ..store import Initializer
+from ..store._init import default_initializer, init_rows_native
+from ..types import Combiner
+
+__all__ = ["ColumnBlockInit", "column_block", "check_column_wise", "block_config", "join_blocks", "slice_block",
+           "COLUMN_WISE_RULES"]
+
+# per-element state (plus Adam's per-row counter, equal in every block)
+COLUMN_WISE_RULES = (SGD, MomentumSGD, Adagrad, Adam, FTRL)
+
+
+def column_block(dim: int, ranks: tuple[int, ...], rank: int) -> tuple[int, int]:
+    """Columns ``[lo, hi)`` of a table of `dim` that `rank` holds (it must be one of `ranks`)."""
+    width = dim // len(ranks)
+    i = ranks.index(rank)
+    return i * width, (i + 1) * width
+
+
+def check_column_wise(cfg: TableConfig, rule: SparseOptimizer | None, ranks: tuple[int, ...]) -> None:
+    """ConfigError naming the table and what column-wise sharding cannot give it."""
+    who = f"table {cfg.name!r}: column_wise over ranks {list(ranks)}"
+    n = len(ranks)
+    if cfg.dim % n:
+        raise ConfigError(f"{who}: dim {cfg.dim} is not divisible by {n} ranks; use a dim divisible by the "
+                          f"number of ranks, or list fewer ranks (e.g. 'column_wise@0,1')")
+    if Combiner(cfg.combiner) is Combiner.NONE:
+        raise ConfigError(f"{who}: a sequence table (combiner 'none') cannot be split by columns; use row_wise")
+    if cfg.max_norm is not None:
+        raise ConfigError(f"{who}: max_norm clips by the whole row's norm, which no block holds; drop max_norm or "
+                          f"use row_wise / table_wise")
+    if cfg.evict_norm_below is not None:
+        raise ConfigError(f"{who}: evict_norm_below evicts by the whole row's norm, which no block holds; use "
+                          f"row_wise / table_wise")
+    if cfg.stochastic_rounding:
+        raise ConfigError(f"{who}: stochastic rounding draws per column of the whole row; use row_wise / table_wise")
+    if cfg.tiered:
+        raise ConfigError(f"{who}: disk-tiered tables (storage_dir) are not split by columns; use row_wise")
+    layout = cfg.row_layout(rule)
+    if layout.packed:
+        raise ConfigError(f"{who}: 16-bit weights with float32 state (packed rows) are not split by columns; use "
+                          f"dtype float32 or row_wise")
+    if rule is not None and not isinstance(rule, COLUMN_WISE_RULES):
+        raise ConfigError(f"{who}: optimizer {type(rule).__name__} keeps state per row (it needs the whole row's "
+                          f"gradient); column_wise supports {[r.__name__ for r in COLUMN_WISE_RULES]}")
+
+
+@dataclass(frozen=True)
+class ColumnBlockInit(Initializer):
+    """Columns ``[first, first + dim)`` of the rows `inner` makes at `full_dim`: a block starts
+    exactly as its columns of the unsharded table (the same path: native kernel or torch)."""
+
+    inner: Initializer
+    full_dim: int
+    first: int
+    native: bool
+
+    def generate(self, keys, dim, seed):
+        full = torch.empty(keys.numel(), self.full_dim, dtype=torch.float32, device=keys.device)
+        if not (self.native and init_rows_native(self.inner, keys, self.full_dim, seed, full, None)):
+            full = self.inner.generate(keys, self.full_dim, seed)
+        return full[:, self.first : self.first + dim].contiguous()
+
+
+def block_config(cfg: TableConfig, ranks: tuple[int, ...], rank: int) -> TableConfig:
+    """The table `rank` holds: `cfg` with its block's dim, starting as the block's columns."""
+    lo, hi = column_block(cfg.dim, ranks, rank)
+    inner = cfg.initializer if cfg.initializer is not None else default_initializer(cfg.dim)
+    # the unsharded table initialises float32 rows with the native kernel where it runs
+    native = cfg.dtype == torch.float32 and _native.available()
+    return dataclasses.replace(cfg, dim=hi - lo, initializer=ColumnBlockInit(inner, cfg.dim, lo, native))
+
+
+def _state_parts(rule: SparseOptimizer | None, dim: int) -> tuple[int, int]:
+    """(k, s): a row's state is k per-element parts of `dim` values each, then s per-row values."""
+    if rule is None:
+        return 0, 0
+    k = rule.state_width(2) - rule.state_width(1)
+    return k, rule.state_width(dim) - k * dim
+
+
+def join_blocks(blocks: list[torch.Tensor], rule: SparseOptimizer | None, dim: int) -> torch.Tensor:
+    """Whole rows ``[N, D + state(D)]`` from each block's rows (column order, keys aligned)."""
+    n = len(blocks)
+    d = dim // n
+    k, s = _state_parts(rule, d)
+    parts = [b[:, :d] for b in blocks]
+    for j in range(k):
+        parts += [b[:, d + j * d : d + (j + 1) * d] for b in blocks]
+    if s:
+        parts.append(blocks[0][:, d + k * d : d + k * d + s])
+    return torch.cat(parts, 1)
+
+
+def slice_block(rows: torch.Tensor, rule: SparseOptimizer | None, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """A block's rows (columns ``[lo, hi)`` with their state) from whole rows ``[N, D + state(D)]``."""
+    k, s = _state_parts(rule, dim)
+    parts = [rows[:, lo:hi]] + [rows[:, dim + j * dim + lo : dim + j * dim + hi] for j in range(k)]
+    if s:
+        parts.append(rows[:, dim + k * dim : dim + k * dim + s])
+    return torch.cat(parts, 1)
+
+
+def gather_tables(coll, destination: dict, prefix: str) -> None:
+    """Collective (every rank of the collection): replaces each column-wise table's block in a
+    state_dict `destination` with the whole table, its blocks joined by columns on every rank
+    of its placement (the keys and counts every block holds alike)."""
+    from ..store import EXPORT_FIELDS
+    from ..types import ShardKind
+
+    names = [cfg.name for cfg in coll.tables if coll.plan[cfg.name].kind is ShardKind.COLUMN_WISE]
+    if not names:
+        return
+    mine = {}
+    for name in names:
+        if coll.rank in coll.plan[name].ranks:
+            mine[name] = {f: destination[f"{prefix}tables.{name}.{f}"] for f in EXPORT_FIELDS}
+    everyone = coll.comm.all_gather_object("state_dict (column blocks)", mine)
+    for name in names:
+        ranks = coll.plan[name].ranks
+        if coll.rank not in ranks:
+            continue
+        t = coll._table_index(name)
+        blocks = []
+        first = None
+        for r in ranks:
+            ex = everyone[r][name]
+            order = torch.argsort(ex["keys"])
+            if first is None:
+                first = {f: v[order] if f in ("keys", "counts", "last_step") else v for f, v in ex.items()}
+            elif not torch.equal(ex["keys"][order], first["keys"]):
+                raise ShardingError(f"table {name!r}: the column blocks of ranks {list(ranks)} hold different keys "
+                                    "(internal error: the blocks must admit and evict alike)")
+            blocks.append(ex["rows"][order])
+        first["rows"] = join_blocks(blocks, coll.rules[t], coll.tables[t].dim)
+        for f, v in first.items():
+            destination[f"{prefix}tables.{name}.{f}"] = v
