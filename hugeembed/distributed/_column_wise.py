@@ -36,7 +36,7 @@ from ..store._init import default_initializer, init_rows_native
 from ..types import Combiner
 
 __all__ = ["ColumnBlockInit", "column_block", "check_column_wise", "block_config", "join_blocks", "slice_block",
-           "COLUMN_WISE_RULES"]
+           "COLUMN_WISE_RULES", "gather_tables", "WholeColumns", "stores_to_save"]
 
 # per-element state (plus Adam's per-row counter, equal in every block)
 COLUMN_WISE_RULES = (SGD, MomentumSGD, Adagrad, Adam, FTRL)
@@ -133,28 +133,17 @@ def slice_block(rows: torch.Tensor, rule: SparseOptimizer | None, dim: int, lo: 
     return torch.cat(parts, 1)
 
 
-def gather_tables(coll, destination: dict, prefix: str) -> None:
-    """Collective (every rank of the collection): replaces each column-wise table's block in a
-    state_dict `destination` with the whole table, its blocks joined by columns on every rank
-    of its placement (the keys and counts every block holds alike)."""
-    from ..store import EXPORT_FIELDS
-    from ..types import ShardKind
-
-    names = [cfg.name for cfg in coll.tables if coll.plan[cfg.name].kind is ShardKind.COLUMN_WISE]
-    if not names:
-        return
-    mine = {}
-    for name in names:
-        if coll.rank in coll.plan[name].ranks:
-            mine[name] = {f: destination[f"{prefix}tables.{name}.{f}"] for f in EXPORT_FIELDS}
-    everyone = coll.comm.all_gather_object("state_dict (column blocks)", mine)
+def _gathered(coll, names: list[str], exports: dict[str, dict], stage: str) -> dict[str, dict]:
+    """Collective: per column-wise table of `names`, the whole table (blocks joined by columns,
+    keys ascending) on every rank of its placement, from each block's `exports` (field -> tensor)."""
+    everyone = coll.comm.all_gather_object(stage, exports)
+    out = {}
     for name in names:
         ranks = coll.plan[name].ranks
         if coll.rank not in ranks:
             continue
         t = coll._table_index(name)
-        blocks = []
-        first = None
+        blocks, first = [], None
         for r in ranks:
             ex = everyone[r][name]
             order = torch.argsort(ex["keys"])
@@ -165,5 +154,72 @@ def gather_tables(coll, destination: dict, prefix: str) -> None:
                                     "(internal error: the blocks must admit and evict alike)")
             blocks.append(ex["rows"][order])
         first["rows"] = join_blocks(blocks, coll.rules[t], coll.tables[t].dim)
-        for f, v in first.items():
+        out[name] = first
+    return out
+
+
+def _column_wise_names(coll) -> list[str]:
+    from ..types import ShardKind
+
+    return [cfg.name for cfg in coll.tables if coll.plan[cfg.name].kind is ShardKind.COLUMN_WISE]
+
+
+class WholeColumns:
+    """A column-wise table seen whole, for a snapshot writer: its blocks joined (a copy, read-only)."""
+
+    def __init__(self, cfg: TableConfig, rule: SparseOptimizer | None, block, fields: dict) -> None:
+        from ..store import ExportIndex
+
+        self.layout = cfg.row_layout(rule)
+        self.width, self.state_width, self.dtype = self.layout.width, self.layout.state_width, cfg.dtype
+        self.seed, self.initializer = block.seed, block.initializer.inner
+        self._rows = fields["rows"]
+        self._index = ExportIndex(fields["keys"], torch.arange(fields["keys"].numel()), fields["counts"],
+                                  fields["last_step"], fields["pending_keys"], fields["pending_counts"],
+                                  fields["pending_last_step"])
+
+    def export_index(self):
+        return self._index
+
+    def storage(self) -> torch.Tensor:
+        return self._rows
+
+
+def stores_to_save(coll, delta: bool) -> list[tuple]:
+    """Collective: (config, store) per table, a column-wise table whole (WholeColumns) on the first
+    rank of its placement (the one that writes it: ``writes_shard``)."""
+    names = _column_wise_names(coll)
+    if not names:
+        return list(coll.stores())
+    if delta:
+        raise NotImplementedError(f"delta snapshots of column-wise tables {names} are not implemented; save a full "
+                                  "snapshot (delta=False)")
+    mine = {n: {f: getattr(coll.store(n).export(), f) for f in _fields()} for n in names
+            if coll.rank in coll.plan[n].ranks}
+    whole = _gathered(coll, names, mine, "checkpoint save (column blocks)")
+    out = []
+    for cfg, store in coll.stores():
+        if cfg.name in whole:
+            store = WholeColumns(cfg, coll.rules[coll._table_index(cfg.name)], store, whole[cfg.name])
+        out.append((cfg, store))
+    return out
+
+
+def _fields() -> tuple[str, ...]:
+    from ..store import EXPORT_FIELDS
+
+    return EXPORT_FIELDS
+
+
+def gather_tables(coll, destination: dict, prefix: str) -> None:
+    """Collective (every rank of the collection): replaces each column-wise table's block in a
+    state_dict `destination` with the whole table, its blocks joined by columns on every rank
+    of its placement (the keys and counts every block holds alike)."""
+    names = _column_wise_names(coll)
+    if not names:
+        return
+    mine = {n: {f: destination[f"{prefix}tables.{n}.{f}"] for f in _fields()} for n in names
+            if coll.rank in coll.plan[n].ranks}
+    for name, fields in _gathered(coll, names, mine, "state_dict (column blocks)").items():
+        for f, v in fields.items():
             destination[f"{prefix}tables.{name}.{f}"] = v

@@ -33,7 +33,7 @@ from ..nn import EmbeddingCollection, TableConfig
 from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
 from ..types import ShardKind
-from ._column_wise import block_config, check_column_wise, column_block, gather_tables, slice_block
+from ._column_wise import block_config, check_column_wise, column_block, gather_tables, slice_block, stores_to_save
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._pipeline import PipelinedExchanges, StalePipeline
 from ._plan import ShardingPlan, propose_plan
@@ -187,7 +187,13 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
         p = self.plan[table]
+        if p.kind is ShardKind.COLUMN_WISE:  # its first rank writes it whole (stores_to_save)
+            return self.rank == p.ranks[0]
         return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
+
+    def stores_to_save(self, delta: bool = False) -> list[tuple]:
+        """Collective: (config, store) per table for a snapshot writer, column-wise tables whole."""
+        return stores_to_save(self, delta)
 
     def global_num_rows(self) -> dict[str, int]:
         """Rows per table over all ranks (collective: call it on every rank)."""
