@@ -36,7 +36,7 @@ from ..store._init import default_initializer, init_rows_native
 from ..types import Combiner
 
 __all__ = ["ColumnBlockInit", "column_block", "check_column_wise", "block_config", "join_blocks", "slice_block",
-           "COLUMN_WISE_RULES", "gather_tables", "WholeColumns", "stores_to_save"]
+           "COLUMN_WISE_RULES", "column_wise_fits", "gather_tables", "WholeColumns", "stores_to_save"]
 
 # per-element state (plus Adam's per-row counter, equal in every block)
 COLUMN_WISE_RULES = (SGD, MomentumSGD, Adagrad, Adam, FTRL)
@@ -75,6 +75,16 @@ def check_column_wise(cfg: TableConfig, rule: SparseOptimizer | None, ranks: tup
     if rule is not None and not isinstance(rule, COLUMN_WISE_RULES):
         raise ConfigError(f"{who}: optimizer {type(rule).__name__} keeps state per row (it needs the whole row's "
                           f"gradient); column_wise supports {[r.__name__ for r in COLUMN_WISE_RULES]}")
+
+
+def column_wise_fits(cfg: TableConfig, default_rule: SparseOptimizer | None, ranks: tuple[int, ...]) -> bool:
+    """Whether column-wise sharding over `ranks` supports table `cfg` (for the planner)."""
+    rule = cfg.optimizer if cfg.optimizer is not None else (default_rule if cfg.trainable else None)
+    try:
+        check_column_wise(cfg, rule, ranks)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
