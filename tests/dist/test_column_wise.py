@@ -95,6 +95,33 @@ def test_column_blocks_are_the_columns_of_the_whole_rows():
     assert torch.equal(join_blocks(blocks, rule, 6), rows)
 
 
+def pad8(n: int) -> int:
+    return n + (-n) % 8
+
+
+def expected_bytes(step: int, rank: int, world: int) -> dict[str, list[int]]:
+    """Oracle: what `rank` sends each block owner in one step when every table is column-wise over all
+    ranks: per table, to every owner, its unique keys (8 B) + hit counts (4 B), each bag's length
+    (4 B), each id's index into the keys (4 B) and weight (4 B, odd steps); each owner's block of the
+    pooled vectors (4 D/n per bag) back, and their gradients (the same) to the owner.  Table "country"
+    gives its empty bags the default id 3."""
+    from .workers_colwise import local
+
+    sf = local(step, rank, world)
+    B, d = GLOBAL_BATCH // world, 6 // world
+    ids_out = 0
+    for t in TABLES:
+        f = sf.feature(t)
+        v = f.values
+        if t == "country":  # its empty bags read the default id 3
+            empty = int(((f.offsets[1:] - f.offsets[:-1]) == 0).sum())
+            v = torch.cat([v, torch.full((empty,), 3, dtype=v.dtype)])
+        n, i = v.unique().numel(), v.numel()
+        ids_out += pad8(8 * n) + pad8(4 * n) + pad8(4 * B) + pad8(4 * i) + (pad8(4 * i) if step % 2 else 0)
+    block = pad8(4 * B * d) * len(TABLES)
+    return {"input_dist": [ids_out] * world, "output_dist": [block] * world, "grad_dist": [block] * world}
+
+
 @pytest.mark.slow
 def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
     opts = ("sgd", "adagrad", "adam_lazy", "adam_global", "ftrl")
@@ -103,6 +130,10 @@ def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
     res = run_ranks(2, "tests.dist.workers_colwise:main", {"cases": cases})
     for o in opts:
         check_case(res, 2, o, reference(o, range(4)))
+    for rank, r in enumerate(res):  # the exchange is per column block: bytes as the oracle counts them
+        for step, got in enumerate(r["cases"]["sgd"]["bytes"]):
+            for stage, want in expected_bytes(step, rank, 2).items():
+                assert got[stage] == want, (rank, step, stage, got[stage], want)
     # the snapshot holds whole rows (written by each table's first rank): one process loads it and trains on
     snap = res[0]["cases"]["save"]["saved"]
     assert res[1]["cases"]["save"]["saved"] == snap

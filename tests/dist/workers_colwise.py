@@ -52,14 +52,17 @@ def local(step: int, rank: int, world: int) -> SparseFeatures:
     return sf if world == 1 else sf.split(GLOBAL_BATCH // world)[rank]
 
 
-def train(ec, steps, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
-    """A loss linear in the pooled vectors (an exact gradient); returns every forward's output."""
+def train(ec, steps, rank: int = 0, world: int = 1, record: list | None = None) -> list[torch.Tensor]:
+    """A loss linear in the pooled vectors (an exact gradient); returns every forward's output.
+    `record`: gets each step's bytes sent per stage and destination (ExchangeStats.step)."""
     B = GLOBAL_BATCH // world
     outs = []
     for step in steps:
         x = ec(local(step, rank, world)).concat()
         outs.append(x.detach().clone())
         (x * coef(step, x.shape[1])[rank * B : (rank + 1) * B]).sum().div(B).backward()
+        if record is not None:
+            record.append(dict(ec.comm.stats.step))
     return outs
 
 
@@ -81,7 +84,8 @@ def main(rank: int, world: int, workdir: str, cases=(), refusals=()) -> dict:
         if case.get("load"):
             got["loaded"] = ckpt.load(case["load"], ec, restore_rng=False).step
         a, b = case["steps"]
-        got["outputs"] = train(ec, range(a, b), rank, world)
+        got["bytes"] = []
+        got["outputs"] = train(ec, range(a, b), rank, world, got["bytes"])
         got["eval"] = scored(ec, rank, world)
         got["block"] = {cfg.name: store.export().rows.clone() for cfg, store in ec.stores()}
         got["state"] = {k: v.clone() for k, v in ec.state_dict().items()}  # collective: column blocks gathered
