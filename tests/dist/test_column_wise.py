@@ -127,9 +127,24 @@ def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
     opts = ("sgd", "adagrad", "adam_lazy", "adam_global", "ftrl")
     cases = [{"name": o, "opt": o, "plan": COLWISE, "steps": (0, 4)} for o in opts]
     cases.append({"name": "save", "opt": "adagrad", "plan": COLWISE, "steps": (0, 3), "save": str(tmp_path / "two")})
+    # bounded staleness: K = 0 is the synchronous run; K = 2 reads rows 2 steps late exactly as table-wise does
+    tablewise = {t: f"table_wise@{i % 2}" for i, t in enumerate(TABLES)}
+    cases += [{"name": "k0", "opt": "adam_lazy", "plan": COLWISE, "steps": (0, 4), "staleness": 0},
+              {"name": "k2", "opt": "adagrad", "plan": COLWISE, "steps": (0, 5), "staleness": 2},
+              {"name": "k2_tw", "opt": "adagrad", "plan": tablewise, "steps": (0, 5), "staleness": 2}]
     res = run_ranks(2, "tests.dist.workers_colwise:main", {"cases": cases})
     for o in opts:
         check_case(res, 2, o, reference(o, range(4)))
+    check_case(res, 2, "k0", reference("adam_lazy", range(4)))
+    k2 = [table_of([r["cases"]["k2"]["state"]], t) for r in res for t in TABLES]  # both ranks hold every table
+    tw = {t: table_of([r["cases"]["k2_tw"]["state"] for r in res], t) for t in TABLES}
+    for i, got in enumerate(k2):
+        assert_same_table(got, tw[TABLES[i % len(TABLES)]], f"staleness 2, rank {i // len(TABLES)}")
+    sync = reference("adagrad", range(5))[1]
+    for rank, r in enumerate(res):  # rows read 2 steps late: the outputs of table-wise's, not the synchronous ones
+        for step, (o, w) in enumerate(zip(r["cases"]["k2"]["outputs"], r["cases"]["k2_tw"]["outputs"])):
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
+            assert (step == 0) == torch.equal(o, sync[step][rank * 6:(rank + 1) * 6]), (rank, step)
     for rank, r in enumerate(res):  # the exchange is per column block: bytes as the oracle counts them
         for step, got in enumerate(r["cases"]["sgd"]["bytes"]):
             for stage, want in expected_bytes(step, rank, 2).items():

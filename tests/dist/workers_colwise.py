@@ -52,17 +52,27 @@ def local(step: int, rank: int, world: int) -> SparseFeatures:
     return sf if world == 1 else sf.split(GLOBAL_BATCH // world)[rank]
 
 
-def train(ec, steps, rank: int = 0, world: int = 1, record: list | None = None) -> list[torch.Tensor]:
+def train(ec, steps, rank: int = 0, world: int = 1, record: list | None = None,
+          ahead: int | None = None) -> list[torch.Tensor]:
     """A loss linear in the pooled vectors (an exact gradient); returns every forward's output.
-    `record`: gets each step's bytes sent per stage and destination (ExchangeStats.step)."""
+    `record`: gets each step's bytes sent per stage and destination (ExchangeStats.step); `ahead` K:
+    a collection built with staleness K, each batch enqueued K steps before its forward."""
     B = GLOBAL_BATCH // world
     outs = []
-    for step in steps:
-        x = ec(local(step, rank, world)).concat()
+    steps = list(steps)
+    batches = [local(step, rank, world) for step in steps]  # the very batches enqueued are the forwards'
+    nxt = 0
+    for i, step in enumerate(steps):
+        while ahead is not None and nxt < len(steps) and nxt <= i + ahead:
+            ec.enqueue(batches[nxt])
+            nxt += 1
+        x = ec(batches[i]).concat()
         outs.append(x.detach().clone())
         (x * coef(step, x.shape[1])[rank * B : (rank + 1) * B]).sum().div(B).backward()
         if record is not None:
             record.append(dict(ec.comm.stats.step))
+    if ahead is not None:
+        ec.drain()
     return outs
 
 
@@ -79,13 +89,13 @@ def main(rank: int, world: int, workdir: str, cases=(), refusals=()) -> dict:
     out: dict = {"cases": {}, "refusals": {}}
     for case in cases:
         ec = ShardedEmbeddingCollection(colwise_tables(case["opt"]), plan=ShardingPlan(world, case["plan"]),
-                                        process_group=group, timeout=30.0)
+                                        process_group=group, timeout=30.0, staleness=case.get("staleness"))
         got: dict = {}
         if case.get("load"):
             got["loaded"] = ckpt.load(case["load"], ec, restore_rng=False).step
         a, b = case["steps"]
         got["bytes"] = []
-        got["outputs"] = train(ec, range(a, b), rank, world, got["bytes"])
+        got["outputs"] = train(ec, range(a, b), rank, world, got["bytes"], case.get("staleness"))
         got["eval"] = scored(ec, rank, world)
         got["block"] = {cfg.name: store.export().rows.clone() for cfg, store in ec.stores()}
         got["state"] = {k: v.clone() for k, v in ec.state_dict().items()}  # collective: column blocks gathered
