@@ -64,16 +64,19 @@ class TableEstimate:
         return Share(self.rows, self.bytes, self.ids_per_step)
 
     def exchange_bytes(self, kind: ShardKind, n: int) -> float:
-        """Estimated bytes a training step sends over all ranks for this table spread over `n` ranks,
-        float32 rows and no duplicate ids within a rank's batch: row-wise sends each id's key and count
-        (12 B) and gets its row and sends its gradient (4 D each); column-wise sends each id (key,
-        count, index: 16 B) and each bag's length (4 B) to all n block owners, and gets each bag's
-        pooled vector and sends its gradient (4 D each, in n blocks)."""
+        """Estimated bytes a training step sends between ranks for this table spread over `n` ranks,
+        float32 rows and no duplicate ids within a rank's batch (an upper bound: dedup sends less):
+        row-wise sends each id's key and count (12 B) and gets its row and sends its gradient (4 D
+        each); column-wise sends each id (key, count, index: 16 B) and each bag's length (4 B) to
+        all n block owners, and gets each bag's pooled vector and sends its gradient (4 D each, in
+        n blocks).  Of either, the share (n-1)/n of another rank's crosses the network."""
         if kind is ShardKind.ROW_WISE:
-            return self.ids_per_step * (12.0 + 8.0 * self.dim)
-        if kind is ShardKind.COLUMN_WISE:
-            return n * (16.0 * self.ids_per_step + 4.0 * self.bags_per_step) + 8.0 * self.dim * self.bags_per_step
-        raise ValueError(f"exchange_bytes: no estimate for {kind.value}")
+            total = self.ids_per_step * (12.0 + 8.0 * self.dim)
+        elif kind is ShardKind.COLUMN_WISE:
+            total = n * (16.0 * self.ids_per_step + 4.0 * self.bags_per_step) + 8.0 * self.dim * self.bags_per_step
+        else:
+            raise ValueError(f"exchange_bytes: no estimate for {kind.value}")
+        return total * (n - 1) / n
 
 
 def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None, *,
