@@ -17,18 +17,20 @@ EVAL_STEP = 100
 
 
 def colwise_tables(opt_name: str, dim: int = 6):
-    """Tables column-wise sharding supports: dynamic with admission + ttl eviction, a shared row of rare
-    ids with lr_count_scale (mean), static with a default id, sqrtn with a capacity (LFU eviction)."""
+    """Tables column-wise sharding supports: dynamic with admission (a bound on pending keys) + ttl
+    eviction, a shared row of rare ids with lr_count_scale (mean), static with a default id, sqrtn with
+    a capacity (LFU eviction) and probabilistic admission: every block must keep the same keys."""
     from hugeembed.nn import TableConfig
 
     opt = OPTIMIZERS[opt_name]()
     scale = 3 if opt_name in ("sgd", "adagrad", "adam_lazy") else None  # rules whose step is linear in lr
     return [
-        TableConfig("user", dim, combiner="sum", admit_min_count=2, ttl=3, evict_interval=2, optimizer=opt),
+        TableConfig("user", dim, combiner="sum", admit_min_count=2, max_pending=6, ttl=3, evict_interval=2,
+                    optimizer=opt),
         TableConfig("item", dim, combiner="mean", shared_row=True, admit_min_count=2, lr_count_scale=scale,
                     optimizer=opt),
         TableConfig("country", dim, num_rows=11, combiner="sum", default_id=3, optimizer=opt),
-        TableConfig("page", dim, combiner="sqrtn", capacity=12, optimizer=opt),
+        TableConfig("page", dim, combiner="sqrtn", capacity=12, admit_probability=0.7, optimizer=opt),
     ]
 
 
@@ -36,11 +38,13 @@ def batch(step: int, n: int = GLOBAL_BATCH) -> SparseFeatures:
     """The global batch of `step`: multi-hot bags with repeats, weights on odd steps."""
     g = torch.Generator().manual_seed(7100 + step)
 
-    def bags(hi: int, maxlen: int = 3):
+    def bags(hi: int, maxlen: int = 3, spread: bool = False):
         lens = torch.randint(0, maxlen + 1, (n,), generator=g)
+        if spread:  # ids uniform over many: most seen once, pending (not admitted) to the end
+            return [torch.randint(0, hi, (int(k),), generator=g).tolist() for k in lens]
         return [(torch.randint(0, hi, (int(k),), generator=g) ** 2 % hi).tolist() for k in lens]
 
-    feats = {"user": bags(40), "item": bags(60), "country": bags(11, 2), "page": bags(30)}
+    feats = {"user": bags(40), "item": bags(200, spread=True), "country": bags(11, 2), "page": bags(30)}
     weights = None
     if step % 2:
         weights = {k: [(0.5 + torch.rand(len(b), generator=g)).tolist() for b in v] for k, v in feats.items()}
