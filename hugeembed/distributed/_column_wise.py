@@ -34,6 +34,7 @@ from ..optim import FTRL, SGD, Adagrad, Adam, MomentumSGD, SparseOptimizer
 from ..store import Initializer
 from ..store._init import default_initializer, init_rows_native
 from ..types import Combiner
+from ._wire import Packer, padded, readers
 
 __all__ = ["ColumnBlockInit", "column_block", "check_column_wise", "block_config", "join_blocks", "slice_block",
            "COLUMN_WISE_RULES", "column_wise_fits", "gather_tables", "WholeColumns", "stores_to_save"]
@@ -143,28 +144,56 @@ def slice_block(rows: torch.Tensor, rule: SparseOptimizer | None, dim: int, lo: 
     return torch.cat(parts, 1)
 
 
-def _gathered(coll, names: list[str], exports: dict[str, dict], stage: str) -> dict[str, dict]:
-    """Collective: per column-wise table of `names`, the whole table (blocks joined by columns,
-    keys ascending) on every rank of its placement, from each block's `exports` (field -> tensor)."""
-    everyone = coll.comm.all_gather_object(stage, exports)
+def _gathered(coll, names: list[str], exports: dict[str, dict], stage: str, first_only: bool) -> dict[str, dict]:
+    """Collective: per column-wise table of `names`, the whole table (blocks joined by columns, keys
+    ascending) on every rank of its placement (`first_only`: on its first rank), from each block's
+    `exports` (field -> tensor).  Only the blocks' keys and rows travel, each to the ranks joining it."""
+    W, me = coll.world_size, coll.rank
+    coll.drain()  # an exchange thread (staleness) runs no collective beside this one
+    needs = {n: coll.plan[n].ranks[:1] if first_only else coll.plan[n].ranks for n in names}
+    mine = {}
+    for n, ex in exports.items():
+        order = torch.argsort(ex["keys"])
+        mine[n] = {f: v[order] if f in ("keys", "rows", "counts", "last_step") else v for f, v in ex.items()}
+    counts = torch.zeros(W, len(names), dtype=torch.int64)
+    packer = Packer(W)
+    for d in range(W):
+        for i, n in enumerate(names):
+            if n in mine and d != me and d in needs[n]:
+                counts[d, i] = mine[n]["keys"].numel()
+                packer.add(d, mine[n]["keys"])
+                packer.add(d, mine[n]["rows"].contiguous())
+    got = coll.comm.exchange_counts(f"{stage} (sizes)", counts)
+    sizes = [0] * W
+    for s in range(W):
+        for i, n in enumerate(names):
+            c = int(got[s, i])
+            if c:
+                rows = mine[n]["rows"]  # a rank joining a table holds a block of it: the same width and dtype
+                sizes[s] += padded(8 * c) + padded(c * rows.shape[1] * rows.element_size())
+    rds = readers(coll.comm.all_to_all_bytes(stage, packer.buffer(coll.device), packer.sizes, sizes), sizes, stage)
+    received: dict[tuple[str, int], tuple] = {}
+    for s in range(W):
+        for i, n in enumerate(names):
+            c = int(got[s, i])
+            if c:
+                w, dt = mine[n]["rows"].shape[1], mine[n]["rows"].dtype
+                received[n, s] = (rds[s].take(c, torch.int64), rds[s].take(c * w, dt).view(c, w))
+        rds[s].finish()
     out = {}
-    for name in names:
-        ranks = coll.plan[name].ranks
-        if coll.rank not in ranks:
+    for n in names:
+        if me not in needs[n]:
             continue
-        t = coll._table_index(name)
-        blocks, first = [], None
+        ranks, own = coll.plan[n].ranks, mine[n]
+        blocks = []
         for r in ranks:
-            ex = everyone[r][name]
-            order = torch.argsort(ex["keys"])
-            if first is None:
-                first = {f: v[order] if f in ("keys", "counts", "last_step") else v for f, v in ex.items()}
-            elif not torch.equal(ex["keys"][order], first["keys"]):
-                raise ShardingError(f"table {name!r}: the column blocks of ranks {list(ranks)} hold different keys "
+            keys, rows = (own["keys"], own["rows"]) if r == me else received.get((n, r), (own["keys"][:0], None))
+            if not torch.equal(keys, own["keys"]):
+                raise ShardingError(f"table {n!r}: the column blocks of ranks {list(ranks)} hold different keys "
                                     "(internal error: the blocks must admit and evict alike)")
-            blocks.append(ex["rows"][order])
-        first["rows"] = join_blocks(blocks, coll.rules[t], coll.tables[t].dim)
-        out[name] = first
+            blocks.append(rows if rows is not None else own["rows"][:0])
+        t = coll._table_index(n)
+        out[n] = {**own, "rows": join_blocks(blocks, coll.rules[t], coll.tables[t].dim)}
     return out
 
 
@@ -206,7 +235,7 @@ def stores_to_save(coll, delta: bool) -> list[tuple]:
                                   "snapshot (delta=False)")
     mine = {n: {f: getattr(coll.store(n).export(), f) for f in _fields()} for n in names
             if coll.rank in coll.plan[n].ranks}
-    whole = _gathered(coll, names, mine, "checkpoint save (column blocks)")
+    whole = _gathered(coll, names, mine, "checkpoint save (column blocks)", first_only=True)
     out = []
     for cfg, store in coll.stores():
         if cfg.name in whole:
@@ -230,6 +259,6 @@ def gather_tables(coll, destination: dict, prefix: str) -> None:
         return
     mine = {n: {f: destination[f"{prefix}tables.{n}.{f}"] for f in _fields()} for n in names
             if coll.rank in coll.plan[n].ranks}
-    for name, fields in _gathered(coll, names, mine, "state_dict (column blocks)").items():
+    for name, fields in _gathered(coll, names, mine, "state_dict (column blocks)", first_only=False).items():
         for f, v in fields.items():
             destination[f"{prefix}tables.{name}.{f}"] = v

@@ -191,6 +191,17 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             return self.rank == p.ranks[0]
         return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
 
+    def column_block_of(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        """Whole rows of a column-wise table cut to this rank's block (with its state); other tables'
+        rows, and rows of another width (the load reports it), as they are."""
+        p, t = self.plan[table], self._table_index(table)
+        cfg = self.tables[t]
+        if p.kind is not ShardKind.COLUMN_WISE or self.rank not in p.ranks or \
+                rows.shape[1] != cfg.row_layout(self.rules[t]).width or len(p.ranks) == 1:
+            return rows
+        lo, hi = column_block(cfg.dim, p.ranks, self.rank)
+        return slice_block(rows, self.rules[t], cfg.dim, lo, hi)
+
     def stores_to_save(self, delta: bool = False) -> list[tuple]:
         """Collective: (config, store) per table for a snapshot writer, column-wise tables whole."""
         return stores_to_save(self, delta)
@@ -383,11 +394,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                     keep = self.owned_mask(cfg.name, state[k + group[0]])
                     for f in group:
                         state[k + f] = state[k + f][keep]
-            p = self.plan[cfg.name]
-            if p.kind is ShardKind.COLUMN_WISE and self.rank in p.ranks and k + "rows" in state:
-                t = self._table_index(cfg.name)
-                if state[k + "rows"].shape[1] == cfg.row_layout(self.rules[t]).width:  # else: the width error
-                    lo, hi = column_block(cfg.dim, p.ranks, self.rank)
-                    state[k + "rows"] = slice_block(state[k + "rows"], self.rules[t], cfg.dim, lo, hi)
+            if k + "rows" in state:
+                state[k + "rows"] = self.column_block_of(cfg.name, state[k + "rows"])
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

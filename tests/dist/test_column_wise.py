@@ -126,6 +126,13 @@ def expected_bytes(step: int, rank: int, world: int) -> dict[str, list[int]]:
 def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
     opts = ("sgd", "adagrad", "adam_lazy", "adam_global", "ftrl")
     cases = [{"name": o, "opt": o, "plan": COLWISE, "steps": (0, 4)} for o in opts]
+    # one process's full snapshot + a delta on it: the column-wise ranks load the chain, each keeping its block
+    one = EmbeddingCollection(colwise_tables("adagrad"))
+    train(one, range(2))
+    ckpt.save(tmp_path / "chain", one)
+    train(one, range(2, 3))
+    delta = ckpt.save(tmp_path / "chain", one, delta=True)
+    cases.append({"name": "delta", "opt": "adagrad", "plan": COLWISE, "steps": (3, 5), "load": str(delta)})
     cases.append({"name": "save", "opt": "adagrad", "plan": COLWISE, "steps": (0, 3), "save": str(tmp_path / "two")})
     # bounded staleness: K = 0 is the synchronous run; K = 2 reads rows 2 steps late exactly as table-wise does
     tablewise = {t: f"table_wise@{i % 2}" for i, t in enumerate(TABLES)}
@@ -136,6 +143,7 @@ def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
     for o in opts:
         check_case(res, 2, o, reference(o, range(4)))
     check_case(res, 2, "k0", reference("adam_lazy", range(4)))
+    check_case(res, 2, "delta", reference("adagrad", range(3, 5), load=delta))
     k2 = [table_of([r["cases"]["k2"]["state"]], t) for r in res for t in TABLES]  # both ranks hold every table
     tw = {t: table_of([r["cases"]["k2_tw"]["state"] for r in res], t) for t in TABLES}
     for i, got in enumerate(k2):
