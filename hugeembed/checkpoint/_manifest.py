@@ -175,9 +175,9 @@ def check_tables(manifest: dict[str, Any], collection) -> None:
         rule = collection.rules[collection._table_index(cfg.name)]
         layout = cfg.row_layout(rule)  # the whole row's (a column-wise shard holds a block of it)
         if t["state_width"] != layout.state_width:
+            saved_rule = t["optimizer"] and t["optimizer"]["name"]
             raise CheckpointError(f"table {cfg.name!r}: optimizer state width {t['state_width']} in {where}, "
-                                  f"{layout.state_width} in the model (optimizer {t['optimizer'] and t['optimizer']['name']!r} "
-                                  f"was saved)")
+                                  f"{layout.state_width} in the model (optimizer {saved_rule!r} was saved)")
         # Snapshots from before typed layouts kept the state in the weight dtype.
         saved_layout = (t.get("dtype", "float32"), t.get("state_dtype", t.get("dtype", "float32")))
         mine = layout.describe()
