@@ -39,7 +39,7 @@ def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
     """The run's sharding plan: proposed from the tables and the memory per rank, with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        overrides=overrides)
+                        overrides=overrides, servers=cfg.servers)
 
 
 def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
@@ -52,7 +52,8 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
         if tiers is not None:
             tables, owner = tiers(tables, plan, optimizer)
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
-                                          storage_owner=owner, staleness=cfg.staleness or None, **kw)
+                                          storage_owner=owner, staleness=cfg.staleness or None, servers=cfg.servers,
+                                          **kw)
 
     return build
 
@@ -83,10 +84,11 @@ def merged_tier_stats(collection: Any) -> dict | None:
             "table_bytes_stored": sum(p["table_bytes_stored"] for p in parts)}
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The dense part under DistributedDataParallel (the tables hold no Parameter: DDP never sees them)."""
+def wrap_ddp(model: torch.nn.Module, device: torch.device, process_group=None) -> torch.nn.Module:
+    """The dense part under DistributedDataParallel (the tables hold no Parameter: DDP never sees them), over
+    `process_group` (None: every rank; with --servers: the workers')."""
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                     else None)
+                                                     else None, process_group=process_group)
 
 
 def merge_metrics(collection: ShardedEmbeddingCollection, ms: MetricSet) -> MetricSet:
