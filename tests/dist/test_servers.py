@@ -205,3 +205,33 @@ def test_a_dead_server_is_named_like_a_dead_worker(staleness):
         assert "Who is gone: rank 2 of 3 stopped responding" in err, err
         assert f"rank {1 - rank} " not in err.split("Who is gone:")[1], err
         assert got[rank]["seconds"] < 10.0 + 5.0
+
+
+@pytest.mark.slow
+def test_the_cli_trains_with_a_server_as_one_process_trains_the_global_batch(tmp_path):
+    """`hugeembed train --nproc 3 --servers 1`: rank 0 prints one summary saying so; the model is
+    the one process's on the same global batches (to float rounding: row gradients summed per worker first)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hugeembed.training import TrainConfig, Trainer
+
+    from ._harness import ROOT
+
+    from .test_train_cli import toml
+
+    (tmp_path / "run.toml").write_text(toml(RUN))
+    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "3", "--servers", "1", "--config",
+           str(tmp_path / "run.toml"), "--summary-json", str(tmp_path / "s.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("summary") == 1 and "3 (1 of them servers)" in done.stdout
+    served = json.loads((tmp_path / "s.json").read_text())
+    one = Trainer(TrainConfig(**{**RUN, "batch_size": 64})).fit()
+    assert served["servers"] == 1 and served["samples"] == one["samples"] == 8 * 64
+    assert served["table_rows"] == one["table_rows"]
+    assert served["auc"] == pytest.approx(one["auc"], abs=5e-4)
+    assert served["logloss"] == pytest.approx(one["logloss"], abs=5e-4)
