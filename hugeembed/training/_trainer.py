@@ -52,7 +52,8 @@ class Trainer(TrainerSnapshots):
             several, torch.distributed must be initialised (``torchrun ... -m hugeembed train``
             or ``hugeembed train --nproc N`` do it): tables are sharded, the dense part runs
             under DistributedDataParallel, each rank reads its slice of every global batch,
-            metrics are merged over all ranks' predictions, snapshots hold every rank's shards.
+            metrics are merged over all ranks' predictions, snapshots hold every rank's shards.  With
+            ``config.servers`` M, the last M ranks hold the shards and read no data (_servers.py).
 
     Example::
 
