@@ -22,7 +22,7 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
+__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
            "as_sharding_error", "check_process_group", "run_info"]
 
 
@@ -66,10 +66,11 @@ def merged_tier_stats(collection: Any) -> dict | None:
     """``collection.tier_stats()`` over all ranks (collective): counts and bytes summed per table,
     hit rates recomputed from the sums.  A data-parallel table's replicas each count (each
     holds its rows, in memory and on disk).  None without tiered tables (no collective then:
-    every rank has the same tables)."""
-    if not collection.has_tiered_tables:
+    every rank has the same table configs; a rank holding no tiered shard -- a --servers worker --
+    takes part with nothing)."""
+    if not tiered_run(collection):
         return None
-    parts = collection.comm.all_gather_object("tier stats", collection.tier_stats())
+    parts = [p for p in collection.comm.all_gather_object("tier stats", collection.tier_stats()) if p is not None]
     tables: dict[str, dict] = {}
     for part in parts:
         for name, st in part["tables"].items():
@@ -82,6 +83,12 @@ def merged_tier_stats(collection: Any) -> dict | None:
     return {"cache_hit_rate": hits / acc if acc else 0.0, "tables": tables,
             "table_bytes_resident": sum(p["table_bytes_resident"] for p in parts),
             "table_bytes_stored": sum(p["table_bytes_stored"] for p in parts)}
+
+
+def tiered_run(collection: Any) -> bool:
+    """Whether the run's tables live on disk: by their configs, the same on every rank (a rank may hold no
+    tiered shard itself)."""
+    return any(t.storage_dir is not None for t in collection.tables)
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, process_group=None) -> torch.nn.Module:

@@ -235,3 +235,14 @@ def test_the_cli_trains_with_a_server_as_one_process_trains_the_global_batch(tmp
     assert served["table_rows"] == one["table_rows"]
     assert served["auc"] == pytest.approx(one["auc"], abs=5e-4)
     assert served["logloss"] == pytest.approx(one["logloss"], abs=5e-4)
+
+
+@pytest.mark.slow
+def test_tables_on_disk_live_on_the_server_and_train_as_in_memory(tmp_path):
+    """--memory-budget with a server: the tiered shards (and their directory) are the server's alone; the run equals
+    the in-memory run with a server bit for bit (the workers take part in the tiers' figures with nothing)."""
+    tiered = _run(3, servers=1, memory_budget=120 * 1024, storage_dir=str(tmp_path / "tiers"))
+    plain = _run(3, servers=1)
+    _assert_same_model(tiered, plain, exact=True)
+    assert sorted(p.name for p in (tmp_path / "tiers").iterdir()) == ["rank2"]
+    assert 0 < tiered[0]["summary"]["cache_hit_rate"] <= 1
