@@ -92,7 +92,9 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
     """
     (directory / "tables").mkdir(exist_ok=True)
     out = []
-    for cfg, store in collection.stores():
+    # a sharded collection's column-wise tables come whole (a collective: every rank calls this)
+    save = getattr(collection, "stores_to_save", None)
+    for cfg, store in (save(parent is not None) if save is not None else collection.stores()):
         if tables is not None and cfg.name not in tables:
             continue
         ex = store.export_index()  # rows are streamed from the storage: no copy of the table
