@@ -89,5 +89,5 @@ def scale_row_steps(coll, t: int, slots: torch.Tensor, scale: torch.Tensor, shar
 def scalable(coll, t: int) -> bool:
     """Whether table t's step may be scaled per row (a rule linear in lr on plain float rows in memory)."""
     cfg, rule = coll.tables[t], coll.rules[t]
-    return rule is not None and coll.groups[coll.group_index(t)].kind != "tiered" and rule.name != "ftrl" and not rule.moves_untouched_rows \
-        and cfg.dtype in (torch.float32, torch.float64) and not cfg.stochastic_rounding
+    return rule is not None and coll.groups[coll.group_index(t)].kind != "tiered" and rule.name != "ftrl" \
+        and not rule.moves_untouched_rows and cfg.dtype in (torch.float32, torch.float64) and not cfg.stochastic_rounding
