@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._durable import process_alive
 from ..errors import CheckpointError
 from ..store import EXPORT_FIELDS, ExportIndex
 from ._files import atomic_write_text, fsync_dir, write_bytes, write_rows, write_tensor
@@ -138,17 +139,6 @@ def _write_shard(directory: Path, stem: str, store, ex: ExportIndex, removed: to
 _TMP_PID = re.compile(r"\.tmp-.*-([0-9]+)-[0-9a-f]{8}")  # .tmp-<name>-<pid>-<id>, .tmp-old-<name>-<pid>-<id>
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether process `pid` exists (EPERM: it does, under another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_tmp(root: Path) -> None:
     """Deletes temp directories of saves whose process is gone (crashed mid-save)."""
     for d in root.glob(".tmp-*"):
@@ -156,7 +146,7 @@ def _remove_stale_tmp(root: Path) -> None:
         if m is None:
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and not _process_alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -243,7 +243,8 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
                  optimizer: SparseOptimizer | None = None, expected_rows: Mapping[str, int] | None = None,
                  ids_per_step: Mapping[str, int] | None = None, batch_size: int = 1024,
                  data_parallel_below: int = 1 << 20, row_wise_above: int | None = None,
-                 overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None) -> ShardingPlan:
+                 overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None,
+                 servers: int = 0) -> ShardingPlan:
     """Proposes a plan balancing estimated memory and lookup cost over `world_size` ranks.
 
     Rules, in order:
@@ -274,6 +275,9 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         batch_size: per-rank batch size for the default ids per step.
         data_parallel_below, row_wise_above: the size thresholds of rules 2 and 3, in bytes.
         overrides: table -> placement, kept as given.
+        servers: the last `servers` ranks are server-only ranks (they read no data): rules 3 and 4
+            place shards on them only (replicas of rule 2 stay on every rank; `overrides` may name
+            any rank), so the workers hold no shard of their own.
 
     Example::
 
@@ -285,6 +289,9 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         raise ConfigError(f"propose_plan: world_size must be a positive int, got {world_size!r}")
     if memory_budget_per_rank is not None and memory_budget_per_rank <= 0:
         raise ConfigError(f"propose_plan: memory_budget_per_rank must be positive, got {memory_budget_per_rank!r}")
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 0 <= servers < world_size:
+        raise ConfigError(f"propose_plan: servers must be an int in [0, {world_size - 1}] (at least one rank reads "
+                          f"data), got {servers!r}")
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - {t.name for t in tables})
     if unknown:
@@ -293,9 +300,10 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
                                   batch_size=batch_size, world_size=world_size) for t in tables}
     budget = float(memory_budget_per_rank) if memory_budget_per_rank is not None else math.inf
     total_bytes = sum(e.bytes for e in est.values())
-    if row_wise_above is None:
-        row_wise_above = budget / 4 if memory_budget_per_rank is not None else total_bytes / (2 * world_size)
     everyone = tuple(range(world_size))
+    holders = everyone[world_size - servers:] if servers else everyone  # where shards go (rules 3 and 4)
+    if row_wise_above is None:
+        row_wise_above = budget / 4 if memory_budget_per_rank is not None else total_bytes / (2 * len(holders))
     placements: dict[str, TablePlacement] = {}
     mem = [0.0] * world_size
     cost = [0.0] * world_size
@@ -310,13 +318,13 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
 
     def spread(t: TableConfig) -> TablePlacement:
         """Rule 3: column-wise where it is supported, fits and exchanges less than row-wise; else row-wise."""
-        e, col = est[t.name], TablePlacement(ShardKind.COLUMN_WISE, everyone)
-        if e.bounded and world_size > 1 and column_wise_fits(t, optimizer, everyone) and \
-                e.exchange_bytes(ShardKind.COLUMN_WISE, world_size) < e.exchange_bytes(ShardKind.ROW_WISE, world_size):
+        e, col, n = est[t.name], TablePlacement(ShardKind.COLUMN_WISE, holders), len(holders)
+        if e.bounded and n > 1 and column_wise_fits(t, optimizer, holders) and \
+                e.exchange_bytes(ShardKind.COLUMN_WISE, n) < e.exchange_bytes(ShardKind.ROW_WISE, n):
             share = e.share(col, world_size)
-            if all(mem[r] + share.bytes <= budget for r in everyone):
+            if all(mem[r] + share.bytes <= budget for r in holders):
                 return col
-        return TablePlacement(ShardKind.ROW_WISE, everyone)
+        return TablePlacement(ShardKind.ROW_WISE, holders)
 
     pending = []
     for t in tables:
@@ -331,15 +339,15 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
             pending.append(t.name)
     total_cost = sum(e.cost for e in est.values()) or 1.0
     by_name = {t.name: t for t in tables}
-    mem_scale = budget if math.isfinite(budget) else max(total_bytes / world_size, 1.0)
+    mem_scale = budget if math.isfinite(budget) else max(total_bytes / len(holders), 1.0)
     for name in sorted(pending, key=lambda n: (-est[n].bytes, n)):
         e = est[name]
-        fits = [r for r in everyone if mem[r] + e.bytes <= budget]
+        fits = [r for r in holders if mem[r] + e.bytes <= budget]
         if not fits:
             place(name, spread(by_name[name]))
             continue
-        best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale + (cost[r] + e.cost) / (total_cost / world_size),
-                                        r))
+        best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale
+                                        + (cost[r] + e.cost) / (total_cost / len(holders)), r))
         place(name, TablePlacement(ShardKind.TABLE_WISE, (best,)))
     plan = ShardingPlan(world_size, {t.name: placements[t.name] for t in tables})
     if memory_budget_per_rank is not None:
@@ -349,5 +357,7 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
             raise ShardingError(
                 f"no plan fits: rank {worst} needs {fmt_bytes(mem[worst])} ({int(mem[worst])} bytes) for tables "
                 f"{on_rank} but its budget is {fmt_bytes(budget)}: over by {int(math.ceil(mem[worst] - budget))} bytes; "
-                f"add ranks, raise the budget, or shard these tables row-wise")
+                f"add ranks, raise the budget, or shard these tables row-wise"
+                + (f" (the shards live on the server ranks {', '.join(map(str, holders))} only: add servers)"
+                   if servers else ""))
     return plan

@@ -71,6 +71,10 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             exchanges run on a thread K steps ahead (distributed/_pipeline.py): batch t reads rows
             holding the updates of batches up to t-K-1 exactly; hand each training batch over with
             :meth:`enqueue` K steps before its forward, and :meth:`drain` before a snapshot.
+        servers: the last `servers` ranks are server-only ranks (TensorNet's parameter servers): they
+            hold shards and feed only empty batches, taking part in every exchange; "mean" divides the
+            row gradients by the workers (``world_size - servers``); the proposed plan puts the shards
+            on the servers.  The dense part's all-reduce is the caller's (over the workers only).
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -94,15 +98,18 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                  plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
-                 storage_owner: str | None = None, staleness: int | None = None) -> None:
+                 storage_owner: str | None = None, staleness: int | None = None, servers: int = 0) -> None:
         tables = list(tables)
         device = canonical_device(device)
         if gradient_reduction not in ("mean", "sum"):
             raise ConfigError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
         group = process_group if process_group is not None else new_embedding_group(device, timeout)
         comm = Comm(group, timeout)
+        if isinstance(servers, bool) or not isinstance(servers, int) or not 0 <= servers < comm.world_size:
+            raise ConfigError(f"servers must be an int in [0, {comm.world_size - 1}] (the last ranks of the "
+                              f"{comm.world_size}; at least one rank reads data), got {servers!r}")
         if plan is None:
-            plan = propose_plan(tables, comm.world_size, memory_budget_per_rank, optimizer=optimizer)
+            plan = propose_plan(tables, comm.world_size, memory_budget_per_rank, optimizer=optimizer, servers=servers)
         if not isinstance(plan, ShardingPlan):
             raise ConfigError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         if plan.world_size != comm.world_size:
@@ -110,6 +117,8 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         plan.validate(tables)
         self.plan, self.comm = plan, comm
         self.rank, self.world_size = comm.rank, comm.world_size
+        # server-only ranks (the last `servers`) hold shards and read no data: "mean" divides by the workers
+        self.servers, self.workers = servers, comm.world_size - servers
         self.gradient_reduction = gradient_reduction
         super().__init__(tables, optimizer=optimizer, device=device, seed=seed, backend=backend,
                          storage_owner=storage_owner)
@@ -158,7 +167,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         # a tiered table's storage_dir is each machine's own path: it may differ between ranks
         tables = [{k: v for k, v in t.describe().items() if k != "storage_dir"} for t in self.tables]
         mine = {"plan": self.plan.to_dict(), "tables": tables, "seed": self.seed,
-                "gradient_reduction": self.gradient_reduction}
+                "gradient_reduction": self.gradient_reduction, "servers": self.servers}
         for r, theirs in enumerate(self.comm.all_gather_object("construction (config check)", mine)):
             if theirs != mine:
                 what = next(k for k in mine if theirs.get(k) != mine[k])
@@ -183,6 +192,11 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
 
     def _keys_held_here(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         return keys[self.owned_mask(table, keys)]
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank is a server-only rank (``servers=``): it holds shards and feeds empty batches."""
+        return self.rank >= self.workers
 
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
@@ -238,7 +252,10 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
 
     def _fetch_step(self, features: SparseFeatures, step: int, training: bool = True) -> StepState:
         """input_dist -> compute -> output_dist of one batch (on the exchange thread under staleness)."""
-        scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
+        if features.batch_size and self.is_server:
+            raise ShardingError(f"rank {self.rank} of {self.world_size} is a server (servers={self.servers}): it "
+                                f"reads no data, so its batches are empty; got {features.batch_size} samples")
+        scale = 1.0 / self.workers if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         st.stale_reads = training and self._pipeline is not None and self._pipeline.staleness > 0
         self.comm.step = step
