@@ -90,12 +90,14 @@ def _clean_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune
         if p == 0:
             tl.store(out_offsets, tl.zeros((), tl.int64))
     else:
-        ib = (p - FB) * BLOCK + tl.arange(0, BLOCK)
-        m = ib < tl.maximum(n_in, 1)
-        lo = tl.load(offsets + ib, mask=m, other=0)
-        hi = tl.load(offsets + tl.minimum(ib + 1, n_in), mask=m, other=0)
-        bad = (hi < lo) | (hi > N) | (lo < 0) | ((ib == 0) & (lo != 0)) | ((ib == tl.maximum(n_in, 1) - 1) & (hi != N))
-        tl.atomic_max(report, tl.max((m & bad).to(tl.int64), axis=0))
+        # (names of their own: a name's type must agree across the branches)
+        in_bag = (p - FB) * BLOCK + tl.arange(0, BLOCK)
+        m_in = in_bag < tl.maximum(n_in, 1)
+        first = tl.load(offsets + in_bag, mask=m_in, other=0)
+        last = tl.load(offsets + tl.minimum(in_bag + 1, n_in), mask=m_in, other=0)
+        bad = (last < first) | (last > N) | (first < 0) | ((in_bag == 0) & (first != 0)) | (
+            (in_bag == tl.maximum(n_in, 1) - 1) & (last != N))
+        tl.atomic_max(report, tl.max((m_in & bad).to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -172,11 +174,14 @@ def _run_heads(pid0, perm, ids, tabs, heads, M, T, DEDUP: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _encode_runs(pid0, perm, ids, tabs, heads, uid, unique_keys, inverse, unique_counts, report, M, T,
-                 BLOCK: tl.constexpr):
-    """Each run's key at its unique index, each counted entry's unique index, the entries per key and
-    the keys per table (integer atomics: exact in any order)."""
-    at = (pid0 + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
+def _encode_runs(pid0, perm, ids, tabs, heads, uid, out_offsets, unique_keys, unique_tables, inverse, unique_counts,
+                 seg_start, counts, report, M, FB, T, BLOCK: tl.constexpr):
+    """Each run's key, table and first sorted position at its unique index, each counted entry's unique
+    index, the entries per key and the keys per table (integer atomics: exact in any order); seg_start
+    past the unique keys holds the entries kept, and counts = (entries kept, unique keys): the update
+    kernels' view of the runs (segment_optim's Dedup)."""
+    p = pid0 + tl.program_id(0)
+    at = p * BLOCK + tl.arange(0, BLOCK)
     m = at < M
     j = tl.load(perm + at, mask=m, other=0)
     t = tl.load(tabs + j, mask=m, other=T)
@@ -184,9 +189,16 @@ def _encode_runs(pid0, perm, ids, tabs, heads, uid, unique_keys, inverse, unique
     head = tl.load(heads + at, mask=m, other=0) != 0
     u = tl.load(uid + at, mask=m, other=1).to(tl.int64) - 1
     tl.store(unique_keys + u, tl.load(ids + j, mask=head, other=0), mask=head)
+    tl.store(unique_tables + u, t, mask=head)
+    tl.store(seg_start + u, at.to(tl.int32), mask=head)
     tl.store(inverse + j, u, mask=counted)
     tl.atomic_add(unique_counts + u, tl.full((BLOCK,), 1, tl.int64), mask=counted)
     tl.atomic_add(report + _HEAD + t, tl.full((BLOCK,), 1, tl.int64), mask=head)
+    n_keep = tl.load(out_offsets + FB)
+    n_unique = tl.load(uid + M - 1, mask=M > 0, other=0)
+    tl.store(seg_start + at, n_keep.to(tl.int32), mask=(at >= n_unique) & (at <= M))  # (grid: M + 1 positions)
+    tl.store(counts, n_keep.to(tl.int32), mask=p == 0)
+    tl.store(counts + 1, n_unique, mask=p == 0)
 
 
 def _cases():
@@ -209,8 +221,9 @@ def _cases():
                      "T": "i32", "DEDUP": "constexpr", "BLOCK": "constexpr"}, {"DEDUP": dedup, "BLOCK": 256}))
     out.append(("prepare.encode_runs", _encode_runs,
                 {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "uid": "*i32",
-                 "unique_keys": "*i64", "inverse": "*i64", "unique_counts": "*i64", "report": "*i64", "M": "i32",
-                 "T": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
+                 "out_offsets": "*i64", "unique_keys": "*i64", "unique_tables": "*i32", "inverse": "*i64",
+                 "unique_counts": "*i64", "seg_start": "*i32", "counts": "*i32", "report": "*i64", "M": "i32",
+                 "FB": "i32", "T": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
     return out
 
 

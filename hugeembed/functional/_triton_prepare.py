@@ -39,6 +39,7 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
 
     from .._triton import prepare as k
     from .._triton._grid import launch, shuffled_programs
+    from .._triton.dedup import Dedup
 
     values, weights = sf.values(), sf.weights_or_none()
     B, F, T = sf.batch_size, plan.num_features, plan.num_tables
@@ -81,10 +82,13 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
         launch(k._run_heads, grid, perm, ids, tabs, heads, M, T, DEDUP=deduplicate, BLOCK=_BLOCK)
         uid = torch.cumsum(heads, 0, dtype=torch.int32)
         unique_keys = torch.empty(M, dtype=torch.int64, device=dev)
+        unique_tables = torch.empty(M, dtype=torch.int32, device=dev)
         inverse = torch.empty(M, dtype=torch.int64, device=dev)
         unique_counts = torch.zeros(M, dtype=torch.int64, device=dev)
-        launch(k._encode_runs, grid, perm, ids, tabs, heads, uid, unique_keys, inverse, unique_counts, report, M, T,
-               BLOCK=_BLOCK)
+        seg_start = torch.empty(M + 1, dtype=torch.int32, device=dev)
+        counts = torch.empty(2, dtype=torch.int32, device=dev)
+        launch(k._encode_runs, triton.cdiv(M + 1, _BLOCK), perm, ids, tabs, heads, uid, out_offsets, unique_keys,
+               unique_tables, inverse, unique_counts, seg_start, counts, report, M, FB, T, BLOCK=_BLOCK)
     host = report.tolist()  # the one read of the device
     _raise_errors(plan, sf, host, N)
     n_keep, per_table = host[3], host[k.REPORT_HEAD : k.REPORT_HEAD + T]
@@ -93,9 +97,11 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
     for n in per_table:
         base.append(acc)
         acc += n
+    # the runs as the update kernels read them (rows: the lookup's slots, given by the backward)
+    runs = Dedup(perm, unique_keys, unique_tables, seg_start, inverse, counts) if deduplicate else None
     return Prepared(B, out_offsets, inverse[:n_keep], None if w_out is None else w_out[:n_keep],
                     unique_keys[:n_unique], unique_counts[:n_unique], base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :])
+                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs)
 
 
 def _sort(keys, ids, tabs, linear: bool, deduplicate: bool) -> torch.Tensor:

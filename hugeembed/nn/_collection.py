@@ -179,7 +179,7 @@ class EmbeddingCollection(FetchStage, TableEdges, nn.Module):
 
     def _index_backend(self) -> str | None:
         """The hash tables' backend (store/_dynamic.py::pick_backend): None picks their own."""
-        return None if self.backend == "auto" else self.backend
+        return None if self.backend in ("auto", "triton") else self.backend
 
     def _make_tiered(self, t: int, settings) -> TieredStore:
         cfg = self.tables[t]
