@@ -207,7 +207,9 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     st = state if state.numel() else weights
     keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
     seeds = table_seed if stochastic else dd.counts
-    launch(_update_rows, min(n, weights.shape[0]), dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables,
+    # at most one unique row per row of `weights` when the runs are the unit's own (a batch's: any number)
+    programs = n if unit_tables is not None else min(n, weights.shape[0])
+    launch(_update_rows, programs, dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables,
            unit_tables if unit_tables is not None else dd.tables, cum_extra, partial, chunk,
            src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg,
            weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
