@@ -9,6 +9,7 @@ graph), a batch of at least one bag.  Anything else takes ``prepare_torch``.
 from __future__ import annotations
 
 import contextlib
+from itertools import accumulate
 
 import torch
 
@@ -27,8 +28,8 @@ def _table_base(plan: LookupPlan, device: torch.device) -> tuple[torch.Tensor, i
     rows = [t.num_rows for t in plan.tables]
     if any(r is None for r in rows):
         return plan.on_device((0,) * len(rows), device), None
-    base = [sum(rows[:t]) for t in range(len(rows))]
-    return plan.on_device(tuple(base), device), sum(rows)
+    base = tuple(accumulate(rows[:-1], initial=0))
+    return plan.on_device(base, device), sum(rows)
 
 
 def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int | None = None) -> Prepared | None:
