@@ -217,7 +217,8 @@ def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim
     """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`), counted by a
     `counter` (CountOps, or CountLaunches for the launches)."""
     ec = collection(tables, dynamic, backend, dim, rows, optimizer, device)
-    for s in range(warmup):  # steady state: every id seen (1000 ids, 256 a step: e^-16 unseen), tables grown, buffers sized
+    # steady state: every id seen (1000 ids, 256 a step: e^-16 unseen), tables grown, buffers sized
+    for s in range(warmup):
         ec(batch(tables, samples, rows, s, device)).stacked().sum().backward()
     sf = batch(tables, samples, rows, warmup, device)
     with counter() as counter:
@@ -374,6 +375,8 @@ def main(argv=None) -> None:
         print_table(["tables", *[f"{n} tables" for n in args.tables]], out)
         print()
         backends = [b for b in backends if b != "triton" or gpu]  # (ops of the interpreted step: above)
+        if not backends:
+            return
     out = []
     for backend in backends:
         for dynamic in (False, True):

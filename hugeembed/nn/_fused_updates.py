@@ -1,6 +1,6 @@
 """A training step's update on the triton kernels: per update unit, its entries deduplicated on the device
-(the triton prepare's runs, or hugeembed/_triton/dedup.py after another prepare) and its rows' gradients summed and its rule applied in one kernel
-(hugeembed/_triton/segment_optim.py), with no gradient rows made and no host read.
+(the triton prepare's runs, or hugeembed/_triton/dedup.py after another prepare) and its rows' gradients
+summed and its rule applied in one kernel (hugeembed/_triton/segment_optim.py), with no gradient rows made and no host read.
 
 A unit takes it when its rule is one the kernel has (optim/_kernel_params.supported_rule), its tables
 train at one lr, have no lr_count_scale and no shared row, and its group's rows are float32 / float16 /

@@ -4,8 +4,8 @@ TorchIndex, equal to it bucket for bucket (the kernels: hugeembed/_triton/hash_i
 
 A find-or-insert reads the host once: probe, classify and count in a kernel; the checks the
 reference makes on the host (duplicate keys and the longest probe as device ops; row limits, room,
-bad counts, the outcome and need[] in one program, hugeembed/_triton/hash_need.py); the commit and three rounds of claims run gated by that flag;
-then the call's need[] comes back in one read.  Only a claim left unfinished after three rounds
+bad counts, the outcome and need[] in one program, hugeembed/_triton/hash_need.py); the commit
+and three rounds of claims run gated by that flag; then the call's need[] comes back in one read.  Only a claim left unfinished after three rounds
 (crowds longer than a 128-bucket window) reads again, once per further round.  Erase and rehash
 (eviction, growth: a host read is expected there) are the reference's rebuild.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, StoreError
-from ._index import (G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PROBE_LIMIT, T_ADMIT_K, T_HASH_KEY, T_PENDING,
+from ._index import (G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, T_ADMIT_K, T_HASH_KEY, T_PENDING,
                      T_ROW_LIMIT, T_ROWS, Need, Outcome, pack)
 from ._index_torch import TorchIndex, _check, _homes
 

@@ -57,8 +57,8 @@ def cases(draw):
     lengths = [draw(st.integers(0, 4)) for _ in range(2 * B)]
     values = torch.tensor([draw(st.integers(-2, 7)) for _ in range(sum(lengths))], dtype=torch.int64)
     w = torch.tensor([draw(st.sampled_from([0.5, 1.0, 2.0, 0.0, -1.0])) for _ in range(values.numel())])
-    sf = SparseFeatures(["in0", "in1"], values, lengths=torch.tensor(lengths), weights=w if draw(st.booleans()) else None,
-                        batch_size=B)
+    sf = SparseFeatures(["in0", "in1"], values, lengths=torch.tensor(lengths),
+                        weights=w if draw(st.booleans()) else None, batch_size=B)
     return LookupPlan(tables, feats), sf.to(DEV)
 
 
@@ -127,7 +127,8 @@ def test_one_read_of_the_device_and_a_few_launches():
     for T in (1, 4):
         plan = LookupPlan([TableSpec(f"t{i}", 4, num_rows=6) for i in range(T)],
                           [FeatureSpec(f"f{i}", f"t{i}", combiner="sum") for i in range(T)])
-        sf = SparseFeatures([f"f{i}" for i in range(T)], torch.arange(2 * T) % 6, lengths=torch.ones(2 * T, dtype=torch.int64)).to(DEV)
+        sf = SparseFeatures([f"f{i}" for i in range(T)], torch.arange(2 * T) % 6,
+                            lengths=torch.ones(2 * T, dtype=torch.int64)).to(DEV)
         plan.arrays(DEV), plan.source_indices(sf.keys(), DEV)  # (the plan's constants: made once, not per batch)
         with ops.CountLaunches() as counter:
             prepare_triton(plan, sf)
