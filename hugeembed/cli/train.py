@@ -116,7 +116,8 @@ def add_parser(sub) -> None:
     d.add_argument("--nproc", type=int, metavar="N", help="launch N processes on this machine, their rendezvous on "
                    "127.0.0.1 only (gloo on CPU, NCCL on GPU); --batch-size stays per process")
     d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
-                   help="place a table: row_wise, data_parallel or table_wise@RANK (repeatable; the rest is planned)")
+                   help="place a table: row_wise, column_wise, data_parallel or table_wise@RANK (repeatable; the "
+                        "rest is planned)")
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")

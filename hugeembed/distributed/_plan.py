@@ -24,6 +24,7 @@ from ..errors import ConfigError, ShardingError
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
 from ..types import ShardKind
+from ._column_wise import column_wise_fits
 from ._estimate import estimate_table, fmt_bytes, fmt_num, text_table
 
 __all__ = ["TablePlacement", "ShardingPlan", "propose_plan"]
@@ -35,9 +36,10 @@ class TablePlacement:
 
     Args:
         kind: ``table_wise`` (whole table on ``ranks[0]``), ``row_wise`` (rows spread over
-            `ranks` by key), ``data_parallel`` (a replica on every rank).
+            `ranks` by key), ``data_parallel`` (a replica on every rank), ``column_wise``
+            (rank ``ranks[i]`` holds the i-th of ``len(ranks)`` equal blocks of columns).
         ranks: the ranks holding the table: one rank for table-wise, every rank of the
-            group for data-parallel, any non-empty subset for row-wise.
+            group for data-parallel, any non-empty subset for row-wise and column-wise.
     """
 
     kind: ShardKind | str
@@ -55,8 +57,6 @@ class TablePlacement:
             raise ConfigError(f"{self.kind.value} placement: ranks {ranks} repeat a rank")
         if self.kind is ShardKind.TABLE_WISE and len(ranks) != 1:
             raise ConfigError(f"table_wise placement lives on exactly one rank, got ranks {ranks}")
-        if self.kind is ShardKind.COLUMN_WISE:
-            raise NotImplementedError("column_wise sharding is not implemented; use row_wise for wide tables")
         object.__setattr__(self, "ranks", ranks)
 
     @property
@@ -181,6 +181,12 @@ class ShardingPlan:
             raise ShardingError(f"the sharding plan places no table {missing}; it places {sorted(self.placements)}")
         if extra:
             raise ShardingError(f"the sharding plan places tables {extra} that the collection does not have")
+        for t in tables:  # the rest of column-wise's checks need the table's optimizer (_column_wise.py)
+            p = self.placements[t.name]
+            if p.kind is ShardKind.COLUMN_WISE and t.dim % len(p.ranks):
+                raise ConfigError(f"table {t.name!r}: column_wise over ranks {list(p.ranks)}: dim {t.dim} is not "
+                                  f"divisible by {len(p.ranks)} ranks; use a dim divisible by the number of ranks, "
+                                  f"or list fewer ranks (e.g. 'column_wise@0,1')")
 
     # -- plain data -------------------------------------------------------------------
 
@@ -248,11 +254,13 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
        their lookups need no exchange;
     3. tables above `row_wise_above` bytes (default: a quarter of the budget, or without a
        budget half of a rank's fair share of all bytes), and dynamic tables of unknown size,
-       are spread over every rank (``row_wise``);
+       are spread over every rank: ``row_wise``, or ``column_wise`` where its column blocks
+       fit every rank and its estimated exchange is smaller (``TableEstimate.exchange_bytes``:
+       bags of many ids, pooled once per bag) and column-wise supports the table;
     4. the rest are ``table_wise``, largest first, each on the rank where
        ``(bytes + table)/budget + (cost + table cost)/(total cost / world_size)`` is
-       smallest (memory and lookup work both balanced); a table that fits no rank is made
-       row-wise.
+       smallest (memory and lookup work both balanced); a table that fits no rank is
+       spread as in rule 3.
 
     Finally every rank's estimated bytes are checked against the budget: a plan that
     does not fit raises :class:`ShardingError` naming the rank and the bytes over.
@@ -303,9 +311,20 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
     def place(name: str, p: TablePlacement) -> None:
         placements[name] = p
         share = est[name].share(p, world_size)
+        dim = est[name].dim // len(p.ranks) if p.kind is ShardKind.COLUMN_WISE else est[name].dim
         for r in p.ranks:
             mem[r] += share.bytes
-            cost[r] += share.ids * est[name].dim
+            cost[r] += share.ids * dim
+
+    def spread(t: TableConfig) -> TablePlacement:
+        """Rule 3: column-wise where it is supported, fits and exchanges less than row-wise; else row-wise."""
+        e, col, n = est[t.name], TablePlacement(ShardKind.COLUMN_WISE, holders), len(holders)
+        if e.bounded and n > 1 and column_wise_fits(t, optimizer, holders) and \
+                e.exchange_bytes(ShardKind.COLUMN_WISE, n) < e.exchange_bytes(ShardKind.ROW_WISE, n):
+            share = e.share(col, world_size)
+            if all(mem[r] + share.bytes <= budget for r in holders):
+                return col
+        return TablePlacement(ShardKind.ROW_WISE, holders)
 
     pending = []
     for t in tables:
@@ -315,16 +334,17 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         elif e.bounded and e.bytes <= data_parallel_below:
             place(t.name, TablePlacement(ShardKind.DATA_PARALLEL, everyone))
         elif not e.bounded or e.bytes > row_wise_above or world_size == 1:
-            place(t.name, TablePlacement(ShardKind.ROW_WISE, holders))
+            place(t.name, spread(t))
         else:
             pending.append(t.name)
     total_cost = sum(e.cost for e in est.values()) or 1.0
+    by_name = {t.name: t for t in tables}
     mem_scale = budget if math.isfinite(budget) else max(total_bytes / len(holders), 1.0)
     for name in sorted(pending, key=lambda n: (-est[n].bytes, n)):
         e = est[name]
         fits = [r for r in holders if mem[r] + e.bytes <= budget]
         if not fits:
-            place(name, TablePlacement(ShardKind.ROW_WISE, holders))
+            place(name, spread(by_name[name]))
             continue
         best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale
                                         + (cost[r] + e.cost) / (total_cost / len(holders)), r))

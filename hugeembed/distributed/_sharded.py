@@ -33,6 +33,7 @@ from ..nn import EmbeddingCollection, TableConfig
 from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
 from ..types import ShardKind
+from ._column_wise import block_config, check_column_wise, column_block, gather_tables, slice_block, stores_to_save
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._pipeline import PipelinedExchanges, StalePipeline
 from ._plan import ShardingPlan, propose_plan
@@ -139,6 +140,11 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         n = len(p.ranks)
         if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
             return None
+        if p.kind is ShardKind.COLUMN_WISE:  # its block of columns, every row (_column_wise.py)
+            check_column_wise(cfg, self.rules[t], p.ranks)
+            if self.rank not in p.ranks:
+                return None
+            return table_settings(block_config(cfg, p.ranks, self.rank), self.rules[t], self.seed)
         if p.kind is ShardKind.DATA_PARALLEL or p.kind is ShardKind.TABLE_WISE or n == 1:
             return super()._table_settings(t)
         if cfg.num_rows is not None:
@@ -180,7 +186,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             return torch.ones_like(keys, dtype=torch.bool)
         if self.rank not in p.ranks:
             return torch.zeros_like(keys, dtype=torch.bool)
-        if p.kind is ShardKind.TABLE_WISE or len(p.ranks) == 1:
+        if p.kind in (ShardKind.TABLE_WISE, ShardKind.COLUMN_WISE) or len(p.ranks) == 1:
             return torch.ones_like(keys, dtype=torch.bool)
         return owner_index(keys, len(p.ranks), cfg.num_rows is not None) == p.ranks.index(self.rank)
 
@@ -195,12 +201,31 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
         p = self.plan[table]
+        if p.kind is ShardKind.COLUMN_WISE:  # its first rank writes it whole (stores_to_save)
+            return self.rank == p.ranks[0]
         return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
+
+    def column_block_of(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        """Whole rows of a column-wise table cut to this rank's block (with its state); other tables'
+        rows, and rows of another width (the load reports it), as they are."""
+        p, t = self.plan[table], self._table_index(table)
+        cfg = self.tables[t]
+        if p.kind is not ShardKind.COLUMN_WISE or self.rank not in p.ranks or \
+                rows.shape[1] != cfg.row_layout(self.rules[t]).width or len(p.ranks) == 1:
+            return rows
+        lo, hi = column_block(cfg.dim, p.ranks, self.rank)
+        return slice_block(rows, self.rules[t], cfg.dim, lo, hi)
+
+    def stores_to_save(self, delta: bool = False) -> list[tuple]:
+        """Collective: (config, store) per table for a snapshot writer, column-wise tables whole."""
+        return stores_to_save(self, delta)
 
     def global_num_rows(self) -> dict[str, int]:
         """Rows per table over all ranks (collective: call it on every rank)."""
         everyone = self.comm.all_gather_object("row count", self.num_rows())
-        return {t.name: everyone[0][t.name] if self.plan[t.name].kind is ShardKind.DATA_PARALLEL
+        one = {t.name: self.plan[t.name].ranks[0] for t in self.tables
+               if self.plan[t.name].kind in (ShardKind.DATA_PARALLEL, ShardKind.COLUMN_WISE)}
+        return {t.name: everyone[one[t.name]][t.name] if t.name in one
                 else sum(e[t.name] for e in everyone) for t in self.tables}
 
     def extra_repr(self) -> str:
@@ -369,6 +394,11 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
 
     # -- state_dict ---------------------------------------------------------------------
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._tables_in_state_dict:  # column-wise tables whole (a collective when there are some)
+            gather_tables(self, destination, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # rows of any layout (one process, another plan or world size) load: keep the keys this rank owns
@@ -381,5 +411,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                     keep = self.owned_mask(cfg.name, state[k + group[0]])
                     for f in group:
                         state[k + f] = state[k + f][keep]
+            if k + "rows" in state:
+                state[k + "rows"] = self.column_block_of(cfg.name, state[k + "rows"])
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

@@ -103,7 +103,7 @@ class TrainConfig:
         device: ``auto | cpu | cuda``.
         threads: torch/kernel threads (None: torch's default).
         sharding: distributed runs: per-table placements overriding the proposed plan, as
-            ``"TABLE=KIND"`` (``row_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
+            ``"TABLE=KIND"`` (``row_wise``, ``column_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
         memory_per_rank: distributed runs: bytes of tables each rank may hold (the planner
             refuses a plan that does not fit); None: no limit.
         dist_timeout: distributed runs: seconds any collective may wait before a peer counts
