@@ -262,3 +262,19 @@ def test_a_column_wise_table_on_two_servers_trains_as_on_two_workers():
     for s, p in ((2, 0), (3, 1)):  # block b of C3: on server 2 + b with servers, on rank b without
         got, want = ({"C3": r["tables"]["C3"]} for r in (served[s], plain[p]))
         assert_tables(merge_shards([got]), merge_shards([want]), exact={"C3"}, what=f"C3 block {p}")
+
+
+@pytest.mark.slow
+def test_converted_shards_with_a_server_train_as_without(tmp_path):
+    """Shards: the workers read their slices and hold out their first batches for evaluation; the server follows
+    worker 0's epoch length (2 epochs) without opening the data."""
+    from hugeembed.data import SyntheticConfig, convert, write_criteo_tsv
+
+    write_criteo_tsv(tmp_path / "train.tsv", 600, config=SyntheticConfig(seed=5, max_cardinality=500))
+    convert(tmp_path / "train.tsv", tmp_path / "shards", rows_per_shard=250)
+    files = dict(data=(str(tmp_path / "shards"),), steps=None, epochs=2, eval_rows=64, eval_every=0)
+    served = _run(3, servers=1, **files)
+    plain = _run(2, **files)
+    a, b = served[0]["summary"], plain[0]["summary"]
+    assert a["steps"] == b["steps"] > 0 and a["epochs"] == b["epochs"] and a["samples"] == b["samples"]
+    _assert_same_model(served, plain, exact=True)
