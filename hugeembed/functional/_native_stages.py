@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import _native as nat
@@ -65,7 +66,7 @@ class _PlanBuffers:
     kernels"), built once per plan: each call then hands over two packed buffers, not ten
     tensors, and builds no per-group arrays (a call's cost grows with its buffers)."""
 
-    __slots__ = ("i64", "i8", "max_norm", "groups", "clipped")
+    __slots__ = ("i64", "i8", "max_norm", "groups", "clipped", "where", "grad_order", "dim_of", "dims", "dim_list")
 
     def __init__(self, plan: LookupPlan) -> None:
         a = plan.arrays("cpu")
@@ -76,6 +77,26 @@ class _PlanBuffers:
         self.clipped = [t for t, spec in enumerate(plan.tables) if spec.max_norm]
         # per dim group: pooled features, their output columns, unpooled features, and the
         # tables each kind reads (None: all of them)
+        # the backward's gradient buffers: per dim group (pooled buffer or None, unpooled or None) in
+        # the order they are handed over, and per feature (buffer, first element, stride) for the
+        # pooled features (an unpooled feature's first element depends on the batch)
+        self.where = [0] * (3 * plan.num_features)
+        self.grad_order: list[tuple[int | None, int | None]] = []
+        n = 0
+        for group in plan.groups:
+            D, pooled = group.dim, None
+            if group.pooled:
+                pooled, n = n, n + 1
+                for k, f in enumerate(group.pooled):
+                    self.where[3 * f : 3 * f + 3] = (pooled, k * D, len(group.pooled) * D)
+            unpooled = None
+            if group.unpooled:
+                unpooled, n = n, n + 1
+            self.grad_order.append((pooled, unpooled))
+        # per table its dim's index in plan.tables_by_dim, and its dim (gradient rows' positions)
+        self.dim_list = list(plan.tables_by_dim)
+        self.dim_of = np.array([self.dim_list.index(t.dim) for t in plan.tables], dtype=np.int64)
+        self.dims = np.array([t.dim for t in plan.tables], dtype=np.int64)
         self.groups: dict[DimGroup, tuple] = {}
         for g in plan.groups:
             reads = [sorted({plan.feature_table[f] for f in fs}) for fs in (g.pooled, g.unpooled)]
@@ -239,31 +260,30 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
     pb = _buffers(plan)
     B, F, T = prep.batch_size, plan.num_features, plan.num_tables
     # each feature's gradient: (which of `grads`, its first element, elements between samples or ids);
-    # the kernel checks each against the length of its buffer
+    # the kernel checks each against the length of its buffer.  Decided with the plan but for the
+    # unpooled features' first rows.
     grads: list[torch.Tensor] = []
-    where = [0] * (3 * F)
-    for g, group in enumerate(plan.groups):
-        D = group.dim
-        if group.pooled:
+    where = pb.where
+    for g, (group, (p, u)) in enumerate(zip(plan.groups, pb.grad_order)):
+        if p is not None:
             grads.append(pooled_grads[g].contiguous())
-            for k, f in enumerate(group.pooled):
-                where[3 * f : 3 * f + 3] = (len(grads) - 1, k * D, len(group.pooled) * D)
-        if group.unpooled:
+        if u is not None:
             grads.append(unpooled_grads[g].contiguous())
-            row = 0
+            if where is pb.where:
+                where = list(where)
+            row, D = 0, group.dim
             for f, n in zip(group.unpooled, unpooled_rows(prep, group)):
-                where[3 * f : 3 * f + 3] = (len(grads) - 1, row * D, D)
+                where[3 * f : 3 * f + 3] = (u, row * D, D)
                 row += n
     # Tables of one dim lie side by side in the gradient buffer: a dim's rows are one view of it.
     row0, rows = row_starts(plan, prep)
-    start, total = {}, 0
-    for D in plan.tables_by_dim:
-        start[D] = total
-        total += rows[D] * D
-    gbase = [start[spec.dim] + r * spec.dim for spec, r in zip(plan.tables, row0)]
+    sizes = np.array([rows[D] * D for D in pb.dim_list], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+    gbase = (starts[pb.dim_of] + np.asarray(row0, dtype=np.int64) * pb.dims).tolist()
     gbuf = torch.empty(total, dtype=torch.float32)
     tables, strides = _tables(storages, pb.clipped)  # it reads rows only to differentiate max_norm
     nat.call("he_lookup_backward",
              [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, *grads, *tables],
              (B, F, T, prep.capacity, len(grads), *strides, *prep.unique_base, *prep.unique_count, *gbase, *where))
-    return {D: gbuf[start[D] : start[D] + rows[D] * D].view(-1, D) for D in plan.tables_by_dim}, row0
+    return {D: gbuf[a : a + n].view(-1, D) for D, a, n in zip(pb.dim_list, starts.tolist(), sizes.tolist())}, row0

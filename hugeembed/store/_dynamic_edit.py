@@ -162,9 +162,8 @@ class DynamicEdits:
     def _forget_pending(self, step: int, pending: list[int]) -> int:
         """Forgets the least seen pending keys of each table past its max_pending; returns how many."""
         done = 0
-        for t, s in enumerate(self.settings):
-            if s.admit_min_count == 1:  # no counter filter: no pending keys
-                continue
+        for t in self._counted:  # (a table without a counter filter has no pending keys)
+            s = self.settings[t]
             n = pending_victims(pending[t], s.pending_limit)
             if n:
                 self.evict(t, step, policy=s.eviction_policy, pending_excess=n)
