@@ -129,6 +129,8 @@ class Prepared:
     weights_require_grad: bool = False  # the batch's weights did; `weights` carries their graph only if
     #                                      prepared with grad enabled, by the torch path
     feature_starts: list[int] | None = None  # offsets[f * B] for f in 0..F, on the host (the torch path's)
+    # the native prepare's unique_base then unique_count, int64 [2T] (the backward kernel's buffer)
+    native_counts: torch.Tensor | None = None
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]
