@@ -16,7 +16,8 @@ through ctypes are not torch ops, so a native step shows only the torch ops arou
 
 "Python per table": (a step at batch 8 over 26 tables - the same at 2 tables) / 24, medians of
 interleaved runs, in CPU time of the calling thread with one intra-op thread: what each table costs a
-step beyond the kernels' work.
+step beyond the kernels' work; and the Python lines each table adds to a step (a line tracer: the
+figure without timing noise, 0 when no step loops over tables).
 
     python bench/ops.py                  # the tables
     python bench/ops.py --tables 2 32    # some sizes only
@@ -298,6 +299,33 @@ def _python_per_table(backend: str, dynamic: bool, few: int, many: int, samples:
     return per * 1e6
 
 
+def python_lines_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, samples: int = 8,
+                          steps: int = 3, warmup: int = 60) -> float:
+    """Python lines each table adds to a steady-state step at a tiny batch: (lines(many) - lines(few)) /
+    (many - few) / steps, counted by a line tracer (sys.settrace: every line of Python run, library and
+    torch's own, no timing noise).  A loop over tables in a step shows as >= 1."""
+    counts = {}
+    for n in (few, many):
+        ec = collection(n, dynamic, backend, 16, 1000, None, "cpu")
+        sfs = [batch(n, samples, 1000, s) for s in range(warmup)]
+        for sf in sfs:  # warm up: tables grown, buffers sized
+            ec(sf).stacked().sum().backward()
+        lines = 0
+
+        def tracer(frame, event, arg):
+            nonlocal lines
+            lines += event == "line"
+            return tracer
+        for sf in sfs[:steps]:
+            sys.settrace(tracer)
+            try:
+                ec(sf).stacked().sum().backward()
+            finally:
+                sys.settrace(None)
+        counts[n] = lines
+    return (counts[many] - counts[few]) / (many - few) / steps
+
+
 def cuda_launches(tables: int, dynamic: bool, backend: str, device: str, samples: int = 256,
                   warmup: int = 8) -> tuple[int, int]:
     """(kernels, memcpy + memset) the GPU ran for one steady-state training step, as torch's profiler
@@ -399,11 +427,12 @@ def main(argv=None) -> None:
           f"1,000 ids, d16, {args.device}")
     print_table(header, out)
     if not gpu:
-        out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us"]
-               for b in backends for d in (False, True)]
+        out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us",
+                f"{python_lines_per_table(b, d):.1f}"] for b in backends for d in (False, True)]
         print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, CPU time of the "
-              "calling thread, one intra-op thread, medians of 7 interleaved runs of 60 steps")
-        print_table(["backend", "tables", "us per table"], out)
+              "calling thread, one intra-op thread, medians of 7 interleaved runs of 60 steps; lines: Python lines run "
+              "(a line tracer)")
+        print_table(["backend", "tables", "us per table", "lines per table"], out)
     if gpu:
         out = []
         for samples in args.time_samples:

@@ -22,8 +22,9 @@ def row_independent(init_state):
     return init_state
 
 
-def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host.
+def repeat_each(values, sizes, device: torch.device) -> torch.Tensor:
+    """int64 ``[sum(sizes)]``: ``values[i]`` repeated ``sizes[i]`` times, both given on the host (lists
+    or numpy arrays).
 
     The output size is given, so a GPU's repeat_interleave does not read the sizes back.  On the
     CPU numpy repeats them: torch's CPU repeat_interleave splits even a few sizes over its OpenMP
@@ -31,7 +32,7 @@ def repeat_each(values: list[int], sizes: list[int], device: torch.device) -> to
     if torch.device(device).type == "cpu":
         return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.int64), sizes))
     vals = host_to_device(values, torch.int64, device)
-    return torch.repeat_interleave(vals, host_to_device(sizes, torch.int64, device), output_size=sum(sizes))
+    return torch.repeat_interleave(vals, host_to_device(sizes, torch.int64, device), output_size=int(np.sum(sizes)))
 
 
 def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

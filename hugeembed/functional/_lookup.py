@@ -80,6 +80,13 @@ class FusedEmbeddingLookup:
         self.plan = LookupPlan(tables, features)
         self.backend = backend
         self._runs = runs_of(self.plan, row_groups)
+        # per dim group, the tables its features read
+        self._group_tables = [sorted({self.plan.feature_table[f] for f in g.pooled + g.unpooled})
+                              for g in self.plan.groups]
+        # the tables reading one storage, as (first, last, dim, rows needed): a step checks each once
+        self._storage_runs = None if self._runs is None else [
+            (a, b, D, max(-1 if t.num_rows is None else t.num_rows for t in self.plan.tables[a : b + 1]))
+            for D, runs in self._runs.items() for a, b in runs]
         if complete is not None and len(complete) != self.plan.num_tables:
             raise ConfigError(f"complete has {len(complete)} entries for {self.plan.num_tables} tables")
         self._complete = [False] * self.plan.num_tables if complete is None else [bool(c) for c in complete]
@@ -173,8 +180,17 @@ class FusedEmbeddingLookup:
         if len(storages) != self.plan.num_tables:
             raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
                               f"tables, got {len(storages)}")
-        # per batch and per table: one read of the shape (s.size(i) costs twice as much); the tables
-        # of a group read one tensor: checked once for their dim and rows
+        runs = self._storage_runs
+        if runs is not None:  # the tables of a group read one tensor: checked once per group, when they do
+            ids = list(map(id, storages))
+            for a, b, dim, rows in runs:
+                s = storages[a]
+                if ids[a : b + 1].count(ids[a]) != b + 1 - a or not _rows_fit(s, dim, rows, device):
+                    break  # (the per-table pass below names the table at fault)
+            else:
+                return
+        # per table: one read of the shape (s.size(i) costs twice as much); consecutive tables of one
+        # tensor checked once for their dim and rows
         last, shape = _UNSET, ()
         for spec, s in zip(self.plan.tables, storages):
             if s is last and spec.dim <= shape[1] and (spec.num_rows is None or shape[0] >= spec.num_rows):
@@ -246,8 +262,9 @@ class FusedEmbeddingLookup:
     def output_dtypes(self, storages: Sequence[torch.Tensor]) -> list[torch.dtype]:
         """Per dim group, the dtype of its outputs: its tables' row dtypes promoted."""
         out = []
-        for group in self.plan.groups:
-            dts = {storages[self.plan.feature_table[f]].dtype for f in group.pooled + group.unpooled}
+        for ts in self._group_tables:
+            read = list(map(storages.__getitem__, ts))  # (the distinct tensors below: no Python per table)
+            dts = {s.dtype for s in dict(zip(map(id, read), read)).values()}
             dt = dts.pop() if dts else torch.float32
             for other in dts:  # (promote_types is an op: only where the tables' dtypes differ)
                 dt = torch.promote_types(dt, other)
@@ -330,3 +347,12 @@ class FusedEmbeddingLookup:
 
 
 _UNSET = object()
+
+
+def _rows_fit(s, dim: int, rows: int, device: torch.device) -> bool:
+    """Whether `s` passes _check_storages for tables of `dim` needing `rows` rows (-1: any)."""
+    if not isinstance(s, torch.Tensor):
+        return False
+    shape = s.shape
+    return len(shape) == 2 and shape[1] >= dim and shape[0] >= rows and s.dtype.is_floating_point and \
+        s.device == device

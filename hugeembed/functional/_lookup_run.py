@@ -70,7 +70,7 @@ class LookupRun:
         the forward read."""
         plan, prep = self.owner.plan, self.prep
         trains = self.hook is not None or any(p.requires_grad for p in self.params)
-        if not (self.weights_grad or (trains and any(t.max_norm for t in plan.tables))):
+        if not (self.weights_grad or (trains and plan.clipped)):
             return
         storages, slots = list(self.storages), self.slots.clone()
         for t in range(plan.num_tables):

@@ -1,4 +1,5 @@
-"""The clean/dedup, pool and backward stages on the native CPU kernels (csrc/lookup.cpp).
+"""The clean/dedup, pool and backward stages on the native CPU kernels (csrc/lookup.cpp, called
+through csrc/lookup_call.cpp).
 
 Each kernel takes its tensors as buffers (hugeembed/_native.call) and checks their
 types and lengths itself, so none reads past a buffer; the tables' rows go over as
@@ -11,6 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import _native as nat
@@ -61,11 +63,11 @@ class NativeScratch:
 
 
 class _PlanBuffers:
-    """A plan's constant arrays as the kernels take them (csrc/lookup.cpp, "The exported
+    """A plan's constant arrays as the kernels take them (csrc/lookup_call.cpp, "The exported
     kernels"), built once per plan: each call then hands over two packed buffers, not ten
     tensors, and builds no per-group arrays (a call's cost grows with its buffers)."""
 
-    __slots__ = ("i64", "i8", "max_norm", "groups", "clipped")
+    __slots__ = ("i64", "i8", "max_norm", "groups", "where", "grad_order", "dim_of", "dims", "dim_list")
 
     def __init__(self, plan: LookupPlan) -> None:
         a = plan.arrays("cpu")
@@ -73,16 +75,31 @@ class _PlanBuffers:
                               a["table_feat_ptr"]])
         self.i8 = torch.cat([a["prune_neg"], a["oor"], a["has_default"], a["combiner"]])
         self.max_norm = a["max_norm"]
-        self.clipped = [t for t, spec in enumerate(plan.tables) if spec.max_norm]
-        # per dim group: pooled features, their output columns, unpooled features, and the
-        # tables each kind reads (None: all of them)
-        self.groups: dict[DimGroup, tuple] = {}
-        for g in plan.groups:
-            reads = [sorted({plan.feature_table[f] for f in fs}) for fs in (g.pooled, g.unpooled)]
-            self.groups[g] = (torch.tensor(g.pooled, dtype=torch.int64),
-                              torch.arange(len(g.pooled), dtype=torch.int64) * g.dim,
-                              torch.tensor(g.unpooled, dtype=torch.int64),
-                              *(None if len(ts) == plan.num_tables else ts for ts in reads))
+        # the backward's gradient buffers: per dim group (pooled buffer or None, unpooled or None) in
+        # the order they are handed over, and per feature (buffer, first element, stride) for the
+        # pooled features (an unpooled feature's first element depends on the batch)
+        where = [0] * (3 * plan.num_features)
+        self.grad_order: list[tuple[int | None, int | None]] = []
+        n = 0
+        for group in plan.groups:
+            D, pooled = group.dim, None
+            if group.pooled:
+                pooled, n = n, n + 1
+                for k, f in enumerate(group.pooled):
+                    where[3 * f : 3 * f + 3] = (pooled, k * D, len(group.pooled) * D)
+            unpooled = None
+            if group.unpooled:
+                unpooled, n = n, n + 1
+            self.grad_order.append((pooled, unpooled))
+        self.where = torch.tensor(where, dtype=torch.int64)
+        # per table its dim's index in plan.tables_by_dim, and its dim (gradient rows' positions)
+        self.dim_list = list(plan.tables_by_dim)
+        self.dim_of = np.array([self.dim_list.index(t.dim) for t in plan.tables], dtype=np.int64)
+        self.dims = np.array([t.dim for t in plan.tables], dtype=np.int64)
+        # per dim group: pooled features, their output columns, unpooled features
+        self.groups: dict[DimGroup, tuple] = {
+            g: (torch.tensor(g.pooled, dtype=torch.int64), torch.arange(len(g.pooled), dtype=torch.int64) * g.dim,
+                torch.tensor(g.unpooled, dtype=torch.int64)) for g in plan.groups}
 
 
 _plan_buffers: weakref.WeakKeyDictionary[LookupPlan, _PlanBuffers] = weakref.WeakKeyDictionary()
@@ -95,25 +112,30 @@ def _buffers(plan: LookupPlan) -> _PlanBuffers:
     return cached
 
 
-def _tables(storages: Sequence[torch.Tensor], used: Sequence[int] | None = None) -> tuple[list, list[int]]:
-    """The tables' rows as the kernels' trailing buffers, and their row strides (ints).
+_layouts: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}  # see _tables
 
-    A whole table goes over as itself (the same span as rows(), at a third of the cost per
-    call: a kernel call's cost is mostly its buffers), a view of some columns as rows().
-    `used`: only these tables' rows (the others go as None: the kernel reads no row of them).
-    """
-    distinct = _distinct(storages)
-    if used is None:
-        as_buf = {k: s if s.is_contiguous() else nat.rows(s) for k, s in distinct.items()}
-        bufs = list(map(as_buf.__getitem__, map(id, storages)))
-    else:
-        bufs = [None] * len(storages)
-        for t in used:
-            s = storages[t]
-            bufs[t] = s if s.is_contiguous() else nat.rows(s)
-    stride = {k: s.stride(0) for k, s in distinct.items()}
-    strides = list(map(stride.__getitem__, map(id, storages)))
-    return bufs, strides
+
+def _tables(storages: Sequence[torch.Tensor]) -> tuple[list, torch.Tensor, list[int]]:
+    """The tables' rows as the kernels take them (csrc/lookup_call.cpp): the distinct row storages
+    (the tables of a group read one), int64 ``of_table [T]`` (which one each table reads) and the
+    storages' row strides.  A whole storage goes over as itself, a view of some columns as rows().
+
+    Which tables share a storage is found once per layout of the list (cached by the tensors' ids:
+    equal ids in one list are one tensor, so a hit has the same sharing), so a call costs no
+    Python per table and hands over no int per table."""
+    key = tuple(map(id, storages))
+    layout = _layouts.get(key)
+    if layout is None:
+        first = dict(zip(reversed(key), range(len(key) - 1, -1, -1)))  # id -> its first position
+        positions = sorted(first.values())
+        rank = {key[p]: i for i, p in enumerate(positions)}
+        layout = (positions, torch.tensor(list(map(rank.__getitem__, key)), dtype=torch.int64))
+        if len(_layouts) >= 64:  # (lists rebuilt with new tensors: keep the cache small)
+            _layouts.clear()
+        _layouts[key] = layout
+    positions, of_table = layout
+    distinct = [storages[p] for p in positions]
+    return [d if d.is_contiguous() else nat.rows(d) for d in distinct], of_table, [d.stride(0) for d in distinct]
 
 
 def batch_arrays(sf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -169,7 +191,7 @@ def prepare_native(plan: LookupPlan, sf, scratch: NativeScratch, deduplicate: bo
         out_w[:n_kept].fill_(1.0)
     return Prepared(B, out_offsets, inverse[:n_kept], None if out_w is None else out_w[:n_kept],
                     unique_keys[:capacity], unique_counts[:capacity], base, per_table,
-                    capacity, native=True, deduplicated=deduplicate)
+                    capacity, native=True, deduplicated=deduplicate, native_counts=counts[2:])
 
 
 def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup, arrays=None) -> torch.Tensor | None:
@@ -184,11 +206,11 @@ def pool_direct(plan: LookupPlan, sf, storages, group: DimGroup, arrays=None) ->
     if n == 0 or B == 0:
         return out
     src = plan.source_indices(sf.keys())
-    feats, cols, _, reads, _ = pb.groups[group]
-    rows, strides = _tables(storages, reads)
+    feats, cols = pb.groups[group][:2]
+    rows, of_table, strides = _tables(storages)
     done = nat.call("he_lookup_pool_direct",
-                    [pb.i64, pb.i8, pb.max_norm, feats, cols, values, offsets, weights, src, out, *rows],
-                    (B, plan.num_features, plan.num_tables, D, n * D, *strides))
+                    [pb.i64, pb.i8, pb.max_norm, feats, cols, values, offsets, weights, src, out, of_table, *rows],
+                    (B, plan.num_features, plan.num_tables, D, n * D, len(rows), *strides))
     return out if done == POOL_DIRECT_POOLED else None
 
 
@@ -199,11 +221,12 @@ def pool_native(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGro
     out = torch.empty(B, n, D, dtype=torch.float32)
     if n == 0 or B == 0:
         return out
-    feats, cols, _, reads, _ = pb.groups[group]
-    rows, strides = _tables(storages, reads)
+    feats, cols = pb.groups[group][:2]
+    rows, of_table, strides = _tables(storages)
     nat.call("he_lookup_pool",
-             [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
-             (B, plan.num_features, plan.num_tables, D, prep.capacity, n * D, *strides))
+             [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, of_table,
+              *rows],
+             (B, plan.num_features, plan.num_tables, D, prep.capacity, n * D, len(rows), *strides))
     return out
 
 
@@ -220,12 +243,13 @@ def unpooled_native(plan: LookupPlan, prep: Prepared, storages, slots, group: Di
     out = torch.empty(sum(counts), group.dim, dtype=torch.float32)
     if not counts or out.numel() == 0:
         return out
-    _, _, feats, _, reads = pb.groups[group]
+    feats = pb.groups[group][2]
     row0 = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
-    rows, strides = _tables(storages, reads)
+    rows, of_table, strides = _tables(storages)
     nat.call("he_lookup_unpooled",
-             [pb.i64, pb.i8, pb.max_norm, feats, row0, prep.offsets, prep.inverse, prep.weights, slots, out, *rows],
-             (prep.batch_size, plan.num_features, plan.num_tables, group.dim, prep.capacity, *strides))
+             [pb.i64, pb.i8, pb.max_norm, feats, row0, prep.offsets, prep.inverse, prep.weights, slots, out, of_table,
+              *rows],
+             (prep.batch_size, plan.num_features, plan.num_tables, group.dim, prep.capacity, len(rows), *strides))
     return out
 
 
@@ -239,31 +263,33 @@ def backward_native(plan: LookupPlan, prep: Prepared, storages, slots, pooled_gr
     pb = _buffers(plan)
     B, F, T = prep.batch_size, plan.num_features, plan.num_tables
     # each feature's gradient: (which of `grads`, its first element, elements between samples or ids);
-    # the kernel checks each against the length of its buffer
+    # the kernel checks each against the length of its buffer.  Decided with the plan but for the
+    # unpooled features' first rows.
     grads: list[torch.Tensor] = []
-    where = [0] * (3 * F)
-    for g, group in enumerate(plan.groups):
-        D = group.dim
-        if group.pooled:
+    seq = None  # the plan's `where` with the unpooled features' first rows, when there are some
+    for g, (group, (p, u)) in enumerate(zip(plan.groups, pb.grad_order)):
+        if p is not None:
             grads.append(pooled_grads[g].contiguous())
-            for k, f in enumerate(group.pooled):
-                where[3 * f : 3 * f + 3] = (len(grads) - 1, k * D, len(group.pooled) * D)
-        if group.unpooled:
+        if u is not None:
             grads.append(unpooled_grads[g].contiguous())
-            row = 0
+            seq = pb.where.tolist() if seq is None else seq
+            row, D = 0, group.dim
             for f, n in zip(group.unpooled, unpooled_rows(prep, group)):
-                where[3 * f : 3 * f + 3] = (len(grads) - 1, row * D, D)
+                seq[3 * f : 3 * f + 3] = (u, row * D, D)
                 row += n
+    where = pb.where if seq is None else torch.tensor(seq, dtype=torch.int64)
     # Tables of one dim lie side by side in the gradient buffer: a dim's rows are one view of it.
     row0, rows = row_starts(plan, prep)
-    start, total = {}, 0
-    for D in plan.tables_by_dim:
-        start[D] = total
-        total += rows[D] * D
-    gbase = [start[spec.dim] + r * spec.dim for spec, r in zip(plan.tables, row0)]
+    sizes = np.array([rows[D] * D for D in pb.dim_list], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+    gbase = torch.from_numpy(starts[pb.dim_of] + np.asarray(row0, dtype=np.int64) * pb.dims)
     gbuf = torch.empty(total, dtype=torch.float32)
-    tables, strides = _tables(storages, pb.clipped)  # it reads rows only to differentiate max_norm
+    unique = prep.native_counts if prep.native_counts is not None else \
+        torch.tensor(prep.unique_base + prep.unique_count, dtype=torch.int64)
+    tables, of_table, strides = _tables(storages)  # (it reads rows only to differentiate max_norm)
     nat.call("he_lookup_backward",
-             [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, *grads, *tables],
-             (B, F, T, prep.capacity, len(grads), *strides, *prep.unique_base, *prep.unique_count, *gbase, *where))
-    return {D: gbuf[start[D] : start[D] + rows[D] * D].view(-1, D) for D in plan.tables_by_dim}, row0
+             [pb.i64, pb.i8, pb.max_norm, prep.offsets, prep.inverse, prep.weights, slots, gbuf, unique, gbase,
+              where, of_table, *grads, *tables],
+             (B, F, T, prep.capacity, len(grads), len(tables), *strides))
+    return {D: gbuf[a : a + n].view(-1, D) for D, a, n in zip(pb.dim_list, starts.tolist(), sizes.tolist())}, row0

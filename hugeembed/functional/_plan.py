@@ -131,6 +131,8 @@ class Prepared:
     feature_starts: list[int] | None = None  # offsets[f * B] for f in 0..F, on the host (the torch path's)
     runs: object | None = None  # the triton prepare's sorted runs (_triton/dedup.Dedup over its entries, by unique
     #                             key; tables: each key's lookup table): the fused update reads them
+    # the native prepare's unique_base then unique_count, int64 [2T] (the backward kernel's buffer)
+    native_counts: torch.Tensor | None = None
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]

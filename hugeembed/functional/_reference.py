@@ -9,7 +9,9 @@ per-table row gathers are a loop over tables.
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from .._device import host_to_device
@@ -155,10 +157,7 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     n_unique = sum(per_table)
     inverse = inverse[:n_keep]
     unique_keys = vs[kept_positions(new & (ts < T), n_unique)]
-    base, acc = [], 0
-    for n in per_table:
-        base.append(acc)
-        acc += n
+    base = list(accumulate(per_table, initial=0))[:-1]  # the tables' keys end to end
     return Prepared(B, out_offsets, inverse, None if wb is None else wb[:n_keep], unique_keys,
                     _count(inverse, n_unique), base, per_table, n_unique, native=False,
                     deduplicated=deduplicate, feature_starts=feature_starts)
@@ -213,9 +212,9 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
         if hi <= lo:
             continue
         rows = _rows_at(storages[t0], slots[lo:hi], dim, dtype)
-        for t in range(t0, t1 + 1):
+        for t in plan.clipped:  # (the tables with max_norm)
             mn = plan.tables[t].max_norm
-            if mn and count[t]:
+            if t0 <= t <= t1 and count[t]:
                 at = slice(base[t] - lo, base[t] - lo + count[t])
                 rows[at] = clip_rows(rows[at], mn)
         if lo == 0 and hi == prep.capacity:
@@ -246,10 +245,10 @@ def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
         pos, owner = _ranges(starts, ends - starts)
     else:  # the features' extents known on the host: no read of the device
-        fs = prep.feature_starts
-        sizes = [fs[k + 1] - fs[k] for k in feats]
-        pos, owner = _ranges(host_to_device([fs[k] for k in feats], torch.int64, dev),
-                             host_to_device(sizes, torch.int64, dev), sum(sizes))
+        fs, k = np.asarray(prep.feature_starts, dtype=np.int64), np.asarray(feats, dtype=np.int64)
+        starts, sizes = fs[k], fs[k + 1] - fs[k]  # (numpy: no Python per feature)
+        pos, owner = _ranges(host_to_device(starts, torch.int64, dev), host_to_device(sizes, torch.int64, dev),
+                             int(sizes.sum()))
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B
     return pos, owner, sample

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .._tensors import repeat_each
@@ -85,16 +86,15 @@ class Placement:
 def segment_column(bases: list[int], counts: list[int], lo: int, hi: int, device) -> torch.Tensor:
     """int64 ``[hi - lo]``: the table column of a span of a batch's unique keys: table i's keys at
     ``[bases[i], bases[i] + counts[i])`` (positions in the whole array) hold i, the gaps between
-    tables -1.  Built from host-known sizes: no read of the device."""
-    values, sizes, at = [], [], lo
-    for i, (b, n) in enumerate(zip(bases, counts)):
-        if b > at:
-            values.append(-1)
-            sizes.append(b - at)
-        values.append(i)
-        sizes.append(n)
-        at = b + n
-    if hi > at:
-        values.append(-1)
-        sizes.append(hi - at)
+    tables -1.  Built from host-known sizes: no read of the device; by numpy, no Python per table."""
+    b, n = np.asarray(bases, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    k = len(b)
+    if k == 0:
+        return repeat_each([-1], [hi - lo], device)
+    # runs: gap before table 0, table 0, gap before table 1, ..., table k-1, gap to hi
+    values = np.full(2 * k + 1, -1, dtype=np.int64)
+    values[1::2] = np.arange(k)
+    sizes = np.empty(2 * k + 1, dtype=np.int64)
+    ends = b + n
+    sizes[0], sizes[1::2], sizes[2:-1:2], sizes[-1] = b[0] - lo, n, b[1:] - ends[:-1], hi - ends[-1]
     return repeat_each(values, sizes, device)

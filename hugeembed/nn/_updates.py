@@ -14,6 +14,7 @@ rule on the group's rows.  What a collection does for rare ids is a property of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,6 +122,13 @@ def update(unit: UpdateUnit, group, slots: torch.Tensor, grad: torch.Tensor, lr:
         update_scaled(unit.rule, group, slots, grad, lr=lr, step=step, scale=scale)
 
 
+def unit_lrs(unit: UpdateUnit, optimizer) -> set[float]:
+    """The learning rates of a unit's tables now (one param group per table: schedulers drive them),
+    read by C-level maps: no Python per table."""
+    groups, lr_of = optimizer.param_groups, optimizer.group_of_table
+    return set(map(itemgetter("lr"), map(groups.__getitem__, map(lr_of.__getitem__, unit.tables))))
+
+
 class RowUpdates:
     """A training lookup's row_grad_hook: every unit's rule applied to the rows its batch read, once
     each group's rows are confirmed still where the forward read them."""
@@ -168,12 +176,11 @@ class RowUpdates:
         coll = self.coll
         count = rows.count
         touched = {s.group: None for s in coll.placement.spans if any(count[s.first : s.first + len(s.tables)])}
-        groups, lr_of = coll.optimizer.param_groups, coll.optimizer.group_of_table
         work = []
         for unit in coll._unit_list:
             if unit.group not in touched:
                 continue
-            lrs = {groups[lr_of[t]]["lr"] for t in unit.tables}
+            lrs = unit_lrs(unit, coll.optimizer)
             if unit.run is not None and len(lrs) == 1 and not (unit.rounds or unit.scaled):
                 slots, grad = rows.of_tables(*unit.run, unit.dim)
                 if slots.numel():
@@ -191,12 +198,11 @@ class RowUpdates:
     def fusable(self) -> bool:
         """Whether every unit with rows this step takes the fused triton update (nn/_fused_updates.py)."""
         coll, count = self.coll, self.prep.unique_count
-        groups, lr_of = coll.optimizer.param_groups, coll.optimizer.group_of_table
         work = []
         for unit in coll._unit_list:
-            if not any(count[p] for p in unit.positions):
+            if not any(map(count.__getitem__, unit.positions)):
                 continue
-            lrs = {groups[lr_of[t]]["lr"] for t in unit.tables}
+            lrs = unit_lrs(unit, coll.optimizer)
             if not unit_fuses(unit, coll.groups[unit.group].layout, lrs):
                 return False
             work.append((unit, lrs.pop()))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from itertools import compress
 from typing import Sequence
 
 import torch
@@ -118,6 +119,10 @@ class DynamicGroup(DynamicEdits, GroupBase):
         self._known: tuple[int, int, int] | None = (0, 0, 0)  # the scalars as last read (None: read again)
         # a new row's optimizer state, per table (None: its init_state is not a constant row)
         self._templates = [t.state_template(lay.state_dtype) for t in tables]
+        # per-table rules a step reads, decided here (a step then loops over none of the tables)
+        self._sampled = tuple(i for i, t in enumerate(tables) if t.samples_admission)
+        self._may_fail = frozenset(i for i, t in enumerate(tables) if t.initializer_may_fail)
+        self._counted = tuple(i for i, t in enumerate(tables) if t.admit_min_count != 1)
         self._set_backend(pick_backend(backend, self.device))
         reserve = sum(min(t.initial_rows, t.capacity or t.initial_rows) for t in tables)
         if reserve:
@@ -197,7 +202,9 @@ class DynamicGroup(DynamicEdits, GroupBase):
     def _values_before(self, tids, keys, counts, admit) -> dict[int, tuple]:
         """The initial weights of the rows a find-or-insert is about to make for tables whose
         initializer may raise: made first, so that one that raises changes nothing."""
-        risky = [t for t in self._tables_initialised_here() if self.settings[t].initializer_may_fail]
+        if not self._may_fail:
+            return {}
+        risky = [t for t in self._tables_initialised_here() if t in self._may_fail]
         if not risky:
             return {}
         codes, hits = self._index.find(self, keys, tids, rows_only=False, hits=True)
@@ -216,7 +223,8 @@ class DynamicGroup(DynamicEdits, GroupBase):
         """Initial weights and state of the new rows the kernel left to the group: per table the
         native initializer where it runs, else the built-in initializers of many tables in one call
         (each row's stream seeded by its own table's seed: the same values as table by table)."""
-        here = [t for t in self._tables_initialised_here() if need.new_rows[t]]
+        mine = self._tables_initialised_here()
+        here = list(compress(mine, map(need.new_rows.__getitem__, mine)))  # those with new rows (C-level)
         if not here:
             return
         slots, keys, tids = made
@@ -313,11 +321,10 @@ class DynamicGroup(DynamicEdits, GroupBase):
     def _admission(self, tids: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor | None:
         """Per key, whether a key without a row may get one now: the probability filter's draw
         (DeepRec's); None when no table of the group samples."""
-        sampled = [i for i, t in enumerate(self.settings) if t.samples_admission]
-        if not sampled:
+        if not self._sampled:
             return None
         admit = torch.ones(keys.numel(), dtype=torch.uint8, device=keys.device)
-        for i in sampled:
+        for i in self._sampled:
             sel = tids == i
             s = self.settings[i]
             admit[sel] = admission_draw(keys[sel], step, s.seed, s.admit_probability).to(torch.uint8)

@@ -10,6 +10,7 @@ group's index and rows are shared, so a table's keys are found by the table word
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import torch
 
@@ -162,9 +163,8 @@ class DynamicEdits:
     def _forget_pending(self, step: int, pending: list[int]) -> int:
         """Forgets the least seen pending keys of each table past its max_pending; returns how many."""
         done = 0
-        for t, s in enumerate(self.settings):
-            if s.admit_min_count == 1:  # no counter filter: no pending keys
-                continue
+        for t in self._counted:  # (a table without a counter filter has no pending keys)
+            s = self.settings[t]
             n = pending_victims(pending[t], s.pending_limit)
             if n:
                 self.evict(t, step, policy=s.eviction_policy, pending_excess=n)
@@ -325,7 +325,7 @@ class DynamicEdits:
         """Row slots the group may hand out: the tables' capacities when all have one."""
         from ._index import MAX_SLOTS
 
-        caps = [t.capacity for t in self.settings]
+        caps = list(map(attrgetter("capacity"), self.settings))  # (C-level: growth runs no Python per table)
         return MAX_SLOTS if None in caps else min(MAX_SLOTS, sum(caps))
 
     def _rehash(self, nbuckets: int) -> None:

@@ -205,8 +205,7 @@ class TorchIndex:
         rows_t = torch.bincount(t[made_new | promote], minlength=T).tolist()
         pend_t = torch.bincount(t[new & ~made_new], minlength=T).tolist()
         promoted_t = torch.bincount(t[promote], minlength=T)
-        for j in range(T):
-            need[NEED_HEAD + 2 * j], need[NEED_HEAD + 2 * j + 1] = rows_t[j], pend_t[j]
+        need[NEED_HEAD::2], need[NEED_HEAD + 1 :: 2] = rows_t, pend_t  # table j's at NEED_HEAD + 2j, + 1
         need[0], need[1], need[2] = int(new.sum()), sum(rows_t), sum(pend_t)
         if hits is not None:
             hits.zero_()

@@ -1,4 +1,4 @@
-"""The lookup kernels (csrc/lookup.cpp) in the one calling convention (csrc/call.h): each
+"""The lookup kernels (csrc/lookup_call.cpp) in the one calling convention (csrc/call.h): each
 checks the buffers it is handed against the sizes it derives (B, F, T, D, the counts the
 earlier stages produced) and refuses a short one with BAD_CALL before writing anything; a
 bad id in the batch is BAD_VALUE, which the Python side turns into the same InputError."""
@@ -33,8 +33,9 @@ def _pool_args(lookup, tables, prep, out, slots):
     plan = lookup.plan
     pb, group = ns._buffers(plan), plan.groups[0]
     feats, cols, *_ = pb.groups[group]
-    bufs = [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out, *tables]
-    ints = (B, plan.num_features, plan.num_tables, D, prep.capacity, len(group.pooled) * D,
+    bufs = [pb.i64, pb.i8, pb.max_norm, feats, cols, prep.offsets, prep.inverse, prep.weights, slots, out,
+            torch.arange(len(tables)), *tables]  # (each table its own storage)
+    ints = (B, plan.num_features, plan.num_tables, D, prep.capacity, len(group.pooled) * D, len(tables),
             *[t.stride(0) for t in tables])
     return bufs, ints
 
@@ -108,10 +109,10 @@ def test_count_refuses_short_outputs_and_one_pass_a_table_shorter_than_its_rows(
         assert info.value.status == nat.Status.BAD_CALL
     # the one-pass forward checks ids against num_rows, so each table must hold that many rows
     out = torch.zeros(B, 2, D)
-    with pytest.raises(nat.KernelError, match="buffer 10 \\(table rows\\) holds 20 elements, needs 24"):
+    with pytest.raises(nat.KernelError, match="buffer 11 \\(table rows\\) holds 20 elements, needs 24"):
         nat.call("he_lookup_pool_direct",
                  [pb.i64, pb.i8, pb.max_norm, *pb.groups[plan.groups[0]][:2], values, offsets, weights, src, out,
-                  tables[0][:5], tables[1]], (B, 2, 2, D, 2 * D, D, D))
+                  torch.tensor([0, 1]), tables[0][:5], tables[1]], (B, 2, 2, D, 2 * D, 2, D, D))
     assert not out.any()
 
 
@@ -170,7 +171,7 @@ def test_a_num_rows_past_the_bound_is_refused_before_its_row_product_wraps():
     out = torch.full((1, 1, D), 7.0)
     _refused("table 0 has 4611686018427387904 rows", "he_lookup_pool_direct",
              [i64, i8, torch.zeros(1), torch.tensor([0]), torch.tensor([0]), torch.tensor([10]), torch.tensor([0, 1]),
-              None, torch.tensor([0]), out, torch.zeros(1, D)], (1, 1, 1, D, D, D))
+              None, torch.tensor([0]), out, torch.tensor([0]), torch.zeros(1, D)], (1, 1, 1, D, D, 1, D))
     assert out.eq(7).all()
 
 
@@ -196,8 +197,9 @@ def test_backward_refuses_unique_rows_whose_end_overflows():
     gbuf = torch.full((16,), 7.0)
     _refused("unique rows", "he_lookup_backward",
              [i64, i8, torch.tensor([1.0]), torch.tensor([0, 0]), torch.empty(0, dtype=torch.int32), None,
-              torch.full((1,), -1, dtype=torch.int64), gbuf, torch.zeros(1, D), torch.ones(1, D)],
-             (1, 1, 1, 1, 1, D, 2**62, 2**62 + 4, 0, 0, 0, D))  # base + count wraps below capacity 1
+              torch.full((1,), -1, dtype=torch.int64), gbuf, torch.tensor([2**62, 2**62 + 4]), torch.tensor([0]),
+              torch.tensor([0, 0, 0]), torch.tensor([0]), torch.zeros(1, D), torch.ones(1, D)],
+             (1, 1, 1, 1, 1, 1, D))  # base + count wraps below capacity 1
     assert gbuf.eq(7).all()
 
 
@@ -209,12 +211,12 @@ def test_pool_refuses_an_output_span_that_overflows(kernel):
     head = [i64, i8, torch.zeros(1), torch.tensor([0]), torch.tensor([0])]
     if kernel == "he_lookup_pool":
         bufs = head + [torch.zeros(Bn + 1, dtype=torch.int64), torch.empty(0, dtype=torch.int32), None,
-                       torch.empty(0, dtype=torch.int64), out, torch.zeros(1, D)]
-        ints = (Bn, 1, 1, D, 0, ors, D)
+                       torch.empty(0, dtype=torch.int64), out, torch.tensor([0]), torch.zeros(1, D)]
+        ints = (Bn, 1, 1, D, 0, ors, 1, D)
     else:
         bufs = head + [torch.empty(0, dtype=torch.int64), torch.zeros(Bn + 1, dtype=torch.int64), None,
-                       torch.tensor([0]), out, torch.zeros(1, D)]
-        ints = (Bn, 1, 1, D, ors, D)
+                       torch.tensor([0]), out, torch.tensor([0]), torch.zeros(1, D)]
+        ints = (Bn, 1, 1, D, ors, 1, D)
     _refused("out: 16777215 \\* 1099511627776 \\+ 0 \\+ 4 overflows", kernel, bufs, ints)
     assert out.eq(7).all()
 
@@ -234,3 +236,35 @@ def test_dedup_refuses_a_batch_that_does_not_match_out_offsets(n_values, counted
               inv[:n_kept], None, keys[:n_kept], cnt[:n_kept], torch.zeros(1, dtype=torch.int64)],
              (Bn, 1, 1, 1, ctx.handle))
     assert all(t[n_kept:].eq(-7).all() for t in (inv, keys, cnt))
+
+
+def test_the_tables_rows_go_over_once_per_storage_with_the_table_to_storage_column():
+    """Tables reading one storage (a group's) hand it over once, with of_table saying which each
+    reads: the same pooled numbers as each table given its own tensor, and no int per table."""
+    specs = [TableSpec(n, D, num_rows=4) for n in "abc"]
+    feats = [FeatureSpec(n, n) for n in "abc"]
+    lookup = FusedEmbeddingLookup(specs, feats, backend="native")
+    rows = torch.randn(4, D)
+    sf = make_batch({"a": [[1, 2], [3], []], "b": [[0], [3, 3, 1], [2]], "c": [[], [0], [1, 2, 3]]})
+    prep = lookup.prepare(sf, [rows] * 3)
+    slots, group = lookup.static_slots(prep), lookup.plan.groups[0]
+    shared = ns.pool_native(lookup.plan, prep, [rows] * 3, slots, group)
+    apart = ns.pool_native(lookup.plan, prep, [rows.clone(), rows.clone(), rows.clone()], slots, group)
+    assert torch.equal(shared, apart)
+    bufs, of_table, strides = ns._tables([rows] * 3)
+    assert len(bufs) == 1 and bufs[0] is rows and of_table.tolist() == [0, 0, 0] and strides == [D]
+    other = torch.randn(4, D)
+    bufs, of_table, _ = ns._tables([rows, other, rows])  # another sharing: found afresh, not from the cache
+    assert len(bufs) == 2 and bufs[1] is other and of_table.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("of_table", [[0, 1], [0, -1]])
+def test_a_table_naming_a_storage_not_given_is_refused_and_nothing_written(of_table):
+    lookup, tables, _, prep = _setup()
+    slots = lookup.static_slots(prep)
+    out = torch.full((B, 2, D), 7.0)
+    bufs, ints = _pool_args(lookup, tables, prep, out, slots)
+    bufs = bufs[:10] + [torch.tensor(of_table), tables[0]]  # one storage given
+    ints = ints[:6] + (1, D)
+    _refused("table 1 reads row storage", "he_lookup_pool", bufs, ints)
+    assert out.eq(7).all()
