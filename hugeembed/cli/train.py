@@ -122,9 +122,9 @@ def add_parser(sub) -> None:
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
-    d.add_argument("--staleness", type=int, metavar="K", help="run the table exchanges K steps ahead and apply dense "
-                   "gradients K steps late: a rank stalled for a few steps no longer stalls everyone; batch t reads "
-                   "the updates of batches up to t-K-1, exactly (default 0: synchronous)")
+    d.add_argument("--staleness", type=int, metavar="K", help="run the table exchanges K steps ahead: a rank stalled "
+                   "for a few steps no longer stalls everyone at the tables; batch t reads the updates of batches up "
+                   "to t-K-1, exactly (default 0: synchronous; the dense gradients: --dense-staleness)")
     d.add_argument("--dense-staleness", type=int, metavar="D", help="all-reduce the dense gradients in the background "
                    "and apply those of step t at step t+D (default 0: at their own step, as DDP does)")
     d.add_argument("--stale-scale", action=argparse.BooleanOptionalAction, default=None, help="under staleness: "
