@@ -117,7 +117,8 @@ def _qebc(rows, dim, batches, offsets, stored) -> dict:
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
     out = {}
     for dtype in ("int8", "int4"):
-        out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc_holding(rows, dim, stored[dtype], dtype))
+        qebc = qebc_holding(rows, dim, stored[dtype], dtype)
+        out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc)
     return out
 
 
@@ -142,7 +143,10 @@ def qebc_holding(rows: list[int], dim: int, stored: torch.Tensor, dtype: str):
         first += n
         w[:, :width].copy_(ours[:, :width])
         sb = scale_bias.view(torch.float16)
-        sb.copy_(ours[:, width:].view(torch.float32) if dtype == "int8" else ours[:, width: width + 4].view(torch.float16))
+        if dtype == "int8":
+            sb.copy_(ours[:, width:].view(torch.float32))
+        else:
+            sb.copy_(ours[:, width: width + 4].view(torch.float16))
     return qebc
 
 

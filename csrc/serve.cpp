@@ -281,10 +281,11 @@ HE_KERNEL(he_serve_bags) {
   with_outputs(call, [&](auto o) {
     using O = decltype(o);
     const Bags<O> a = bags_args<O>(call, nkeys, &total);
+    const uint64_t mask = (uint64_t)cap - 1;
     if (index_bytes == 4)
-      run_bags(a, SlotIndex<int32_t>{static_cast<const int32_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
+      run_bags(a, SlotIndex<int32_t>{static_cast<const int32_t*>(slots), mask, keys, nkeys}, call.nthreads());
     else
-      run_bags(a, SlotIndex<int64_t>{static_cast<const int64_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
+      run_bags(a, SlotIndex<int64_t>{static_cast<const int64_t*>(slots), mask, keys, nkeys}, call.nthreads());
   });
   return total;
 }
