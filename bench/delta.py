@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hugeembed.serving import _runtime  # importing hugeembed.serving installs the kernels' accelerators
+from hugeembed.serving import _lookup_ops, _runtime  # importing hugeembed.serving installs the kernels' accelerators
 from hugeembed.serving._index import group_tables
 from hugeembed.serving._patch import merge_patch, patched_lookup
 from hugeembed.serving._quant import quantize, row_width, storage_dtype
@@ -122,9 +122,9 @@ def apply_memory(n_static: int, changed: int, dim: int, dtype: str) -> dict:
 
 def lookup_cost(state, dim: int, dtype: str, batch_size: int, pooling: int, repeats: int, kernels: bool) -> dict:
     group, rows, keys, index, meta, p = state
-    saved = _runtime.bags_accelerator, _runtime.find_accelerator
+    saved = _lookup_ops.bags_accelerator, _lookup_ops.find_accelerator
     if not kernels:
-        _runtime.bags_accelerator = _runtime.find_accelerator = None
+        _lookup_ops.bags_accelerator = _lookup_ops.find_accelerator = None
     try:
         batches = [batch(group, keys, batch_size, pooling, seed) for seed in range(8)]
         args = dict(feature_pos=[0, 1], feature_table=[0, 1], combiners=[0, 0], batch_size=batch_size, dim=dim,
@@ -157,7 +157,7 @@ def lookup_cost(state, dim: int, dtype: str, batch_size: int, pooling: int, repe
         return {"base_us": med["base"] * 1e6, "patched_us": med["patched"] * 1e6,
                 "ratio": med["patched"] / med["base"]}
     finally:
-        _runtime.bags_accelerator, _runtime.find_accelerator = saved
+        _lookup_ops.bags_accelerator, _lookup_ops.find_accelerator = saved
 
 
 def predict_cost(artifact: str, batch_size: int, repeats: int) -> dict:

@@ -108,35 +108,46 @@ def _random_rows(n: int, dim: int, dtype: str, chunk: int = 1 << 20) -> torch.Te
 
 def _qebc(rows, dim, batches, offsets, stored) -> dict:
     """TorchRec's QuantEmbeddingBagCollection, int8 and int4, one step each (empty where not installed), holding
-    the same quantized rows as ours (`stored`), copied into FBGEMM's layout table by table: no float
-    EmbeddingBagCollection first, which at full size would hold 8.6 GB of float32 weights per dtype."""
+    the same quantized rows as ours (`stored`, see qebc_holding)."""
     try:
-        from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-        from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:
         return {}
     T = len(rows)
     kjts = [KeyedJaggedTensor.from_offsets_sync([f"f{t}" for t in range(T)], torch.cat(b), offsets) for b in batches]
     out = {}
-    for dtype, dt in (("int8", DataType.INT8), ("int4", DataType.INT4)):
-        cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
-                                   data_type=dt) for t, n in enumerate(rows)]
-        qebc = QEBC(cfgs, is_weighted=False, device=torch.device("cpu"))
-        (tbe,) = qebc._emb_modules
-        width = dim if dtype == "int8" else dim // 2
-        first = 0
-        for (w, scale_bias), n in zip(tbe.split_embedding_weights(split_scale_shifts=True), rows):
-            ours = stored[dtype][first: first + n]
-            first += n
-            w[:, :width].copy_(ours[:, :width])
-            sb = scale_bias.view(torch.float16)  # FBGEMM: float16 scale, bias before the row's bytes
-            if dtype == "int8":  # ours: float32 scale, bias after them
-                sb.copy_(ours[:, width:].view(torch.float32))
-            else:  # ours: float16 scale, bias after them
-                sb.copy_(ours[:, width: width + 4].view(torch.float16))
+    for dtype in ("int8", "int4"):
+        qebc = qebc_holding(rows, dim, stored[dtype], dtype)
         out[f"torchrec QEBC {dtype}"] = (lambda q: (lambda i: q(kjts[i % 4])))(qebc)
     return out
+
+
+def qebc_holding(rows: list[int], dim: int, stored: torch.Tensor, dtype: str):
+    """A QuantEmbeddingBagCollection (table t: feature f<t>, `rows[t]` rows) holding our quantized rows `stored`
+    (the tables one after the other, `dtype` int8 or int4), copied into FBGEMM's layout table by table: no
+    float EmbeddingBagCollection first, which at full size would hold 8.6 GB of float32 weights per dtype.
+    FBGEMM keeps a float16 scale and bias before each row's bytes; ours are after them, float32 for int8
+    (rounded to float16 here: int8 rows differ from ours by that rounding) and float16 for int4 (the same)."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
+
+    cfgs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{t}"],
+                               data_type=DataType.INT8 if dtype == "int8" else DataType.INT4)
+            for t, n in enumerate(rows)]
+    qebc = QEBC(cfgs, is_weighted=False, device=torch.device("cpu"))
+    (tbe,) = qebc._emb_modules
+    width = dim if dtype == "int8" else dim // 2
+    first = 0
+    for (w, scale_bias), n in zip(tbe.split_embedding_weights(split_scale_shifts=True), rows):
+        ours = stored[first: first + n]
+        first += n
+        w[:, :width].copy_(ours[:, :width])
+        sb = scale_bias.view(torch.float16)
+        if dtype == "int8":
+            sb.copy_(ours[:, width:].view(torch.float32))
+        else:
+            sb.copy_(ours[:, width: width + 4].view(torch.float16))
+    return qebc
 
 
 def hostile_bench(n: int, runs: int) -> list[list[str]]:

@@ -10,6 +10,7 @@
 
 namespace {
 
+using he::serve::PairIndex;
 using he::serve::SlotIndex;
 
 // The position in `keys` of each (id, table), or -1 (static tables and tables outside [0, T): -1).
@@ -25,65 +26,115 @@ void find(const int64_t* ids, const int64_t* table, int64_t n, const SlotIndex<S
   });
 }
 
-// What the bags pass reads and writes (checked by bags_args).
+// What the bags pass reads and writes (checked by bags_args); O: int32 or int64, the type of the
+// starts, rows and counts it writes (int32 halves what it writes and the kernel after it reads).
+template <class O>
 struct Bags {
-  const int64_t *values, *offsets, *feature_pos, *feature_table, *meta, *starts;
+  const int64_t *values, *offsets, *feature_pos, *feature_table, *meta;
+  const O* starts;
   int64_t B, F, zero_row;
-  int64_t *idx, *kept;
+  O* idx;
+  O* kept;  // null: not written (every feature sums)
 };
 
-// Bags visited feature-major (the ids and offsets read in order; the row indices written to their
-// batch-major places): measured 2.5x faster than visiting them batch-major, where each sample's F
-// bags read F distant parts of `values`.  The home slots of the next kStep bags' ids are fetched
-// before their probes, so their cache misses overlap (26 x 4096 Zipf ids over 10 M keys, one
-// thread, CPU time: ~6 -> ~4.5 ms in the runs that were not swamped by the shared machine's noise;
-// fetching the keys the slots name one step further ahead measured no better).
-template <class Index>
-void bags(const Bags& a, const Index& index, int64_t nthreads) {
-  constexpr int64_t kStep = 16;
-  const int64_t B = a.B;
-  if (B == 0) return;
-  he::parallel_for(B * a.F, (int)nthreads, 1024, [&](int64_t q0, int64_t q1, int) {
-    // bag q is (feature q / B, sample q % B): one division a step, then counted on (a 64-bit division per
-    // bag cost more than a static table's whole lookup)
-    for (int64_t s0 = q0; s0 < q1; s0 += kStep) {
-      const int64_t s1 = std::min(q1, s0 + kStep), f0 = s0 / B, b0 = s0 - f0 * B;
-      for (int64_t q = s0, f = f0, b = b0; q < s1; ++q) {
-        const int64_t t = a.feature_table[f], in_bag = a.feature_pos[f] * B + b;
-        if (a.meta[5 * t + 2] >= 0)
-          for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i)
-            if (a.values[i] >= 0) index.prefetch(a.values[i], t);
-        if (++b == B) b = 0, ++f;
-      }
-      for (int64_t q = s0, f = f0, b = b0; q < s1; ++q) {
-        const int64_t j = b * a.F + f, t = a.feature_table[f];
-        const int64_t in_bag = a.feature_pos[f] * B + b;
+// Samples per block of the bags pass: a block's bags are F * kBlock consecutive batch-major bags, so
+// their starts, counts and row indices are written into a few kB (the cache), while each feature's
+// offsets and ids are read in runs of kBlock.  Visiting all bags feature-major instead (offsets in
+// order, outputs written F * 8 bytes apart over the whole batch) cost ~20 ns a bag at 4096 x 26: the
+// cache misses of that transpose, more than a static table's lookup.
+constexpr int64_t kBlock = 64;
+
+// Dynamic ids waiting for their rows: probed a batch at a time, in three stages that each run over
+// the batch (home slots fetched; the artifact's index: slots read and the keys they name fetched; keys
+// compared, chains walked), the batch before's last stage between this one's first two.  So the reads
+// of an id overlap with those of the other ids instead of following each other (the index and keys are
+// far larger than the cache: each read is a miss).
+template <class Index, class O>
+struct Probes {
+  static constexpr int kBatch = 32;
+  struct Entry {
+    int64_t id, t, s;
+    uint64_t h;
+    O* out;
+  };
+  const Index& index;
+  const int64_t* meta;
+  Entry batch[2][kBatch];
+  int n[2] = {0, 0}, cur = 0;
+
+  void add(int64_t id, int64_t t, O* out) {
+    Entry& e = batch[cur][n[cur]++];
+    e.id = id, e.t = t, e.out = out;
+    if (n[cur] == kBatch) step();
+  }
+  void step() {  // the current batch's first two stages, the previous one's last
+    Entry* now = batch[cur];
+    const int k = n[cur];
+    for (int i = 0; i < k; ++i) {
+      now[i].h = index.home(now[i].id, now[i].t);
+      index.prefetch_slot(now[i].h);
+    }
+    finish(1 - cur);
+    for (int i = 0; i < k; ++i) now[i].s = index.fetch(now[i].h);
+    cur = 1 - cur;
+  }
+  void finish(int which) {
+    Entry* e = batch[which];
+    for (int i = 0; i < n[which]; ++i) {
+      const int64_t* m = meta + 5 * e[i].t;
+      const int64_t s = index.position_from(e[i].id, e[i].t, m, e[i].h, e[i].s);
+      *e[i].out = (O)(s >= 0 ? m[0] + (s - m[2]) : m[3]);
+    }
+    n[which] = 0;
+  }
+  void drain() {
+    step();  // the last batch's first two stages (and the one before's last)
+    finish(1 - cur);
+  }
+};
+
+// Blocks of kBlock samples, each block's bags feature by feature (each feature's offsets and ids read in
+// order), each id's row written to its batch-major place; static ids at once, dynamic ones through Probes.
+template <class Index, class O>
+void bags(const Bags<O>& a, const Index& index, int64_t nthreads) {
+  const int64_t B = a.B, F = a.F;
+  if (B == 0 || F == 0) return;
+  const int64_t blocks = (B + kBlock - 1) / kBlock;
+  // one thread per ~16 k bags at least: a 64-row request runs on the caller alone
+  he::parallel_for(blocks, (int)nthreads, std::max<int64_t>(1, 16384 / (kBlock * F)), [&](int64_t k0, int64_t k1, int) {
+    Probes<Index, O> probes{index, a.meta};
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t b0 = k * kBlock, b1 = std::min(B, b0 + kBlock);
+      for (int64_t f = 0; f < F; ++f) {
+        const int64_t t = a.feature_table[f];
         const int64_t* m = a.meta + 5 * t;  // ROW_BASE, NUM, KEY_BASE, MISS_ROW, MAX_PROBE
-        int64_t o = a.starts[j], n = 0;
-        for (int64_t i = a.offsets[in_bag]; i < a.offsets[in_bag + 1]; ++i, ++o) {
-          const int64_t id = a.values[i];
-          if (id < 0) {  // dropped: reads the zero row, not counted
-            a.idx[o] = a.zero_row;
-            continue;
+        const bool dynamic = m[2] >= 0;
+        const int64_t* bounds = a.offsets + a.feature_pos[f] * B;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t j = b * F + f;
+          O* out = a.idx + a.starts[j];
+          int64_t n = 0;
+          for (int64_t i = bounds[b]; i < bounds[b + 1]; ++i, ++out) {
+            const int64_t id = a.values[i];
+            if (id < 0) {  // dropped: reads the zero row, not counted
+              *out = (O)a.zero_row;
+              continue;
+            }
+            ++n;
+            if (!dynamic) *out = (O)(id < m[1] ? m[0] + id : m[3]);  // static: the id is the row
+            else probes.add(id, t, out);
           }
-          ++n;
-          if (m[2] < 0) {  // static: the id is the row
-            a.idx[o] = id < m[1] ? m[0] + id : m[3];
-          } else {
-            const int64_t row = index.find(id, t, m);
-            a.idx[o] = row >= 0 ? row : m[3];
-          }
+          if (a.kept) a.kept[j] = (O)n;
         }
-        a.kept[j] = n;
-        if (++b == B) b = 0, ++f;
       }
     }
+    probes.drain();
   });
 }
 
 // bags() on the index's type; apart from the checked call (and compiled apart from it).
-template <class Index>
-__attribute__((noinline)) void run_bags(const Bags& a, const Index& index, int64_t nthreads) {
+template <class Index, class O>
+__attribute__((noinline)) void run_bags(const Bags<O>& a, const Index& index, int64_t nthreads) {
   bags(a, index, nthreads);
 }
 
@@ -104,13 +155,14 @@ int64_t index_of(const he::Call& call, int64_t k, const void** index, int64_t* c
 }
 
 // The checks and the `starts` of a bags call whose index is buffer 5 (read by the caller): see he_serve_bags.
-Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_out) {
+template <class O>
+Bags<O> bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_out) {
   const int64_t B = call.i(0), T = call.i(1), n_rows = call.i(2);
   const int64_t F = call.numel(2);
   if (B < 0 || T < 0 || T > INT64_MAX / 5 || (F > 0 && B > INT64_MAX / F))
     call.fail(HE_BAD_CALL, "B %lld, T %lld, F %lld: need B >= 0, T >= 0", (long long)B, (long long)T, (long long)F);
   const int64_t n_values = call.numel(0), n_offsets = call.numel(1), nkeys = nkeys_min_for_meta;
-  Bags a;
+  Bags<O> a;
   a.B = B;
   a.F = F;
   a.values = call.buf<const int64_t>(0, n_values, "values");
@@ -119,9 +171,9 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
   a.feature_table = call.buf<const int64_t>(3, F, "feature_table");
   const int64_t* meta = call.buf<const int64_t>(6, 5 * T, "meta");
   a.meta = meta;
-  int64_t* starts = call.buf<int64_t>(7, B * F, "starts");
+  O* starts = call.buf<O>(7, B * F, "starts");
   a.starts = starts;
-  a.kept = call.buf<int64_t>(9, B * F, "kept");
+  a.kept = call.opt<O>(9, B * F, "kept");
   if (n_rows < 1) {
     call.detail({kServeBadRows, n_rows});
     call.fail(HE_BAD_VALUE, "no zero row (%lld rows)", (long long)n_rows);
@@ -144,9 +196,7 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
       call.fail(HE_BAD_VALUE, "feature %lld: table %lld of %lld, input feature %lld", (long long)f,
                 (long long)a.feature_table[f], (long long)T, (long long)a.feature_pos[f]);
     }
-  // Checked first, feature-major (each feature's offsets read in order); then each bag's length is
-  // written to its batch-major place in `starts` (again reading the offsets in order) and summed in
-  // place: reading the offsets batch-major instead (F strided streams) took most of this function's time.
+  // Checked first, feature-major (each feature's offsets read in order), nothing written.
   int64_t total = 0;
   for (int64_t f = 0; f < F; ++f)
     for (int64_t b = 0; b < B; ++b) {
@@ -166,19 +216,35 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
     call.detail({kServeBadCapacity, total, call.numel(8)});
     call.fail(HE_BAD_VALUE, "the bags read %lld ids, idx holds %lld", (long long)total, (long long)call.numel(8));
   }
-  a.idx = call.buf<int64_t>(8, total, "idx");
-  for (int64_t f = 0; f < F; ++f) {
-    const int64_t* at = a.offsets + a.feature_pos[f] * B;
-    for (int64_t b = 0; b < B; ++b) starts[b * F + f] = at[b + 1] - at[b];
+  if (sizeof(O) == 4 && (total > INT32_MAX || n_rows > INT32_MAX)) {
+    call.detail({kServeBadCapacity, total, n_rows});
+    call.fail(HE_BAD_VALUE, "%lld ids, %lld rows: past int32 starts and rows", (long long)total, (long long)n_rows);
   }
+  a.idx = call.buf<O>(8, total, "idx");
+  // Each bag's length to its batch-major place in `starts`, a block of samples at a time (see kBlock: the
+  // writes of a block fall within a few kB), then summed in place.
   total = 0;
-  for (int64_t j = 0; j < B * F; ++j) {
-    const int64_t len = starts[j];
-    starts[j] = total;
-    total += len;
+  for (int64_t b0 = 0; b0 < B; b0 += kBlock) {
+    const int64_t b1 = std::min(B, b0 + kBlock);
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t* at = a.offsets + a.feature_pos[f] * B;
+      for (int64_t b = b0; b < b1; ++b) starts[b * F + f] = (O)(at[b + 1] - at[b]);
+    }
+    for (int64_t j = b0 * F; j < b1 * F; ++j) {  // while the block is in the cache
+      const O len = starts[j];
+      starts[j] = (O)total;
+      total += len;
+    }
   }
   *total_out = total;
   return a;
+}
+
+// fn(O{}) with O the type of the outputs (starts, buffer 7: int32 or int64; idx and kept must match).
+template <class Fn>
+void with_outputs(const he::Call& call, Fn&& fn) {
+  if (call.type(7) == HE_I32) fn(int32_t{});
+  else fn(int64_t{});
 }
 
 }  // namespace
@@ -190,8 +256,9 @@ Bags bags_args(const he::Call& call, int64_t nkeys_min_for_meta, int64_t* total_
 // of bag j (the divisor of mean / sqrtn).
 //   bufs: values int64 [n_values], offsets int64 [n_offsets], feature_pos int64 [F],
 //         feature_table int64 [F], keys int64 [nkeys], index int32 or int64 [cap] (a power of two),
-//         meta int64 [T * 5], starts int64 [B * F] (out), idx int64 [the ids read] (out),
-//         kept int64 [B * F] (out)
+//         meta int64 [T * 5], starts [B * F] (out), idx [the ids read] (out), kept [B * F] (out; or
+//         empty: not written), these three all int64 or all int32
+//         (int32: fails with kServeBadCapacity when the ids read or n_rows pass 2^31 - 1)
 //   ints: B, T, n_rows (rows in the group's row matrix)
 // Returns the number of ids read (written to idx).  Fails with HE_BAD_VALUE, writing nothing, when
 // the arguments are inconsistent; then the caller takes its torch path.  detail[0] says which:
@@ -211,11 +278,15 @@ HE_KERNEL(he_serve_bags) {
   int64_t cap = 0;
   const int64_t index_bytes = index_of(call, 5, &slots, &cap);
   int64_t total = 0;
-  const Bags a = bags_args(call, nkeys, &total);
-  if (index_bytes == 4)
-    run_bags(a, SlotIndex<int32_t>{static_cast<const int32_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
-  else
-    run_bags(a, SlotIndex<int64_t>{static_cast<const int64_t*>(slots), (uint64_t)cap - 1, keys, nkeys}, call.nthreads());
+  with_outputs(call, [&](auto o) {
+    using O = decltype(o);
+    const Bags<O> a = bags_args<O>(call, nkeys, &total);
+    const uint64_t mask = (uint64_t)cap - 1;
+    if (index_bytes == 4)
+      run_bags(a, SlotIndex<int32_t>{static_cast<const int32_t*>(slots), mask, keys, nkeys}, call.nthreads());
+    else
+      run_bags(a, SlotIndex<int64_t>{static_cast<const int64_t*>(slots), mask, keys, nkeys}, call.nthreads());
+  });
   return total;
 }
 
@@ -224,11 +295,12 @@ HE_KERNEL(he_serve_bags) {
 HE_KERNEL(he_serve_index_bags) {
   call.expect(10, 3, 0);
   const int64_t nkeys = call.numel(4);
-  const int64_t* keys = call.buf<const int64_t>(4, nkeys, "keys");
+  call.buf<const int64_t>(4, nkeys, "keys");  // checked: the tables' key ranges lie in it (the index holds the keys)
   int64_t total = 0;
-  he::serve::with_private_index(call, 5, keys, nkeys, [&](const auto& index) {
-    const Bags a = bags_args(call, nkeys, &total);
-    run_bags(a, index, call.nthreads());
+  const he::serve::PairIndex index = he::serve::private_index(call, 5);
+  with_outputs(call, [&](auto o) {
+    using O = decltype(o);
+    run_bags(bags_args<O>(call, nkeys, &total), index, call.nthreads());
   });
   return total;
 }

@@ -8,7 +8,6 @@
 #include "common.h"
 #include "serve_index.h"
 
-using he::serve::SlotIndex;
 
 // The result of he_serve_index_build when a chain is longer than the cap: the caller draws another
 // salt, or grows the index.
@@ -16,13 +15,12 @@ enum : int64_t { kIndexChainTooLong = -1 };
 
 namespace {
 
-template <class Slot>
-int64_t build_private(const he::Call& call, const int64_t* keys, int64_t nkeys, const int64_t* meta, int64_t T,
-                      Slot* w, int64_t log2cap, uint64_t salt, int64_t probe_cap) {
+int64_t build_private(const he::Call& call, const int64_t* keys, const int64_t* meta, int64_t T, int64_t* w,
+                      int64_t log2cap, uint64_t salt, int64_t probe_cap) {
   const int64_t cap = (int64_t)1 << log2cap;
-  Slot* slots = w + he::serve::kHeader;
-  std::fill(slots, slots + cap, (Slot)-1);
-  const SlotIndex<Slot> view{slots, (uint64_t)cap - 1, keys, nkeys, salt, 0};
+  int64_t* slots = w + he::serve::kHeader;
+  for (int64_t h = 0; h < cap; ++h) slots[2 * h] = 0, slots[2 * h + 1] = -1;
+  const he::serve::PairIndex view{slots, (uint64_t)cap - 1, salt, 0};
   int64_t longest = 0;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t* m = meta + 5 * t;
@@ -31,13 +29,13 @@ int64_t build_private(const he::Call& call, const int64_t* keys, int64_t nkeys, 
       uint64_t h = view.home(keys[s], t);
       for (int64_t r = 1;; ++r) {
         if (r > probe_cap) return kIndexChainTooLong;
-        const int64_t at = (int64_t)slots[h];
-        if (at < 0) {
-          slots[h] = (Slot)s;
+        int64_t* e = slots + 2 * h;
+        if (e[1] < 0) {
+          e[0] = keys[s], e[1] = s;
           longest = std::max(longest, r);
           break;
         }
-        if (at >= m[2] && at < s && keys[at] == keys[s]) {
+        if (e[1] >= m[2] && e[1] < s && e[0] == keys[s]) {
           call.detail({kServeBadIndex, t, keys[s]});
           call.fail(HE_BAD_VALUE, "table %lld holds key %lld twice", (long long)t, (long long)keys[s]);
         }
@@ -48,7 +46,7 @@ int64_t build_private(const he::Call& call, const int64_t* keys, int64_t nkeys, 
   const int64_t header[he::serve::kHeader] = {he::serve::kIndexMagic, log2cap, longest, (int64_t)(salt & 0xFFFF),
                                               (int64_t)((salt >> 16) & 0xFFFF), (int64_t)((salt >> 32) & 0xFFFF),
                                               (int64_t)(salt >> 48), 0};
-  for (int64_t q = 0; q < he::serve::kHeader; ++q) w[q] = (Slot)header[q];
+  for (int64_t q = 0; q < he::serve::kHeader; ++q) w[q] = header[q];
   return longest;
 }
 
@@ -56,8 +54,7 @@ int64_t build_private(const he::Call& call, const int64_t* keys, int64_t nkeys, 
 
 // Builds the private index of a dim group (see serve_index.h) over its dynamic tables' keys: table t
 // (meta row t: ROW_BASE, NUM, KEY_BASE, ...) holds keys[KEY_BASE + i] at row ROW_BASE + i.
-//   bufs: keys int64 [nkeys], meta int64 [T * 5], index int32 or int64 [8 + 2^log2cap] (out; int32
-//         only when nkeys < 2^31)
+//   bufs: keys int64 [nkeys], meta int64 [T * 5], index int64 [8 + 2 * 2^log2cap] (out)
 //   ints: log2cap (>= 1), salt (any 64 bits), probe_cap (the longest chain allowed, in slots)
 // Returns the longest chain (slots a present key needs), or kIndexChainTooLong (the index is then
 // scratch).  Fails with HE_BAD_VALUE: detail (kServeBadMeta, t, ...) for a key range outside `keys`,
@@ -88,12 +85,7 @@ HE_KERNEL(he_serve_index_build) {
     call.detail({kServeBadCapacity, total, cap});
     call.fail(HE_BAD_VALUE, "%lld keys fill more than half of %lld slots", (long long)total, (long long)cap);
   }
-  if (call.type(2) == HE_I32) {
-    if (nkeys > INT32_MAX) call.fail(HE_BAD_CALL, "int32 slots for %lld keys", (long long)nkeys);
-    return build_private(call, keys, nkeys, meta, T, call.buf<int32_t>(2, he::serve::kHeader + cap, "index"), log2cap,
-                         (uint64_t)salt, probe_cap);
-  }
-  return build_private(call, keys, nkeys, meta, T, call.buf<int64_t>(2, he::serve::kHeader + cap, "index"), log2cap,
+  return build_private(call, keys, meta, T, call.buf<int64_t>(2, he::serve::kHeader + 2 * cap, "index"), log2cap,
                        (uint64_t)salt, probe_cap);
 }
 
@@ -108,7 +100,7 @@ HE_KERNEL(he_serve_index_probes) {
   const int64_t n = call.numel(0), nkeys = call.numel(2), T = call.numel(4) / 5;
   const int64_t* ids = call.buf<const int64_t>(0, n, "ids");
   const int64_t* table = call.buf<const int64_t>(1, n, "table");
-  const int64_t* keys = call.buf<const int64_t>(2, nkeys, "keys");
+  call.buf<const int64_t>(2, nkeys, "keys");  // checked: the tables' key ranges lie in it (the index holds the keys)
   const int64_t* meta = call.buf<const int64_t>(4, 5 * T, "meta");
   int64_t* out = call.buf<int64_t>(5, n, "positions");
   int64_t* probes = call.buf<int64_t>(6, n, "probes");
@@ -118,15 +110,14 @@ HE_KERNEL(he_serve_index_probes) {
       call.fail(HE_BAD_VALUE, "table %lld: keys outside %lld", (long long)t, (long long)nkeys);
     }
   int64_t total = 0;
-  he::serve::with_private_index(call, 3, keys, nkeys, [&](const auto& index) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = table[i];
-      out[i] = -1;
-      probes[i] = 0;
-      if (t >= 0 && t < T && meta[5 * t + 2] >= 0) out[i] = index.position(ids[i], t, meta + 5 * t, probes + i);
-      total += probes[i];
-    }
-  });
+  const he::serve::PairIndex index = he::serve::private_index(call, 3);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = table[i];
+    out[i] = -1;
+    probes[i] = 0;
+    if (t >= 0 && t < T && meta[5 * t + 2] >= 0) out[i] = index.position(ids[i], t, meta + 5 * t, probes + i);
+    total += probes[i];
+  }
   return total;
 }
 

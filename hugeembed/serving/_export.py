@@ -269,8 +269,11 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str 
                                      torch.cat(keys_parts) if keys_parts else torch.zeros(0, dtype=torch.int64)))
         files["program"] = export_program(model, groups, dtype, [row_width(dtype, s.dim) for s in groups],
                                           tmp / "program.pt2")
+        # the reader and the op it loads from beside it: torch and numpy alone run the program
         shutil.copyfile(_runtime.__file__, tmp / "runtime.py")
+        shutil.copyfile(_runtime.ops.__file__, tmp / _runtime.OPS_FILE)
         files["runtime"] = _record(tmp / "runtime.py")
+        files["lookup_ops"] = _record(tmp / _runtime.OPS_FILE)
         from .. import __version__
 
         snap = Path(info.path)

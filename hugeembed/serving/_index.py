@@ -11,13 +11,14 @@ the kernels (csrc/serve_index.h):
   from the OS's random source, drawn for each index: colliding ids cannot be chosen from outside;
 * a build whose longest chain passes ``PROBE_CAP`` slots draws another salt, and after a few draws
   doubles the slots;
-* otherwise the artifact's layout (slots of positions into the key array, at most half full, linear
-  probing): measured, a bucket of keys and rows read at once was no faster here (with the home slots
-  prefetched ahead, the key a slot names is mostly in cache), and took twice the memory.
+* slots of (key, position in the key array), at most half full, linear probing: a probe reads one
+  slot, 16 bytes, where the artifact's index (slots of positions alone) reads a slot and then the key
+  it names elsewhere: two dependent cache misses an id.  It costs 32 bytes a key (the artifact's: 8,
+  and the 8 of the key array, which the lookups then no longer touch).
 
-The index is one tensor (a header of 8 words, then the slots) that the lookup op takes in place of
-the artifact's; only the kernels read it (an artifact's own runtime copy keeps the artifact's index,
-and refuses this one: its length is no power of two).
+The index is one int64 tensor (a header of 8 words, then two words a slot) that the lookup op takes
+in place of the artifact's; only the kernels read it (an artifact's own runtime copy keeps the
+artifact's index, and refuses this one: its length is no power of two).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import secrets
 import torch
 
 from .. import _native
-from . import _runtime
+from . import _lookup_ops, _runtime
 
 __all__ = ["serving_index", "index_probes", "is_serving_index", "index_salt", "build_index", "index_capacity",
            "group_tables", "INDEX_MAGIC", "PROBE_CAP"]
@@ -42,7 +43,7 @@ _SALT_DRAWS = 3
 def is_serving_index(index: torch.Tensor) -> bool:
     """True for an index built by :func:`serving_index` (its header's magic)."""
     n = index.numel()
-    return (index.dtype in (torch.int32, torch.int64) and index.dim() == 1 and n > HEADER and n & (n - 1) != 0
+    return (index.dtype == torch.int64 and index.dim() == 1 and n > HEADER and n & (n - 1) != 0
             and int(index[0]) == INDEX_MAGIC)
 
 
@@ -69,12 +70,11 @@ def serving_index(keys: torch.Tensor, meta: torch.Tensor, *, salt: int | None = 
     keys = keys.to(torch.int64).contiguous()
     meta = meta.to(torch.int64).contiguous()
     n = int(keys.numel())
-    # >= 16 slots: 8 + 2^k words (k >= 4) are never a power of two, which the runtime's torch path refuses
+    # >= 16 slots: 8 + 2^(k+1) words (k >= 4) are never a power of two, which the runtime's torch path refuses
     log2cap = max(4, index_capacity(n).bit_length() - 1)
-    dtype = torch.int32 if n < (1 << 31) else torch.int64
     for attempt in range(4 * _SALT_DRAWS):
         s = (secrets.randbits(64) if salt is None else salt) & ((1 << 64) - 1)
-        index = torch.empty(HEADER + (1 << log2cap), dtype=dtype)
+        index = torch.empty(HEADER + (2 << log2cap), dtype=torch.int64)
         cap = probe_cap if salt is None else 1 << log2cap
         try:
             got = _native.call("he_serve_index_build", [keys, meta, index],
@@ -117,7 +117,7 @@ def build_index(keys: torch.Tensor, table_of: torch.Tensor, num_tables: int) -> 
     cap = index_capacity(n)
     slots = torch.full((cap,), -1, dtype=torch.int64)
     probes = torch.zeros(num_tables, dtype=torch.int64)
-    home = _runtime.hash_slots(keys.to(torch.int64), table_of.to(torch.int64), cap)
+    home = _lookup_ops.hash_slots(keys.to(torch.int64), table_of.to(torch.int64), cap)
     pending = torch.arange(n, dtype=torch.int64)
     r = 0
     while pending.numel():

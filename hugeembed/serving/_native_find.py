@@ -50,7 +50,8 @@ def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
                 meta: torch.Tensor, feature_pos: list[int], feature_table: list[int], batch_size: int,
                 n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(row of each id in batch-major bag order, first id of each bag, kept ids per bag) of one dim
-    group (see he_serve_bags), or None when the kernels cannot run here or refuse the arguments."""
+    group (see he_serve_bags; int32 when the rows and ids fit, else int64), or None when the kernels cannot
+    run here or refuse the arguments."""
     tensors = (values, offsets, keys, index, meta)
     private = is_serving_index(index)
     if not _native.available() or any(t.device.type != "cpu" for t in tensors) or \
@@ -68,9 +69,11 @@ def native_bags(values: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
         if first.numel() and (int(first.max()) + B >= offsets.numel() or int(first.min()) < 0):
             return None
         capacity = int((offsets[first + B] - offsets[first]).clamp(min=0).sum())
-    starts = torch.empty(B * F, dtype=torch.int64)
-    kept = torch.empty(B * F, dtype=torch.int64)
-    idx = torch.empty(capacity, dtype=torch.int64)
+    # int32 where rows and ids fit: half the bytes written here and read by the kernel after
+    out_type = torch.int32 if max(capacity, n_rows) < (1 << 31) else torch.int64
+    starts = torch.empty(B * F, dtype=out_type)
+    kept = torch.empty(B * F, dtype=out_type)
+    idx = torch.empty(capacity, dtype=out_type)
     try:
         n = _native.call("he_serve_index_bags" if private else "he_serve_bags",
                          [values, offsets, pos, table, keys, index, meta, starts, idx, kept], [B, meta.shape[0], n_rows])

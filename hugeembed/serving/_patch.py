@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import _runtime
+from . import _lookup_ops, _runtime
 from ._index import group_tables, index_probes, is_serving_index
 from ._runtime import KEY_BASE, MISS_ROW, NUM, ROW_BASE, SHARED_ROW_KEY
 
@@ -120,7 +120,7 @@ def patched_lookup(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tens
     B, F = batch_size, len(feature_pos)
     if F == 0 or B == 0:
         return torch.zeros(B, F, dim)
-    accelerate = _runtime.bags_accelerator
+    accelerate = _lookup_ops.bags_accelerator
     if accelerate is not None:  # hugeembed's kernels: each id's row in the base and in the patch, batch-major
         base = accelerate(values, offsets, keys, index, meta, feature_pos, feature_table, B, rows.shape[0])
         patch = accelerate(values, offsets, patch_keys, patch_index, patch_meta, feature_pos, feature_table, B,
@@ -157,8 +157,8 @@ def _from_rows(base_idx: torch.Tensor, patch_idx: torch.Tensor, starts: torch.Te
     gathered = rows.index_select(0, base_idx)  # each id's row, the patch's written over the base's
     sel = torch.nonzero(from_patch).squeeze(1)
     gathered.index_copy_(0, sel, patch_rows.index_select(0, patch_idx.index_select(0, sel)))
-    out = _runtime._embedding_bags(gathered, torch.arange(gathered.shape[0]), starts, dtype, dim).view(B, F, dim)
-    return _runtime._scale_bags(out, kept.view(B, F), combiners)
+    out = _lookup_ops._embedding_bags(gathered, torch.arange(gathered.shape[0]), starts, dtype, dim).view(B, F, dim)
+    return _lookup_ops._scale_bags(out, kept.view(B, F), combiners)
 
 
 def _positions(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index: torch.Tensor,
@@ -167,7 +167,7 @@ def _positions(ids: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, index
     kernels read it) or the artifact's own (the runtime's torch rounds)."""
     if is_serving_index(index):
         return index_probes(index, ids, table, keys, meta)[0]
-    return _runtime._find(ids, table, keys, index, meta)
+    return _lookup_ops._find(ids, table, keys, index, meta)
 
 
 def _patched_torch(values, offsets, rows, keys, index, meta, feature_pos, feature_table, combiners, B, dim, dtype,
@@ -198,11 +198,11 @@ def _patched_torch(values, offsets, rows, keys, index, meta, feature_pos, featur
     dropped = ids < 0  # adds nothing and is not counted, as in pooled_lookup
     local = torch.cat([gathered, rows[-1:]])  # and then the zero row
     idx = torch.where(dropped, torch.full_like(ids, n), torch.arange(n))
-    out = _runtime._embedding_bags(local, idx, starts, dtype, dim).view(F, B, dim).transpose(0, 1)
+    out = _lookup_ops._embedding_bags(local, idx, starts, dtype, dim).view(F, B, dim).transpose(0, 1)
     kept = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(~dropped, 0, out=kept[1:])
     count = (kept[starts + lengths] - kept[starts]).view(F, B).t()
-    return _runtime._scale_bags(out, count, combiners).contiguous()
+    return _lookup_ops._scale_bags(out, count, combiners).contiguous()
 
 
 def version_program(exported, groups: list[dict[str, Any]], dense: dict[str, torch.Tensor] | None,

@@ -13,7 +13,7 @@ from hugeembed.cli import main
 from hugeembed.errors import ArtifactError, ConfigError
 from hugeembed.serving._index import is_serving_index
 from hugeembed.serving import ServingModel, export, export_delta
-from hugeembed.serving import _runtime
+from hugeembed.serving import _lookup_ops, _runtime
 from hugeembed.serving._patch import effective_rows
 
 from .conftest import snapshot
@@ -38,8 +38,8 @@ def chained(run, tmp_path_factory):
 def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dtype, path, monkeypatch):
     if path == "torch":  # the lookups' torch twins (the patched one's and the base op's), as an artifact's runtime.py
         # runs them: on the artifact's own key index (hugeembed's private one is read by its kernels only)
-        monkeypatch.setattr(_runtime, "bags_accelerator", None)
-        monkeypatch.setattr(_runtime, "find_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "bags_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "find_accelerator", None)
         monkeypatch.setattr(_runtime, "index_builder", None)
     m = ServingModel.load(chained[dtype])
     assert m.version == "step-000000160" and m.served.deltas == ("step-000000080", "step-000000160")

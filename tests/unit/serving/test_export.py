@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +168,40 @@ def test_the_program_runs_in_a_process_without_hugeembed(artifacts, heldout, tmp
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(got, ServingModel.load(art).predict(b.dense, b.sparse), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_an_artifact_with_one_runtime_file_still_loads(artifacts, heldout, tmp_path):
+    """Artifacts exported before the split carry one self-contained runtime.py (the op and the reader) and
+    no lookup_ops.py: hugeembed loads them as before, and so does their own runtime.py without hugeembed."""
+    import shutil
+
+    from .crafting import record
+
+    new = artifacts("int8")
+    assert (new / "runtime.py").is_file() and (new / "lookup_ops.py").is_file()
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    (old / "lookup_ops.py").unlink()
+    shutil.copyfile(Path(__file__).parent / "data" / "runtime_one_file.py", old / "runtime.py")
+    m = json.loads((old / "manifest.json").read_text())
+    del m["files"]["lookup_ops"]
+    m["files"]["runtime"] = record(old, "runtime.py", array=False)
+    (old / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+    b = heldout[1][0]
+    want = ServingModel.load(new).predict(b.dense, b.sparse)
+    torch.testing.assert_close(ServingModel.load(old).predict(b.dense, b.sparse), want, atol=0, rtol=0)
+    torch.save({"dense": b.dense, "values": b.sparse.values(), "offsets": b.sparse.offsets()}, tmp_path / "in.pt")
+    script = textwrap.dedent(f"""
+        import importlib.util, sys, torch
+        spec = importlib.util.spec_from_file_location("rt", {str(old / 'runtime.py')!r})
+        rt = importlib.util.module_from_spec(spec); spec.loader.exec_module(rt)
+        art = rt.load({str(old)!r})
+        x = torch.load({str(tmp_path / 'in.pt')!r})
+        torch.save(torch.sigmoid(art.logits(x["dense"], x["values"], x["offsets"])), {str(tmp_path / 'out.pt')!r})
+        assert not [m for m in sys.modules if m.split(".")[0] == "hugeembed"]
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, atol=0, rtol=0)

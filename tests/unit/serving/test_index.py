@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hugeembed import _native
-from hugeembed.serving import _index, _runtime, pooled_lookup, quantize
+from hugeembed.serving import _index, _lookup_ops, _runtime, pooled_lookup, quantize
 from hugeembed.serving._index import index_probes, index_salt, is_serving_index, serving_index
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="the serving index is built by the kernels")
@@ -133,7 +133,7 @@ def test_loaded_tables_read_the_private_index_and_an_artifacts_runtime_refuses_i
     want = pooled_lookup(values, offsets, rows, keys, slots, meta, [0, 1], [0, 1], [0, 0], 2, 4, "fp32")
     assert torch.equal(got, want) and torch.equal(got[0, 0], rows[1]) and torch.equal(got[1, 1], rows[5])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_runtime, "bags_accelerator", None)
+        mp.setattr(_lookup_ops, "bags_accelerator", None)
         with pytest.raises(_runtime.ArtifactError, match="power of two"):
             pooled_lookup(*args)
 

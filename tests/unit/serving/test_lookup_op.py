@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hugeembed.serving import _index, _runtime, dequantize, pooled_lookup, quantize
+from hugeembed.serving import _index, _lookup_ops, _runtime, dequantize, pooled_lookup, quantize
 from hugeembed.serving._index import is_serving_index as serving_index_of
 
 
@@ -20,7 +20,7 @@ def colliding_keys(n: int, table: int = 0) -> list[int]:
     """`n` keys whose home slot (table `table`, the index of 2n keys) is one and the same."""
     cap = _index.index_capacity(2 * n)
     cand = torch.arange(1 << 16, dtype=torch.int64) * 1_000_003 + 17
-    home = _runtime.hash_slots(cand, torch.full_like(cand, table), cap)
+    home = _lookup_ops.hash_slots(cand, torch.full_like(cand, table), cap)
     return cand[home == home[0]][:n].tolist()
 
 
@@ -80,10 +80,10 @@ def id_pass(request, monkeypatch):
     kernels over the artifact's slot index (csrc/serve.cpp), and with the torch path an artifact's own
     runtime copy runs."""
     if request.param == "torch":
-        monkeypatch.setattr(_runtime, "bags_accelerator", None)
-        monkeypatch.setattr(_runtime, "find_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "bags_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "find_accelerator", None)
     else:
-        assert _runtime.bags_accelerator is not None and _runtime.find_accelerator is not None
+        assert _lookup_ops.bags_accelerator is not None and _lookup_ops.find_accelerator is not None
     return request.param
 
 
@@ -124,7 +124,7 @@ def splitmix64(key: int, table: int, cap: int) -> int:
 @given(st.lists(st.integers(I64_MIN, I64_MAX), min_size=1, max_size=20), st.integers(0, 30))
 def test_the_hash_is_splitmix64_of_key_and_table(keys, table):
     cap = 1 << 20
-    got = _runtime.hash_slots(torch.tensor(keys, dtype=torch.int64), torch.full((len(keys),), table), cap).tolist()
+    got = _lookup_ops.hash_slots(torch.tensor(keys, dtype=torch.int64), torch.full((len(keys),), table), cap).tolist()
     assert got == [splitmix64(k, table, cap) for k in keys]
 
 
@@ -144,10 +144,10 @@ def test_index_build_is_deterministic_and_finds_every_key_when_all_collide():
 
 
 def _torch_find(ids, table, keys, index, meta):
-    return _runtime._find_torch(ids, table, keys, index, meta.index_select(0, table))
+    return _lookup_ops._find_torch(ids, table, keys, index, meta.index_select(0, table))
 
 
-FINDS = [_runtime._find, _torch_find]  # the native probe (where built) and the torch rounds
+FINDS = [_lookup_ops._find, _torch_find]  # the native probe (where built) and the torch rounds
 
 
 @settings(max_examples=40)
@@ -169,12 +169,12 @@ def test_the_native_probe_finds_what_the_torch_rounds_find(tables, queries, with
     table = torch.tensor(data.draw(st.lists(st.integers(0, T - 1), min_size=ids.numel(), max_size=ids.numel())),
                          dtype=torch.int64)
     want = _torch_find(ids, table, keys, index, meta)
-    got = _runtime._find(ids, table, keys, index, meta)
+    got = _lookup_ops._find(ids, table, keys, index, meta)
     dynamic = meta[table, _runtime.KEY_BASE] >= 0  # (the torch rounds' result for a static id is unused)
     assert torch.equal(got[dynamic], want[dynamic])
     assert bool((got[~dynamic] == -1).all())
     own = torch.arange(len(queries), ids.numel())  # every key found in its own table
-    assert torch.equal(_runtime._find(ids[own], table_of, keys, index, meta), torch.arange(keys.numel()))
+    assert torch.equal(_lookup_ops._find(ids[own], table_of, keys, index, meta), torch.arange(keys.numel()))
 
 
 @given(st.integers(1, 40), st.integers(1, 8).map(lambda h: 2 * h), st.integers(0, 1 << 30),
@@ -199,7 +199,7 @@ def test_the_runtime_names_the_shared_row_key_as_the_tables_do():
 
 # -- the kernels' calling convention (csrc/call.h) -----------------------------------------------
 
-native = pytest.mark.skipif(not _runtime.bags_accelerator, reason="native kernels not built")
+native = pytest.mark.skipif(not _lookup_ops.bags_accelerator, reason="native kernels not built")
 
 
 def _group():
@@ -276,8 +276,8 @@ def test_arguments_the_bags_kernel_refuses_take_the_torch_path(monkeypatch):
     args = (values, bad_offsets[:2].contiguous(), rows, keys, index, meta, [0], [0], [0], 1, 4, "fp32")
     assert native_bags(values, bad_offsets[:2].contiguous(), keys, index, meta, [0], [0], 1, 4) is not None
     got = pooled_lookup(*args)
-    monkeypatch.setattr(_runtime, "bags_accelerator", None)
-    monkeypatch.setattr(_runtime, "find_accelerator", None)
+    monkeypatch.setattr(_lookup_ops, "bags_accelerator", None)
+    monkeypatch.setattr(_lookup_ops, "find_accelerator", None)
     assert torch.equal(got, pooled_lookup(*args))
     # an index of no power of two is refused by the torch pass too (it is no artifact index)
     with pytest.raises(_runtime.ArtifactError, match="power of two"):
