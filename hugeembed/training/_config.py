@@ -70,6 +70,8 @@ class TrainConfig:
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
             bench/quality.py it won on two and lost on two (docs/quality.md).
+        first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
+            this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
             on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
             for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
@@ -150,6 +152,7 @@ class TrainConfig:
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
     first_order: bool = False
+    first_order_lr: float | None = None
     choose_epochs: int | None = None
     choose_holdout: float = 0.1
     dense_optimizer: str = "adam"
@@ -217,6 +220,11 @@ class TrainConfig:
         if self.first_order and self.model != "dlrm":
             raise ConfigError(f"first-order adds per-id biases to DLRM; model {self.model!r} has its own terms "
                               f"(deepfm and widedeep: first-order tables always)")
+        if self.first_order_lr is not None:
+            if not (_real(self.first_order_lr) and self.first_order_lr > 0):
+                raise ConfigError(f"first-order-lr must be a positive number, got {self.first_order_lr!r}")
+            if not self.first_order:
+                raise ConfigError("first-order-lr is the per-id biases' learning rate: it needs first-order")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 
