@@ -22,7 +22,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "jitter", "data_queue", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
-           "sparse_eps", "average_dense", "first_order", "first_order_lr", "choose_epochs", "choose_holdout")
+           "sparse_eps", "average_dense", "first_order", "first_order_lr", "dropout", "choose_epochs", "choose_holdout")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -82,6 +82,8 @@ def add_parser(sub) -> None:
                    "docs/quality.md)")
     p.add_argument("--first-order-lr", type=float, metavar="LR", help="the per-id biases' learning rate "
                    "(default: --sparse-lr)")
+    p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
+                   "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
     p.add_argument("--dense-lr", type=float)
     p.add_argument("--lr-decay", type=float, metavar="FRACTION", help="both learning rates fall linearly to 0 over "

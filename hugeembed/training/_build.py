@@ -104,7 +104,8 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg), lr_count_scale=cfg.lr_count_scale,
-                      first_order=cfg.first_order, first_order_optimizer=biases, collection_factory=factory, schema=schema)
+                      first_order=cfg.first_order, first_order_optimizer=biases, dropout=cfg.dropout,
+                      collection_factory=factory, schema=schema)
 
 
 def admit_min_count(cfg: TrainConfig) -> int:

@@ -70,6 +70,8 @@ class TrainConfig:
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
             bench/quality.py it won on two and lost on two (docs/quality.md).
+        dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
+            default (DLRM: none).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
             this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
@@ -153,6 +155,7 @@ class TrainConfig:
     lr_count_scale: int | None = None
     first_order: bool = False
     first_order_lr: float | None = None
+    dropout: float | None = None
     choose_epochs: int | None = None
     choose_holdout: float = 0.1
     dense_optimizer: str = "adam"
@@ -225,6 +228,8 @@ class TrainConfig:
                 raise ConfigError(f"first-order-lr must be a positive number, got {self.first_order_lr!r}")
             if not self.first_order:
                 raise ConfigError("first-order-lr is the per-id biases' learning rate: it needs first-order")
+        if self.dropout is not None and not (_real(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise ConfigError(f"dropout must be a probability in [0, 1), got {self.dropout!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 

@@ -1,5 +1,5 @@
 """first_order_lr: the per-id bias tables of DLRM's first_order train at their own learning rate, under the run's
-sparse optimizer and its schedule; the other tables keep sparse_lr."""
+sparse optimizer and its schedule; the other tables keep sparse_lr.  dropout: the model's MLP dropout, from the config."""
 
 from __future__ import annotations
 
@@ -88,3 +88,17 @@ def test_the_flag_sets_the_field():
     cfg = config_from_args(args)
     assert cfg.first_order and cfg.first_order_lr == 0.01
     assert TrainConfig.from_dict(cfg.to_dict()).first_order_lr == 0.01  # snapshots rebuild the same rule
+
+
+def test_dropout_reaches_the_model_and_bad_values_are_refused():
+    from hugeembed.cli import build_parser
+    from hugeembed.cli.train import config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["train", "--dropout", "0.25"]))
+    model, _ = build_model(cfg.replace(embedding_dim=4), torch.device("cpu"))
+    assert [m.p for m in model.top.modules() if isinstance(m, torch.nn.Dropout)] == [0.25, 0.25, 0.25]
+    plain, _ = build_model(TrainConfig(embedding_dim=4), torch.device("cpu"))
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    for bad in (1.0, -0.5, float("nan"), "0.1", True):
+        with pytest.raises(ConfigError, match="dropout must be a probability in"):
+            TrainConfig(dropout=bad)
