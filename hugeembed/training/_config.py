@@ -68,8 +68,8 @@ class TrainConfig:
             None: 3 (make_model's default), with any number of processes.
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
-            per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
-            bench/quality.py it won on two and lost on two (docs/quality.md).
+            per-id bias, as Wide&Deep's wide part).  Off here; `hugeembed train` turns it on (with
+            first_order_lr 0.01) for data of a schema of its own: measured in docs/quality.md.
         dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
             default (DLRM: none).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with

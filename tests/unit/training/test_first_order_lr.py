@@ -102,3 +102,25 @@ def test_dropout_reaches_the_model_and_bad_values_are_refused():
     for bad in (1.0, -0.5, float("nan"), "0.1", True):
         with pytest.raises(ConfigError, match="dropout must be a probability in"):
             TrainConfig(dropout=bad)
+
+
+def _cli_config(*argv: str) -> TrainConfig:
+    from hugeembed.cli import build_parser
+    from hugeembed.cli.train import config_from_args
+
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_schema_data_gets_per_id_biases_by_default_unless_the_run_says_otherwise(tmp_path):
+    from hugeembed.cli.train import SCHEMA_FIRST_ORDER_LR
+
+    data = ["--schema", "s.toml", "--data", "train.csv", "--epochs", "1"]
+    cfg = _cli_config(*data)
+    assert (cfg.model, cfg.first_order, cfg.first_order_lr) == ("dlrm", True, SCHEMA_FIRST_ORDER_LR)
+    assert not _cli_config("--epochs", "1").first_order  # Criteo's (synthetic) runs keep the plain DLRM
+    assert not _cli_config("--data", "day_0.tsv", "--epochs", "1").first_order
+    assert not _cli_config(*data, "--no-first-order").first_order
+    assert _cli_config(*data, "--first-order", "--first-order-lr", "0.2").first_order_lr == 0.2
+    assert _cli_config(*data, "--model", "deepfm").first_order is False  # its own first-order tables
+    (tmp_path / "c.toml").write_text("[train]\nfirst_order = false\n")
+    assert not _cli_config(*data, "--config", str(tmp_path / "c.toml")).first_order
