@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_write", "atomic_write_text", "sha256_file", "open_no_follow"]
+__all__ = ["fsync_dir", "fsync_write", "atomic_write_text", "sha256_file", "open_no_follow", "process_alive"]
 
 
 def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
@@ -62,3 +62,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
                 break
             h.update(b)
     return h.hexdigest()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (EPERM: it does, under another user): a temp file named
+    with a live writer's pid is that writer's, not a crash's leftover."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

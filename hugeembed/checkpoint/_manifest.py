@@ -172,13 +172,15 @@ def check_tables(manifest: dict[str, Any], collection) -> None:
             raise CheckpointError(f"table {cfg.name!r}: dim {t['dim']} in {where}, {cfg.dim} in the model")
         if t["num_rows"] != cfg.num_rows:
             raise CheckpointError(f"table {cfg.name!r}: num_rows {t['num_rows']} in {where}, {cfg.num_rows} in the model")
-        if t["state_width"] != store.state_width:
+        rule = collection.rules[collection._table_index(cfg.name)]
+        layout = cfg.row_layout(rule)  # the whole row's (a column-wise shard holds a block of it)
+        if t["state_width"] != layout.state_width:
+            saved_rule = t["optimizer"] and t["optimizer"]["name"]
             raise CheckpointError(f"table {cfg.name!r}: optimizer state width {t['state_width']} in {where}, "
-                                  f"{store.state_width} in the model (optimizer {t['optimizer'] and t['optimizer']['name']!r} "
-                                  f"was saved)")
+                                  f"{layout.state_width} in the model (optimizer {saved_rule!r} was saved)")
         # Snapshots from before typed layouts kept the state in the weight dtype.
         saved_layout = (t.get("dtype", "float32"), t.get("state_dtype", t.get("dtype", "float32")))
-        mine = store.layout.describe()
+        mine = layout.describe()
         if saved_layout != (mine["dtype"], mine["state_dtype"]):
             raise CheckpointError(f"table {cfg.name!r}: rows in {where} are stored as {saved_layout[0]} weights with "
                                   f"{saved_layout[1]} optimizer state, the model's as {mine['dtype']} weights with "
@@ -187,7 +189,6 @@ def check_tables(manifest: dict[str, Any], collection) -> None:
         if t.get("seed") is not None and int(t["seed"]) != int(store.seed):
             raise CheckpointError(f"table {cfg.name!r}: initializer seed {t['seed']} in {where}, {store.seed} in the "
                                   f"model: build the collection with the seed of the saved run")
-        rule = collection.rules[collection._table_index(cfg.name)]
         saved_rule = t["optimizer"]["name"] if t["optimizer"] else None
         if (rule.name if rule else None) != saved_rule:
             raise CheckpointError(f"table {cfg.name!r}: optimizer {saved_rule!r} in {where}, "

@@ -133,6 +133,7 @@ def owned_filter(collection, table: str):
         out = {}
         for f, t in fields.items():
             out[f] = t[pend] if f.startswith("pending") else t[rows]
+        out["rows"] = collection.column_block_of(table, out["rows"])  # a column-wise rank keeps its block only
         return out
 
     return keep

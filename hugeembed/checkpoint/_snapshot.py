@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._durable import process_alive
 from ..errors import CheckpointError
 from ..store import EXPORT_FIELDS, ExportIndex
 from ._files import atomic_write_text, fsync_dir, write_bytes, write_rows, write_tensor
@@ -91,7 +92,9 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
     """
     (directory / "tables").mkdir(exist_ok=True)
     out = []
-    for cfg, store in collection.stores():
+    # a sharded collection's column-wise tables come whole (a collective: every rank calls this)
+    save = getattr(collection, "stores_to_save", None)
+    for cfg, store in (save(parent is not None) if save is not None else collection.stores()):
         if tables is not None and cfg.name not in tables:
             continue
         ex = store.export_index()  # rows are streamed from the storage: no copy of the table
@@ -136,17 +139,6 @@ def _write_shard(directory: Path, stem: str, store, ex: ExportIndex, removed: to
 _TMP_PID = re.compile(r"\.tmp-.*-([0-9]+)-[0-9a-f]{8}")  # .tmp-<name>-<pid>-<id>, .tmp-old-<name>-<pid>-<id>
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether process `pid` exists (EPERM: it does, under another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_tmp(root: Path) -> None:
     """Deletes temp directories of saves whose process is gone (crashed mid-save)."""
     for d in root.glob(".tmp-*"):
@@ -154,7 +146,7 @@ def _remove_stale_tmp(root: Path) -> None:
         if m is None:
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and not _process_alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
 
 

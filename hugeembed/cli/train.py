@@ -19,7 +19,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
-           "jitter", "data_queue", "memory_budget",
+           "jitter", "data_queue", "servers", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order", "first_order_lr", "dropout", "choose_epochs", "choose_holdout")
@@ -126,7 +126,8 @@ def add_parser(sub) -> None:
     d.add_argument("--nproc", type=int, metavar="N", help="launch N processes on this machine, their rendezvous on "
                    "127.0.0.1 only (gloo on CPU, NCCL on GPU); --batch-size stays per process")
     d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
-                   help="place a table: row_wise, data_parallel or table_wise@RANK (repeatable; the rest is planned)")
+                   help="place a table: row_wise, column_wise, data_parallel or table_wise@RANK (repeatable; the "
+                        "rest is planned)")
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
@@ -141,6 +142,9 @@ def add_parser(sub) -> None:
                    "chunk of ROWS rows (default 65536) of the epoch from a shared queue as they finish one, instead of "
                    "slice r of every global batch: every row trained once per epoch, equal in distribution (not bit "
                    "for bit) to the run without it; synthetic data or converted shards")
+    d.add_argument("--servers", type=int, metavar="M", help="M of the processes (the last M ranks) hold the tables' "
+                   "shards and read no data, like parameter servers; the others read the data and train the dense "
+                   "part (default 0: every process does both)")
     p.add_argument("--summary-json", metavar="PATH", help="write the final figures as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="save the curves: training and held-out log loss, held-out "
                    "AUC (with the best possible one on synthetic data), COPC")
@@ -201,7 +205,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, Any]]:
                 ("table bytes in memory / on disk",
                  f"{human_bytes(s['table_bytes_resident'])} / {human_bytes(s['table_bytes_stored'])}")]
                if "cache_hit_rate" in s else []),
-             ("processes", s["world_size"]), ("device", s["device"]), ("training time", f"{s['train_seconds']:.1f} s")]
+             ("processes", f"{s['world_size']} ({s['servers']} of them servers)" if s.get("servers") else s["world_size"]),
+             ("device", s["device"]), ("training time", f"{s['train_seconds']:.1f} s")]
     return rows
 
 
@@ -227,6 +232,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if env is not None:
             raise ValueError("--nproc launches the processes itself: under torchrun (or --nproc), leave it out")
+        if cfg.servers:  # bad counts and plans that fit no server: one line here, before any process starts
+            from ..training import check_server_plan
+
+            check_server_plan(cfg, args.nproc)
         # the processes inherit this terminal; each parses the same flags (without --nproc); their
         # rendezvous listens on the loopback interface only
         return launch_local(args.nproc, _without_nproc(list(args.argv)))
@@ -236,9 +245,10 @@ def run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError('--plot needs matplotlib: pip install "hugeembed[plot]"')
     if (env is None or env.world_size == 1) and (cfg.sharding or cfg.memory_per_rank is not None or cfg.staleness
-                                                  or cfg.dense_staleness):
-        raise ConfigError("--shard / --memory-per-rank / --staleness / --dense-staleness are about several processes; "
-                          "with one process they would be ignored: add --nproc N (or run under torchrun with N > 1)")
+                                                  or cfg.dense_staleness or cfg.servers):
+        raise ConfigError("--shard / --memory-per-rank / --staleness / --dense-staleness / --servers are about several "
+                          "processes; with one process they would be ignored: add --nproc N (or run under torchrun "
+                          "with N > 1)")
     rank, world = 0, 1
     if env is not None:
         device = init_from_env(env, cfg.device, cfg.dist_timeout)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError
 from ._criteo import PathLike, ReadSummary
-from .._durable import fsync_dir, sha256_file
+from .._durable import fsync_dir, process_alive, sha256_file
 from ._reader import TableReader, fit_stats
 from ._schema import Schema, criteo_schema
 from ._shards import FORMAT, FORMAT_VERSION, SCHEMA_FORMAT, SCHEMA_FORMAT_VERSION, NpyWriter, schema_dict, shard_arrays
@@ -125,18 +125,8 @@ def _remove_stale(out: Path) -> None:
             pid = int(tmp.name[len(f".{out.name}.tmp-"):].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, schema: Schema | None = None,

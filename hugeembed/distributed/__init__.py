@@ -8,6 +8,8 @@
   :class:`~hugeembed.errors.ShardingError` naming the step and the stage.
 * ``ShardedEmbeddingCollection(staleness=K)`` + :class:`DelayedDenseGrads`: bounded staleness
   (exchanges K steps ahead on a thread; dense gradients applied K steps later).
+* ``ShardedEmbeddingCollection(servers=M)`` / ``propose_plan(..., servers=M)``: the last M ranks hold
+  every shard and feed empty batches (parameter servers).
 
 See docs/distributed.md.
 """

@@ -34,6 +34,8 @@ class TableEstimate:
     """What one table costs: rows, bytes (rows x (D + state) x dtype + index), ids per global step.
 
     `bounded` is False for a dynamic table with neither a capacity nor an expected_rows hint.
+    `index_bytes`: the part of `bytes` every column block keeps whole (hash index or counts);
+    `bags_per_step`: bags per global step (global batch x features), pooled vectors' count.
     """
 
     name: str
@@ -42,6 +44,8 @@ class TableEstimate:
     ids_per_step: float
     dim: int
     bounded: bool
+    index_bytes: float = 0.0
+    bags_per_step: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -55,7 +59,24 @@ class TableEstimate:
             return Share(self.rows, self.bytes, self.ids_per_step / world_size)
         if placement.kind is ShardKind.ROW_WISE:
             return Share(self.rows / n, self.bytes / n, self.ids_per_step / n)
+        if placement.kind is ShardKind.COLUMN_WISE:  # every row's block, and the whole index; every id
+            return Share(self.rows, (self.bytes - self.index_bytes) / n + self.index_bytes, self.ids_per_step)
         return Share(self.rows, self.bytes, self.ids_per_step)
+
+    def exchange_bytes(self, kind: ShardKind, n: int) -> float:
+        """Estimated bytes a training step sends between ranks for this table spread over `n` ranks,
+        float32 rows and no duplicate ids within a rank's batch (an upper bound: dedup sends less):
+        row-wise sends each id's key and count (12 B) and gets its row and sends its gradient (4 D
+        each); column-wise sends each id (key, count, index: 16 B) and each bag's length (4 B) to
+        all n block owners, and gets each bag's pooled vector and sends its gradient (4 D each, in
+        n blocks).  Of either, the share (n-1)/n of another rank's crosses the network."""
+        if kind is ShardKind.ROW_WISE:
+            total = self.ids_per_step * (12.0 + 8.0 * self.dim)
+        elif kind is ShardKind.COLUMN_WISE:
+            total = n * (16.0 * self.ids_per_step + 4.0 * self.bags_per_step) + 8.0 * self.dim * self.bags_per_step
+        else:
+            raise ValueError(f"exchange_bytes: no estimate for {kind.value}")
+        return total * (n - 1) / n
 
 
 def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None, *,
@@ -79,10 +100,12 @@ def estimate_table(table: TableConfig, optimizer: SparseOptimizer | None = None,
         known = hint if hint is not None else table.capacity
         rows = float(known) if known is not None else 0.0
         per_row, bounded = row_bytes + HASH_INDEX_BYTES_PER_ROW, known is not None
+    bags = float(batch_size * world_size * len(table.features))
     ids = (ids_per_step or {}).get(table.name)
     if ids is None:
-        ids = batch_size * world_size * len(table.features)
-    return TableEstimate(table.name, rows, rows * per_row, float(ids), table.dim, bounded)
+        ids = bags
+    return TableEstimate(table.name, rows, rows * per_row, float(ids), table.dim, bounded,
+                         index_bytes=rows * (per_row - row_bytes), bags_per_step=bags)
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -24,6 +24,7 @@ from ..errors import ConfigError, ShardingError
 from ..nn import TableConfig
 from ..optim import SparseOptimizer
 from ..types import ShardKind
+from ._column_wise import column_wise_fits
 from ._estimate import estimate_table, fmt_bytes, fmt_num, text_table
 
 __all__ = ["TablePlacement", "ShardingPlan", "propose_plan"]
@@ -35,9 +36,10 @@ class TablePlacement:
 
     Args:
         kind: ``table_wise`` (whole table on ``ranks[0]``), ``row_wise`` (rows spread over
-            `ranks` by key), ``data_parallel`` (a replica on every rank).
+            `ranks` by key), ``data_parallel`` (a replica on every rank), ``column_wise``
+            (rank ``ranks[i]`` holds the i-th of ``len(ranks)`` equal blocks of columns).
         ranks: the ranks holding the table: one rank for table-wise, every rank of the
-            group for data-parallel, any non-empty subset for row-wise.
+            group for data-parallel, any non-empty subset for row-wise and column-wise.
     """
 
     kind: ShardKind | str
@@ -55,8 +57,6 @@ class TablePlacement:
             raise ConfigError(f"{self.kind.value} placement: ranks {ranks} repeat a rank")
         if self.kind is ShardKind.TABLE_WISE and len(ranks) != 1:
             raise ConfigError(f"table_wise placement lives on exactly one rank, got ranks {ranks}")
-        if self.kind is ShardKind.COLUMN_WISE:
-            raise NotImplementedError("column_wise sharding is not implemented; use row_wise for wide tables")
         object.__setattr__(self, "ranks", ranks)
 
     @property
@@ -181,6 +181,12 @@ class ShardingPlan:
             raise ShardingError(f"the sharding plan places no table {missing}; it places {sorted(self.placements)}")
         if extra:
             raise ShardingError(f"the sharding plan places tables {extra} that the collection does not have")
+        for t in tables:  # the rest of column-wise's checks need the table's optimizer (_column_wise.py)
+            p = self.placements[t.name]
+            if p.kind is ShardKind.COLUMN_WISE and t.dim % len(p.ranks):
+                raise ConfigError(f"table {t.name!r}: column_wise over ranks {list(p.ranks)}: dim {t.dim} is not "
+                                  f"divisible by {len(p.ranks)} ranks; use a dim divisible by the number of ranks, "
+                                  f"or list fewer ranks (e.g. 'column_wise@0,1')")
 
     # -- plain data -------------------------------------------------------------------
 
@@ -237,7 +243,8 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
                  optimizer: SparseOptimizer | None = None, expected_rows: Mapping[str, int] | None = None,
                  ids_per_step: Mapping[str, int] | None = None, batch_size: int = 1024,
                  data_parallel_below: int = 1 << 20, row_wise_above: int | None = None,
-                 overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None) -> ShardingPlan:
+                 overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None,
+                 servers: int = 0) -> ShardingPlan:
     """Proposes a plan balancing estimated memory and lookup cost over `world_size` ranks.
 
     Rules, in order:
@@ -247,11 +254,13 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
        their lookups need no exchange;
     3. tables above `row_wise_above` bytes (default: a quarter of the budget, or without a
        budget half of a rank's fair share of all bytes), and dynamic tables of unknown size,
-       are spread over every rank (``row_wise``);
+       are spread over every rank: ``row_wise``, or ``column_wise`` where its column blocks
+       fit every rank and its estimated exchange is smaller (``TableEstimate.exchange_bytes``:
+       bags of many ids, pooled once per bag) and column-wise supports the table;
     4. the rest are ``table_wise``, largest first, each on the rank where
        ``(bytes + table)/budget + (cost + table cost)/(total cost / world_size)`` is
-       smallest (memory and lookup work both balanced); a table that fits no rank is made
-       row-wise.
+       smallest (memory and lookup work both balanced); a table that fits no rank is
+       spread as in rule 3.
 
     Finally every rank's estimated bytes are checked against the budget: a plan that
     does not fit raises :class:`ShardingError` naming the rank and the bytes over.
@@ -266,6 +275,9 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         batch_size: per-rank batch size for the default ids per step.
         data_parallel_below, row_wise_above: the size thresholds of rules 2 and 3, in bytes.
         overrides: table -> placement, kept as given.
+        servers: the last `servers` ranks are server-only ranks (they read no data): rules 3 and 4
+            place shards on them only (replicas of rule 2 stay on every rank; `overrides` may name
+            any rank), so the workers hold no shard of their own.
 
     Example::
 
@@ -277,6 +289,9 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         raise ConfigError(f"propose_plan: world_size must be a positive int, got {world_size!r}")
     if memory_budget_per_rank is not None and memory_budget_per_rank <= 0:
         raise ConfigError(f"propose_plan: memory_budget_per_rank must be positive, got {memory_budget_per_rank!r}")
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 0 <= servers < world_size:
+        raise ConfigError(f"propose_plan: servers must be an int in [0, {world_size - 1}] (at least one rank reads "
+                          f"data), got {servers!r}")
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - {t.name for t in tables})
     if unknown:
@@ -285,9 +300,10 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
                                   batch_size=batch_size, world_size=world_size) for t in tables}
     budget = float(memory_budget_per_rank) if memory_budget_per_rank is not None else math.inf
     total_bytes = sum(e.bytes for e in est.values())
-    if row_wise_above is None:
-        row_wise_above = budget / 4 if memory_budget_per_rank is not None else total_bytes / (2 * world_size)
     everyone = tuple(range(world_size))
+    holders = everyone[world_size - servers:] if servers else everyone  # where shards go (rules 3 and 4)
+    if row_wise_above is None:
+        row_wise_above = budget / 4 if memory_budget_per_rank is not None else total_bytes / (2 * len(holders))
     placements: dict[str, TablePlacement] = {}
     mem = [0.0] * world_size
     cost = [0.0] * world_size
@@ -295,9 +311,20 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
     def place(name: str, p: TablePlacement) -> None:
         placements[name] = p
         share = est[name].share(p, world_size)
+        dim = est[name].dim // len(p.ranks) if p.kind is ShardKind.COLUMN_WISE else est[name].dim
         for r in p.ranks:
             mem[r] += share.bytes
-            cost[r] += share.ids * est[name].dim
+            cost[r] += share.ids * dim
+
+    def spread(t: TableConfig) -> TablePlacement:
+        """Rule 3: column-wise where it is supported, fits and exchanges less than row-wise; else row-wise."""
+        e, col, n = est[t.name], TablePlacement(ShardKind.COLUMN_WISE, holders), len(holders)
+        if e.bounded and n > 1 and column_wise_fits(t, optimizer, holders) and \
+                e.exchange_bytes(ShardKind.COLUMN_WISE, n) < e.exchange_bytes(ShardKind.ROW_WISE, n):
+            share = e.share(col, world_size)
+            if all(mem[r] + share.bytes <= budget for r in holders):
+                return col
+        return TablePlacement(ShardKind.ROW_WISE, holders)
 
     pending = []
     for t in tables:
@@ -307,19 +334,20 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
         elif e.bounded and e.bytes <= data_parallel_below:
             place(t.name, TablePlacement(ShardKind.DATA_PARALLEL, everyone))
         elif not e.bounded or e.bytes > row_wise_above or world_size == 1:
-            place(t.name, TablePlacement(ShardKind.ROW_WISE, everyone))
+            place(t.name, spread(t))
         else:
             pending.append(t.name)
     total_cost = sum(e.cost for e in est.values()) or 1.0
-    mem_scale = budget if math.isfinite(budget) else max(total_bytes / world_size, 1.0)
+    by_name = {t.name: t for t in tables}
+    mem_scale = budget if math.isfinite(budget) else max(total_bytes / len(holders), 1.0)
     for name in sorted(pending, key=lambda n: (-est[n].bytes, n)):
         e = est[name]
-        fits = [r for r in everyone if mem[r] + e.bytes <= budget]
+        fits = [r for r in holders if mem[r] + e.bytes <= budget]
         if not fits:
-            place(name, TablePlacement(ShardKind.ROW_WISE, everyone))
+            place(name, spread(by_name[name]))
             continue
-        best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale + (cost[r] + e.cost) / (total_cost / world_size),
-                                        r))
+        best = min(fits, key=lambda r: ((mem[r] + e.bytes) / mem_scale
+                                        + (cost[r] + e.cost) / (total_cost / len(holders)), r))
         place(name, TablePlacement(ShardKind.TABLE_WISE, (best,)))
     plan = ShardingPlan(world_size, {t.name: placements[t.name] for t in tables})
     if memory_budget_per_rank is not None:
@@ -329,5 +357,7 @@ def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_p
             raise ShardingError(
                 f"no plan fits: rank {worst} needs {fmt_bytes(mem[worst])} ({int(mem[worst])} bytes) for tables "
                 f"{on_rank} but its budget is {fmt_bytes(budget)}: over by {int(math.ceil(mem[worst] - budget))} bytes; "
-                f"add ranks, raise the budget, or shard these tables row-wise")
+                f"add ranks, raise the budget, or shard these tables row-wise"
+                + (f" (the shards live on the server ranks {', '.join(map(str, holders))} only: add servers)"
+                   if servers else ""))
     return plan

@@ -21,8 +21,8 @@ def route_kind(coll, t: int) -> str:
     p = coll.plan[coll.tables[t].name]
     if p.kind is ShardKind.DATA_PARALLEL:
         return "replica"
-    if p.kind is ShardKind.TABLE_WISE and coll.tables[t].combiner is not Combiner.NONE:
-        return "pool"
+    if p.kind in (ShardKind.TABLE_WISE, ShardKind.COLUMN_WISE) and coll.tables[t].combiner is not Combiner.NONE:
+        return "pool"  # a column-wise table: each rank of its placement pools its block of columns
     return "row"
 
 
@@ -36,25 +36,29 @@ def build_routes(coll) -> None:
     kinds = [route_kind(coll, t) for t in range(T)]
     local = [t for t in range(T) if kinds[t] != "pool"]
     pool = [t for t in range(T) if kinds[t] == "pool"]
-    mine = [t for t in pool if coll.plan[coll.tables[t].name].owner == coll.rank]
+    mine = [t for t in pool if coll.rank in coll.plan[coll.tables[t].name].ranks]
 
-    def specs(ts, rows: bool):
-        return [TableSpec(coll.tables[t].name, coll.tables[t].dim,
+    def dim_here(t: int) -> int:  # a column-wise table's block here is narrower
+        p, dim = coll.plan[coll.tables[t].name], coll.tables[t].dim
+        return dim // len(p.ranks) if p.kind is ShardKind.COLUMN_WISE else dim
+
+    def specs(ts, rows: bool, own: bool = False):
+        return [TableSpec(coll.tables[t].name, dim_here(t) if own else coll.tables[t].dim,
                           num_rows=coll.tables[t].num_rows if rows else None,
                           max_norm=coll.tables[t].max_norm) for t in ts]
 
     def feats(ts) -> list[FeatureSpec]:
         return [f for f, t in zip(full.features, full.feature_table) if t in ts]
 
-    def lookup(ts, rows: bool):
-        return FusedEmbeddingLookup(specs(ts, rows), feats(ts), backend=coll.backend) if ts else None
+    def lookup(ts, rows: bool, own: bool = False):
+        return FusedEmbeddingLookup(specs(ts, rows, own), feats(ts), backend=coll.backend) if ts else None
 
     # prepare checks ids against num_rows; pooling reads received rows, fewer than num_rows
     # (or a replica's caught-up copies, in eval of global Adam tables: coll.current_rows)
     coll._local_prep, coll._local_pool = lookup(local, True), lookup(local, False)
     # the owner pools a batch it assembled itself (ids checked where they were prepared), from
     # its storage or, in eval of global Adam tables, from caught-up copies of fewer rows
-    coll._pool_req, coll._pool_own = lookup(pool, True), lookup(mine, False)
+    coll._pool_req, coll._pool_own = lookup(pool, True), lookup(mine, False, own=True)
     coll._local_index = {t: i for i, t in enumerate(local)}
     coll._pool_tables = pool
     dtypes = [t.dtype for t in coll.tables]
@@ -84,8 +88,14 @@ def build_routes(coll) -> None:
         col += route.header_cols
     coll._exchanges = any(k != "replica" for k in kinds)
     if pool:
-        tables = [(t, i, coll.plan[coll.tables[t].name].owner) for i, t in enumerate(pool)]
-        pooling = TableWisePooling(coll, tables, col, [full_dt[t] for t in pool])
+        # one entry per owner: a table-wise table's, or each block of a column-wise one (in column order)
+        tables, wire = [], []
+        for i, t in enumerate(pool):
+            p = coll.plan[coll.tables[t].name]
+            owners = p.ranks if p.kind is ShardKind.COLUMN_WISE else (p.owner,)
+            tables += [(t, i, owner, coll.tables[t].dim // len(owners)) for owner in owners]
+            wire += [full_dt[t]] * len(owners)
+        pooling = TableWisePooling(coll, tables, col, wire)
         coll._routes.append(pooling)
         col += pooling.header_cols
     coll._header_cols = col

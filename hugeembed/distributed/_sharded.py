@@ -33,6 +33,7 @@ from ..nn import EmbeddingCollection, TableConfig
 from ..nn._placement import table_settings
 from ..optim import SparseOptimizer
 from ..types import ShardKind
+from ._column_wise import block_config, check_column_wise, column_block, gather_tables, slice_block, stores_to_save
 from ._comm import DEFAULT_TIMEOUT_S, Comm, new_embedding_group
 from ._pipeline import PipelinedExchanges, StalePipeline
 from ._plan import ShardingPlan, propose_plan
@@ -70,6 +71,10 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             exchanges run on a thread K steps ahead (distributed/_pipeline.py): batch t reads rows
             holding the updates of batches up to t-K-1 exactly; hand each training batch over with
             :meth:`enqueue` K steps before its forward, and :meth:`drain` before a snapshot.
+        servers: the last `servers` ranks are server-only ranks (TensorNet's parameter servers): they
+            hold shards and feed only empty batches, taking part in every exchange; "mean" divides the
+            row gradients by the workers (``world_size - servers``); the proposed plan puts the shards
+            on the servers.  The dense part's all-reduce is the caller's (over the workers only).
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -93,15 +98,18 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                  plan: ShardingPlan | None = None, process_group=None, device: torch.device | str = "cpu",
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
-                 storage_owner: str | None = None, staleness: int | None = None) -> None:
+                 storage_owner: str | None = None, staleness: int | None = None, servers: int = 0) -> None:
         tables = list(tables)
         device = canonical_device(device)
         if gradient_reduction not in ("mean", "sum"):
             raise ConfigError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
         group = process_group if process_group is not None else new_embedding_group(device, timeout)
         comm = Comm(group, timeout)
+        if isinstance(servers, bool) or not isinstance(servers, int) or not 0 <= servers < comm.world_size:
+            raise ConfigError(f"servers must be an int in [0, {comm.world_size - 1}] (the last ranks of the "
+                              f"{comm.world_size}; at least one rank reads data), got {servers!r}")
         if plan is None:
-            plan = propose_plan(tables, comm.world_size, memory_budget_per_rank, optimizer=optimizer)
+            plan = propose_plan(tables, comm.world_size, memory_budget_per_rank, optimizer=optimizer, servers=servers)
         if not isinstance(plan, ShardingPlan):
             raise ConfigError(f"plan must be a ShardingPlan, got {type(plan).__name__}")
         if plan.world_size != comm.world_size:
@@ -109,6 +117,8 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         plan.validate(tables)
         self.plan, self.comm = plan, comm
         self.rank, self.world_size = comm.rank, comm.world_size
+        # server-only ranks (the last `servers`) hold shards and read no data: "mean" divides by the workers
+        self.servers, self.workers = servers, comm.world_size - servers
         self.gradient_reduction = gradient_reduction
         super().__init__(tables, optimizer=optimizer, device=device, seed=seed, backend=backend,
                          storage_owner=storage_owner)
@@ -130,6 +140,11 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         n = len(p.ranks)
         if self.device.type != "meta" and p.kind is not ShardKind.DATA_PARALLEL and self.rank not in p.ranks:
             return None
+        if p.kind is ShardKind.COLUMN_WISE:  # its block of columns, every row (_column_wise.py)
+            check_column_wise(cfg, self.rules[t], p.ranks)
+            if self.rank not in p.ranks:
+                return None
+            return table_settings(block_config(cfg, p.ranks, self.rank), self.rules[t], self.seed)
         if p.kind is ShardKind.DATA_PARALLEL or p.kind is ShardKind.TABLE_WISE or n == 1:
             return super()._table_settings(t)
         if cfg.num_rows is not None:
@@ -152,7 +167,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         # a tiered table's storage_dir is each machine's own path: it may differ between ranks
         tables = [{k: v for k, v in t.describe().items() if k != "storage_dir"} for t in self.tables]
         mine = {"plan": self.plan.to_dict(), "tables": tables, "seed": self.seed,
-                "gradient_reduction": self.gradient_reduction}
+                "gradient_reduction": self.gradient_reduction, "servers": self.servers}
         for r, theirs in enumerate(self.comm.all_gather_object("construction (config check)", mine)):
             if theirs != mine:
                 what = next(k for k in mine if theirs.get(k) != mine[k])
@@ -171,22 +186,46 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
             return torch.ones_like(keys, dtype=torch.bool)
         if self.rank not in p.ranks:
             return torch.zeros_like(keys, dtype=torch.bool)
-        if p.kind is ShardKind.TABLE_WISE or len(p.ranks) == 1:
+        if p.kind in (ShardKind.TABLE_WISE, ShardKind.COLUMN_WISE) or len(p.ranks) == 1:
             return torch.ones_like(keys, dtype=torch.bool)
         return owner_index(keys, len(p.ranks), cfg.num_rows is not None) == p.ranks.index(self.rank)
 
     def _keys_held_here(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         return keys[self.owned_mask(table, keys)]
 
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank is a server-only rank (``servers=``): it holds shards and feeds empty batches."""
+        return self.rank >= self.workers
+
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
         p = self.plan[table]
+        if p.kind is ShardKind.COLUMN_WISE:  # its first rank writes it whole (stores_to_save)
+            return self.rank == p.ranks[0]
         return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
+
+    def column_block_of(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        """Whole rows of a column-wise table cut to this rank's block (with its state); other tables'
+        rows, and rows of another width (the load reports it), as they are."""
+        p, t = self.plan[table], self._table_index(table)
+        cfg = self.tables[t]
+        if p.kind is not ShardKind.COLUMN_WISE or self.rank not in p.ranks or \
+                rows.shape[1] != cfg.row_layout(self.rules[t]).width or len(p.ranks) == 1:
+            return rows
+        lo, hi = column_block(cfg.dim, p.ranks, self.rank)
+        return slice_block(rows, self.rules[t], cfg.dim, lo, hi)
+
+    def stores_to_save(self, delta: bool = False) -> list[tuple]:
+        """Collective: (config, store) per table for a snapshot writer, column-wise tables whole."""
+        return stores_to_save(self, delta)
 
     def global_num_rows(self) -> dict[str, int]:
         """Rows per table over all ranks (collective: call it on every rank)."""
         everyone = self.comm.all_gather_object("row count", self.num_rows())
-        return {t.name: everyone[0][t.name] if self.plan[t.name].kind is ShardKind.DATA_PARALLEL
+        one = {t.name: self.plan[t.name].ranks[0] for t in self.tables
+               if self.plan[t.name].kind in (ShardKind.DATA_PARALLEL, ShardKind.COLUMN_WISE)}
+        return {t.name: everyone[one[t.name]][t.name] if t.name in one
                 else sum(e[t.name] for e in everyone) for t in self.tables}
 
     def extra_repr(self) -> str:
@@ -213,7 +252,10 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
 
     def _fetch_step(self, features: SparseFeatures, step: int, training: bool = True) -> StepState:
         """input_dist -> compute -> output_dist of one batch (on the exchange thread under staleness)."""
-        scale = 1.0 / self.world_size if self.gradient_reduction == "mean" else 1.0
+        if features.batch_size and self.is_server:
+            raise ShardingError(f"rank {self.rank} of {self.world_size} is a server (servers={self.servers}): it "
+                                f"reads no data, so its batches are empty; got {features.batch_size} samples")
+        scale = 1.0 / self.workers if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         st.stale_reads = training and self._pipeline is not None and self._pipeline.staleness > 0
         self.comm.step = step
@@ -352,6 +394,11 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
 
     # -- state_dict ---------------------------------------------------------------------
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._tables_in_state_dict:  # column-wise tables whole (a collective when there are some)
+            gather_tables(self, destination, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # rows of any layout (one process, another plan or world size) load: keep the keys this rank owns
@@ -364,5 +411,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
                     keep = self.owned_mask(cfg.name, state[k + group[0]])
                     for f in group:
                         state[k + f] = state[k + f][keep]
+            if k + "rows" in state:
+                state[k + "rows"] = self.column_block_of(cfg.name, state[k + "rows"])
         super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

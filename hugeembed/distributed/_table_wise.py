@@ -28,35 +28,41 @@ __all__ = ["TableWisePooling"]
 
 class _PoolTable:
     def __init__(self, coll, t: int, pt: int, owner: int, feats: tuple[int, ...], names: list[str], col: int,
-                 wire_dtype: torch.dtype) -> None:
+                 wire_dtype: torch.dtype, dim: int) -> None:
         cfg = coll.tables[t]
         self.t, self.pt, self.owner, self.feats, self.names, self.col = t, pt, owner, feats, names, col
-        self.name, self.dim, self.rule = cfg.name, cfg.dim, coll.rules[t]
+        self.name, self.dim, self.rule = cfg.name, dim, coll.rules[t]
+        self.whole = dim == cfg.dim  # else one block of a column-wise table's columns
         self.wire_dtype = wire_dtype
-        self.out_bytes = cfg.dim * len(feats) * torch.empty(0, dtype=wire_dtype).element_size()
+        self.out_bytes = dim * len(feats) * torch.empty(0, dtype=wire_dtype).element_size()
 
 
 class TableWisePooling:
     """The exchange of every pooled table-wise table (see the module docstring).
 
+    A column-wise table has one entry per block (_column_wise.py): each block's owner pools its
+    columns as a table-wise owner pools a whole table; the blocks' outputs are concatenated.
+
     Args:
         coll: the ShardedEmbeddingCollection.
-        tables: per table, (collection index, index in the requesters' pool lookup, owner rank).
+        tables: per table or column block, (collection index, index in the requesters' pool lookup,
+            owner rank, dim of what that owner pools).
         col: its first column in the exchange header (two per table).
         wire_dtypes: per table, the dtype of pooled vectors and their gradients on the wire.
     """
 
-    def __init__(self, coll, tables: list[tuple[int, int, int]], col: int, wire_dtypes: list[torch.dtype]) -> None:
+    def __init__(self, coll, tables: list[tuple[int, int, int, int]], col: int,
+                 wire_dtypes: list[torch.dtype]) -> None:
         self.coll = coll
         plan = coll._pool_req.plan
         self.tables: list[_PoolTable] = []
-        for i, ((t, pt, owner), wd) in enumerate(zip(tables, wire_dtypes)):
+        for i, ((t, pt, owner, dim), wd) in enumerate(zip(tables, wire_dtypes)):
             feats = plan.table_features[pt]
             if list(feats) != list(range(feats[0], feats[0] + len(feats))):
                 raise ShardingError(f"table {coll.tables[t].name!r}: its features are not contiguous in the "
                                     "lookup plan (internal error)")
             names = [plan.features[f].name for f in feats]
-            self.tables.append(_PoolTable(coll, t, pt, owner, feats, names, col + 2 * i, wd))
+            self.tables.append(_PoolTable(coll, t, pt, owner, feats, names, col + 2 * i, wd, dim))
         self.header_cols = 2 * len(self.tables)
         self.mine = [p for p in self.tables if p.owner == coll.rank]
 
@@ -204,12 +210,17 @@ class TableWisePooling:
 
     def output_dist(self, st, readers) -> None:
         B = st.batch_size
+        blocks: dict[int, list] = {}
         for p in self.tables:
             block = readers[p.owner].take(B * len(p.feats) * p.dim, p.wire_dtype).view(B, len(p.feats), p.dim)
             block = block.to(self.coll.device)
             if st.training and p.rule is not None:
                 block = block.detach().requires_grad_()
-            st.pooled[p.t] = block
+            st.pooled[p.t if p.whole else (p.t, p.col)] = block  # the leaf grad_dist reads
+            blocks.setdefault(p.t, []).append(block)
+        for t, parts in blocks.items():
+            if len(parts) > 1:  # a column-wise table's blocks, in column order
+                st.pooled[t] = torch.cat(parts, dim=2)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -217,7 +228,7 @@ class TableWisePooling:
         for p in self.tables:
             if p.rule is None:
                 continue
-            leaf = st.pooled[p.t]
+            leaf = st.pooled[p.t if p.whole else (p.t, p.col)]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if st.grad_scale != 1.0:
                 grad = grad * st.grad_scale

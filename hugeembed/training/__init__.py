@@ -7,6 +7,7 @@ from ._sources import DataSource, FileSource, SyntheticSource, default_epochs, m
 from ._record import RunRecord, TrainState
 from ._build import build_model, make_dense_optimizer, resolve_device
 from ._trainer import Trainer, evaluate
+from ._servers import check_server_plan
 
 __all__ = [
     "TrainConfig",
@@ -27,6 +28,7 @@ __all__ = [
     "default_epochs",
     "launch_local",
     "run_local",
+    "check_server_plan",
     "DENSE_OPTIMIZERS",
     "SPARSE_OPTIMIZERS",
     "MODELS",

@@ -63,7 +63,8 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
         # run's numbers equal the in-memory run's (the same batches on every rank: the split agrees)
         states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         try:
-            whole = cfg.replace(batch_size=cfg.batch_size * world_size) if world_size > 1 else cfg
+            readers = world_size - cfg.servers if world_size > 1 else 1  # --servers read no data
+            whole = cfg.replace(batch_size=cfg.batch_size * readers, servers=0) if world_size > 1 else cfg
             batches = list(islice(make_source(whole, schema=schema).train_batches(0), 4))
         finally:
             torch.set_rng_state(states[0])
@@ -85,19 +86,22 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
     return factory
 
 
-def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, schema=None):
+def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, schema=None, collection_factory=None):
     """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
 
     `schema`: the run's data schema (hugeembed.data.Schema; None or Criteo's: the Criteo tables).
     With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
-    process group's ranks (collective: every rank builds its model).
+    process group's ranks (collective: every rank builds its model).  `collection_factory`: builds the
+    collection instead (``--servers``' plan check on the meta device).
     """
     rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
     biases = None if cfg.first_order_lr is None else \
         make_optimizer(cfg.sparse_optimizer, **{**cfg.sparse_optimizer_options(), "lr": cfg.first_order_lr})
     if schema is not None and schema.is_criteo():
         schema = None  # the Criteo tables as they always were
-    if cfg.memory_budget is not None:
+    if collection_factory is not None:
+        factory = collection_factory
+    elif cfg.memory_budget is not None:
         factory = _tiered_factory(cfg, world_size, schema)
     else:
         factory = sharded_factory(cfg, world_size) if world_size > 1 else None

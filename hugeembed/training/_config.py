@@ -107,7 +107,7 @@ class TrainConfig:
         device: ``auto | cpu | cuda``.
         threads: torch/kernel threads (None: torch's default).
         sharding: distributed runs: per-table placements overriding the proposed plan, as
-            ``"TABLE=KIND"`` (``row_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
+            ``"TABLE=KIND"`` (``row_wise``, ``column_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
         memory_per_rank: distributed runs: bytes of tables each rank may hold (the planner
             refuses a plan that does not fit); None: no limit.
         dist_timeout: distributed runs: seconds any collective may wait before a peer counts
@@ -122,6 +122,9 @@ class TrainConfig:
         data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
             they finish one (synthetic data or converted shards; every row trained once per epoch,
             runs equal in distribution, not bit for bit); None: rank r reads slice r of every global batch.
+        servers: distributed runs: M of the N processes (the last M ranks) hold the tables' shards and
+            read no data (TensorNet / PERSIA parameter servers); the other N - M read the data, run the
+            dense model and all-reduce its gradients among themselves; 0: every process does both.
         memory_budget, storage_dir, cache_policy: tables larger than memory: every table's rows
             live on disk under `storage_dir`, `memory_budget` bytes of them (all tables
             together, split by each table's traffic; with several processes, each process's
@@ -194,6 +197,7 @@ class TrainConfig:
     dense_staleness: int = 0
     jitter: str | None = None
     data_queue: int | None = None
+    servers: int = 0
     memory_budget: int | None = None
     storage_dir: str | None = None
     cache_policy: str = "lfu"
@@ -305,6 +309,7 @@ class TrainConfig:
         positive("staleness", allow_zero=True)
         positive("dense_staleness", allow_zero=True)
         positive("data_queue", allow_none=True)
+        positive("servers", allow_zero=True)
         self.jitter_spec()
         seen = set()
         for item in self.sharding:

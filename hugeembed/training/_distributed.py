@@ -22,7 +22,7 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
+__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
            "as_sharding_error", "check_process_group", "run_info"]
 
 
@@ -39,7 +39,7 @@ def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
     """The run's sharding plan: proposed from the tables and the memory per rank, with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        overrides=overrides)
+                        overrides=overrides, servers=cfg.servers)
 
 
 def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
@@ -52,7 +52,8 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
         if tiers is not None:
             tables, owner = tiers(tables, plan, optimizer)
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
-                                          storage_owner=owner, staleness=cfg.staleness or None, **kw)
+                                          storage_owner=owner, staleness=cfg.staleness or None, servers=cfg.servers,
+                                          **kw)
 
     return build
 
@@ -65,10 +66,11 @@ def merged_tier_stats(collection: Any) -> dict | None:
     """``collection.tier_stats()`` over all ranks (collective): counts and bytes summed per table,
     hit rates recomputed from the sums.  A data-parallel table's replicas each count (each
     holds its rows, in memory and on disk).  None without tiered tables (no collective then:
-    every rank has the same tables)."""
-    if not collection.has_tiered_tables:
+    every rank has the same table configs; a rank holding no tiered shard -- a --servers worker --
+    takes part with nothing)."""
+    if not tiered_run(collection):
         return None
-    parts = collection.comm.all_gather_object("tier stats", collection.tier_stats())
+    parts = [p for p in collection.comm.all_gather_object("tier stats", collection.tier_stats()) if p is not None]
     tables: dict[str, dict] = {}
     for part in parts:
         for name, st in part["tables"].items():
@@ -83,10 +85,17 @@ def merged_tier_stats(collection: Any) -> dict | None:
             "table_bytes_stored": sum(p["table_bytes_stored"] for p in parts)}
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The dense part under DistributedDataParallel (the tables hold no Parameter: DDP never sees them)."""
+def tiered_run(collection: Any) -> bool:
+    """Whether the run's tables live on disk: by their configs, the same on every rank (a rank may hold no
+    tiered shard itself)."""
+    return any(t.storage_dir is not None for t in collection.tables)
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, process_group=None) -> torch.nn.Module:
+    """The dense part under DistributedDataParallel (the tables hold no Parameter: DDP never sees them), over
+    `process_group` (None: every rank; with --servers: the workers')."""
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                     else None)
+                                                     else None, process_group=process_group)
 
 
 def merge_metrics(collection: ShardedEmbeddingCollection, ms: MetricSet) -> MetricSet:

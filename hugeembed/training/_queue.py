@@ -101,17 +101,20 @@ class QueueSource(DataSource):
         chunk_rows: a chunk's most rows; batch_size: rows per batch (per rank).
     """
 
-    def __init__(self, base, read: Callable[[int, int, int], Block], rows: list[Range], cuts: list[int], keys,
+    def __init__(self, base, read: Callable[[int, int, int], Block] | None, rows: list[Range], cuts: list[int], keys,
                  chunk_rows: int, batch_size: int, rank: int, world_size: int,
-                 timeout: float) -> None:
+                 timeout: float, readers: int | None = None, server_batch: Batch | None = None) -> None:
         self.base, self.read, self.rows, self.cuts, self.keys = base, read, rows, cuts, keys
         self.chunk_rows, self.batch_size, self.rank, self.world = chunk_rows, batch_size, rank, world_size
         self.description = f"{base.description}; ranks take chunks of {chunk_rows} rows from a shared queue"
         self.notes = base.notes
         self.steps_per_epoch = None  # depends on who takes what
         total = sum(b - a for a, b in rows)
-        self.estimated_steps_per_epoch = -(-total // (batch_size * world_size))
-        self._empty = Batch.from_block(read(0, 0, 0), keys)
+        # readers: the ranks that take chunks (--servers: the workers); a server (server_batch, its empty
+        # batch) takes none and joins every step's count with 0 rows
+        self.estimated_steps_per_epoch = -(-total // (batch_size * (readers or world_size)))
+        self.takes = server_batch is None
+        self._empty = Batch.from_block(read(0, 0, 0), keys) if server_batch is None else server_batch
         self.comm = Comm(dist.group.WORLD, timeout) if world_size > 1 else None
         self.store = default_store() if world_size > 1 else None
         if world_size > 1 and self.store is None:
@@ -138,7 +141,7 @@ class QueueSource(DataSource):
         return int(self.store.add(self._key(), 1)) - 1
 
     def _blocks(self) -> Iterator[Block]:
-        while True:
+        while self.takes:
             i = self._take()
             if i >= len(self._items):
                 return
@@ -201,12 +204,14 @@ class QueueSource(DataSource):
 
 
 def queue_source(base: DataSource, chunk_rows: int, batch_size: int, rank: int, world_size: int,
-                 timeout: float) -> QueueSource:
-    """`base`'s data (synthetic, or converted shards) through a shared queue of chunks of `chunk_rows` rows."""
+                 timeout: float, readers: int | None = None) -> QueueSource:
+    """`base`'s data (synthetic, or converted shards) through a shared queue of chunks of `chunk_rows` rows;
+    `readers`: the ranks 0..readers-1 that read data (default all; the others are --servers)."""
+    readers = readers or world_size
     if isinstance(base, SyntheticSource):
         per_epoch, gen = base.cfg.synthetic_rows, base.gen
         return QueueSource(base, lambda epoch, a, b: gen.rows(epoch * per_epoch + a, b - a), [(0, per_epoch)], [],
-                           list(CAT_NAMES), chunk_rows, batch_size, rank, world_size, timeout)
+                           list(CAT_NAMES), chunk_rows, batch_size, rank, world_size, timeout, readers)
     if not isinstance(base, FileSource) or base.loader.shards is None:
         raise ConfigError("--data-queue hands out chunks of converted shards (or of the synthetic data): text files are "
                           "read line by line, so convert them first (`hugeembed convert FILES -o DIR`, then --data DIR)")
@@ -214,8 +219,8 @@ def queue_source(base: DataSource, chunk_rows: int, batch_size: int, rank: int, 
     total = shards.rows
     # the rows each rank holds out for evaluation (FileSource: its first batches), never trained
     held = [(start, start + base.holdout * batch_size) for start in
-            (rank_range(total, r, world_size, world_size > 1)[0] for r in range(world_size))] if base.holdout else []
+            (rank_range(total, r, readers, readers > 1)[0] for r in range(readers))] if base.holdout else []
     rows = subtract_ranges([(0, total)], held)
     cuts = [info.start for info in shards.shards] + [total]
     return QueueSource(base, lambda epoch, a, b: shards.read(a, b), rows, cuts, base.schema, chunk_rows, batch_size,
-                       rank, world_size, timeout)
+                       rank, world_size, timeout, readers)

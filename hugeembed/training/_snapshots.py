@@ -94,9 +94,11 @@ class TrainerSnapshots:
             msgs.append(f"data queue (--data-queue {saved.data_queue} vs {self.cfg.data_queue}: the position in "
                         f"the epoch is kept {'as rows' if saved.data_queue else 'in global batches'}; give it as saved)")
         # any number of processes may resume; the data position counts global batches (the queue's: rows)
-        if saved.data_queue is None and saved.batch_size * record.world_size != self.cfg.batch_size * self.world_size:
-            msgs.append(f"global batch ({saved.batch_size} x {record.world_size} processes vs "
-                        f"{self.cfg.batch_size} x {self.world_size})")
+        # (with --servers, the workers' processes: servers read no data)
+        saved_workers = record.world_size - (saved.servers if record.world_size > 1 else 0)
+        if saved.data_queue is None and saved.batch_size * saved_workers != self.cfg.batch_size * self.workers:
+            msgs.append(f"global batch ({saved.batch_size} x {saved_workers} processes reading data vs "
+                        f"{self.cfg.batch_size} x {self.workers})")
         if msgs:
             raise CheckpointError(f"{snap} was saved by a run with different " + ", ".join(msgs))
         params = self._dense_params()

@@ -31,13 +31,16 @@ class StaleRun:
         jitter: (P, F) or None.
         seed, rank: seed the jitter's draws (each rank its own sequence, the same in every run).
         timeout: seconds a dense all-reduce may wait.
+        dense_group: the group the dense gradients are all-reduced over (None: every rank; --servers: the workers').
+        dense: False on a server rank: it trains no dense part (no all-reduce of its own).
     """
 
     def __init__(self, collection, dense_params, staleness: int, dense_staleness: int,
-                 jitter: tuple[float, float] | None, seed: int, rank: int, timeout: float) -> None:
+                 jitter: tuple[float, float] | None, seed: int, rank: int, timeout: float, dense_group=None,
+                 dense: bool = True) -> None:
         self.collection, self.staleness = collection, staleness
-        self.dense = DelayedDenseGrads(dense_params, dense_staleness, timeout=timeout) \
-            if staleness or dense_staleness else None
+        self.dense = DelayedDenseGrads(dense_params, dense_staleness, process_group=dense_group, timeout=timeout) \
+            if (staleness or dense_staleness) and dense else None
         self.jitter = jitter
         self._rng = random.Random(f"jitter:{seed}:{rank}")
 

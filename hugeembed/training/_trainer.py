@@ -33,6 +33,7 @@ from ._sources import DataSource, make_source, run_schema
 from ._snapshots import TrainerSnapshots
 from ._stale import StaleRun
 from ._queue import queue_source
+from ._servers import check_servers, run_source, workers_group
 
 __all__ = ["Trainer", "TrainState", "evaluate"]
 
@@ -51,7 +52,8 @@ class Trainer(TrainerSnapshots):
             several, torch.distributed must be initialised (``torchrun ... -m hugeembed train``
             or ``hugeembed train --nproc N`` do it): tables are sharded, the dense part runs
             under DistributedDataParallel, each rank reads its slice of every global batch,
-            metrics are merged over all ranks' predictions, snapshots hold every rank's shards.
+            metrics are merged over all ranks' predictions, snapshots hold every rank's shards.  With
+            ``config.servers`` M, the last M ranks hold the shards and read no data (_servers.py).
 
     Example::
 
@@ -69,6 +71,10 @@ class Trainer(TrainerSnapshots):
             torch.set_num_threads(config.threads)
         _native.tune_malloc()
         seed_everything(config.seed)
+        check_servers(config.servers, world_size)
+        # --servers M: the last M ranks hold the tables' shards and train on empty batches (_servers.py)
+        self.workers = world_size - config.servers
+        self.is_server = rank >= self.workers
         if world_size > 1:
             check_process_group(rank, world_size)
         self.schema = run_schema(config, self._saved_schema())
@@ -79,20 +85,27 @@ class Trainer(TrainerSnapshots):
         self.collection = self.model.embeddings
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
         staleness, dense_staleness = (config.staleness, config.dense_staleness) if world_size > 1 else (0, 0)
-        # (under staleness the dense gradients are all-reduced in the background instead: _stale.py)
-        self.step_model = wrap_ddp(self.model, self.device) if world_size > 1 and not (staleness or dense_staleness) \
-            else self.model
+        dense_group = workers_group(world_size, config.servers) if world_size > 1 else None
+        # (under staleness the dense gradients are all-reduced in the background instead: _stale.py); servers
+        # train no dense part: the workers all-reduce among themselves
+        self.step_model = wrap_ddp(self.model, self.device, dense_group) \
+            if world_size > 1 and not (staleness or dense_staleness or self.is_server) else self.model
         self.dense_optimizer = make_dense_optimizer(config.dense_optimizer, dense_params, config.dense_lr)
         self.stale = StaleRun(self.collection, self._dense_params(), staleness, dense_staleness, config.jitter_spec(),
-                              config.seed, rank, config.dist_timeout)
+                              config.seed, rank, config.dist_timeout, dense_group=dense_group,
+                              dense=not self.is_server)
         # the loop's own small collectives (loss reports): on the default group, never interleaving with the
         # embedding exchanges, which run on another thread under staleness
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
-        self.source: DataSource = source if source is not None else make_source(config, rank, world_size,
-                                                                                 self.schema)
-        if config.data_queue is not None:  # ranks take chunks of the epoch from a shared queue instead of slices
-            self.source = queue_source(self.source, config.data_queue, config.batch_size, rank, world_size,
-                                       config.dist_timeout)
+        self.source: DataSource
+        if source is None and config.servers and world_size > 1:  # workers read their slices (or the queue's)
+            self.source = run_source(config, rank, world_size, self.schema,
+                                     empty_batch(self.collection.feature_names(), self.model.num_dense, self.device))
+        else:
+            self.source = source if source is not None else make_source(config, rank, world_size, self.schema)
+            if config.data_queue is not None:  # ranks take chunks of the epoch from a shared queue instead of slices
+                self.source = queue_source(self.source, config.data_queue, config.batch_size, rank, world_size,
+                                           config.dist_timeout)
         self.state = TrainState()
         self.run_id: str | None = None  # names this run in its snapshots (set when fit claims checkpoint_dir)
         # the loss curve gets a point every log_every steps, more often on short runs (~50 points)
@@ -257,9 +270,9 @@ class Trainer(TrainerSnapshots):
         batch = batch.to(self.device, non_blocking=True)
         try:
             logits = self.step_model(batch.dense, batch.sparse)
-            if self.cfg.data_queue is None:
+            if self.cfg.data_queue is None and not self.is_server:
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-            else:  # the queue's short (or empty) batches weigh by their rows
+            else:  # the queue's short (or empty) batches weigh by their rows; a server's are empty
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.cfg.batch_size
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()  # the embedding tables are updated in here
@@ -269,16 +282,17 @@ class Trainer(TrainerSnapshots):
             if err is not None:
                 raise err from e
             raise
-        self.stale.dense_step(st.step + 1, self.dense_optimizer)
+        if not self.is_server:  # a server's dense layers see no data: they are never stepped
+            self.stale.dense_step(st.step + 1, self.dense_optimizer)
         self.collection.optimizer.step()
         self.stale.straggle(time.thread_time() - cpu0)
-        if self.cfg.average_dense and f < 1.0:
+        if self.cfg.average_dense and f < 1.0 and not self.is_server:
             self.state.add_to_dense_average(self._dense_params())
         value = float(loss.detach())
         st.train_seconds += time.perf_counter() - t0
         st.step += 1
         st.step_in_epoch += 1
-        st.samples += self.source.trained(batch, self.world_size)
+        st.samples += self.source.trained(batch, self.workers)
         if not math.isfinite(value):
             raise FloatingPointError(f"training loss became {value} at step {st.step}: lower the learning rates")
         if self.cfg.data_queue is not None and batch.batch_size:  # the mean over the batch's rows
@@ -365,6 +379,7 @@ class Trainer(TrainerSnapshots):
             "final_train_loss": st.history["loss"][-1] if st.history["loss"] else float("nan"),
             "table_rows": sum(rows.values()), "table_rows_per_table": rows, "table_bytes": table_bytes,
             "dense_bytes": dense_bytes, "device": str(self.device), "world_size": self.world_size,
+            "servers": self.cfg.servers if self.world_size > 1 else 0,
             "data": self.source.description,
         }
         out.update(st.last_eval or {})

@@ -42,8 +42,6 @@ def test_placement_parsing_and_errors():
         ShardingPlan(2, {"a": "sideways"})
     with pytest.raises(ConfigError, match="repeat a rank"):
         TablePlacement("row_wise", (1, 1))
-    with pytest.raises(NotImplementedError, match="column_wise"):
-        TablePlacement("column_wise", (0, 1))
     with pytest.raises(KeyError, match="places no table 'zz'"):
         plan["zz"]
 

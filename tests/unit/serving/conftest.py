@@ -24,7 +24,7 @@ def run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serving") / "run"
     cfg = TrainConfig(steps=160, batch_size=256, embedding_dim=8, checkpoint_dir=str(root), checkpoint_every=40,
                       full_checkpoint_every=4, keep_checkpoints=None, eval_every=0, eval_rows=8192,
-                      synthetic_max_cardinality=20000, threads=2)
+                      synthetic_max_cardinality=20000, threads=1)
     Trainer(cfg, progress=None).fit()
     return root
 

@@ -15,7 +15,7 @@ from hugeembed.data import Loader, count_lines, write_criteo_tsv
 from hugeembed.training import TrainConfig, Trainer
 from hugeembed.training._sources import FileSource
 
-SMALL = dict(batch_size=128, eval_rows=1024, synthetic_max_cardinality=5_000, threads=2, synthetic_rows=100_000)
+SMALL = dict(batch_size=128, eval_rows=1024, synthetic_max_cardinality=5_000, threads=1, synthetic_rows=100_000)
 
 
 def test_lr_factor_is_one_then_falls_linearly_to_zero_over_the_last_fraction():
@@ -212,7 +212,7 @@ def test_a_finished_run_whose_averaged_model_was_not_saved_saves_it_on_resume(tm
     path = tmp_path / "d.tsv"
     write_criteo_tsv(path, 3000, seed=2)
     cfg = TrainConfig(data=(str(path),), steps=None, epochs=1, batch_size=256, eval_rows=512, eval_every=0,
-                      lr_decay=0.5, threads=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
+                      lr_decay=0.5, threads=1, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
     whole = Trainer(cfg.replace(checkpoint_dir=str(tmp_path / "whole")))
     s_whole = whole.fit()
     dying = Trainer(cfg)

@@ -10,7 +10,7 @@ import torch
 from hugeembed import ConfigError
 from hugeembed.training import TrainConfig, Trainer, evaluate_snapshot
 
-SMALL = dict(batch_size=256, eval_rows=2048, synthetic_max_cardinality=20_000, log_every=5, threads=2)
+SMALL = dict(batch_size=256, eval_rows=2048, synthetic_max_cardinality=20_000, log_every=5, threads=1)
 
 
 def tables(trainer):
