@@ -31,6 +31,7 @@ CUDA launches per training step static, <= 40 dynamic, independent of the number
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -39,6 +40,9 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if not torch.cuda.is_available():  # the triton step's launches, counted on the CPU: before triton imports
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import print_table  # noqa: E402
@@ -125,6 +129,72 @@ class CountOps(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op in SYNC_OPS)
 
 
+# Torch ops that launch no kernel on a GPU: views and metadata, allocations left uninitialized, Python
+# scalars wrapped as CPU tensors.  Every other op dispatched counts as (at least) one launch; a CUDA
+# sort or scan may run several kernels for one op (the profiler's count, on a GPU, tells).
+NO_LAUNCH = {"view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "expand",
+             "unsqueeze", "squeeze", "t", "transpose", "permute", "detach", "alias", "split", "split_with_sizes",
+             "unbind", "narrow", "view_as", "empty", "empty_like", "empty_strided", "new_empty",
+             "new_empty_strided", "lift_fresh", "scalar_tensor", "sym_size", "sym_stride", "sym_numel",
+             "is_same_size", "_has_compatible_shallow_copy_type", "set_", "resize_", "detach_", "numpy"}
+
+
+class CountLaunches(CountOps):
+    """CountOps that also counts the launches a GPU would make: each triton kernel launch (by kernel
+    name, compiled or under triton's interpreter), and each dispatched torch op not in NO_LAUNCH
+    (copies to and from the host included: "tolist", "h2d", "_local_scalar_dense").
+
+    Works without a GPU: on CPU tensors under ``TRITON_INTERPRET=1`` the step runs the same kernels
+    and torch ops as on CUDA (the torch ops the interpreter runs to move a kernel's arguments are not
+    the step's: not counted).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+        self._in_kernel = False
+        self._runs: list[tuple[type, object]] = []
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        for cls in (JITFunction, InterpretedFunction):
+            self._runs.append((cls, cls.__dict__["run"]))
+            cls.run = self._counting_run(cls.__dict__["run"])
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, original in self._runs:
+            cls.run = original
+        self._runs.clear()
+        return super().__exit__(*exc)
+
+    def _counting_run(self, original):
+        def run(kernel, *args, warmup=False, **kwargs):
+            if not warmup:
+                self.kernels[getattr(kernel.fn, "__name__", str(kernel.fn))] += 1
+            before, self._in_kernel = self._in_kernel, True
+            try:
+                return original(kernel, *args, warmup=warmup, **kwargs)
+            finally:
+                self._in_kernel = before
+        return run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._in_kernel:  # the interpreter's own moves of the kernel's arguments
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def torch_launches(self) -> Counter:
+        """The counted torch ops that launch, by name."""
+        return Counter({op: n for op, n in self.ops.items() if op.split("(")[0] not in NO_LAUNCH})
+
+    def launches(self) -> int:
+        """Kernels and copies a GPU would launch for what ran in the context."""
+        return sum(self.torch_launches().values()) + sum(self.kernels.values())
+
+
 def batch(tables: int, samples: int, rows: int, step: int, device: str = "cpu", max_ids: int = 1) -> SparseFeatures:
     """`samples` rows of `tables` features, each bag 1 id (`max_ids` 1) or 0..max_ids ids, from `rows` ids."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -143,13 +213,15 @@ def collection(tables: int, dynamic: bool, backend: str, dim: int, rows: int, op
 
 def count_step(tables: int, dynamic: bool, backend: str, samples: int = 256, dim: int = 16,
                rows: int = 1000, warmup: int = 64, optimizer: SparseOptimizer | None = None,
-               device: str = "cpu") -> CountOps:
-    """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`)."""
+               device: str = "cpu", counter: type = CountOps) -> CountOps:
+    """Ops of one steady-state training step of `tables` tables (Adagrad unless `optimizer`), counted by a
+    `counter` (CountOps, or CountLaunches for the launches)."""
     ec = collection(tables, dynamic, backend, dim, rows, optimizer, device)
-    for s in range(warmup):  # steady state: every id seen (1000 ids, 256 a step: e^-16 unseen), tables grown, buffers sized
+    # steady state: every id seen (1000 ids, 256 a step: e^-16 unseen), tables grown, buffers sized
+    for s in range(warmup):
         ec(batch(tables, samples, rows, s, device)).stacked().sum().backward()
     sf = batch(tables, samples, rows, warmup, device)
-    with CountOps() as counter:
+    with counter() as counter:
         ec(sf).stacked().sum().backward()
     return counter
 
@@ -165,6 +237,24 @@ def count_fresh(tables: int, dynamic: bool, backend: str, steps: int = 3, sample
             ec(sf).stacked().sum().backward()
         out.append(counter)
     return out
+
+
+def counted_launches(tables: int, dynamic: bool, samples: int = 8, rows: int = 8, warmup: int = 6,
+                     device: str = "cpu") -> CountLaunches:
+    """The launches of one steady-state triton training step, counted without a GPU (on CPU tensors under
+    triton's interpreter: tiny batches, the interpreter runs ~ms a program; the count does not depend on
+    the batch size).  Steady state: 6 warm-up steps of 8 samples from 8 ids (every id seen, the tables grown).
+
+    Its reads count the hash index's reads of its own CPU-resident scalars and table fields (``tolist`` of
+    host tensors: no device read on a GPU, where everything else is on the device)."""
+    # the hash tables' index on triton too, as on a GPU (backend='triton' on the CPU leaves it native)
+    index_backend = EmbeddingCollection._index_backend
+    EmbeddingCollection._index_backend = lambda self: "triton"
+    try:
+        return count_step(tables, dynamic, "triton", samples=samples, rows=rows, warmup=warmup, device=device,
+                          counter=CountLaunches)
+    finally:
+        EmbeddingCollection._index_backend = index_backend
 
 
 def worst(counts: list[CountOps]) -> tuple[int, int]:
@@ -243,6 +333,13 @@ def time_step(tables: int, dynamic: bool, backend: str, device: str, samples: in
     return statistics.median(times)
 
 
+def _triton_counts() -> bool:
+    """Whether this run can count the triton step's launches (triton imports)."""
+    from hugeembed import _triton
+
+    return _triton.available()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--tables", type=int, nargs="+", default=[2, 8, 32, 128])
@@ -266,6 +363,20 @@ def main(argv=None) -> None:
               "1 id per bag, d16")
         print_table(["backend", "tables", *[f"{n} tables" for n in args.tables]], out)
         print()
+    if "triton" in backends or (not gpu and args.backends is None and _triton_counts()):
+        out = []
+        for dynamic in (False, True):
+            counts = [counted_launches(n, dynamic, device=args.device) for n in args.tables]
+            out.append(["dynamic" if dynamic else "static", *[f"{c.launches()} ({sum(c.kernels.values())} triton) / "
+                                                              f"{c.syncs()} reads" for c in counts]])
+        print(f"triton backend: launches / host reads per training step, counted (triton kernels + torch ops that "
+              f"launch; {'compiled' if gpu else 'no GPU: under the interpreter'}), steady state, 8 samples, 1 id "
+              f"per bag, d16, Adagrad; issue 32: <= 25 static, <= 40 dynamic, independent of the tables")
+        print_table(["tables", *[f"{n} tables" for n in args.tables]], out)
+        print()
+        backends = [b for b in backends if b != "triton" or gpu]  # (ops of the interpreted step: above)
+        if not backends:
+            return
     out = []
     for backend in backends:
         for dynamic in (False, True):

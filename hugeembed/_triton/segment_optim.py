@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..errors import InputError
 from ._grid import launch
-from ._rule_math import adam_catch_up, f64, pow_int, pow_nonneg, round_weights, to_nearest, widen
+from ._update_rows import _sum_entries, _update_rows
 from .dedup import Dedup
 
 __all__ = ["PooledGrads", "bag_terms", "segment_update", "COMPILE_CASES"]
@@ -117,27 +117,6 @@ def bag_terms(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: tor
 
 
 @triton.jit
-def _sum_entries(acc, lo, hi, order, bag_of, slot, weights, denom, grad, grad_stride, B, Fg, d, dmask,
-                 HAS_W: tl.constexpr):
-    """acc + the gradient terms of sorted positions [lo, hi), in order."""
-    i = lo
-    while i < hi:
-        j = tl.load(order + i)
-        bag = tl.load(bag_of + j)
-        f = bag // B
-        row = (bag - f * B) * Fg + tl.load(slot + f)
-        if HAS_W:
-            wj = tl.load(weights + j)
-        else:
-            wj = tl.full((), 1.0, tl.float32)
-        coef = tl.div_rn(wj, tl.load(denom + bag))
-        g = tl.load(grad + row.to(tl.int64) * grad_stride + d, mask=dmask, other=0.0)
-        acc += g * coef
-        i += 1
-    return acc
-
-
-@triton.jit
 def _chunk_sums(pid0, order, seg_start, counts, cum_extra, partial, chunk, bag_of, slot, weights, denom,
                 grad, grad_stride, B, Fg, D, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
     """Partial e (chunk c >= 1 of unique row s, e counted over the rows in order): its sum."""
@@ -174,132 +153,10 @@ def _extra_chunks(pid0, seg_start, extra, chunk, n, BLOCK: tl.constexpr):
     tl.store(extra + at, tl.maximum((lens + chunk - 1) // chunk - 1, 0), mask=inside)
 
 
-@triton.jit
-def _update_rows(pid0, order, seg_start, counts, rows, tables, cum_extra, partial, chunk,
-                 bag_of, slot, weights, denom, grad, grad_stride, B, Fg,
-                 wts, w_stride, st, s_stride, D, entry_keys, table_seed, mixed, step,
-                 p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, q0, q1, q2, q3,
-                 RULE: tl.constexpr, WD: tl.constexpr, NESTEROV: tl.constexpr, ADAM_MODE: tl.constexpr,
-                 DECOUPLED: tl.constexpr, EPS_TF: tl.constexpr, FTRL_SQRT: tl.constexpr,
-                 STOCHASTIC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Unique row s: its gradient (first chunk + partials, in order), then the rule on row rows[s]."""
-    s = pid0 + tl.program_id(0)
-    n_unique = tl.load(counts + 1)
-    live = s < n_unique
-    s = tl.minimum(s, tl.maximum(n_unique - 1, 0))
-    start = tl.load(seg_start + s)
-    end = tl.where(live, tl.load(seg_start + s + 1), start)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    g = _sum_entries(tl.zeros((BLOCK_D,), tl.float32), start, tl.minimum(end, start + chunk), order, bag_of, slot,
-                     weights, denom, grad, grad_stride, B, Fg, d, dmask, HAS_W)
-    e_lo = tl.load(cum_extra + s - 1, mask=s > 0, other=0)
-    e_hi = tl.where(live, tl.load(cum_extra + s), e_lo)
-    e = e_lo
-    while e < e_hi:
-        g += tl.load(partial + e.to(tl.int64) * D + d, mask=dmask, other=0.0)
-        e += 1
-    ok = dmask & live
-    r = tl.load(rows + s).to(tl.int64)
-    wp = wts + r * w_stride + d
-    sp = st + r * s_stride
-    w = widen(tl.load(wp, mask=ok, other=0.0))
-    if RULE == 0:  # SGD: p = lr, wd
-        if WD:
-            g = g + w * p1
-        w = w - g * p0
-    elif RULE == 1:  # momentum: p = lr, momentum, wd
-        buf = widen(tl.load(sp + d, mask=ok, other=0.0))
-        if WD:
-            g = g + w * p2
-        buf = buf * p1 + g
-        if NESTEROV:
-            w = w - (g + buf * p1) * p0
-        else:
-            w = w - buf * p0
-        tl.store(sp + d, to_nearest(buf, st.dtype.element_ty), mask=ok)
-    elif RULE == 2:  # Adagrad: p = clr, eps, wd
-        acc = widen(tl.load(sp + d, mask=ok, other=0.0))
-        if WD:
-            g = g + w * p2
-        acc = acc + g * g
-        w = w - tl.div_rn(g * p0, tl.sqrt_rn(acc) + p1)
-        tl.store(sp + d, to_nearest(acc, st.dtype.element_ty), mask=ok)
-    elif RULE == 3:  # row-wise Adagrad: p = lr, eps, wd
-        acc = widen(tl.load(sp, mask=live, other=0.0))
-        gp = g
-        if WD:
-            gp = g + w * p2
-        gp64 = gp.to(tl.float64)
-        acc = acc + (tl.sum(gp64 * gp64, axis=0) / D).to(tl.float32)
-        mult = tl.div_rn(p0 + tl.zeros((), tl.float32), tl.sqrt_rn(acc) + p1)
-        if WD:
-            w = w * (1.0 - mult * p2) - g * mult
-        else:
-            w = w - g * mult
-        tl.store(sp, to_nearest(acc, st.dtype.element_ty), mask=live)
-    elif RULE == 4:  # Adam: p = lr, b1, 1-b1, b2, 1-b2, eps, wd, c, step_scale, dscale, tol, fa, fb
-        m = widen(tl.load(sp + d, mask=ok, other=0.0))
-        v = widen(tl.load(sp + D + d, mask=ok, other=0.0))
-        step_scale = p8 + tl.zeros((), tl.float32)
-        dscale = p9 + tl.zeros((), tl.float32)
-        if ADAM_MODE != 0:
-            cnt = tl.load(sp + 2 * D, mask=live, other=0.0).to(tl.int32, bitcast=True)
-        if ADAM_MODE == 2:  # global: replay the steps since the row's last, then this one
-            w, m, v = adam_catch_up(w, m, v, cnt, step - 1 - cnt, f64(q0), f64(q1), f64(q2), f64(q3), p1, p3, p5,
-                                    p7, p10, p11, p12, dmask, DECOUPLED and WD, EPS_TF)
-            cnt = step + cnt * 0
-        elif ADAM_MODE == 1:  # per-row bias correction: the row's own count
-            cnt = cnt + 1
-            bc1 = 1.0 - pow_int(f64(q1), cnt)
-            bc2 = 1.0 - pow_int(f64(q2), cnt)
-            if EPS_TF:
-                step_scale = (f64(q0) * tl.sqrt(bc2) / bc1).to(tl.float32)
-            else:
-                step_scale = (f64(q0) / bc1).to(tl.float32)
-                dscale = tl.sqrt(bc2).to(tl.float32)
-        if WD and DECOUPLED:
-            w = w * p7
-        if WD and not DECOUPLED:
-            g = g + w * p6
-        m = m * p1 + g * p2
-        v = v * p3 + (g * g) * p4
-        w = w - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), dscale) + p5) * step_scale
-        tl.store(sp + d, to_nearest(m, st.dtype.element_ty), mask=ok)
-        tl.store(sp + D + d, to_nearest(v, st.dtype.element_ty), mask=ok)
-        if ADAM_MODE != 0:
-            tl.store(sp + 2 * D, cnt.to(tl.float32, bitcast=True), mask=live)  # (fp32 state: kernel_params checks)
-    else:  # FTRL: p = lr, l1, 2 l2', 2 l2_shrinkage, -lr_power
-        n = widen(tl.load(sp + d, mask=ok, other=0.0))
-        z = widen(tl.load(sp + D + d, mask=ok, other=0.0))
-        gs = g
-        if WD:
-            gs = g + w * p3
-        n_new = n + g * g
-        if FTRL_SQRT:
-            pn = tl.sqrt_rn(n_new)
-            po = tl.sqrt_rn(n)
-        else:
-            pn = pow_nonneg(n_new, f64(q0)).to(tl.float32)
-            po = pow_nonneg(n, f64(q0)).to(tl.float32)
-        sigma = tl.div_rn(pn - po, p0 + tl.zeros_like(pn))
-        z = z + (gs - sigma * w)
-        quad = tl.where(ok, tl.div_rn(pn, p0 + tl.zeros_like(pn)) + p2, 1.0)  # lanes past D: no 0 / 0
-        w = tl.div_rn(tl.minimum(tl.maximum(z, -p1), p1) - z, quad)
-        tl.store(sp + d, to_nearest(n_new, st.dtype.element_ty), mask=ok)
-        tl.store(sp + D + d, to_nearest(z, st.dtype.element_ty), mask=ok)
-    if STOCHASTIC:  # the row's key (its first entry's) and its table's seed draw the rounding
-        key = tl.load(entry_keys + tl.load(order + start))
-        seed = tl.load(table_seed + tl.load(tables + s))
-    else:
-        key = r
-        seed = r
-    tl.store(wp, round_weights(w, wts.dtype.element_ty, STOCHASTIC, seed, mixed, key, d), mask=ok)
-
-
 def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: torch.Tensor, rule_params, *,
                    step: int, chunk: int = 64, keys: torch.Tensor | None = None,
-                   table_seed: torch.Tensor | None = None, rounding_mix: int = 0) -> None:
+                   table_seed: torch.Tensor | None = None, rounding_mix: int = 0,
+                   unit_tables: torch.Tensor | None = None) -> None:
     """Sums each unique row's gradient and applies one rule step to the row and its state, in place.
 
     Args:
@@ -313,6 +170,9 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
         keys, table_seed: stochastic rounding: int64 [N] each entry's key (a row draws by its key) and
             int64 [T] each table's seed (dd.tables index it); None: rounded to nearest.
         rounding_mix: ``mix64_int(step ^ salt)`` of hugeembed._hashing (stochastic rounding).
+        unit_tables: int64, each table of `dd.tables` -> the unit's index of it, or -1: its rows are
+            another unit's, left alone (runs of a whole batch, from the triton prepare); None: every
+            row is the unit's, `dd.tables` its index.
     """
     p, q, flags = rule_params
     D = weights.shape[1]
@@ -347,10 +207,13 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     st = state if state.numel() else weights
     keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
     seeds = table_seed if stochastic else dd.counts
-    launch(_update_rows, min(n, weights.shape[0]), dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables, cum_extra, partial, chunk,
+    # at most one unique row per row of `weights` when the runs are the unit's own (a batch's: any number)
+    programs = n if unit_tables is not None else min(n, weights.shape[0])
+    launch(_update_rows, programs, dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables,
+           unit_tables if unit_tables is not None else dd.tables, cum_extra, partial, chunk,
            src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg,
            weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
-           STOCHASTIC=stochastic, HAS_W=has_w, BLOCK_D=block_d, **flags)
+           STOCHASTIC=stochastic, HAS_W=has_w, UNIT_MAP=unit_tables is not None, BLOCK_D=block_d, **flags)
 
 
 def _cases():
@@ -368,11 +231,11 @@ def _cases():
                 "chunk": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
     out.append(("segment_optim.chunk_sums[d64]", _chunk_sums, chunks, {"HAS_W": True, "BLOCK_D": 64}))
     flags = ("RULE", "WD", "NESTEROV", "ADAM_MODE", "DECOUPLED", "EPS_TF", "FTRL_SQRT", "STOCHASTIC", "HAS_W",
-             "BLOCK_D")
+             "UNIT_MAP", "BLOCK_D")
 
     def rows_sig(wdt):
         return {"pid0": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "rows": "*i32",
-                "tables": "*i32", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
+                "tables": "*i32", "unit_tables": "*i64", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
                 "wts": f"*{wdt}", "w_stride": "i32", "st": "*fp32", "s_stride": "i32", "D": "i32",
                 "entry_keys": "*i64", "table_seed": "*i64", "mixed": "i64", "step": "i32",
                 **{f"p{i}": "fp32" for i in range(13)}, **{f"q{i}": "i64" for i in range(4)},
@@ -386,7 +249,7 @@ def _cases():
         ("adam_lazy", "fp32", dict(RULE=4)), ("adam_lazy_tf_l2", "fp32", dict(RULE=4, EPS_TF=True, WD=True)),
         ("adam_per_row", "fp32", dict(RULE=4, ADAM_MODE=1)),
         ("adam_per_row_tf", "fp32", dict(RULE=4, ADAM_MODE=1, EPS_TF=True)),
-        ("adam_global", "fp32", dict(RULE=4, ADAM_MODE=2)),
+        ("adam_global", "fp32", dict(RULE=4, ADAM_MODE=2)), ("adagrad_unit_map", "fp32", dict(RULE=2, UNIT_MAP=True)),
         ("adam_global_adamw_tf", "fp32", dict(RULE=4, ADAM_MODE=2, WD=True, DECOUPLED=True, EPS_TF=True)),
         ("adam_global_fp16_sr", "fp16", dict(RULE=4, ADAM_MODE=2, STOCHASTIC=True)),
         ("adam_lazy_bf16", "bf16", dict(RULE=4)),
@@ -394,7 +257,7 @@ def _cases():
     ]
     for name, wdt, f in variants:
         consts = {"RULE": 0, "WD": False, "NESTEROV": False, "ADAM_MODE": 0, "DECOUPLED": False, "EPS_TF": False,
-                  "FTRL_SQRT": True, "STOCHASTIC": False, "HAS_W": True, "BLOCK_D": 64, **f}
+                  "FTRL_SQRT": True, "STOCHASTIC": False, "HAS_W": True, "UNIT_MAP": False, "BLOCK_D": 64, **f}
         out.append((f"segment_optim.update_rows[{name}]", _update_rows, rows_sig(wdt), consts))
     return out
 

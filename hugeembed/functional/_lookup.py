@@ -19,6 +19,7 @@ from ._native_stages import NativeScratch, batch_arrays, can_use_native, pool_di
 from ._outputs import PooledEmbeddings
 from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
 from ._reference import prepare_torch
+from ._triton_prepare import prepare_triton
 from ._triton_stages import forward_direct_triton, triton_runs_on
 from ._lookup_run import LookupFunction, LookupRun, runs_of, weights_need_grad
 
@@ -47,8 +48,8 @@ class FusedEmbeddingLookup:
             import or the tensors are on neither CUDA nor, under ``TRITON_INTERPRET=1``, the CPU) or
             ``"torch"``.  The triton backend pools (functional/_triton_stages.py: pooled features of
             fp32/fp16/bf16 rows, float32 or no weights; forward-only static lookups straight from the
-            batch); the clean + dedup stage, unpooled features, float64 rows or weights run on the
-            torch reference, and so does the backward unless a row_grad_hook takes the fused triton
+            batch) and cleans + dedups (functional/_triton_prepare.py); unpooled features, float64 rows
+            or weights run on the torch reference, and so does the backward unless a row_grad_hook takes the fused triton
             update (functional/_triton_backward.py: an EmbeddingCollection's training step).
 
         row_groups: per table, the group of tables whose rows it reads from one storage (a table
@@ -153,12 +154,15 @@ class FusedEmbeddingLookup:
         lookup (inference), which sums no gradient per row; such a batch refuses a backward.
         """
         self.plan.check_batch(sf, ends=False)
-        self.triton_pools(sf.device)  # (backend='triton' refuses a device it cannot run on, before any work)
+        on_triton = self.triton_pools(sf.device)  # (backend='triton' refuses a device it cannot run on, first)
+        prep = None
         if self._native_checked(sf, storages, ends=False):
             if self._scratch is None:
                 self._scratch = NativeScratch()
             prep = prepare_native(self.plan, sf, self._scratch, deduplicate)
-        else:
+        elif on_triton:
+            prep = prepare_triton(self.plan, sf, deduplicate)
+        if prep is None:
             prep = prepare_torch(self.plan, sf, deduplicate)
         w = sf.weights_or_none()
         prep.weights_require_grad = w is not None and w.requires_grad

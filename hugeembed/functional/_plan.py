@@ -129,6 +129,8 @@ class Prepared:
     weights_require_grad: bool = False  # the batch's weights did; `weights` carries their graph only if
     #                                      prepared with grad enabled, by the torch path
     feature_starts: list[int] | None = None  # offsets[f * B] for f in 0..F, on the host (the torch path's)
+    runs: object | None = None  # the triton prepare's sorted runs (_triton/dedup.Dedup over its entries, by unique
+    #                             key; tables: each key's lookup table): the fused update reads them
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]

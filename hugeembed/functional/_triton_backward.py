@@ -9,6 +9,8 @@ tables), float32 output gradients.  Anything else takes the torch reference's ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._plan import LookupPlan, Prepared
@@ -40,6 +42,9 @@ class FusedGrads:
             prep.offsets, prep.weights, arrays["combiner"], B, n,
             entries=(prep.inverse, slots, prep.unique_keys, arrays["table"]))
         self.count = n
+        # the triton prepare's runs (its sorted entries by unique key) with the slots as their rows: the
+        # update reads them instead of deduplicating the entries' slots again
+        self.runs = None if prep.runs is None else dataclasses.replace(prep.runs, rows=slots)
         self._by_dim: dict[int, PooledGrads] = {}
         for g, group in enumerate(plan.groups):
             if not group.pooled:

@@ -1,6 +1,6 @@
 """A training step's update on the triton kernels: per update unit, its entries deduplicated on the device
-(hugeembed/_triton/dedup.py) and its rows' gradients summed and its rule applied in one kernel
-(hugeembed/_triton/segment_optim.py), with no gradient rows made and no host read.
+(the triton prepare's runs, or hugeembed/_triton/dedup.py after another prepare) and its rows' gradients
+summed and its rule applied in one kernel (hugeembed/_triton/segment_optim.py), with no gradient rows made and no host read.
 
 A unit takes it when its rule is one the kernel has (optim/_kernel_params.supported_rule), its tables
 train at one lr, have no lr_count_scale and no shared row, and its group's rows are float32 / float16 /
@@ -58,10 +58,12 @@ def fused_update(unit, group, grads, positions: int, lr: float, step: int) -> No
     dev = grads.entry_slots.device
     local, seeds, base, bound = _constants(unit, positions, dev)
     storage = group.storage()
-    # the entries' slots are rows of the group already; entries of other units' tables: table -1
-    dd = dedup(grads.entry_slots, local[grads.entry_tables], base, bound, storage.shape[0])
+    if grads.runs is not None:  # the triton prepare's runs: rows of other units' tables left alone
+        dd, unit_tables = grads.runs, local
+    else:  # the entries' slots are rows of the group already; entries of other units' tables: table -1
+        dd, unit_tables = dedup(grads.entry_slots, local[grads.entry_tables], base, bound, storage.shape[0]), None
     lay = group.layout
     segment_update(dd, grads.of_dim(unit.dim), lay.weights(storage), lay.state(storage),
                    kernel_params(unit.rule, lr, step, lay.dtype), step=step,
                    keys=grads.entry_keys if unit.rounds else None, table_seed=seeds if unit.rounds else None,
-                   rounding_mix=mix64_int((step ^ _ROUNDING_SALT) & _MASK64))
+                   rounding_mix=mix64_int((step ^ _ROUNDING_SALT) & _MASK64), unit_tables=unit_tables)

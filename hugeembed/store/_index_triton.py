@@ -3,9 +3,9 @@ tensors under triton's interpreter, for the tests).  The same calls as store/_in
 TorchIndex, equal to it bucket for bucket (the kernels: hugeembed/_triton/hash_index.py).
 
 A find-or-insert reads the host once: probe, classify and count in a kernel; the checks the
-reference makes on the host (duplicate keys, row limits, the longest probe, room, bad counts) as
-device ops into one outcome flag; the commit and three rounds of claims run gated by that flag;
-then the call's need[] comes back in one read.  Only a claim left unfinished after three rounds
+reference makes on the host (duplicate keys and the longest probe as device ops; row limits, room,
+bad counts, the outcome and need[] in one program, hugeembed/_triton/hash_need.py); the commit
+and three rounds of claims run gated by that flag; then the call's need[] comes back in one read.  Only a claim left unfinished after three rounds
 (crowds longer than a 128-bucket window) reads again, once per further round.  Erase and rehash
 (eviction, growth: a host read is expected there) are the reference's rebuild.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, StoreError
-from ._index import (G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, PROBE_LIMIT, T_ADMIT_K, T_HASH_KEY, T_PENDING,
+from ._index import (G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, T_ADMIT_K, T_HASH_KEY, T_PENDING,
                      T_ROW_LIMIT, T_ROWS, Need, Outcome, pack)
 from ._index_torch import TorchIndex, _check, _homes
 
@@ -46,9 +46,9 @@ class TritonIndex(TorchIndex):
     name = "triton"
 
     def __init__(self, block: int = 128, claim_block: int = 32, shuffle: torch.Generator | None = None) -> None:
-        from .._triton import hash_index  # triton is optional: imported when this backend is chosen
+        from .._triton import hash_index, hash_need  # triton is optional: imported when this backend is chosen
 
-        self._kernels = hash_index
+        self._kernels, self._kernels_need = hash_index, hash_need
         self._block, self._claim_block, self._shuffle = block, claim_block, shuffle
         self._claims: torch.Tensor | None = None  # per bucket: the stamp of the last round that wanted it
         self._epoch = 0
@@ -106,37 +106,27 @@ class TritonIndex(TorchIndex):
                      INSERT=True, ROWS_ONLY=False, HAS_COUNTS=counts is not None, HAS_ADMIT=admit is not None,
                      HAS_HITS=h is not None)
         new, promote = (flags & k.NEW) != 0, (flags & k.PROMOTE) != 0
-        gets_row = (flags & (k.MADE | k.PROMOTE)) != 0
         at = torch.arange(n, **i64)
-        rows_t, pend_t = per_table[:, 0], per_table[:, 1]
-        n_new, n_rows = new.sum(), rows_t.sum()
         longest, long_table = self._longest(tids, probes, homes, new, at)
         dup, dup_key, dup_table = self._duplicate(keys, tids, new | promote, T, at)
-        bad_tid = ((tids < -1) | (tids >= T)).any()
-        bad_at = torch.full((1,), n, **i64)[0] if counts is None else \
-            torch.where((counts < 1) & (tids >= 0), at, n).min()
-        over = (tab[T_ROWS] + rows_t > tab[T_ROW_LIMIT]).any()
-        grow = (entries + n_new > g.max_entries()) | (hwm + (n_rows - nfree).clamp(min=0) > g.rows_capacity())
-        outcome = torch.full((), int(Outcome.DONE), **i64)  # the reference's order of checks: the first that fails
-        for failed, rc in ((grow, Outcome.MUST_GROW), (longest > PROBE_LIMIT, Outcome.LONG_PROBE),
-                           (over, Outcome.OVER_LIMIT), (dup, Outcome.DUPLICATE_KEY)):
-            outcome = torch.where(failed, int(rc), outcome)
-        ok = (outcome == Outcome.DONE) & ~bad_tid & (bad_at == n)
+        # the checks, the outcome (the reference's order), each row's rank, the keys to place and need[]: one
+        # program (hugeembed/_triton/hash_need.py)
+        rank, active = torch.empty(n, **i64), torch.empty(n, dtype=torch.int32, device=dev)
+        ok_flag = torch.empty(1, dtype=torch.int32, device=dev)
+        values = torch.empty(NEED_HEAD + 3 * T + _X_LEN, **i64)
+        self._kernels_need.need_kernel[(1,)](
+            flags, tids, c, per_table, tab[T_ROWS], tab[T_ROW_LIMIT], n, T, entries, hwm, nfree, g.max_entries(),
+            g.rows_capacity(), longest.reshape(1), long_table.reshape(1), dup.reshape(1), dup_key.reshape(1),
+            dup_table.reshape(1), rank, active, ok_flag, values, pid0=0, HAS_COUNTS=counts is not None, BLOCK=1024)
         # commit (nothing when not ok): slots in batch order, the found keys' words, the new records
-        rank = torch.cumsum(gets_row, 0) - gets_row.to(torch.int64)
         word2, made_slots, made_keys, made_tids = (torch.empty(n, **i64) for _ in range(4))
         self._launch(k.commit_kernel, n, self._block, g.buckets, tids, n, codes, pos, n_after, flags, rank,
-                     g.free_rows, nfree, hwm, step, ok.to(torch.int32).reshape(1), o, word2, made_slots, made_keys,
+                     g.free_rows, nfree, hwm, step, ok_flag, o, word2, made_slots, made_keys,
                      keys, made_tids)
-        active = (new & ok).to(torch.int32)
         last = torch.full((n,), step, **i64)
         self._claim(g, keys, tids, word2, last, active, pos, _BLIND_WIDTHS)
-        bad = bad_at.clamp(max=n - 1)
-        extra = torch.stack([outcome, bad_tid.to(torch.int64), bad_at, _at(c, bad) if counts is not None else bad_at,
-                             _at(tids, bad), active.sum()])
-        head = torch.stack([n_new, n_rows, pend_t.sum(), torch.where(ok, gets_row.sum(), 0), dup_key, dup_table,
-                            long_table, longest])
-        values = torch.cat([head, per_table[:, :2].reshape(-1), extra, per_table[:, 2]]).tolist()  # the one read
+        torch.sum(active, 0, dtype=torch.int64, out=values[NEED_HEAD + 2 * T + _X_LEFT])  # the claims left
+        values = values.tolist()  # the one read
         cut = NEED_HEAD + 2 * T
         need, x, promoted = values[:cut], values[cut : cut + _X_LEN], values[cut + _X_LEN :]
         if x[_X_BAD_TID]:

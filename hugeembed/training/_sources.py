@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import abc
 import itertools
+from pathlib import Path
 from typing import Iterator
 
-from pathlib import Path
+import torch.distributed as dist
 
 from ..data import (Batch, BayesMetrics, Loader, Schema, ShardSet, SyntheticConfig, SyntheticCriteo, count_rows,
                     criteo_schema, fit_stats, load_schema)
+from ..distributed import Comm
 from ..errors import ConfigError
 from ._config import TrainConfig
 
@@ -140,6 +142,7 @@ class FileSource(DataSource):
         self.description = f"{'Criteo data' if self.schema.is_criteo() else 'data'} {', '.join(paths)}"
         self._eval_cache: list[Batch] | None = None
         self._eval_loader: Loader | None = None
+        self._text_comm = None
         self.holdout = 0
         if not cfg.eval_data:
             self._plan_holdout(", ".join(paths))
@@ -180,7 +183,15 @@ class FileSource(DataSource):
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         self.loader.set_epoch(epoch)
-        return itertools.islice(iter(self.loader), self.holdout + skip, None)
+        mine = itertools.islice(iter(self.loader), self.holdout + skip, None)
+        if self.world > 1 and self.loader.shards is None and dist.is_initialized():
+            return _while_every_rank_has_one(mine, self._comm())
+        return mine
+
+    def _comm(self):
+        if self._text_comm is None:
+            self._text_comm = Comm(dist.group.WORLD, self.cfg.dist_timeout)
+        return self._text_comm
 
     def eval_batches(self) -> Iterator[Batch]:
         if self.cfg.eval_data:
@@ -204,3 +215,14 @@ def make_source(cfg: TrainConfig, rank: int = 0, world_size: int = 1, schema: Sc
     if not cfg.data:
         return SyntheticSource(cfg, rank, world_size)
     return FileSource(cfg, rank, world_size, schema if schema is not None else run_schema(cfg))
+
+
+def _while_every_rank_has_one(batches: Iterator[Batch], comm) -> Iterator[Batch]:
+    """The batches while every rank has one: ranks reading text take lines i % N == r in whole
+    batches, so one may hold a batch more than another at the end of an epoch; that batch is left
+    out (as a short one is), since every step's collectives need every rank.  One int64 all-reduce
+    per step, on the default group from the training thread (the embedding exchanges have their own)."""
+    for batch in itertools.chain(batches, [None]):
+        if comm.all_reduce_max("end of the epoch's text", int(batch is None)):
+            return
+        yield batch

@@ -180,7 +180,8 @@ def test_three_ranks_mixed_plans_and_resume_across_layouts(tmp_path):
     three = run_ranks(3, "tests.dist.workers_colwise:main", {"cases": [
         {"name": "mixed", "opt": "adagrad", "plan": mixed, "steps": (2, 4), "load": str(tmp_path / "one"),
          "save": str(tmp_path / "three")},
-        {"name": "ftrl", "opt": "ftrl", "plan": COLWISE, "steps": (0, 3)}], "refusals": refusals})
+        *({"name": o, "opt": o, "plan": COLWISE, "steps": (0, 3)} for o in ("ftrl", "momentum", "adam_per_row"))],
+        "refusals": refusals})
     ec, outs, ev = reference("adagrad", range(2, 4), load=tmp_path / "one")
     B = GLOBAL_BATCH // 3
     want = ec.state_dict()
@@ -204,7 +205,8 @@ def test_three_ranks_mixed_plans_and_resume_across_layouts(tmp_path):
     assert "evict_norm_below" in lines["norm_eviction"], lines
     assert "stochastic rounding" in lines["rounding"], lines
     assert all(v.startswith("ConfigError: table 'user'") and "\n" not in v for v in lines.values()), lines
-    check_case(three, 3, "ftrl", reference("ftrl", range(3)))
+    for o in ("ftrl", "momentum", "adam_per_row"):
+        check_case(three, 3, o, reference(o, range(3)))
     two = run_ranks(2, "tests.dist.workers_colwise:main", {"cases": [
         {"name": "on", "opt": "adagrad", "plan": COLWISE, "steps": (4, 6), "load": three[0]["cases"]["mixed"]["saved"]}]})
     check_case(two, 2, "on", reference("adagrad", range(4, 6), load=three[0]["cases"]["mixed"]["saved"]))

@@ -40,10 +40,14 @@ def _run(world: int, **cfg) -> list[dict]:
     return run_ranks(world, "tests.dist.test_servers:fit", {"cfg": {**RUN, **cfg}}, deadline_s=300.0)
 
 
-def _assert_same_model(got: list[dict], want: list[dict], exact: bool) -> None:
-    """Tables by key (every shard of every rank) and dense weights equal: bit for bit when `exact`."""
-    tg = merge_shards([r["tables"] for r in got], got[0]["replicated"])
-    tw = merge_shards([r["tables"] for r in want], want[0]["replicated"])
+def _assert_same_model(got: list[dict], want: list[dict], exact: bool, blocks: tuple = ()) -> None:
+    """Tables by key (every shard of every rank) and dense weights equal: bit for bit when `exact`; the column
+    blocks of `blocks` tables are compared block by block by the caller."""
+    def rest(r: dict) -> dict:
+        return {n: t for n, t in r["tables"].items() if n not in blocks}
+
+    tg = merge_shards([rest(r) for r in got], got[0]["replicated"])
+    tw = merge_shards([rest(r) for r in want], want[0]["replicated"])
     assert_tables(tg, tw, exact=set(tw) if exact else set(), what="servers vs none")
     assert got[0]["dense"].keys() == want[0]["dense"].keys()
     for n, p in want[0]["dense"].items():
@@ -246,3 +250,31 @@ def test_tables_on_disk_live_on_the_server_and_train_as_in_memory(tmp_path):
     _assert_same_model(tiered, plain, exact=True)
     assert sorted(p.name for p in (tmp_path / "tiers").iterdir()) == ["rank2"]
     assert 0 < tiered[0]["summary"]["cache_hit_rate"] <= 1
+
+
+@pytest.mark.slow
+def test_a_column_wise_table_on_two_servers_trains_as_on_two_workers():
+    """C3 column-wise over the 2 servers of 4 ranks (2 workers) against C3 column-wise over 2 ranks without servers."""
+    served = _run(4, servers=2, sharding=("C3=column_wise@2,3",), steps=4)
+    plain = _run(2, sharding=("C3=column_wise",), steps=4)
+    assert served[2]["tables"]["C3"]["keys"].numel() > 0 and served[0]["tables"]["C3"]["keys"].numel() == 0
+    _assert_same_model(served, plain, exact=True, blocks=("C3",))
+    for s, p in ((2, 0), (3, 1)):  # block b of C3: on server 2 + b with servers, on rank b without
+        got, want = ({"C3": r["tables"]["C3"]} for r in (served[s], plain[p]))
+        assert_tables(merge_shards([got]), merge_shards([want]), exact={"C3"}, what=f"C3 block {p}")
+
+
+@pytest.mark.slow
+def test_converted_shards_with_a_server_train_as_without(tmp_path):
+    """Shards: the workers read their slices and hold out their first batches for evaluation; the server follows
+    worker 0's epoch length (2 epochs) without opening the data."""
+    from hugeembed.data import SyntheticConfig, convert, write_criteo_tsv
+
+    write_criteo_tsv(tmp_path / "train.tsv", 600, config=SyntheticConfig(seed=5, max_cardinality=500))
+    convert(tmp_path / "train.tsv", tmp_path / "shards", rows_per_shard=250)
+    files = dict(data=(str(tmp_path / "shards"),), steps=None, epochs=2, eval_rows=64, eval_every=0)
+    served = _run(3, servers=1, **files)
+    plain = _run(2, **files)
+    a, b = served[0]["summary"], plain[0]["summary"]
+    assert a["steps"] == b["steps"] > 0 and a["epochs"] == b["epochs"] and a["samples"] == b["samples"]
+    _assert_same_model(served, plain, exact=True)

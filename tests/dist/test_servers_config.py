@@ -65,3 +65,12 @@ def test_the_python_api_refuses_servers_that_leave_no_worker():
         Trainer(TrainConfig(servers=1, steps=1))
     with pytest.raises(ConfigError, match="servers must be a non-negative integer"):
         TrainConfig(servers=-2)
+
+
+def test_column_wise_tables_spread_over_the_servers():
+    from hugeembed.optim import SGD
+
+    wide = TableConfig("wide", 64, num_rows=100_000, features=("f",))
+    plan = propose_plan([wide], 6, 16 << 20, optimizer=SGD(lr=0.1), batch_size=100, ids_per_step={"wide": 400 * 20},
+                        servers=4)
+    assert plan["wide"].kind is ShardKind.COLUMN_WISE and plan["wide"].ranks == (2, 3, 4, 5)

@@ -11,7 +11,12 @@ from hugeembed import checkpoint as ckpt
 from hugeembed.distributed import ShardedEmbeddingCollection, ShardingPlan, new_embedding_group
 from hugeembed.features import SparseFeatures
 
-from .common import GLOBAL_BATCH, OPTIMIZERS, coef
+from hugeembed.optim import MomentumSGD
+
+from .common import GLOBAL_BATCH, RARE_OPTIMIZERS, coef
+
+# the CLI's default rule (Adam, per-row bias correction: a per-row counter beside per-element state) besides
+RULES = {**RARE_OPTIMIZERS, "momentum": lambda: MomentumSGD(lr=0.1, momentum=0.9, nesterov=True)}
 
 EVAL_STEP = 100
 
@@ -22,8 +27,8 @@ def colwise_tables(opt_name: str, dim: int = 6):
     a capacity (LFU eviction) and probabilistic admission: every block must keep the same keys."""
     from hugeembed.nn import TableConfig
 
-    opt = OPTIMIZERS[opt_name]()
-    scale = 3 if opt_name in ("sgd", "adagrad", "adam_lazy") else None  # rules whose step is linear in lr
+    opt = RULES[opt_name]()
+    scale = 3 if opt_name in ("sgd", "adagrad", "adam_lazy", "momentum") else None  # steps linear in lr
     return [
         TableConfig("user", dim, combiner="sum", admit_min_count=2, max_pending=6, ttl=3, evict_interval=2,
                     optimizer=opt),

@@ -95,7 +95,13 @@ def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int)
 
 
 def test_the_kernels_constants_are_the_layouts():
+    from hugeembed._triton import hash_need
+    from hugeembed.store._index import NEED_HEAD, PROBE_LIMIT
+
     assert (hash_index.EMPTY_TABLE, hash_index.PENDING) == (EMPTY_TABLE, PENDING)
+    assert (hash_need.NEED_HEAD, hash_need.PROBE_LIMIT) == (NEED_HEAD, PROBE_LIMIT)
+    assert (hash_need._GROW, hash_need._OVER, hash_need._DUP, hash_need._LONG) == (
+        Outcome.MUST_GROW, Outcome.OVER_LIMIT, Outcome.DUPLICATE_KEY, Outcome.LONG_PROBE)
 
 
 op = st.one_of(

@@ -125,3 +125,21 @@ def test_what_the_kernels_do_not_take_falls_back_to_torch(fused_calls):
     for k, v in ref.state_dict().items():
         got = tri.state_dict()[k]
         assert torch.equal(got, v) if not v.dtype.is_floating_point else torch.allclose(got, v, rtol=1e-5, atol=1e-6), k
+
+
+def test_units_of_two_groups_share_the_prepared_runs(fused_calls):
+    """Tables of two dims (two groups, two units): each unit's update reads the batch's runs and leaves the
+    other unit's rows alone; the same tables as the torch backend."""
+    def make(backend):
+        return EmbeddingCollection([TableConfig("a", 4, num_rows=9, combiner="sum"),
+                                    TableConfig("b", 3, num_rows=5, combiner="mean")],
+                                   optimizer=Adagrad(lr=0.1), backend=backend, seed=3, device=DEV)
+    tri, ref = make("triton"), make("torch")
+    for ec in (tri, ref):
+        for s in range(3):
+            out = ec(_batch(s))
+            sum((v * torch.linspace(-1, 1, v.numel(), device=DEV).view_as(v)).sum() for v in out.groups()).backward()
+    assert len(fused_calls) == 6  # two units a step
+    for k, v in ref.state_dict().items():
+        got = tri.state_dict()[k]
+        assert torch.equal(got, v) if not v.dtype.is_floating_point else torch.allclose(got, v, rtol=1e-5, atol=1e-6), k

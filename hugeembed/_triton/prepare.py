@@ -1,0 +1,230 @@
+"""Clean + dedup of a batch on the device (the triton twin of functional/_reference.prepare_torch): a
+few launches, grids from the batch's shapes, and one read of the device by the caller (the report).
+
+    _clean_bags    one program per plan bag: TF's cleaning (pruned ids, out-of-range policy, weights
+                   <= 0 dropped) counts the bag's kept ids (+1 for an empty pooled bag with a
+                   default_id); the programs past the bags check every input bag's offsets
+    torch.cumsum   the bags' lengths -> the cleaned offsets
+    _scatter_bags  the same pass again, each kept id written at its place in bag order (with its
+                   weight, table and sort key); the programs past the bags pad the tail
+    torch.sort     by the key (table base + id: one sort), or by id then table (dynamic tables)
+    _run_heads     which sorted positions start a run of one (table, id)
+    torch.cumsum   -> each run's unique index
+    _encode_runs   the unique keys, each entry's unique index, the counts per key and per table
+
+The report (int64, zeroed) gathers what the host needs, read once: [bad offsets, first bad weight,
+first id out of range (as ``BIG - code``, code = feature * (N + 1) + position: the atomic max keeps
+the first), ids kept, unique keys per table (T), the cleaned offsets at each feature's start (F + 1)].
+Every index stays in range however bad the batch is (a bad batch raises after the read).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["REPORT_HEAD", "BIG", "COMPILE_CASES"]
+
+REPORT_HEAD = 4
+BIG = 2**62
+_HEAD = tl.constexpr(REPORT_HEAD)
+_BIG = tl.constexpr(BIG)
+_NONE = tl.constexpr(3)  # combiner code of an unpooled feature (plan.arrays)
+
+
+@triton.jit
+def _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id, HAS_W: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """(the ids after the out-of-range policy, kept, not-finite weight, id out of range under "error",
+    weights) of the lanes `at` (mask `m`) of a bag of feature f, table t."""
+    v = tl.load(values + at, mask=m, other=0)
+    if HAS_W:
+        w = tl.load(weights + at, mask=m, other=1.0)
+        bad_w = m & ((w != w) | (tl.abs(w) == float("inf")))
+        keep = m & (w > 0)
+    else:
+        w = tl.full((BLOCK,), 1.0, tl.float32)
+        bad_w = m & (v != v)  # (all False)
+        keep = m
+    keep = keep & ~((v < 0) & (tl.load(prune_neg + f) != 0))
+    nr = tl.load(num_rows + t)
+    pol = tl.load(oor + f)
+    oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
+    err = oob & (pol == 0)
+    keep = keep & ~(oob & (pol == 1))
+    v = tl.where(oob & (pol == 2), tl.load(default_id + f), v)
+    return v, keep, bad_w, err, w
+
+
+@triton.jit
+def _clean_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune_neg, oor, has_default,
+                default_id, combiner, lengths, out_offsets, report, B, FB, n_in, N,
+                HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p < FB: bag p's cleaned length; p >= FB: the input bags [k * BLOCK, (k + 1) * BLOCK)'s
+    offsets (k = p - FB) in [0, N], never decreasing, from 0 to N."""
+    p = pid0 + tl.program_id(0)
+    if p < FB:
+        f = p // B
+        ib = tl.load(src + f) * B + (p - f * B)
+        lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
+        hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
+        t = tl.load(feat_table + f)
+        kept = tl.zeros((), tl.int64)
+        first_bad = tl.zeros((), tl.int64)
+        first_err = tl.zeros((), tl.int64)
+        i = lo
+        while i < hi:
+            at = i + tl.arange(0, BLOCK)
+            m = at < hi
+            v, keep, bad_w, err, w = _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id,
+                                              HAS_W, BLOCK)
+            kept += tl.sum(keep.to(tl.int64), axis=0)
+            code = _BIG - (f.to(tl.int64) * (N + 1) + at)
+            first_bad = tl.maximum(first_bad, tl.max(tl.where(bad_w, code, 0), axis=0))
+            first_err = tl.maximum(first_err, tl.max(tl.where(err, code, 0), axis=0))
+            i += BLOCK
+        fill = (kept == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE)
+        tl.store(lengths + p, kept + fill.to(tl.int64))
+        tl.atomic_max(report + 1, first_bad)
+        tl.atomic_max(report + 2, first_err)
+        if p == 0:
+            tl.store(out_offsets, tl.zeros((), tl.int64))
+    else:
+        # (names of their own: a name's type must agree across the branches)
+        in_bag = (p - FB) * BLOCK + tl.arange(0, BLOCK)
+        m_in = in_bag < tl.maximum(n_in, 1)
+        first = tl.load(offsets + in_bag, mask=m_in, other=0)
+        last = tl.load(offsets + tl.minimum(in_bag + 1, n_in), mask=m_in, other=0)
+        bad = (last < first) | (last > N) | (first < 0) | ((in_bag == 0) & (first != 0)) | (
+            (in_bag == tl.maximum(n_in, 1) - 1) & (last != N))
+        tl.atomic_max(report, tl.max((m_in & bad).to(tl.int64), axis=0))
+
+
+@triton.jit
+def _scatter_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune_neg, oor, has_default,
+                  default_id, combiner, table_base, out_offsets, ids_out, w_out, tab_out, key_out, report,
+                  B, F, FB, N, M, T, sentinel, HAS_W: tl.constexpr, LINEAR: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p < FB: bag p's kept ids (and its default id) at their places from out_offsets[p];
+    p >= FB: the positions [n_keep, M) of block p - FB get table T (not counted) and the sentinel key."""
+    p = pid0 + tl.program_id(0)
+    if p < FB:
+        f = p // B
+        ib = tl.load(src + f) * B + (p - f * B)
+        lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
+        hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
+        t = tl.load(feat_table + f)
+        base = tl.load(table_base + t)
+        start = tl.load(out_offsets + p)
+        placed = tl.zeros((), tl.int64)
+        i = lo
+        while i < hi:
+            at = i + tl.arange(0, BLOCK)
+            m = at < hi
+            v, keep, bad_w, err, w = _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id,
+                                              HAS_W, BLOCK)
+            k = keep.to(tl.int64)
+            dest = start + placed + tl.cumsum(k, axis=0) - 1
+            ok = keep & (dest < M)  # (past M only for offsets that raise)
+            tl.store(ids_out + dest, v, mask=ok)
+            tl.store(tab_out + dest, t.to(tl.int32), mask=ok)
+            if HAS_W:
+                tl.store(w_out + dest, w, mask=ok)
+            if LINEAR:
+                tl.store(key_out + dest, (base + v).to(key_out.dtype.element_ty), mask=ok)
+            placed += tl.sum(k, axis=0)
+            i += BLOCK
+        fill = (placed == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE) & (start < M)
+        d = tl.load(default_id + f)
+        tl.store(ids_out + start, d, mask=fill)
+        tl.store(tab_out + start, t.to(tl.int32), mask=fill)
+        if HAS_W:
+            tl.store(w_out + start, 1.0, mask=fill)
+        if LINEAR:
+            tl.store(key_out + start, (base + d).to(key_out.dtype.element_ty), mask=fill)
+        b = p - f * B
+        tl.store(report + _HEAD + T + f, start, mask=b == 0)
+        end = tl.load(out_offsets + FB)
+        tl.store(report + _HEAD + T + F, end, mask=p == FB - 1)
+        tl.store(report + 3, end, mask=p == FB - 1)
+    else:
+        at = (p - FB) * BLOCK + tl.arange(0, BLOCK)
+        tail = (at >= tl.load(out_offsets + FB)) & (at < M)
+        tl.store(tab_out + at, tl.zeros((BLOCK,), tl.int32) + T, mask=tail)
+        tl.store(ids_out + at, tl.zeros((BLOCK,), tl.int64), mask=tail)
+        if LINEAR:
+            tl.store(key_out + at, (tl.zeros((BLOCK,), tl.int64) + sentinel).to(key_out.dtype.element_ty), mask=tail)
+
+
+@triton.jit
+def _run_heads(pid0, perm, ids, tabs, heads, M, T, DEDUP: tl.constexpr, BLOCK: tl.constexpr):
+    """heads[i] = 1 where sorted position i starts a run of one (table, id) (DEDUP), or holds a counted
+    entry (every entry its own key)."""
+    at = (pid0 + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
+    m = at < M
+    j = tl.load(perm + at, mask=m, other=0)
+    t = tl.load(tabs + j, mask=m, other=T)
+    head = m & (t < T)
+    if DEDUP:
+        jp = tl.load(perm + at - 1, mask=m & (at > 0), other=0)
+        tp = tl.load(tabs + jp, mask=m & (at > 0), other=T)
+        v = tl.load(ids + j, mask=m, other=0)
+        vp = tl.load(ids + jp, mask=m & (at > 0), other=0)
+        head = head & ((at == 0) | (v != vp) | (t != tp))
+    tl.store(heads + at, head.to(tl.int32), mask=m)
+
+
+@triton.jit
+def _encode_runs(pid0, perm, ids, tabs, heads, uid, out_offsets, unique_keys, unique_tables, inverse, unique_counts,
+                 seg_start, counts, report, M, FB, T, BLOCK: tl.constexpr):
+    """Each run's key, table and first sorted position at its unique index, each counted entry's unique
+    index, the entries per key and the keys per table (integer atomics: exact in any order); seg_start
+    past the unique keys holds the entries kept, and counts = (entries kept, unique keys): the update
+    kernels' view of the runs (segment_optim's Dedup)."""
+    p = pid0 + tl.program_id(0)
+    at = p * BLOCK + tl.arange(0, BLOCK)
+    m = at < M
+    j = tl.load(perm + at, mask=m, other=0)
+    t = tl.load(tabs + j, mask=m, other=T)
+    counted = m & (t < T)
+    head = tl.load(heads + at, mask=m, other=0) != 0
+    u = tl.load(uid + at, mask=m, other=1).to(tl.int64) - 1
+    tl.store(unique_keys + u, tl.load(ids + j, mask=head, other=0), mask=head)
+    tl.store(unique_tables + u, t, mask=head)
+    tl.store(seg_start + u, at.to(tl.int32), mask=head)
+    tl.store(inverse + j, u, mask=counted)
+    tl.atomic_add(unique_counts + u, tl.full((BLOCK,), 1, tl.int64), mask=counted)
+    tl.atomic_add(report + _HEAD + t, tl.full((BLOCK,), 1, tl.int64), mask=head)
+    n_keep = tl.load(out_offsets + FB)
+    n_unique = tl.load(uid + M - 1, mask=M > 0, other=0)
+    tl.store(seg_start + at, n_keep.to(tl.int32), mask=(at >= n_unique) & (at <= M))  # (grid: M + 1 positions)
+    tl.store(counts, n_keep.to(tl.int32), mask=p == 0)
+    tl.store(counts + 1, n_unique, mask=p == 0)
+
+
+def _cases():
+    common = {"pid0": "i32", "offsets": "*i64", "values": "*i64", "weights": "*fp32", "src": "*i64",
+              "feat_table": "*i64", "num_rows": "*i64", "prune_neg": "*i8", "oor": "*i8", "has_default": "*i8",
+              "default_id": "*i64", "combiner": "*i8"}
+    clean = {**common, "lengths": "*i64", "out_offsets": "*i64", "report": "*i64", "B": "i32", "FB": "i32",
+             "n_in": "i32", "N": "i64", "HAS_W": "constexpr", "BLOCK": "constexpr"}
+    out = [(f"prepare.clean_bags[w={int(w)}]", _clean_bags, clean, {"HAS_W": w, "BLOCK": 64}) for w in (False, True)]
+    for w, linear, key in ((False, True, "i32"), (True, True, "i64"), (True, False, "i64")):
+        sig = {**common, "table_base": "*i64", "out_offsets": "*i64", "ids_out": "*i64", "w_out": "*fp32",
+               "tab_out": "*i32", "key_out": f"*{key}", "report": "*i64", "B": "i32", "F": "i32", "FB": "i32",
+               "N": "i64", "M": "i32", "T": "i32", "sentinel": "i64", "HAS_W": "constexpr", "LINEAR": "constexpr",
+               "BLOCK": "constexpr"}
+        out.append((f"prepare.scatter_bags[w={int(w)},linear={int(linear)},{key}]", _scatter_bags, sig,
+                    {"HAS_W": w, "LINEAR": linear, "BLOCK": 64}))
+    for dedup in (False, True):
+        out.append((f"prepare.run_heads[dedup={int(dedup)}]", _run_heads,
+                    {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "M": "i32",
+                     "T": "i32", "DEDUP": "constexpr", "BLOCK": "constexpr"}, {"DEDUP": dedup, "BLOCK": 256}))
+    out.append(("prepare.encode_runs", _encode_runs,
+                {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "uid": "*i32",
+                 "out_offsets": "*i64", "unique_keys": "*i64", "unique_tables": "*i32", "inverse": "*i64",
+                 "unique_counts": "*i64", "seg_start": "*i32", "counts": "*i32", "report": "*i64", "M": "i32",
+                 "FB": "i32", "T": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
+    return out
+
+
+COMPILE_CASES = _cases()

@@ -1,0 +1,43 @@
+"""bench/ops.py's CountLaunches (the launches a GPU would make, counted without one) against a hand count,
+and issue 32's bound on a triton training step counted with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hugeembed._triton import dedup
+from hugeembed._triton._grid import launch
+
+from tests.bench._load import load_bench
+
+from ._batches import DEV
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_bench("ops")
+
+
+def test_counts_kernels_and_launching_ops_by_hand(ops):
+    keys = torch.tensor([3, 1, 1, 7], dtype=torch.int32, device=DEV)
+    with ops.CountLaunches() as counter:
+        x = torch.zeros(4, dtype=torch.int32, device=DEV)  # 1: a fill
+        y = x.view(2, 2)[0]  # views: none
+        heads = torch.empty(4, dtype=torch.int32, device=DEV)  # uninitialized: none
+        launch(dedup._segment_heads, 2, keys, heads, 4, 9, BLOCK=2)  # 1 launch of a 2-program grid
+        z = (heads + y.sum()).tolist()  # sum, add: 2, the read: 1 copy
+    assert z == [1, 1, 0, 1]
+    assert dict(counter.kernels) == {"_segment_heads": 1}
+    assert dict(counter.torch_launches()) == {"zeros": 1, "sum": 1, "add": 1, "tolist": 1}
+    assert counter.launches() == 5 and counter.syncs() == 1
+
+
+@pytest.mark.slow
+def test_a_static_triton_step_launches_a_bounded_number_of_kernels(ops):
+    """The same launches for 2 and 4 tables, and at most issue 32's 25 for static tables; one read."""
+    few, many = (ops.counted_launches(n, False, samples=2, rows=4, warmup=3) for n in (2, 4))
+    assert few.launches() == many.launches() <= 25, (dict(many.kernels), dict(many.torch_launches()))
+    assert few.syncs() == many.syncs() == 1
