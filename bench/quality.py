@@ -89,6 +89,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     # schema data: the passes chosen on the last 10% of the training rows (up to 6, as the reference's)
     "choose6": {"choose_epochs": 6},
     "choose6_first_order": {"choose_epochs": 6, "first_order": True},
+    # schema data: the plain DLRM (the defaults before 2026-11-28), and the per-id biases at the sparse lr
+    "plain_dlrm": {"first_order": False, "first_order_lr": None},
+    "first_order_lr0.05": {"first_order": True, "first_order_lr": 0.05},
+    "dropout0.3": {"dropout": 0.3},
 }
 
 

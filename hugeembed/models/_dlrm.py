@@ -11,7 +11,7 @@ from torch import nn
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel, resolve_first_order
-from ._layers import MLP, DotInteraction, check_sizes
+from ._layers import MLP, DotInteraction, check_dropout, check_sizes
 
 __all__ = ["DLRM"]
 
@@ -43,6 +43,7 @@ class DLRM(RecModel):
         first_order: names of dim-1 tables (:func:`~hugeembed.models.first_order_tables`) whose
             pooled weights are added to the logit: a per-id bias, as Wide&Deep's and DeepFM's
             first-order term, beside the interaction (which then reads the other tables).
+        dropout: dropout probability after each hidden layer of the top MLP (0: none).
         device: where the dense layers live (default: the collection's device).
 
     Example::
@@ -55,7 +56,7 @@ class DLRM(RecModel):
 
     def __init__(self, collection: EmbeddingCollection, num_dense: int = 13, *,
                  bottom_mlp: Sequence[int] = (512, 256), top_mlp: Sequence[int] = (512, 512, 256),
-                 self_interaction: bool = False, first_order: Sequence[str] = (),
+                 self_interaction: bool = False, first_order: Sequence[str] = (), dropout: float = 0.0,
                  device: torch.device | str | None = None) -> None:
         super().__init__(collection, num_dense, "DLRM")
         device = collection.device if device is None else device
@@ -72,7 +73,7 @@ class DLRM(RecModel):
         self.bottom = MLP(self.num_dense, sizes, device=device) if self.num_dense else ConstantField(dim, device)
         self.interaction = DotInteraction(len(self.fields), self_interaction=self_interaction, device=device)
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
-                       final_activation=False, device=device)
+                       final_activation=False, dropout=check_dropout(dropout, "DLRM"), device=device)
 
     def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
         """Logits ``[B]`` (apply a sigmoid for probabilities).

@@ -40,7 +40,7 @@ DEFAULT_ADMIT_MIN_COUNT = 3
 
 # options each model takes beyond the common ones (anything else given is an error, not ignored)
 _OPTIONS = {
-    "dlrm": {"bottom_mlp", "top_mlp", "first_order", "first_order_optimizer"},
+    "dlrm": {"bottom_mlp", "top_mlp", "dropout", "first_order", "first_order_optimizer"},
     "deepfm": {"deep", "dropout", "first_order_optimizer"},
     "widedeep": {"deep", "dropout", "first_order_optimizer"},
     "dcn": {"deep", "dropout", "num_cross", "low_rank", "num_experts", "structure"},
@@ -79,7 +79,8 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         bottom_mlp, top_mlp: DLRM's MLPs (None: the model's defaults).
         first_order: DLRM: a dim-1 table beside each embedding table (``wide_<table>``, zeros at
             first), its weights added to the logit: a per-id bias (None / False: none).
-        deep, dropout: the MLP of DeepFM, Wide&Deep and DCN-v2 (None: the model's defaults).
+        deep, dropout: the MLP of DeepFM, Wide&Deep and DCN-v2 (None: the model's defaults); DLRM: `dropout`
+            after each hidden layer of its top MLP (None: none).
         num_cross, low_rank, num_experts, structure: DCN-v2's cross network.
         first_order_optimizer: DeepFM / Wide&Deep / DLRM with `first_order`: optimizer of the dim-1 tables
             (None: `sparse_optimizer`; the Wide&Deep paper uses FTRL).
@@ -175,7 +176,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         if name == "dlrm":
             wide = [t.name for t in tables if first_order and t.name.startswith(FIRST_ORDER_PREFIX) and t.dim == 1]
             model = DLRM(collection, num_dense, device=init_on, first_order=wide,
-                         **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp))
+                         **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp, dropout=dropout))
         elif name == "deepfm":
             model = DeepFM(collection, num_dense, device=init_on, **_given(deep=deep, dropout=dropout))
         elif name == "widedeep":

@@ -95,6 +95,8 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     collection instead (``--servers``' plan check on the meta device).
     """
     rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
+    biases = None if cfg.first_order_lr is None else \
+        make_optimizer(cfg.sparse_optimizer, **{**cfg.sparse_optimizer_options(), "lr": cfg.first_order_lr})
     if schema is not None and schema.is_criteo():
         schema = None  # the Criteo tables as they always were
     if collection_factory is not None:
@@ -106,7 +108,8 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg), lr_count_scale=cfg.lr_count_scale,
-                      first_order=cfg.first_order, collection_factory=factory, schema=schema)
+                      first_order=cfg.first_order, first_order_optimizer=biases, dropout=cfg.dropout,
+                      collection_factory=factory, schema=schema)
 
 
 def admit_min_count(cfg: TrainConfig) -> int:

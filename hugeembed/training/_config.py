@@ -68,8 +68,12 @@ class TrainConfig:
             None: 3 (make_model's default), with any number of processes.
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
-            per-id bias, as Wide&Deep's wide part).  Off by default: measured on the schema sets of
-            bench/quality.py it won on two and lost on two (docs/quality.md).
+            per-id bias, as Wide&Deep's wide part).  Off here; `hugeembed train` turns it on (with
+            first_order_lr 0.01) for data of a schema of its own: measured in docs/quality.md.
+        dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
+            default (DLRM: none).
+        first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
+            this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
             on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
             for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
@@ -156,6 +160,8 @@ class TrainConfig:
     admit_min_count: int | None = None
     lr_count_scale: int | None = None
     first_order: bool = False
+    first_order_lr: float | None = None
+    dropout: float | None = None
     choose_epochs: int | None = None
     choose_holdout: float = 0.1
     dense_optimizer: str = "adam"
@@ -225,6 +231,13 @@ class TrainConfig:
         if self.first_order and self.model != "dlrm":
             raise ConfigError(f"first-order adds per-id biases to DLRM; model {self.model!r} has its own terms "
                               f"(deepfm and widedeep: first-order tables always)")
+        if self.first_order_lr is not None:
+            if not (_real(self.first_order_lr) and self.first_order_lr > 0):
+                raise ConfigError(f"first-order-lr must be a positive number, got {self.first_order_lr!r}")
+            if not self.first_order:
+                raise ConfigError("first-order-lr is the per-id biases' learning rate: it needs first-order")
+        if self.dropout is not None and not (_real(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise ConfigError(f"dropout must be a probability in [0, 1), got {self.dropout!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 

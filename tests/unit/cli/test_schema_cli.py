@@ -46,7 +46,9 @@ def test_train_eval_inspect_export_read_the_schema_from_the_run(files, capsys):
                  "--checkpoint-dir", str(run), "--summary-json", str(files / "sum.json"), "--quiet"]) == 0
     summary = json.loads((files / "sum.json").read_text())
     assert summary["steps"] == 12 and 0.0 < summary["auc"] < 1.0
-    assert set(summary["table_rows_per_table"]) == {"user_id", "movie_id", "genres", "city"}  # history reads movie_id
+    tables = {"user_id", "movie_id", "genres", "city"}  # history reads movie_id
+    # schema data: DLRM with a per-id bias table beside each table by default (hugeembed.cli.train)
+    assert set(summary["table_rows_per_table"]) == tables | {f"wide_{t}" for t in tables}
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--data", str(files / "test.csv"), "--predictions",
                  str(files / "p.txt"), "--summary-json", str(files / "eval.json")]) == 0

@@ -112,3 +112,40 @@ def test_first_order_names_dim_1_tables():
         DLRM(ec, NUM_DENSE, first_order=["a"])
     with pytest.raises(ConfigError, match="not in the collection"):
         DLRM(ec, NUM_DENSE, first_order=["wide_a"])
+
+
+def test_dropout_after_each_hidden_layer_of_the_top_mlp_only():
+    """Training: each hidden activation of the top MLP is zeroed or scaled by 1 / (1 - p) (the plain recomputation
+    below, with the masks the dropout drew); eval: the model without dropout."""
+    D, p = 4, 0.5
+    ec = EmbeddingCollection(embedding_tables(FEATURES, D), optimizer=Adagrad(lr=0.1))
+    model = DLRM(ec, NUM_DENSE, bottom_mlp=(8,), top_mlp=(8, 6), dropout=p)
+    dense, sparse, _ = make_batch(B=6)
+    drops = [m for m in model.top.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(drops) == 2 and not any(isinstance(m, torch.nn.Dropout) for m in model.bottom.modules())
+    masks = []
+    for m in drops:
+        m.register_forward_hook(lambda mod, args, y: masks.append(y != 0))
+    out = ec(sparse)
+    x = model.interaction(model.bottom(dense), torch.stack([out[f] for f in FEATURES], dim=1))
+    lin = [m for m in model.top.modules() if isinstance(m, torch.nn.Linear)]
+    got = model.forward_pooled(dense, out)
+    h, positive, dropped = x, 0, 0
+    for layer, mask in zip(lin[:-1], masks):
+        h = torch.relu(layer(h))
+        positive, dropped = positive + int((h > 0).sum()), dropped + int(((h > 0) & ~mask).sum())
+        h = h * mask / (1 - p)
+    torch.testing.assert_close(got, lin[-1](h).squeeze(1))
+    assert 0.2 < dropped / positive < 0.8  # about half the live activations dropped
+    model.eval()
+    h = x
+    for layer in lin[:-1]:
+        h = torch.relu(layer(h))
+    torch.testing.assert_close(model.forward_pooled(dense, out), lin[-1](h).squeeze(1))
+
+
+@pytest.mark.parametrize("p", [1.0, -0.1, "0.2", True])
+def test_bad_dropout_is_refused(p):
+    ec = EmbeddingCollection(embedding_tables(FEATURES, 4), optimizer=Adagrad(lr=0.1), device="meta")
+    with pytest.raises(ConfigError, match="DLRM: dropout must be a float in"):
+        DLRM(ec, NUM_DENSE, dropout=p)
