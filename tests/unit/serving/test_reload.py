@@ -107,7 +107,11 @@ def test_any_reload_error_is_caught_counted_and_shown_and_the_watcher_goes_on(ar
             monkeypatch.setattr(_model, "version_program", real)
             os.utime(art / "deltas" / D80 / "manifest.json", ns=(1, 1))  # changed since it was refused: read again
         else:
-            (art / "deltas" / D80 / "manifest.json").write_bytes(original)
+            # whole at once (os.replace), as a publisher writes: the watcher polls every 50 ms and a torn read
+            # would be a second refusal
+            fixed = art / "deltas" / D80 / "manifest.json.new"
+            fixed.write_bytes(original)
+            os.replace(fixed, art / "deltas" / D80 / "manifest.json")
         _wait(client, lambda m: m["version"] == D160, "the watcher stopped after the error")
         assert client.get("/healthz").json() == {"status": "ok", "version": D160}
         m = client.get("/metrics").json()
