@@ -57,6 +57,17 @@ def _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id,
 
 
 @triton.jit
+def _bag_of(p, B, N, offsets, src, feat_table):
+    """Bag p (feature-major over the plan's features): its feature, input span [lo, hi) clamped to
+    the values (bad offsets are reported by the clean pass, never read past), and its table."""
+    f = p // B
+    ib = tl.load(src + f) * B + (p - f * B)
+    lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
+    hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
+    return f, lo, hi, tl.load(feat_table + f)
+
+
+@triton.jit
 def _clean_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune_neg, oor, has_default,
                 default_id, combiner, lengths, out_offsets, report, B, FB, n_in, N,
                 HAS_W: tl.constexpr, BLOCK: tl.constexpr):
@@ -64,11 +75,7 @@ def _clean_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune
     offsets (k = p - FB) in [0, N], never decreasing, from 0 to N."""
     p = pid0 + tl.program_id(0)
     if p < FB:
-        f = p // B
-        ib = tl.load(src + f) * B + (p - f * B)
-        lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
-        hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
-        t = tl.load(feat_table + f)
+        f, lo, hi, t = _bag_of(p, B, N, offsets, src, feat_table)
         kept = tl.zeros((), tl.int64)
         first_bad = tl.zeros((), tl.int64)
         first_err = tl.zeros((), tl.int64)
@@ -108,11 +115,7 @@ def _scatter_bags(pid0, offsets, values, weights, src, feat_table, num_rows, pru
     p >= FB: the positions [n_keep, M) of block p - FB get table T (not counted) and the sentinel key."""
     p = pid0 + tl.program_id(0)
     if p < FB:
-        f = p // B
-        ib = tl.load(src + f) * B + (p - f * B)
-        lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
-        hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
-        t = tl.load(feat_table + f)
+        f, lo, hi, t = _bag_of(p, B, N, offsets, src, feat_table)
         base = tl.load(table_base + t)
         start = tl.load(out_offsets + p)
         placed = tl.zeros((), tl.int64)
