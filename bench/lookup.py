@@ -46,12 +46,12 @@ def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeat
     return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
 
 
-def ours_step(tables, batches, batch, pooling, train: bool):
+def ours_step(tables, batches, batch, pooling, train: bool, backend: str = "auto"):
     """One iteration of ours: step(i) runs batch i (a forward, or a training step)."""
     dim, device = tables[0].size(1), tables[0].device
     specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
     feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
-    lookup = FusedEmbeddingLookup(specs, feats)
+    lookup = FusedEmbeddingLookup(specs, feats, backend=backend)
     sfs = [to_features(b, batch, pooling) for b in batches]
     grad = torch.randn(batch, len(tables), dim, device=device)
     sgd = _sgd_hook(tables)
@@ -68,6 +68,12 @@ def ours_step(tables, batches, batch, pooling, train: bool):
                 lookup(tables, sf)
 
     return step
+
+
+def _step_of(impl, tables, batches, batch, pooling, train):
+    if impl == "ebag":
+        return ebag_step(tables, batches, batch, pooling, train)
+    return ours_step(tables, batches, batch, pooling, train, backend="torch" if impl == "ours-torch" else "auto")
 
 
 def _sgd_hook(tables):
@@ -141,7 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=0,
                    help="iterations per run (default: as many as take --seconds, after a warm-up as long)")
     p.add_argument("--seconds", type=float, default=1.0, help="length of a run and of the warm-up (default 1)")
-    p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"])
+    p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"],
+                   choices=["ours", "ours-torch", "ebag", "fbgemm"],
+                   help="ours-torch: ours on the torch reference backend (on a GPU: the path before triton)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: every implementation on the GPU")
@@ -170,10 +178,10 @@ def main(argv=None) -> int:
             iters = args.iters  # 0: about --seconds per run, after as long a warm-up (_common.measure)
             rates = {}
             tables = (make_tables(rows, dim, not args.no_hugepages, args.device)
-                      if ("ours" in impls or "ebag" in impls) else None)
+                      if set(impls) - {"fbgemm"} else None)
             for train in (False, True):
                 # ours and the EmbeddingBag loop share the tables: their runs interleave
-                steps = {impl: (ours_step if impl == "ours" else ebag_step)(tables, batches, args.batch, pooling, train)
+                steps = {impl: _step_of(impl, tables, batches, args.batch, pooling, train)
                          for impl in impls if impl != "fbgemm"}
                 for impl, t in measure_together(steps, iters, args.runs, seconds=args.seconds).items():
                     rates[(impl, train)] = t.rate(args.batch)
@@ -187,15 +195,15 @@ def main(argv=None) -> int:
             for train in (False, True):
                 ours = rates.get(("ours", train))
                 row = [f"d{dim} P{pooling}", "fwd+bwd+SGD" if train else "fwd"]
-                for impl in ("ours", "ebag", "fbgemm"):
+                for impl in ("ours", "ours-torch", "ebag", "fbgemm"):
                     r = rates.get((impl, train))
                     row.append(f"{fmt_rate(r)}/s ({fmt_rate(r * ids_per_batch / args.batch)}ids/s)" if r else "-")
-                for ref in ("ebag", "fbgemm"):
+                for ref in ("ours-torch", "ebag", "fbgemm"):
                     r = rates.get((ref, train))
                     row.append(f"{ours / r:.2f}x" if (r and ours) else "-")
                 results.append(row)
-            print_table(["case", "mode", "ours samples/s", "EmbeddingBag loop", "FBGEMM TBE", "ours/ebag",
-                         "ours/fbgemm"], results)
+            print_table(["case", "mode", "ours samples/s", "ours (torch backend)", "EmbeddingBag loop", "FBGEMM TBE",
+                         "ours/torch-backend", "ours/ebag", "ours/fbgemm"], results)
             print()
     return 0
 
