@@ -120,8 +120,10 @@ def _entry(manifest: dict[str, Any], table: str) -> dict[str, Any]:
 
 def _shard_keys(snap: Path, entry: dict[str, Any], field: str, collection) -> torch.Tensor:
     """One int64 field (keys, pending_keys, removed_keys) of every shard of a table, verified, owned keys only."""
+    from ._columns import key_shards  # a column-wise table's blocks hold the same keys: one block's
+
     parts = [_owned(collection, entry["name"], read_tensor(snap / sh["files"][field]["file"], sh["files"][field]))
-             for sh in entry["shards"]]
+             for sh in key_shards(entry)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 

@@ -103,6 +103,10 @@ def read_table(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExpo
     `rank_filter` (optional) maps one shard's fields ``{field: tensor}`` to the part to keep;
     it is applied shard by shard, so a rank resharding a big table never holds all of it.
     """
+    from ._columns import is_column_blocks, read_column_blocks
+
+    if is_column_blocks(entry):  # a column-wise table: one shard per block of columns, joined
+        return read_column_blocks(snap, entry, rank_filter)
     parts = {f: [] for f in EXPORT_FIELDS}
     for shard in entry["shards"]:
         one = {}

@@ -92,7 +92,7 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
     """
     (directory / "tables").mkdir(exist_ok=True)
     out = []
-    # a sharded collection's column-wise tables come whole (a collective: every rank calls this)
+    # a sharded collection's column-wise tables come as this rank's block of columns
     save = getattr(collection, "stores_to_save", None)
     for cfg, store in (save(parent is not None) if save is not None else collection.stores()):
         if tables is not None and cfg.name not in tables:
@@ -105,6 +105,8 @@ def table_records(collection, directory: Path, rank: int = 0, tables: set[str] |
                  "files": _write_shard(directory, f"{cfg.name}.r{rank}", store, ex, removed)}
         if removed is not None:
             shard["removed"] = int(removed.numel())
+        if getattr(store, "columns", None) is not None:  # one block of a column-wise table (_columns.py)
+            shard["columns"] = dict(store.columns)
         rule = collection.rules[collection._table_index(cfg.name)]
         out.append({
             "name": cfg.name, "dim": cfg.dim, "num_rows": cfg.num_rows, "width": store.width,

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
+from ..checkpoint._columns import key_shards
 from ._output import check_output_paths, human_bytes, write_json
 
 
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                        "dtype": t.get("dtype"), "state_dtype": t.get("state_dtype", t.get("dtype")),
                        "static_rows": t["num_rows"], "hits": int(ex.counts.sum()), "tier": t.get("tier")})
         if delta:
-            tables[-1]["removed"] = sum(s["removed"] for s in t["shards"])
+            tables[-1]["removed"] = sum(s["removed"] for s in key_shards(t))  # column blocks: one's
     print(f"snapshot {snap}  (step {manifest['step']}, format {manifest['format_version']}, "
           f"hugeembed {manifest.get('hugeembed_version', '?')}, {manifest['world_size']} process(es))")
     schema = _run_schema(snap)

@@ -37,7 +37,8 @@ from ..types import Combiner
 from ._wire import Packer, padded, readers
 
 __all__ = ["ColumnBlockInit", "column_block", "check_column_wise", "block_config", "join_blocks", "slice_block",
-           "COLUMN_WISE_RULES", "column_wise_fits", "gather_tables", "WholeColumns", "stores_to_save"]
+           "COLUMN_WISE_RULES", "column_wise_fits", "gather_tables", "ColumnBlockShard", "stores_to_save",
+           "join_columns"]
 
 # per-element state (plus Adam's per-row counter, equal in every block)
 COLUMN_WISE_RULES = (SGD, MomentumSGD, Adagrad, Adam, FTRL)
@@ -124,14 +125,18 @@ def _state_parts(rule: SparseOptimizer | None, dim: int) -> tuple[int, int]:
 
 def join_blocks(blocks: list[torch.Tensor], rule: SparseOptimizer | None, dim: int) -> torch.Tensor:
     """Whole rows ``[N, D + state(D)]`` from each block's rows (column order, keys aligned)."""
-    n = len(blocks)
-    d = dim // n
-    k, s = _state_parts(rule, d)
-    parts = [b[:, :d] for b in blocks]
-    for j in range(k):
-        parts += [b[:, d + j * d : d + (j + 1) * d] for b in blocks]
+    return join_columns(blocks, dim, _state_parts(rule, dim // len(blocks))[0])
+
+
+def join_columns(blocks: list[torch.Tensor], dim: int, state_parts: int) -> torch.Tensor:
+    """Whole rows from equal blocks of a table of `dim` (column order, keys aligned) whose state is
+    `state_parts` per-column parts then per-row values (a snapshot's blocks: no rule needed)."""
+    d = dim // len(blocks)
+    k = state_parts
+    parts = [b[:, j * d : (j + 1) * d] for j in range(k + 1) for b in blocks]
+    s = blocks[0].shape[1] - (k + 1) * d
     if s:
-        parts.append(blocks[0][:, d + k * d : d + k * d + s])
+        parts.append(blocks[0][:, (k + 1) * d :])
     return torch.cat(parts, 1)
 
 
@@ -144,13 +149,13 @@ def slice_block(rows: torch.Tensor, rule: SparseOptimizer | None, dim: int, lo: 
     return torch.cat(parts, 1)
 
 
-def _gathered(coll, names: list[str], exports: dict[str, dict], stage: str, first_only: bool) -> dict[str, dict]:
+def _gathered(coll, names: list[str], exports: dict[str, dict], stage: str) -> dict[str, dict]:
     """Collective: per column-wise table of `names`, the whole table (blocks joined by columns, keys
-    ascending) on every rank of its placement (`first_only`: on its first rank), from each block's
+    ascending) on every rank of its placement, from each block's
     `exports` (field -> tensor).  Only the blocks' keys and rows travel, each to the ranks joining it."""
     W, me = coll.world_size, coll.rank
     coll.drain()  # an exchange thread (staleness) runs no collective beside this one
-    needs = {n: coll.plan[n].ranks[:1] if first_only else coll.plan[n].ranks for n in names}
+    needs = {n: coll.plan[n].ranks for n in names}
     mine = {}
     for n, ex in exports.items():
         order = torch.argsort(ex["keys"])
@@ -203,43 +208,43 @@ def _column_wise_names(coll) -> list[str]:
     return [cfg.name for cfg in coll.tables if coll.plan[cfg.name].kind is ShardKind.COLUMN_WISE]
 
 
-class WholeColumns:
-    """A column-wise table seen whole, for a snapshot writer: its blocks joined (a copy, read-only)."""
+class ColumnBlockShard:
+    """One rank's block of a column-wise table, seen by a snapshot writer: the table's whole layout
+    for the manifest entry, the block's own rows streamed from its storage (no copy, no exchange),
+    keys ascending (every block writes its rows in the same order), and ``columns`` for its shard
+    record: ``{"lo", "hi", "state_parts"}`` (state_parts: per-column state parts, k of _state_parts)."""
 
-    def __init__(self, cfg: TableConfig, rule: SparseOptimizer | None, block, fields: dict) -> None:
-        from ..store import ExportIndex
-
+    def __init__(self, cfg: TableConfig, rule: SparseOptimizer | None, block, lo: int, hi: int) -> None:
         self.layout = cfg.row_layout(rule)
         self.width, self.state_width, self.dtype = self.layout.width, self.layout.state_width, cfg.dtype
         self.seed, self.initializer = block.seed, block.initializer.inner
-        self._rows = fields["rows"]
-        self._index = ExportIndex(fields["keys"], torch.arange(fields["keys"].numel()), fields["counts"],
-                                  fields["last_step"], fields["pending_keys"], fields["pending_counts"],
-                                  fields["pending_last_step"])
+        self.columns = {"lo": lo, "hi": hi, "state_parts": _state_parts(rule, hi - lo)[0]}
+        self._block = block
 
     def export_index(self):
-        return self._index
+        ex = self._block.export_index()
+        order, pend = torch.argsort(ex.keys), torch.argsort(ex.pending_keys)
+        return dataclasses.replace(ex, keys=ex.keys[order], slots=ex.slots[order], counts=ex.counts[order],
+                                   last_step=ex.last_step[order], pending_keys=ex.pending_keys[pend],
+                                   pending_counts=ex.pending_counts[pend],
+                                   pending_last_step=ex.pending_last_step[pend])
 
     def storage(self) -> torch.Tensor:
-        return self._rows
+        return self._block.storage()
 
 
 def stores_to_save(coll, delta: bool) -> list[tuple]:
-    """Collective: (config, store) per table, a column-wise table whole (WholeColumns) on the first
-    rank of its placement (the one that writes it: ``writes_shard``)."""
-    names = _column_wise_names(coll)
-    if not names:
-        return list(coll.stores())
-    if delta:
-        raise NotImplementedError(f"delta snapshots of column-wise tables {names} are not implemented; save a full "
-                                  "snapshot (delta=False)")
-    mine = {n: {f: getattr(coll.store(n).export(), f) for f in _fields()} for n in names
-            if coll.rank in coll.plan[n].ranks}
-    whole = _gathered(coll, names, mine, "checkpoint save (column blocks)", first_only=True)
+    """(config, store) per table for a snapshot writer: each rank of a column-wise table's placement
+    writes its own block (ColumnBlockShard; ``writes_shard``), full or delta alike, so no rank holds
+    more of a table than its block while saving (the reader joins the blocks: checkpoint/_columns.py)."""
+    from ..types import ShardKind
+
     out = []
     for cfg, store in coll.stores():
-        if cfg.name in whole:
-            store = WholeColumns(cfg, coll.rules[coll._table_index(cfg.name)], store, whole[cfg.name])
+        p = coll.plan[cfg.name]
+        if p.kind is ShardKind.COLUMN_WISE and coll.rank in p.ranks:
+            lo, hi = column_block(cfg.dim, p.ranks, coll.rank)
+            store = ColumnBlockShard(cfg, coll.rules[coll._table_index(cfg.name)], store, lo, hi)
         out.append((cfg, store))
     return out
 
@@ -259,6 +264,6 @@ def gather_tables(coll, destination: dict, prefix: str) -> None:
         return
     mine = {n: {f: destination[f"{prefix}tables.{n}.{f}"] for f in _fields()} for n in names
             if coll.rank in coll.plan[n].ranks}
-    for name, fields in _gathered(coll, names, mine, "state_dict (column blocks)", first_only=False).items():
+    for name, fields in _gathered(coll, names, mine, "state_dict (column blocks)").items():
         for f, v in fields.items():
             destination[f"{prefix}tables.{name}.{f}"] = v

@@ -204,8 +204,6 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
     def writes_shard(self, table: str) -> bool:
         """Whether this rank saves rows of `table` in a snapshot (a replica is saved by rank 0 only)."""
         p = self.plan[table]
-        if p.kind is ShardKind.COLUMN_WISE:  # its first rank writes it whole (stores_to_save)
-            return self.rank == p.ranks[0]
         return self.rank == 0 if p.kind is ShardKind.DATA_PARALLEL else self.rank in p.ranks
 
     def column_block_of(self, table: str, rows: torch.Tensor) -> torch.Tensor:
@@ -220,7 +218,7 @@ class ShardedEmbeddingCollection(PipelinedExchanges, EmbeddingCollection):
         return slice_block(rows, self.rules[t], cfg.dim, lo, hi)
 
     def stores_to_save(self, delta: bool = False) -> list[tuple]:
-        """Collective: (config, store) per table for a snapshot writer, column-wise tables whole."""
+        """(config, store) per table for a snapshot writer, a column-wise table as this rank's block."""
         return stores_to_save(self, delta)
 
     def global_num_rows(self) -> dict[str, int]:

@@ -324,9 +324,6 @@ class TrainConfig:
             if table in seen:  # a dict would silently keep the last one
                 raise ConfigError(f"sharding: table {table!r} is placed twice")
             seen.add(table)
-            if kind.startswith("column_wise") and self.full_checkpoint_every > 1:  # refused now, not mid-run
-                raise ConfigError(f"sharding: table {table!r} is column_wise, whose snapshots are full only: "
-                                  f"full_checkpoint_every must be 1, got {self.full_checkpoint_every}")
         if self.schema is not None and not self.data:
             raise ConfigError("schema describes --data files: give --data too (the synthetic generator has Criteo's "
                               "layout)")

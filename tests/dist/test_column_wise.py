@@ -157,7 +157,7 @@ def test_two_ranks_train_column_wise_tables_like_one_process(tmp_path):
         for step, got in enumerate(r["cases"]["sgd"]["bytes"]):
             for stage, want in expected_bytes(step, rank, 2).items():
                 assert got[stage] == want, (rank, step, stage, got[stage], want)
-    # the snapshot holds whole rows (written by each table's first rank): one process loads it and trains on
+    # the snapshot holds each rank's block (joined when read): one process loads it and trains on
     snap = res[0]["cases"]["save"]["saved"]
     assert res[1]["cases"]["save"]["saved"] == snap
     one = EmbeddingCollection(colwise_tables("adagrad"))
