@@ -176,6 +176,18 @@ class ShardSet:
     def __len__(self) -> int:
         return self.rows
 
+    def ids_per_bag(self) -> dict[str, float]:
+        """Mean ids per bag of each sparse feature over every row, from the manifest (no array is read):
+        1 for a column of one value per cell, a bag column's values over its rows (an empty cell holds its
+        missing id).
+        The distributed planner's input (column-wise sharding pays off for long bags)."""
+        values = [0] * sum(s.is_bag for s in self.schema.sparse)
+        for entry in self.manifest["shards"]:
+            for k in range(len(values)):
+                values[k] += int(entry["files"][f"bag{k}.values"].get("rows", 0))
+        bags = iter(values)
+        return {s.name: next(bags) / max(self.rows, 1) if s.is_bag else 1.0 for s in self.schema.sparse}
+
     def arrays(self, shard: int) -> dict[str, np.ndarray]:
         """The memory-mapped arrays of shard number `shard` (checked against the manifest)."""
         got = self._open.get(shard)

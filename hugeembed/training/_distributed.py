@@ -22,7 +22,7 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "merged_tier_stats", "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
+__all__ = ["sharded_factory", "run_plan", "ids_per_step", "merged_tier_stats", "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
            "as_sharding_error", "check_process_group", "run_info"]
 
 
@@ -36,10 +36,28 @@ def check_process_group(rank: int, world_size: int) -> None:
 
 
 def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
-    """The run's sharding plan: proposed from the tables and the memory per rank, with --shard overrides."""
+    """The run's sharding plan: proposed from the tables, the memory per rank and the data's ids per
+    bag (:func:`ids_per_step`), with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        overrides=overrides, servers=cfg.servers)
+                        ids_per_step=ids_per_step(cfg, world_size, tables), overrides=overrides,
+                        servers=cfg.servers)
+
+
+def ids_per_step(cfg: TrainConfig, world_size: int, tables) -> dict[str, float] | None:
+    """Ids per global step of each table, for the planner: converted shards' mean ids per bag of each
+    feature (``ShardSet.ids_per_bag``: exact over the whole data, from the shard manifest, the same on
+    every rank) times the planner's bags per step.  None for text files and synthetic data (one id per
+    bag: the text's bags are unknown before reading it all, and ranks must agree on the plan)."""
+    from pathlib import Path
+
+    from ..data import ShardSet
+
+    if len(cfg.data) != 1 or not (Path(cfg.data[0]).is_dir() or Path(cfg.data[0]).name == "manifest.json"):
+        return None
+    per_bag = ShardSet(cfg.data[0], verify="none").ids_per_bag()
+    bags = cfg.batch_size * world_size  # per feature, as propose_plan counts them
+    return {t.name: bags * sum(per_bag.get(f, 1.0) for f in t.features) for t in tables}
 
 
 def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):

@@ -69,3 +69,37 @@ def test_planner_keeps_row_wise_when_the_column_blocks_do_not_fit():
     assert col > budget
     plan = propose_plan([t], 4, budget, optimizer=opt, batch_size=100, ids_per_step={"wide": 400 * 50})
     assert plan["wide"].kind is ShardKind.ROW_WISE
+
+
+def test_a_run_on_converted_shards_plans_with_their_ids_per_bag(tmp_path):
+    """The CLI's planner input: converted shards' mean ids per bag (the whole data, from the manifest)."""
+    import torch
+
+    from hugeembed.data import convert, load_schema
+    from hugeembed.nn import EmbeddingCollection
+    from hugeembed.training import TrainConfig
+    from hugeembed.training._build import build_model
+    from hugeembed.training._distributed import run_plan
+    from hugeembed.training._sources import run_schema
+
+    (tmp_path / "s.toml").write_text('format = "csv"\nheader = true\n[label]\ncolumn = "y"\n[sparse.user]\n'
+                                     '[sparse.tags]\nseparator = "|"\n')
+    lines = ["y,user,tags"] + [f"{i % 2},{i},{'|'.join(str(i * 7 + j) for j in range(i % 9))}" for i in range(90)]
+    (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
+    convert(tmp_path / "d.csv", tmp_path / "shards", schema=load_schema(tmp_path / "s.toml"))
+    tags = sum(max(i % 9, 1) for i in range(90)) / 90  # the oracle: ids over rows (an empty cell: its missing id)
+    from hugeembed.data import ShardSet
+    assert ShardSet(tmp_path / "shards").ids_per_bag() == {"user": 1.0, "tags": pytest.approx(tags)}
+    plans = {}
+    for data in (str(tmp_path / "shards"), None):
+        cfg = TrainConfig(data=data, embedding_dim=64, capacity=4096, batch_size=32) if data else \
+            TrainConfig(embedding_dim=64, capacity=4096, batch_size=32)
+
+        def planned(tables, *, optimizer, **kw):
+            plans[data] = run_plan(cfg, 2, tables, optimizer)
+            return EmbeddingCollection(tables, optimizer=optimizer, **kw)
+
+        build_model(cfg, torch.device("meta"), 1, run_schema(cfg), collection_factory=planned)
+    assert plans[str(tmp_path / "shards")]["tags"].kind is ShardKind.COLUMN_WISE  # 4 ids a bag
+    assert plans[str(tmp_path / "shards")]["user"].kind is ShardKind.ROW_WISE  # 1 id a bag
+    assert all(p.kind is not ShardKind.COLUMN_WISE for p in plans[None].placements.values())  # synthetic: 1 a bag
