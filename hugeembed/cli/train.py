@@ -236,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if env is not None:
             raise ValueError("--nproc launches the processes itself: under torchrun (or --nproc), leave it out")
-        if cfg.servers:  # bad counts and plans that fit no server: one line here, before any process starts
+        if cfg.servers or cfg.sharding:  # bad counts, plans that fit no server, --shard placements the tables
+            # refuse (a column-wise dim the ranks do not divide): one line here, before any process starts
             from ..training import check_server_plan
 
             check_server_plan(cfg, args.nproc)

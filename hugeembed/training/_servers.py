@@ -89,7 +89,8 @@ def run_source(cfg: TrainConfig, rank: int, world_size: int, schema, empty: Batc
 
 def check_server_plan(cfg: TrainConfig, world_size: int) -> None:
     """Before launching `world_size` processes: ConfigError for a bad server count, ShardingError for a plan
-    whose tables fit no server under --memory-per-rank (the planner's message), without a process group
+    whose tables fit no server under --memory-per-rank (the planner's message), ConfigError for a placement
+    the tables refuse (a column-wise table whose dim the ranks do not divide), without a process group
     (the model is built on the meta device: no rows, no data)."""
     import torch
 
@@ -101,7 +102,7 @@ def check_server_plan(cfg: TrainConfig, world_size: int) -> None:
     check_servers(cfg.servers, world_size)
 
     def planned(tables, *, optimizer, **kw):
-        run_plan(cfg, world_size, tables, optimizer)
+        run_plan(cfg, world_size, tables, optimizer).validate(tables)  # e.g. a column-wise dim the ranks split
         return EmbeddingCollection(tables, optimizer=optimizer, **kw)
 
     build_model(cfg, torch.device("meta"), 1, run_schema(cfg), collection_factory=planned)

@@ -103,3 +103,15 @@ def test_a_run_on_converted_shards_plans_with_their_ids_per_bag(tmp_path):
     assert plans[str(tmp_path / "shards")]["tags"].kind is ShardKind.COLUMN_WISE  # 4 ids a bag
     assert plans[str(tmp_path / "shards")]["user"].kind is ShardKind.ROW_WISE  # 1 id a bag
     assert all(p.kind is not ShardKind.COLUMN_WISE for p in plans[None].placements.values())  # synthetic: 1 a bag
+
+
+def test_cli_refuses_a_column_wise_dim_the_ranks_do_not_divide_before_launching(tmp_path, capsys):
+    """A resume (or a run) onto 3 processes of a table of dim 64: one line naming the table, no process started."""
+    from hugeembed.cli import main
+
+    code = main(["train", "--nproc", "3", "--embedding-dim", "64", "--steps", "1", "--shard", "C1=column_wise",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == ("hugeembed train: error: table 'C1': column_wise over ranks [0, 1, 2]: dim 64 is not divisible by "
+                   "3 ranks; use a dim divisible by the number of ranks, or list fewer ranks (e.g. 'column_wise@0,1')")
