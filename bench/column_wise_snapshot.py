@@ -2,9 +2,10 @@
 
 Workload: one static table (--rows x --dim, float32, SGD: no optimizer state), column-wise over
 both ranks (each holds a block of dim/2 columns of every row), one training step, then a full
-snapshot; with --delta also a delta after --touch more ids are seen.  Each rank samples its
-resident set (/proc/self/statm) every millisecond from a thread while it saves, and reports
-the peak above its resident set just before the save (the table's blocks are resident then).
+snapshot; with --delta also a delta after --touch more ids are seen; then the newest snapshot
+is loaded back.  Each rank samples its resident set (/proc/self/statm) every millisecond from a
+thread while it saves (loads), and reports the peak above its resident set just before (the
+table's blocks are resident then).
 
     python bench/column_wise_snapshot.py                     # D 256, 300 k rows: a 307 MB table
     python bench/column_wise_snapshot.py --rows 30000        # quick
@@ -32,24 +33,26 @@ import torch.multiprocessing as mp
 PAGE = resource.getpagesize()
 
 
-def rss() -> int:
+def rss(anonymous: bool = False) -> int:
+    """Resident bytes; `anonymous`: less the file-backed pages (memory-mapped snapshot files, reclaimable)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+        fields = f.read().split()
+    return (int(fields[1]) - (int(fields[2]) if anonymous else 0)) * PAGE
 
 
 class PeakRSS:
     """The largest resident set seen while the block runs (sampled every `every` seconds)."""
 
     def __init__(self, every: float = 0.001) -> None:
-        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self.every, self.peak, self.anon_peak, self._stop = every, 0, 0, threading.Event()
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
+            self.peak, self.anon_peak = max(self.peak, rss()), max(self.anon_peak, rss(True))
             time.sleep(self.every)
 
     def __enter__(self):
-        self.before = self.peak = rss()
+        self.before, self.anon_before = self.peak, self.anon_peak = rss(), rss(True)
         self._t = threading.Thread(target=self._watch, daemon=True)
         self._t.start()
         return self
@@ -57,7 +60,7 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, rss())
+        self.peak, self.anon_peak = max(self.peak, rss()), max(self.anon_peak, rss(True))
 
 
 def run(rank: int, world: int, cfg: dict) -> dict:
@@ -85,7 +88,14 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         t0 = time.perf_counter()
         with PeakRSS() as m:
             ckpt.save(cfg["root"], ec, delta=delta)
-        out[what] = {"before": m.before, "peak": m.peak, "s": time.perf_counter() - t0}
+        out[what] = {"before": m.before, "peak": m.peak, "anon": m.anon_peak - m.anon_before,
+                     "s": time.perf_counter() - t0}
+    dist.barrier()
+    t0 = time.perf_counter()
+    with PeakRSS() as m:  # the newest snapshot back into the same collection (each rank keeps its block)
+        ckpt.load(cfg["root"], ec, restore_rng=False)
+    out["load"] = {"before": m.before, "peak": m.peak, "anon": m.anon_peak - m.anon_before,
+                   "s": time.perf_counter() - t0}
     return out
 
 
@@ -118,11 +128,13 @@ def main() -> None:
     print(f"hugeembed from {os.path.dirname(hugeembed.__file__)}")
     print(f"one static table {a.rows:,} x {a.dim} float32 (SGD): {whole / 1e6:.0f} MB whole, {whole / 2e6:.0f} MB "
           f"a block; 2 gloo ranks; {os.cpu_count()} cores (load {os.getloadavg()[0]:.1f})")
-    for what in ("full", "delta")[: 2 if a.delta else 1]:
+    for what in ("full", "delta")[: 2 if a.delta else 1] + ("load",):
         for r, got in enumerate(res):
             g = got[what]
-            print(f"{what:<6} rank {r}: resident before {g['before'] / 1e6:7.0f} MB, peak while saving "
-                  f"{g['peak'] / 1e6:7.0f} MB (+{(g['peak'] - g['before']) / 1e6:.0f} MB), {g['s']:.2f} s")
+            doing = "loading" if what == "load" else "saving"
+            print(f"{what:<6} rank {r}: resident before {g['before'] / 1e6:7.0f} MB, peak while {doing} "
+                  f"{g['peak'] / 1e6:7.0f} MB (+{(g['peak'] - g['before']) / 1e6:.0f} MB; "
+                  f"not file-backed +{g['anon'] / 1e6:.0f} MB), {g['s']:.2f} s")
 
 
 if __name__ == "__main__":

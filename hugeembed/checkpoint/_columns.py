@@ -22,6 +22,8 @@ from ..errors import CheckpointError
 from ..store import EXPORT_FIELDS, StoreExport
 from ._files import read_tensor
 
+_CHUNK_BYTES = 32 << 20  # whole rows joined at a time while reading
+
 __all__ = ["is_column_blocks", "key_shards", "read_column_blocks"]
 
 
@@ -65,33 +67,41 @@ def _blocks(snap: Path, entry: dict[str, Any]) -> tuple[list[dict[str, Any]], in
 def read_column_blocks(snap: Path, entry: dict[str, Any], rank_filter=None) -> StoreExport:
     """A column-wise table's blocks, verified and joined into whole rows (see the module docstring).
 
-    `rank_filter` (read_table's) runs on each block (keeping the keys this rank holds) and on the
-    joined rows (a column-wise rank keeps its own block), so a rank never holds more than the rows
-    it keeps, at full width, beside the blocks' memory-mapped files.
+    Joined and passed through `rank_filter` (read_table's) 32 MiB of whole rows at a time, from the
+    blocks' memory-mapped files: a rank keeps what the filter keeps (a column-wise rank its block)
+    without ever holding the whole table.
     """
     where = f"{snap}: table {entry['name']!r}"
     shards, d, k = _blocks(snap, entry)
-    per_row = int(entry["width"]) - (k + 1) * int(entry["dim"])
+    dim = int(entry["dim"])
+    per_row = int(entry["width"]) - (k + 1) * dim
     width = (k + 1) * d + per_row
 
     def read(sh: dict[str, Any], field: str) -> torch.Tensor:
         return read_tensor(snap / sh["files"][field]["file"], sh["files"][field])
 
     first = {f: read(shards[0], f) for f in EXPORT_FIELDS if f != "rows"}
+    n = first["keys"].numel()
     blocks = []
     for sh in shards:
         lo, hi = sh["columns"]["lo"], sh["columns"]["hi"]
-        one = first if sh is shards[0] else {f: read(sh, f) for f in ("keys", "pending_keys")}
-        if not (torch.equal(one["keys"], first["keys"]) and torch.equal(one["pending_keys"], first["pending_keys"])):
+        if sh is not shards[0] and not (torch.equal(read(sh, "keys"), first["keys"])
+                                        and torch.equal(read(sh, "pending_keys"), first["pending_keys"])):
             raise CheckpointError(f"{where}: the block of columns [{lo}, {hi}) holds other keys than the block of "
                                   f"columns [0, {d}) (a torn snapshot: its blocks were not written together)")
         rows = read(sh, "rows")
-        if rows.dim() != 2 or rows.shape[1] != width or rows.shape[0] != first["keys"].numel():
+        if rows.dim() != 2 or rows.shape[1] != width or rows.shape[0] != n:
             raise CheckpointError(f"{where}: the block of columns [{lo}, {hi}) holds rows of shape {list(rows.shape)}, "
-                                  f"expected [{first['keys'].numel()}, {width}] (its {d} columns with their state)")
-        fields = {**first, "rows": rows}
-        blocks.append(rank_filter(fields) if rank_filter is not None and len(shards) > 1 else fields)
-    joined = {**blocks[0], "rows": join_columns([b["rows"] for b in blocks], int(entry["dim"]), k)}
-    if rank_filter is not None:
-        joined = rank_filter(joined)
-    return StoreExport(**joined)
+                                  f"expected [{n}, {width}] (its {d} columns with their state)")
+        blocks.append(rows)
+    keep = rank_filter if rank_filter is not None else (lambda fields: fields)
+    admitted, pending = ("keys", "counts", "last_step"), ("pending_keys", "pending_counts", "pending_last_step")
+    none = {f: first[f][:0] for f in admitted + pending}
+    step = max(1, _CHUNK_BYTES // max(1, int(entry["width"]) * blocks[0].element_size()))
+    parts = []
+    for a in range(0, n, step):  # whole rows a chunk at a time, kept or dropped as the filter says
+        rows = join_columns([b[a : a + step] for b in blocks], dim, k)
+        parts.append(keep({**none, **{f: first[f][a : a + step] for f in admitted}, "rows": rows}))
+    # the pending keys (no rows), on their own
+    parts.append(keep({**none, **{f: first[f] for f in pending}, "rows": join_columns([b[:0] for b in blocks], dim, k)}))
+    return StoreExport(**{f: torch.cat([p[f] for p in parts]) for f in EXPORT_FIELDS})
