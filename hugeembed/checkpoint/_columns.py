@@ -103,5 +103,6 @@ def read_column_blocks(snap: Path, entry: dict[str, Any], rank_filter=None) -> S
         rows = join_columns([b[a : a + step] for b in blocks], dim, k)
         parts.append(keep({**none, **{f: first[f][a : a + step] for f in admitted}, "rows": rows}))
     # the pending keys (no rows), on their own
-    parts.append(keep({**none, **{f: first[f] for f in pending}, "rows": join_columns([b[:0] for b in blocks], dim, k)}))
+    no_rows = join_columns([b[:0] for b in blocks], dim, k)
+    parts.append(keep({**none, **{f: first[f] for f in pending}, "rows": no_rows}))
     return StoreExport(**{f: torch.cat([p[f] for p in parts]) for f in EXPORT_FIELDS})

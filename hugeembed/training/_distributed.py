@@ -22,8 +22,8 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "ids_per_step", "merged_tier_stats", "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch",
-           "as_sharding_error", "check_process_group", "run_info"]
+__all__ = ["sharded_factory", "run_plan", "ids_per_step", "merged_tier_stats", "tiered_run", "wrap_ddp",
+           "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
 
 
 def check_process_group(rank: int, world_size: int) -> None:
