@@ -35,7 +35,7 @@ from ._grid import launch
 from ._update_rows import _sum_entries, _update_rows
 from .dedup import Dedup
 
-__all__ = ["PooledGrads", "bag_terms", "segment_update", "COMPILE_CASES"]
+__all__ = ["PooledGrads", "bag_terms", "segment_update", "segment_sum", "COMPILE_CASES"]
 
 _SUM, _MEAN, _SQRTN = 0, 1, 2
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -209,19 +209,7 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     n = dd.capacity
     if n == 0:
         return
-    dev = weights.device
-    extra = torch.empty(n, dtype=torch.int32, device=dev)
-    launch(_extra_chunks, triton.cdiv(n, 256), dd.seg_start, extra, chunk, n, BLOCK=256)
-    cum_extra = torch.cumsum(extra, 0, dtype=torch.int32)
-    n_partial = triton.cdiv(n, chunk)  # at most this many extra chunks in all
-    partial = torch.empty(n_partial, D, dtype=torch.float32, device=dev)
-    block_d = triton.next_power_of_2(D)
-    has_w = src.weights is not None
-    w_arg = src.weights if has_w else src.denom
-    B, Fg = max(src.batch_size, 1), max(src.width, 1)
-    launch(_chunk_sums, n_partial, dd.order, dd.seg_start, dd.counts, cum_extra, partial, chunk, src.bag_of,
-           src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, D, HAS_W=has_w, BLOCK_D=block_d,
-           num_warps=_row_warps(block_d))
+    cum_extra, partial, (w_arg, B, Fg, has_w, block_d) = _partial_sums(dd, src, chunk)
     st = state if state.numel() else weights
     keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
     seeds = table_seed if stochastic else dd.counts
@@ -234,6 +222,69 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
            weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
            STOCHASTIC=stochastic, HAS_W=has_w, UNIT_MAP=unit_tables is not None, BLOCK_D=block_d,
            num_warps=_row_warps(block_d), **flags)
+
+
+def _partial_sums(dd: Dedup, src: PooledGrads, chunk: int):
+    """(cum_extra, partial, the source's kernel arguments): the chunks after each unique row's first, summed
+    (hot rows split across programs); the row kernels add them to their first chunk, in order."""
+    n, D, dev = dd.capacity, src.grad.shape[1], src.grad.device
+    extra = torch.empty(n, dtype=torch.int32, device=dev)
+    launch(_extra_chunks, triton.cdiv(n, 256), dd.seg_start, extra, chunk, n, BLOCK=256)
+    cum_extra = torch.cumsum(extra, 0, dtype=torch.int32)
+    n_partial = triton.cdiv(n, chunk)  # at most this many extra chunks in all
+    partial = torch.empty(n_partial, D, dtype=torch.float32, device=dev)
+    block_d = triton.next_power_of_2(D)
+    has_w = src.weights is not None
+    w_arg = src.weights if has_w else src.denom
+    B, Fg = max(src.batch_size, 1), max(src.width, 1)
+    launch(_chunk_sums, n_partial, dd.order, dd.seg_start, dd.counts, cum_extra, partial, chunk, src.bag_of,
+           src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, D, HAS_W=has_w, BLOCK_D=block_d,
+           num_warps=_row_warps(block_d))
+    return cum_extra, partial, (w_arg, B, Fg, has_w, block_d)
+
+
+@triton.jit
+def _sum_rows(pid0, n_programs, order, seg_start, counts, tables, table_in, cum_extra, partial, chunk, bag_of, slot,
+              weights, denom, grad, grad_stride, B, Fg, out, out_stride, D, HAS_W: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Unique rows s = p, p + n_programs, ... below the device's count whose table is in (``table_in[t] != 0``):
+    the row's gradient (its first chunk, then its partials in order) into ``out[s]``; other rows untouched."""
+    s = pid0 + tl.program_id(0)
+    n_unique = tl.load(counts + 1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    while s < n_unique:
+        if tl.load(table_in + tl.load(tables + s)) != 0:
+            start = tl.load(seg_start + s)
+            end = tl.load(seg_start + s + 1)
+            g = _sum_entries(tl.zeros((BLOCK_D,), tl.float32), start, tl.minimum(end, start + chunk), order, bag_of,
+                             slot, weights, denom, grad, grad_stride, B, Fg, d, dmask, HAS_W)
+            e = tl.load(cum_extra + s - 1, mask=s > 0, other=0)
+            e_hi = tl.load(cum_extra + s)
+            while e < e_hi:
+                g += tl.load(partial + e.to(tl.int64) * D + d, mask=dmask, other=0.0)
+                e += 1
+            tl.store(out + s.to(tl.int64) * out_stride + d, g, mask=dmask)
+        s += n_programs
+
+
+def segment_sum(dd: Dedup, src: PooledGrads, out: torch.Tensor, table_in: torch.Tensor, chunk: int = 64) -> None:
+    """Each unique row's summed gradient (the sum backward_torch's index_add makes: its entries in batch order,
+    each ``grad[bag's output] * w / denom``) into ``out[u]`` (float32 [>= n_unique, D], contiguous along D),
+    for the rows whose table t has ``table_in[t] != 0`` (int64: the tables of this gradient's dim); no [N, D]
+    product made, no float atomics, no host read."""
+    D = out.shape[1]
+    if out.dtype != torch.float32 or src.grad.dtype != torch.float32 or src.grad.shape[1] != D or out.stride(1) != 1:
+        raise InputError(f"segment_sum: float32 rows [*, {src.grad.shape[1]}] contiguous along D, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    n = dd.capacity
+    if n == 0:
+        return
+    cum_extra, partial, (w_arg, B, Fg, has_w, block_d) = _partial_sums(dd, src, chunk)
+    programs = min(n, ROW_PROGRAMS)
+    launch(_sum_rows, programs, programs, dd.order, dd.seg_start, dd.counts, dd.tables, table_in, cum_extra, partial,
+           chunk, src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, out, out.stride(0), D,
+           HAS_W=has_w, BLOCK_D=block_d, num_warps=_row_warps(block_d))
 
 
 def _cases():
@@ -251,6 +302,11 @@ def _cases():
                 "chunk": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
     out.append(("segment_optim.chunk_sums[d64]", _chunk_sums, chunks, {"HAS_W": True, "BLOCK_D": 64},
                 {"num_warps": _row_warps(64)}))
+    sums = {"pid0": "i32", "n_programs": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32",
+            "tables": "*i32", "table_in": "*i64", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
+            "out": "*fp32", "out_stride": "i32", "D": "i32", "HAS_W": "constexpr", "BLOCK_D": "constexpr"}
+    out += [(f"segment_optim.sum_rows[w={int(w)}]", _sum_rows, sums, {"HAS_W": w, "BLOCK_D": 64},
+             {"num_warps": _row_warps(64)}) for w in (False, True)]
     flags = ("RULE", "WD", "NESTEROV", "ADAM_MODE", "DECOUPLED", "EPS_TF", "FTRL_SQRT", "STOCHASTIC", "HAS_W",
              "UNIT_MAP", "BLOCK_D")
 
