@@ -47,7 +47,7 @@ def step_of(pkg, tables, batches, batch: int, pooling: int, train: bool):
     functional = importlib.import_module(pkg.__name__ + ".functional")
     features = importlib.import_module(pkg.__name__ + ".features")
     optim = importlib.import_module(pkg.__name__ + ".optim")
-    dim, device = tables[0].size(1), tables[0].device
+    dim = tables[0].size(1)
     specs = [functional.TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
     feats = [functional.FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
     lookup = functional.FusedEmbeddingLookup(specs, feats)
