@@ -6,7 +6,7 @@
 # "compile" needs no GPU: every triton kernel compiled for sm_90 (one line per kernel, exit 1 on a failure).
 #
 # Runs from the repository root with the machine's own python3 (its torch must see a GPU).
-# "tests": every test whose id names cuda (the `device` fixture's cuda case and
+# "tests": every test whose id names cuda (the `device` fixture's cuda case, tests/bench's CUDA bounds and
 # tests/unit/test_cuda_end_to_end.py); "suite": the rest of the suite with xdist; "bench": bench/ops.py,
 # bench/lookup.py, bench/train.py and bench/step_profile.py on cuda. Logs go to OUTDIR (default ./gpu-check).
 # "all" stays under ~9 minutes (each part has a timeout: CUDA_TESTS_S, SUITE_S, OPS_S, LOOKUP_S,
@@ -32,7 +32,7 @@ fi
 if [[ $what == tests || $what == all ]]; then
     echo "== CUDA cases"
     # -v: a run cut short by the timeout still shows each result
-    timeout ${CUDA_TESTS_S:-150} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist -k cuda tests/unit \
+    timeout ${CUDA_TESTS_S:-150} python3 -m pytest -v -p no:cacheprovider -p no:benchmark $xdist -k cuda tests/unit tests/bench \
         -o addopts="-ra" >"$out/cuda_tests.log" 2>&1
     echo "rc $?"; grep -E "(passed|failed).* in " "$out/cuda_tests.log" | tail -2
     grep -E "(FAILED|ERROR) " "$out/cuda_tests.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort -u | head -60
