@@ -239,6 +239,7 @@ def stores_to_save(coll, delta: bool) -> list[tuple]:
     more of a table than its block while saving (the reader joins the blocks: checkpoint/_columns.py)."""
     from ..types import ShardKind
 
+    coll.drain()  # with staleness: every exchange handed over has run, so all blocks hold the same steps
     out = []
     for cfg, store in coll.stores():
         p = coll.plan[cfg.name]
