@@ -51,9 +51,10 @@ def blocks_of(snap, table: str) -> list[tuple[int, int, int]]:
 
 @pytest.mark.slow
 def test_delta_chains_of_column_blocks_across_one_three_and_two_ranks(tmp_path, monkeypatch):
-    # one process: full at step 2, delta at 3; 3 ranks (column-wise beside table-wise) load it, write a
-    # delta of blocks (4), a full (5), and, reloaded on 3 ranks, a delta (6); 2 ranks load that and write
-    # deltas at 7 and 8: every snapshot of the chain loads into one process as the run was then
+    # one process: full at step 2, delta at 3; 3 ranks (column-wise beside table-wise) load it and write a
+    # delta of blocks (4), a full (5) and a delta (6); 3 ranks again load 5 + 6 and write a delta (7); 2 ranks
+    # load 5 + 6 + 7 and write deltas at 8 and 9: every snapshot of the chain loads into one process as the
+    # run was then
     root = tmp_path / "chain"
     one = trained(2)
     ckpt.save(root, one)
@@ -61,21 +62,21 @@ def test_delta_chains_of_column_blocks_across_one_three_and_two_ranks(tmp_path, 
     tip1 = ckpt.save(root, one, delta=True)
     three = run_ranks(3, "tests.dist.workers_coldelta:main", {"runs": [
         {"name": "a", "opt": "adagrad", "plan": MIXED, "load": str(tip1), "root": str(root),
-         "legs": [(3, 4, True), (4, 5, False)]},
-        {"name": "b", "opt": "adagrad", "plan": MIXED, "load": str(root / "step-000000005"), "root": str(root),
-         "legs": [(5, 6, True)]}]})
-    s4, s5 = three[0]["a"]["saved"]
-    s6 = three[0]["b"]["saved"][0]
-    assert all(r["a"]["saved"] == [s4, s5] and r["b"]["saved"] == [s6] for r in three), three
+         "legs": [(3, 4, True), (4, 5, False), (5, 6, True)]},
+        {"name": "b", "opt": "adagrad", "plan": MIXED, "load": str(root / "step-000000006"), "root": str(root),
+         "legs": [(6, 7, True)]}]})
+    s4, s5, s6 = three[0]["a"]["saved"]
+    s7 = three[0]["b"]["saved"][0]
+    assert all(r["a"]["saved"] == [s4, s5, s6] and r["b"]["saved"] == [s7] for r in three), three
     two = run_ranks(2, "tests.dist.workers_coldelta:main", {"runs": [
-        {"name": "c", "opt": "adagrad", "plan": COLWISE, "load": s6, "root": str(root),
-         "legs": [(6, 7, True), (7, 8, True)]}]})
-    s7, s8 = two[0]["c"]["saved"]
-    assert [manifest(s)["kind"] for s in (s4, s5, s6, s7, s8)] == ["delta", "full", "delta", "delta", "delta"]
+        {"name": "c", "opt": "adagrad", "plan": COLWISE, "load": s7, "root": str(root),
+         "legs": [(7, 8, True), (8, 9, True)]}]})
+    s8, s9 = two[0]["c"]["saved"]
+    assert [manifest(s)["kind"] for s in (s4, s5, s6, s7, s8, s9)] == ["delta", "full"] + ["delta"] * 4
     # each block owner wrote its columns with their Adagrad state: width 2 x block dim
     assert blocks_of(s4, "user") == [(0, 3, 6), (3, 6, 6)]
     assert blocks_of(s4, "item") == [(0, 2, 4), (2, 4, 4), (4, 6, 4)]
-    assert blocks_of(s8, "country") == [(0, 3, 6), (3, 6, 6)]
+    assert blocks_of(s9, "country") == [(0, 3, 6), (3, 6, 6)]
     assert "columns" not in next(t for t in manifest(s4)["tables"] if t["name"] == "page")["shards"][0]
     # a delta holds the rows seen since its parent only
     full_rows = sum(s["rows"] for t in manifest(s5)["tables"] for s in t["shards"][:1])
@@ -84,11 +85,11 @@ def test_delta_chains_of_column_blocks_across_one_three_and_two_ranks(tmp_path, 
     from hugeembed.checkpoint import _columns
 
     monkeypatch.setattr(_columns, "_CHUNK_BYTES", 300)  # here the blocks are joined a few rows at a time
-    for snap, steps in ((s4, 4), (s5, 5), (s6, 6), (s7, 7), (s8, 8)):
+    for snap, steps in ((s4, 4), (s5, 5), (s6, 6), (s7, 7), (s8, 8), (s9, 9)):
         assert_same_tables(loaded(snap).state_dict(), trained(steps).state_dict(), f"{Path(snap).name}")
     for rank, r in enumerate(two):  # the 2 ranks' own state after the chain: as one process
-        assert_same_tables(r["c"]["state"], trained(8).state_dict(), f"2 ranks, rank {rank}")
-    _bad_column_snapshots(root, s7, s8, tmp_path)
+        assert_same_tables(r["c"]["state"], trained(9).state_dict(), f"2 ranks, rank {rank}")
+    _bad_column_snapshots(root, s8, s9, tmp_path)
 
 
 def _rewrite(path: Path, arr: np.ndarray) -> dict:
@@ -111,7 +112,7 @@ def _tamper(src: Path, dst: Path, edit) -> Path:
 
 def _refused(snap, match: str) -> None:
     """Loading `snap` raises a one-line CheckpointError naming the table, and changes nothing."""
-    ec = loaded(snap.parent / "step-000000007")
+    ec = loaded(snap.parent / "step-000000008")
     before = {k: v.clone() for k, v in ec.state_dict().items()}
     with pytest.raises(CheckpointError, match=match) as e:
         ckpt.load(snap, ec, restore_rng=False)
@@ -120,8 +121,9 @@ def _refused(snap, match: str) -> None:
     assert all(np.array_equal(before[k].numpy(), after[k].numpy()) for k in before)
 
 
-def _bad_column_snapshots(root: Path, s7: str, s8: str, tmp: Path) -> None:
-    s8 = Path(s8)
+def _bad_column_snapshots(root: Path, s8: str, s9: str, tmp: Path) -> None:
+    """Copies of delta `s9` (its parent `s8`) with one block's shard dropped, widened or given other keys."""
+    s9 = Path(s9)
 
     def user(m):
         return next(t for t in m["tables"] if t["name"] == "user")
@@ -129,7 +131,7 @@ def _bad_column_snapshots(root: Path, s7: str, s8: str, tmp: Path) -> None:
     def drop_block(m, d):  # a partial delta: one block's shard missing
         user(m)["shards"] = user(m)["shards"][:1]
 
-    _refused(_tamper(s8, root / "step-000000009", drop_block),
+    _refused(_tamper(s9, root / "step-000000010", drop_block),
              r"table 'user': its blocks hold columns \[\(0, 3\)\] of dim 6.*a block is missing")
 
     def wide_block(m, d):  # a block of the wrong width
@@ -137,7 +139,7 @@ def _bad_column_snapshots(root: Path, s7: str, s8: str, tmp: Path) -> None:
         rows = np.load(d / sh["files"]["rows"]["file"])
         sh["files"]["rows"].update(_rewrite(d / sh["files"]["rows"]["file"], np.concatenate([rows, rows[:, :1]], 1)))
 
-    _refused(_tamper(s8, root / "step-000000010", wide_block),
+    _refused(_tamper(s9, root / "step-000000011", wide_block),
              r"table 'user': the block of columns \[3, 6\) holds rows of shape \[\d+, 7\], expected \[\d+, 6\]")
 
     def torn_block(m, d):  # a block written by another save: other keys
@@ -145,11 +147,12 @@ def _bad_column_snapshots(root: Path, s7: str, s8: str, tmp: Path) -> None:
         keys = np.load(d / sh["files"]["keys"]["file"])
         sh["files"]["keys"].update(_rewrite(d / sh["files"]["keys"]["file"], keys + 1000))
 
-    _refused(_tamper(s8, root / "step-000000011", torn_block),
+    _refused(_tamper(s9, root / "step-000000012", torn_block),
              r"table 'user': the block of columns \[3, 6\) holds other keys .*torn snapshot")
-    # a chain with a missing link: step 8's parent (7) gone
+    # a chain with a missing link: step 9's parent (8) gone
     orphan = tmp / "orphan"
     shutil.copytree(root, orphan)
-    shutil.rmtree(orphan / Path(s7).name)
-    with pytest.raises(CheckpointError, match=r"is a delta of step-000000007, which is missing"):
-        loaded(orphan / s8.name)
+    shutil.rmtree(orphan / Path(s8).name)
+    with pytest.raises(CheckpointError, match=r"is a delta of step-000000008, which is missing") as e:
+        loaded(orphan / s9.name)
+    assert "\n" not in str(e.value)
