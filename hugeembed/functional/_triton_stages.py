@@ -65,22 +65,41 @@ def _launches(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor
 
 
 def _launch_plan(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor], device: torch.device):
-    """_launches' result with each rows tensor given by its table's index (the cache keeps no tensor)."""
-    units: dict[tuple[int, torch.dtype], list[tuple[int, int, int]]] = {}
+    """_launches' result with each rows tensor given by its table's index (the cache keeps no tensor).
+
+    Rows of one dtype share a launch wherever they live: a feature's rows are addressed from the lowest
+    tensor by their distance in elements (one address space: a GPU's, or the host's under the
+    interpreter), so 26 tables given as 26 tensors are one launch, not 26 (each costs ~10-30 us of
+    the host's time); a distance that is not a whole number of elements takes a launch of its own."""
+    units: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for k, f in enumerate(group.pooled):
         t = plan.feature_table[f]
         s = storages[t]
         if not _takes_rows(s):
             return None
-        units.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((f, k, t))
+        units.setdefault(s.dtype, []).append((f, k, t))
     out = []
-    for members in units.values():
+    for members in _whole_elements(units, storages):
         base = min((t for _, _, t in members), key=lambda t: storages[t].data_ptr())
         table = []
         for f, k, t in members:
             s = storages[t]
             table += [f, k, (s.data_ptr() - storages[base].data_ptr()) // s.element_size(), s.stride(0)]
         out.append((base, plan.on_device(tuple(table), device), len(members)))
+    return out
+
+
+def _whole_elements(units: dict, storages) -> list[list[tuple[int, int, int]]]:
+    """`units`' members split where a table's distance from its unit's lowest rows is not a whole number of
+    elements (never for torch's allocations, which are aligned; a view at an odd byte could be)."""
+    out = []
+    for members in units.values():
+        low = min(storages[t].data_ptr() for _, _, t in members)
+        by_rest: dict[int, list] = {}
+        for m in members:
+            s = storages[m[2]]
+            by_rest.setdefault((s.data_ptr() - low) % s.element_size(), []).append(m)
+        out += by_rest.values()
     return out
 
 
