@@ -106,15 +106,14 @@ def _whole_elements(units: dict, storages) -> list[list[tuple[int, int, int]]]:
 def _settings(plan: LookupPlan, group: DimGroup, device: torch.device) -> tuple[dict, bool]:
     """The plan's per-feature and per-table arrays as the kernel's arguments, and whether a table of
     the group clips its rows (max_norm)."""
-    cache = plan.__dict__.setdefault("_triton_settings", {})
-    got = cache.get((id(group), device))
-    if got is None:  # (the plan's constants: made once per group and device)
+    def make():
         a = plan.arrays(device)
         clip = any(plan.tables[plan.feature_table[f]].max_norm for f in group.pooled)
-        got = cache[(id(group), device)] = (dict(
-            feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
-            prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
-            default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip)
+        return dict(feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
+                    prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
+                    default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip
+
+    got = plan.memo(("triton_settings", id(group), device), make)
     return dict(got[0]), got[1]
 
 
