@@ -23,7 +23,7 @@ from hugeembed.nn._rare import SHARED_ROW_KEY
 from hugeembed.optim import Adagrad
 from hugeembed.store import DynamicGroup, RowLayout, TableSettings, Uniform
 from hugeembed.store._dynamic import pick_backend
-from hugeembed.store._index import EMPTY_TABLE, PENDING, Outcome, home, new_buckets
+from hugeembed.store._index import EMPTY_TABLE, PENDING, Outcome, home, need_length, new_buckets
 from hugeembed.store._index_torch import TorchIndex
 from hugeembed.store._index_triton import TritonIndex
 
@@ -243,7 +243,13 @@ def test_a_find_or_insert_reads_the_host_only_for_its_need(device, monkeypatch):
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 0, torch.empty_like(k), None, None)
     assert rc == Outcome.DONE and need.made == 4
     assert spy.reads == 0
-    assert needs == [g.scalars.shape, torch.Size([8 + 2 * 3 + 6 + 3]), g.scalars.shape, torch.Size([6])]
+    report = torch.Size([need_length(3) + 7])  # need[] and the extras (hugeembed/_triton/hash_need.py)
+    assert needs == [report, report]  # new keys: the checks' read, then the outcome's after the claims
+    needs.clear()
+    with spy:  # no new key (a step's steady state): the one read
+        rc, need, made = g._index.find_or_insert(g, k, t, c, None, 1, torch.empty_like(k), None, None)
+    assert rc == Outcome.DONE and need.made == 0 and need.entries == 0
+    assert spy.reads == 0 and needs == [report]
 
 
 def _collection(backend: str, device: str) -> EmbeddingCollection:
