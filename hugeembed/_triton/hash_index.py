@@ -272,13 +272,17 @@ _PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_ti
               "BLOCK", _ROUND)
 
 # (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
-COMPILE_CASES = [
-    ("hash_index.probe (find)", probe_kernel, _PROBE,
-     {"INSERT": False, "ROWS_ONLY": True, "HAS_COUNTS": False, "HAS_ADMIT": False, "HAS_HITS": True, "BLOCK": 128}),
-    ("hash_index.probe (find_or_insert)", probe_kernel, _PROBE,
-     {"INSERT": True, "ROWS_ONLY": False, "HAS_COUNTS": True, "HAS_ADMIT": True, "HAS_HITS": True, "BLOCK": 128}),
-    ("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128}),
-]
+_FLAGS = ("ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS")
+# every variant store/_index_triton.py launches: find (rows only or codes, with or without hits), find-or-insert
+# (with or without counts, the admission draw, hits)
+COMPILE_CASES = [(f"hash_index.probe (find{', rows' if rows else ''}{', hits' if hits else ''})", probe_kernel, _PROBE,
+                  dict(zip(_FLAGS, (rows, False, False, hits)), INSERT=False, BLOCK=128))
+                 for rows in (False, True) for hits in (False, True)]
+COMPILE_CASES += [(f"hash_index.probe (find_or_insert{', counts' if c else ''}{', admit' if a else ''}"
+                   f"{', hits' if h else ''})", probe_kernel, _PROBE,
+                   dict(zip(_FLAGS, (False, c, a, h)), INSERT=True, BLOCK=128))
+                  for c in (False, True) for a in (False, True) for h in (False, True)]
+COMPILE_CASES += [("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128})]
 # every window a claim round launches with (store/_index_triton.py: 32, 64, 128)
 COMPILE_CASES += [(f"hash_index.{name}[W={w}]", fn, sig, {"W": w, "BLOCK": 32}) for w in (32, 64, 128)
                   for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN), ("claim_want", claim_want_kernel, _WANT),

@@ -234,3 +234,6 @@ _ORDER = ("flags tids keys counts pos per_table tab_rows tab_pending tab_limit t
           "rows_capacity sorted_keys order rank active first ok_flag values pid0 HAS_COUNTS SORTED BLOCK").split()
 COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}]", need_kernel, {k: _SIG[k] for k in _ORDER},
                   {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024}) for c in (False, True) for s in (False, True)]
+# the same with every scalar an i32 (values below 2**31 arrive so)
+COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == "i64" else v for k, v in sig.items()}, cx)
+                  for name, fn, sig, cx in COMPILE_CASES]

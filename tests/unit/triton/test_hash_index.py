@@ -246,9 +246,9 @@ def test_a_find_or_insert_reads_the_host_only_for_its_need(device, monkeypatch):
     report = torch.Size([need_length(3) + 7])  # need[] and the extras (hugeembed/_triton/hash_need.py)
     assert needs == [report, report]  # new keys: the checks' read, then the outcome's after the claims
     needs.clear()
-    with spy:  # no new key (a step's steady state): the one read
+    with spy:  # no new key (a step's steady state), one promotion: the one read
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 1, torch.empty_like(k), None, None)
-    assert rc == Outcome.DONE and need.made == 0 and need.entries == 0
+    assert rc == Outcome.DONE and need.made == 1 and need.entries == 0  # (1, 2) promoted: its second hit
     assert spy.reads == 0 and needs == [report]
 
 
