@@ -70,9 +70,10 @@ def _unique(entries):
     return out
 
 
-def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int) -> None:
+def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int) -> tuple:
     """One find-or-insert on both groups' indexes (the raw call: outcome, need, new rows compared);
-    a refusal is then settled by each group as a step would (growth, eviction, an error)."""
+    a refusal is then settled by each group as a step would (growth, eviction, an error).  Returns
+    the raw call's (outcome, vars(need))."""
     admit = a._admission(tids, keys, step)
     got = []
     for g in (a, b):
@@ -82,7 +83,7 @@ def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int)
     assert got[0] == got[1]
     _assert_same(a, b)
     if got[0][0] == Outcome.DONE:
-        return
+        return got[0][:2]
     errors = []
     for g in (a, b):
         try:
@@ -92,6 +93,7 @@ def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int)
             errors.append(f"{type(e).__name__}: {e}")
     assert errors[0] == errors[1]
     _assert_same(a, b)
+    return got[0][:2]
 
 
 def test_the_kernels_constants_are_the_layouts():
@@ -205,6 +207,24 @@ def test_a_crowd_longer_than_the_rounds_before_the_read_is_placed_as_the_referen
     _fetch_both(a, b, *_batch([(0, k, 1) for k in crowd[:4]] + [(1, k, 2) for k in crowd], device), 0)
     assert len(rounds) > 1  # rounds after the call's read, one read each
     assert int(b.scalars[0]) == 304
+
+
+@on_device
+def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device):
+    """The need kernel's checks from the sort by home: the smallest (table, key) given twice among new
+    keys and among promotions (twins of other tables and keys around), and the new keys' own crowding
+    (their longest probe alone in an empty index, with its table), need[] for need[]."""
+    a, b = _group("torch", device, buckets=256), _group("triton", device, buckets=256)
+    crowd = _crowded(a, 9, t=1)  # nine new keys on two homes: a crowd longer than any probe
+    rc, need = _fetch_both(a, b, *_batch([(0, 40, 1)] + [(1, k, 2) for k in crowd], device), 0)
+    assert need["longest"] >= 5 and need["long_table"] == 1 and a.tables[1, 0] == 9  # (after growing: rows)
+    rc, need = _fetch_both(a, b, *_batch([(1, 50, 1), (2, 7, 1), (0, 9, 1), (1, 50, 1), (2, 7, 1), (0, 9, 1),
+                                          (0, 8, 1)], device), 1)
+    assert rc == Outcome.DUPLICATE_KEY and (need["dup_table"], need["dup_key"]) == (0, 9)
+    p, q = 300_000, 300_001  # (not among the crowd's keys)
+    _fetch_both(a, b, *_batch([(1, p, 1), (1, q, 1)], device), 2)  # pending in "counted"
+    rc, need = _fetch_both(a, b, *_batch([(1, q, 1), (0, 70, 1), (1, p, 1), (1, q, 1), (1, p, 1)], device), 3)
+    assert rc == Outcome.DUPLICATE_KEY and (need["dup_table"], need["dup_key"]) == (1, p)  # among promotions
 
 
 class _ScalarReads(TorchDispatchMode):
