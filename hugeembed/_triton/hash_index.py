@@ -71,8 +71,9 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
     writes pos (the key's bucket or the first empty one on its path, -1 skipped), n_after, flags,
     sortkey (new: home, promoted: B + home, else INT64_MAX: one sort orders them for the crowd and
     duplicate checks), adds per table [T, 3] (new rows, new pending keys, promoted keys) and keeps
-    the longest probe in per_table[3T] as (probes << 31) | (2^31 - 1 - position): its max is the
-    longest probe, first in batch order (integer atomics: exact in any order)."""
+    in per_table[3T:3T + 3] (zeros before the call; integer atomics: exact in any order) the longest
+    probe as (probes << 31) | (2^31 - 1 - position) (its max: the longest, first in batch order),
+    whether a table column entry names no table, and n - the first position whose count is below 1."""
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     t = tl.load(tids + i, mask=live, other=-1)
@@ -106,6 +107,8 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
     else:
         if HAS_COUNTS:
             c = tl.load(counts + i, mask=on, other=1).to(tl.int64)
+            bad = live & (t >= 0) & (tl.load(counts + i, mask=live, other=1) < 1)
+            tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + 2 + tl.zeros([BLOCK], tl.int64), n - i, mask=bad)
         else:
             c = tl.full([BLOCK], 1, tl.int64)
         if HAS_ADMIT:
@@ -133,6 +136,8 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
         probes = (p - start + nb) % nb + 1
         tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + tl.zeros([BLOCK], tl.int64),
                       (probes << 31) | (_K_INT32_MAX - i), mask=on)
+        tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + 1 + tl.zeros([BLOCK], tl.int64),
+                      tl.full([BLOCK], 1, tl.int64), mask=live & ((t < -1) | (t >= ntables)))
 
 
 @triton.jit(do_not_specialize=["n", "step", "pid0"])

@@ -114,31 +114,38 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
     after the call (3), per table after it (rows, pending) (2T)), then EXTRAS (outcome, bad table
     entry, first bad count's position, value, table, keys to insert or promote, records left to
     place); tab_* a table field each (table t's at t * tstride), scal the group's (entries,
-    row_hwm, free rows listed); per_table [3T + 1] the probe's counts and longest-probe stamp.
-    rank[i]: the keys before i that get a row; active[i]: key i is new and the outcome DONE;
-    first[i]: its bucket in the first claim round (pos), -1 when not active."""
+    row_hwm, free rows listed); per_table [3T + 3] the probe's counts and checks.
+    rank[i]: the keys before i that get a row (written when some do); active[i]: key i is new and the
+    outcome DONE, first[i]: its bucket in the first claim round (pos), -1 when not active (both
+    written when some key is new)."""
     if pid0 + tl.program_id(0) == 0:  # (a grid of one program)
+        # the probe's counts per table; the keys are walked only where some get a row (their ranks) or
+        # are new (to place): a step whose keys are all known costs O(tables) here
         carry = tl.zeros((), tl.int64)
         n_new = tl.zeros((), tl.int64)
         n_promote = tl.zeros((), tl.int64)
-        bad_tid = tl.zeros((), tl.int64)
-        bad_at = tl.zeros((), tl.int64) + n
-        i = tl.zeros((), tl.int64)
-        while i < n:
-            at = i + tl.arange(0, BLOCK)
-            m = at < n
-            f = tl.load(flags + at, mask=m, other=0)
-            gets = ((f & _K_GETS) != 0).to(tl.int64)
-            tl.store(rank + at, carry + tl.cumsum(gets, axis=0) - gets, mask=m)
-            carry += tl.sum(gets, axis=0)
-            n_new += tl.sum(((f & _K_NEW) != 0).to(tl.int64), axis=0)
-            n_promote += tl.sum(((f & _K_PROMOTE) != 0).to(tl.int64), axis=0)
-            t = tl.load(tids + at, mask=m, other=0)
-            bad_tid = tl.maximum(bad_tid, tl.max((m & ((t < -1) | (t >= T))).to(tl.int64), axis=0))
-            if HAS_COUNTS:
-                c = tl.load(counts + at, mask=m, other=1)
-                bad_at = tl.minimum(bad_at, tl.min(tl.where(m & (c < 1) & (t >= 0), at, n), axis=0))
-            i += BLOCK
+        j = tl.zeros((), tl.int64)
+        while j < T:
+            tt = j + tl.arange(0, BLOCK)
+            mt = tt < T
+            rows_t = tl.load(per_table + tt * 3, mask=mt, other=0)
+            promoted_t = tl.load(per_table + tt * 3 + 2, mask=mt, other=0)
+            carry += tl.sum(rows_t, axis=0)
+            n_promote += tl.sum(promoted_t, axis=0)
+            n_new += tl.sum(rows_t - promoted_t + tl.load(per_table + tt * 3 + 1, mask=mt, other=0), axis=0)
+            j += BLOCK
+        bad_tid = tl.load(per_table + 3 * T + 1)
+        bad_at = n - tl.load(per_table + 3 * T + 2)
+        if carry > 0:
+            done = tl.zeros((), tl.int64)
+            i = tl.zeros((), tl.int64)
+            while i < n:
+                at = i + tl.arange(0, BLOCK)
+                m = at < n
+                gets = ((tl.load(flags + at, mask=m, other=0) & _K_GETS) != 0).to(tl.int64)
+                tl.store(rank + at, done + tl.cumsum(gets, axis=0) - gets, mask=m)
+                done += tl.sum(gets, axis=0)
+                i += BLOCK
         ts = tstride.to(tl.int64)
         n_rows = tl.zeros((), tl.int64)
         pending = tl.zeros((), tl.int64)
@@ -174,14 +181,15 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         outcome = tl.where(over != 0, _OVER, outcome)
         outcome = tl.where(dup != 0, _DUP, outcome)
         ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n)
-        i = tl.zeros((), tl.int64)
-        while i < n:
-            at = i + tl.arange(0, BLOCK)
-            m = at < n
-            go = ((tl.load(flags + at, mask=m, other=0) & _K_NEW) != 0) & ok
-            tl.store(active + at, go.to(tl.int32), mask=m)
-            tl.store(first + at, tl.where(go, tl.load(pos + at, mask=m & go, other=-1), -1), mask=m)
-            i += BLOCK
+        if n_new > 0:
+            i = tl.zeros((), tl.int64)
+            while i < n:
+                at = i + tl.arange(0, BLOCK)
+                m = at < n
+                go = ((tl.load(flags + at, mask=m, other=0) & _K_NEW) != 0) & ok
+                tl.store(active + at, go.to(tl.int32), mask=m)
+                tl.store(first + at, tl.where(go, tl.load(pos + at, mask=m & go, other=-1), -1), mask=m)
+                i += BLOCK
         tl.store(ok_flag, ok.to(tl.int32))
         made = tl.where(ok, carry, 0)
         take = tl.minimum(made, nfree)

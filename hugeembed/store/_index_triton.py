@@ -99,7 +99,7 @@ class TritonIndex(TorchIndex):
         i64 = dict(dtype=torch.int64, device=dev)
         codes, pos, n_after, sortkey = (torch.empty(n, **i64) for _ in range(4))
         flags = torch.empty(n, dtype=torch.int32, device=dev)
-        per_table = torch.zeros(3 * T + 1, **i64)  # new rows, new pending keys, promoted keys; the longest probe
+        per_table = torch.zeros(3 * T + 3, **i64)  # per table: new rows, new pending, promoted; then the checks
         c = counts.contiguous() if counts is not None else keys
         a = admit.contiguous() if admit is not None else keys
         self._launch(k.probe_kernel, n, self._block, g.buckets, B, keys, tids, n, T, tab[T_HASH_KEY:],
