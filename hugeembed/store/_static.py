@@ -62,7 +62,8 @@ class StaticGroup(GroupBase):
         self.sizes = sizes
         R = sum(sizes)
         self.rows = _alloc.empty((R, lay.width if rows else 0), lay.storage_dtype, self.device)
-        self.meta = torch.zeros(R, 2, dtype=torch.int64, device=self.device)
+        # (one row more: the sink the torch path's masked writes go to, so they need no read of the mask)
+        self.meta = torch.zeros(R + 1, 2, dtype=torch.int64, device=self.device)
         # per table (first row, num_rows, shard, num_shards): the kernel's and the reference's
         self.info = torch.tensor([[f, t.num_rows, t.shard, t.num_shards] for f, t in zip(self.first, tables)],
                                  dtype=torch.int64)
@@ -154,11 +155,10 @@ class StaticGroup(GroupBase):
             self._raise_bad(int(tids[i]), int(keys[i]), None if counts is None else int(counts[i]))
         rows = torch.where(sel, first + torch.div(keys, shards, rounding_mode="floor"), -1)
         out.copy_(rows)
-        if count:
-            r = rows[sel]
-            c = counts[sel] if counts is not None else torch.ones_like(r)
-            self.meta[:, 0].index_add_(0, r, c)
-            self.meta[r, 1] = step
+        if count:  # (the ids without a table count on the sink row: no read of how many there are)
+            at = torch.where(sel, rows, self.meta.size(0) - 1)
+            self.meta[:, 0].index_add_(0, at, counts if counts is not None else torch.ones_like(at))
+            self.meta[:, 1].index_fill_(0, at, step)
         return out
 
     def _raise_bad(self, t: int, key: int, count: int | None):
