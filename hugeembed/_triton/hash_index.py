@@ -6,16 +6,17 @@ kernels to equal bucket for bucket:
 
 * ``probe_kernel``   every (table, key) walks from its home to its record or the first empty bucket;
                      with INSERT it also classifies the key (found / new / promoted / given a row)
-                     by its table's admission count and adds the table's counts (integer atomics);
-* ``commit_kernel``  gated by a device flag (the call's outcome, never read by the host first):
-                     row slots in batch order (smallest free slot first), the found keys' counts and
-                     last steps, the records of the new keys, the slots returned;
+                     by its table's admission count, adds the table's counts and the checks
+                     (longest probe, bad entries) with integer atomics, and writes a sort key by home;
+* ``commit_kernel``  gated by a device flag (the call's outcome, hash_need.py's): row slots in batch
+                     order (smallest free slot first), the found keys' counts and last steps, the
+                     records of the new keys, the slots returned;
 * ``claim_*``        one round of placing new records as the reference does: each key's window of
-                     W buckets, its crowd's rank (keys whose first empty bucket is one bucket: a
-                     stable sort of those buckets, then a binary search in it), the bucket it
-                     wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per wanted
-                     bucket, then the winners write and the losers probe on.  A round's result
-                     never depends on the order the programs run in.
+                     W buckets (scan: its first empty bucket), its crowd's rank (keys whose first
+                     empty bucket is one bucket: a stable sort of those buckets, then a binary search
+                     in it) and the bucket it wants, stamped with ``atomic_max`` of (epoch, lowest
+                     batch position) (want); then the winners write and the losers probe on (place).
+                     A round's result never depends on the order the programs run in.
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
