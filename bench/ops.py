@@ -419,7 +419,8 @@ def main(argv=None) -> None:
             for dynamic in (False, True):
                 counts = [counted_launches(n, dynamic, device=args.device, optimizer=optimizer) for n in args.tables]
                 out.append([name, "dynamic" if dynamic else "static",
-                            *[f"{c.launches()} ({sum(c.kernels.values())} triton) / {c.syncs()} reads" for c in counts]])
+                            *[f"{c.launches()} ({sum(c.kernels.values())} triton) / {c.syncs()} reads"
+                              for c in counts]])
         print(f"triton backend: launches / host reads per training step, counted (triton kernels + torch ops that "
               f"launch; {'compiled' if gpu else 'no GPU: under the interpreter'}), steady state, 8 samples, 1 id "
               f"per bag, d16; issue 32: <= 25 static, <= 40 dynamic, independent of the tables")

@@ -146,7 +146,8 @@ def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows,
                   out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
     """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
     record's word 2 (code + count) into word2, new rows' (slot, key, table) at their rank; out[i]
-    the row slot or -1.  scal: the group's (entries, row_hwm, free rows listed) before the call.  Otherwise out[i] is what the probe found (as the reference leaves it)."""
+    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it).
+    scal: the group's (entries, row_hwm, free rows listed) before the call."""
     ok = tl.load(ok_flag) != 0
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
@@ -291,7 +292,8 @@ COMPILE_CASES += [(f"hash_index.probe (find_or_insert{', counts' if c else ''}{'
 COMPILE_CASES += [("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128})]
 # every window a claim round launches with (store/_index_triton.py: 32, 64, 128)
 COMPILE_CASES += [(f"hash_index.{name}[W={w}]", fn, sig, {"W": w, "BLOCK": 32}) for w in (32, 64, 128)
-                  for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN), ("claim_want", claim_want_kernel, _WANT),
+                  for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN),
+                                        ("claim_want", claim_want_kernel, _WANT),
                                         ("claim_place", claim_place_kernel, _PLACE))]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)

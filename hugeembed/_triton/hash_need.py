@@ -19,12 +19,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .hash_index import MADE, NEW, PROMOTE
+from .hash_index import MADE, NEW, PROMOTE  # (the flags the probe writes)
 
 __all__ = ["need_kernel", "COMPILE_CASES", "NEED_HEAD", "PROBE_LIMIT", "EXTRAS"]
 
 _K_NEW, _K_GETS = tl.constexpr(NEW), tl.constexpr(MADE | PROMOTE)
-_K_PROMOTE = tl.constexpr(PROMOTE)
 # store/_index.py's Outcome codes and PROBE_LIMIT, NEED_HEAD (tests/unit/triton checks they agree)
 _GROW, _OVER, _DUP, _LONG = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 PROBE_LIMIT = 1024
