@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .hash_index import MADE, NEW, PROMOTE  # (the flags the probe writes)
+from .hash_index import MADE, NEW, PROMOTE
 
 __all__ = ["need_kernel", "COMPILE_CASES", "NEED_HEAD", "PROBE_LIMIT", "EXTRAS"]
 
