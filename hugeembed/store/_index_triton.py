@@ -139,14 +139,16 @@ class TritonIndex(TorchIndex):
             left = values[cut + _X_LEFT :]
             # a single new key always wins its first round (its first empty bucket is its own)
             self._claim(g, keys, tids, word2, last, active, pos, first, left, _BLIND_WIDTHS[: 1 if got[0] == 1 else 3])
+        left_n = 0  # a single new key's round places it
         if ordered or (claiming and got[0] > 1):
             got = values.tolist()  # the second read: the outcome after the checks, the records left to place
             x = got[cut:]
+            left_n = x[_X_LEFT]
         rc = Outcome(x[_X_OUTCOME])
         made: tuple = ()
         if rc == Outcome.DONE:
-            if claiming and x[_X_LEFT]:
-                self._finish(g, keys, tids, word2, last, active, pos, first, left, x[_X_LEFT])
+            if claiming and left_n:
+                self._finish(g, keys, tids, word2, last, active, pos, first, left, left_n)
             after = got[cut - 3 - 2 * T : cut]
             g.scalars.copy_(torch.tensor(after[:G_LEN]))
             g.tables[:, T_ROWS : T_PENDING + 1].copy_(torch.tensor(after[G_LEN:]).view(T, 2))

@@ -270,6 +270,13 @@ def test_a_find_or_insert_reads_the_host_only_for_its_need(device, monkeypatch):
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 1, torch.empty_like(k), None, None)
     assert rc == Outcome.DONE and need.made == 1 and need.entries == 0  # (1, 2) promoted: its second hit
     assert spy.reads == 0 and needs == [report]
+    needs.clear()
+    with spy:  # one new key: its first claim round places it, no second read
+        rc, need, made = g._index.find_or_insert(g, k[:1] + 100, t[:1], c[:1], None, 2, torch.empty_like(k[:1]),
+                                                 None, None)
+    assert rc == Outcome.DONE and need.made == 1 and need.entries == 1
+    assert spy.reads == 0 and needs == [report]
+    assert g.find(t[:1], k[:1] + 100).tolist() == made[0].tolist()
 
 
 def _collection(backend: str, device: str) -> EmbeddingCollection:
