@@ -271,13 +271,15 @@ def counted_fresh(tables: int, dynamic: bool, steps: int = 3, samples: int = 8, 
 
 @contextlib.contextmanager
 def _triton_index():
-    """The hash tables' index on triton too, as on a GPU (backend='triton' on the CPU leaves it native)."""
-    index_backend = EmbeddingCollection._index_backend
+    """The hash tables' index and the static tables' fetch on triton too, as on a GPU (backend='triton' on the
+    CPU leaves them native)."""
+    index_backend, static_on_triton = EmbeddingCollection._index_backend, StaticGroup._on_triton
     EmbeddingCollection._index_backend = lambda self: "triton"
+    StaticGroup._on_triton = lambda self: True
     try:
         yield
     finally:
-        EmbeddingCollection._index_backend = index_backend
+        EmbeddingCollection._index_backend, StaticGroup._on_triton = index_backend, static_on_triton
 
 
 def worst(counts: list[CountOps]) -> tuple[int, int]:

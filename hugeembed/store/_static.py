@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .. import _native
+from .. import _native, _triton
 from .._device import canonical_device
 from ..errors import ConfigError, InputError, ShardingError
 from . import _alloc
@@ -130,6 +130,8 @@ class StaticGroup(GroupBase):
         out = torch.empty_like(keys) if out is None else out
         if keys.numel() == 0:
             return out
+        if self._on_triton():
+            return self._rows_triton(tids, keys, step, counts, out, count)
         if self.device.type == "cpu" and _native.available():
             try:
                 _native.call("he_static_touch", [self.meta, self.info, keys, tids, counts, out],
@@ -141,6 +143,26 @@ class StaticGroup(GroupBase):
                 pos = e.detail[0]
                 self._raise_bad(int(tids[pos]), int(keys[pos]), None if counts is None else int(counts[pos]))
         return self._rows_torch(tids, keys, step, counts, out, count)
+
+    def _on_triton(self) -> bool:
+        """Whether the fetch runs on the triton kernels: CUDA rows when triton imports."""
+        return self.device.type == "cuda" and _triton.available()
+
+    def _rows_triton(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
+        """The GPU's: _rows_torch's contract in two kernels and the one read of the check (_triton/static_rows.py)."""
+        from .._triton.static_rows import static_count, static_rows
+
+        tids, keys = (x.to(torch.int64).contiguous() for x in (tids, keys))
+        counts = None if counts is None else counts.to(torch.int64).contiguous()
+        rows = out if out.is_contiguous() and out.dtype == torch.int64 else torch.empty_like(keys)
+        bad = static_rows(tids, keys, counts, self._info_here, rows)
+        if bad is not None:
+            self._raise_bad(int(tids[bad]), int(keys[bad]), None if counts is None else int(counts[bad]))
+        if count:
+            static_count(rows, counts, self.meta, step)
+        if rows is not out:
+            out.copy_(rows)
+        return out
 
     def _rows_torch(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
         """The reference: the kernel's contract in torch ops (any device)."""
