@@ -52,6 +52,7 @@ from _common import print_table  # noqa: E402
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
 from hugeembed.optim import Adagrad, Adam, SparseOptimizer  # noqa: E402
+from hugeembed.store import StaticGroup  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
 # "h2d": a copy of host memory to the device that the host waits for (``torch.tensor(...,
