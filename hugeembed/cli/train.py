@@ -23,7 +23,8 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "jitter", "data_queue", "servers", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
-           "sparse_eps", "average_dense", "first_order", "first_order_lr", "dropout", "choose_epochs", "choose_holdout")
+           "sparse_eps", "average_dense", "first_order", "first_order_lr", "first_order_betas",
+           "first_order_eps", "dropout", "choose_epochs", "choose_holdout")
 
 # DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.01, measured by bench/quality.py --schema
 # (docs/quality.md, fourth round): against the plain DLRM, NYC flights +0.012 AUC, the set without dense columns
@@ -89,6 +90,10 @@ def add_parser(sub) -> None:
                    "docs/quality.md)")
     p.add_argument("--first-order-lr", type=float, metavar="LR", help="the per-id biases' learning rate "
                    "(default: --sparse-lr)")
+    p.add_argument("--first-order-betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="the per-id biases' "
+                   "own Adam betas (default: --sparse-betas)")
+    p.add_argument("--first-order-eps", type=float, metavar="EPS", help="the per-id biases' own Adam eps "
+                   "(default: --sparse-eps)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
