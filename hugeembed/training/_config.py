@@ -69,7 +69,8 @@ class TrainConfig:
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off here; `hugeembed train` turns it on (with
-            first_order_lr 0.01) for data of a schema of its own: measured in docs/quality.md.
+            first_order_lr 0.02, first_order_betas (0.9, 0.999), first_order_eps 1e-8) for data of a
+            schema of its own: measured in docs/quality.md.
         dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
             default (DLRM: none).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with

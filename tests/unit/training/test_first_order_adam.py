@@ -99,3 +99,19 @@ def test_the_flags_set_the_fields():
                                       "--first-order-eps", "1e-7"])
     cfg = config_from_args(args)
     assert (cfg.first_order_betas, cfg.first_order_eps) == ((0.9, 0.99), 1e-7)
+
+
+def test_schema_data_gets_the_biases_adam_settings_by_default_unless_the_run_says_otherwise():
+    from hugeembed.cli.train import SCHEMA_FIRST_ORDER_BETAS, SCHEMA_FIRST_ORDER_EPS
+    from tests.unit.training.test_first_order_lr import _cli_config
+
+    data = ["--schema", "s.toml", "--data", "train.csv", "--epochs", "1"]
+    cfg = _cli_config(*data)
+    assert (cfg.first_order_betas, cfg.first_order_eps) == (SCHEMA_FIRST_ORDER_BETAS, SCHEMA_FIRST_ORDER_EPS)
+    assert cfg.sparse_optimizer_options()["betas"] == TRAIN_ADAM_BETAS  # the embedding tables keep the run's
+    plain = _cli_config("--data", "day_0.tsv", "--epochs", "1")  # Criteo's runs: no biases
+    assert (plain.first_order_betas, plain.first_order_eps) == (None, None)
+    adagrad = _cli_config(*data, "--sparse-optimizer", "adagrad")  # no Adam settings for a rule without them
+    assert adagrad.first_order and (adagrad.first_order_betas, adagrad.first_order_eps) == (None, None)
+    own = _cli_config(*data, "--first-order", "--first-order-eps", "1e-6")  # the run's own choice, whole
+    assert (own.first_order_betas, own.first_order_eps, own.first_order_lr) == (None, 1e-6, None)
