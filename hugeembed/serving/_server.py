@@ -236,7 +236,8 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
         metrics.rows += len(probs)
         metrics.latency_ms.append((time.perf_counter() - t0) * 1000)
         # the server's share of the latency (W3C Server-Timing): the rest is HTTP and the network
-        timing = f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}"
+        timing = (f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}, "
+                  f"model-cpu;dur={p.model_cpu_ms:.3f}")
         return JSONResponse({"predictions": probs, "version": version}, headers={"Server-Timing": timing})
 
     async def predict(request):
