@@ -3,7 +3,7 @@
 ::
 
     POST /predict   JSON, TSV or CSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."},
-                    and a Server-Timing header: parse, queue and model milliseconds
+                    and a Server-Timing header: parse, queue and model milliseconds, and the model call's CPU ms
     GET  /healthz   {"status": "ok" | "degraded", "version": ...} (degraded: a delta was refused, and why)
     GET  /metrics   requests, rows, refusals by status, latency / parse / queue / model p50 and p99 (ms), ...
     POST /reload    applies the deltas written since (with the --admin-token; also every --watch seconds)
