@@ -38,6 +38,7 @@ def test_the_flat_program_equals_the_exported_module(artifacts, heldout, dtype):
                                        atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_flat_program_reads_a_deltas_patch(run, heldout, tmp_path):
     """A version with a delta: its lookup node is patched_lookup (the patch as buffers), kept as such."""
     art = export(snapshot(run, 120), tmp_path / "art", dtype="fp32")
