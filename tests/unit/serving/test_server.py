@@ -90,6 +90,8 @@ def test_json_and_tsv_bodies_give_the_python_api_predictions(server):
         assert r.status_code == 200, r.text
         assert r.json()["version"] == "step-000000040"
         np.testing.assert_allclose(r.json()["predictions"], expected, atol=1e-6, rtol=0)
+        timing = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+        assert sorted(timing) == ["model", "model-cpu", "parse", "queue"] and all(float(v) >= 0 for v in timing.values())
         for label in (True, False):
             lines = tsv if label else b"".join(ln.split(b"\t", 1)[1] + b"\n" for ln in tsv.splitlines())
             r = httpx.post(url + "/predict", content=lines, headers={"content-type": "text/tab-separated-values"},
@@ -112,6 +114,9 @@ BAD = [
     ("JSON nested 100 000 deep", b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
      "nested deeper than 32 levels"),
     ("a dense int above 1e308", None, "application/json", "not a finite float32"),
+    ("a dense value of text", None, "application/json", "\"dense\" row 2, column 5: not a number: 'abc'"),
+    ("an id outside int64", None, "application/json",
+     "feature 'C3', row 1: id 1180591620717411303424 is out of the int64 range"),
 ]
 
 
@@ -127,6 +132,10 @@ def test_bad_requests_get_400_with_one_line_and_the_server_keeps_serving(server,
             body["sparse"]["C7"][2] = ["zz12"]
         elif name == "a dense int above 1e308":
             body["dense"][1][4] = 10**400
+        elif name == "a dense value of text":
+            body["dense"][2][5] = "abc"
+        elif name == "an id outside int64":
+            body["sparse"]["C3"][1] = [2**70]
         else:
             del body["sparse"]["C26"]
         raw = json.dumps(body).encode()
