@@ -206,23 +206,50 @@ def test_eight_concurrent_clients_get_their_single_request_predictions(server):
 
 
 def test_a_delta_is_hot_swapped_under_load_with_no_failure_and_no_mix(server):
-    results, errors = [], []
-    threads = [threading.Thread(target=_hammer, args=(server["url"], server["payloads"], 3.0, results, errors))
-               for _ in range(8)]
+    """8 clients post while a delta appears: no request fails, every answer is one version's whole
+    prediction, and every request sent after /metrics reports the new version gets it (timed from the
+    swap itself, not a fixed window: under load the watcher may apply it late)."""
+    results, errors, stop = [], [], threading.Event()
+
+    def hammer():
+        with httpx.Client(timeout=30) as c:
+            i = 0
+            while not stop.is_set():
+                k = i % len(server["payloads"])
+                t0 = time.monotonic()
+                try:
+                    r = c.post(server["url"] + "/predict", json=server["payloads"][k][1])
+                    results.append((t0, k, r.status_code, r.json() if r.status_code == 200 else r.text))
+                except Exception as e:  # a failed request is a test failure, counted below
+                    errors.append(repr(e))
+                i += 1
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.8)
-    deltas = server["base"] / "deltas"
-    deltas.mkdir(exist_ok=True)
-    shutil.copytree(server["staging"] / "deltas" / "step-000000160", deltas / ".incoming")
-    os.rename(deltas / ".incoming", deltas / "step-000000160")  # appears whole; the watcher applies it
-    for t in threads:
-        t.join()
-    assert not errors and all(s == 200 for _, s, _ in results)
-    versions = [b["version"] for _, _, b in results]
+    try:
+        time.sleep(0.8)
+        deltas = server["base"] / "deltas"
+        deltas.mkdir(exist_ok=True)
+        shutil.copytree(server["staging"] / "deltas" / "step-000000160", deltas / ".incoming")
+        os.rename(deltas / ".incoming", deltas / "step-000000160")  # appears whole; the watcher applies it
+        deadline = time.monotonic() + 60
+        while httpx.get(server["url"] + "/metrics", timeout=10).json()["version"] != "step-000000160":
+            assert time.monotonic() < deadline, "the delta was not applied within 60 s"
+            time.sleep(0.05)
+        swapped = time.monotonic()
+        while sum(t0 > swapped for t0, *_ in results) < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors and all(s == 200 for _, _, s, _ in results)
+    versions = [b["version"] for _, _, _, b in results]
     assert {"step-000000040", "step-000000160"} == set(versions)
-    assert versions.index("step-000000160") > 0 and "step-000000040" not in versions[-50:]
-    for k, _, body in results:
+    after = [b["version"] for t0, _, _, b in results if t0 > swapped]
+    assert len(after) >= 50 and set(after) == {"step-000000160"}
+    for _, k, _, body in results:
         want = server["payloads"][k][2 if body["version"] == "step-000000040" else 3]
         np.testing.assert_allclose(body["predictions"], want, atol=1e-6, rtol=0)
     m = httpx.get(server["url"] + "/metrics", timeout=5).json()
