@@ -1,6 +1,7 @@
 """Training runs: TrainConfig, the Trainer loop (eval, snapshots, resume) and data sources."""
 
-from ._config import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS, TrainConfig
+from ._config import TrainConfig
+from ._config_checks import DENSE_OPTIMIZERS, MODELS, SPARSE_OPTIMIZERS
 from ._evaluate import evaluate, evaluate_snapshot, load_snapshot_model
 from ._launch import launch_local, run_local
 from ._sources import DataSource, FileSource, SyntheticSource, default_epochs, make_source, run_schema
