@@ -2,6 +2,8 @@
 
 Compares, in the same run:
   * ours      hugeembed FusedEmbeddingLookup (static tables), SGD applied in backward by the row hook
+  * coll      hugeembed EmbeddingCollection (static tables, hugeembed.optim.SGD): the module users train,
+              whose SGD on triton is fused into the backward (its own tables: twice the memory)
   * ebag      a loop of 26 torch.nn.EmbeddingBag(sparse=True) + torch.optim.SGD
   * fbgemm    FBGEMM SplitTableBatchedEmbeddingBagsCodegen, EXACT_SGD fused into backward (if installed)
 
@@ -70,9 +72,33 @@ def ours_step(tables, batches, batch, pooling, train: bool, backend: str = "auto
     return step
 
 
+def coll_step(tables, batches, batch, pooling, train: bool):
+    """One iteration of the EmbeddingCollection (tables of the same shapes, its own rows), as ours_step."""
+    from hugeembed.nn import EmbeddingCollection, TableConfig
+    from hugeembed.optim import SGD
+
+    dim, device = tables[0].size(1), tables[0].device
+    coll = EmbeddingCollection([TableConfig(f"C{t + 1}", dim, num_rows=w.size(0), combiner="sum")
+                                for t, w in enumerate(tables)], optimizer=SGD(lr=LR), device=device)
+    sfs = [to_features(b, batch, pooling) for b in batches]
+    grad = torch.randn(batch, len(tables), dim, device=device)
+
+    def step(i):
+        sf = sfs[i % len(sfs)]
+        if train:
+            coll(sf).stacked().backward(grad)
+        else:
+            with torch.no_grad():
+                coll(sf)
+
+    return step
+
+
 def _step_of(impl, tables, batches, batch, pooling, train):
     if impl == "ebag":
         return ebag_step(tables, batches, batch, pooling, train)
+    if impl == "coll":
+        return coll_step(tables, batches, batch, pooling, train)
     return ours_step(tables, batches, batch, pooling, train, backend="torch" if impl == "ours-torch" else "auto")
 
 
@@ -148,7 +174,7 @@ def main(argv=None) -> int:
                    help="iterations per run (default: as many as take --seconds, after a warm-up as long)")
     p.add_argument("--seconds", type=float, default=1.0, help="length of a run and of the warm-up (default 1)")
     p.add_argument("--impls", nargs="+", default=["ours", "ebag", "fbgemm"],
-                   choices=["ours", "ours-torch", "ebag", "fbgemm"],
+                   choices=["ours", "coll", "ours-torch", "ebag", "fbgemm"],
                    help="ours-torch: ours on the torch reference backend (on a GPU: the path before triton)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="d16 P1, 1/20 of the rows, 3 runs")
@@ -195,15 +221,18 @@ def main(argv=None) -> int:
             for train in (False, True):
                 ours = rates.get(("ours", train))
                 row = [f"d{dim} P{pooling}", "fwd+bwd+SGD" if train else "fwd"]
-                for impl in ("ours", "ours-torch", "ebag", "fbgemm"):
+                for impl in ("ours", "coll", "ours-torch", "ebag", "fbgemm"):
                     r = rates.get((impl, train))
                     row.append(f"{fmt_rate(r)}/s ({fmt_rate(r * ids_per_batch / args.batch)}ids/s)" if r else "-")
                 for ref in ("ours-torch", "ebag", "fbgemm"):
                     r = rates.get((ref, train))
                     row.append(f"{ours / r:.2f}x" if (r and ours) else "-")
+                coll, r = rates.get(("coll", train)), rates.get(("ebag", train))
+                row.append(f"{coll / r:.2f}x" if (r and coll) else "-")
                 results.append(row)
-            print_table(["case", "mode", "ours samples/s", "ours (torch backend)", "EmbeddingBag loop", "FBGEMM TBE",
-                         "ours/torch-backend", "ours/ebag", "ours/fbgemm"], results)
+            print_table(["case", "mode", "ours samples/s", "EmbeddingCollection", "ours (torch backend)",
+                         "EmbeddingBag loop", "FBGEMM TBE", "ours/torch-backend", "ours/ebag", "ours/fbgemm",
+                         "collection/ebag"], results)
             print()
     return 0
 

@@ -50,6 +50,7 @@ from _common import print_table  # noqa: E402
 
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
+from hugeembed.store import StaticGroup  # noqa: E402
 from hugeembed.optim import Adagrad, SparseOptimizer  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
@@ -248,14 +249,16 @@ def counted_launches(tables: int, dynamic: bool, samples: int = 8, rows: int = 8
 
     Its reads count the hash index's reads of its own CPU-resident scalars and table fields (``tolist`` of
     host tensors: no device read on a GPU, where everything else is on the device)."""
-    # the hash tables' index on triton too, as on a GPU (backend='triton' on the CPU leaves it native)
-    index_backend = EmbeddingCollection._index_backend
+    # the hash tables' index and the static tables' fetch on triton too, as on a GPU (backend='triton' on the
+    # CPU leaves them native)
+    index_backend, static_on_triton = EmbeddingCollection._index_backend, StaticGroup._on_triton
     EmbeddingCollection._index_backend = lambda self: "triton"
+    StaticGroup._on_triton = lambda self: True
     try:
         return count_step(tables, dynamic, "triton", samples=samples, rows=rows, warmup=warmup, device=device,
                           counter=CountLaunches)
     finally:
-        EmbeddingCollection._index_backend = index_backend
+        EmbeddingCollection._index_backend, StaticGroup._on_triton = index_backend, static_on_triton
 
 
 def worst(counts: list[CountOps]) -> tuple[int, int]:

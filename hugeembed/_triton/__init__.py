@@ -1,7 +1,7 @@
 """Triton kernels for CUDA tables (issue 32): the `triton` backend beside the torch reference.
 
 Every kernel module in this package is imported only when triton imports; each declares
-``COMPILE_CASES``: ``(name, jit_fn, signature, constexprs)`` tuples that `compile_check`
+``COMPILE_CASES``: ``(name, jit_fn, signature, constexprs[, options])`` tuples that `compile_check`
 compiles for a GPU this machine may not have (``bash bench/gpu_check.sh compile``).
 
 On a machine without CUDA the kernels run under triton's interpreter (``TRITON_INTERPRET=1``,

@@ -34,20 +34,38 @@ def _sum_entries(acc, lo, hi, order, bag_of, slot, weights, denom, grad, grad_st
 
 
 @triton.jit
-def _update_rows(pid0, order, seg_start, counts, rows, tables, unit_tables, cum_extra, partial, chunk,
+def _update_rows(pid0, n_programs, order, seg_start, counts, rows, tables, unit_tables, cum_extra, partial, chunk,
                  bag_of, slot, weights, denom, grad, grad_stride, B, Fg,
                  wts, w_stride, st, s_stride, D, entry_keys, table_seed, mixed, step,
                  p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, q0, q1, q2, q3,
                  RULE: tl.constexpr, WD: tl.constexpr, NESTEROV: tl.constexpr, ADAM_MODE: tl.constexpr,
                  DECOUPLED: tl.constexpr, EPS_TF: tl.constexpr, FTRL_SQRT: tl.constexpr,
                  STOCHASTIC: tl.constexpr, HAS_W: tl.constexpr, UNIT_MAP: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Unique row s: its gradient (first chunk + partials, in order), then the rule on row rows[s] when its
-    table is the unit's: UNIT_MAP, ``unit_tables[tables[s]] >= 0`` (the unit's index of the table), else
-    ``tables[s]`` is that index."""
+    """Unique rows s = p, p + n_programs, ... below the device's count (a grid from shapes, not the count:
+    no host read, and no program per possible row): each row's update (_update_row)."""
     s = pid0 + tl.program_id(0)
     n_unique = tl.load(counts + 1)
+    while s < n_unique:
+        _update_row(s, n_unique, order, seg_start, rows, tables, unit_tables, cum_extra, partial, chunk,
+                    bag_of, slot, weights, denom, grad, grad_stride, B, Fg,
+                    wts, w_stride, st, s_stride, D, entry_keys, table_seed, mixed, step,
+                    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, q0, q1, q2, q3,
+                    RULE, WD, NESTEROV, ADAM_MODE, DECOUPLED, EPS_TF, FTRL_SQRT, STOCHASTIC, HAS_W, UNIT_MAP, BLOCK_D)
+        s += n_programs
+
+
+@triton.jit
+def _update_row(s, n_unique, order, seg_start, rows, tables, unit_tables, cum_extra, partial, chunk,
+                bag_of, slot, weights, denom, grad, grad_stride, B, Fg,
+                wts, w_stride, st, s_stride, D, entry_keys, table_seed, mixed, step,
+                p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, q0, q1, q2, q3,
+                RULE: tl.constexpr, WD: tl.constexpr, NESTEROV: tl.constexpr, ADAM_MODE: tl.constexpr,
+                DECOUPLED: tl.constexpr, EPS_TF: tl.constexpr, FTRL_SQRT: tl.constexpr,
+                STOCHASTIC: tl.constexpr, HAS_W: tl.constexpr, UNIT_MAP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Unique row s (< n_unique): its gradient (first chunk + partials, in order), then the rule on row rows[s]
+    when its table is the unit's: UNIT_MAP, ``unit_tables[tables[s]] >= 0`` (the unit's index of the table),
+    else ``tables[s]`` is that index."""
     live = s < n_unique
-    s = tl.minimum(s, tl.maximum(n_unique - 1, 0))
     local = tl.load(tables + s, mask=live, other=-1)
     if UNIT_MAP:
         local = tl.load(unit_tables + local, mask=live, other=-1)

@@ -22,10 +22,10 @@ def compile_all(arch: int = 90) -> int:
     if not cases:
         print("no kernels to compile")
         return 1
-    for name, fn, signature, constexprs in cases:
+    for name, fn, signature, constexprs, *options in cases:  # (options: the launch's, e.g. num_warps)
         try:
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options[0] if options else None)
             print(f"ok    {name:40s} sm_{arch} cubin {len(k.asm['cubin'])} B, {k.metadata.num_warps} warps, "
                   f"shared {k.metadata.shared} B")
         except Exception as e:  # report every kernel, then fail

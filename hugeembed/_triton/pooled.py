@@ -155,21 +155,25 @@ def _signature(rows: str, direct: bool, weights: bool) -> dict[str, str]:
     return sig
 
 
-# every variant the dispatcher (functional/_triton_stages.py) launches: rows dtype x prepared/direct x
-# weights x max_norm, at the tile of a d16 table (the tile's size does not change the code's shape)
-COMPILE_CASES = [
-    (f"pooled[{dt},{'direct' if direct else 'prepared'}{',w' if w else ''}{',clip' if clip else ''}]",
-     pooled_kernel, _signature(dt, direct, w),
-     {"DIRECT": direct, "HAS_WEIGHTS": w, "CLIP": clip, "BLOCK_B": 64, "BLOCK_D": 16})
-    for dt in ("fp32", "fp16", "bf16") for direct in (False, True) for w in (False, True) for clip in (False, True)
-]
-
-
 def block_bags(dim: int) -> tuple[int, int]:
     """(BLOCK_B, BLOCK_D) for rows of `dim`: the whole row in one tile (max_norm needs its norm), up to 2048
-    values a program."""
-    block_d = triton.next_power_of_2(dim)
+    values a program; at least 2 columns (triton 3.6 fails to compile a one-column tile of 16-bit rows with
+    max_norm for sm_90)."""
+    block_d = max(2, triton.next_power_of_2(dim))
     return max(1, min(64, 2048 // block_d)), block_d
+
+
+# every variant the dispatcher (functional/_triton_stages.py) launches: rows dtype x prepared/direct x
+# weights x max_norm, at the tile of a d16 table; and the smallest tile (a d1 or d2 table), whose shape
+# the GPU compiler treats apart (a [64, 1] tile of 16-bit rows with max_norm failed to compile on sm_90)
+COMPILE_CASES = [
+    (f"pooled[{dt},{'direct' if direct else 'prepared'}{',w' if w else ''}{',clip' if clip else ''}"
+     f"{',d' + str(dim) if dim != 16 else ''}]",
+     pooled_kernel, _signature(dt, direct, w),
+     {"DIRECT": direct, "HAS_WEIGHTS": w, "CLIP": clip, "BLOCK_B": block_bags(dim)[0], "BLOCK_D": block_bags(dim)[1]})
+    for dt in ("fp32", "fp16", "bf16") for direct in (False, True) for w in (False, True) for clip in (False, True)
+    for dim in (16, 1)
+]
 
 
 def launch(n_bags: int, args: dict, constexprs: dict, shuffle: int | None = None) -> None:

@@ -1,9 +1,10 @@
 """Clean + dedup of a batch on the device (the triton twin of functional/_reference.prepare_torch): a
 few launches, grids from the batch's shapes, and one read of the device by the caller (the report).
 
-    _clean_bags    one program per plan bag: TF's cleaning (pruned ids, out-of-range policy, weights
-                   <= 0 dropped) counts the bag's kept ids (+1 for an empty pooled bag with a
-                   default_id); the programs past the bags check every input bag's offsets
+    _clean_bags    a program per BAG_BLOCK plan bags, a lane per bag: TF's cleaning (pruned ids,
+                   out-of-range policy, weights <= 0 dropped) counts each bag's kept ids (+1 for an
+                   empty pooled bag with a default_id); the programs past the bags check every input
+                   bag's offsets
     torch.cumsum   the bags' lengths -> the cleaned offsets
     _scatter_bags  the same pass again, each kept id written at its place in bag order (with its
                    weight, table and sort key); the programs past the bags pad the tail
@@ -23,9 +24,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["REPORT_HEAD", "BIG", "COMPILE_CASES"]
+__all__ = ["REPORT_HEAD", "BIG", "BAG_BLOCK", "COMPILE_CASES"]
 
 REPORT_HEAD = 4
+BAG_BLOCK = 128  # bags a clean / scatter program walks side by side (a lane each)
 BIG = 2**62
 _HEAD = tl.constexpr(REPORT_HEAD)
 _BIG = tl.constexpr(BIG)
@@ -33,124 +35,138 @@ _NONE = tl.constexpr(3)  # combiner code of an unpooled feature (plan.arrays)
 
 
 @triton.jit
-def _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id, HAS_W: tl.constexpr,
-             BLOCK: tl.constexpr):
+def _bags_of(q, lane, B, N, offsets, src, feat_table):
+    """Bags q (a lane each, feature-major over the plan's features; lanes off `lane` read an empty bag
+    0): their feature, input span [lo, hi) clamped to the values (bad offsets are reported by the
+    clean pass, never read past), and table."""
+    q = tl.where(lane, q, 0)
+    f = q // B
+    ib = tl.load(src + f) * B + (q - f * B)
+    lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
+    hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
+    return f, lo, tl.where(lane, hi, lo), tl.load(feat_table + f)
+
+
+@triton.jit
+def _ids_at(at, m, prune, nr, pol, dflt, values, weights, HAS_W: tl.constexpr):
     """(the ids after the out-of-range policy, kept, not-finite weight, id out of range under "error",
-    weights) of the lanes `at` (mask `m`) of a bag of feature f, table t."""
+    weights) of the positions `at` (mask `m`), each lane under its feature's rules (prune_negative,
+    its table's rows, out_of_range policy, default_id)."""
     v = tl.load(values + at, mask=m, other=0)
     if HAS_W:
         w = tl.load(weights + at, mask=m, other=1.0)
         bad_w = m & ((w != w) | (tl.abs(w) == float("inf")))
         keep = m & (w > 0)
     else:
-        w = tl.full((BLOCK,), 1.0, tl.float32)
+        w = tl.where(m, 1.0, 1.0)
         bad_w = m & (v != v)  # (all False)
         keep = m
-    keep = keep & ~((v < 0) & (tl.load(prune_neg + f) != 0))
-    nr = tl.load(num_rows + t)
-    pol = tl.load(oor + f)
+    keep = keep & ~((v < 0) & prune)
     oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
     err = oob & (pol == 0)
     keep = keep & ~(oob & (pol == 1))
-    v = tl.where(oob & (pol == 2), tl.load(default_id + f), v)
+    v = tl.where(oob & (pol == 2), dflt, v)
     return v, keep, bad_w, err, w
 
 
 @triton.jit
-def _bag_of(p, B, N, offsets, src, feat_table):
-    """Bag p (feature-major over the plan's features): its feature, input span [lo, hi) clamped to
-    the values (bad offsets are reported by the clean pass, never read past), and its table."""
-    f = p // B
-    ib = tl.load(src + f) * B + (p - f * B)
-    lo = tl.minimum(tl.maximum(tl.load(offsets + ib), 0), N)
-    hi = tl.minimum(tl.maximum(tl.load(offsets + ib + 1), lo), N)
-    return f, lo, hi, tl.load(feat_table + f)
-
-
-@triton.jit
 def _clean_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune_neg, oor, has_default,
-                default_id, combiner, lengths, out_offsets, report, B, FB, n_in, N,
-                HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p < FB: bag p's cleaned length; p >= FB: the input bags [k * BLOCK, (k + 1) * BLOCK)'s
-    offsets (k = p - FB) in [0, N], never decreasing, from 0 to N."""
+                default_id, combiner, lengths, out_offsets, report, B, FB, n_in, N, NBB,
+                HAS_W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p < NBB: the cleaned lengths of bags [p * BLOCK_B, (p + 1) * BLOCK_B), a lane per bag
+    walking its ids; p >= NBB: the input bags [k * BLOCK, (k + 1) * BLOCK)'s offsets (k = p - NBB) in
+    [0, N], never decreasing, from 0 to N.  One atomic per program, only when it has a finding."""
     p = pid0 + tl.program_id(0)
-    if p < FB:
-        f, lo, hi, t = _bag_of(p, B, N, offsets, src, feat_table)
-        kept = tl.zeros((), tl.int64)
-        first_bad = tl.zeros((), tl.int64)
-        first_err = tl.zeros((), tl.int64)
-        i = lo
-        while i < hi:
-            at = i + tl.arange(0, BLOCK)
+    if p < NBB:
+        q = p.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        lane = q < FB
+        f, lo, hi, t = _bags_of(q, lane, B, N, offsets, src, feat_table)
+        prune, nr = tl.load(prune_neg + f) != 0, tl.load(num_rows + t)
+        pol, dflt = tl.load(oor + f), tl.load(default_id + f)
+        kept = tl.zeros((BLOCK_B,), tl.int64)
+        first_bad = tl.zeros((BLOCK_B,), tl.int64)
+        first_err = tl.zeros((BLOCK_B,), tl.int64)
+        longest = tl.max(hi - lo, axis=0)
+        j = 0
+        while j < longest:  # (a while: the interpreter's range() cannot take a reduced bound under numpy 2)
+            at = lo + j
             m = at < hi
-            v, keep, bad_w, err, w = _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id,
-                                              HAS_W, BLOCK)
-            kept += tl.sum(keep.to(tl.int64), axis=0)
+            v, keep, bad_w, err, w = _ids_at(at, m, prune, nr, pol, dflt, values, weights, HAS_W)
+            kept += keep.to(tl.int64)
             code = _BIG - (f.to(tl.int64) * (N + 1) + at)
-            first_bad = tl.maximum(first_bad, tl.max(tl.where(bad_w, code, 0), axis=0))
-            first_err = tl.maximum(first_err, tl.max(tl.where(err, code, 0), axis=0))
-            i += BLOCK
-        fill = (kept == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE)
-        tl.store(lengths + p, kept + fill.to(tl.int64))
-        tl.atomic_max(report + 1, first_bad)
-        tl.atomic_max(report + 2, first_err)
+            first_bad = tl.maximum(first_bad, tl.where(bad_w, code, 0))
+            first_err = tl.maximum(first_err, tl.where(err, code, 0))
+            j += 1
+        fill = lane & (kept == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE)
+        tl.store(lengths + q, kept + fill.to(tl.int64), mask=lane)
+        fb = tl.max(first_bad, axis=0)
+        fe = tl.max(first_err, axis=0)
+        tl.atomic_max(report + 1, fb, mask=fb > 0)
+        tl.atomic_max(report + 2, fe, mask=fe > 0)
         if p == 0:
             tl.store(out_offsets, tl.zeros((), tl.int64))
     else:
         # (names of their own: a name's type must agree across the branches)
-        in_bag = (p - FB) * BLOCK + tl.arange(0, BLOCK)
+        in_bag = (p - NBB) * BLOCK + tl.arange(0, BLOCK)
         m_in = in_bag < tl.maximum(n_in, 1)
         first = tl.load(offsets + in_bag, mask=m_in, other=0)
         last = tl.load(offsets + tl.minimum(in_bag + 1, n_in), mask=m_in, other=0)
         bad = (last < first) | (last > N) | (first < 0) | ((in_bag == 0) & (first != 0)) | (
             (in_bag == tl.maximum(n_in, 1) - 1) & (last != N))
-        tl.atomic_max(report, tl.max((m_in & bad).to(tl.int64), axis=0))
+        any_bad = tl.max((m_in & bad).to(tl.int64), axis=0)
+        tl.atomic_max(report, any_bad, mask=any_bad > 0)
 
 
 @triton.jit
 def _scatter_bags(pid0, offsets, values, weights, src, feat_table, num_rows, prune_neg, oor, has_default,
                   default_id, combiner, table_base, out_offsets, ids_out, w_out, tab_out, key_out, report,
-                  B, F, FB, N, M, T, sentinel, HAS_W: tl.constexpr, LINEAR: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p < FB: bag p's kept ids (and its default id) at their places from out_offsets[p];
-    p >= FB: the positions [n_keep, M) of block p - FB get table T (not counted) and the sentinel key."""
+                  B, F, FB, N, M, T, sentinel, NBB, HAS_W: tl.constexpr, LINEAR: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p < NBB: bags [p * BLOCK_B, (p + 1) * BLOCK_B)'s kept ids (and default ids) at their places
+    from out_offsets, a lane per bag; p >= NBB: the positions [n_keep, M) of block p - NBB get table T (not
+    counted) and the sentinel key."""
     p = pid0 + tl.program_id(0)
-    if p < FB:
-        f, lo, hi, t = _bag_of(p, B, N, offsets, src, feat_table)
+    if p < NBB:
+        q = p.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        lane = q < FB
+        f, lo, hi, t = _bags_of(q, lane, B, N, offsets, src, feat_table)
+        prune, nr = tl.load(prune_neg + f) != 0, tl.load(num_rows + t)
+        pol, dflt = tl.load(oor + f), tl.load(default_id + f)
         base = tl.load(table_base + t)
-        start = tl.load(out_offsets + p)
-        placed = tl.zeros((), tl.int64)
-        i = lo
-        while i < hi:
-            at = i + tl.arange(0, BLOCK)
+        start = tl.load(out_offsets + q, mask=lane, other=0)
+        t32 = t.to(tl.int32)
+        placed = tl.zeros((BLOCK_B,), tl.int64)
+        longest = tl.max(hi - lo, axis=0)
+        j = 0
+        while j < longest:
+            at = lo + j
             m = at < hi
-            v, keep, bad_w, err, w = _bag_ids(at, m, f, t, values, weights, prune_neg, num_rows, oor, default_id,
-                                              HAS_W, BLOCK)
-            k = keep.to(tl.int64)
-            dest = start + placed + tl.cumsum(k, axis=0) - 1
+            v, keep, bad_w, err, w = _ids_at(at, m, prune, nr, pol, dflt, values, weights, HAS_W)
+            dest = start + placed
             ok = keep & (dest < M)  # (past M only for offsets that raise)
             tl.store(ids_out + dest, v, mask=ok)
-            tl.store(tab_out + dest, t.to(tl.int32), mask=ok)
+            tl.store(tab_out + dest, t32, mask=ok)
             if HAS_W:
                 tl.store(w_out + dest, w, mask=ok)
             if LINEAR:
                 tl.store(key_out + dest, (base + v).to(key_out.dtype.element_ty), mask=ok)
-            placed += tl.sum(k, axis=0)
-            i += BLOCK
-        fill = (placed == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE) & (start < M)
-        d = tl.load(default_id + f)
-        tl.store(ids_out + start, d, mask=fill)
-        tl.store(tab_out + start, t.to(tl.int32), mask=fill)
+            placed += keep.to(tl.int64)
+            j += 1
+        fill = lane & (placed == 0) & (tl.load(has_default + f) != 0) & (tl.load(combiner + f) != _NONE) & (
+            start < M)
+        tl.store(ids_out + start, dflt, mask=fill)
+        tl.store(tab_out + start, t32, mask=fill)
         if HAS_W:
-            tl.store(w_out + start, 1.0, mask=fill)
+            tl.store(w_out + start, tl.where(fill, 1.0, 1.0), mask=fill)
         if LINEAR:
-            tl.store(key_out + start, (base + d).to(key_out.dtype.element_ty), mask=fill)
-        b = p - f * B
-        tl.store(report + _HEAD + T + f, start, mask=b == 0)
+            tl.store(key_out + start, (base + dflt).to(key_out.dtype.element_ty), mask=fill)
+        tl.store(report + _HEAD + T + f, start, mask=lane & (q - f * B == 0))
         end = tl.load(out_offsets + FB)
-        tl.store(report + _HEAD + T + F, end, mask=p == FB - 1)
-        tl.store(report + 3, end, mask=p == FB - 1)
+        last = lane & (q == FB - 1)
+        tl.store(report + _HEAD + T + F + f * 0, end + start * 0, mask=last)
+        tl.store(report + 3 + f * 0, end + start * 0, mask=last)
     else:
-        at = (p - FB) * BLOCK + tl.arange(0, BLOCK)
+        at = (p - NBB) * BLOCK + tl.arange(0, BLOCK)
         tail = (at >= tl.load(out_offsets + FB)) & (at < M)
         tl.store(tab_out + at, tl.zeros((BLOCK,), tl.int32) + T, mask=tail)
         tl.store(ids_out + at, tl.zeros((BLOCK,), tl.int64), mask=tail)
@@ -209,15 +225,16 @@ def _cases():
               "feat_table": "*i64", "num_rows": "*i64", "prune_neg": "*i8", "oor": "*i8", "has_default": "*i8",
               "default_id": "*i64", "combiner": "*i8"}
     clean = {**common, "lengths": "*i64", "out_offsets": "*i64", "report": "*i64", "B": "i32", "FB": "i32",
-             "n_in": "i32", "N": "i64", "HAS_W": "constexpr", "BLOCK": "constexpr"}
-    out = [(f"prepare.clean_bags[w={int(w)}]", _clean_bags, clean, {"HAS_W": w, "BLOCK": 64}) for w in (False, True)]
+             "n_in": "i32", "N": "i64", "NBB": "i32", "HAS_W": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
+    out = [(f"prepare.clean_bags[w={int(w)}]", _clean_bags, clean, {"HAS_W": w, "BLOCK_B": BAG_BLOCK, "BLOCK": 256})
+           for w in (False, True)]
     for w, linear, key in ((False, True, "i32"), (True, True, "i64"), (True, False, "i64")):
         sig = {**common, "table_base": "*i64", "out_offsets": "*i64", "ids_out": "*i64", "w_out": "*fp32",
                "tab_out": "*i32", "key_out": f"*{key}", "report": "*i64", "B": "i32", "F": "i32", "FB": "i32",
-               "N": "i64", "M": "i32", "T": "i32", "sentinel": "i64", "HAS_W": "constexpr", "LINEAR": "constexpr",
-               "BLOCK": "constexpr"}
+               "N": "i64", "M": "i32", "T": "i32", "sentinel": "i64", "NBB": "i32", "HAS_W": "constexpr",
+               "LINEAR": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
         out.append((f"prepare.scatter_bags[w={int(w)},linear={int(linear)},{key}]", _scatter_bags, sig,
-                    {"HAS_W": w, "LINEAR": linear, "BLOCK": 64}))
+                    {"HAS_W": w, "LINEAR": linear, "BLOCK_B": BAG_BLOCK, "BLOCK": 256}))
     for dedup in (False, True):
         out.append((f"prepare.run_heads[dedup={int(dedup)}]", _run_heads,
                     {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "M": "i32",

@@ -13,8 +13,8 @@ combiner divisor), the sum backward_torch makes.  A row's entries are cut in chu
 
 so a Zipf-hot row's thousands of entries are summed by many programs, and a row with at most
 `chunk` entries (nearly all) never leaves registers.  Both grids are sized from shapes (N entries,
-R rows: at most min(N, R) unique rows): programs past the device-side counts do nothing.  ``bag_terms`` (one program per bag) makes each
-bag's divisor and each entry's bag.
+R rows: at most min(N, R) unique rows): programs past the device-side counts do nothing.  ``bag_terms`` (a program per BAG_BLOCK bags) makes
+each bag's divisor and each entry's bag.
 
 Rules (optim/_kernel_params.kernel_params gives their parameters): SGD, momentum / Nesterov,
 Adagrad, row-wise Adagrad, Adam lazy / per-row / global (the skipped steps' catch-up in the kernel),
@@ -35,7 +35,7 @@ from ._grid import launch
 from ._update_rows import _sum_entries, _update_rows
 from .dedup import Dedup
 
-__all__ = ["PooledGrads", "bag_terms", "segment_update", "COMPILE_CASES"]
+__all__ = ["PooledGrads", "bag_terms", "segment_update", "segment_sum", "COMPILE_CASES"]
 
 _SUM, _MEAN, _SQRTN = 0, 1, 2
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -61,36 +61,53 @@ class PooledGrads:
 
 
 @triton.jit
-def _bag_terms(pid0, offsets, weights, combiner, bag_of, denom, B, inverse, slots, keys, feat_table,
-               entry_table, entry_slot, entry_key, HAS_W: tl.constexpr, ENTRIES: tl.constexpr):
-    """Bag f*B+b: its entries' bag, and its divisor (sum: 1, mean: sum w, sqrtn: sqrt(sum w^2); 1 when
-    empty), summed in entry order as backward_torch's index_add.  ENTRIES: also each entry's table,
-    slot and key (``feat_table[f]``, ``slots[inverse[i]]``, ``keys[inverse[i]]``)."""
-    bag = pid0 + tl.program_id(0)
-    lo = tl.load(offsets + bag)
-    hi = tl.load(offsets + bag + 1)
-    ws = tl.zeros((), tl.float32)
-    w2 = tl.zeros((), tl.float32)
+def _bag_terms(pid0, offsets, weights, combiner, bag_of, denom, B, n_bags, inverse, slots, keys, feat_table,
+               entry_table, entry_slot, entry_key, HAS_W: tl.constexpr, ENTRIES: tl.constexpr,
+               BLOCK_B: tl.constexpr):
+    """Bags [p * BLOCK_B, (p + 1) * BLOCK_B) (bag f*B+b: a lane each): their entries' bag, and their divisor
+    (sum: 1, mean: sum w, sqrtn: sqrt(sum w^2); 1 when empty), summed in entry order as backward_torch's
+    index_add.  ENTRIES: also each entry's table, slot and key (``feat_table[f]``, ``slots[inverse[i]]``,
+    ``keys[inverse[i]]``)."""
+    bag = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    lane = bag < n_bags
+    lo = tl.load(offsets + bag, mask=lane, other=0)
+    hi = tl.load(offsets + bag + 1, mask=lane, other=0)
+    ws = tl.zeros((BLOCK_B,), tl.float32)
+    w2 = tl.zeros((BLOCK_B,), tl.float32)
+    f = tl.where(lane, bag // B, 0)
     if ENTRIES:
-        t = tl.load(feat_table + bag // B)
-    i = lo
-    while i < hi:  # (a while: the interpreter's range() cannot take a loaded bound under numpy 2)
-        tl.store(bag_of + i, bag.to(tl.int32))
+        t = tl.load(feat_table + f)
+    longest = tl.max(hi - lo, axis=0)
+    j = 0
+    while j < longest:  # (a while: the interpreter's range() cannot take a loaded bound under numpy 2)
+        i = lo + j
+        m = i < hi
+        tl.store(bag_of + i, bag.to(tl.int32), mask=m)
         if ENTRIES:
-            u = tl.load(inverse + i)
-            tl.store(entry_table + i, t)
-            tl.store(entry_slot + i, tl.load(slots + u))
-            tl.store(entry_key + i, tl.load(keys + u))
+            u = tl.load(inverse + i, mask=m, other=0)
+            tl.store(entry_table + i, t, mask=m)
+            tl.store(entry_slot + i, tl.load(slots + u, mask=m, other=0), mask=m)
+            tl.store(entry_key + i, tl.load(keys + u, mask=m, other=0), mask=m)
         if HAS_W:
-            w = tl.load(weights + i)
+            w = tl.load(weights + i, mask=m, other=0.0)
         else:
-            w = tl.full((), 1.0, tl.float32)
+            w = tl.where(m, 1.0, 0.0)
         ws += w
         w2 += w * w
-        i += 1
-    comb = tl.load(combiner + bag // B)
+        j += 1
+    comb = tl.load(combiner + f)
     d = tl.where(comb == 1, ws, tl.where(comb == 2, tl.sqrt_rn(w2), 1.0))
-    tl.store(denom + bag, tl.where(ws > 0, d, 1.0))
+    tl.store(denom + bag, tl.where(ws > 0, d, 1.0), mask=lane)
+
+
+BAG_BLOCK = 128  # bags a _bag_terms program walks side by side (a lane each)
+ROW_PROGRAMS = 8192  # the update's programs at most (a GPU runs about this many at once)
+
+
+def _row_warps(block_d: int) -> int:
+    """Warps of a program that works on one row of block_d values: one warp up to 256 of them (4 warps left
+    three idle on a d16 row)."""
+    return max(1, min(4, block_d // 256))
 
 
 def bag_terms(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: torch.Tensor, batch_size: int,
@@ -110,9 +127,9 @@ def bag_terms(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: tor
     else:
         inverse = slots = keys = feat_table = bag_of
         outs = [bag_of] * 3
-    launch(_bag_terms, n_bags, offsets, weights if weights is not None else denom, combiner, bag_of, denom,
-           max(batch_size, 1), inverse, slots, keys, feat_table, *outs, HAS_W=weights is not None,
-           ENTRIES=entries is not None)
+    launch(_bag_terms, triton.cdiv(n_bags, BAG_BLOCK), offsets, weights if weights is not None else denom, combiner,
+           bag_of, denom, max(batch_size, 1), n_bags, inverse, slots, keys, feat_table, *outs,
+           HAS_W=weights is not None, ENTRIES=entries is not None, BLOCK_B=BAG_BLOCK)
     return (bag_of, denom) if entries is None else (bag_of, denom, *outs)
 
 
@@ -192,7 +209,25 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     n = dd.capacity
     if n == 0:
         return
-    dev = weights.device
+    cum_extra, partial, (w_arg, B, Fg, has_w, block_d) = _partial_sums(dd, src, chunk)
+    st = state if state.numel() else weights
+    keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
+    seeds = table_seed if stochastic else dd.counts
+    # at most one unique row per row of `weights` when the runs are the unit's own (a batch's: any number);
+    # past ROW_PROGRAMS, a program walks rows n_programs apart
+    programs = min(n if unit_tables is not None else min(n, weights.shape[0]), ROW_PROGRAMS)
+    launch(_update_rows, programs, programs, dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables,
+           unit_tables if unit_tables is not None else dd.tables, cum_extra, partial, chunk,
+           src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg,
+           weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
+           STOCHASTIC=stochastic, HAS_W=has_w, UNIT_MAP=unit_tables is not None, BLOCK_D=block_d,
+           num_warps=_row_warps(block_d), **flags)
+
+
+def _partial_sums(dd: Dedup, src: PooledGrads, chunk: int):
+    """(cum_extra, partial, the source's kernel arguments): the chunks after each unique row's first, summed
+    (hot rows split across programs); the row kernels add them to their first chunk, in order."""
+    n, D, dev = dd.capacity, src.grad.shape[1], src.grad.device
     extra = torch.empty(n, dtype=torch.int32, device=dev)
     launch(_extra_chunks, triton.cdiv(n, 256), dd.seg_start, extra, chunk, n, BLOCK=256)
     cum_extra = torch.cumsum(extra, 0, dtype=torch.int32)
@@ -203,38 +238,80 @@ def segment_update(dd: Dedup, src: PooledGrads, weights: torch.Tensor, state: to
     w_arg = src.weights if has_w else src.denom
     B, Fg = max(src.batch_size, 1), max(src.width, 1)
     launch(_chunk_sums, n_partial, dd.order, dd.seg_start, dd.counts, cum_extra, partial, chunk, src.bag_of,
-           src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, D, HAS_W=has_w, BLOCK_D=block_d)
-    st = state if state.numel() else weights
-    keys = keys if stochastic else dd.counts  # (unread without stochastic rounding)
-    seeds = table_seed if stochastic else dd.counts
-    # at most one unique row per row of `weights` when the runs are the unit's own (a batch's: any number)
-    programs = n if unit_tables is not None else min(n, weights.shape[0])
-    launch(_update_rows, programs, dd.order, dd.seg_start, dd.counts, dd.rows, dd.tables,
-           unit_tables if unit_tables is not None else dd.tables, cum_extra, partial, chunk,
-           src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg,
-           weights, weights.stride(0), st, st.stride(0), D, keys, seeds, rounding_mix, step, *p, *q,
-           STOCHASTIC=stochastic, HAS_W=has_w, UNIT_MAP=unit_tables is not None, BLOCK_D=block_d, **flags)
+           src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, D, HAS_W=has_w, BLOCK_D=block_d,
+           num_warps=_row_warps(block_d))
+    return cum_extra, partial, (w_arg, B, Fg, has_w, block_d)
+
+
+@triton.jit
+def _sum_rows(pid0, n_programs, order, seg_start, counts, tables, table_in, cum_extra, partial, chunk, bag_of, slot,
+              weights, denom, grad, grad_stride, B, Fg, out, out_stride, D, HAS_W: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Unique rows s = p, p + n_programs, ... below the device's count whose table is in (``table_in[t] != 0``):
+    the row's gradient (its first chunk, then its partials in order) into ``out[s]``; other rows untouched."""
+    s = pid0 + tl.program_id(0)
+    n_unique = tl.load(counts + 1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    while s < n_unique:
+        if tl.load(table_in + tl.load(tables + s)) != 0:
+            start = tl.load(seg_start + s)
+            end = tl.load(seg_start + s + 1)
+            g = _sum_entries(tl.zeros((BLOCK_D,), tl.float32), start, tl.minimum(end, start + chunk), order, bag_of,
+                             slot, weights, denom, grad, grad_stride, B, Fg, d, dmask, HAS_W)
+            e = tl.load(cum_extra + s - 1, mask=s > 0, other=0)
+            e_hi = tl.load(cum_extra + s)
+            while e < e_hi:
+                g += tl.load(partial + e.to(tl.int64) * D + d, mask=dmask, other=0.0)
+                e += 1
+            tl.store(out + s.to(tl.int64) * out_stride + d, g, mask=dmask)
+        s += n_programs
+
+
+def segment_sum(dd: Dedup, src: PooledGrads, out: torch.Tensor, table_in: torch.Tensor, chunk: int = 64) -> None:
+    """Each unique row's summed gradient (the sum backward_torch's index_add makes: its entries in batch order,
+    each ``grad[bag's output] * w / denom``) into ``out[u]`` (float32 [>= n_unique, D], contiguous along D),
+    for the rows whose table t has ``table_in[t] != 0`` (int64: the tables of this gradient's dim); no [N, D]
+    product made, no float atomics, no host read."""
+    D = out.shape[1]
+    if out.dtype != torch.float32 or src.grad.dtype != torch.float32 or src.grad.shape[1] != D or out.stride(1) != 1:
+        raise InputError(f"segment_sum: float32 rows [*, {src.grad.shape[1]}] contiguous along D, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    n = dd.capacity
+    if n == 0:
+        return
+    cum_extra, partial, (w_arg, B, Fg, has_w, block_d) = _partial_sums(dd, src, chunk)
+    programs = min(n, ROW_PROGRAMS)
+    launch(_sum_rows, programs, programs, dd.order, dd.seg_start, dd.counts, dd.tables, table_in, cum_extra, partial,
+           chunk, src.bag_of, src.slot, w_arg, src.denom, src.grad, src.grad.stride(0), B, Fg, out, out.stride(0), D,
+           HAS_W=has_w, BLOCK_D=block_d, num_warps=_row_warps(block_d))
 
 
 def _cases():
     bag = {"pid0": "i32", "offsets": "*i64", "weights": "*fp32", "combiner": "*i8", "bag_of": "*i32",
-           "denom": "*fp32", "B": "i32", "inverse": "*i64", "slots": "*i64", "keys": "*i64", "feat_table": "*i64",
+           "denom": "*fp32", "B": "i32", "n_bags": "i32", "inverse": "*i64", "slots": "*i64", "keys": "*i64", "feat_table": "*i64",
            "entry_table": "*i64", "entry_slot": "*i64", "entry_key": "*i64", "HAS_W": "constexpr",
-           "ENTRIES": "constexpr"}
+           "ENTRIES": "constexpr", "BLOCK_B": "constexpr"}
     src = {"bag_of": "*i32", "slot": "*i32", "weights": "*fp32", "denom": "*fp32", "grad": "*fp32",
            "grad_stride": "i32", "B": "i32", "Fg": "i32"}
     chunks = {"pid0": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "cum_extra": "*i32",
               "partial": "*fp32", "chunk": "i32", **src, "D": "i32", "HAS_W": "constexpr", "BLOCK_D": "constexpr"}
-    out = [(f"segment_optim.bag_terms[w={int(w)},entries={int(e)}]", _bag_terms, bag, {"HAS_W": w, "ENTRIES": e})
-           for w in (False, True) for e in (False, True)]
+    out = [(f"segment_optim.bag_terms[w={int(w)},entries={int(e)}]", _bag_terms, bag,
+            {"HAS_W": w, "ENTRIES": e, "BLOCK_B": BAG_BLOCK}) for w in (False, True) for e in (False, True)]
     out.append(("segment_optim.extra_chunks", _extra_chunks, {"pid0": "i32", "seg_start": "*i32", "extra": "*i32",
                 "chunk": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}))
-    out.append(("segment_optim.chunk_sums[d64]", _chunk_sums, chunks, {"HAS_W": True, "BLOCK_D": 64}))
+    out.append(("segment_optim.chunk_sums[d64]", _chunk_sums, chunks, {"HAS_W": True, "BLOCK_D": 64},
+                {"num_warps": _row_warps(64)}))
+    sums = {"pid0": "i32", "n_programs": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32",
+            "tables": "*i32", "table_in": "*i64", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
+            "out": "*fp32", "out_stride": "i32", "D": "i32", "HAS_W": "constexpr", "BLOCK_D": "constexpr"}
+    out += [(f"segment_optim.sum_rows[w={int(w)}]", _sum_rows, sums, {"HAS_W": w, "BLOCK_D": 64},
+             {"num_warps": _row_warps(64)}) for w in (False, True)]
     flags = ("RULE", "WD", "NESTEROV", "ADAM_MODE", "DECOUPLED", "EPS_TF", "FTRL_SQRT", "STOCHASTIC", "HAS_W",
              "UNIT_MAP", "BLOCK_D")
 
     def rows_sig(wdt):
-        return {"pid0": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "rows": "*i32",
+        return {"pid0": "i32", "n_programs": "i32", "order": "*i64", "seg_start": "*i32", "counts": "*i32", "rows": "*i32",
                 "tables": "*i32", "unit_tables": "*i64", "cum_extra": "*i32", "partial": "*fp32", "chunk": "i32", **src,
                 "wts": f"*{wdt}", "w_stride": "i32", "st": "*fp32", "s_stride": "i32", "D": "i32",
                 "entry_keys": "*i64", "table_seed": "*i64", "mixed": "i64", "step": "i32",
@@ -258,7 +335,8 @@ def _cases():
     for name, wdt, f in variants:
         consts = {"RULE": 0, "WD": False, "NESTEROV": False, "ADAM_MODE": 0, "DECOUPLED": False, "EPS_TF": False,
                   "FTRL_SQRT": True, "STOCHASTIC": False, "HAS_W": True, "UNIT_MAP": False, "BLOCK_D": 64, **f}
-        out.append((f"segment_optim.update_rows[{name}]", _update_rows, rows_sig(wdt), consts))
+        out.append((f"segment_optim.update_rows[{name}]", _update_rows, rows_sig(wdt), consts,
+                    {"num_warps": _row_warps(64)}))
     return out
 
 

@@ -17,7 +17,7 @@ from ._grad_rows import GradRows, blocks_of_tables, compact_slots, row_starts, t
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import LookupPlan, Prepared
 from ._reference import backward_torch, gradient_rows_torch, pool_torch, unpooled_torch, weights_backward_torch
-from ._triton_backward import FusedGrads, fuses
+from ._triton_backward import FusedGrads, fuses, gradient_rows_triton, sums_on_triton
 from ._triton_stages import pool_triton
 
 if TYPE_CHECKING:
@@ -106,13 +106,17 @@ class LookupRun:
         if self.native and (self.read is None or _storages_native_ok(storages)):
             blocks, row0 = backward_native(plan, prep, storages, slots, pooled, unpooled)
             table_grads = None
-        elif len(plan.tables_by_dim) == 1 and not plan.clipped and prep.capacity == sum(prep.unique_count) and \
-                prep.unique_base == list(accumulate(prep.unique_count[:-1], initial=0)):
-            # one dim, nothing clipped, tables end to end from 0: the dim's gradient rows are the block
-            blocks, row0, table_grads = gradient_rows_torch(plan, prep, pooled, unpooled), prep.unique_base, None
         else:
-            table_grads = backward_torch(plan, prep, storages, slots, pooled, unpooled)
-            blocks = row0 = None
+            # (the triton kernels sum each row in batch order, with no [ids, D] product and no float atomics)
+            rows = (gradient_rows_triton(plan, prep, pooled) if self.triton and sums_on_triton(prep, pooled, unpooled)
+                    else gradient_rows_torch(plan, prep, pooled, unpooled))
+            if len(plan.tables_by_dim) == 1 and not plan.clipped and prep.capacity == sum(prep.unique_count) and \
+                    prep.unique_base == list(accumulate(prep.unique_count[:-1], initial=0)):
+                # one dim, nothing clipped, tables end to end from 0: the dim's gradient rows are the block
+                blocks, row0, table_grads = rows, prep.unique_base, None
+            else:
+                table_grads = backward_torch(plan, prep, storages, slots, pooled, unpooled, rows)
+                blocks = row0 = None
         out: list[torch.Tensor | None] = [None] * len(self.params)
         # ids that read zeros (slot -1: not admitted, unknown in eval) get no update: one check for
         # the tables whose ids may lack a row (one host sync per step, none when none may), per

@@ -285,10 +285,13 @@ def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: Dim
     return rows
 
 
-def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads):
-    """Per table, gradient rows [U_t, D_t] of its unique keys (backward_native gives them by dim)."""
+def backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, pooled_grads, unpooled_grads,
+                   grads_by_dim: dict[int, torch.Tensor] | None = None):
+    """Per table, gradient rows [U_t, D_t] of its unique keys (backward_native gives them by dim), from
+    `grads_by_dim` (gradient_rows_torch's result, or its triton twin's) when given."""
     dev = prep.offsets.device
-    grads_by_dim = gradient_rows_torch(plan, prep, pooled_grads, unpooled_grads)
+    if grads_by_dim is None:
+        grads_by_dim = gradient_rows_torch(plan, prep, pooled_grads, unpooled_grads)
     parts = {D: prep.per_table(acc) for D, acc in grads_by_dim.items()}  # one split per dim, not a slice per table
     out = []
     for t, spec in enumerate(plan.tables):

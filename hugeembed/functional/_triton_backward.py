@@ -15,7 +15,7 @@ import torch
 
 from ._plan import LookupPlan, Prepared
 
-__all__ = ["FusedGrads", "fuses"]
+__all__ = ["FusedGrads", "fuses", "sums_on_triton", "gradient_rows_triton"]
 
 
 def fuses(plan: LookupPlan, prep: Prepared, pooled: list, unpooled: list, unsure: list[int]) -> bool:
@@ -32,7 +32,7 @@ class FusedGrads:
     the kernel reads.  Made in one launch (segment_optim.bag_terms) and no host read."""
 
     def __init__(self, plan: LookupPlan, prep: Prepared, slots: torch.Tensor, pooled: list) -> None:
-        from .._triton.segment_optim import PooledGrads, bag_terms  # (triton imports: the lookup runs on it)
+        from .._triton.segment_optim import bag_terms  # (triton imports: the lookup runs on it)
 
         dev = prep.offsets.device
         B = prep.batch_size
@@ -45,18 +45,51 @@ class FusedGrads:
         # the triton prepare's runs (its sorted entries by unique key) with the slots as their rows: the
         # update reads them instead of deduplicating the entries' slots again
         self.runs = None if prep.runs is None else dataclasses.replace(prep.runs, rows=slots)
-        self._by_dim: dict[int, PooledGrads] = {}
-        for g, group in enumerate(plan.groups):
-            if not group.pooled:
-                continue
-            k_of = [0] * plan.num_features
-            for k, f in enumerate(group.pooled):
-                k_of[f] = k
-            grad = pooled[g].reshape(-1, group.dim)
-            self._by_dim[group.dim] = PooledGrads(grad if grad.is_contiguous() else grad.contiguous(),
-                                                  plan.on_device(tuple(k_of), dev), bag_of, denom, prep.weights,
-                                                  B, len(group.pooled))
+        self._by_dim = {plan.groups[g].dim: src for g, src in _pooled_grads(plan, prep, pooled, bag_of, denom)}
 
     def of_dim(self, dim: int):
         """The PooledGrads (hugeembed/_triton/segment_optim.py) the entries of dim `dim`'s tables read."""
         return self._by_dim[dim]
+
+
+def _pooled_grads(plan: LookupPlan, prep: Prepared, pooled: list, bag_of, denom):
+    """(group index, PooledGrads) of each dim group with pooled features: how the kernels read its gradient."""
+    from .._triton.segment_optim import PooledGrads
+
+    dev = prep.offsets.device
+    for g, group in enumerate(plan.groups):
+        if not group.pooled:
+            continue
+        k_of = [0] * plan.num_features
+        for k, f in enumerate(group.pooled):
+            k_of[f] = k
+        grad = pooled[g].reshape(-1, group.dim)
+        yield g, PooledGrads(grad if grad.is_contiguous() else grad.contiguous(), plan.on_device(tuple(k_of), dev),
+                             bag_of, denom, prep.weights, prep.batch_size, len(group.pooled))
+
+
+def sums_on_triton(prep: Prepared, pooled: list, unpooled: list) -> bool:
+    """Whether the triton kernels can sum a step's gradient rows: a batch the triton prepare deduplicated
+    (its sorted runs), pooled float32 outputs only, float32 (or no) weights."""
+    return (prep.runs is not None and prep.deduplicated and not any(u is not None for u in unpooled)
+            and all(p is None or p.dtype == torch.float32 for p in pooled)
+            and (prep.weights is None or prep.weights.dtype == torch.float32))
+
+
+def gradient_rows_triton(plan: LookupPlan, prep: Prepared, pooled: list) -> dict[int, torch.Tensor]:
+    """gradient_rows_torch's result (per dim D, ``[capacity, D]``: each unique key's summed output gradient, other
+    dims' rows zero) from the triton prepare's runs: each row summed by one program in batch order, with no
+    ``[ids, D]`` product made (at batch 65536, d128, pooling 20 that product alone is 16 GiB) and no float
+    atomics (CUDA's index_add_ sums in no fixed order); after :func:`sums_on_triton` said yes."""
+    from .._triton.segment_optim import bag_terms, segment_sum
+
+    dev = prep.offsets.device
+    bag_of, denom = bag_terms(prep.offsets, prep.weights, plan.arrays(dev)["combiner"], prep.batch_size,
+                              prep.inverse.numel())
+    out: dict[int, torch.Tensor] = {}
+    for g, src in _pooled_grads(plan, prep, pooled, bag_of, denom):
+        D = plan.groups[g].dim
+        rows = out.setdefault(D, torch.zeros(prep.capacity, D, dtype=torch.float32, device=dev))
+        table_in = plan.on_device(tuple(int(t.dim == D) for t in plan.tables), dev)
+        segment_sum(prep.runs, src, rows, table_in)
+    return out

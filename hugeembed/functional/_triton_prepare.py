@@ -18,7 +18,6 @@ from ._plan import LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_triton"]
 
-_CLEAN_BLOCK = 64
 _BLOCK = 256
 
 
@@ -68,15 +67,16 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
     keys = torch.empty(M, dtype=key_dtype, device=dev) if linear else ids
     w_arg = weights if weights is not None else values
     with shuffled_programs(shuffle) if shuffle is not None else contextlib.nullcontext():
-        launch(k._clean_bags, FB + triton.cdiv(max(n_in, 1), _CLEAN_BLOCK), offsets, values, w_arg, **feats,
-               lengths=lengths, out_offsets=out_offsets, report=report, B=B, FB=FB, n_in=n_in, N=N,
-               HAS_W=weights is not None, BLOCK=_CLEAN_BLOCK)
+        nbb = triton.cdiv(FB, k.BAG_BLOCK)  # programs over the bags; those past them check offsets / pad
+        launch(k._clean_bags, nbb + triton.cdiv(max(n_in, 1), _BLOCK), offsets, values, w_arg, **feats,
+               lengths=lengths, out_offsets=out_offsets, report=report, B=B, FB=FB, n_in=n_in, N=N, NBB=nbb,
+               HAS_W=weights is not None, BLOCK_B=k.BAG_BLOCK, BLOCK=_BLOCK)
         torch.cumsum(lengths, 0, out=out_offsets[1:])
-        launch(k._scatter_bags, FB + triton.cdiv(M, _BLOCK), offsets, values, w_arg, **feats, table_base=table_base,
+        launch(k._scatter_bags, nbb + triton.cdiv(M, _BLOCK), offsets, values, w_arg, **feats, table_base=table_base,
                out_offsets=out_offsets, ids_out=ids, w_out=w_out if w_out is not None else values, tab_out=tabs,
                key_out=keys, report=report, B=B, F=F, FB=FB, N=N, M=M, T=T,
-               sentinel=sentinel if sentinel is not None else 0, HAS_W=weights is not None, LINEAR=linear,
-               BLOCK=_BLOCK)
+               sentinel=sentinel if sentinel is not None else 0, NBB=nbb, HAS_W=weights is not None, LINEAR=linear,
+               BLOCK_B=k.BAG_BLOCK, BLOCK=_BLOCK)
         perm = _sort(keys, ids, tabs, linear, deduplicate)
         heads = torch.empty(M, dtype=torch.int32, device=dev)
         grid = triton.cdiv(M, _BLOCK)

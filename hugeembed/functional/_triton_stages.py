@@ -50,19 +50,36 @@ def _launches(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor
     ``int64 [n, 4]`` on `device`, n), or None when a table's rows are not the kernel's.
 
     Tables whose rows lie in one storage (a group's rows, or views of them) share a launch: each
-    feature's rows start at its element base from the lowest of their tensors."""
-    units: dict[tuple[int, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+    feature's rows start at its element base from the lowest of their tensors.  Worked out once per
+    layout of the rows (where each table's rows start, their strides and dtypes): a call with the same
+    layout only looks it up (the walk over the features cost ~100 us a call at 26 tables)."""
+    key = (id(group), device, tuple((s.data_ptr(), s.stride(), s.dtype) if isinstance(s, torch.Tensor) else None
+                                    for s in storages))
+    cache = plan.__dict__.setdefault("_triton_launches", {})
+    plan_of = cache.get(key)
+    if plan_of is None:
+        if len(cache) >= 64:  # (layouts that keep changing: rows regrown, other tensors each call)
+            cache.clear()
+        plan_of = cache[key] = _launch_plan(plan, group, storages, device)
+    return None if plan_of is None else [(storages[t], table, n) for t, table, n in plan_of]
+
+
+def _launch_plan(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor], device: torch.device):
+    """_launches' result with each rows tensor given by its table's index (the cache keeps no tensor)."""
+    units: dict[tuple[int, torch.dtype], list[tuple[int, int, int]]] = {}
     for k, f in enumerate(group.pooled):
-        s = storages[plan.feature_table[f]]
+        t = plan.feature_table[f]
+        s = storages[t]
         if not _takes_rows(s):
             return None
-        units.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((f, k, s))
+        units.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((f, k, t))
     out = []
     for members in units.values():
-        base = min((s for _, _, s in members), key=lambda s: s.data_ptr())
+        base = min((t for _, _, t in members), key=lambda t: storages[t].data_ptr())
         table = []
-        for f, k, s in members:
-            table += [f, k, (s.data_ptr() - base.data_ptr()) // s.element_size(), s.stride(0)]
+        for f, k, t in members:
+            s = storages[t]
+            table += [f, k, (s.data_ptr() - storages[base].data_ptr()) // s.element_size(), s.stride(0)]
         out.append((base, plan.on_device(tuple(table), device), len(members)))
     return out
 
@@ -70,11 +87,16 @@ def _launches(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor
 def _settings(plan: LookupPlan, group: DimGroup, device: torch.device) -> tuple[dict, bool]:
     """The plan's per-feature and per-table arrays as the kernel's arguments, and whether a table of
     the group clips its rows (max_norm)."""
-    a = plan.arrays(device)
-    clip = any(plan.tables[plan.feature_table[f]].max_norm for f in group.pooled)
-    return dict(feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
-                prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
-                default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip
+    cache = plan.__dict__.setdefault("_triton_settings", {})
+    got = cache.get((id(group), device))
+    if got is None:  # (the plan's constants: made once per group and device)
+        a = plan.arrays(device)
+        clip = any(plan.tables[plan.feature_table[f]].max_norm for f in group.pooled)
+        got = cache[(id(group), device)] = (dict(
+            feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
+            prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
+            default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip)
+    return dict(got[0]), got[1]
 
 
 def pool_triton(plan: LookupPlan, prep: Prepared, storages, slots: torch.Tensor, group: DimGroup,

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .. import _native
+from .. import _native, _triton
 from .._device import canonical_device
 from ..errors import ConfigError, InputError, ShardingError
 from . import _alloc
@@ -62,7 +62,8 @@ class StaticGroup(GroupBase):
         self.sizes = sizes
         R = sum(sizes)
         self.rows = _alloc.empty((R, lay.width if rows else 0), lay.storage_dtype, self.device)
-        self.meta = torch.zeros(R, 2, dtype=torch.int64, device=self.device)
+        # (one row more: the sink the torch path's masked writes go to, so they need no read of the mask)
+        self.meta = torch.zeros(R + 1, 2, dtype=torch.int64, device=self.device)
         # per table (first row, num_rows, shard, num_shards): the kernel's and the reference's
         self.info = torch.tensor([[f, t.num_rows, t.shard, t.num_shards] for f, t in zip(self.first, tables)],
                                  dtype=torch.int64)
@@ -129,6 +130,8 @@ class StaticGroup(GroupBase):
         out = torch.empty_like(keys) if out is None else out
         if keys.numel() == 0:
             return out
+        if self._on_triton():
+            return self._rows_triton(tids, keys, step, counts, out, count)
         if self.device.type == "cpu" and _native.available():
             try:
                 _native.call("he_static_touch", [self.meta, self.info, keys, tids, counts, out],
@@ -140,6 +143,26 @@ class StaticGroup(GroupBase):
                 pos = e.detail[0]
                 self._raise_bad(int(tids[pos]), int(keys[pos]), None if counts is None else int(counts[pos]))
         return self._rows_torch(tids, keys, step, counts, out, count)
+
+    def _on_triton(self) -> bool:
+        """Whether the fetch runs on the triton kernels: CUDA rows when triton imports."""
+        return self.device.type == "cuda" and _triton.available()
+
+    def _rows_triton(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
+        """The GPU's: _rows_torch's contract in two kernels and the one read of the check (_triton/static_rows.py)."""
+        from .._triton.static_rows import static_count, static_rows
+
+        tids, keys = (x.to(torch.int64).contiguous() for x in (tids, keys))
+        counts = None if counts is None else counts.to(torch.int64).contiguous()
+        rows = out if out.is_contiguous() and out.dtype == torch.int64 else torch.empty_like(keys)
+        bad = static_rows(tids, keys, counts, self._info_here, rows)
+        if bad is not None:
+            self._raise_bad(int(tids[bad]), int(keys[bad]), None if counts is None else int(counts[bad]))
+        if count:
+            static_count(rows, counts, self.meta, step)
+        if rows is not out:
+            out.copy_(rows)
+        return out
 
     def _rows_torch(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
         """The reference: the kernel's contract in torch ops (any device)."""
@@ -154,11 +177,10 @@ class StaticGroup(GroupBase):
             self._raise_bad(int(tids[i]), int(keys[i]), None if counts is None else int(counts[i]))
         rows = torch.where(sel, first + torch.div(keys, shards, rounding_mode="floor"), -1)
         out.copy_(rows)
-        if count:
-            r = rows[sel]
-            c = counts[sel] if counts is not None else torch.ones_like(r)
-            self.meta[:, 0].index_add_(0, r, c)
-            self.meta[r, 1] = step
+        if count:  # (the ids without a table count on the sink row: no read of how many there are)
+            at = torch.where(sel, rows, self.meta.size(0) - 1)
+            self.meta[:, 0].index_add_(0, at, counts if counts is not None else torch.ones_like(at))
+            self.meta[:, 1].index_fill_(0, at, step)
         return out
 
     def _raise_bad(self, t: int, key: int, count: int | None):

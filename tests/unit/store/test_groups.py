@@ -104,6 +104,34 @@ def test_a_static_group_holds_each_table_at_its_rows_and_checks_every_key_first(
     assert torch.equal(g.meta, meta)  # nothing counted: the bad key was found first
 
 
+def test_a_static_groups_torch_path_counts_as_the_kernel_and_reads_the_host_once(monkeypatch):
+    """The torch path (what a GPU runs): each row's hit count and last step as a plain count over the ids
+    (ids without a table, -1, count nowhere), and one read of the device (its key check), not one per
+    masked index (an H100 step read 4 times)."""
+    from hugeembed.store import _static
+
+    from tests.bench._load import load_bench
+
+    lay = RowLayout(2, torch.float32)
+    tables = [TableSettings("a", lay, num_rows=4, seed=1), TableSettings("b", lay, num_rows=6, seed=2)]
+    monkeypatch.setattr(_static._native, "available", lambda: False)
+    g = StaticGroup(tables)
+    tids, keys = torch.tensor([0, 1, -1, 1, 0]), torch.tensor([3, 5, 2, 0, 1])
+    counts = torch.tensor([2, 1, 7, 4, 1])
+    g.touch(tids, keys, step=2, counts=counts)
+    with load_bench("ops").CountOps() as c:
+        rows = g.touch(tids, keys, step=5, counts=counts)
+    assert c.syncs() == 1, dict(c.ops)
+    assert rows.tolist() == [3, 9, -1, 4, 1]
+    want = torch.zeros(10, 2, dtype=torch.int64)
+    for t, k, n in zip(tids.tolist(), keys.tolist(), counts.tolist()):
+        if t >= 0:
+            r = [0, 4][t] + k
+            want[r, 0] += 2 * n
+            want[r, 1] = 5
+    assert torch.equal(torch.cat([g.table_meta(0), g.table_meta(1)]), want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_memory_bytes_is_every_tensor_the_group_holds(backend):
     g = DynamicGroup([TableSettings(f"t{i}", RowLayout(8, torch.float32, 8)) for i in range(2)], backend=backend)

@@ -252,3 +252,25 @@ def test_collection_trains_and_evaluates_like_the_torch_backend(device):
             if name in ("x@u", "y@v") and device == "cpu":  # fp32 without max_norm: the same sums, same order
                 assert torch.equal(got[name], want[name]), name
             torch.testing.assert_close(got[name], want[name], **tol(want[name].dtype, device))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_lookup_called_with_other_rows_reads_those_rows(device):
+    """The launch tables are worked out once per layout of the rows: a call with other tensors (one tensor
+    holding both tables, the same tensor with the tables the other way round, separate tensors, the first
+    layout again) reads the rows it was given."""
+    tables = [TableSpec("a", 4, num_rows=3), TableSpec("b", 4, num_rows=5)]
+    feats = [FeatureSpec("x", "a", combiner="sum"), FeatureSpec("y", "b", combiner="mean")]
+    lookup = FusedEmbeddingLookup(tables, feats, backend="triton")
+    sf = SparseFeatures(["x", "y"], torch.tensor([0, 2, 1, 4, 3]), lengths=torch.tensor([2, 1, 1, 1])).to(device)
+    g = torch.Generator().manual_seed(0)
+    joined = torch.randn(8, 4, generator=g).to(device)
+    # one tensor holding both, the same with b's rows first, separate tensors
+    layouts = [[joined[:3], joined[3:]], [joined[5:], joined[:5]],
+               [torch.randn(3, 4, generator=g).to(device), torch.randn(5, 4, generator=g).to(device)]]
+    for weights in layouts + layouts[:1]:
+        want = FusedEmbeddingLookup(tables, feats, backend="torch")(weights, sf)
+        with torch.no_grad():
+            got = lookup(weights, sf)
+        for name in ("x", "y"):
+            torch.testing.assert_close(got[name], want[name])

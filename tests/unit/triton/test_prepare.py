@@ -89,9 +89,18 @@ def _batch(values, lengths, weights=None, offsets=None) -> SparseFeatures:
     return SparseFeatures(["x", "y"], torch.tensor(values), lengths=torch.tensor(lengths), weights=w).to(DEV)
 
 
+@pytest.fixture(params=[None, 2], ids=["bag_block", "bag_block2"])
+def bag_block(request, monkeypatch):
+    """The default bags per clean / scatter program, or 2: several programs, each finding its own."""
+    if request.param is not None:
+        from hugeembed._triton import prepare
+
+        monkeypatch.setattr(prepare, "BAG_BLOCK", request.param)
+
+
 @pytest.mark.parametrize("case", ["out_of_range", "weight_nan", "weight_inf", "offsets_decrease", "offsets_past_end",
                                   "offsets_start"])
-def test_bad_input_raises_prepare_torchs_error(case):
+def test_bad_input_raises_prepare_torchs_error(case, bag_block):
     plan = _plan()
     values, lengths, weights, offsets = [1, 4, 2, 9, 0, 1], [2, 1, 2, 1], None, None
     if case == "out_of_range":
@@ -112,7 +121,7 @@ def test_bad_input_raises_prepare_torchs_error(case):
     assert str(got.value) == str(want.value)
 
 
-def test_programs_in_any_order_give_the_same_result():
+def test_programs_in_any_order_give_the_same_result(bag_block):
     plan = _plan(default_id=3)
     sf = _batch([1, 4, 1, 2, 0, 2, 2, 1], [3, 0, 2, 3], [1.0, 2.0, 0.5, 1.0, -1.0, 1.0, 3.0, 1.0])
     want = prepare_torch(plan, sf)
