@@ -32,6 +32,7 @@ CUDA launches per training step static, <= 40 dynamic, independent of the number
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -50,8 +51,8 @@ from _common import print_table  # noqa: E402
 
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.nn import EmbeddingCollection, TableConfig  # noqa: E402
+from hugeembed.optim import Adagrad, Adam, SparseOptimizer  # noqa: E402
 from hugeembed.store import StaticGroup  # noqa: E402
-from hugeembed.optim import Adagrad, SparseOptimizer  # noqa: E402
 
 # Ops whose result shape or value depends on data the host must read (a device sync on GPU).
 # "h2d": a copy of host memory to the device that the host waits for (``torch.tensor(...,
@@ -242,21 +243,42 @@ def count_fresh(tables: int, dynamic: bool, backend: str, steps: int = 3, sample
 
 
 def counted_launches(tables: int, dynamic: bool, samples: int = 8, rows: int = 8, warmup: int = 6,
-                     device: str = "cpu") -> CountLaunches:
+                     device: str = "cpu", optimizer: SparseOptimizer | None = None) -> CountLaunches:
     """The launches of one steady-state triton training step, counted without a GPU (on CPU tensors under
     triton's interpreter: tiny batches, the interpreter runs ~ms a program; the count does not depend on
     the batch size).  Steady state: 6 warm-up steps of 8 samples from 8 ids (every id seen, the tables grown).
 
-    Its reads count the hash index's reads of its own CPU-resident scalars and table fields (``tolist`` of
-    host tensors: no device read on a GPU, where everything else is on the device)."""
-    # the hash tables' index and the static tables' fetch on triton too, as on a GPU (backend='triton' on the
-    # CPU leaves them native)
+    Adagrad unless `optimizer`."""
+    with _triton_index():
+        return count_step(tables, dynamic, "triton", samples=samples, rows=rows, warmup=warmup, device=device,
+                          counter=CountLaunches, optimizer=optimizer)
+
+
+def counted_fresh(tables: int, dynamic: bool, steps: int = 3, samples: int = 8, rows: int = 64, max_ids: int = 3,
+                  device: str = "cpu") -> list[CountLaunches]:
+    """The launches of each of the first `steps` triton training steps of a new collection (count_fresh's
+    case at 8 samples: bags of 0..max_ids ids from `rows` ids, new ids every step), counted as
+    counted_launches counts."""
+    out = []
+    with _triton_index():
+        ec = collection(tables, dynamic, "triton", 16, rows, None, device)
+        for s in range(steps):
+            sf = batch(tables, samples, rows, s, device, max_ids)
+            with CountLaunches() as counter:
+                ec(sf).stacked().sum().backward()
+            out.append(counter)
+    return out
+
+
+@contextlib.contextmanager
+def _triton_index():
+    """The hash tables' index and the static tables' fetch on triton too, as on a GPU (backend='triton' on the
+    CPU leaves them native)."""
     index_backend, static_on_triton = EmbeddingCollection._index_backend, StaticGroup._on_triton
     EmbeddingCollection._index_backend = lambda self: "triton"
     StaticGroup._on_triton = lambda self: True
     try:
-        return count_step(tables, dynamic, "triton", samples=samples, rows=rows, warmup=warmup, device=device,
-                          counter=CountLaunches)
+        yield
     finally:
         EmbeddingCollection._index_backend, StaticGroup._on_triton = index_backend, static_on_triton
 
@@ -396,13 +418,23 @@ def main(argv=None) -> None:
         print()
     if "triton" in backends or (not gpu and args.backends is None and _triton_counts()):
         out = []
-        for dynamic in (False, True):
-            counts = [counted_launches(n, dynamic, device=args.device) for n in args.tables]
-            out.append(["dynamic" if dynamic else "static", *[f"{c.launches()} ({sum(c.kernels.values())} triton) / "
-                                                              f"{c.syncs()} reads" for c in counts]])
+        for name, optimizer in (("Adagrad", None), ("Adam", Adam(lr=0.01))):
+            for dynamic in (False, True):
+                counts = [counted_launches(n, dynamic, device=args.device, optimizer=optimizer) for n in args.tables]
+                out.append([name, "dynamic" if dynamic else "static",
+                            *[f"{c.launches()} ({sum(c.kernels.values())} triton) / {c.syncs()} reads"
+                              for c in counts]])
         print(f"triton backend: launches / host reads per training step, counted (triton kernels + torch ops that "
               f"launch; {'compiled' if gpu else 'no GPU: under the interpreter'}), steady state, 8 samples, 1 id "
-              f"per bag, d16, Adagrad; issue 32: <= 25 static, <= 40 dynamic, independent of the tables")
+              f"per bag, d16; issue 32: <= 25 static, <= 40 dynamic, independent of the tables")
+        print_table(["optimizer", "tables", *[f"{n} tables" for n in args.tables]], out)
+        out = []
+        for dynamic in (False, True):
+            counts = [counted_fresh(n, dynamic, device=args.device) for n in args.tables]
+            out.append(["dynamic" if dynamic else "static",
+                        *[" | ".join(f"{c.launches()} / {c.syncs()}" for c in steps) for steps in counts]])
+        print("\ntriton backend, fresh start: launches / host reads of each of the first 3 steps of a new collection "
+              "(8 samples, 0-3 ids per bag from 64 ids: new ids every step), counted as above, Adagrad")
         print_table(["tables", *[f"{n} tables" for n in args.tables]], out)
         print()
         backends = [b for b in backends if b != "triton" or gpu]  # (ops of the interpreted step: above)

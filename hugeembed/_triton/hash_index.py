@@ -6,16 +6,17 @@ kernels to equal bucket for bucket:
 
 * ``probe_kernel``   every (table, key) walks from its home to its record or the first empty bucket;
                      with INSERT it also classifies the key (found / new / promoted / given a row)
-                     by its table's admission count and adds the table's counts (integer atomics);
-* ``commit_kernel``  gated by a device flag (the call's outcome, never read by the host first):
-                     row slots in batch order (smallest free slot first), the found keys' counts and
-                     last steps, the records of the new keys, the slots returned;
+                     by its table's admission count, adds the table's counts and the checks
+                     (longest probe, bad entries) with integer atomics, and writes a sort key by home;
+* ``commit_kernel``  gated by a device flag (the call's outcome, hash_need.py's): row slots in batch
+                     order (smallest free slot first), the found keys' counts and last steps, the
+                     records of the new keys, the slots returned;
 * ``claim_*``        one round of placing new records as the reference does: each key's window of
-                     W buckets, its crowd's rank (keys whose first empty bucket is one bucket: a
-                     stable sort of those buckets, then a binary search in it), the bucket it
-                     wants; ``atomic_max`` of a stamp (epoch, lowest batch position) per wanted
-                     bucket, then the winners write and the losers probe on.  A round's result
-                     never depends on the order the programs run in.
+                     W buckets (scan: its first empty bucket), its crowd's rank (keys whose first
+                     empty bucket is one bucket: a stable sort of those buckets, then a binary search
+                     in it) and the bucket it wants, stamped with ``atomic_max`` of (epoch, lowest
+                     batch position) (want); then the winners write and the losers probe on (place).
+                     A round's result never depends on the order the programs run in.
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
@@ -27,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_rank_kernel", "claim_want_kernel",
+__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_want_kernel",
            "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS",
            "COMPILE_CASES"]
 
@@ -44,6 +45,7 @@ _K_EMPTY, _K_PENDING, _K_INT32_MAX = tl.constexpr(EMPTY_TABLE), tl.constexpr(PEN
 _K_FOUND, _K_NEW = tl.constexpr(FOUND), tl.constexpr(NEW)
 _K_PROMOTE, _K_MADE = tl.constexpr(PROMOTE), tl.constexpr(MADE)
 _K_STAMP_BITS, _K_STAMP_LOW = tl.constexpr(STAMP_BITS), tl.constexpr((1 << STAMP_BITS) - 1)
+_K_I64_MAX = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
@@ -60,22 +62,27 @@ def _home(key, hash_key, nbuckets):
 
 # Scalars are never specialized: triton turns an int argument equal to 1 into a constexpr on the GPU
 # (not in the interpreter), where `.to(tl.int64)` would fail to compile (a step, epoch or count of 1).
-@triton.jit(do_not_specialize=["nbuckets", "n", "ntables", "pid0"])
-def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks, counts, admit,
-                 codes, pos, probes, homes, n_after, flags, hits, per_table, pid0,
+@triton.jit(do_not_specialize=["nbuckets", "n", "ntables", "tstride", "pid0"])
+def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks, tstride, counts, admit,
+                 codes, pos, n_after, flags, hits, per_table, sortkey, pid0,
                  INSERT: tl.constexpr, ROWS_ONLY: tl.constexpr, HAS_COUNTS: tl.constexpr,
                  HAS_ADMIT: tl.constexpr, HAS_HITS: tl.constexpr, BLOCK: tl.constexpr):
     """codes[i]: slot, PENDING or -1 (absent, skipped); hits[i]: count (find) or count after the
-    call (INSERT).  INSERT also writes pos (the key's bucket or the first empty one on its path, -1
-    skipped), probes (buckets looked at), homes, n_after, flags and adds per table [T, 3] (new rows,
-    new pending keys, promoted keys)."""
+    call (INSERT).  hash_keys / admit_ks: a table field each, table t's at t * tstride.  INSERT also
+    writes pos (the key's bucket or the first empty one on its path, -1 skipped), n_after, flags,
+    sortkey (new: home, promoted: B + home, else INT64_MAX: one sort orders them for the crowd and
+    duplicate checks), adds per table [T, 3] (new rows, new pending keys, promoted keys) and keeps
+    in per_table[3T:3T + 3] (zeros before the call; integer atomics: exact in any order) the longest
+    probe as (probes << 31) | (2^31 - 1 - position) (its max: the longest, first in batch order),
+    whether a table column entry names no table, and n - the first position whose count is below 1."""
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     t = tl.load(tids + i, mask=live, other=-1)
     on = live & (t >= 0) & (t < ntables)
     key = tl.load(keys + i, mask=live, other=0)
     nb = nbuckets.to(tl.int64)
-    start = _home(key, tl.load(hash_keys + t, mask=on, other=0), nb)
+    ts = tstride.to(tl.int64)
+    start = _home(key, tl.load(hash_keys + t * ts, mask=on, other=0), nb)
     p = start
     active = on
     hit = on & (t < 0)  # all false
@@ -101,13 +108,15 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
     else:
         if HAS_COUNTS:
             c = tl.load(counts + i, mask=on, other=1).to(tl.int64)
+            bad = live & (t >= 0) & (tl.load(counts + i, mask=live, other=1) < 1)
+            tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + 2 + tl.zeros([BLOCK], tl.int64), n - i, mask=bad)
         else:
             c = tl.full([BLOCK], 1, tl.int64)
         if HAS_ADMIT:
             drawn = tl.load(admit + i, mask=on, other=1) != 0
         else:
             drawn = on | ~on
-        admit_k = tl.load(admit_ks + t, mask=on, other=1)
+        admit_k = tl.load(admit_ks + t * ts, mask=on, other=1)
         after = count + c
         new = on & ~hit & drawn
         promote = hit & (code == _K_PENDING) & (after >= admit_k)
@@ -116,24 +125,29 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
             made.to(tl.int32) * _K_MADE
         tl.store(codes + i, code, mask=live)
         tl.store(pos + i, tl.where(on, p, -1), mask=live)
-        tl.store(probes + i, tl.where(on, (p - start + nb) % nb + 1, 0), mask=live)
-        tl.store(homes + i, start, mask=live)
         tl.store(n_after + i, after, mask=live)
         tl.store(flags + i, f, mask=live)
+        tl.store(sortkey + i, tl.where(new, start, tl.where(promote, nb + start, _K_I64_MAX)), mask=live)
         if HAS_HITS:
             tl.store(hits + i, tl.where(hit | new, tl.minimum(after, _K_INT32_MAX), 0), mask=live)
         one = tl.full([BLOCK], 1, tl.int64)
         tl.atomic_add(per_table + t * 3, one, mask=made | promote)
         tl.atomic_add(per_table + t * 3 + 1, one, mask=new & ~made)
         tl.atomic_add(per_table + t * 3 + 2, one, mask=promote)
+        probes = (p - start + nb) % nb + 1
+        tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + tl.zeros([BLOCK], tl.int64),
+                      (probes << 31) | (_K_INT32_MAX - i), mask=on)
+        tl.atomic_max(per_table + ntables.to(tl.int64) * 3 + 1 + tl.zeros([BLOCK], tl.int64),
+                      tl.full([BLOCK], 1, tl.int64), mask=live & ((t < -1) | (t >= ntables)))
 
 
-@triton.jit(do_not_specialize=["n", "num_free", "row_hwm", "step", "pid0"])
-def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, num_free, row_hwm, step, ok_flag,
+@triton.jit(do_not_specialize=["n", "step", "pid0"])
+def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, scal, step, ok_flag,
                   out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
     """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
     record's word 2 (code + count) into word2, new rows' (slot, key, table) at their rank; out[i]
-    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it)."""
+    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it).
+    scal: the group's (entries, row_hwm, free rows listed) before the call."""
     ok = tl.load(ok_flag) != 0
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
@@ -143,10 +157,10 @@ def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows,
     code = tl.load(codes + i, mask=live, other=-1)
     gets_row = (f & (_K_MADE | _K_PROMOTE)) != 0
     r = tl.load(rank + i, mask=live, other=0)
-    nfree = num_free.to(tl.int64)
+    nfree = tl.load(scal + 2)
     from_free = r < nfree
     freed = tl.load(free_rows + (nfree - 1 - r), mask=live & gets_row & from_free, other=0).to(tl.int64)
-    slot = tl.where(from_free, freed, row_hwm.to(tl.int64) + r - nfree)
+    slot = tl.where(from_free, freed, tl.load(scal + 1) + r - nfree)
     now = tl.where(gets_row, slot, tl.where((f & _K_NEW) != 0, _K_PENDING, code))
     done = tl.where(now >= 0, now, -1)
     tl.store(out + i, tl.where(on, tl.where(ok, done, tl.maximum(code, -1)), -1), mask=live)
@@ -185,40 +199,33 @@ def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.co
     tl.store(first + j, tl.where(a & (at < W), (p + at) % nb, -1), mask=live)
 
 
-@triton.jit(do_not_specialize=["n", "pid0"])
-def claim_rank_kernel(first, order, rank, n, pid0, BLOCK: tl.constexpr):
-    """rank[j]: how many keys before j in batch order share j's first empty bucket (its crowd):
-    `order` sorts `first` stably, so j's rank is its distance to where its value starts there
-    (a binary search).  0 where first is -1."""
+@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
+def claim_want_kernel(buckets, nbuckets, n, start, sorted_first, order, want, claims, epoch, pid0,
+                      W: tl.constexpr, BLOCK: tl.constexpr):
+    """For key j = order[s] (`order` sorts the keys' first empty buckets stably, `sorted_first` is
+    that sort): its rank in its crowd (the keys before it in batch order with its first empty
+    bucket: its distance to where its value starts in the sort, a binary search), then want[j]
+    the (rank + 1)-th empty bucket of its window (-1 past the window or when it has none), stamped
+    with atomic_max so the lowest batch position wanting a bucket holds its claim."""
     s = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = s < n
     j = tl.load(order + s, mask=live, other=0)
-    f = tl.load(first + j, mask=live, other=-1)
+    f = tl.load(sorted_first + s, mask=live, other=-1)
+    a = live & (f >= 0)
     lo = tl.zeros([BLOCK], tl.int64)
-    hi = tl.where(live & (f >= 0), s, 0)
+    hi = tl.where(a, s, 0)
     while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
         open_ = lo < hi
         mid = (lo + hi) // 2
-        below = tl.load(first + tl.load(order + mid, mask=open_, other=0), mask=open_, other=0) < f
+        below = tl.load(sorted_first + mid, mask=open_, other=0) < f
         lo = tl.where(open_ & below, mid + 1, lo)
         hi = tl.where(open_ & ~below, mid, hi)
-    tl.store(rank + j, tl.where(f >= 0, s - lo, 0), mask=live)
-
-
-@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
-def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, epoch, pid0, W: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """want[j]: the (rank + 1)-th empty bucket of key j's window (-1 past the window); stamps it
-    with atomic_max so the lowest batch position wanting a bucket holds its claim."""
-    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = j < n
-    a = live & (tl.load(active + j, mask=live, other=0) != 0)
+    r = s - lo
     p = tl.load(start + j, mask=a, other=0)
     nb = nbuckets.to(tl.int64)
     empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
-    r = tl.load(rank + j, mask=a, other=0)
     at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
-    ok = a & (tl.max(empty, axis=1) > 0) & (at < W)
+    ok = a & (at < W)
     bucket = (p + at) % nb
     stamp = (epoch.to(tl.int64) << _K_STAMP_BITS) | (_K_STAMP_LOW - j)
     tl.atomic_max(claims + bucket, stamp, mask=ok)
@@ -227,9 +234,9 @@ def claim_want_kernel(buckets, nbuckets, n, active, start, rank, want, claims, e
 
 @triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
 def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch, rec_keys, rec_tids, rec_word2,
-                       rec_last, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
-    """The winners write their records; the others go on from the bucket after the one they
-    wanted (or past their window)."""
+                       rec_last, left, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """The winners write their records (and take themselves off `left`, the records still to
+    place); the others go on from the bucket after the one they wanted (or past their window)."""
     j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < n
     a = live & (tl.load(active + j, mask=live, other=0) != 0)
@@ -246,6 +253,7 @@ def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch,
     nb = nbuckets.to(tl.int64)
     tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=a & ~won)
     tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
+    tl.atomic_add(left, -tl.sum(won.to(tl.int64), axis=0))
 
 
 def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
@@ -255,33 +263,38 @@ def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
 
 _I64 = "i64"
 _CONST = "constexpr"
-_PROBE = _sig("buckets nbuckets keys tids n ntables hash_keys admit_ks counts admit codes pos probes homes n_after "
-              "flags hits per_table pid0 INSERT ROWS_ONLY HAS_COUNTS HAS_ADMIT HAS_HITS BLOCK",
-              {"nbuckets": _I64, "n": _I64, "ntables": _I64, "pid0": _I64, "admit": "*u8", "flags": "*i32",
+_PROBE = _sig("buckets nbuckets keys tids n ntables hash_keys admit_ks tstride counts admit codes pos n_after "
+              "flags hits per_table sortkey pid0 INSERT ROWS_ONLY HAS_COUNTS HAS_ADMIT HAS_HITS BLOCK",
+              {"nbuckets": _I64, "n": _I64, "ntables": _I64, "tstride": _I64, "pid0": _I64, "admit": "*u8",
+               "flags": "*i32",
                **{k: _CONST for k in ("INSERT", "ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS", "BLOCK")}})
-_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows num_free row_hwm step ok_flag out word2 "
+_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step ok_flag out word2 "
                "made_slots made_keys keys made_tids pid0 BLOCK",
-               {"n": _I64, "num_free": _I64, "row_hwm": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
+               {"n": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
                 "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
 _ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "pid0": _I64, "active": "*i32", "W": _CONST, "BLOCK": _CONST}
 _SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
-_RANK = _sig("first order rank n pid0 BLOCK", _ROUND)
-_WANT = _sig("buckets nbuckets n active start rank want claims epoch pid0 W BLOCK", _ROUND)
-_PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last pid0 W BLOCK",
-              _ROUND)
+_WANT = _sig("buckets nbuckets n start sorted_first order want claims epoch pid0 W BLOCK", _ROUND)
+_PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last left pid0 W "
+              "BLOCK", _ROUND)
 
 # (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
-COMPILE_CASES = [
-    ("hash_index.probe (find)", probe_kernel, _PROBE,
-     {"INSERT": False, "ROWS_ONLY": True, "HAS_COUNTS": False, "HAS_ADMIT": False, "HAS_HITS": True, "BLOCK": 128}),
-    ("hash_index.probe (find_or_insert)", probe_kernel, _PROBE,
-     {"INSERT": True, "ROWS_ONLY": False, "HAS_COUNTS": True, "HAS_ADMIT": True, "HAS_HITS": True, "BLOCK": 128}),
-    ("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128}),
-    ("hash_index.claim_scan", claim_scan_kernel, _SCAN, {"W": 128, "BLOCK": 32}),
-    ("hash_index.claim_rank", claim_rank_kernel, _RANK, {"BLOCK": 128}),
-    ("hash_index.claim_want", claim_want_kernel, _WANT, {"W": 128, "BLOCK": 32}),
-    ("hash_index.claim_place", claim_place_kernel, _PLACE, {"W": 128, "BLOCK": 32}),
-]
+_FLAGS = ("ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS")
+# every variant store/_index_triton.py launches: find (rows only or codes, with or without hits), find-or-insert
+# (with or without counts, the admission draw, hits)
+COMPILE_CASES = [(f"hash_index.probe (find{', rows' if rows else ''}{', hits' if hits else ''})", probe_kernel, _PROBE,
+                  dict(zip(_FLAGS, (rows, False, False, hits)), INSERT=False, BLOCK=128))
+                 for rows in (False, True) for hits in (False, True)]
+COMPILE_CASES += [(f"hash_index.probe (find_or_insert{', counts' if c else ''}{', admit' if a else ''}"
+                   f"{', hits' if h else ''})", probe_kernel, _PROBE,
+                   dict(zip(_FLAGS, (False, c, a, h)), INSERT=True, BLOCK=128))
+                  for c in (False, True) for a in (False, True) for h in (False, True)]
+COMPILE_CASES += [("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128})]
+# every window a claim round launches with (store/_index_triton.py: 32, 64, 128)
+COMPILE_CASES += [(f"hash_index.{name}[W={w}]", fn, sig, {"W": w, "BLOCK": 32}) for w in (32, 64, 128)
+                  for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN),
+                                        ("claim_want", claim_want_kernel, _WANT),
+                                        ("claim_place", claim_place_kernel, _PLACE))]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)
                   for name, fn, sig, cx in COMPILE_CASES]

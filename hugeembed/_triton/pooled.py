@@ -17,7 +17,8 @@ Two ways to find an id's row (``DIRECT``):
   dropped, an id outside its table pruned, mapped to ``default_id`` or flagged (``out_of_range``),
   an empty bag given its feature's ``default_id`` row (weight 1) or zeros.  The row of id k is
   row k of its table.  Bad input (offsets, a weight not finite, an id out of range under "error")
-  sets the bag's ``status``; the caller then takes the path that raises the error with its details.
+  sets the call's one ``status`` flag (as do offsets that do not run from 0 to the ids' count); the
+  caller then takes the path that raises the error with its details.
 
 Rows are addressed as ``rows + base[k] + slot * stride[k]`` (in elements): a group's rows tensor holds
 its tables one after another (``base`` = a table's first row times the row stride), and a row may be
@@ -50,7 +51,7 @@ def _clipped(row, max_norm, CLIP: tl.constexpr):
 def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, max_norm_ptr,
                   offsets_ptr, ids_ptr, weights_ptr, slots_ptr,
                   source_ptr, prune_neg_ptr, oor_ptr, has_default_ptr, default_id_ptr, num_rows_ptr, status_ptr,
-                  B, D, out_stride, n_ids, n_bags, pid0,
+                  B, D, out_stride, n_ids, n_offsets, n_bags, pid0,
                   DIRECT: tl.constexpr, HAS_WEIGHTS: tl.constexpr, CLIP: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = pid0 + tl.program_id(0)
@@ -133,7 +134,13 @@ def pooled_kernel(rows_ptr, out_ptr, launch_ptr, feat_table_ptr, combiner_ptr, m
         acc = tl.where(fill[:, None], row, acc)
         wsum = tl.where(fill, 1.0, wsum)
         w2sum = tl.where(fill, 1.0, w2sum)
-        tl.store(status_ptr + q, bad.to(tl.int8), mask=lane)
+        # the call's one flag (int32): a bad bag anywhere, or offsets not from 0 to n_ids (program 0 looks)
+        flag = tl.max(bad.to(tl.int32), axis=0)
+        if pid == 0:
+            first = tl.load(offsets_ptr)
+            last = tl.load(offsets_ptr + n_offsets - 1)
+            flag = tl.maximum(flag, ((first != 0) | (last != n_ids)).to(tl.int32))
+        tl.atomic_max(status_ptr, flag, mask=flag > 0)
 
     # LookupPlan.arrays()'s combiner codes: 0 sum, 1 mean, 2 sqrtn
     denom = tl.where(combiner == 1, wsum, tl.where(combiner == 2, tl.sqrt(w2sum), 1.0))
@@ -148,8 +155,8 @@ def _signature(rows: str, direct: bool, weights: bool) -> dict[str, str]:
            "combiner_ptr": "*i8", "max_norm_ptr": "*fp32", "offsets_ptr": "*i64", "ids_ptr": "*i64",
            "weights_ptr": "*fp32" if weights else "*i64", "slots_ptr": "*i64", "source_ptr": "*i64",
            "prune_neg_ptr": "*i8", "oor_ptr": "*i8", "has_default_ptr": "*i8", "default_id_ptr": "*i64",
-           "num_rows_ptr": "*i64", "status_ptr": "*i8", "B": "i64", "D": "i32", "out_stride": "i64",
-           "n_ids": "i64", "n_bags": "i64", "pid0": "i32"}
+           "num_rows_ptr": "*i64", "status_ptr": "*i32", "B": "i64", "D": "i32", "out_stride": "i64",
+           "n_ids": "i64", "n_offsets": "i64", "n_bags": "i64", "pid0": "i32"}
     for name in ("DIRECT", "HAS_WEIGHTS", "CLIP", "BLOCK_B", "BLOCK_D"):
         sig[name] = "constexpr"
     return sig

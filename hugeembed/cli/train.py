@@ -23,13 +23,18 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "jitter", "data_queue", "servers", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
-           "sparse_eps", "average_dense", "first_order", "first_order_lr", "dropout", "choose_epochs", "choose_holdout")
+           "sparse_eps", "average_dense", "first_order", "first_order_lr", "first_order_betas",
+           "first_order_eps", "dropout", "choose_epochs", "choose_holdout")
 
-# DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.01, measured by bench/quality.py --schema
-# (docs/quality.md, fourth round): against the plain DLRM, NYC flights +0.012 AUC, the set without dense columns
-# +0.001, movies -0.002, MovieLens -0.002 (the spread of a run ~0.003); biases at the sparse lr 0.05 lost 0.006 on
-# movies, at 0.003 0.008 on the flights.  Criteo's runs keep the plain DLRM.
-SCHEMA_FIRST_ORDER_LR = 0.01
+# DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.02 with Adam settings of their own (when the
+# run's sparse optimizer is an Adam one): torch's beta1 0.9 and eps 1e-8, not the run's measured beta1 0 and eps 1e-5.
+# Measured by bench/quality.py --schema --quick (docs/quality.md, fifth round): against the biases at lr 0.01 under the
+# run's settings (the defaults before), NYC flights +0.0126 AUC, MovieLens +0.0020, the set without dense columns
+# +0.0005, movies +0.0003, shifted movies -0.0013 (the spread of a run ~0.003); the flights' log loss +0.0083.
+# Criteo's runs keep the plain DLRM.
+SCHEMA_FIRST_ORDER_LR = 0.02
+SCHEMA_FIRST_ORDER_BETAS = (0.9, 0.999)
+SCHEMA_FIRST_ORDER_EPS = 1e-8
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -88,7 +93,11 @@ def add_parser(sub) -> None:
                    help="DLRM: add a per-id bias (a dim-1 table beside each table) to the logit (default off: "
                    "docs/quality.md)")
     p.add_argument("--first-order-lr", type=float, metavar="LR", help="the per-id biases' learning rate "
-                   "(default: --sparse-lr)")
+                   "(default: --sparse-lr; data of a schema of its own: 0.02)")
+    p.add_argument("--first-order-betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="the per-id biases' "
+                   "own Adam betas (default: --sparse-betas; data of a schema of its own: 0.9 0.999)")
+    p.add_argument("--first-order-eps", type=float, metavar="EPS", help="the per-id biases' own Adam eps "
+                   "(default: --sparse-eps; data of a schema of its own: 1e-8)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
@@ -168,6 +177,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg = cfg.replace(steps=None, epochs=default_epochs(cfg))
     if cfg.model == "dlrm" and not _given(args, given, ("first_order", "first_order_lr")):
         cfg = cfg.replace(first_order=True, first_order_lr=SCHEMA_FIRST_ORDER_LR)
+        if "betas" in cfg.sparse_optimizer_options() and \
+                not _given(args, given, ("first_order_betas", "first_order_eps")):  # an Adam rule: its settings
+            cfg = cfg.replace(first_order_betas=SCHEMA_FIRST_ORDER_BETAS, first_order_eps=SCHEMA_FIRST_ORDER_EPS)
     return cfg
 
 

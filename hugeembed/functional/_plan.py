@@ -210,6 +210,7 @@ class LookupPlan:
         self._sources: dict[tuple[str, ...], tuple[tuple[int, ...], int]] = {}
         self._constants: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         self._unread_cache: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+        self._memo: dict[tuple, object] = {}
 
     @property
     def num_features(self) -> int:
@@ -252,6 +253,14 @@ class LookupPlan:
         }
         self._arrays[device] = a
         return a
+
+    def memo(self, key: tuple, make):
+        """``make()``, made once per `key` (a constant of the plan that a stage derives from it, e.g. per dim
+        group and device): no walk over the features per call."""
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
 
     def on_device(self, values: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 `values` (a constant of the plan: a dim group's features, a batch layout's

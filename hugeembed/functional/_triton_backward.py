@@ -60,12 +60,26 @@ def _pooled_grads(plan: LookupPlan, prep: Prepared, pooled: list, bag_of, denom)
     for g, group in enumerate(plan.groups):
         if not group.pooled:
             continue
-        k_of = [0] * plan.num_features
-        for k, f in enumerate(group.pooled):
-            k_of[f] = k
         grad = pooled[g].reshape(-1, group.dim)
-        yield g, PooledGrads(grad if grad.is_contiguous() else grad.contiguous(), plan.on_device(tuple(k_of), dev),
+        yield g, PooledGrads(grad if grad.is_contiguous() else grad.contiguous(), _slot_of(plan, g, dev),
                              bag_of, denom, prep.weights, prep.batch_size, len(group.pooled))
+
+
+def _tables_of_dim(plan: LookupPlan, dim: int, device: torch.device) -> torch.Tensor:
+    """int64 [T]: 1 for the tables of `dim`."""
+    return plan.memo(("tables_of_dim", dim, device),
+                     lambda: plan.on_device(tuple(int(t.dim == dim) for t in plan.tables), device))
+
+
+def _slot_of(plan: LookupPlan, g: int, device: torch.device) -> torch.Tensor:
+    """Each plan feature's place among group g's pooled features (0 for the other groups' features)."""
+    def make():
+        k_of = [0] * plan.num_features
+        for k, f in enumerate(plan.groups[g].pooled):
+            k_of[f] = k
+        return plan.on_device(tuple(k_of), device)
+
+    return plan.memo(("slot_of", g, device), make)
 
 
 def sums_on_triton(prep: Prepared, pooled: list, unpooled: list) -> bool:
@@ -90,6 +104,5 @@ def gradient_rows_triton(plan: LookupPlan, prep: Prepared, pooled: list) -> dict
     for g, src in _pooled_grads(plan, prep, pooled, bag_of, denom):
         D = plan.groups[g].dim
         rows = out.setdefault(D, torch.zeros(prep.capacity, D, dtype=torch.float32, device=dev))
-        table_in = plan.on_device(tuple(int(t.dim == D) for t in plan.tables), dev)
-        segment_sum(prep.runs, src, rows, table_in)
+        segment_sum(prep.runs, src, rows, _tables_of_dim(plan, D, dev))
     return out

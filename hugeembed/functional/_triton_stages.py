@@ -65,16 +65,21 @@ def _launches(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor
 
 
 def _launch_plan(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor], device: torch.device):
-    """_launches' result with each rows tensor given by its table's index (the cache keeps no tensor)."""
-    units: dict[tuple[int, torch.dtype], list[tuple[int, int, int]]] = {}
+    """_launches' result with each rows tensor given by its table's index (the cache keeps no tensor).
+
+    Rows of one dtype share a launch wherever they live: a feature's rows are addressed from the lowest
+    tensor by their distance in elements (one address space: a GPU's, or the host's under the
+    interpreter), so 26 tables given as 26 tensors are one launch, not 26 (each costs ~10-30 us of
+    the host's time); a distance that is not a whole number of elements takes a launch of its own."""
+    units: dict[torch.dtype, list[tuple[int, int, int]]] = {}
     for k, f in enumerate(group.pooled):
         t = plan.feature_table[f]
         s = storages[t]
         if not _takes_rows(s):
             return None
-        units.setdefault((s.untyped_storage().data_ptr(), s.dtype), []).append((f, k, t))
+        units.setdefault(s.dtype, []).append((f, k, t))
     out = []
-    for members in units.values():
+    for members in _whole_elements(units, storages):
         base = min((t for _, _, t in members), key=lambda t: storages[t].data_ptr())
         table = []
         for f, k, t in members:
@@ -84,18 +89,31 @@ def _launch_plan(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Ten
     return out
 
 
+def _whole_elements(units: dict, storages) -> list[list[tuple[int, int, int]]]:
+    """`units`' members split where a table's distance from its unit's lowest rows is not a whole number of
+    elements (never for torch's allocations, which are aligned; a view at an odd byte could be)."""
+    out = []
+    for members in units.values():
+        low = min(storages[t].data_ptr() for _, _, t in members)
+        by_rest: dict[int, list] = {}
+        for m in members:
+            s = storages[m[2]]
+            by_rest.setdefault((s.data_ptr() - low) % s.element_size(), []).append(m)
+        out += by_rest.values()
+    return out
+
+
 def _settings(plan: LookupPlan, group: DimGroup, device: torch.device) -> tuple[dict, bool]:
     """The plan's per-feature and per-table arrays as the kernel's arguments, and whether a table of
     the group clips its rows (max_norm)."""
-    cache = plan.__dict__.setdefault("_triton_settings", {})
-    got = cache.get((id(group), device))
-    if got is None:  # (the plan's constants: made once per group and device)
+    def make():
         a = plan.arrays(device)
         clip = any(plan.tables[plan.feature_table[f]].max_norm for f in group.pooled)
-        got = cache[(id(group), device)] = (dict(
-            feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
-            prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
-            default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip)
+        return dict(feat_table_ptr=a["table"], combiner_ptr=a["combiner"], max_norm_ptr=a["max_norm"],
+                    prune_neg_ptr=a["prune_neg"], oor_ptr=a["oor"], has_default_ptr=a["has_default"],
+                    default_id_ptr=a["default_id"], num_rows_ptr=a["num_rows"]), clip
+
+    got = plan.memo(("triton_settings", id(group), device), make)
     return dict(got[0]), got[1]
 
 
@@ -124,7 +142,8 @@ def pool_triton(plan: LookupPlan, prep: Prepared, storages, slots: torch.Tensor,
         args = dict(rows_ptr=rows, out_ptr=out, launch_ptr=table, offsets_ptr=prep.offsets,
                     ids_ptr=prep.inverse.contiguous(), weights_ptr=prep.offsets if weights is None else weights,
                     slots_ptr=slots.contiguous(), source_ptr=prep.offsets, status_ptr=prep.offsets,
-                    B=B, D=D, out_stride=n * D, n_ids=prep.inverse.numel(), **settings)
+                    B=B, D=D, out_stride=n * D, n_ids=prep.inverse.numel(), n_offsets=prep.offsets.numel(),
+                    **settings)
         pooled.launch(B * count, args, dict(DIRECT=False, HAS_WEIGHTS=weights is not None, CLIP=clip,
                                             BLOCK_B=block_b, BLOCK_D=block_d), shuffle)
     return out
@@ -149,7 +168,7 @@ def forward_direct_triton(plan: LookupPlan, sf, storages, shuffle: int | None = 
     offsets = sf.offsets().to(torch.int64).contiguous()
     weights = None if weights is None else weights.detach().contiguous()
     source = plan.source_indices(sf.keys(), dev)
-    status = torch.zeros(B * plan.num_features, dtype=torch.int8, device=dev)
+    status = torch.zeros(1, dtype=torch.int32, device=dev)  # the kernels' flag: some bag or the offsets bad
     outs, done = [], 0
     for group, launches in zip(plan.groups, groups):
         D, n = group.dim, len(group.pooled)
@@ -162,10 +181,11 @@ def forward_direct_triton(plan: LookupPlan, sf, storages, shuffle: int | None = 
         for rows, table, count in launches:
             args = dict(rows_ptr=rows, out_ptr=out, launch_ptr=table, offsets_ptr=offsets, ids_ptr=values,
                         weights_ptr=offsets if weights is None else weights, slots_ptr=offsets, source_ptr=source,
-                        status_ptr=status[done:], B=B, D=D, out_stride=n * D, n_ids=N, **settings)
+                        status_ptr=status, B=B, D=D, out_stride=n * D, n_ids=N, n_offsets=offsets.numel(),
+                        **settings)
             pooled.launch(B * count, args, dict(DIRECT=True, HAS_WEIGHTS=weights is not None, CLIP=clip,
                                                 BLOCK_B=block_b, BLOCK_D=block_d), shuffle)
             done += B * count
-    # offsets must run from 0 to len(values) (the bags the plan reads are checked by the kernel)
-    bad = bool(torch.cat([status.to(torch.int64), offsets[:1], offsets[-1:] - N]).any())  # the one read
+    # the one read: the kernels' flag, or (no kernel ran: no bags) whether offsets run from 0 to len(values)
+    bad = bool(status.item()) if done else bool(torch.cat([offsets[:1], offsets[-1:] - N]).any())
     return outs, bad

@@ -1,4 +1,4 @@
-"""JSON request bodies -> ParsedRequest: csrc/request.cpp's he_request_json, and its Python twin.
+"""JSON request bodies -> ParsedRequest: csrc/request_json.cpp's he_request_json, and its Python twin.
 
 The kernel parses strict JSON (RFC 8259, UTF-8) while the interpreter lock is released; the twin
 (``json.loads`` with duplicate, constant and depth checks) reads what the kernel reads and refuses
@@ -25,7 +25,7 @@ _HEX = re.compile(r"[0-9a-fA-F]{1,8}")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _NO_MISSING = -1  # missing[f] < 0: "" is refused for feature f (no Criteo feature)
 
-# he_request_json's refusals (csrc/request.cpp, detail[0])
+# he_request_json's refusals (csrc/json_reader.h, detail[0])
 (SYNTAX, DEPTH, NOT_OBJECT, MISSING, DUPLICATE, DENSE_NOT_LIST, DENSE_ROW, DENSE_VALUE, DENSE_FINITE,
  SPARSE_NOT_OBJECT, MISSING_FEATURE, BAGS, BAG_NOT_LIST, ID_TYPE, ID_RANGE, ID_HEX, ID_EMPTY, TOO_MANY_ROWS,
  TOO_MANY_IDS) = range(1, 20)

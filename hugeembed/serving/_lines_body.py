@@ -1,7 +1,7 @@
 """Criteo lines (TSV or CSV request bodies) -> ParsedRequest.
 
 The lines are checked (one field count for all: 40 with the label, 39 without; at most max_rows)
-and rewritten into the Criteo reader's own form (tab-separated, labelled) by csrc/request.cpp's
+and rewritten into the Criteo reader's own form (tab-separated, labelled) by csrc/request_lines.cpp's
 he_request_lines, or by its Python twin here; the reader's parser (``data.parse_buffer``) then
 parses them.  Both run in the kernels with the interpreter lock released.
 """
@@ -19,7 +19,7 @@ from ._requests import ParsedRequest, RequestTooLarge
 
 __all__ = ["LinesBody", "criteo_lines"]
 
-# he_request_lines' refusals (csrc/request.cpp, detail[0])
+# he_request_lines' refusals (csrc/request_lines.cpp, detail[0])
 EMPTY, FIRST, FIELDS, TOO_MANY, TAB = range(1, 6)
 _WHAT = {"\t": ("TSV", "tab-separated"), ",": ("CSV", "comma-separated")}
 

@@ -23,6 +23,7 @@ from ..features import SparseFeatures
 from ..models._base import check_model_inputs
 from . import _runtime, _trust
 from ._export import dense_spec
+from ._flat_program import flat_program
 from ._patch import PatchGroup, merge_patch, version_program
 from ._runtime import Tables
 
@@ -38,6 +39,11 @@ class Served:
     source: dict[str, Any]  # the snapshot these rows and this program come from (name, step, manifest_sha256)
     deltas: tuple[str, ...]  # artifact deltas applied on the base, in order
     patch: tuple[PatchGroup | None, ...] = ()  # per dim group: the rows the deltas changed (_patch.py)
+
+    def __post_init__(self) -> None:
+        # the program as a function of flat tensors, its tables' arguments flattened once (_flat_program.py)
+        object.__setattr__(self, "run", flat_program(self.program))
+        object.__setattr__(self, "table_args", tuple(t for part in self.tables.args() for t in part))
 
     @property
     def version(self) -> str:
@@ -253,7 +259,7 @@ class ServingModel:
         """The program on checked inputs: ids feature-major in the order of :attr:`features`."""
         s = self._served if served is None else served  # read once: one version per call
         with torch.no_grad():
-            return s.program(dense, values, offsets, *s.tables.args())
+            return s.run(dense, values, offsets, *s.table_args)
 
     def check(self, dense: torch.Tensor, sparse: SparseFeatures) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, offsets) of `sparse` in the artifact's feature order; InputError naming what is wrong."""

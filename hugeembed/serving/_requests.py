@@ -12,8 +12,8 @@ request without a CORS preflight)::
 JSON (_json_body.py): the model's dense input (as ``Batch.dense``) and a bag of ids per row and
 feature; an id is an int64 or a raw Criteo field (1-8 hex digits; "" is the feature's missing id).
 Lines (_lines_body.py) are parsed by the Criteo reader's parser (dense ``log(1 + max(x, 0))``).
-Both parse in the native kernels (csrc/request.cpp), which release the interpreter lock, with a
-Python twin where they are not built.
+Both parse in the native kernels (csrc/request_json.cpp, csrc/request_lines.cpp), which release the
+interpreter lock, with a Python twin where they are not built.
 
 A different parser (another body schema) plugs in as any callable with the same signature
 returning a ParsedRequest; the server checks its arrays (:meth:`ParsedRequest.check`).

@@ -3,7 +3,7 @@
 ::
 
     POST /predict   JSON, TSV or CSV body (see _schema_requests.py) -> {"predictions": [p, ...], "version": "step-..."},
-                    and a Server-Timing header: parse, queue and model milliseconds
+                    and a Server-Timing header: parse, queue and model milliseconds, and the model call's CPU ms
     GET  /healthz   {"status": "ok" | "degraded", "version": ...} (degraded: a delta was refused, and why)
     GET  /metrics   requests, rows, refusals by status, latency / parse / queue / model p50 and p99 (ms), ...
     POST /reload    applies the deltas written since (with the --admin-token; also every --watch seconds)
@@ -236,7 +236,8 @@ def make_app(model: ServingModel, cfg: ServerConfig | None = None, parse: Reques
         metrics.rows += len(probs)
         metrics.latency_ms.append((time.perf_counter() - t0) * 1000)
         # the server's share of the latency (W3C Server-Timing): the rest is HTTP and the network
-        timing = f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}"
+        timing = (f"parse;dur={parse_ms:.3f}, queue;dur={p.queue_ms:.3f}, model;dur={p.model_ms:.3f}, "
+                  f"model-cpu;dur={p.model_cpu_ms:.3f}")
         return JSONResponse({"predictions": probs, "version": version}, headers={"Server-Timing": timing})
 
     async def predict(request):

@@ -96,8 +96,8 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     collection instead (``--servers``' plan check on the meta device).
     """
     rule = make_optimizer(cfg.sparse_optimizer, **cfg.sparse_optimizer_options())
-    biases = None if cfg.first_order_lr is None else \
-        make_optimizer(cfg.sparse_optimizer, **{**cfg.sparse_optimizer_options(), "lr": cfg.first_order_lr})
+    own = cfg.first_order_optimizer_options()
+    biases = None if own is None else make_optimizer(cfg.sparse_optimizer, **own)
     if schema is not None and schema.is_criteo():
         schema = None  # the Criteo tables as they always were
     if collection_factory is not None:

@@ -59,11 +59,14 @@ class TrainConfig:
         lr_count_scale: per-row lr ``lr * min(1, hits / lr_count_scale)``; None: off.
         first_order: DLRM: a dim-1 table beside each table, its weights added to the logit (a
             per-id bias, as Wide&Deep's wide part).  Off here; `hugeembed train` turns it on (with
-            first_order_lr 0.01) for data of a schema of its own: measured in docs/quality.md.
+            first_order_lr 0.02, first_order_betas (0.9, 0.999), first_order_eps 1e-8) for data of a
+            schema of its own: measured in docs/quality.md.
         dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
             default (DLRM: none).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
             this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
+        first_order_betas, first_order_eps: the per-id biases' own Adam betas and eps (Adam optimizers
+            only); None: the run's (`sparse_betas`, `sparse_eps`).  Needs `first_order`.
         choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
             on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
             for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
@@ -151,6 +154,8 @@ class TrainConfig:
     lr_count_scale: int | None = None
     first_order: bool = False
     first_order_lr: float | None = None
+    first_order_betas: tuple[float, float] | None = None
+    first_order_eps: float | None = None
     dropout: float | None = None
     choose_epochs: int | None = None
     choose_holdout: float = 0.1
@@ -225,18 +230,25 @@ class TrainConfig:
                               "give one of them")
 
     def _check_adam_settings(self) -> None:
-        b = self.sparse_betas
-        if b is not None:  # a TOML file gives a list
-            if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_real(x) and 0.0 <= x < 1.0 for x in b)):
-                raise ConfigError(f"sparse-betas must be two numbers in [0, 1) (beta1 beta2), got {b!r}")
-            object.__setattr__(self, "sparse_betas", (float(b[0]), float(b[1])))
-        if self.sparse_eps is not None and not (_real(self.sparse_eps) and self.sparse_eps > 0):
-            raise ConfigError(f"sparse-eps must be a positive number, got {self.sparse_eps!r}")
-        given = [_key(n) for n in ("sparse_betas", "sparse_eps") if getattr(self, n) is not None]
+        for prefix in ("sparse", "first_order"):
+            betas, eps = f"{prefix}_betas", f"{prefix}_eps"
+            b = getattr(self, betas)
+            if b is not None:  # a TOML file gives a list
+                if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_real(x) and 0.0 <= x < 1.0 for x in b)):
+                    raise ConfigError(f"{_key(betas)} must be two numbers in [0, 1) (beta1 beta2), got {b!r}")
+                object.__setattr__(self, betas, (float(b[0]), float(b[1])))
+            e = getattr(self, eps)
+            if e is not None and not (_real(e) and e > 0):
+                raise ConfigError(f"{_key(eps)} must be a positive number, got {e!r}")
+        given = [_key(n) for n in ("sparse_betas", "sparse_eps", "first_order_betas", "first_order_eps")
+                 if getattr(self, n) is not None]
         if given and self.sparse_optimizer not in ADAM_OPTIMIZERS:
             verb = "apply" if len(given) > 1 else "applies"
             raise ConfigError(f"{' and '.join(given)} {verb} to the Adam optimizers ({', '.join(ADAM_OPTIMIZERS)}), "
                               f"not to sparse optimizer {self.sparse_optimizer!r}")
+        own = [_key(n) for n in ("first_order_betas", "first_order_eps") if getattr(self, n) is not None]
+        if own and not self.first_order:
+            raise ConfigError(f"{' and '.join(own)}: the per-id biases' Adam settings need first-order")
 
     def jitter_spec(self) -> tuple[float, float] | None:
         """(P, F) of ``jitter`` "P:F" (0 <= P <= 1, F >= 1), or None."""
@@ -261,6 +273,13 @@ class TrainConfig:
             out["betas"] = self.sparse_betas if self.sparse_betas is not None else TRAIN_ADAM_BETAS
             out["eps"] = self.sparse_eps if self.sparse_eps is not None else TRAIN_ADAM_EPS
         return out
+
+    def first_order_optimizer_options(self) -> dict[str, Any] | None:
+        """The per-id bias tables' settings where any differs from the other tables' (their lr, betas,
+        eps); None: the run's sparse optimizer as it is."""
+        own = {"lr": self.first_order_lr, "betas": self.first_order_betas, "eps": self.first_order_eps}
+        own = {k: v for k, v in own.items() if v is not None}
+        return {**self.sparse_optimizer_options(), **own} if own else None
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
@@ -304,8 +323,9 @@ class TrainConfig:
         # overwrites, and snapshots stay readable by a hugeembed that does not know the key
         del d["overwrite"]
         d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
-        if self.sparse_betas is not None:
-            d["sparse_betas"] = list(self.sparse_betas)
+        for name in ("sparse_betas", "first_order_betas"):
+            if getattr(self, name) is not None:
+                d[name] = list(getattr(self, name))
         return d
 
     def replace(self, **changes: Any) -> "TrainConfig":

@@ -55,11 +55,13 @@ def test_kill_9_mid_training_then_resume_continues_exactly(tmp_path):
                "--storage-dir", str(tmp_path / "rows")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(env_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 200
-    while time.time() < deadline and not list((tmp_path / "ck").glob("step-000000020")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.time() + 200
+        while time.time() < deadline and not list((tmp_path / "ck").glob("step-000000020")):
+            time.sleep(0.05)
+    finally:  # (also when the test is cut short: no run left behind for a later test to trip over)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     assert list((tmp_path / "rows").glob("*/tier.json")), "the killed run left its tier behind"
     res = run_cli(*args, "--checkpoint-dir", tmp_path / "ck", "--storage-dir", tmp_path / "rows", "--resume",
                   "--summary-json", tmp_path / "res.json", timeout=300)

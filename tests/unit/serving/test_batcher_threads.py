@@ -39,8 +39,8 @@ def test_small_calls_run_on_one_thread_and_large_ones_on_all():
         b = Batcher(model, max_batch_rows=4096, max_queue_rows=8192, max_wait_ms=0, on_batch=lambda *a: None)
         for rows in (1, SMALL_CALL_ROWS, SMALL_CALL_ROWS + 1, 3):
             batch = [_pending(rows)]
-            results, version = b._compute(batch, rows)
-            assert version == "v1" and len(results[0]) == rows
+            results, version, cpu_ms = b._compute(batch, rows)
+            assert version == "v1" and len(results[0]) == rows and cpu_ms >= 0
             np.testing.assert_allclose(results[0], torch.sigmoid(torch.arange(rows, dtype=torch.float32)).tolist())
         assert model.threads == [1, 1, 2, 1]
     finally:

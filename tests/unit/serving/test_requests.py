@@ -1,5 +1,5 @@
-"""Request bodies -> arrays: the kernels (csrc/request.cpp) against their Python twins on generated and
-mutated bodies, against an independent oracle (json + NumPy, written here) on valid ones, and every
+"""Request bodies -> arrays: the kernels (csrc/request_json.cpp, request_lines.cpp) against their Python twins on
+generated and mutated bodies, against an independent oracle (json + NumPy, written here) on valid ones, and every
 refusal an InputError (the server's 400), RequestTooLarge (413) or UnsupportedContentType (415)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from hugeembed.nn._rare import SHARED_ROW_KEY
 from hugeembed.optim import Adagrad
 from hugeembed.store import DynamicGroup, RowLayout, TableSettings, Uniform
 from hugeembed.store._dynamic import pick_backend
-from hugeembed.store._index import EMPTY_TABLE, PENDING, Outcome, home, new_buckets
+from hugeembed.store._index import EMPTY_TABLE, PENDING, Outcome, home, need_length, new_buckets
 from hugeembed.store._index_torch import TorchIndex
 from hugeembed.store._index_triton import TritonIndex
 
@@ -70,9 +70,10 @@ def _unique(entries):
     return out
 
 
-def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int) -> None:
+def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int) -> tuple:
     """One find-or-insert on both groups' indexes (the raw call: outcome, need, new rows compared);
-    a refusal is then settled by each group as a step would (growth, eviction, an error)."""
+    a refusal is then settled by each group as a step would (growth, eviction, an error).  Returns
+    the raw call's (outcome, vars(need))."""
     admit = a._admission(tids, keys, step)
     got = []
     for g in (a, b):
@@ -82,7 +83,7 @@ def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int)
     assert got[0] == got[1]
     _assert_same(a, b)
     if got[0][0] == Outcome.DONE:
-        return
+        return got[0][:2]
     errors = []
     for g in (a, b):
         try:
@@ -92,6 +93,7 @@ def _fetch_both(a: DynamicGroup, b: DynamicGroup, tids, keys, counts, step: int)
             errors.append(f"{type(e).__name__}: {e}")
     assert errors[0] == errors[1]
     _assert_same(a, b)
+    return got[0][:2]
 
 
 def test_the_kernels_constants_are_the_layouts():
@@ -207,6 +209,24 @@ def test_a_crowd_longer_than_the_rounds_before_the_read_is_placed_as_the_referen
     assert int(b.scalars[0]) == 304
 
 
+@on_device
+def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device):
+    """The need kernel's checks from the sort by home: the smallest (table, key) given twice among new
+    keys and among promotions (twins of other tables and keys around), and the new keys' own crowding
+    (their longest probe alone in an empty index, with its table), need[] for need[]."""
+    a, b = _group("torch", device, buckets=256), _group("triton", device, buckets=256)
+    crowd = _crowded(a, 9, t=1)  # nine new keys on two homes: a crowd longer than any probe
+    rc, need = _fetch_both(a, b, *_batch([(0, 40, 1)] + [(1, k, 2) for k in crowd], device), 0)
+    assert need["longest"] >= 5 and need["long_table"] == 1 and a.tables[1, 0] == 9  # (after growing: rows)
+    rc, need = _fetch_both(a, b, *_batch([(1, 50, 1), (2, 7, 1), (0, 9, 1), (1, 50, 1), (2, 7, 1), (0, 9, 1),
+                                          (0, 8, 1)], device), 1)
+    assert rc == Outcome.DUPLICATE_KEY and (need["dup_table"], need["dup_key"]) == (0, 9)
+    p, q = 300_000, 300_001  # (not among the crowd's keys)
+    _fetch_both(a, b, *_batch([(1, p, 1), (1, q, 1)], device), 2)  # pending in "counted"
+    rc, need = _fetch_both(a, b, *_batch([(1, q, 1), (0, 70, 1), (1, p, 1), (1, q, 1), (1, p, 1)], device), 3)
+    assert rc == Outcome.DUPLICATE_KEY and (need["dup_table"], need["dup_key"]) == (1, p)  # among promotions
+
+
 class _ScalarReads(TorchDispatchMode):
     """Counts reads of one element to the host (item(), int(t), bool(t), t[i] with a 0-d index i)
     outside the kernels' launches (the interpreter's own work is not the index's)."""
@@ -243,7 +263,20 @@ def test_a_find_or_insert_reads_the_host_only_for_its_need(device, monkeypatch):
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 0, torch.empty_like(k), None, None)
     assert rc == Outcome.DONE and need.made == 4
     assert spy.reads == 0
-    assert needs == [g.scalars.shape, torch.Size([8 + 2 * 3 + 6 + 3]), g.scalars.shape, torch.Size([6])]
+    report = torch.Size([need_length(3) + 7])  # need[] and the extras (hugeembed/_triton/hash_need.py)
+    assert needs == [report, report]  # new keys: the checks' read, then the outcome's after the claims
+    needs.clear()
+    with spy:  # no new key (a step's steady state), one promotion: the one read
+        rc, need, made = g._index.find_or_insert(g, k, t, c, None, 1, torch.empty_like(k), None, None)
+    assert rc == Outcome.DONE and need.made == 1 and need.entries == 0  # (1, 2) promoted: its second hit
+    assert spy.reads == 0 and needs == [report]
+    needs.clear()
+    with spy:  # one new key: its first claim round places it, no second read
+        rc, need, made = g._index.find_or_insert(g, k[:1] + 100, t[:1], c[:1], None, 2, torch.empty_like(k[:1]),
+                                                 None, None)
+    assert rc == Outcome.DONE and need.made == 1 and need.entries == 1
+    assert spy.reads == 0 and needs == [report]
+    assert g.find(t[:1], k[:1] + 100).tolist() == made[0].tolist()
 
 
 def _collection(backend: str, device: str) -> EmbeddingCollection:

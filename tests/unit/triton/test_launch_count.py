@@ -42,3 +42,14 @@ def test_a_static_triton_step_launches_a_bounded_number_of_kernels(ops):
     few, many = (ops.counted_launches(n, False, samples=2, rows=4, warmup=3) for n in (2, 4))
     assert few.launches() == many.launches() <= 25, (dict(many.kernels), dict(many.torch_launches()))
     assert few.syncs() == many.syncs() == 2
+
+
+@pytest.mark.slow
+def test_a_dynamic_triton_step_launches_a_bounded_number_of_kernels(ops):
+    """Dynamic tables, steady state (every id known): the same launches for 2 and 4 tables, at most issue
+    32's 40, at most 2 reads, and no sort or claim round of the hash index's (no key is new)."""
+    few, many = (ops.counted_launches(n, True, samples=2, rows=2, warmup=5) for n in (2, 4))  # every id seen
+    assert few.launches() == many.launches() <= 40, (dict(many.kernels), dict(many.torch_launches()))
+    assert few.syncs() == many.syncs() <= 2
+    assert not any(name.startswith("claim_") for name in many.kernels)
+    assert many.kernels["need_kernel"] == 1
