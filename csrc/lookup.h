@@ -1,5 +1,29 @@
-// The lookup's stages (lookup.cpp), as the exported kernels (lookup_call.cpp) call them:
-// each is described where it is defined.
+// Fused multi-table embedding lookup: the CPU kernels behind hugeembed.functional.
+//
+// One lookup over F "plan features" (each reads one input feature of a
+// SparseFeatures batch and one table) runs as
+//   1. he_lookup_count   clean: per bag, count the ids that survive TF's rules
+//                        (id < 0 dropped, weight <= 0 dropped, out-of-range ids of
+//                        static tables -> error / prune / default_id) plus the
+//                        default_id filling an empty pooled bag;
+//   2. he_lookup_dedup   dedup: per table, unique keys in first-seen order, their
+//                        occurrence counts, and each kept id's index into them;
+//   (the caller maps unique keys to row slots: identity for static tables,
+//    find-or-insert for hash tables)
+//   3. he_lookup_pool    pool: per dim group, gather rows by slot, clip to max_norm,
+//                        weight, and reduce each bag with its combiner straight
+//                        into the output [B, F_g, D] (or any strided layout);
+//      he_lookup_unpooled  the same without reduction, one row per id;
+//   4. he_lookup_backward  per table, the gradient of each unique row: the
+//                        weighted segment sum of the output gradient, then the
+//                        Jacobian of max_norm clipping.  Never a dense gradient.
+// The torch twin of each stage is hugeembed/functional/_reference.py; the tests
+// check both against a NumPy oracle of TF's documented semantics.
+//
+// Stages 1-2 are in lookup_clean.cpp, 3 in lookup_pool.cpp (and the one-pass forward of
+// static tables in lookup_pool_direct.cpp), 4 in lookup_backward.cpp; each is declared
+// below as the exported kernels (lookup_call.cpp) call it and described where it is
+// defined.
 #pragma once
 
 #include <mutex>

@@ -1,5 +1,5 @@
 // The lookup's exported kernels (csrc/call.h): each unpacks and checks its arguments and
-// calls its stage (lookup.cpp, declared in lookup.h).
+// calls its stage (declared in lookup.h, defined in lookup_*.cpp).
 
 #include <algorithm>
 #include <vector>

@@ -11,7 +11,7 @@ import torch
 
 from ._device import host_to_device
 
-__all__ = ["repeat_each", "joined_view", "joined", "kept_positions", "row_independent"]
+__all__ = ["repeat_each", "concat_ranges", "joined_view", "joined", "kept_positions", "row_independent"]
 
 
 def row_independent(init_state):
@@ -33,6 +33,23 @@ def repeat_each(values, sizes, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.repeat(np.asarray(values, dtype=np.int64), sizes))
     vals = host_to_device(values, torch.int64, device)
     return torch.repeat_interleave(vals, host_to_device(sizes, torch.int64, device), output_size=int(np.sum(sizes)))
+
+
+def concat_ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The concatenation of ``arange(starts[i], starts[i] + sizes[i])`` (sizes >= 0), and the i
+    of each of its elements.  `total`: ``sizes.sum()`` when the caller has it (else read from
+    the device); the owners are found by a search, not a repeat_interleave, which would read
+    the sizes back too."""
+    dev = starts.device
+    if total is None:
+        total = int(sizes.sum()) if sizes.numel() else 0
+    if total == 0:
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return none, none
+    cum = torch.cumsum(sizes, 0)
+    at = torch.arange(total, device=dev)
+    owner = torch.searchsorted(cum, at, right=True)  # the segment whose end is past the element
+    return at - (cum - sizes)[owner] + starts[owner], owner
 
 
 def joined_view(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

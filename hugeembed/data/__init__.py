@@ -24,7 +24,8 @@ from ._reader import TableReader, count_rows, fit_stats, read_table
 from ._schema import (CAT_NAMES, DENSE_NAMES, MISSING_ID_BASE, MISSING_IDS, N_CAT, N_DENSE, DenseSpec, LabelSpec, Schema,
                       SparseSpec, criteo_schema, load_schema, missing_id)
 from ._shards import ShardInfo, ShardSet
-from ._synthetic import CRITEO_KAGGLE_CARDINALITIES, BayesMetrics, RawRows, SyntheticConfig, SyntheticCriteo
+from ._synthetic import BayesMetrics, RawRows, SyntheticCriteo
+from ._synthetic_config import CRITEO_KAGGLE_CARDINALITIES, SyntheticConfig
 from ._tsv import format_criteo_lines, write_criteo_tsv
 
 __all__ = [

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ._synthetic import RawRows, SyntheticConfig, SyntheticCriteo
+from ._synthetic import RawRows, SyntheticCriteo
+from ._synthetic_config import SyntheticConfig
 
 __all__ = ["write_criteo_tsv", "format_criteo_lines"]
 

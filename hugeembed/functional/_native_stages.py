@@ -1,4 +1,4 @@
-"""The clean/dedup, pool and backward stages on the native CPU kernels (csrc/lookup.cpp, called
+"""The clean/dedup, pool and backward stages on the native CPU kernels (csrc/lookup_*.cpp, called
 through csrc/lookup_call.cpp).
 
 Each kernel takes its tensors as buffers (hugeembed/_native.call) and checks their
@@ -23,7 +23,7 @@ from ._plan import DimGroup, LookupPlan, Prepared
 __all__ = ["NativeScratch", "prepare_native", "pool_native", "unpooled_native", "backward_native", "can_use_native",
            "can_use_native_storages", "unpooled_rows"]
 
-# he_lookup_pool_direct's results (csrc/lookup.cpp::PoolDirect): pooled, or left to the
+# he_lookup_pool_direct's results (csrc/lookup.h::PoolDirect): pooled, or left to the
 # two-stage path, which reports the bag at fault
 POOL_DIRECT_POOLED, POOL_DIRECT_TWO_STAGE = 0, 1
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .._device import host_to_device
-from .._tensors import kept_positions
+from .._tensors import concat_ranges, kept_positions
 from ..errors import InputError
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
@@ -25,25 +25,8 @@ __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "g
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
 
-def _ranges(starts: torch.Tensor, sizes: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The concatenation of ``arange(starts[i], starts[i] + sizes[i])`` (sizes >= 0), and the i
-    of each of its elements.  `total`: ``sizes.sum()`` when the caller has it (else read from
-    the device); the owners are found by a search, not a repeat_interleave, which would read
-    the sizes back too."""
-    dev = starts.device
-    if total is None:
-        total = int(sizes.sum()) if sizes.numel() else 0
-    if total == 0:
-        none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return none, none
-    cum = torch.cumsum(sizes, 0)
-    at = torch.arange(total, device=dev)
-    owner = torch.searchsorted(cum, at, right=True)  # the segment whose end is past the element
-    return at - (cum - sizes)[owner] + starts[owner], owner
-
-
 def _padded_ranges(starts: torch.Tensor, sizes: torch.Tensor, cap: int):
-    """`_ranges` of sizes >= 0 padded to `cap` elements without reading the total: (the
+    """`concat_ranges` of sizes >= 0 padded to `cap` elements without reading the total: (the
     elements, their owners, which of them are real, the device-side total).  The padding (and
     any element past `cap` when the total exceeds it: the caller checks) repeats the last
     owner, and every owner is a valid index even then."""
@@ -243,11 +226,11 @@ def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     f = plan.on_device(feats, dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
-        pos, owner = _ranges(starts, ends - starts)
+        pos, owner = concat_ranges(starts, ends - starts)
     else:  # the features' extents known on the host: no read of the device
         fs, k = np.asarray(prep.feature_starts, dtype=np.int64), np.asarray(feats, dtype=np.int64)
         starts, sizes = fs[k], fs[k + 1] - fs[k]  # (numpy: no Python per feature)
-        pos, owner = _ranges(host_to_device(starts, torch.int64, dev), host_to_device(sizes, torch.int64, dev),
+        pos, owner = concat_ranges(host_to_device(starts, torch.int64, dev), host_to_device(sizes, torch.int64, dev),
                              int(sizes.sum()))
     bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B

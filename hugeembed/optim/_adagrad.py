@@ -9,7 +9,9 @@ import torch
 
 from .._tensors import row_independent
 from . import _native_ops
-from ._base import SparseOptimizer, check_real, rdiv, sqrt_rn
+from ._base import SparseOptimizer
+from ._checks import check_real
+from ._kernel_floats import rdiv, sqrt_rn
 
 __all__ = ["Adagrad", "RowWiseAdagrad"]
 

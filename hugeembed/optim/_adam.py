@@ -21,17 +21,10 @@ import torch
 
 from ..errors import ConfigError, InputError
 from . import _native_ops
-from ._base import (
-    SparseOptimizer,
-    check_bool,
-    check_choice,
-    check_real,
-    RowIO,
-    int_view_dtype,
-    is_store,
-    rdiv,
-    sqrt_rn,
-)
+from ._base import SparseOptimizer, is_store
+from ._checks import check_bool, check_choice, check_real
+from ._kernel_floats import rdiv, sqrt_rn
+from ._row_io import RowIO, int_view_dtype
 from ._adam_catchup import catch_up_rows, negligible_fraction
 
 __all__ = ["Adam"]

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from ._base import rdiv, sqrt_rn
+from ._kernel_floats import rdiv, sqrt_rn
 
 __all__ = ["catch_up_rows", "negligible_fraction", "bound_factors"]
 

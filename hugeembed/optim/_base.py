@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -33,69 +32,10 @@ import torch
 from .. import _native
 from ..errors import ConfigError, InputError
 from .._tensors import row_independent
-from ._rounding import round_stochastic
+from ._checks import check_real
+from ._row_io import RowIO
 
 __all__ = ["SparseOptimizer"]
-
-# Storage dtypes the twin computes in float32 (weights rounded back on store).
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Integer views of a float storage column, used for exact integer counters.
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-def check_real(owner: str, field: str, value: Any, *, ge: float | None = None, gt: float | None = None,
-               lt: float | None = None, le: float | None = None) -> float:
-    """`value` as a finite float within the given bounds, else a ConfigError naming owner and field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{owner}: {field} must be a real number, got {value!r}")
-    v = float(value)
-    bad = not math.isfinite(v)
-    bounds = []
-    if ge is not None:
-        bad |= not v >= ge
-        bounds.append(f">= {ge}")
-    if gt is not None:
-        bad |= not v > gt
-        bounds.append(f"> {gt}")
-    if lt is not None:
-        bad |= not v < lt
-        bounds.append(f"< {lt}")
-    if le is not None:
-        bad |= not v <= le
-        bounds.append(f"<= {le}")
-    if bad:
-        rule = " and ".join(["finite", *bounds])
-        raise ConfigError(f"{owner}: {field} must be {rule}, got {value!r}")
-    return v
-
-
-def check_bool(owner: str, field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}: {field} must be True or False, got {value!r}")
-    return value
-
-
-def check_choice(owner: str, field: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{owner}: {field} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
-
-
-def compute_dtype(storage: torch.Tensor) -> torch.dtype:
-    """The dtype the twin computes in: the storage's own, or float32 for 16-bit storage."""
-    return torch.float32 if storage.dtype in _LOW_PRECISION else storage.dtype
-
-
-def int_view_dtype(storage: torch.Tensor, owner: str) -> torch.dtype:
-    """The integer dtype whose bit pattern holds a counter in one column of `storage`."""
-    dt = _INT_VIEW.get(storage.dtype)
-    if dt is None:
-        raise InputError(
-            f"{owner}: integer counters need float32 or float64 storage (stored as the bits of an "
-            f"int32/int64), got {storage.dtype}; use mode='lazy' with bias_correction='global_step', "
-            f"which keeps no counter"
-        )
-    return dt
 
 
 @dataclass(frozen=True)
@@ -364,72 +304,3 @@ def check_slots_torch(slots: torch.Tensor, rows: int) -> None:
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
         raise IndexError(f"slot {int(slots[pos])} at position {pos} is out of range for a table of {rows} rows")
-
-
-class RowIO:
-    """The torch twins' access to a table's rows: typed views of its weights ``[R, D]`` and
-    state ``[R, S]`` (a RowLayout's, or a plain storage's columns), the dtype to compute in,
-    and how updated weights are rounded back (None: to nearest)."""
-
-    def __init__(self, weights: torch.Tensor, state: torch.Tensor, compute: torch.dtype, rounding=None) -> None:
-        self.weights, self.state, self.compute, self.rounding = weights, state, compute, rounding
-
-    @classmethod
-    def of_store(cls, store, step: int, keys: torch.Tensor | None = None,
-                 seeds: int | torch.Tensor | None = None) -> "RowIO":
-        """The typed views of `store`'s layout; weights rounded as the layout says (stochastically:
-        from the row's table seed, `step`, its key and the column; `keys` / `seeds` as for
-        :meth:`SparseOptimizer.update`, aligned with the slots the rule writes)."""
-        lay = store.layout
-        storage = store.storage()
-        rounding = None
-        if lay.stochastic_rounding:
-            if seeds is None:
-                seeds = store.seed
-
-            def rounding(w, slots):
-                k = keys if keys is not None else store.keys_of(slots)
-                return round_stochastic(w, lay.dtype, seeds=seeds, step=step, keys=k)
-
-        return cls(lay.weights(storage), lay.state(storage), lay.compute_dtype, rounding)
-
-    @classmethod
-    def plain(cls, storage: torch.Tensor, dim: int, state_width: int) -> "RowIO":
-        """Weights in columns [0, D), state in [D, D + S) of `storage`, both of its dtype."""
-        return cls(storage[:, :dim], storage[:, dim : dim + state_width], compute_dtype(storage))
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return self.weights.dtype
-
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, state) of `slots` as new tensors in the compute dtype."""
-        return self.weights[slots].to(self.compute), self.state[slots].to(self.compute)
-
-    def write(self, slots: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None = None) -> None:
-        """Writes `w` (rounded to the weight dtype) and `state` (to the state dtype) at `slots`."""
-        if self.rounding is not None:
-            self.weights[slots] = self.rounding(w, slots)
-        else:
-            self.weights[slots] = w.to(self.weights.dtype)
-        if state is not None and state.shape[1]:
-            self.state[slots] = state.to(self.state.dtype)
-
-
-def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded square root, as the kernels' ``std::sqrt``.
-
-    torch's vectorised CPU sqrt (Sleef on AVX2/AVX512) is accurate to ~0.5 ulp but not
-    correctly rounded: on an AVX512 machine about 17% of float32 results differ from
-    IEEE sqrt by one ulp.  A float32 square root computed in float64 (error below 2^-52
-    relative) and rounded once IS correctly rounded: sqrt of a float32 is never within
-    2^-50 (relative) of a float32 rounding midpoint.
-    """
-    if t.dtype == torch.float32 and t.device.type == "cpu":
-        return t.double().sqrt_().float()
-    return t.sqrt()
-
-
-def rdiv(x: float, t: torch.Tensor) -> torch.Tensor:
-    """``x / t`` element-wise by true division (Python's ``x / t`` computes ``t.reciprocal() * x``)."""
-    return torch.full_like(t, x).div_(t)

@@ -10,7 +10,9 @@ import torch
 from ..errors import ConfigError
 from .._tensors import row_independent
 from . import _native_ops
-from ._base import SparseOptimizer, check_real, sqrt_rn
+from ._base import SparseOptimizer
+from ._checks import check_real
+from ._kernel_floats import sqrt_rn
 
 __all__ = ["FTRL"]
 

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 from ..errors import ConfigError
 from . import _native_ops
-from ._base import SparseOptimizer, check_bool, check_real
+from ._base import SparseOptimizer
+from ._checks import check_bool, check_real
 
 __all__ = ["SGD", "MomentumSGD"]
 

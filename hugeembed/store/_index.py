@@ -66,7 +66,7 @@ class Need:
 
 
 class Outcome(enum.IntEnum):
-    """What a find-or-insert did (csrc/group_index.cpp::Outcome): all but DONE leave the group
+    """What a find-or-insert did (csrc/group_find_or_insert.cpp::Outcome): all but DONE leave the group
     exactly as before, for the caller to grow it, make room, rekey or raise."""
 
     DONE = 0

@@ -175,7 +175,7 @@ class TorchIndex:
         return codes, counts
 
     def find_or_insert(self, g, keys, tids, counts, admit, step: int, out, hits, init) -> tuple[Outcome, list, tuple]:
-        """The kernel's contract (csrc/group_index.cpp::find_or_insert): (outcome, need, the new
+        """The kernel's contract (csrc/group_find_or_insert.cpp::find_or_insert): (outcome, need, the new
         rows' (slots, keys, tables)).  `init` is not used: the group initialises the new rows."""
         _check(g, tids, counts)
         T, dev = g.tables.shape[0], keys.device

@@ -15,7 +15,8 @@ from ..errors import ConfigError
 from ..models import DEFAULT_ADMIT_MIN_COUNT, make_model
 from ..nn import EmbeddingCollection
 from ..optim import make_optimizer
-from ._config import DENSE_OPTIMIZER_CLASSES, TrainConfig
+from ._config import TrainConfig
+from ._config_checks import DENSE_OPTIMIZER_CLASSES
 from ._distributed import sharded_factory
 from ._sources import make_source
 

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..models import DEFAULT_INITIALIZER, MODEL_NAMES
-from ..store import check_initializer_spec
-from ..optim._registry import NAMES as _SPARSE_NAMES
+from ..models import DEFAULT_INITIALIZER
+from ._config_checks import ADAM_OPTIMIZERS, _key, _real, check_settings
 
-__all__ = ["TrainConfig", "DENSE_OPTIMIZERS", "SPARSE_OPTIMIZERS", "MODELS"]
+__all__ = ["TrainConfig"]
 
-# the torch.optim class of each dense optimizer name (make_dense_optimizer builds them)
-DENSE_OPTIMIZER_CLASSES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
-DENSE_OPTIMIZERS = tuple(DENSE_OPTIMIZER_CLASSES)
-SPARSE_OPTIMIZERS = tuple(_SPARSE_NAMES)  # every name hugeembed.optim.make_optimizer accepts
-# The sparse optimizers with Adam's betas and eps (the ones sparse_betas / sparse_eps apply to).
-ADAM_OPTIMIZERS = tuple(n for n, (rule, _) in _SPARSE_NAMES.items() if rule.name == "adam")
 # A training run's Adam settings when sparse_betas / sparse_eps are not given, measured by
 # bench/quality.py against a plain-PyTorch DLRM (docs/quality.md): no first moment (beta1 0) and
 # eps 1e-5 gave +0.004 to +0.007 AUC at 200 k rows (three seeds) and +0.0014 / +0.005 at 1 M rows
@@ -31,7 +22,6 @@ ADAM_OPTIMIZERS = tuple(n for n, (rule, _) in _SPARSE_NAMES.items() if rule.name
 # coordinate, makes a row's step smaller when its gradients are small.
 TRAIN_ADAM_BETAS = (0.0, 0.999)
 TRAIN_ADAM_EPS = 1e-5
-MODELS = MODEL_NAMES
 # Evaluations over a run by default (eval_every None): 10 points draw the held-out curves and the
 # COPC drift; each costs one pass over eval_rows (32 k rows: ~0.5 s on 2 cores for DLRM).
 EVAL_POINTS = 10
@@ -212,114 +202,7 @@ class TrainConfig:
     cache_policy: str = "lfu"
 
     def __post_init__(self) -> None:
-        # types first: a value of the wrong type must fail here, naming its key, not later
-        # (e.g. a numeric checkpoint_dir only when the first snapshot is written)
-        for name in ("data", "eval_data", "sharding"):
-            object.__setattr__(self, name, _paths(name, getattr(self, name)))
-        for name in ("model", "sparse_optimizer", "dense_optimizer", "device", "init"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{_key(name)} must be a string, got {getattr(self, name)!r}")
-        if self.schema is not None:
-            if isinstance(self.schema, os.PathLike):
-                object.__setattr__(self, "schema", os.fspath(self.schema))
-            if not isinstance(self.schema, str) or not self.schema:
-                raise ConfigError(f"schema must be the path of a schema file (TOML), got {self.schema!r}")
-        if self.checkpoint_dir is not None:
-            if isinstance(self.checkpoint_dir, os.PathLike):
-                object.__setattr__(self, "checkpoint_dir", os.fspath(self.checkpoint_dir))
-            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
-                raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
-                                  f"got {self.checkpoint_dir!r}")
-        for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{_key(name)} must be true or false, got {getattr(self, name)!r}")
-        if self.first_order and self.model != "dlrm":
-            raise ConfigError(f"first-order adds per-id biases to DLRM; model {self.model!r} has its own terms "
-                              f"(deepfm and widedeep: first-order tables always)")
-        if self.first_order_lr is not None:
-            if not (_real(self.first_order_lr) and self.first_order_lr > 0):
-                raise ConfigError(f"first-order-lr must be a positive number, got {self.first_order_lr!r}")
-            if not self.first_order:
-                raise ConfigError("first-order-lr is the per-id biases' learning rate: it needs first-order")
-        if self.dropout is not None and not (_real(self.dropout) and 0.0 <= self.dropout < 1.0):
-            raise ConfigError(f"dropout must be a probability in [0, 1), got {self.dropout!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63:
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
-
-        def positive(name: str, allow_none: bool = False, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
-            if not ok:
-                raise ConfigError(f"{name.replace('_', '-')} must be a {'non-negative' if allow_zero else 'positive'} "
-                                  f"integer, got {v!r}")
-
-        if self.model not in MODELS:
-            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        for name in ("embedding_dim", "batch_size", "epochs", "eval_rows", "synthetic_rows", "prefetch", "log_every"):
-            positive(name, allow_zero=name == "prefetch")
-        positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
-        positive("admit_min_count", allow_none=True)
-        positive("lr_count_scale", allow_none=True)
-        positive("choose_epochs", allow_none=True)
-        if isinstance(self.choose_holdout, bool) or not (isinstance(self.choose_holdout, (int, float))
-                                                         and 0.0 < self.choose_holdout < 1.0):
-            raise ConfigError(f"choose-holdout must be a fraction of the training rows in (0, 1), "
-                              f"got {self.choose_holdout!r}")
-        if self.choose_epochs is not None and self.steps is not None:
-            raise ConfigError(f"choose-epochs chooses the run's length in passes over the data: leave steps out "
-                              f"(got steps={self.steps})")
-        if self.choose_epochs is not None and not self.data:
-            raise ConfigError("choose-epochs holds out the last rows of --data: give --data (the synthetic "
-                              "generator is endless; give --steps)")
-        check_initializer_spec(self.init, "init")
-        for name in ("steps", "capacity", "threads", "synthetic_max_cardinality", "keep_checkpoints"):
-            positive(name, allow_none=True)
-        positive("eval_every", allow_zero=True, allow_none=True)
-        positive("memory_budget", allow_none=True)
-        if self.storage_dir is not None:
-            if isinstance(self.storage_dir, os.PathLike):
-                object.__setattr__(self, "storage_dir", os.fspath(self.storage_dir))
-            if not isinstance(self.storage_dir, str) or not self.storage_dir:
-                raise ConfigError(f"storage-dir must be a directory path, got {self.storage_dir!r}")
-        if (self.storage_dir is None) != (self.memory_budget is None):
-            raise ConfigError("memory-budget and storage-dir go together: the tables' rows live under storage-dir "
-                              "with memory-budget bytes of them in memory")
-        if self.memory_budget is not None and self.memory_per_rank is not None:
-            raise ConfigError("memory-per-rank sizes a plan of tables held in memory; with memory-budget the tables "
-                              "live on disk and memory-budget is what each process keeps in memory: give one of them")
-        if self.cache_policy not in ("lfu", "lru"):
-            raise ConfigError(f"cache-policy must be 'lfu' or 'lru', got {self.cache_policy!r}")
-        positive("checkpoint_every", allow_zero=True)
-        if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
-            raise ConfigError(f"unknown sparse optimizer {self.sparse_optimizer!r}; "
-                              f"choose one of {', '.join(SPARSE_OPTIMIZERS)}")
-        if self.dense_optimizer not in DENSE_OPTIMIZERS:
-            raise ConfigError(f"unknown dense optimizer {self.dense_optimizer!r}; "
-                              f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
-        for name in ("sparse_lr", "dense_lr"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0 and math.isfinite(v)):
-                raise ConfigError(f"{name.replace('_', '-')} must be a positive number, got {v!r}")
-        self._check_adam_settings()
-        if isinstance(self.lr_decay, bool) or not (isinstance(self.lr_decay, (int, float))
-                                                   and 0.0 <= self.lr_decay <= 1.0):
-            raise ConfigError(f"lr-decay must be a fraction of the run in [0, 1], got {self.lr_decay!r}")
-        if isinstance(self.eval_fraction, bool) or not (isinstance(self.eval_fraction, (int, float))
-                                                        and 0.0 < self.eval_fraction < 1.0):
-            raise ConfigError(f"eval-fraction must be in (0, 1), got {self.eval_fraction!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:[0-9]+", self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N a GPU number), got {self.device!r}")
-        positive("memory_per_rank", allow_none=True)
-        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or \
-                not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
-            raise ConfigError(f"dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
-        positive("staleness", allow_zero=True)
-        positive("dense_staleness", allow_zero=True)
-        positive("data_queue", allow_none=True)
-        positive("servers", allow_zero=True)
-        self.jitter_spec()
+        check_settings(self)
         seen = set()
         for item in self.sharding:
             table, eq, kind = item.partition("=")
@@ -444,21 +327,3 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
-
-
-def _real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _key(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _paths(name: str, value: Any) -> tuple[str, ...]:
-    """A path (or sharding entry), or a list of them, as a tuple of strings; ConfigError otherwise."""
-    if isinstance(value, (str, os.PathLike)):
-        value = (value,)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value):
-        return tuple(os.fspath(v) for v in value)
-    what = "TABLE=KIND entry" if name == "sharding" else "path"
-    raise ConfigError(f"{_key(name)} must be a {what} or a list of them (strings), got {value!r}")

@@ -1,9 +1,10 @@
-"""Scoring a saved model: the metrics of a snapshot on new data or on its run's held-out set."""
+"""Scoring a model: its metrics over batches (evaluate), and a saved model's on new data or on its
+run's held-out set."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -12,12 +13,12 @@ from .. import checkpoint as ckpt
 from .._durable import atomic_write_text
 from ..data import Loader, criteo_schema
 from ..errors import InputError
+from ..metrics import MetricSet
 from ._record import RunRecord
 from ._sources import make_source
 from ._build import build_model, resolve_device
-from ._trainer import evaluate
 
-__all__ = ["evaluate_snapshot", "load_snapshot_model"]
+__all__ = ["evaluate", "evaluate_snapshot", "load_snapshot_model"]
 
 
 def load_snapshot_model(path: str | Path, *, device: str = "auto", batch_size: int | None = None):
@@ -74,3 +75,26 @@ def evaluate_snapshot(path: str | Path, *, data: Sequence[str] = (), batch_size:
         probs = torch.cat(kept).numpy() if kept else np.zeros(0, np.float32)
         atomic_write_text(Path(predictions), "".join(f"{p:.9g}\n" for p in probs.tolist()))
     return {**metrics, "step": info.step, "snapshot": str(info.path), "data": source, "model": cfg.model}
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device, merge: Callable[[MetricSet], MetricSet] | None = None,
+             keep_predictions: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """AUC, log loss, CTR, PCTR and COPC of `model` over `batches` (eval mode: nothing inserted).
+
+    `keep_predictions`: a list that receives each batch's probabilities (CPU float32), in order."""
+    was_training = model.training
+    model.eval()
+    ms = MetricSet()
+    try:
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            probs = torch.sigmoid(model(batch.dense, batch.sparse))
+            ms.update(probs, batch.labels)
+            if keep_predictions is not None:
+                keep_predictions.append(probs.float().cpu())
+    finally:
+        model.train(was_training)
+    if merge is not None:
+        ms = merge(ms)
+    return ms.compute()

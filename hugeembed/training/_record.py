@@ -16,7 +16,8 @@ import torch
 
 from ..data import Schema
 from ..errors import CheckpointError, ConfigError
-from ._config import ADAM_OPTIMIZERS, TrainConfig
+from ._config import TrainConfig
+from ._config_checks import ADAM_OPTIMIZERS
 from ._queue import check_queue_state
 
 __all__ = ["TrainState", "RunRecord"]

@@ -23,9 +23,9 @@ from .. import _native
 from .. import checkpoint as ckpt
 from ..distributed import Comm
 from ..errors import ConfigError, InputError
-from ..metrics import MetricSet
 from ._build import build_model, make_dense_optimizer, resolve_device, seed_everything
 from ._config import EVAL_POINTS, TrainConfig
+from ._evaluate import evaluate
 from ._record import RunRecord, TrainState
 from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
                            merged_tier_stats, run_info, wrap_ddp)
@@ -35,7 +35,7 @@ from ._stale import StaleRun
 from ._queue import queue_source
 from ._servers import check_servers, run_source, workers_group
 
-__all__ = ["Trainer", "TrainState", "evaluate"]
+__all__ = ["Trainer", "TrainState"]
 
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
@@ -394,26 +394,3 @@ class Trainer(TrainerSnapshots):
             out["bayes_auc"], out["bayes_logloss"] = bayes.auc, bayes.logloss
         out["history"] = st.history
         return out
-
-
-@torch.no_grad()
-def evaluate(model, batches, device: torch.device, merge: Callable[[MetricSet], MetricSet] | None = None,
-             keep_predictions: list[torch.Tensor] | None = None) -> dict[str, float]:
-    """AUC, log loss, CTR, PCTR and COPC of `model` over `batches` (eval mode: nothing inserted).
-
-    `keep_predictions`: a list that receives each batch's probabilities (CPU float32), in order."""
-    was_training = model.training
-    model.eval()
-    ms = MetricSet()
-    try:
-        for batch in batches:
-            batch = batch.to(device, non_blocking=True)
-            probs = torch.sigmoid(model(batch.dense, batch.sparse))
-            ms.update(probs, batch.labels)
-            if keep_predictions is not None:
-                keep_predictions.append(probs.float().cpu())
-    finally:
-        model.train(was_training)
-    if merge is not None:
-        ms = merge(ms)
-    return ms.compute()

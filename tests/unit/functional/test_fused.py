@@ -255,7 +255,7 @@ def _streamed_batch(B: int, F: int, rows: int, g: torch.Generator) -> SparseFeat
 @pytest.mark.parametrize("D", [64, 128])  # 64: sums kept in registers, 128: in a buffer
 def test_outputs_larger_than_the_cache_are_streamed_bit_identically(D):
     """A pooled output larger than the last-level cache (40 MiB; 32 MiB here) is written with
-    streaming stores by the native kernels (csrc/lookup.cpp::streams): one pass and two
+    streaming stores by the native kernels (csrc/lookup_rows.h::streams): one pass and two
     stages give the same bits, and both the sums of a float64 oracle, every rule in play."""
     F, rows = 8, 50
     B = (40 << 20) // (F * D * 4)
