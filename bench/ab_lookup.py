@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import criteo_batches, criteo_rows, free_memory, measure_together, print_table  # noqa: E402
-from lookup import LR, ebag_step, make_tables  # noqa: E402
+from lookup import ebag_step, make_tables, ours_step  # noqa: E402
 
 import hugeembed  # noqa: E402
 
@@ -40,38 +40,6 @@ def load_as(checkout: str, name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def step_of(pkg, tables, batches, batch: int, pooling: int, train: bool):
-    """bench/lookup.py's ours_step with `pkg`'s classes: FusedEmbeddingLookup, SGD applied by the row hook."""
-    functional = importlib.import_module(pkg.__name__ + ".functional")
-    features = importlib.import_module(pkg.__name__ + ".features")
-    optim = importlib.import_module(pkg.__name__ + ".optim")
-    dim = tables[0].size(1)
-    specs = [functional.TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
-    feats = [functional.FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
-    lookup = functional.FusedEmbeddingLookup(specs, feats)
-    names = [f"C{t + 1}" for t in range(len(tables))]
-    sfs = [features.SparseFeatures(names, torch.cat(b), lengths=torch.full((len(b) * batch,), pooling))
-           for b in batches]
-    grad = torch.randn(batch, len(tables), dim, generator=torch.Generator().manual_seed(0))
-    rule = optim.SGD(lr=LR)
-    anchor = torch.zeros(0, requires_grad=True)
-
-    def hook(t, slots, g):
-        rule.apply(tables[t], slots, g, lr=LR, step=1)
-
-    def step(i):
-        sf = sfs[i % len(sfs)]
-        if train:
-            prep = lookup.prepare(sf, tables)
-            out = lookup.lookup(prep, tables, lookup.static_slots(prep), params=[anchor], row_grad_hook=hook)
-            out.stacked().backward(grad)
-        else:
-            with torch.no_grad():
-                lookup(tables, sf)
-
-    return step
 
 
 def main(argv=None) -> int:
@@ -99,8 +67,8 @@ def main(argv=None) -> int:
         for dim in args.dims:
             tables = make_tables(rows, dim)
             for train in (False, True):
-                steps = {"new": step_of(hugeembed, tables, batches, args.batch, pooling, train),
-                         "old": step_of(old, tables, batches, args.batch, pooling, train),
+                steps = {"new": ours_step(tables, batches, args.batch, pooling, train),
+                         "old": ours_step(tables, batches, args.batch, pooling, train, pkg=old),
                          "ebag": ebag_step(tables, batches, args.batch, pooling, train)}
                 t = measure_together(steps, 0, args.runs, seconds=args.seconds)
                 ratio = statistics.median(o / n for n, o in zip(t["new"].runs, t["old"].runs))

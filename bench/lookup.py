@@ -43,20 +43,31 @@ def make_tables(rows: list[int], dim: int, huge_pages: bool = True, device: str 
     return [alloc(n, dim).uniform_(-0.05, 0.05) for n in rows]
 
 
-def to_features(ids: list[torch.Tensor], batch: int, pooling: int) -> SparseFeatures:
+def to_features(ids: list[torch.Tensor], batch: int, pooling: int, cls=SparseFeatures) -> SparseFeatures:
     lengths = torch.full((len(ids) * batch,), pooling, dtype=torch.int64, device=ids[0].device)
-    return SparseFeatures([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
+    return cls([f"C{t + 1}" for t in range(len(ids))], torch.cat(ids), lengths=lengths)
 
 
-def ours_step(tables, batches, batch, pooling, train: bool, backend: str = "auto"):
-    """One iteration of ours: step(i) runs batch i (a forward, or a training step)."""
+def ours_step(tables, batches, batch, pooling, train: bool, backend: str = "auto", pkg=None):
+    """One iteration of ours: step(i) runs batch i (a forward, or a training step).
+
+    `pkg`: another checkout's hugeembed package (bench/ab_lookup.py), whose classes run instead."""
+    if pkg is None:
+        spec_cls, feat_cls, lookup_cls, sf_cls, sgd = TableSpec, FeatureSpec, FusedEmbeddingLookup, SparseFeatures, None
+    else:
+        import importlib
+
+        fn, ft = (importlib.import_module(f"{pkg.__name__}.{m}") for m in ("functional", "features"))
+        spec_cls, feat_cls, lookup_cls, sf_cls = fn.TableSpec, fn.FeatureSpec, fn.FusedEmbeddingLookup, ft.SparseFeatures
+        rule = importlib.import_module(f"{pkg.__name__}.optim").SGD(lr=LR)
+        sgd = lambda t, slots, g: rule.apply(tables[t], slots, g, lr=LR, step=1)  # noqa: E731
     dim, device = tables[0].size(1), tables[0].device
-    specs = [TableSpec(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
-    feats = [FeatureSpec(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
-    lookup = FusedEmbeddingLookup(specs, feats, backend=backend)
-    sfs = [to_features(b, batch, pooling) for b in batches]
+    specs = [spec_cls(f"t{t}", dim, num_rows=w.size(0)) for t, w in enumerate(tables)]
+    feats = [feat_cls(f"C{t + 1}", f"t{t}", combiner="sum") for t in range(len(tables))]
+    lookup = lookup_cls(specs, feats, backend=backend)
+    sfs = [to_features(b, batch, pooling, sf_cls) for b in batches]
     grad = torch.randn(batch, len(tables), dim, device=device)
-    sgd = _sgd_hook(tables)
+    sgd = sgd or _sgd_hook(tables)
     anchor = torch.zeros(0, requires_grad=True, device=device)
 
     def step(i):
