@@ -165,3 +165,32 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     sys.stdout.flush()
+
+
+def _gloo_rank(rank: int, run, world: int, port: int, cfg: dict, out: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    torch.save(run(rank, world, cfg), os.path.join(out, f"r{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def on_gloo_ranks(run, world: int, cfg: dict) -> list:
+    """``run(rank, world, cfg)`` on `world` spawned gloo ranks (a free local port); each rank's result, by rank."""
+    import os
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_gloo_rank, args=(run, world, port, cfg, out), nprocs=world, join=True)
+        return [torch.load(os.path.join(out, f"r{r}.pt")) for r in range(world)]

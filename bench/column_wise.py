@@ -16,19 +16,15 @@ same global batch.  Per pooling factor L and plan, this run measures:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import print_table  # noqa: E402
+from _common import on_gloo_ranks, print_table  # noqa: E402
 
 from hugeembed.features import SparseFeatures  # noqa: E402
 from hugeembed.types import ShardKind  # noqa: E402
@@ -87,15 +83,6 @@ def run(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
-    res = run(rank, world, cfg)
-    torch.save(res, os.path.join(out, f"r{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=128)
@@ -108,15 +95,8 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.rows, a.batch, a.runs, a.iters = 20_000, 512, 3, 3
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = {"dim": a.dim, "rows": a.rows, "batch": a.batch, "pooling": a.pooling, "runs": a.runs, "iters": a.iters}
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank_main, args=(2, port, cfg, out), nprocs=2, join=True)
-        res = [torch.load(os.path.join(out, f"r{r}.pt")) for r in range(2)]
+    res = on_gloo_ranks(run, 2, cfg)
     print(f"one table D={a.dim}, {a.rows:,} rows, SGD; global batch {a.batch}, 2 gloo ranks, 1 thread each; "
           f"{os.cpu_count()} cores (load {os.getloadavg()[0]:.1f})")
     rows = []

@@ -17,10 +17,8 @@ on PYTHONPATH; the line "hugeembed from ..." says which ran.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
-import socket
 import sys
 import tempfile
 import threading
@@ -28,7 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import on_gloo_ranks  # noqa: E402
 
 PAGE = resource.getpagesize()
 
@@ -99,15 +99,6 @@ def run(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
-    res = run(rank, world, cfg)
-    torch.save(res, os.path.join(out, f"r{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=256)
@@ -117,13 +108,9 @@ def main() -> None:
     a = p.parse_args()
     import hugeembed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
         cfg = {"dim": a.dim, "rows": a.rows, "delta": a.delta, "touch": a.touch, "root": os.path.join(out, "ck")}
-        mp.spawn(_rank_main, args=(2, port, cfg, out), nprocs=2, join=True)
-        res = [torch.load(os.path.join(out, f"r{r}.pt")) for r in range(2)]
+        res = on_gloo_ranks(run, 2, cfg)
     whole = a.rows * a.dim * 4
     print(f"hugeembed from {os.path.dirname(hugeembed.__file__)}")
     print(f"one static table {a.rows:,} x {a.dim} float32 (SGD): {whole / 1e6:.0f} MB whole, {whole / 2e6:.0f} MB "
