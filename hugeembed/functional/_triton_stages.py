@@ -49,13 +49,12 @@ def _launches(plan: LookupPlan, group: DimGroup, storages: Sequence[torch.Tensor
     """Per rows tensor the group's pooled features read: (the tensor, the launch's feature table
     ``int64 [n, 4]`` on `device`, n), or None when a table's rows are not the kernel's.
 
-    Tables whose rows lie in one storage (a group's rows, or views of them) share a launch: each
-    feature's rows start at its element base from the lowest of their tensors.  Worked out once per
-    layout of the rows (where each table's rows start, their strides and dtypes): a call with the same
-    layout only looks it up (the walk over the features cost ~100 us a call at 26 tables)."""
+    Rows of one dtype share a launch (_launch_plan).  Worked out once per layout of the rows (where each
+    table's rows start, their strides and dtypes): a call with the same layout only looks it up (the walk
+    over the features cost ~100 us a call at 26 tables)."""
     key = (id(group), device, tuple((s.data_ptr(), s.stride(), s.dtype) if isinstance(s, torch.Tensor) else None
                                     for s in storages))
-    cache = plan.__dict__.setdefault("_triton_launches", {})
+    cache = plan.memo(("triton_launches",), dict)
     plan_of = cache.get(key)
     if plan_of is None:
         if len(cache) >= 64:  # (layouts that keep changing: rows regrown, other tensors each call)
