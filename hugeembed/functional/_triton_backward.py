@@ -21,8 +21,14 @@ __all__ = ["FusedGrads", "fuses", "sums_on_triton", "gradient_rows_triton"]
 def fuses(plan: LookupPlan, prep: Prepared, pooled: list, unpooled: list, unsure: list[int]) -> bool:
     """Whether a step's gradients can go to the fused kernel: pooled float32 outputs only, float32 (or
     no) weights, no max_norm, no table whose ids may lack a row."""
-    return (not unsure and prep.deduplicated and not any(u is not None for u in unpooled)
-            and not any(t.max_norm for t in plan.tables) and all(p is None or p.dtype == torch.float32 for p in pooled)
+    return not unsure and not any(t.max_norm for t in plan.tables) and _kernels_read(prep, pooled, unpooled)
+
+
+def _kernels_read(prep: Prepared, pooled: list, unpooled: list) -> bool:
+    """Whether the kernels read these gradients: a deduplicated batch, pooled float32 outputs only, float32
+    (or no) weights."""
+    return (prep.deduplicated and not any(u is not None for u in unpooled)
+            and all(p is None or p.dtype == torch.float32 for p in pooled)
             and (prep.weights is None or prep.weights.dtype == torch.float32))
 
 
@@ -85,9 +91,7 @@ def _slot_of(plan: LookupPlan, g: int, device: torch.device) -> torch.Tensor:
 def sums_on_triton(prep: Prepared, pooled: list, unpooled: list) -> bool:
     """Whether the triton kernels can sum a step's gradient rows: a batch the triton prepare deduplicated
     (its sorted runs), pooled float32 outputs only, float32 (or no) weights."""
-    return (prep.runs is not None and prep.deduplicated and not any(u is not None for u in unpooled)
-            and all(p is None or p.dtype == torch.float32 for p in pooled)
-            and (prep.weights is None or prep.weights.dtype == torch.float32))
+    return prep.runs is not None and _kernels_read(prep, pooled, unpooled)
 
 
 def gradient_rows_triton(plan: LookupPlan, prep: Prepared, pooled: list) -> dict[int, torch.Tensor]:
