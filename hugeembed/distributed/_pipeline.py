@@ -24,8 +24,11 @@ import queue
 import threading
 from concurrent.futures import Future
 
+import torch
+
 from ..errors import ShardingError
 from ..features import SparseFeatures
+from ._stale_comp import DelayCompensation, compensable
 from ._stale_rows import RowStaleness, scalable, scale_row_steps
 
 __all__ = ["ExchangeThread", "PendingFetch", "StalePipeline", "PipelinedExchanges"]
@@ -96,12 +99,14 @@ class StalePipeline:
         coll: the ShardedEmbeddingCollection (``_fetch_step(features, step)`` and
             ``_grad_exchange(st)`` run on the thread).
         staleness: K >= 0.
+        row_scale: K >= 1: each row's step scaled by 1 / (1 + its updates in flight) (_stale_rows.py).
+        compensation: lambda of the delay-compensated row gradients (_stale_comp.py); 0: off.
     """
 
-    def __init__(self, coll, staleness: int, row_scale: bool = True) -> None:
+    def __init__(self, coll, staleness: int, row_scale: bool = True, compensation: float = 0.0) -> None:
         self.coll, self.staleness = coll, staleness
-        # K >= 1: each row's step scaled by 1 / (1 + its updates in flight) (_stale_rows.py)
         self.rows = RowStaleness(staleness) if staleness and row_scale else None
+        self.compensation = DelayCompensation(staleness, compensation) if staleness and compensation else None
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
@@ -129,14 +134,16 @@ class StalePipeline:
         return self._result(head.future)
 
     def _fetch(self, features, step: int):
-        if self.rows is not None:
-            self.rows.fetched(step)
+        for record in (self.rows, self.compensation):
+            if record is not None:
+                record.fetched(step)
         return self.coll._fetch_step(features, step)
 
     def _grads(self, st) -> None:
         self.coll._grad_exchange(st)
-        if self.rows is not None:
-            self.rows.applied(st.step)
+        for record in (self.rows, self.compensation):
+            if record is not None:
+                record.applied(st.step)
 
     def submit_grads(self, st) -> None:
         self.grads.append(self.thread.submit(lambda: self._grads(st)))
@@ -182,17 +189,30 @@ class PipelinedExchanges:
         self._pipeline.enqueue(features)
 
     def update_rows(self, t: int, slots, grad, flight, keys=None, hits=None, shared_slot: int = -1) -> None:
-        """The owners' update; under staleness K >= 1 each row's step scaled by 1 / (1 + n), n its
-        updates since the fetch that read it (_stale_rows.py)."""
-        rows = None if self._pipeline is None else self._pipeline.rows
+        """The owners' update; under staleness K >= 1 each row's gradient delay-compensated
+        (_stale_comp.py) and its step scaled by 1 / (1 + n), n its updates since the fetch that read
+        it (_stale_rows.py), as the collection was built."""
+        pipe = self._pipeline
+        rows = None if pipe is None else pipe.rows
+        comp = None if pipe is None or not slots.numel() or not compensable(self, t) else pipe.compensation
+        if comp is not None:
+            storage, dim = self.groups[self.group_index(t)].storage(), self.tables[t].dim
+            grad = comp.compensate(flight.step, t, slots, grad, comp.drift(flight.step, t, slots, dim, storage.dtype))
+            done = torch.unique(slots)
+            before = storage.index_select(0, done)[:, :dim].clone()
         plain = lambda: super(PipelinedExchanges, self).update_rows(  # noqa: E731
             t, slots, grad, flight, keys=keys, hits=hits, shared_slot=shared_slot)
         if rows is None or keys is None or not slots.numel():
-            return plain()
-        scale = rows.applying(flight.step, t, keys)
-        if not scalable(self, t) or bool((scale == 1.0).all()):
-            return plain()
-        scale_row_steps(self, t, slots, scale, shared_slot, plain)
+            plain()
+        else:
+            scale = rows.applying(flight.step, t, keys)
+            if not scalable(self, t) or bool((scale == 1.0).all()):
+                plain()
+            else:
+                scale_row_steps(self, t, slots, scale, shared_slot, plain)
+        if comp is not None:
+            storage = self.groups[self.group_index(t)].storage()
+            comp.record(t, done, storage.index_select(0, done)[:, :dim] - before)
 
     def drain(self) -> None:
         """Waits until every exchange handed over has run (a no-op without staleness)."""

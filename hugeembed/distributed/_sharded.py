@@ -74,6 +74,8 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
             on the servers.  The dense part's all-reduce is the caller's (over the workers only).
         stale_row_scale: with K >= 1, each row's step is scaled by 1 / (1 + n), n the in-flight
             batches that updated it since its fetch (distributed/_stale_rows.py); False: the plain step.
+        stale_compensation: with K >= 1, lambda of the delay-compensated row gradients
+            g + lambda * g * g * (w_now - w_read) (DC-ASGD, distributed/_stale_comp.py); 0: off.
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -98,7 +100,7 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
                  storage_owner: str | None = None, staleness: int | None = None, servers: int = 0,
-                 stale_row_scale: bool = True) -> None:
+                 stale_row_scale: bool = True, stale_compensation: float = 0.0) -> None:
         tables = list(tables)
         device = canonical_device(device)
         if gradient_reduction not in ("mean", "sum"):
@@ -128,7 +130,11 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
         if staleness is not None:
             if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
                 raise ConfigError(f"staleness must be an int >= 0 (steps), got {staleness!r}")
-            self._pipeline = StalePipeline(self, staleness, row_scale=stale_row_scale)
+            if isinstance(stale_compensation, bool) or not isinstance(stale_compensation, (int, float)) \
+                    or not 0 <= stale_compensation < float("inf"):
+                raise ConfigError(f"stale_compensation must be a number >= 0 (lambda), got {stale_compensation!r}")
+            self._pipeline = StalePipeline(self, staleness, row_scale=stale_row_scale,
+                                           compensation=float(stale_compensation))
 
     # -- construction -----------------------------------------------------------------
 

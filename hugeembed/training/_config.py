@@ -113,6 +113,8 @@ class TrainConfig:
         stale_scale: under staleness, staleness-aware steps: each row's step scaled by 1 / (1 + the
             batches in flight that updated it since its fetch), a delayed dense step (D >= 1) at
             1 / (1 + D) of the dense lr (docs/distributed.md); False: plain steps.
+        stale_compensation: under staleness, lambda of the delay-compensated row gradients
+            ``g + lambda * g * g * (w_now - w_read)`` (DC-ASGD; docs/distributed.md); 0: off.
         jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
             stragglers, for benchmarks); None: off.
         data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
@@ -194,6 +196,7 @@ class TrainConfig:
     staleness: int = 0
     dense_staleness: int = 0
     stale_scale: bool = True
+    stale_compensation: float = 0.0
     jitter: str | None = None
     data_queue: int | None = None
     servers: int = 0

@@ -135,6 +135,8 @@ def check_settings(cfg) -> None:
         raise ConfigError(f"dist-timeout must be a positive number of seconds, got {cfg.dist_timeout!r}")
     positive("staleness", allow_zero=True)
     positive("dense_staleness", allow_zero=True)
+    if not (_real(cfg.stale_compensation) and 0.0 <= cfg.stale_compensation < float("inf")):
+        raise ConfigError(f"stale-compensation must be a number >= 0 (lambda), got {cfg.stale_compensation!r}")
     positive("data_queue", allow_none=True)
     positive("servers", allow_zero=True)
     cfg.jitter_spec()

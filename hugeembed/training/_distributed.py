@@ -71,7 +71,8 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
             tables, owner = tiers(tables, plan, optimizer)
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
                                           storage_owner=owner, staleness=cfg.staleness or None, servers=cfg.servers,
-                                          stale_row_scale=cfg.stale_scale, **kw)
+                                          stale_row_scale=cfg.stale_scale,
+                                          stale_compensation=float(cfg.stale_compensation), **kw)
 
     return build
 

@@ -4,7 +4,9 @@ Oracles: the synchronous sharded collection (K = 0 pipelined equals it bit for b
 run of the same K (bit for bit), and, for static SGD tables under a loss linear in the pooled
 vectors (row gradients independent of the rows), rows computed here in float64: the outputs of
 batch j are the pooled rows after the updates of batches 0 .. j-K-1 exactly, each row's update
-scaled by 1 / (1 + the in-flight batches j-K .. j-1 holding its key) (the staleness-aware step).
+scaled by 1 / (1 + the in-flight batches j-K .. j-1 holding its key) (the staleness-aware step),
+or, delay-compensated instead, by the gradient g + lambda * g * g * (w_now - w_read) (DC-ASGD)
+with w_read the row batch j read and w_now the row when its update lands.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from .workers_stale import linear_batch, linear_coef, linear_tables
 pytestmark = pytest.mark.dist
 
 STEPS = 6
+LAMBDA = 2.0
 NAMES = ("a", "b", "c")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(2, "tests.dist.workers_stale:main", {"steps": STEPS, "stale": (0, 2, 3)})
+    return run_ranks(2, "tests.dist.workers_stale:main", {"steps": STEPS, "stale": (0, 2, 3),
+                                                          "compensated": ((2, LAMBDA), (0, LAMBDA))})
 
 
 def _same(a, b) -> bool:
@@ -55,7 +59,8 @@ def test_a_given_staleness_is_reproducible_bit_for_bit_and_differs_from_synchron
         assert not _same(first["outputs"], sync["outputs"])  # later batches read older rows
 
 
-def _oracle(steps: int, k: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def _oracle(steps: int, k: int, lam: float | None = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs and final rows of the linear run; lam None: staleness-aware steps, else DC-ASGD alone."""
     ref = EmbeddingCollection(linear_tables())
     rows = {n: s.export().rows[:, :4].double() for n, s in zip(NAMES, (s for _, s in ref.stores()))}
     keys = {n: s.export().keys for n, s in zip(NAMES, (s for _, s in ref.stores()))}
@@ -67,11 +72,16 @@ def _oracle(steps: int, k: int) -> tuple[list[torch.Tensor], dict[str, torch.Ten
         new = {n: t.clone() for n, t in w.items()}
         for f, n in enumerate(NAMES):
             feat = sf.feature(n)
-            step = {}
+            grad = {}
             for i in range(8):
                 for idx in feat.values[feat.offsets[i] : feat.offsets[i + 1]].tolist():
-                    step[idx] = step.get(idx, 0) - 0.5 * c[i, 4 * f : 4 * f + 4] / 8  # SGD, the global batch's mean
-            for idx, d in step.items():
+                    grad[idx] = grad.get(idx, 0) + c[i, 4 * f : 4 * f + 4] / 8  # the global batch's mean
+            for idx, g in grad.items():
+                if lam is not None:  # the row read for batch j (after 0 .. j-k-1) vs the row now (after 0 .. j-1)
+                    drift = w[n][idx] - states[max(0, j - k)][n][idx]
+                    new[n][idx] -= 0.5 * (g + lam * g * g * drift)  # SGD lr 0.5 on the compensated gradient
+                    continue
+                d = -0.5 * g
                 # the batches in flight between batch j's fetch and its update (j-K .. j-1) that hold
                 # the same key: the row's step is scaled by 1 / (1 + their number)
                 n_in_flight = sum(idx in touched[s][n] for s in range(max(0, j - k), j))
@@ -101,6 +111,22 @@ def test_batch_j_reads_the_updates_of_batches_up_to_j_minus_k_minus_1_exactly(ru
     for n in NAMES:
         rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
         torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)  # every update applied once, after drain
+
+
+@pytest.mark.parametrize("k", [2, 0])
+def test_delay_compensated_rows_step_on_the_gradient_corrected_to_the_current_row(runs, k):
+    want, final = _oracle(STEPS, k, lam=LAMBDA)
+    plain = _oracle(STEPS, k)[1]
+    for j in range(STEPS):
+        got = torch.cat([runs[0]["linear"][(k, LAMBDA)]["outputs"][j],
+                         runs[1]["linear"][(k, LAMBDA)]["outputs"][j]]).double()
+        torch.testing.assert_close(got, want[j], rtol=1e-5, atol=1e-6, msg=lambda m: f"K={k} batch {j}: {m}")
+    merged = merge_shards([r["linear"][(k, LAMBDA)]["tables"] for r in runs], replicated={"b"})
+    for n in NAMES:
+        rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
+        torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)
+        # K = 2: the compensation moved rows (the oracle without it differs); K = 0: nothing is in flight
+        assert (k > 0) == (not torch.allclose(final[n], plain[n], rtol=1e-5, atol=1e-6)), n
 
 
 @pytest.mark.slow

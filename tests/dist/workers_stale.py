@@ -52,12 +52,13 @@ def train_linear(ec, steps: int, rank: int, world: int, ahead: int) -> list[torc
     return outs
 
 
-def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2, 3)) -> dict:
+def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2, 3),
+         compensated: tuple = ()) -> dict:
     group = new_embedding_group("cpu", 30.0)
 
-    def build(ts, plan, k):
+    def build(ts, plan, k, **kw):
         return ShardedEmbeddingCollection(ts, plan=ShardingPlan(world, plan), process_group=group, timeout=30.0,
-                                          staleness=k)
+                                          staleness=k, **kw)
 
     out: dict = {"full": {}, "linear": {}}
     # every table kind, admission, ttl eviction, max_norm, sequences: synchronous vs pipelined
@@ -70,6 +71,10 @@ def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2,
         ec = build(linear_tables(), LINEAR_PLAN, k)
         outs = train_linear(ec, steps, rank, world, k)
         out["linear"][k] = {"outputs": outs, "tables": export_all(ec)}
+    for k, lam in compensated:  # delay-compensated row gradients alone (no 1 / (1 + n) scale)
+        ec = build(linear_tables(), LINEAR_PLAN, k, stale_row_scale=False, stale_compensation=lam)
+        outs = train_linear(ec, steps, rank, world, k)
+        out["linear"][(k, lam)] = {"outputs": outs, "tables": export_all(ec)}
     return out
 
 
