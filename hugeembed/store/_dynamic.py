@@ -331,8 +331,8 @@ class DynamicGroup(DynamicEdits, GroupBase):
         return admit
 
     def fetch(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
-        """The group interface's training fetch (:meth:`find_or_insert`)."""
+              out: torch.Tensor | None = None, hits: torch.Tensor | None = None, within=None) -> torch.Tensor:
+        """The group interface's training fetch (:meth:`find_or_insert`; `within`: any key is in range)."""
         return self.find_or_insert(tids, keys, step, counts, out, hits)
 
     # ---------------------------------------------------------------- reads
