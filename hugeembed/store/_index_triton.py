@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._device import host_to_device
 from ..errors import InputError, StoreError
 from ._index import G_LEN, T_ADMIT_K, T_HASH_KEY, T_LEN, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, \
     need_length, pack
@@ -67,8 +68,8 @@ class TritonIndex(TorchIndex):
     @staticmethod
     def _device_state(g, dev: torch.device) -> torch.Tensor:
         """The group's table fields (table t's field f at t * T_LEN + f) and then its scalars, on the
-        keys' device: one small copy, never waited for."""
-        return torch.cat([g.tables.reshape(-1), g.scalars]).to(dev, non_blocking=True)
+        keys' device: one small copy from page-locked memory, never waited for."""
+        return host_to_device(torch.cat([g.tables.reshape(-1), g.scalars]), torch.int64, dev)
 
     # ------------------------------------------------------------------ find
     def find(self, g, keys: torch.Tensor, tids: torch.Tensor, rows_only: bool,
