@@ -180,7 +180,7 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         outcome = tl.where(big > _K_PROBE_LIMIT, _LONG, outcome)
         outcome = tl.where(over != 0, _OVER, outcome)
         outcome = tl.where(dup != 0, _DUP, outcome)
-        ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n)
+        ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n) & (tl.load(stuck) == 0)
         if n_new > 0:
             i = tl.zeros((), tl.int64)
             while i < n:
@@ -230,7 +230,7 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         tl.store(values + e + 4, tl.load(tids + bad).to(tl.int64))
         tl.store(values + e + 5, todo)
         tl.store(values + e + 6, tl.where(ok, n_new, 0))
-        tl.store(values + e + 7, tl.load(stuck))
+        tl.store(values + e + 7, tl.load(stuck))  # (the call then changes nothing: not ok)
 
 
 _SIG = {name: "*i64" for name in ("tids", "keys", "counts", "pos", "per_table", "tab_rows", "tab_pending", "tab_limit",

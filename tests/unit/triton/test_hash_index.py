@@ -328,3 +328,18 @@ def test_cuda_groups_choose_the_triton_index_and_cpu_tensors_only_under_the_inte
     with pytest.raises(ConfigError, match="triton backend runs on CUDA"):
         pick_backend("triton", torch.device("cpu"))
     assert isinstance(_group("torch", "cpu")._index, TorchIndex)
+
+
+@on_device
+def test_records_a_call_left_unplaced_fail_the_next_call_before_it_changes_anything(device):
+    """claim_finish_kernel cannot place a record only when the index has no empty bucket (an internal error); it
+    leaves the count where the next call's report reads it: that call raises and changes nothing."""
+    from hugeembed.errors import StoreError
+
+    g = _group("triton", device, buckets=64)
+    g.find_or_insert(*_batch([(0, 1, 1), (0, 2, 1)], device)[:2], 0)
+    g._index._stuck = torch.ones(1, dtype=torch.int64, device=device)  # (as the kernel leaves one record unplaced)
+    before = {name: x.clone() for name, x in _state(g).items()}
+    with pytest.raises(StoreError, match="1 new keys of the call before found no empty bucket"):
+        g.find_or_insert(*_batch([(0, 1, 1), (0, 3, 1), (1, 4, 1)], device)[:2], 1)  # a known key, two new
+    assert all(torch.equal(x, _state(g)[name]) for name, x in before.items())
