@@ -8,7 +8,7 @@ Python work beyond dispatching one kernel per stage (and one pool per dim group)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn, Sequence
 
 import torch
@@ -133,6 +133,9 @@ class Prepared:
     #                             key; tables: each key's lookup table): the fused update reads them
     # the native prepare's unique_base then unique_count, int64 [2T] (the backward kernel's buffer)
     native_counts: torch.Tensor | None = None
+    # what the torch stages derive from the batch alone, made once for the forward and its backward
+    # (functional/_reference.py: a group's id positions and bag divisors)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]
