@@ -220,7 +220,8 @@ def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> tor
 
 
 def _derived(prep: Prepared, key, make):
-    """``make()``, made once per prepared batch: the forward and its backward share it."""
+    """``make()``, made once per prepared batch and key (which names the plan: a batch prepared
+    once may be read by several plans): the forward and its backward share it."""
     got = prep.derived.get(key)
     if got is None:
         got = prep.derived[key] = make()
@@ -229,7 +230,7 @@ def _derived(prep: Prepared, key, make):
 
 def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
-    return _derived(prep, ("ids", feats), lambda: _make_group_ids(plan, prep, feats))
+    return _derived(prep, ("ids", plan, feats), lambda: _make_group_ids(plan, prep, feats))
 
 
 def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
@@ -252,7 +253,7 @@ def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
 def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, owner, sample, dtype):
     """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags), each id's
     weight and its output bag."""
-    return _derived(prep, ("denominators", group, dtype),
+    return _derived(prep, ("denominators", plan, group, dtype),
                     lambda: _make_bag_denominators(plan, prep, group, pos, owner, sample, dtype))
 
 
