@@ -372,17 +372,17 @@ HE_KERNEL(he_serve_find) {
 //   bufs: those of he_serve_bags (0-9), rows uint8 [n_rows * width], out float32 [B * F * D] (out)
 //   ints: B, T, n_rows (as he_serve_bags), width (bytes a row), D, bits (8 or 4), private_index (0 or 1)
 // Returns the number of ids read.  Fails as he_serve_bags, and with HE_BAD_VALUE (kServeBadRows, width, D,
-// bits) for rows too narrow for D values of `bits` (int4: D even).
+// bits) for rows not of torch's layout of D values of `bits` (int8: D + 8 bytes; int4: D even, D / 2 + 4).
 HE_KERNEL(he_serve_pool) {
   call.expect(12, 7, 0);
   const int64_t B = call.i(0), n_rows = call.i(2), width = call.i(3), D = call.i(4), bits = call.i(5);
   const bool priv = call.i(6) != 0;
   const int64_t F = call.numel(2);
-  if ((bits != 8 && bits != 4) || D < 1 || (bits == 4 && D % 2) || width < (bits == 8 ? D + 8 : D / 2 + 4) ||
+  if ((bits != 8 && bits != 4) || D < 1 || (bits == 4 && D % 2) || width != (bits == 8 ? D + 8 : D / 2 + 4) ||
       n_rows < 1 || n_rows > INT64_MAX / width) {
     call.detail({kServeBadRows, width, D, bits});
-    call.fail(HE_BAD_VALUE, "rows of %lld bytes cannot hold %lld values of %lld bits", (long long)width, (long long)D,
-              (long long)bits);
+    call.fail(HE_BAD_VALUE, "rows of %lld bytes are not %lld values of %lld bits (torch's layout)", (long long)width,
+              (long long)D, (long long)bits);
   }
   const uint8_t* rows = call.bytes<const uint8_t>(10, n_rows * width, "rows");
   if (B < 0 || (F > 0 && B > INT64_MAX / F / D))
