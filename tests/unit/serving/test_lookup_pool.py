@@ -89,6 +89,9 @@ def test_the_pool_kernel_sums_fma_of_the_stored_bytes(dtype, D):
     slots = torch.full((2,), -1, dtype=torch.int32)
     pooled, _ = native_pool(values, offsets, rows, torch.zeros(0, dtype=torch.int64), slots, meta, [0], [0], 4, D,
                             dtype)
+    # a group of static tables only takes the two passes (the id -> row kernel, then torch's quantized op)
+    assert _lookup_ops.pool_accelerator(values, offsets, rows, torch.zeros(0, dtype=torch.int64), slots, meta, [0],
+                                        [0], 4, D, dtype) is None
     raw = rows.numpy()
 
     def row(r):
