@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,17 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import criteo_batches, criteo_rows, fmt_rate, free_memory, measure_together, print_table  # noqa: E402
 
 from hugeembed._native import tune_malloc  # noqa: E402
-from hugeembed.serving import pooled_lookup, quantize  # noqa: E402
+from hugeembed.serving import _lookup_ops, pooled_lookup, quantize  # noqa: E402
 from hugeembed.serving._quant import row_width, storage_dtype  # noqa: E402
 from hugeembed.serving._index import group_tables, index_probes, serving_index  # noqa: E402
 from hugeembed.serving._runtime import MAX_PROBE  # noqa: E402
 
 
-def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[str]]:
+def lookup_bench(rows: list[int], dim: int, batch: int, runs: int, two_pass: bool = False) -> list[list[str]]:
     """The serving op on Criteo-26 tables against TorchRec's QuantEmbeddingBagCollection (static tables,
     the id is the row), all timed together (interleaved runs, medians).  Ours: dynamic tables (keys
     ``7 i + 3``, found through the private salted index loaded tables read, or through the artifact's
-    own index) and static tables (the id is the row, as QEBC)."""
+    own index) and static tables (the id is the row, as QEBC).  `two_pass`: also dynamic tables as before
+    he_serve_pool (the id -> row kernel, then torch's quantized embedding_bag op: what static-only groups still
+    take).  CPU: the process's CPU time a call (every thread),
+    median: what the load of a shared machine inflates much less than the wall time."""
     batches = criteo_batches(rows, batch, 1, n_batches=4)
     T = len(rows)
     keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
@@ -67,10 +71,15 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
     _, _, s_index, s_meta = group_tables(static, rows, stored["int8"], torch.zeros(0, dtype=torch.int64))
     free_memory()
 
-    def ours(dtype, values, idx, m):
+    def ours(dtype, values, idx, m, pool=True):
         def step(i):
-            pooled_lookup(values[i % 4], offsets, stored[dtype], keys, idx, m, list(range(T)), list(range(T)), [0] * T,
-                          batch, dim, dtype)
+            saved = _lookup_ops.pool_accelerator
+            _lookup_ops.pool_accelerator = saved if pool else None
+            try:
+                pooled_lookup(values[i % 4], offsets, stored[dtype], keys, idx, m, list(range(T)), list(range(T)),
+                              [0] * T, batch, dim, dtype)
+            finally:
+                _lookup_ops.pool_accelerator = saved
         return step
 
     fns = {}
@@ -78,19 +87,34 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int) -> list[list[
         fns[f"ours {dtype}, dynamic (private index)"] = ours(dtype, dyn_values, private, meta)
         fns[f"ours {dtype}, dynamic (artifact index)"] = ours(dtype, dyn_values, index, meta)
         fns[f"ours {dtype}, static"] = ours(dtype, static_values, s_index, s_meta)
+        if two_pass:
+            fns[f"ours {dtype}, dynamic (private index), two passes"] = ours(dtype, dyn_values, private, meta, False)
     qebc = _qebc(rows, dim, batches, offsets, stored)
     fns.update(qebc)
-    t = measure_together(fns, 0, runs, seconds=0.5)
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    t = measure_together({name: _cpu_timed(fn, cpu[name]) for name, fn in fns.items()}, 0, runs, seconds=0.5)
     out = []
     for name, timing in t.items():
         dtype = "int8" if "int8" in name else "int4"
         ref = t.get(f"torchrec QEBC {dtype}")
         ratio = f"{ref.median_s / timing.median_s:.2f}x" if ref is not None else "-"
+        ns = statistics.median(cpu[name]) / (batch * T) * 1e9
+        ref_ns = statistics.median(cpu[f"torchrec QEBC {dtype}"]) / (batch * T) * 1e9 if ref is not None else None
         width = stored[dtype].shape[1]
-        out.append([name, fmt_rate(batch * T / timing.median_s), _spread(batch * T, timing), ratio, str(width)])
+        out.append([name, fmt_rate(batch * T / timing.median_s), _spread(batch * T, timing), ratio, f"{ns:.1f}",
+                    f"{ref_ns / ns:.2f}x" if ref_ns else "-", str(width)])
     if not qebc:
-        out.append(["torchrec QEBC", "not installed", "-", "-", "-"])
+        out.append(["torchrec QEBC", "not installed", "-", "-", "-", "-", "-"])
     return out
+
+
+def _cpu_timed(fn, into: list[float]):
+    """fn, appending the process's CPU seconds of each call to `into` (every thread's)."""
+    def step(i):
+        c0 = time.process_time()
+        fn(i)
+        into.append(time.process_time() - c0)
+    return step
 
 
 def _random_rows(n: int, dim: int, dtype: str, chunk: int = 1 << 20) -> torch.Tensor:
@@ -483,6 +507,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--no-load", action="store_true", help="skip exporting and loading the large artifact")
     p.add_argument("--no-lookup", action="store_true")
+    p.add_argument("--two-pass", action="store_true", help="lookup: also dynamic tables as before he_serve_pool (A/B in one run)")
     p.add_argument("--artifact", type=Path, help="latency: serve this int8 DLRM d64 export (else one is trained)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024], help="latency: request sizes")
     p.add_argument("--requests", type=int, help="latency: requests per size (default 100 --quick, else 400)")
@@ -494,9 +519,10 @@ def main(argv=None) -> int:
     if not args.no_lookup:
         print(f"# lookup: Criteo-26, {sum(rows) / 1e6:.1f} M rows, d{args.dim}, batch {args.batch}, P1, "
               f"{args.threads} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Zipf ids; interleaved runs, medians (range: the slowest and fastest run); "
-              f"vs QEBC: QEBC's time / ours, same dtype")
-        print_table(["impl", "ids/s", "range", "vs QEBC", "bytes/row"],
-                    lookup_bench(rows, args.dim, args.batch, 3 if args.quick else 5))
+              f"vs QEBC: QEBC's time / ours, same dtype; CPU: the process's CPU time a call (every thread), median")
+        print_table(["impl", "ids/s", "range", "vs QEBC", "CPU ns/id", "CPU vs QEBC", "bytes/row"],
+                    lookup_bench(rows, args.dim, args.batch, 3 if args.quick else 5, args.two_pass))
+        print(f"# load average (1 min) {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         n = 4000 if args.quick else 24000
         print(f"\n# {n} ids chosen to share one home slot of the artifact's index (its hash is public), and {n} "
               f"random ids: a lookup of each, ms (issue 31: 24 k made a table 800x slower)")

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "serve_index.h"
+#include "serve_pool.h"
 
 namespace {
 
@@ -49,7 +50,7 @@ constexpr int64_t kBlock = 64;
 // compared, chains walked), the batch before's last stage between this one's first two.  So the reads
 // of an id overlap with those of the other ids instead of following each other (the index and keys are
 // far larger than the cache: each read is a miss).
-template <class Index, class O>
+template <class Index, class O, class Pool>
 struct Probes {
   static constexpr int kBatch = 32;
   struct Entry {
@@ -59,6 +60,7 @@ struct Probes {
   };
   const Index& index;
   const int64_t* meta;
+  const Pool& pool;
   Entry batch[2][kBatch];
   int n[2] = {0, 0}, cur = 0;
 
@@ -83,7 +85,9 @@ struct Probes {
     for (int i = 0; i < n[which]; ++i) {
       const int64_t* m = meta + 5 * e[i].t;
       const int64_t s = index.position_from(e[i].id, e[i].t, m, e[i].h, e[i].s);
-      *e[i].out = (O)(s >= 0 ? m[0] + (s - m[2]) : m[3]);
+      const int64_t row = s >= 0 ? m[0] + (s - m[2]) : m[3];
+      *e[i].out = (O)row;
+      pool.prefetch(row);  // its miss overlaps the probes still to come
     }
     n[which] = 0;
   }
@@ -93,16 +97,39 @@ struct Probes {
   }
 };
 
+// What bags() does with a block's rows once they are written: nothing (he_serve_bags), or pools them
+// (PoolRows, he_serve_pool).
+struct NoPool {
+  static constexpr bool kPools = false;
+  void prefetch(int64_t) const {}
+  void operator()(int64_t, int64_t) const {}
+};
+
+// Pools bags [j0, j1) from their rows (serve_pool.h) into out; prefetches a row whose probe just ended.
+template <class O>
+struct PoolRows {
+  static constexpr bool kPools = true;
+  he::serve::QuantRows rows;
+  const O *idx, *starts;
+  int64_t n_bags;
+  const int64_t* total;  // the ids read (known once bags_args has run)
+  float* out;
+  void prefetch(int64_t row) const { rows.prefetch(row); }
+  void operator()(int64_t j0, int64_t j1) const { he::serve::pool_bags(rows, idx, starts, j0, j1, n_bags, *total, out); }
+};
+
 // Blocks of kBlock samples, each block's bags feature by feature (each feature's offsets and ids read in
 // order), each id's row written to its batch-major place; static ids at once, dynamic ones through Probes.
-template <class Index, class O>
-void bags(const Bags<O>& a, const Index& index, int64_t nthreads) {
+// A pool (PoolRows) then sums the block's bags, its rows just read or prefetched: the probes are drained
+// at the end of each block for it.
+template <class Index, class O, class Pool = NoPool>
+void bags(const Bags<O>& a, const Index& index, int64_t nthreads, const Pool& pool = Pool{}) {
   const int64_t B = a.B, F = a.F;
   if (B == 0 || F == 0) return;
   const int64_t blocks = (B + kBlock - 1) / kBlock;
   // one thread per ~16 k bags at least: a 64-row request runs on the caller alone
   he::parallel_for(blocks, (int)nthreads, std::max<int64_t>(1, 16384 / (kBlock * F)), [&](int64_t k0, int64_t k1, int) {
-    Probes<Index, O> probes{index, a.meta};
+    Probes<Index, O, Pool> probes{index, a.meta, pool};
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t b0 = k * kBlock, b1 = std::min(B, b0 + kBlock);
       for (int64_t f = 0; f < F; ++f) {
@@ -127,15 +154,20 @@ void bags(const Bags<O>& a, const Index& index, int64_t nthreads) {
           if (a.kept) a.kept[j] = (O)n;
         }
       }
+      if constexpr (Pool::kPools) {
+        probes.drain();
+        pool(b0 * F, b1 * F);
+      }
     }
-    probes.drain();
+    if constexpr (!Pool::kPools) probes.drain();
   });
 }
 
 // bags() on the index's type; apart from the checked call (and compiled apart from it).
-template <class Index, class O>
-__attribute__((noinline)) void run_bags(const Bags<O>& a, const Index& index, int64_t nthreads) {
-  bags(a, index, nthreads);
+template <class Index, class O, class Pool = NoPool>
+__attribute__((noinline)) void run_bags(const Bags<O>& a, const Index& index, int64_t nthreads,
+                                        const Pool& pool = Pool{}) {
+  bags(a, index, nthreads, pool);
 }
 
 // The index, buffer k: int32 or int64 slots, a power-of-two count of them (else HE_BAD_VALUE,
@@ -331,4 +363,50 @@ HE_KERNEL(he_serve_find) {
     find(ids, table, n, SlotIndex<int64_t>{static_cast<const int64_t*>(index), (uint64_t)cap - 1, keys, nkeys}, meta,
          T, out, call.nthreads());
   return 0;
+}
+
+// he_serve_bags (or, `private_index` 1, he_serve_index_bags) and then the pooling of its rows, quantized: out
+// [B, F, D] float32, bag j = b * F + f at out[j * D], the floats of torch's quantized embedding_bag ops
+// (serve_pool.h).  Each block of samples is pooled as soon as its rows are known, the row of a dynamic id
+// prefetched as soon as its probe ends, so the rows' misses overlap with the probes'.
+//   bufs: those of he_serve_bags (0-9), rows uint8 [n_rows * width], out float32 [B * F * D] (out)
+//   ints: B, T, n_rows (as he_serve_bags), width (bytes a row), D, bits (8 or 4), private_index (0 or 1)
+// Returns the number of ids read.  Fails as he_serve_bags, and with HE_BAD_VALUE (kServeBadRows, width, D,
+// bits) for rows not of torch's layout of D values of `bits` (int8: D + 8 bytes; int4: D even, D / 2 + 4).
+HE_KERNEL(he_serve_pool) {
+  call.expect(12, 7, 0);
+  const int64_t B = call.i(0), n_rows = call.i(2), width = call.i(3), D = call.i(4), bits = call.i(5);
+  const bool priv = call.i(6) != 0;
+  const int64_t F = call.numel(2);
+  if ((bits != 8 && bits != 4) || D < 1 || (bits == 4 && D % 2) || width != (bits == 8 ? D + 8 : D / 2 + 4) ||
+      n_rows < 1 || n_rows > INT64_MAX / width) {
+    call.detail({kServeBadRows, width, D, bits});
+    call.fail(HE_BAD_VALUE, "rows of %lld bytes are not %lld values of %lld bits (torch's layout)", (long long)width,
+              (long long)D, (long long)bits);
+  }
+  const uint8_t* rows = call.bytes<const uint8_t>(10, n_rows * width, "rows");
+  if (B < 0 || (F > 0 && B > INT64_MAX / F / D))
+    call.fail(HE_BAD_CALL, "B %lld x F %lld x D %lld", (long long)B, (long long)F, (long long)D);
+  float* out = call.buf<float>(11, B * F * D, "out");
+  const int64_t nkeys = call.numel(4);
+  const int64_t* keys = call.buf<const int64_t>(4, nkeys, "keys");
+  int64_t total = 0;
+  const he::serve::QuantRows q{rows, width, D, (int)bits};
+  auto run = [&](const auto& index) {
+    with_outputs(call, [&](auto o) {
+      using O = decltype(o);
+      const Bags<O> a = bags_args<O>(call, nkeys, &total);
+      run_bags(a, index, call.nthreads(), PoolRows<O>{q, a.idx, a.starts, B * F, &total, out});
+    });
+  };
+  if (priv) {
+    run(he::serve::private_index(call, 5));
+  } else {
+    const void* slots = nullptr;
+    int64_t cap = 0;
+    const int64_t index_bytes = index_of(call, 5, &slots, &cap);
+    if (index_bytes == 4) run(SlotIndex<int32_t>{static_cast<const int32_t*>(slots), (uint64_t)cap - 1, keys, nkeys});
+    else run(SlotIndex<int64_t>{static_cast<const int64_t*>(slots), (uint64_t)cap - 1, keys, nkeys});
+  }
+  return total;
 }

@@ -63,6 +63,10 @@ def pooled_lookup_eager(values: torch.Tensor, offsets: torch.Tensor, rows: torch
     zero_row = rows.shape[0] - 1
     if F == 0 or B == 0:
         return torch.zeros(B, F, dim)
+    if pool_accelerator is not None and dtype in ("int8", "int4"):  # hugeembed's kernels: all of it in one call
+        got = pool_accelerator(values, offsets, rows, keys, index, meta, feature_pos, feature_table, B, dim, dtype)
+        if got is not None:
+            return _scale_bags(got[0], got[1], combiners)
     if bags_accelerator is not None:  # hugeembed's kernels: the whole id -> row pass in one call
         got = bags_accelerator(values, offsets, keys, index, meta, feature_pos, feature_table, B, rows.shape[0])
         if got is not None:
@@ -224,6 +228,10 @@ find_accelerator: Any = None
 # feature_table, B, n_rows) -> (row of each id, bags batch-major; each bag's first id; each bag's kept
 # ids), or None.
 bags_accelerator: Any = None
+# The same for the whole lookup of int8 / int4 rows (the id -> row pass and the quantized embedding_bag op, the
+# same floats): fn(values, offsets, rows, keys, index, meta, feature_pos, feature_table, B, dim, dtype) ->
+# (pooled sums [B, F, D], kept ids per bag [B, F]), or None.
+pool_accelerator: Any = None
 
 
 

@@ -40,6 +40,7 @@ def test_base_plus_deltas_equals_the_full_export(chained, artifacts, heldout, dt
         # runs them: on the artifact's own key index (hugeembed's private one is read by its kernels only)
         monkeypatch.setattr(_lookup_ops, "bags_accelerator", None)
         monkeypatch.setattr(_lookup_ops, "find_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "pool_accelerator", None)
         monkeypatch.setattr(_runtime, "index_builder", None)
     m = ServingModel.load(chained[dtype])
     assert m.version == "step-000000160" and m.served.deltas == ("step-000000080", "step-000000160")

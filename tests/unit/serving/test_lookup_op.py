@@ -82,8 +82,10 @@ def id_pass(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(_lookup_ops, "bags_accelerator", None)
         monkeypatch.setattr(_lookup_ops, "find_accelerator", None)
+        monkeypatch.setattr(_lookup_ops, "pool_accelerator", None)
     else:
         assert _lookup_ops.bags_accelerator is not None and _lookup_ops.find_accelerator is not None
+        assert _lookup_ops.pool_accelerator is not None
     return request.param
 
 
