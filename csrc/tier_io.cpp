@@ -1,17 +1,16 @@
 // Row I/O of the disk tier (hugeembed/store/_tier_file.py): fixed-size records at
-// offset record * record_bytes of one file, written with pwrite, read by copying from
-// the file mapped into memory (he_tier_copy_rows: no system call per row).
+// offset record * record_bytes of one file, read and written with pread/pwrite.
 //
 // A cache miss reads rows scattered over the file.  On an SSD each read waits ~0.1 ms
-// for the device, so the rows of one batch are copied from many threads at once (the
-// faults in flight are the thread count), not one after another; from the page cache
-// they are memcpys.  A write-back's records are one run: adjacent records are merged
-// into one pwrite.
+// for the device, so the reads of one batch are issued from many threads at once (the
+// queue depth is the thread count), not one after another; from the page cache they
+// are memcpys and a couple of threads suffice.  Records adjacent in the file and in
+// the request are merged into one call.  The caller sorts the records of a write-back
+// so that the writes go out in file order.
 //
-// Write errors: HE_IO_ERROR with detail = (errno of the first failing call, the index in `records`
-// of its first record, that record).  The calls that succeeded before it have moved their records
-// (the kernel cannot undo I/O).  A read of the mapping cannot fail but by a signal (SIGBUS: the
-// disk failed under a page); the caller checks that every record is inside the file first.
+// Errors: HE_IO_ERROR with detail = (errno of the first failing call (EIO for a short read: a
+// record past the end of the file), the index in `records` of its first record, that record).
+// The calls that succeeded before it have moved their records (the kernel cannot undo I/O).
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -72,6 +71,28 @@ int64_t tier_io(const he::Call& call, const char* verb, F&& io) {
 
 }  // namespace
 
+// out[i] = record records[i] of the file, for i in [0, n).
+// bufs: records int64 [n], out bytes [n * record_bytes] (out); ints: fd, record_bytes, io_threads
+// (the reads in flight).  Returns 0; fails with HE_IO_ERROR (see above).
+HE_KERNEL(he_tier_read) {
+  return tier_io<char>(call, "reading", [](int fd, const int64_t* records, char* out, int64_t record_bytes, int64_t a,
+                                           int64_t b) -> int64_t {
+    char* dst = out + a * record_bytes;
+    int64_t left = (b - a) * record_bytes;
+    int64_t off = records[a] * record_bytes;
+    while (left > 0) {
+      ssize_t got = pread(fd, dst, (size_t)left, (off_t)off);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        return (int64_t)errno;
+      }
+      if (got == 0) return (int64_t)EIO;  // past the end: the record was never written
+      dst += got, off += got, left -= got;
+    }
+    return 0;
+  });
+}
+
 // Record records[i] of the file = rows[i], for i in [0, n).
 // bufs: records int64 [n], rows bytes [n * record_bytes]; ints: fd, record_bytes, io_threads.
 // Returns 0; fails with HE_IO_ERROR (see above).
@@ -93,44 +114,59 @@ HE_KERNEL(he_tier_write) {
   });
 }
 
-// Row slots[i] of `rows` (a cache: C rows of record_bytes) = record records[i] of `src`, the tier
-// file mapped into memory (R records), for i in [0, n): a read from the page cache without a system
-// call per row (a pread of one row from the page cache costs ~1 us of kernel time, the copy ~0.1).
-// Records not in the page cache fault in; the rows are split over io_threads threads so that an SSD
-// still sees that many reads in flight.  Every record and slot is checked before any copy.
-// bufs: src bytes [R * record_bytes], records int64 [n], rows bytes [C * record_bytes] (out), slots
-// int64 [n]; ints: record_bytes, io_threads.  Returns 0; fails with HE_BAD_VALUE for a record outside
-// the mapping (detail = (index, record, R)) or a slot outside the rows (detail = (index, slot, C)).
-HE_KERNEL(he_tier_copy_rows) {
-  call.expect(4, 2, 0);
-  const int64_t record_bytes = call.i(0), io_threads = call.i(1);
-  if (record_bytes < 1 || io_threads < 1)
-    call.fail(HE_BAD_CALL, "record_bytes %lld, io_threads %lld", (long long)record_bytes, (long long)io_threads);
-  const int64_t R = call.numel(0) / record_bytes, n = call.numel(1), C = call.numel(2) / record_bytes;
-  const char* src = call.bytes<const char>(0, R * record_bytes, "src");
-  const int64_t* records = call.buf<const int64_t>(1, n, "records");
-  char* rows = call.bytes<char>(2, C * record_bytes, "rows");
-  const int64_t* slots = call.buf<const int64_t>(3, n, "slots");
-  for (int64_t i = 0; i < n; ++i) {
-    if (records[i] < 0 || records[i] >= R) {
-      call.detail({i, records[i], R});
-      call.fail(HE_BAD_VALUE, "records[%lld] = %lld is not a record of the file (%lld)", (long long)i,
-                (long long)records[i], (long long)R);
-    }
+// Row slots[i] of `rows` (a cache: C rows of record_bytes) = record records[i] of the file, for i
+// in [0, n): the bring-in's reads land in their cache slots, no buffer and no scatter after.  A run
+// of adjacent records is one preadv, one iovec per row.
+// bufs: records int64 [n], rows bytes [C * record_bytes] (out), slots int64 [n]; ints: fd, record_bytes,
+// io_threads.  Returns 0; fails with HE_IO_ERROR (see above), HE_BAD_VALUE for a slot outside the
+// rows (detail = (index, slot, C)), before any read.
+HE_KERNEL(he_tier_read_rows) {
+  call.expect(3, 3, 0);
+  const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
+  const int64_t n = call.numel(0);
+  if (fd < 0 || fd > INT32_MAX || record_bytes < 1 || io_threads < 1)
+    call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld", (long long)fd, (long long)record_bytes,
+              (long long)io_threads);
+  const int64_t C = call.numel(1) / record_bytes;
+  const int64_t* records = call.buf<const int64_t>(0, n, "records");
+  char* rows = call.bytes<char>(1, C * record_bytes, "rows");
+  const int64_t* slots = call.buf<const int64_t>(2, n, "slots");
+  for (int64_t i = 0; i < n; ++i)
     if (slots[i] < 0 || slots[i] >= C) {
       call.detail({i, slots[i], C});
       call.fail(HE_BAD_VALUE, "slots[%lld] = %lld is not a row of the cache (%lld)", (long long)i,
                 (long long)slots[i], (long long)C);
     }
-  }
-  constexpr int64_t kChunk = 512;  // rows per item: page-cache copies need few threads, cold faults many
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  he::run_items(chunks, std::min<int64_t>(io_threads, chunks), [&](int64_t c) {
-    const int64_t a = c * kChunk, b = std::min(n, a + kChunk);
-    for (int64_t i = a; i < b; ++i) {
-      if (i + 8 < b) __builtin_prefetch(src + records[i + 8] * record_bytes);
-      std::memcpy(rows + slots[i] * record_bytes, src + records[i] * record_bytes, (size_t)record_bytes);
+  int64_t where = -1;
+  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
+  const int64_t e = for_runs(records, n, max_run, io_threads, &where, [&](int64_t a, int64_t b) -> int64_t {
+    struct iovec iov[kMaxRun];
+    int k = 0;
+    for (int64_t i = a; i < b; ++i) iov[k++] = {rows + slots[i] * record_bytes, (size_t)record_bytes};
+    int first = 0;  // the iovec a short read stopped in
+    int64_t off = records[a] * record_bytes;
+    while (first < k) {
+      ssize_t got = preadv((int)fd, iov + first, k - first, (off_t)off);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        return (int64_t)errno;
+      }
+      if (got == 0) return (int64_t)EIO;  // past the end: the record was never written
+      off += got;
+      while (got > 0 && first < k) {  // skip what arrived; a part-filled iovec goes on where it stopped
+        const size_t take = std::min<size_t>((size_t)got, iov[first].iov_len);
+        iov[first].iov_base = (char*)iov[first].iov_base + take;
+        iov[first].iov_len -= take;
+        got -= (ssize_t)take;
+        if (iov[first].iov_len == 0) ++first;
+      }
     }
+    return 0;
   });
+  if (e != 0) {
+    call.detail({e, where, where >= 0 ? records[where] : -1});
+    call.fail(HE_IO_ERROR, "reading record %lld: %s", (long long)(where >= 0 ? records[where] : -1),
+              std::strerror((int)e));
+  }
   return 0;
 }

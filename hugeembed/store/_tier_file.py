@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import mmap
 import os
 import threading
 import uuid
@@ -41,10 +40,6 @@ __all__ = ["RowFile", "TableDir", "IO_THREADS"]
 # Reads in flight per batch of misses: an SSD serves ~0.1 ms reads in parallel, so the
 # queue depth, not the cores, bounds the miss rate (page-cache hits need only a couple).
 IO_THREADS = 16
-# Reads go through a mapping of the file (no system call per row); the pages they touch count in the
-# process's resident set until their page-table entries are dropped, every this many bytes of pages
-# touched (an upper bound: a row read is counted as a page).
-MAPPED_RSS_BYTES = 512 << 20
 _FORMAT = 1
 
 
@@ -57,21 +52,14 @@ class RowFile:
     """Fixed-size records in one file: record r at byte ``r * record_bytes``.
 
     Reads and writes move whole rows between the file and contiguous CPU tensors whose
-    rows are records.  With the native kernels, reads copy from the file mapped into memory
-    (he_tier_copy_rows, many threads: no system call per row) and writes are pwrites of runs
-    of adjacent records; the plain twin (no kernels built) does one ``os.preadv`` /
-    ``os.pwritev`` per record.  A disk failing under a mapped page raises SIGBUS, not an error.
+    rows are records; the native kernels issue them from many threads, the plain twin
+    (no kernels built) one ``os.preadv`` / ``os.pwritev`` per record.
     """
 
     def __init__(self, path: Path, record_bytes: int, table: str, io_threads: int = IO_THREADS) -> None:
         self.path, self.record_bytes, self.table, self.io_threads = path, int(record_bytes), table, io_threads
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._closer = weakref.finalize(self, _close_fd, self.fd, path)
-        # The file mapped (uint8 [records, record_bytes]) for reads (he_tier_copy_rows): remapped when a
-        # read reaches past it (the file grew); None before the first read or without the kernels.
-        self._mapped: torch.Tensor | None = None
-        self._mm: mmap.mmap | None = None
-        self._touched = 0
 
     def _check(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
@@ -80,7 +68,7 @@ class RowFile:
                              f"bytes, one per record (internal error)")
 
     def _native(self, kernel: str, records: torch.Tensor, rows: torch.Tensor, what: str) -> bool:
-        """Runs the kernel (he_tier_write) over all records; False when the kernels are not built."""
+        """Runs he_tier_read / he_tier_write over all records; False when the kernels are not built."""
         if not _native.available():
             return False
         try:
@@ -91,42 +79,13 @@ class RowFile:
             raise _io_error(self.table, f"{what} {records.numel()} rows", e.detail[0], self.path) from None
         return True
 
-    def _mapping(self, records: torch.Tensor) -> torch.Tensor:
-        """The file mapped, covering every record of `records` (remapped if the file grew since); a
-        record past the end of the file is a StoreError (EIO, as a short read), raised before any copy."""
-        m = self._mapped
-        top = int(records.max())
-        if m is None or top >= m.shape[0]:
-            try:
-                n = os.fstat(self.fd).st_size // self.record_bytes
-            except OSError as e:
-                raise _io_error(self.table, "reading", e.errno or errno.EIO, self.path) from None
-            if top >= n or int(records.min()) < 0:
-                raise _io_error(self.table, f"reading record {top}", errno.EIO, self.path)
-            mm = mmap.mmap(self.fd, n * self.record_bytes)  # shared; never written through (pwrite writes)
-            mm.madvise(mmap.MADV_RANDOM)  # a miss reads its row, not the rows around it
-            m = torch.frombuffer(mm, dtype=torch.uint8).view(n, self.record_bytes)
-            self._mm, self._mapped, self._touched = mm, m, 0  # the old mapping goes with its last reader
-        self._touched += records.numel()
-        if self._touched * mmap.PAGESIZE > MAPPED_RSS_BYTES:  # pages read stay in our resident set until dropped
-            self._mm.madvise(mmap.MADV_DONTNEED)  # only our page tables: the page cache keeps them
-            self._touched = records.numel()
-        return m
-
-    def _copy_mapped(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """``rows[slots[i]] = record records[i]`` through the mapping (he_tier_copy_rows)."""
-        src = self._mapping(records)
-        _native.call("he_tier_copy_rows", [src, records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
-                     [self.record_bytes, self.io_threads])
-
     def read(self, records: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = record records[i]`` (out: contiguous [n, W] CPU rows)."""
         if records.numel() == 0:
             return
         self._check(records, out)
         records = records.contiguous()
-        if _native.available():
-            self._copy_mapped(records, out, torch.arange(records.numel()))
+        if self._native("he_tier_read", records, out, "reading"):
             return
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
         b = self.record_bytes
@@ -136,7 +95,7 @@ class RowFile:
 
     def read_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """``rows[slots[i]] = record records[i]`` (rows: contiguous [C, W] CPU rows, a cache; slots
-        distinct): a read straight into its cache slots (he_tier_copy_rows), no buffer between."""
+        distinct): a read straight into its cache slots (he_tier_read_rows), no buffer between."""
         if records.numel() == 0:
             return
         if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
@@ -148,7 +107,13 @@ class RowFile:
             self.read(records, buf)
             rows.index_copy_(0, slots, buf)
             return
-        self._copy_mapped(records, rows, slots)
+        try:
+            _native.call("he_tier_read_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
+                         [self.fd, self.record_bytes, self.io_threads])
+        except _native.KernelError as e:
+            if e.status != _native.Status.IO_ERROR:
+                raise
+            raise _io_error(self.table, f"reading {records.numel()} rows", e.detail[0], self.path) from None
 
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""
@@ -174,7 +139,6 @@ class RowFile:
             return 0
 
     def close(self) -> None:
-        self._mapped = self._mm = None  # unmapped once no reader (a prefetch) holds it
         self._closer()
 
 

@@ -1,5 +1,5 @@
 """The tiered cache's per-id loops: the native ones (he_tier_plan / he_tier_admit / he_tier_dirty_rows /
-he_tier_release / he_tier_copy_rows, csrc/) against their torch twins and a plain-Python model.
+he_tier_release / he_tier_read_rows, csrc/) against their torch twins and a plain-Python model.
 
 Two stores take the same calls, one through the native loops, one through the torch twins: after
 every call their maps, cache metadata, record maps and rows must be equal.  The model (plain Python,
