@@ -9,8 +9,9 @@ namespace he_lookup {
 // one-id bag is a row copy.  Same float operations as pool_feature's general loop
 // (0 + x == x exactly), so the results are identical.
 template <int DC, class Sum>
-inline void pool_bags_fast(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D, float* out,
+inline void pool_bags_fast(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D_, float* out,
                            int64_t ors, int64_t col, float* acc) {
+  const int64_t D = DC ? DC : D_;  // a constant where DC is: prefetch_row's loop unrolled
   const int64_t t = a.table[f];
   const float* base = reinterpret_cast<const float*>(a.storage[t]);
   const int64_t W = a.row_stride[t];

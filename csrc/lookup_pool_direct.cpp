@@ -10,8 +10,9 @@ namespace he_lookup {
 // two-stage path must report.
 template <int DC, class Sum>
 inline bool pool_direct_bags_fast(const Plan& p, const int64_t* values, int64_t n_values, const int64_t* offsets,
-                                  const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D, float* out,
+                                  const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t D_, float* out,
                                   int64_t ors, int64_t col, float* acc) {
+  const int64_t D = DC ? DC : D_;  // a constant where DC is: prefetch_row's loop unrolled
   const int64_t t = p.table[f], B = p.B, nrows = p.num_rows[t];
   const float* base = reinterpret_cast<const float*>(a.storage[t]);
   const int64_t W = a.row_stride[t];

@@ -8,7 +8,7 @@ Python work beyond dispatching one kernel per stage (and one pool per dim group)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn, Sequence
 
 import torch
@@ -136,6 +136,9 @@ class Prepared:
     # what the prepare proved, per table: its unique keys in [0, n) (n: the table's num_rows; None: a dynamic
     # table's, any key), their counts >= 1; () when unknown.  A static fetch need not check these keys again.
     id_bounds: tuple[int | None, ...] = ()
+    # what the torch stages derive from the batch alone, made once for the forward and its backward
+    # (functional/_reference.py: a group's id positions and bag divisors)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]

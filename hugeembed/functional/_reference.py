@@ -219,8 +219,21 @@ def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> tor
     return rows * (slots >= 0).unsqueeze(1).to(dtype)
 
 
+def _derived(prep: Prepared, key, make):
+    """``make()``, made once per prepared batch and key (which names the plan: a batch prepared
+    once may be read by several plans): the forward and its backward share it."""
+    got = prep.derived.get(key)
+    if got is None:
+        got = prep.derived[key] = make()
+    return got
+
+
 def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
+    return _derived(prep, ("ids", plan, feats), lambda: _make_group_ids(plan, prep, feats))
+
+
+def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     dev = prep.offsets.device
     B = prep.batch_size
     f = plan.on_device(feats, dev)
@@ -238,7 +251,13 @@ def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
 
 
 def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, owner, sample, dtype):
-    """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags)."""
+    """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags), each id's
+    weight and its output bag."""
+    return _derived(prep, ("denominators", plan, group, dtype),
+                    lambda: _make_bag_denominators(plan, prep, group, pos, owner, sample, dtype))
+
+
+def _make_bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, owner, sample, dtype):
     dev = prep.offsets.device
     nbag = prep.batch_size * len(group.pooled)
     out_bag = sample * len(group.pooled) + owner

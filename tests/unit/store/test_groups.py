@@ -163,3 +163,20 @@ def test_stochastic_rounding_draws_by_key_so_where_a_row_lives_does_not_matter(b
 
     a, b, c = run([0, 1, 2, 3], False), run([3, 2, 1, 0], False), run([2, 0, 3, 1], True)
     assert torch.equal(a.keys, b.keys) and torch.equal(a.rows, b.rows) and torch.equal(a.rows, c.rows)
+
+
+
+def test_the_torch_index_names_the_smallest_pair_given_twice_and_changes_nothing():
+    """A batch naming a (table, key) pair twice is refused, naming the smallest repeated pair in
+    (table, key) order, keys signed (the triton kernel's rule; the native kernel names the first
+    repeat in batch order)."""
+    lay = RowLayout(4, torch.float32, 1)
+    pairs = [(1, 9), (0, -5), (1, 3), (0, 7), (1, 3), (0, 7), (1, -2), (1, 9), (0, -5), (1, -2), (0, 4)]
+    repeated = sorted({p for p in pairs if pairs.count(p) > 1})[0]  # the oracle: plain Python
+    g = DynamicGroup([TableSettings(f"t{i}", lay, salt=5 + i) for i in range(2)], backend="torch")
+    before = g.buckets.clone()
+    tids, keys = (torch.tensor(c, dtype=torch.int64) for c in zip(*pairs))
+    out, hits = torch.zeros_like(keys), torch.zeros_like(keys)
+    rc, need, _ = g._index.find_or_insert(g, keys, tids, torch.ones_like(keys), None, 0, out, hits, None)
+    assert rc.name == "DUPLICATE_KEY" and (vars(need)["dup_table"], vars(need)["dup_key"]) == repeated
+    assert torch.equal(g.buckets, before)
