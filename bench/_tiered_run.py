@@ -100,10 +100,11 @@ PHASES = [
     (2, "make room: victims + write-back"),
     (3, "write-back: file.write"),
     (3, "cleaning: file.read"),
-    (2, "key index find_or_insert"),
-    (2, "bring in"),
+    (2, "read misses before counting"),
     (3, "read misses: file.read_rows"),
     (3, "copy prefetched rows"),
+    (2, "key index find_or_insert"),
+    (2, "bring in"),
     (3, "init never-written rows"),
     (1, "pool (fused lookup)"),
     (0, "loss"),
@@ -124,6 +125,7 @@ def instrument(ec: EmbeddingCollection, clock: Clock) -> None:
         clock.wrap(store.index, "find", "make room: key index find")
         clock.wrap(store.file, "write", "write-back: file.write", count=lambda rec, rows: rec.numel())
         clock.wrap(store.index, "find_or_insert", "key index find_or_insert")
+        clock.wrap(store, "_read_before_counting", "read misses before counting")
         clock.wrap(store, "_bring_in", "bring in")
         clock.wrap(store.file, "read_rows", "read misses: file.read_rows", count=lambda rec, rows, slots: rec.numel())
         # file.read: the cleaner's segments on the main thread, prefetch's reads ahead on its thread
@@ -181,7 +183,7 @@ class Runner:
         self.nxt = work.batch(first)
         self._empty = work.empty()
         self.warm_hit_rates: list[float] = []
-        self.res = {m: {"runs": [], "t": [], "n": defaultdict(int), "stats": defaultdict(float),
+        self.res = {m: {"runs": [], "cpu": [], "t": [], "n": defaultdict(int), "stats": defaultdict(float),
                         "ranks": [], "steps": 0} for m in self.modes}
 
     def _one(self, prefetch: bool) -> tuple[float, np.ndarray]:
@@ -221,10 +223,12 @@ class Runner:
         t_before, n_before = clock.snapshot()
         st_before = tier_stats(ec)
         total = 0.0
+        cpu0 = time.process_time()  # every thread of the process (the OpenMP workers' spinning too)
         for _ in range(iters):
             dt, ranks = self._one(mode)
             total += dt
             r["ranks"].append(ranks)
+        r["cpu"].append((time.process_time() - cpu0) / iters)
         t_after, n_after = clock.snapshot()
         st_after = tier_stats(ec)
         r["runs"].append(total / iters)
@@ -253,7 +257,8 @@ def summarize(r: dict, batch: int, record_bytes: int) -> dict:
     keys = [k for k in set().union(*r["t"]) if any(t.get(k) for t in r["t"])]
     mean = sum(r["runs"]) / len(r["runs"])  # runs of equal length: every timed step counts once
     out = {"step_s": med, "steps_per_s": 1.0 / med, "samples_per_s": batch / med, "mean_step_s": mean,
-           "runs": r["runs"], "profile": {k: statistics.median(t.get(k, 0.0) for t in r["t"]) for k in keys},
+           "runs": r["runs"], "cpu_step_s": statistics.median(r["cpu"]) if r.get("cpu") else float("nan"),
+           "profile": {k: statistics.median(t.get(k, 0.0) for t in r["t"]) for k in keys},
            "profile_mean": {k: sum(t.get(k, 0.0) for t in r["t"]) / len(r["t"]) for k in keys}}
     if st.get("accesses"):
         out["hit_rate"] = st["hits"] / st["accesses"]

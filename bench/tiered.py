@@ -216,7 +216,7 @@ def case1(args, dim: int, rows: int, root: Path) -> list[list[str]]:
     for ph, cases in enumerate(phases):
         runners, dirs = [], []
         mem_key = "in-memory" if ph == 0 else f"in-memory (phase {ph + 1})"
-        mem.res[False] = {"runs": [], "t": [], "n": defaultdict(int), "stats": defaultdict(float), "ranks": [],
+        mem.res[False] = {"runs": [], "cpu": [], "t": [], "n": defaultdict(int), "stats": defaultdict(float), "ranks": [],
                           "steps": 0}
         try:
             for label, policy, rocks in cases:
@@ -292,7 +292,9 @@ def case1(args, dim: int, rows: int, root: Path) -> list[list[str]]:
                     if "hit_rate" in s else "-",
                     f("misses", ",.0f"), f("rows_read_fetch", ",.0f"), f("rows_read_ahead", ",.0f"),
                     f("rows_prefetched_used", ",.0f"), f("rows_init", ",.0f"), f("rows_written", ",.0f"),
-                    f("mb_read", ".2f"), f("mb_written", ".2f"), " ".join(f"{x * 1e3:.0f}" for x in s["runs"])])
+                    f("mb_read", ".2f"), f("mb_written", ".2f"), " ".join(f"{x * 1e3:.0f}" for x in s["runs"]),
+                    f"{s['cpu_step_s'] * 1e3:.0f}, {results[mem_of.get(name, name)]['cpu_step_s'] / s['cpu_step_s']:.2f}x",
+                    f"{os.getloadavg()[0]:.1f}"])
     profiles = {}
     for name, s in results.items():
         p = dict(s["profile"])
@@ -304,7 +306,8 @@ def case1(args, dim: int, rows: int, root: Path) -> list[list[str]]:
 
 CASE1_HEADER = ["dim", "case", "steps/s", "samples/s", "vs in-mem (>=0.6x)", "ours/rocksdb (>=2x)",
                 "hit rate (>=88%)", "misses/step", "rows read/step: fetch", "read ahead", "served by read-ahead",
-                "rows init/step", "rows written/step", "MB read/step", "MB written/step", "ms per step, each run"]
+                "rows init/step", "rows written/step", "MB read/step", "MB written/step", "ms per step, each run",
+                "CPU ms/step, vs in-mem", "load avg"]
 
 
 # ------------------------------------------------------------------ case 2

@@ -227,9 +227,8 @@ class TierCache:
             first = torch.full((u.numel(),), lv.numel(), dtype=torch.int64)
             first.scatter_reduce_(0, inv, torch.arange(lv.numel()), "amin")
             ml, mk = u[miss], kv[first[miss]]
-            slots = self._take_slots(n_miss)
             rec = self._space.records_of(ml)
-            self._fill_slots(ml, mk, rec, slots)
+            slots = self._fill_missing(ml, mk, rec)
             self._owner[slots] = ml
             self._keys[slots] = mk
             self._slot_freq[slots] = self._freq[ml]
@@ -258,9 +257,7 @@ class TierCache:
         scratch = torch.empty((2, n), dtype=torch.int64)
         m = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
         mpos, rec = scratch[0, :m], scratch[1, :m]
-        slots = self._take_slots(m) if m else mpos
-        if m:
-            self._fill_slots(logical[mpos], keys[mpos], rec, slots)
+        slots = self._fill_missing(logical[mpos], keys[mpos], rec) if m else mpos
         out = torch.empty(3 + m + n, dtype=torch.int64)
         self._clock += 1
         live = self._space.live
@@ -273,6 +270,69 @@ class TierCache:
         if released:
             self._space.dropped(released, sorted(out[3 : 3 + emptied].tolist()))  # as torch.unique
         return cs
+
+    def _read_before_counting(self, known: torch.Tensor) -> None:
+        """Reads the rows of `known` (logical slots the key index holds; -1: none) that are on disk and
+        not resident into fresh cache slots, before the key index counts the call: a read that fails
+        then leaves every key, count and row as it was.  The bring-in after the index call takes them
+        (``_fill_missing``); nothing else changes."""
+        self._fit_map()
+        if self.native_loops:
+            cs = torch.empty_like(known)
+            scratch = torch.empty((2, known.numel()), dtype=torch.int64)
+            m = self._native_call("he_tier_plan", [self._map, known, cs, scratch[0], scratch[1]])
+            lg, rec = known[scratch[0, :m]], scratch[1, :m]
+        else:
+            lg = torch.unique(known[known >= 0])
+            lg = lg[self._where[lg] < 0]
+            rec = self._space.records_of(lg)
+        on_disk = rec >= 0
+        lg, rec = lg[on_disk], rec[on_disk]
+        if lg.numel() == 0:
+            return
+        order = lg.argsort()
+        lg, rec = lg[order], rec[order]
+        slots = self._take_slots(lg.numel())
+        self._fill_slots(lg, lg, rec, slots)  # all on disk: read, keys not needed
+        self._pre_read = (lg, slots)
+
+    def _give_back_pre_read(self) -> None:
+        """The rows _read_before_counting read are not taken (the index call failed): slots freed."""
+        pre, self._pre_read = self._pre_read, None
+        if pre is not None:
+            n = pre[1].numel()
+            self._free[self._nfree : self._nfree + n] = pre[1].flip(0)
+            self._nfree += n
+
+    def _fill_missing(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+        """Cache slots holding the rows of `logical` (missing, distinct): those read before the index
+        call, the others taken now and read or created (``_fill_slots``)."""
+        pre, self._pre_read = self._pre_read, None
+        if pre is None:
+            slots = self._take_slots(logical.numel())
+            self._fill_slots(logical, keys, rec, slots)
+            return slots
+        pre_l, pre_s = pre
+        pos = torch.searchsorted(pre_l, logical).clamp_(max=pre_l.numel() - 1)
+        got = pre_l[pos] == logical
+        if int(got.sum()) != pre_l.numel():  # every row read ahead is one of the call's missing rows
+            self._pre_read = pre
+            self._give_back_pre_read()
+            raise StoreError(f"table '{self.name}': rows read before the key index call are not among the "
+                             f"missing ones (internal error)")
+        slots = torch.empty_like(logical)
+        slots[got] = pre_s[pos[got]]
+        rest = ~got
+        if bool(rest.any()):
+            try:
+                new = self._take_slots(int(rest.sum()))
+                self._fill_slots(logical[rest], keys[rest], rec[rest], new)
+            except BaseException:
+                self._pre_read = pre
+                self._give_back_pre_read()
+                raise
+            slots[rest] = new
+        return slots
 
     def _fill_slots(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor, slots: torch.Tensor) -> None:
         """The rows of `logical` into cache `slots` (taken): read where on disk (`rec` >= 0), else new.
@@ -305,6 +365,13 @@ class TierCache:
     def _drop_logical(self, freed: torch.Tensor) -> None:
         """The key index freed these logical slots (keys evicted or replaced): their rows are gone."""
         self._fit_map()
+        if self._pre_read is not None:  # a row read ahead of the index call whose key left: not taken
+            pl, ps = self._pre_read
+            gone = torch.isin(pl, freed)
+            if bool(gone.any()):
+                self._pre_read = (pl[gone], ps[gone])
+                self._give_back_pre_read()
+                self._pre_read = (pl[~gone], ps[~gone]) if bool((~gone).any()) else None
         cs = self._where[freed].to(torch.int64)
         cs = cs[cs >= 0]
         if cs.numel():

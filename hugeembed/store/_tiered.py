@@ -122,6 +122,7 @@ class TieredStore(TierTransfer, TierCache, LayoutViews, Pinnable):
         # reads started by prefetch, oldest first, at most 2: (future, logical, rows, stale logical slots)
         self._staged: list[tuple[Future, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self._reserved: torch.Tensor | None = None  # keys the cache made room for (reserve)
+        self._pre_read: tuple[torch.Tensor, torch.Tensor] | None = None  # (logical sorted, cache slots)
         index.on_free = self._drop_logical
         index.row_norms = self._logical_norms
 
@@ -177,9 +178,15 @@ class TieredStore(TierTransfer, TierCache, LayoutViews, Pinnable):
         if keys.numel() == 0:
             return keys.clone()
         reserved, self._reserved = self._reserved, None
+        known = self.index.find(keys)
         if reserved is None or not (reserved.shape == keys.shape and torch.equal(reserved, keys)):
-            self._make_room_for(self.index.find(keys))
-        logical = self.index.find_or_insert(keys, step, counts=counts)
+            self._make_room_for(known)
+        self._read_before_counting(known)  # a read that fails changes nothing: the index has not counted
+        try:
+            logical = self.index.find_or_insert(keys, step, counts=counts)
+        except BaseException:
+            self._give_back_pre_read()
+            raise
         self._fit_map()
         return self._bring_in(logical, keys, counts, training=True)
 

@@ -296,6 +296,42 @@ def test_a_full_disk_during_training_is_a_clear_error_and_loses_no_row(tmp_path,
     assert_same_tables(mem, tier)
 
 
+def test_a_failing_read_of_missed_rows_is_a_clear_error_and_changes_nothing(tmp_path, monkeypatch):
+    """Reading the missed rows in fails (an I/O error): the step is refused with every table as it
+    was (keys, rows, counts, last steps); once reads work again, training goes on as in memory."""
+    mem = EmbeddingCollection(tables(None, 0, None), optimizer=SGD(lr=0.5))
+    tier = EmbeddingCollection(tables(tmp_path, 18, SGD(lr=0.5)), optimizer=SGD(lr=0.5))
+    g = torch.Generator().manual_seed(11)
+    fs = [batch(g) for _ in range(12)]
+    stores = [tier.store(n) for n in ("s", "d")]
+
+    def broken(records, rows, slots):
+        raise _io_error("s", f"reading {records.numel()} rows", errno.EIO, stores[0].file.path)
+
+    k, failed = 0, False
+    while k < len(fs) and not failed:
+        before = [s.export() for s in stores]
+        for s in stores:
+            monkeypatch.setattr(s.file, "read_rows", broken)
+        try:
+            step(tier, fs[k])
+        except StoreError as e:
+            assert "EIO" in str(e)
+            failed = True
+            for s, b in zip(stores, before):
+                a = s.export()
+                for f in EXPORT_FIELDS:
+                    assert torch.equal(getattr(a, f), getattr(b, f)), (s.name, f)
+        monkeypatch.undo()
+        if not failed:
+            step(mem, fs[k])
+            k += 1
+    assert failed, "no step read a row from the tier"
+    for f in fs[k:]:  # the refused batch again, then the rest
+        step(mem, f), step(tier, f)
+    assert_same_tables(mem, tier)
+
+
 def test_storage_dir_of_another_layout_or_run_is_refused(tmp_path):
     cfg = TableConfig("t", dim=4, storage_dir=str(tmp_path), memory_budget=4096)
     a = EmbeddingCollection([cfg], optimizer=SGD(lr=1), storage_owner="run-a")
