@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv as _pycsv
 import math
+import os
 import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -200,14 +201,27 @@ def _column_types(schema: Schema, typed: bool) -> dict:
     return types
 
 
+_FIRST_CHUNK = 1 << 20
+
+
 def _chunks(path: Path, chunk_bytes: int):
-    """The bytes of a (plain or gzip) file in pieces of about `chunk_bytes` that end on a line's end."""
+    """The bytes of a (plain or gzip) file in pieces of up to `chunk_bytes` that end on a line's end.
+
+    The pieces start at 1 MiB and double (the pipeline's other stages start work after one small parse,
+    not a full chunk's), and a plain file's last pieces are at most half of what is left (its last
+    encode and write, which nothing overlaps, stay short)."""
     stream, raw = open_bytes(path)
+    plain = stream is raw
+    left = os.fstat(raw.fileno()).st_size if plain else 0
+    size = min(chunk_bytes, _FIRST_CHUNK)
     carry = b""
     try:
         while True:
+            want = max(min(size, left // 2), _FIRST_CHUNK) if plain else size
+            size = min(2 * size, chunk_bytes)
             try:
-                data = stream.read(chunk_bytes)
+                data = stream.read(min(want, chunk_bytes))
+                left -= len(data)
             except (EOFError, OSError, zlib.error) as e:
                 raise InputError(f"{path}: corrupt or truncated gzip data ({e})") from None
             if not data:

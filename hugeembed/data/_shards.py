@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._durable import sha256_file
+from .._durable import sha256_file, start_writeback
 from ..errors import InputError
 from ._block import Bag, Block
 from ._schema import CAT_NAMES, DENSE_NAMES, MISSING_IDS, N_CAT, N_DENSE, Schema, criteo_schema
@@ -97,6 +97,8 @@ class NpyWriter:
         if array.dtype != self.dtype or array.shape[1:] != self.row_shape:
             raise ValueError(f"{self.path}: expected {self.dtype} rows of shape {self.row_shape}, got {array.dtype} {array.shape}")
         self._f.write(np.ascontiguousarray(array).data)
+        self._f.flush()
+        start_writeback(self._f.fileno())  # the disk works while the next chunk parses
         self.rows += array.shape[0]
 
     def close(self) -> None:

@@ -128,6 +128,28 @@ def test_reader_matches_a_plain_python_reader(tmp_path, schema, name, delimiter,
     assert _bags(got, 0) == bags["genres"] and _bags(got, 1) == bags["history"]
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_text_chunks_are_whole_lines_that_ramp_up(tmp_path, monkeypatch, gz):
+    """A text file's pieces join to the file, each ends a line, the first is small (the pipeline starts
+    early), none is over the chunk size, and a plain file's last pieces shrink (its tail stays short)."""
+    import gzip
+
+    from hugeembed.data import _reader
+
+    monkeypatch.setattr(_reader, "_FIRST_CHUNK", 1000)
+    rng = np.random.default_rng(5)
+    text = b"".join(b"x" * int(n) + b"\n" for n in rng.integers(0, 90, 3000))
+    path = tmp_path / ("t.csv.gz" if gz else "t.csv")
+    path.write_bytes(gzip.compress(text) if gz else text)
+    pieces = [p for p, _ in _reader._chunks(path, 16_000)]
+    assert b"".join(pieces) == text and all(p.endswith(b"\n") for p in pieces)
+    sizes = [len(p) for p in pieces]
+    assert sizes[0] <= 1000 and max(sizes) <= 16_000 + 100  # + the line carried from the piece before
+    assert sizes[:4] == sorted(sizes[:4])  # 1000, 2000, 4000, 8000 (less a carried line's end)
+    if not gz:
+        assert sizes[-3] > sizes[-2] > sizes[-1] or len(sizes) < 4
+
+
 def test_sequences_keep_their_last_values_and_shared_tables_share_ids(tmp_path, schema):
     path = tmp_path / "seq.csv"
     path.write_text("clicked,user_id,age,city,genres,history,movie_id,score\n"
