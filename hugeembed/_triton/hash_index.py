@@ -17,6 +17,9 @@ kernels to equal bucket for bucket:
                      in it) and the bucket it wants, stamped with ``atomic_max`` of (epoch, lowest
                      batch position) (want); then the winners write and the losers probe on (place).
                      A round's result never depends on the order the programs run in.
+* ``claim_finish_kernel``  one program: further rounds (W-bucket windows) over the records the
+                     rounds before left, on the device until none is left, so a find-or-insert
+                     reads nothing after its claims; exits at once when none is left (most calls).
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
@@ -29,7 +32,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_want_kernel",
-           "claim_place_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING", "STAMP_BITS",
+           "claim_place_kernel", "claim_finish_kernel", "FINISH_EPOCH", "FOUND", "NEW", "PROMOTE", "MADE",
+           "EMPTY_TABLE", "PENDING", "STAMP_BITS",
            "COMPILE_CASES"]
 
 # store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
@@ -39,6 +43,9 @@ PENDING = -2
 FOUND, NEW, PROMOTE, MADE = 1, 2, 4, 8
 # a claim stamp: the round's epoch above, (2**STAMP_BITS - 1 - batch position) below: max = lowest position
 STAMP_BITS = 40
+# the epoch of claim_finish_kernel's stamps: above every epoch of the rounds launched one by one (their stamps never
+# reach it), cleared before the kernel ends
+FINISH_EPOCH = 2 ** (63 - STAMP_BITS) - 1
 _INT32_MAX = 2**31 - 1
 # the same values as the kernels see them (a kernel reads only constexpr globals)
 _K_EMPTY, _K_PENDING, _K_INT32_MAX = tl.constexpr(EMPTY_TABLE), tl.constexpr(PENDING), tl.constexpr(_INT32_MAX)
@@ -46,6 +53,7 @@ _K_FOUND, _K_NEW = tl.constexpr(FOUND), tl.constexpr(NEW)
 _K_PROMOTE, _K_MADE = tl.constexpr(PROMOTE), tl.constexpr(MADE)
 _K_STAMP_BITS, _K_STAMP_LOW = tl.constexpr(STAMP_BITS), tl.constexpr((1 << STAMP_BITS) - 1)
 _K_I64_MAX = tl.constexpr(2**63 - 1)
+_K_FINISH = tl.constexpr(FINISH_EPOCH << STAMP_BITS)
 
 
 @triton.jit
@@ -256,6 +264,103 @@ def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch,
     tl.atomic_add(left, -tl.sum(won.to(tl.int64), axis=0))
 
 
+@triton.jit(do_not_specialize=["nbuckets", "n", "max_rounds", "pid0"])
+def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, rec_tids, rec_word2, rec_last, left,
+                        todo, first, want, max_rounds, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """A grid of one program: claim rounds of W-bucket windows (scan, want, place as above, each phase over
+    every record left before the next begins) until `left` is 0 or `max_rounds` ran; `left` then holds the
+    records not placed (0 unless the index has no empty bucket: an internal error the caller reports).
+    todo, first, want: int64 [n] scratch.  Its stamps (epoch FINISH_EPOCH) are cleared after each round."""
+    if pid0 + tl.program_id(0) == 0:
+        nb = nbuckets.to(tl.int64)
+        remaining = tl.load(left)
+        rounds = tl.zeros((), tl.int64)
+        while (remaining > 0) & (rounds < max_rounds):
+            # the records left, in batch order
+            m = tl.zeros((), tl.int64)
+            i = tl.zeros((), tl.int64)
+            while i < n:
+                at = i + tl.arange(0, BLOCK)
+                a = ((at < n) & (tl.load(active + at, mask=at < n, other=0, cache_modifier=".cg") != 0)).to(tl.int64)
+                tl.store(todo + m + tl.cumsum(a, axis=0) - a, at, mask=a != 0)
+                m += tl.sum(a, axis=0)
+                i += BLOCK
+            tl.debug_barrier()
+            # each one's first empty bucket in its window
+            s0 = tl.zeros((), tl.int64)
+            while s0 < m:
+                s = s0 + tl.arange(0, BLOCK)
+                ms = s < m
+                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
+                empty = _window_empty(buckets, nb, p, ms, W)
+                at = tl.min(tl.where(empty, tl.arange(0, W)[None, :], W), axis=1)
+                tl.store(first + s, tl.where(ms & (at < W), (p + at) % nb, -1), mask=ms)
+                s0 += BLOCK
+            tl.debug_barrier()
+            # its rank among the records with that first empty bucket (lower batch positions first), the bucket it
+            # wants, claimed by the lowest position
+            s0 = tl.zeros((), tl.int64)
+            while s0 < m:
+                s = s0 + tl.arange(0, BLOCK)
+                ms = s < m
+                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                f = tl.load(first + s, mask=ms, other=-1, cache_modifier=".cg")
+                r = tl.zeros([BLOCK], tl.int64)
+                q0 = tl.zeros((), tl.int64)
+                while q0 < m:
+                    q = q0 + tl.arange(0, BLOCK)
+                    mq = q < m
+                    fq = tl.load(first + q, mask=mq, other=-1, cache_modifier=".cg")
+                    jq = tl.load(todo + q, mask=mq, other=0, cache_modifier=".cg")
+                    same = mq[None, :] & (fq[None, :] == f[:, None]) & (jq[None, :] < j[:, None])
+                    r += tl.sum(same.to(tl.int64), axis=1)
+                    q0 += BLOCK
+                a = ms & (f >= 0)
+                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
+                empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
+                at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
+                ok = a & (at < W)
+                bucket = (p + at) % nb
+                tl.atomic_max(claims + bucket, _K_FINISH | (_K_STAMP_LOW - j), mask=ok)
+                tl.store(want + s, tl.where(ok, bucket, -1), mask=ms)
+                s0 += BLOCK
+            tl.debug_barrier()
+            # the winners write their records, the others go on
+            placed = tl.zeros((), tl.int64)
+            s0 = tl.zeros((), tl.int64)
+            while s0 < m:
+                s = s0 + tl.arange(0, BLOCK)
+                ms = s < m
+                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
+                bucket = tl.load(want + s, mask=ms, other=-1, cache_modifier=".cg")
+                ok = ms & (bucket >= 0)
+                won = ok & (tl.load(claims + bucket, mask=ok, other=0, cache_modifier=".cg") ==
+                            (_K_FINISH | (_K_STAMP_LOW - j)))
+                rec = buckets + bucket * 4
+                tl.store(rec, tl.load(rec_keys + j, mask=won, other=0), mask=won)
+                tl.store(rec + 1, tl.load(rec_tids + j, mask=won, other=0).to(tl.int64), mask=won)
+                tl.store(rec + 2, tl.load(rec_word2 + j, mask=won, other=0), mask=won)
+                tl.store(rec + 3, tl.load(rec_last + j, mask=won, other=0), mask=won)
+                tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=ms & ~won)
+                tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
+                placed += tl.sum(won.to(tl.int64), axis=0)
+                s0 += BLOCK
+            tl.debug_barrier()
+            s0 = tl.zeros((), tl.int64)  # the round's stamps cleared: the rounds launched later stamp lower epochs
+            while s0 < m:
+                s = s0 + tl.arange(0, BLOCK)
+                ms = s < m
+                bucket = tl.load(want + s, mask=ms, other=-1, cache_modifier=".cg")
+                tl.store(claims + bucket, tl.zeros([BLOCK], tl.int64), mask=ms & (bucket >= 0))
+                s0 += BLOCK
+            tl.debug_barrier()
+            remaining -= placed
+            rounds += 1
+        tl.store(left, remaining)
+
+
 def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
     """A compile signature: every name an int64 pointer unless `types` says otherwise."""
     return {name: types.get(name, "*i64") for name in names.split()}
@@ -272,11 +377,14 @@ _COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step 
                "made_slots made_keys keys made_tids pid0 BLOCK",
                {"n": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
                 "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
-_ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "pid0": _I64, "active": "*i32", "W": _CONST, "BLOCK": _CONST}
+_ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "max_rounds": _I64, "pid0": _I64, "active": "*i32", "W": _CONST,
+          "BLOCK": _CONST}
 _SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
 _WANT = _sig("buckets nbuckets n start sorted_first order want claims epoch pid0 W BLOCK", _ROUND)
 _PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last left pid0 W "
               "BLOCK", _ROUND)
+_FINISH = _sig("buckets nbuckets n active start claims rec_keys rec_tids rec_word2 rec_last left todo first want "
+               "max_rounds pid0 W BLOCK", _ROUND)
 
 # (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
 _FLAGS = ("ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS")
@@ -295,6 +403,7 @@ COMPILE_CASES += [(f"hash_index.{name}[W={w}]", fn, sig, {"W": w, "BLOCK": 32}) 
                   for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN),
                                         ("claim_want", claim_want_kernel, _WANT),
                                         ("claim_place", claim_place_kernel, _PLACE))]
+COMPILE_CASES += [("hash_index.claim_finish[W=128]", claim_finish_kernel, _FINISH, {"W": 128, "BLOCK": 32})]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)
                   for name, fn, sig, cx in COMPILE_CASES]

@@ -8,9 +8,9 @@ and writes the call's report for the one read: store/_index.py's need[] with the
 after the call, then the extras of _index_triton.py.
 
 The duplicate and crowd checks need the keys to insert or promote sorted by home (SORTED: the
-caller sorts the probe's sort keys once, and only when its first read says two keys or more are
-to insert or promote: no sort in a step that brings no new key).  Without SORTED neither check can
-fire (fewer than two such keys).  One program: a sequential scan over the keys, in blocks, so it
+caller sorts the probe's sort keys before this kernel, in every call of two keys or more, so that
+the call's one read already holds its final outcome and nothing after it must be read).  Without
+SORTED neither check can fire (fewer than two keys).  One program: a sequential scan over the keys, in blocks, so it
 needs no second launch for the prefix sum; the keys of a find-or-insert are a batch's unique keys.
 """
 
@@ -29,8 +29,9 @@ _GROW, _OVER, _DUP, _LONG = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), t
 PROBE_LIMIT = 1024
 NEED_HEAD = 8
 # the report's extras after need[] (store/_index_triton.py names them): outcome, a bad table entry, the first bad
-# count's position, value and table, the keys to insert or promote, the records a claim round has yet to place
-EXTRAS = 7
+# count's position, value and table, the keys to insert or promote, the records a claim round has yet to place,
+# the records the call before left unplaced (its claim_finish_kernel's count: 0 unless the index had no empty bucket)
+EXTRAS = 8
 _K_PROBE_LIMIT, _K_HEAD = tl.constexpr(PROBE_LIMIT), tl.constexpr(NEED_HEAD)
 _K_I64_MAX, _K_LOW31 = tl.constexpr(2**63 - 1), tl.constexpr(2**31 - 1)
 
@@ -107,13 +108,13 @@ def _duplicates(sorted_keys, order, keys, tids, todo, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n", "T", "tstride", "max_entries", "rows_capacity", "pid0"])
 def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending, tab_limit, tstride, scal, n, T,
-                max_entries, rows_capacity, sorted_keys, order, rank, active, first, ok_flag, values, pid0,
+                max_entries, rows_capacity, sorted_keys, order, rank, active, first, ok_flag, values, stuck, pid0,
                 HAS_COUNTS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr):
     """values = need[] (store/_index.py: head (8), per table (new rows, new pending) (2T), the group
     after the call (3), per table after it (rows, pending) (2T)), then EXTRAS (outcome, bad table
     entry, first bad count's position, value, table, keys to insert or promote, records left to
-    place); tab_* a table field each (table t's at t * tstride), scal the group's (entries,
-    row_hwm, free rows listed); per_table [3T + 3] the probe's counts and checks.
+    place, stuck[0]: the call before's records left unplaced); tab_* a table field each (table t's at
+    t * tstride), scal the group's (entries, row_hwm, free rows listed); per_table [3T + 3] the probe's counts and checks.
     rank[i]: the keys before i that get a row (written when some do); active[i]: key i is new and the
     outcome DONE, first[i]: its bucket in the first claim round (pos), -1 when not active (both
     written when some key is new)."""
@@ -179,7 +180,7 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         outcome = tl.where(big > _K_PROBE_LIMIT, _LONG, outcome)
         outcome = tl.where(over != 0, _OVER, outcome)
         outcome = tl.where(dup != 0, _DUP, outcome)
-        ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n)
+        ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n) & (tl.load(stuck) == 0)
         if n_new > 0:
             i = tl.zeros((), tl.int64)
             while i < n:
@@ -229,16 +230,17 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         tl.store(values + e + 4, tl.load(tids + bad).to(tl.int64))
         tl.store(values + e + 5, todo)
         tl.store(values + e + 6, tl.where(ok, n_new, 0))
+        tl.store(values + e + 7, tl.load(stuck))  # (the call then changes nothing: not ok)
 
 
 _SIG = {name: "*i64" for name in ("tids", "keys", "counts", "pos", "per_table", "tab_rows", "tab_pending", "tab_limit",
-                                  "scal", "sorted_keys", "order", "rank", "first", "values")}
+                                  "scal", "sorted_keys", "order", "rank", "first", "values", "stuck")}
 _SIG = {"flags": "*i32", **_SIG, "tstride": "i64", "n": "i64", "T": "i64", "max_entries": "i64",
         "rows_capacity": "i64", "active": "*i32", "ok_flag": "*i32", "pid0": "i32", "HAS_COUNTS": "constexpr",
         "SORTED": "constexpr", "BLOCK": "constexpr"}
 # (the kernel's parameters in order: a signature lists them so)
 _ORDER = ("flags tids keys counts pos per_table tab_rows tab_pending tab_limit tstride scal n T max_entries "
-          "rows_capacity sorted_keys order rank active first ok_flag values pid0 HAS_COUNTS SORTED BLOCK").split()
+          "rows_capacity sorted_keys order rank active first ok_flag values stuck pid0 HAS_COUNTS SORTED BLOCK").split()
 COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}]", need_kernel, {k: _SIG[k] for k in _ORDER},
                   {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024}) for c in (False, True) for s in (False, True)]
 # the same with every scalar an i32 (values below 2**31 arrive so)

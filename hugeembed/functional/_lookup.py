@@ -173,6 +173,7 @@ class FusedEmbeddingLookup:
             prep = prepare_torch(self.plan, sf, deduplicate)
         w = sf.weights_or_none()
         prep.weights_require_grad = w is not None and w.requires_grad
+        prep.id_bounds = self.plan.id_bounds  # (every prepare checks each static id against its table's rows)
         return prep
 
     def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> None:

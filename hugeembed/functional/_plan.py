@@ -133,6 +133,9 @@ class Prepared:
     #                             key; tables: each key's lookup table): the fused update reads them
     # the native prepare's unique_base then unique_count, int64 [2T] (the backward kernel's buffer)
     native_counts: torch.Tensor | None = None
+    # what the prepare proved, per table: its unique keys in [0, n) (n: the table's num_rows; None: a dynamic
+    # table's, any key), their counts >= 1; () when unknown.  A static fetch need not check these keys again.
+    id_bounds: tuple[int | None, ...] = ()
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]
@@ -183,6 +186,7 @@ class LookupPlan:
                     f"feature {f.name!r}: default_id {f.default_id} is outside table {t.name!r} of {t.num_rows} rows"
                 )
         self.feature_index = {f.name: i for i, f in enumerate(self.features)}
+        self.id_bounds = tuple(t.num_rows for t in self.tables)  # what a prepare proves of each table's ids
         self.feature_table = [self.table_index[f.table] for f in self.features]
         # dim groups, in order of first appearance
         groups: dict[int, tuple[list[int], list[int]]] = {}

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from .. import _native, _triton
-from .._device import canonical_device
+from .._device import canonical_device, host_to_device
 from .._hashing import mix64, seed_mix
 from .._tensors import joined, repeat_each
 from ..errors import ConfigError, InputError, StoreError
@@ -262,10 +262,12 @@ class DynamicGroup(DynamicEdits, GroupBase):
         state = lay.state(self.rows)
         alike = [t for t in here if self._templates[t] is not None]
         if alike:
-            table = torch.cat([x if x is not None else torch.zeros(1, lay.state_width, dtype=lay.state_dtype)
-                               for x in self._templates]).to(slots.device)
+            # (host-made: copied from page-locked memory, never waited for)
+            table = host_to_device(torch.cat([x if x is not None else torch.zeros(1, lay.state_width,
+                                                                                   dtype=lay.state_dtype)
+                                              for x in self._templates]), lay.state_dtype, slots.device)
             mine = None if len(alike) == len(self.settings) else \
-                torch.isin(tids, torch.tensor(alike, dtype=tids.dtype).to(tids.device, non_blocking=True))
+                torch.isin(tids, host_to_device(alike, tids.dtype, tids.device))
             sl, tt = (slots, tids) if mine is None else (slots[mine], tids[mine])
             state[sl] = table[tt]
         for t in here:
@@ -331,8 +333,8 @@ class DynamicGroup(DynamicEdits, GroupBase):
         return admit
 
     def fetch(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
-        """The group interface's training fetch (:meth:`find_or_insert`)."""
+              out: torch.Tensor | None = None, hits: torch.Tensor | None = None, within=None) -> torch.Tensor:
+        """The group interface's training fetch (:meth:`find_or_insert`; `within`: any key is in range)."""
         return self.find_or_insert(tids, keys, step, counts, out, hits)
 
     # ---------------------------------------------------------------- reads

@@ -2,21 +2,22 @@
 tensors under triton's interpreter, for the tests).  The same calls as store/_index_torch.py's
 TorchIndex, equal to it bucket for bucket (the kernels: hugeembed/_triton/hash_index.py).
 
-A find-or-insert: probe (classify, count, the longest probe), then one program makes the checks,
-the outcome, need[] and the group after the call (hugeembed/_triton/hash_need.py), read once.  That
-read says what else the call needs, so a step that brings no new key launches nothing more than the
-commit: with two keys or more to insert or promote, one sort by home and the need program again
-(duplicate keys, the new keys' own crowding); with new keys, claim rounds (one for a single key, it
-always wins; else three, then a second read for the records left).  The commit and the claims are
-gated on the device by the final outcome.  Only a claim left unfinished after three rounds (crowds
-longer than a 128-bucket window) reads again, once per further round.  Erase and rehash (eviction,
-growth: a host read is expected there) are the reference's rebuild.
+A find-or-insert: probe (classify, count, the longest probe), the sort of the keys to insert or
+promote by home (every call of two keys or more: the duplicate and crowd checks read it), then one
+program makes the checks, the outcome, need[] and the group after the call
+(hugeembed/_triton/hash_need.py), read once: the call's only read.  The commit and the claims are
+gated on the device by that outcome; what the read says decides which claims launch: none when no
+key is new, one round for a single key (it always wins), else three rounds and a one-program kernel
+that places what they left (crowds longer than a 128-bucket window) on the device, in further
+rounds, and exits at once when nothing is left.  Erase and rehash (eviction, growth: a host read is
+expected there) are the reference's rebuild.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._device import host_to_device
 from ..errors import InputError, StoreError
 from ._index import G_LEN, T_ADMIT_K, T_HASH_KEY, T_LEN, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, \
     need_length, pack
@@ -24,12 +25,14 @@ from ._index_torch import TorchIndex, _check, _homes
 
 __all__ = ["TritonIndex"]
 
-# Claim rounds run before the call's second read: the reference's windows of 32, 64 and 128 buckets.
-_BLIND_WIDTHS = (32, 64, 128)
+# Claim rounds launched one by one: the reference's windows of 32, 64 and 128 buckets; then 128-bucket
+# rounds in one program (claim_finish_kernel) for what they left.
+_ROUND_WIDTHS = (32, 64, 128)
 _LAST_WIDTH = 128
 # the report's extras after need[] (hugeembed/_triton/hash_need.py): outcome, a table column entry naming no
-# table, the first count below 1 (its position, value, table), keys to insert or promote, records left to place
-_X_OUTCOME, _X_BAD_TID, _X_BAD_AT, _X_BAD_COUNT, _X_BAD_TABLE, _X_TODO, _X_LEFT = range(7)
+# table, the first count below 1 (its position, value, table), keys to insert or promote, records left to place,
+# the records the call before left unplaced
+_X_OUTCOME, _X_BAD_TID, _X_BAD_AT, _X_BAD_COUNT, _X_BAD_TABLE, _X_TODO, _X_LEFT, _X_STUCK = range(8)
 assert T_PENDING == T_ROWS + 1  # need[]'s per-table state after the call is these two columns, side by side
 
 
@@ -46,11 +49,12 @@ class TritonIndex(TorchIndex):
     def __init__(self, block: int = 128, claim_block: int = 32, shuffle: torch.Generator | None = None) -> None:
         from .._triton import hash_index, hash_need  # triton is optional: imported when this backend is chosen
 
-        assert hash_need.EXTRAS == _X_LEFT + 1
+        assert hash_need.EXTRAS == _X_STUCK + 1
         self._kernels, self._kernels_need = hash_index, hash_need
         self._block, self._claim_block, self._shuffle = block, claim_block, shuffle
         self._claims: torch.Tensor | None = None  # per bucket: the stamp of the last round that wanted it
         self._epoch = 0
+        self._stuck: torch.Tensor | None = None  # the last call's records left unplaced (read by the next call)
 
     # ------------------------------------------------------------------ launching
     def _launch(self, kernel, n: int, block: int, *args, **constexprs) -> None:
@@ -64,8 +68,8 @@ class TritonIndex(TorchIndex):
     @staticmethod
     def _device_state(g, dev: torch.device) -> torch.Tensor:
         """The group's table fields (table t's field f at t * T_LEN + f) and then its scalars, on the
-        keys' device: one small copy, never waited for."""
-        return torch.cat([g.tables.reshape(-1), g.scalars]).to(dev, non_blocking=True)
+        keys' device: one small copy from page-locked memory, never waited for."""
+        return host_to_device(torch.cat([g.tables.reshape(-1), g.scalars]), torch.int64, dev)
 
     # ------------------------------------------------------------------ find
     def find(self, g, keys: torch.Tensor, tids: torch.Tensor, rows_only: bool,
@@ -85,8 +89,7 @@ class TritonIndex(TorchIndex):
 
     # ------------------------------------------------------------------ find-or-insert
     def find_or_insert(self, g, keys, tids, counts, admit, step: int, out, hits, init) -> tuple[Outcome, Need, tuple]:
-        """store/_index_torch.py::TorchIndex.find_or_insert's contract: one host read when the keys bring
-        no new key (or one new key), two otherwise."""
+        """store/_index_torch.py::TorchIndex.find_or_insert's contract in one host read, new keys or not."""
         n = keys.numel()
         if n == 0:
             return super().find_or_insert(g, keys, tids, counts, admit, step, out, hits, init)
@@ -110,45 +113,41 @@ class TritonIndex(TorchIndex):
         active = torch.empty(n, dtype=torch.int32, device=dev)
         ok_flag = torch.empty(1, dtype=torch.int32, device=dev)
         cut = need_length(T)
-        values = torch.empty(cut + _X_LEFT + 1, **i64)
-
-        def need(sorted_keys: torch.Tensor, order: torch.Tensor, ordered: bool) -> None:
-            self._kernels_need.need_kernel[(1,)](
-                flags, tids, keys, c, pos, per_table, tab[T_ROWS:], tab[T_PENDING:], tab[T_ROW_LIMIT:], T_LEN,
-                tab[T * T_LEN :], n, T, g.max_entries(), g.rows_capacity(), sorted_keys, order, rank, active, first,
-                ok_flag, values, pid0=0, HAS_COUNTS=counts is not None, SORTED=ordered, BLOCK=1024)
-
-        need(sortkey, sortkey, False)
-        got = values.tolist()  # the first read: the checks, and what else the call needs
+        values = torch.empty(cut + _X_STUCK + 1, **i64)
+        if self._stuck is None or self._stuck.device != dev:
+            self._stuck = torch.zeros(1, **i64)
+        ordered = n >= 2  # (the duplicate and crowd checks need two keys)
+        sorted_keys, order = torch.sort(sortkey, stable=True) if ordered else (sortkey, sortkey)
+        self._kernels_need.need_kernel[(1,)](
+            flags, tids, keys, c, pos, per_table, tab[T_ROWS:], tab[T_PENDING:], tab[T_ROW_LIMIT:], T_LEN,
+            tab[T * T_LEN :], n, T, g.max_entries(), g.rows_capacity(), sorted_keys, order, rank, active, first,
+            ok_flag, values, self._stuck, pid0=0, HAS_COUNTS=counts is not None, SORTED=ordered, BLOCK=1024)
+        # commit (nothing but `out` when not DONE): slots in batch order, the found keys' words, the new records
+        word2, made_slots, made_keys, made_tids = (torch.empty(n, **i64) for _ in range(4))
+        self._launch(k.commit_kernel, n, self._block, g.buckets, tids, n, codes, pos, n_after, flags, rank,
+                     g.free_rows, tab[T * T_LEN :], step, ok_flag, o, word2, made_slots, made_keys, keys, made_tids)
+        got = values.tolist()  # the call's one read: the checks, the outcome, the group after the call
         x = got[cut:]
+        if x[_X_STUCK]:
+            raise StoreError(f"tables {g.names()}: {x[_X_STUCK]} new keys of the call before found no empty bucket "
+                             "(internal error)")
         if x[_X_BAD_TID]:
             raise StoreError("group index: a table column entry names no table of the group (internal error)")
         if x[_X_BAD_AT] < n:
             raise InputError(f"table '{g.settings[x[_X_BAD_TABLE]].name}': counts must be >= 1 (occurrences in the "
                              f"batch), got {x[_X_BAD_COUNT]}")
-        ordered = x[_X_TODO] >= 2  # a duplicate or a crowd of new keys is possible: the checks need the sort
-        if ordered:
-            need(*torch.sort(sortkey, stable=True), True)
-        # commit (nothing but `out` when not DONE): slots in batch order, the found keys' words, the new records
-        word2, made_slots, made_keys, made_tids = (torch.empty(n, **i64) for _ in range(4))
-        self._launch(k.commit_kernel, n, self._block, g.buckets, tids, n, codes, pos, n_after, flags, rank,
-                     g.free_rows, tab[T * T_LEN :], step, ok_flag, o, word2, made_slots, made_keys, keys, made_tids)
-        claiming = got[0] > 0 and (ordered or x[_X_OUTCOME] == Outcome.DONE)
-        if claiming:
-            last = torch.full((n,), step, **i64)
-            left = values[cut + _X_LEFT :]
-            # a single new key always wins its first round (its first empty bucket is its own)
-            self._claim(g, keys, tids, word2, last, active, pos, first, left, _BLIND_WIDTHS[: 1 if got[0] == 1 else 3])
-        left_n = 0  # a single new key's round places it
-        if ordered or (claiming and got[0] > 1):
-            got = values.tolist()  # the second read: the outcome after the checks, the records left to place
-            x = got[cut:]
-            left_n = x[_X_LEFT]
         rc = Outcome(x[_X_OUTCOME])
         made: tuple = ()
         if rc == Outcome.DONE:
-            if claiming and left_n:
-                self._finish(g, keys, tids, word2, last, active, pos, first, left, left_n)
+            if got[0]:  # new keys to place; the records a round leaves are counted down in `values` on the device
+                last = torch.full((n,), step, **i64)
+                left = values[cut + _X_LEFT : cut + _X_LEFT + 1]
+                # a single new key always wins its first round (its first empty bucket is its own)
+                self._claim(g, keys, tids, word2, last, active, pos, first, left,
+                            _ROUND_WIDTHS[: 1 if got[0] == 1 else 3])
+                if got[0] > 1:
+                    self._finish(g, keys, tids, word2, last, active, pos, first, left)
+                    self._stuck = left  # (the next call's report holds it)
             after = got[cut - 3 - 2 * T : cut]
             g.scalars.copy_(torch.tensor(after[:G_LEN]))
             g.tables[:, T_ROWS : T_PENDING + 1].copy_(torch.tensor(after[G_LEN:]).view(T, 2))
@@ -167,7 +166,7 @@ class TritonIndex(TorchIndex):
         `first_known`: `first` holds each record's first empty bucket for the first round (a probe's)."""
         k, n, B = self._kernels, keys.numel(), g.buckets.shape[0]
         if self._claims is None or self._claims.shape[0] != B or self._claims.device != g.buckets.device or \
-                self._epoch + len(widths) >= 2 ** (63 - k.STAMP_BITS):
+                self._epoch + len(widths) >= k.FINISH_EPOCH:  # (claim_finish_kernel's epoch stays above theirs)
             self._claims = torch.zeros(B, dtype=torch.int64, device=g.buckets.device)
             self._epoch = 0
         want = torch.empty_like(start)
@@ -182,17 +181,16 @@ class TritonIndex(TorchIndex):
             self._launch(k.claim_place_kernel, n, self._claim_block, g.buckets, B, n, active, start, want,
                          self._claims, self._epoch, keys, tids, word2, last, left, W=width)
 
-    def _finish(self, g, keys, tids, word2, last, active, start, first, left_t, left: int) -> None:
-        """Further rounds (128-bucket windows), a read each, until the `left` records still active are
-        placed: crowds longer than the windows so far, as the reference goes on."""
-        # a round places a record, or moves every one a window on when none sees an empty bucket
-        for _ in range(left * (g.buckets.shape[0] // _LAST_WIDTH + 2)):
-            if not left:
-                return
-            self._claim(g, keys, tids, word2, last, active, start, first, left_t, (_LAST_WIDTH,), False)
-            left = int(left_t[0])
-        if left:
-            raise StoreError(f"tables {g.names()}: {left} new keys found no empty bucket (internal error)")
+    def _finish(self, g, keys, tids, word2, last, active, start, first, left) -> None:
+        """Further rounds of 128-bucket windows in one program, on the device, until the `left` records still
+        active are placed (crowds longer than the windows so far, as the reference goes on); it exits at
+        once when none is.  A round places a record, or moves every one a window on when none sees an empty
+        bucket: the bound on rounds is never reached while the index has an empty bucket."""
+        n, B = keys.numel(), g.buckets.shape[0]  # (self._claims: made by the rounds before)
+        scratch = torch.empty(3, n, dtype=torch.int64, device=keys.device)
+        self._kernels.claim_finish_kernel[(1,)](g.buckets, B, n, active, start, self._claims, keys, tids, word2, last,
+                                                left, scratch[0], scratch[1], scratch[2], n * (B // _LAST_WIDTH + 2),
+                                                pid0=0, W=_LAST_WIDTH, BLOCK=32)
 
     def insert(self, g, keys, tids, codes, counts, lasts) -> None:
         n = keys.numel()
@@ -205,6 +203,8 @@ class TritonIndex(TorchIndex):
         lasts = lasts.contiguous()
         first = torch.empty_like(start)
         left = torch.full((1,), n, dtype=torch.int64, device=keys.device)
-        self._claim(g, keys, tids, word2, lasts, active, start, first, left, _BLIND_WIDTHS, False)
-        self._finish(g, keys, tids, word2, lasts, active, start, first, left, int(left[0]))  # an import, not a step
+        self._claim(g, keys, tids, word2, lasts, active, start, first, left, _ROUND_WIDTHS, False)
+        self._finish(g, keys, tids, word2, lasts, active, start, first, left)
+        if int(left[0]):  # (an import, not a step: a read)
+            raise StoreError(f"tables {g.names()}: {int(left[0])} imported keys found no empty bucket (internal error)")
         g.scalars[G_ENTRIES] += n

@@ -68,6 +68,8 @@ class StaticGroup(GroupBase):
         self.info = torch.tensor([[f, t.num_rows, t.shard, t.num_shards] for f, t in zip(self.first, tables)],
                                  dtype=torch.int64)
         self._info_here = self.info.to(self.device)
+        # the keys' ranges, when a prepare's proof covers every check of the fetch (no table is a row-wise shard)
+        self.key_bounds = tuple(t.num_rows for t in tables) if all(t.num_shards == 1 for t in tables) else None
         self.pins = PinnedRows()  # static rows never move: pins are kept for the common interface
         if self.device.type != "meta" and rows:
             for t in range(len(tables)):
@@ -111,9 +113,15 @@ class StaticGroup(GroupBase):
         return self._rows_of(tids, keys, step, counts, out, True, unique)
 
     def fetch(self, tids: torch.Tensor, keys: torch.Tensor, step: int, counts: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, hits: torch.Tensor | None = None) -> torch.Tensor:
-        """The group interface's training fetch (:meth:`touch`); `hits`: each key's count after it."""
-        out = self.touch(tids, keys, step, counts, out)
+              out: torch.Tensor | None = None, hits: torch.Tensor | None = None,
+              within: tuple[int | None, ...] | None = None) -> torch.Tensor:
+        """The group interface's training fetch (:meth:`touch`); `hits`: each key's count after it.
+
+        `within`: what the prepare that made the keys proved (functional Prepared.id_bounds, the group's
+        tables' part): each table's keys in [0, within[t]), counts >= 1.  Where that is every table's own
+        range (:attr:`key_bounds`), the keys are not checked again: on the GPU, no read of the device."""
+        checked = within is not None and within == self.key_bounds
+        out = self._rows_of(tids, keys, step, counts, out, True, True, checked)
         if hits is not None:
             hits.copy_(torch.where(out >= 0, self.meta[out.clamp(min=0), 0], 0))
         return out
@@ -126,12 +134,12 @@ class StaticGroup(GroupBase):
         """Static rows are never evicted."""
         return [0] * len(self.settings)
 
-    def _rows_of(self, tids, keys, step, counts, out, count: bool, unique: bool) -> torch.Tensor:
+    def _rows_of(self, tids, keys, step, counts, out, count: bool, unique: bool, checked: bool = False) -> torch.Tensor:
         out = torch.empty_like(keys) if out is None else out
         if keys.numel() == 0:
             return out
         if self._on_triton():
-            return self._rows_triton(tids, keys, step, counts, out, count)
+            return self._rows_triton(tids, keys, step, counts, out, count, checked)
         if self.device.type == "cpu" and _native.available():
             try:
                 _native.call("he_static_touch", [self.meta, self.info, keys, tids, counts, out],
@@ -142,20 +150,21 @@ class StaticGroup(GroupBase):
                     raise
                 pos = e.detail[0]
                 self._raise_bad(int(tids[pos]), int(keys[pos]), None if counts is None else int(counts[pos]))
-        return self._rows_torch(tids, keys, step, counts, out, count)
+        return self._rows_torch(tids, keys, step, counts, out, count, checked)
 
     def _on_triton(self) -> bool:
         """Whether the fetch runs on the triton kernels: CUDA rows when triton imports."""
         return self.device.type == "cuda" and _triton.available()
 
-    def _rows_triton(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
-        """The GPU's: _rows_torch's contract in two kernels and the one read of the check (_triton/static_rows.py)."""
+    def _rows_triton(self, tids, keys, step, counts, out, count: bool, checked: bool = False) -> torch.Tensor:
+        """The GPU's: _rows_torch's contract in two kernels and the one read of the check (_triton/static_rows.py);
+        `checked` (a prepare's proof covers the check): no check, no read."""
         from .._triton.static_rows import static_count, static_rows
 
         tids, keys = (x.to(torch.int64).contiguous() for x in (tids, keys))
         counts = None if counts is None else counts.to(torch.int64).contiguous()
         rows = out if out.is_contiguous() and out.dtype == torch.int64 else torch.empty_like(keys)
-        bad = static_rows(tids, keys, counts, self._info_here, rows)
+        bad = static_rows(tids, keys, counts, self._info_here, rows, check=not checked)
         if bad is not None:
             self._raise_bad(int(tids[bad]), int(keys[bad]), None if counts is None else int(counts[bad]))
         if count:
@@ -164,17 +173,18 @@ class StaticGroup(GroupBase):
             out.copy_(rows)
         return out
 
-    def _rows_torch(self, tids, keys, step, counts, out, count: bool) -> torch.Tensor:
-        """The reference: the kernel's contract in torch ops (any device)."""
+    def _rows_torch(self, tids, keys, step, counts, out, count: bool, checked: bool = False) -> torch.Tensor:
+        """The reference: the kernel's contract in torch ops (any device); `checked` as _rows_triton's."""
         sel = tids >= 0
         info = self._info_here[tids.clamp(min=0)]
         first, nrows, shard, shards = info.unbind(1)
-        bad = sel & ((keys < 0) | (keys >= nrows) | (keys % shards != shard))
-        if counts is not None:
-            bad |= sel & (counts < 1)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            self._raise_bad(int(tids[i]), int(keys[i]), None if counts is None else int(counts[i]))
+        if not checked:
+            bad = sel & ((keys < 0) | (keys >= nrows) | (keys % shards != shard))
+            if counts is not None:
+                bad |= sel & (counts < 1)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                self._raise_bad(int(tids[i]), int(keys[i]), None if counts is None else int(counts[i]))
         rows = torch.where(sel, first + torch.div(keys, shards, rounding_mode="floor"), -1)
         out.copy_(rows)
         if count:  # (the ids without a table count on the sink row: no read of how many there are)

@@ -39,7 +39,7 @@ class TieredGroup(GroupBase):
         self.store.reserve(self._mine(tids, keys)[1])
 
     @one_thread
-    def fetch(self, tids, keys, step: int, counts=None, out=None, hits=None) -> torch.Tensor:
+    def fetch(self, tids, keys, step: int, counts=None, out=None, hits=None, within=None) -> torch.Tensor:
         sel, k = self._mine(tids, keys)
         out = torch.empty_like(keys) if out is None else out
         out.fill_(-1)

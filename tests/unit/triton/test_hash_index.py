@@ -198,15 +198,27 @@ def test_results_do_not_depend_on_the_order_programs_run_in(device, seed):
 
 
 @on_device
-def test_a_crowd_longer_than_the_rounds_before_the_read_is_placed_as_the_reference_places_it(device, monkeypatch):
+def test_a_crowd_longer_than_the_launched_rounds_is_placed_on_the_device_as_the_reference_places_it(device,
+                                                                                                     monkeypatch):
+    """What the three rounds leave, the one-program kernel places in further rounds (no read), bucket for
+    bucket as the reference; the next call's report says nothing was left unplaced."""
     a, b = _group("torch", device, buckets=640), _group("triton", device, buckets=640)
-    rounds = []
-    claim = TritonIndex._claim
-    monkeypatch.setattr(TritonIndex, "_claim", lambda self, *args: rounds.append(args[-1]) or claim(self, *args))
+    left_before = []
+    finish = TritonIndex._finish
+    monkeypatch.setattr(TritonIndex, "_finish",
+                        lambda self, *args: left_before.append(int(args[-1][0])) or finish(self, *args))
+    reads, calls = [], []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _f=torch.Tensor.tolist: reads.append(t.shape) or _f(t))
+    call = TritonIndex.find_or_insert
+    monkeypatch.setattr(TritonIndex, "find_or_insert", lambda self, *args: calls.append(1) or call(self, *args))
     crowd = _crowded(a, 300, t=1)  # 300 keys on two homes: past the 32 + 64 + 128 buckets of the first rounds
-    _fetch_both(a, b, *_batch([(0, k, 1) for k in crowd[:4]] + [(1, k, 2) for k in crowd], device), 0)
-    assert len(rounds) > 1  # rounds after the call's read, one read each
-    assert int(b.scalars[0]) == 304
+    batch = _batch([(0, k, 1) for k in crowd[:4]] + [(1, k, 2) for k in crowd], device)
+    reads.clear()
+    _fetch_both(a, b, *batch, 0)  # (refused: the group grows, then the call again)
+    assert left_before and left_before[0] > 0  # the kernel had records to place
+    assert int(b.scalars[0]) == 304 and int(b._index._stuck[0]) == 0
+    assert reads.count(torch.Size([need_length(3) + 8])) == len(calls) == 2  # each call's one read
+    _fetch_both(a, b, *_batch([(2, 5, 1), (0, 7, 1)], device), 1)  # (its report: nothing left unplaced)
 
 
 @on_device
@@ -263,8 +275,8 @@ def test_a_find_or_insert_reads_the_host_only_for_its_need(device, monkeypatch):
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 0, torch.empty_like(k), None, None)
     assert rc == Outcome.DONE and need.made == 4
     assert spy.reads == 0
-    report = torch.Size([need_length(3) + 7])  # need[] and the extras (hugeembed/_triton/hash_need.py)
-    assert needs == [report, report]  # new keys: the checks' read, then the outcome's after the claims
+    report = torch.Size([need_length(3) + 8])  # need[] and the extras (hugeembed/_triton/hash_need.py)
+    assert needs == [report]  # new keys: the one read (the claims launched after it read nothing)
     needs.clear()
     with spy:  # no new key (a step's steady state), one promotion: the one read
         rc, need, made = g._index.find_or_insert(g, k, t, c, None, 1, torch.empty_like(k), None, None)
@@ -316,3 +328,18 @@ def test_cuda_groups_choose_the_triton_index_and_cpu_tensors_only_under_the_inte
     with pytest.raises(ConfigError, match="triton backend runs on CUDA"):
         pick_backend("triton", torch.device("cpu"))
     assert isinstance(_group("torch", "cpu")._index, TorchIndex)
+
+
+@on_device
+def test_records_a_call_left_unplaced_fail_the_next_call_before_it_changes_anything(device):
+    """claim_finish_kernel cannot place a record only when the index has no empty bucket (an internal error); it
+    leaves the count where the next call's report reads it: that call raises and changes nothing."""
+    from hugeembed.errors import StoreError
+
+    g = _group("triton", device, buckets=64)
+    g.find_or_insert(*_batch([(0, 1, 1), (0, 2, 1)], device)[:2], 0)
+    g._index._stuck = torch.ones(1, dtype=torch.int64, device=device)  # (as the kernel leaves one record unplaced)
+    before = {name: x.clone() for name, x in _state(g).items()}
+    with pytest.raises(StoreError, match="1 new keys of the call before found no empty bucket"):
+        g.find_or_insert(*_batch([(0, 1, 1), (0, 3, 1), (1, 4, 1)], device)[:2], 1)  # a known key, two new
+    assert all(torch.equal(x, _state(g)[name]) for name, x in before.items())

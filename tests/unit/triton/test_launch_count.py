@@ -37,11 +37,12 @@ def test_counts_kernels_and_launching_ops_by_hand(ops):
 
 @pytest.mark.slow
 def test_a_static_triton_step_launches_a_bounded_number_of_kernels(ops):
-    """The same launches for 2 and 4 tables, and at most issue 32's 25 for static tables; two reads (the prepare's
-    checks, then the static fetch's key check: issue 32 asks for one)."""
+    """The same launches for 2 and 4 tables, and at most issue 32's 25 for static tables; one read (the prepare's
+    report: the static fetch takes its proof and checks nothing again)."""
     few, many = (ops.counted_launches(n, False, samples=2, rows=4, warmup=3) for n in (2, 4))
     assert few.launches() == many.launches() <= 25, (dict(many.kernels), dict(many.torch_launches()))
-    assert few.syncs() == many.syncs() == 2
+    assert few.syncs() == many.syncs() == 1, dict(many.ops)
+    assert many.kernels["_static_rows"] == 1
 
 
 @pytest.mark.slow
@@ -53,3 +54,15 @@ def test_a_dynamic_triton_step_launches_a_bounded_number_of_kernels(ops):
     assert few.syncs() == many.syncs() <= 2
     assert not any(name.startswith("claim_") for name in many.kernels)
     assert many.kernels["need_kernel"] == 1
+
+
+@pytest.mark.slow
+def test_a_dynamic_triton_step_with_new_keys_reads_twice(ops):
+    """Issue 32 item 5 in a step that makes rows: three new keys per table (their rows freed before, so no table
+    grows): two reads (the prepare's report, the index's one read), whatever the tables, the claims launched
+    after the index's read and what they leave placed on the device; no blocking copy to the device."""
+    few, many = (ops.counted_new_keys(n, new=3, samples=4, rows=6, warmup=4) for n in (2, 4))
+    assert few.syncs() == many.syncs() == 2, dict(many.ops)
+    assert many.ops.get("h2d", 0) == 0
+    assert few.launches() == many.launches()
+    assert many.kernels["claim_place_kernel"] == 3 and many.kernels["claim_finish_kernel"] == 1

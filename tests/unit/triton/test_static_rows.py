@@ -64,3 +64,27 @@ def test_two_kernels_and_one_read():
     assert c.syncs() == 1 and sum(c.kernels.values()) == 2, (dict(c.ops), dict(c.kernels))
     assert out.tolist() == [4, 11, 12 + 1, 5]  # c's key 3 -> row 12 + 3 // 2
     assert g.meta[[4, 11, 13, 5]].tolist() == [[1, 3]] * 4
+
+
+def test_keys_a_prepare_proved_in_range_are_not_checked_again(monkeypatch):
+    """The fetch given the prepare's proof (Prepared.id_bounds) equal to its tables' own ranges: the same rows and
+    counts as the checked fetch, in two kernels and no read.  A proof of other ranges, or a group with a row-wise
+    shard, is not enough: the keys are checked (and a bad one raises, changing nothing)."""
+    ops = load_bench("ops")
+    monkeypatch.setattr(StaticGroup, "_on_triton", lambda self: True)  # (CPU tensors: the kernels, as on a GPU)
+    plain = lambda: StaticGroup([TableSettings("a", LAY, num_rows=5, seed=1), TableSettings("b", LAY, num_rows=7, seed=2)],
+                                device=DEV)
+    tids, keys = _pairs([0, 1, 1, -1, 0], [4, 6, 0, 9, 0])
+    counts = torch.tensor([1, 2, 1, 1, 3], dtype=torch.int64, device=DEV)
+    want, got = plain(), plain()
+    assert got.key_bounds == (5, 7)
+    want_out = want.fetch(tids, keys, 3, counts)
+    with ops.CountLaunches() as c:
+        got_out = got.fetch(tids, keys, 3, counts, within=(5, 7))
+    assert c.syncs() == 0 and sum(c.kernels.values()) == 2, (dict(c.ops), dict(c.kernels))
+    assert torch.equal(got_out, want_out) and torch.equal(got.meta, want.meta)
+    bad = _pairs([0, 1], [2, 7])
+    for g, within in ((plain(), (5, 8)), (_group(), (5, 7, 9))):  # other ranges; a shard's group
+        with pytest.raises(InputError, match="table 'b': key 7 is outside \\[0, 7\\)"):
+            g.fetch(*bad, 1, within=within)
+        assert not g.meta.any()

@@ -143,3 +143,29 @@ def test_units_of_two_groups_share_the_prepared_runs(fused_calls):
     for k, v in ref.state_dict().items():
         got = tri.state_dict()[k]
         assert torch.equal(got, v) if not v.dtype.is_floating_point else torch.allclose(got, v, rtol=1e-5, atol=1e-6), k
+
+
+def test_a_static_step_on_the_kernels_reads_once_and_a_bad_id_still_raises_changing_nothing(monkeypatch):
+    """The static fetch on its kernels too (as on a GPU): a step reads the device once (the prepare's report:
+    the fetch takes its proof and checks nothing again); an id out of range raises the prepare's error naming
+    the feature, the table and the id, and leaves the rows, the counts and the step as they were."""
+    from hugeembed.errors import InputError
+    from hugeembed.store import StaticGroup
+
+    monkeypatch.setattr(StaticGroup, "_on_triton", lambda self: True)
+    ops = load_bench("ops")
+    ec = _collection("triton", RULES["adagrad"])
+    _train(ec, range(2))
+    sf = _batch(5)
+    with ops.CountLaunches() as counter:
+        ec(sf).stacked().sum().backward()
+    assert counter.syncs() == 1 and counter.kernels["_static_rows"] == 1, dict(counter.ops)
+    before = {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
+    metas = [g.meta.clone() for g in ec.groups]
+    step = ec._step
+    bad = SparseFeatures(["a", "b"], torch.tensor([1, 2, 5]), lengths=torch.tensor([1, 0, 0, 1, 1, 0])).to(DEV)
+    with pytest.raises(InputError, match="'b'.*5"):  # b has 5 rows
+        ec(bad)
+    assert ec._step == step and all(torch.equal(m, g.meta) for m, g in zip(metas, ec.groups))
+    after = ec.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
