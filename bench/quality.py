@@ -93,6 +93,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "plain_dlrm": {"first_order": False, "first_order_lr": None},
     "first_order_lr0.05": {"first_order": True, "first_order_lr": 0.05},
     "dropout0.3": {"dropout": 0.3},
+    # schema data: every id its own bias at first sight (the embedding tables keep admission at 3), and with
+    # its steps scaled by min(1, hits / 20) (counting's prior of 20 rows)
+    "first_order_admit1": {"first_order": True, "first_order_admit_min_count": 1},
+    "first_order_admit1_lcs20": {"first_order": True, "first_order_admit_min_count": 1,
+                                 "first_order_lr_count_scale": 20},
 }
 
 

@@ -24,7 +24,8 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order", "first_order_lr", "first_order_betas",
-           "first_order_eps", "dropout", "choose_epochs", "choose_holdout")
+           "first_order_eps", "first_order_admit_min_count", "first_order_lr_count_scale", "dropout", "choose_epochs",
+           "choose_holdout")
 
 # DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.02 with Adam settings of their own (when the
 # run's sparse optimizer is an Adam one): torch's beta1 0.9 and eps 1e-8, not the run's measured beta1 0 and eps 1e-5.
@@ -98,6 +99,10 @@ def add_parser(sub) -> None:
                    "own Adam betas (default: --sparse-betas; data of a schema of its own: 0.9 0.999)")
     p.add_argument("--first-order-eps", type=float, metavar="EPS", help="the per-id biases' own Adam eps "
                    "(default: --sparse-eps; data of a schema of its own: 1e-8)")
+    p.add_argument("--first-order-admit-min-count", type=int, metavar="K", help="the per-id biases' own "
+                   "--admit-min-count (1: every id its own bias at first sight; default: --admit-min-count)")
+    p.add_argument("--first-order-lr-count-scale", type=int, metavar="N", help="the per-id biases' own "
+                   "--lr-count-scale (a bias seen n < N times steps at n/N of its lr; default: --lr-count-scale)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)

@@ -57,6 +57,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                first_order_optimizer: SparseOptimizer | None = None, first_order: bool | None = None,
                initializer: Initializer | str | None = DEFAULT_INITIALIZER,
                admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT, lr_count_scale: int | None = None,
+               first_order_admit_min_count: int | None = None, first_order_lr_count_scale: int | None = None,
                backend: str = "auto", schema: Schema | None = None,
                collection_factory: Callable[..., EmbeddingCollection] | None = None
                ) -> tuple[RecModel, list[nn.Parameter]]:
@@ -94,6 +95,8 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
             gets a row at first sight.  Default :data:`DEFAULT_ADMIT_MIN_COUNT`.
         lr_count_scale: per-row learning rate ``lr * min(1, hits / lr_count_scale)``
             (TableConfig.lr_count_scale); None: the full lr for every row.
+        first_order_admit_min_count, first_order_lr_count_scale: the dim-1 (per-id bias) tables' own
+            admit_min_count / lr_count_scale; None: the other tables'.
         backend: the collection's lookup backend.
         schema: build the tables a data schema asks for (hugeembed.data.Schema): its sparse features,
             shared tables and combiners, and its dense columns (`features`, `num_dense` and
@@ -159,7 +162,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         if first_order:
             tables += first_order_tables(features, cardinalities=cardinalities, combiner=combiner, capacity=capacity,
                                          optimizer=first_order_optimizer)
-    tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) for t in tables]
+    tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) if not _is_bias(t) else
+              with_rare_id_options(t, _either(first_order_admit_min_count, admit_min_count),
+                                   _either(first_order_lr_count_scale, lr_count_scale)) for t in tables]
     device = canonical_device(device)
     factory = EmbeddingCollection if collection_factory is None else collection_factory
     collection = factory(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
@@ -188,6 +193,15 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     if init_on != device:
         model.to(device)  # the dense layers only: the collection is there already
     return model, model.dense_parameters()
+
+
+def _is_bias(table) -> bool:
+    """A first-order (per-id bias) table: dim 1, named with FIRST_ORDER_PREFIX."""
+    return table.dim == 1 and table.name.startswith(FIRST_ORDER_PREFIX)
+
+
+def _either(own, run):
+    return run if own is None else own
 
 
 def _given(**options):

@@ -109,7 +109,9 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
                       seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg), lr_count_scale=cfg.lr_count_scale,
-                      first_order=cfg.first_order, first_order_optimizer=biases, dropout=cfg.dropout,
+                      first_order=cfg.first_order, first_order_optimizer=biases,
+                      first_order_admit_min_count=cfg.first_order_admit_min_count,
+                      first_order_lr_count_scale=cfg.first_order_lr_count_scale, dropout=cfg.dropout,
                       collection_factory=factory, schema=schema)
 
 

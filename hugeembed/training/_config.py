@@ -67,6 +67,12 @@ class TrainConfig:
             this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         first_order_betas, first_order_eps: the per-id biases' own Adam betas and eps (Adam optimizers
             only); None: the run's (`sparse_betas`, `sparse_eps`).  Needs `first_order`.
+        first_order_admit_min_count: the per-id bias tables' admission threshold (`admit_min_count` for
+            them alone: 1 gives every id its own bias at first sight, as counting gives every value its rate);
+            None: the run's.  Needs `first_order`.
+        first_order_lr_count_scale: the per-id bias tables' `lr_count_scale` (a bias seen n < N times steps
+            at n / N of its lr, as counting shrinks a rare value's rate towards the mean); None: the run's.
+            Needs `first_order`.
         choose_epochs: the run's passes over `data`, chosen: a trial run (constant learning rates) trains
             on all but the last `choose_holdout` of the training batches, scoring that tail after each pass,
             for up to this many passes (it stops after 2 without a better tail AUC); the run then makes the
@@ -158,6 +164,8 @@ class TrainConfig:
     first_order_lr: float | None = None
     first_order_betas: tuple[float, float] | None = None
     first_order_eps: float | None = None
+    first_order_admit_min_count: int | None = None
+    first_order_lr_count_scale: int | None = None
     dropout: float | None = None
     choose_epochs: int | None = None
     choose_holdout: float = 0.1

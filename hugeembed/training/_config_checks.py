@@ -80,6 +80,11 @@ def check_settings(cfg) -> None:
     positive("full_checkpoint_every")  # >= 1: 1 writes every snapshot in full
     positive("admit_min_count", allow_none=True)
     positive("lr_count_scale", allow_none=True)
+    for name in ("first_order_admit_min_count", "first_order_lr_count_scale"):
+        positive(name, allow_none=True)
+        if getattr(cfg, name) is not None and not cfg.first_order:
+            raise ConfigError(f"{name.replace('_', '-')} sets the per-id bias tables' rare-id rule: it needs "
+                              f"first-order")
     positive("choose_epochs", allow_none=True)
     if isinstance(cfg.choose_holdout, bool) or not (isinstance(cfg.choose_holdout, (int, float))
                                                      and 0.0 < cfg.choose_holdout < 1.0):
