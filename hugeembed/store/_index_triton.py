@@ -19,7 +19,7 @@ import torch
 
 from .._device import host_to_device
 from ..errors import InputError, StoreError
-from ._index import G_LEN, T_ADMIT_K, T_HASH_KEY, T_LEN, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, \
+from ._index import G_ENTRIES, G_LEN, T_ADMIT_K, T_HASH_KEY, T_LEN, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, \
     need_length, pack
 from ._index_torch import TorchIndex, _check, _homes
 

@@ -145,6 +145,19 @@ def test_triton_index_equals_the_torch_index_call_for_call(device, ops):
 
 
 @on_device
+def test_a_tables_export_loads_back_into_the_triton_index_as_into_the_torch_one(device):
+    """TritonIndex.insert (a snapshot's keys loaded back) places, counts and codes as the reference does."""
+    a, b = _group("torch", device), _group("triton", device)
+    _fetch_both(a, b, *_batch(_unique([(0, 5, 1), (1, 6, 1), (0, 7, 2), (0, 9, 3), (2, 4, 1)]), device), 0)
+    exported = a.view(0).export()
+    assert exported.keys.numel() >= 1
+    for g in (a, b):
+        g.import_(0, exported)
+    _assert_same(a, b)
+    b.check_layout()
+
+
+@on_device
 def test_the_shared_rows_key_new_keys_promotions_and_full_tables_in_one_call(device):
     a, b = _group("torch", device, buckets=64), _group("triton", device, buckets=64)
     batches = [[(1, 5, 1), (1, 6, 1), (0, 1, 1), (1, SHARED_ROW_KEY, 2), (2, 9, 1)],
