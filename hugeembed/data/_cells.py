@@ -13,7 +13,7 @@ import numpy as np
 from .. import _native
 from ._block import Bag
 
-__all__ = ["native_cells", "hash_cells", "split_hash", "string_buffers"]
+__all__ = ["native_cells", "hash_cells", "hash_columns", "split_hash", "string_buffers"]
 
 _ALL_VALID = np.zeros(0, np.uint8)  # an empty valid buffer: no cell is null
 
@@ -41,10 +41,46 @@ def string_buffers(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return offsets, data, valid
 
 
+def _parts(arr) -> list:
+    """The arrays of an Array or ChunkedArray (a column read in blocks comes in chunks: they are handed to
+    the kernel as they are, not joined into a copy first)."""
+    return list(arr.chunks) if hasattr(arr, "chunks") else [arr]
+
+
+def _part_buffers(parts) -> tuple[list, list]:
+    """(buffers, cell counts) of string arrays, three buffers each (offsets, data, valid) as the kernels take them."""
+    bufs, counts = [], []
+    for part in parts:
+        offsets, data, valid = string_buffers(part)
+        bufs += [offsets, data, _ALL_VALID if valid is None else valid]
+        counts.append(len(part))
+    return bufs, counts
+
+
+def hash_columns(columns: list[tuple[object, int, int]], out: np.ndarray) -> None:
+    """Hashes string columns into columns of `out` (a C-contiguous int64 [n, k] matrix), all in one pass over
+    its rows: ``(arr, missing_id, j)`` puts each cell's hash of `arr` (an Array or ChunkedArray of n strings)
+    into ``out[:, j]``, `missing_id` where the cell is empty or null."""
+    n = out.shape[0] if out.ndim == 2 else -1
+    if out.dtype != np.int64 or out.ndim != 2 or not out.flags.c_contiguous or \
+            any(len(arr) != n or not 0 <= j < out.shape[1] for arr, _, j in columns):
+        raise ValueError(f"hash_columns: out must be a C-contiguous int64 [n, k] matrix, each column n cells into a "
+                         f"slot < k; got {out.dtype} {out.shape} and columns of {[len(a) for a, _, _ in columns]} "
+                         f"cells into {[j for _, _, j in columns]}")
+    bufs, heads, counts = [], [], []
+    for arr, missing, j in columns:
+        parts = _parts(arr)
+        part_bufs, part_counts = _part_buffers(parts)
+        bufs += part_bufs
+        counts += part_counts
+        heads += [int(j), int(missing), len(parts)]
+    _native.call("he_hash_columns", [out] + bufs, [n, out.shape[1], len(columns)] + heads + counts)
+
+
 def hash_cells(arr, missing_id: int, out: np.ndarray | None = None, column: int = 0) -> np.ndarray:
-    """int64 [n]: each cell's hash, `missing_id` where the cell is empty or null.  With `out` (a C-contiguous
-    int64 [n, k] matrix) the ids go into its column `column`, and that column is returned."""
-    offsets, data, valid = string_buffers(arr)
+    """int64 [n]: each cell's hash, `missing_id` where the cell is empty or null (`arr`: a string Array or
+    ChunkedArray).  With `out` (a C-contiguous int64 [n, k] matrix) the ids go into its column `column`, and
+    that column is returned."""
     n = len(arr)
     if out is None:
         out = np.empty((n, 1), np.int64)
@@ -52,21 +88,20 @@ def hash_cells(arr, missing_id: int, out: np.ndarray | None = None, column: int 
             not 0 <= column < out.shape[1]:
         raise ValueError(f"hash_cells: out must be a C-contiguous int64 [{n}, k] matrix with column {column}, got "
                          f"{out.dtype} {out.shape}")
-    flat = out.reshape(-1)[column:]
-    _native.call("he_hash_cells", [offsets, data, _ALL_VALID if valid is None else valid, flat],
-                 [n, int(missing_id), out.shape[1]])
+    hash_columns([(arr, missing_id, column)], out)
     return out[:, column]
 
 
 def split_hash(arr, separator: str, max_length: int | None, missing_id: int) -> Bag:
-    """Each cell split at `separator` into the hashes of its non-empty pieces, the last `max_length` kept;
-    an empty or null cell is one `missing_id`."""
-    offsets, data, valid = string_buffers(arr)
-    n = len(arr)
-    span = int(offsets[-1] - offsets[0]) if n else 0
+    """Each cell (of a string Array or ChunkedArray) split at `separator` into the hashes of its non-empty
+    pieces, the last `max_length` kept; an empty or null cell is one `missing_id`."""
+    parts = _parts(arr)
+    bufs, counts = _part_buffers(parts)
+    n = sum(counts)
+    span = sum(int(o[-1] - o[0]) for o in bufs[::3])
     ids = np.empty(span + n, np.int64)  # each id comes from a byte of its cell, or is a cell's one missing id
     bag_offsets = np.empty(n + 1, np.int64)
     sep = np.frombuffer(separator.encode("utf-8"), np.uint8)
-    written = _native.call("he_split_hash", [offsets, data, _ALL_VALID if valid is None else valid, sep, bag_offsets,
-                                             ids], [n, int(max_length or 0), int(missing_id)])
+    written = _native.call("he_split_hash", [sep, bag_offsets, ids] + bufs,
+                           [int(max_length or 0), int(missing_id)] + counts)
     return Bag(ids[:written].copy(), bag_offsets)

@@ -103,8 +103,10 @@ class _ShardWriter:
         name = self._name()
 
         def seal(writer: NpyWriter) -> dict:  # fsync and sha256 release the GIL: the files seal side by side
+            writer.write_header()
+            digest = sha256_file(writer.path)  # while the disk finishes the writeback that fsync waits for
             writer.close()
-            return {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": sha256_file(writer.path)}
+            return {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": digest}
 
         with ThreadPoolExecutor(max_workers=min(len(w), 4)) as pool:
             sealed = dict(zip(w, pool.map(seal, w.values())))

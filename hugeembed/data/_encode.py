@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import InputError
 from ._block import Bag, Block
-from ._cells import hash_cells, native_cells, split_hash, string_buffers
+from ._cells import hash_columns, native_cells, split_hash, string_buffers
 from ._hash import hash_utf8, hex_utf8
 from ._schema import DenseSpec, Schema, SparseSpec, missing_id
 
@@ -70,6 +70,18 @@ def _is_number(t) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
 
 
+def _parts(col) -> list:
+    """The arrays of an Array or ChunkedArray."""
+    return list(col.chunks) if hasattr(col, "chunks") else [col]
+
+
+def _whole(col):
+    """One Array of an Array or ChunkedArray (a copy only when it has several chunks)."""
+    if not hasattr(col, "chunks"):
+        return col
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
 def _nulls(arr) -> np.ndarray:
     """bool [n]: which values are null (without a pass over an array that has none)."""
     if arr.null_count == 0:
@@ -116,16 +128,20 @@ class Encoder:
         s = self.schema
         dense = np.empty((n, s.num_dense), np.float32)
         for k, d in enumerate(s.dense):
-            dense[:, k] = self._dense(d, self._column(batch, d.column, where), where)
+            dense[:, k] = self._dense(d, self._column(batch, d.column, where, whole=False), where)
         cats = np.empty((n, sum(not spec.is_bag for spec in s.sparse)), np.int64)
-        bags, j = [], 0
+        bags, j, hashed = [], 0, []
         for spec in s.sparse:
-            col = self._column(batch, spec.column, where)
+            col = self._column(batch, spec.column, where, whole=False)
             if spec.is_bag:
                 bags.append(self._bag(spec, col, where))
             else:
-                self._single(spec, col, where, cats, j)
+                text = self._single(spec, col, where, cats, j)
+                if text is not None:
+                    hashed.append((text, missing_id(self.positions[spec.name]), j))
                 j += 1
+        if hashed:  # the native encoder's columns, in one pass over the rows of cats
+            hash_columns(hashed, cats)
         if s.label is not None and (need_label or s.label.column in batch.schema.names):
             labels = self._label(self._column(batch, s.label.column, where), where)
         else:
@@ -133,14 +149,14 @@ class Encoder:
         return Block(dense, cats, labels, tuple(bags))
 
     @staticmethod
-    def _column(batch, name: str, where: Where):
+    def _column(batch, name: str, where: Where, whole: bool = True):
+        """Column `name` of `batch`: one Array (`whole`), or as it is (a Table's column comes in chunks, one
+        per block the CSV reader parsed: the native kernels and the dense path take them without a copy)."""
         try:
             col = batch.column(name)
         except KeyError:
             raise InputError(f"{where.source}: no column {name!r}; columns: {', '.join(batch.schema.names)}") from None
-        import pyarrow as pa
-
-        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        return _whole(col) if whole else col
 
     # -- dense -------------------------------------------------------------------------------
 
@@ -149,6 +165,7 @@ class Encoder:
         import pyarrow.compute as pc
 
         if _is_string(col.type):
+            col = _whole(col)
             text = pc.utf8_trim_whitespace(col)
             empty = pc.fill_null(pc.equal(text, ""), True)
             try:
@@ -163,12 +180,17 @@ class Encoder:
                             raise InputError(f"{where.row(i)}: column {d.column!r}: not a number: {_short(v)}") from None
                 raise
         elif _is_number(col.type):
-            values = pc.cast(col, pa.float64())
-            empty = pc.is_null(values) if values.null_count else None
+            x = np.empty(len(col), np.float64)  # filled chunk by chunk; a null comes out as NaN (missing below)
+            row = 0
+            for part in _parts(col):
+                x[row:row + len(part)] = pc.cast(part, pa.float64()).to_numpy(zero_copy_only=False)
+                row += len(part)
+            empty = None
         else:
             raise InputError(f"{where.source}: column {d.column!r} holds {col.type}, a dense column needs numbers "
                              f"(or their text)")
-        x = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
+        if _is_string(col.type):
+            x = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
         missing = np.isnan(x)
         if empty is not None:
             missing |= np.asarray(empty.to_numpy(zero_copy_only=False), bool)
@@ -303,8 +325,9 @@ class Encoder:
                                  f"takes ids >= 0; ids = \"hash\" takes any value)")
             return ids, present
 
-    def _single(self, spec: SparseSpec, col, where: Where, cats: np.ndarray, j: int) -> None:
-        """Column `j` of `cats`: the feature's id in each row."""
+    def _single(self, spec: SparseSpec, col, where: Where, cats: np.ndarray, j: int):
+        """Column `j` of `cats`: the feature's id in each row; or, where the native encoder hashes the column,
+        its text (the caller hashes all such columns together)."""
         import pyarrow as pa
 
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
@@ -313,13 +336,12 @@ class Encoder:
         missing = missing_id(self.positions[spec.name])
         if self.native and spec.ids == "hash":
             if _is_string(col.type):
-                hash_cells(col, missing, cats, j)
-                return
+                return col
             if _is_number(col.type) and not pa.types.is_decimal(col.type):  # a number hashes as its text
-                hash_cells(col.cast(pa.string()), missing, cats, j)
-                return
-        ids, present = self._ids(spec, col, where, None)
+                return col.cast(pa.string())
+        ids, present = self._ids(spec, _whole(col), where, None)
         cats[:, j] = np.where(present, ids, missing)
+        return None
 
     def _bag(self, spec: SparseSpec, col, where: Where, distinct: bool = False) -> Bag:
         import pyarrow as pa
@@ -328,6 +350,7 @@ class Encoder:
         n = len(col)
         if self.native and spec.ids == "hash" and _is_string(col.type):
             return split_hash(col, spec.separator, spec.max_length, missing_id(self.positions[spec.name]))
+        col = _whole(col)
         if pa.types.is_dictionary(col.type):  # the distinct cells' bags, then each row its cell's
             cells = self._bag(spec, pc.fill_null(col.dictionary, ""), where, distinct=True)
             idx = col.indices.to_numpy(zero_copy_only=False) if col.null_count == 0 else \

@@ -202,10 +202,13 @@ def _column_types(schema: Schema, typed: bool) -> dict:
 
 
 _FIRST_CHUNK = 1 << 20
+_BLOCK_BYTES = 1 << 20  # pyarrow's block: a piece's columns come in chunks of about this much text
 
 
 def _chunks(path: Path, chunk_bytes: int):
-    """The bytes of a (plain or gzip) file in pieces of up to `chunk_bytes` that end on a line's end.
+    """The bytes of a (plain or gzip) file in pieces of up to `chunk_bytes` that end on a line's end
+    (memoryviews: each piece is read once into its own buffer, never copied again; the few bytes after
+    its last line's end start the next piece's buffer).
 
     The pieces start at 1 MiB and double (the pipeline's other stages start work after one small parse,
     not a full chunk's), and a plain file's last pieces are at most half of what is left (its last
@@ -217,24 +220,27 @@ def _chunks(path: Path, chunk_bytes: int):
     carry = b""
     try:
         while True:
-            want = max(min(size, left // 2), _FIRST_CHUNK) if plain else size
+            want = min(max(min(size, left // 2), _FIRST_CHUNK) if plain else size, chunk_bytes)
             size = min(2 * size, chunk_bytes)
+            buf = bytearray(len(carry) + want)
+            buf[:len(carry)] = carry
+            view = memoryview(buf)
             try:
-                data = stream.read(min(want, chunk_bytes))
-                left -= len(data)
+                got = stream.readinto(view[len(carry):])
+                left -= got
             except (EOFError, OSError, zlib.error) as e:
                 raise InputError(f"{path}: corrupt or truncated gzip data ({e})") from None
-            if not data:
+            if not got:
                 if carry:
-                    yield carry, raw.tell()
+                    yield memoryview(carry), raw.tell()
                 return
-            buf = carry + data if carry else data
-            cut = buf.rfind(b"\n")
+            end = len(carry) + got
+            cut = buf.rfind(b"\n", 0, end)
             if cut < 0:
-                carry = buf
+                carry = bytes(view[:end])
                 continue
-            carry = buf[cut + 1:]
-            yield buf[: cut + 1], raw.tell()
+            carry = bytes(view[cut + 1:end])
+            yield view[: cut + 1], raw.tell()
     finally:
         raw.close()
 
@@ -242,8 +248,8 @@ def _chunks(path: Path, chunk_bytes: int):
 def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: bool, fs: FileSummary,
                   summary: ReadSummary):
     """(table, bytes read) per chunk of a CSV / TSV file.  Each chunk (whole lines: a cell holds no newline)
-    is parsed by pyarrow's multi-threaded reader, its numbers typed and its categorical columns
-    dictionary-encoded; a chunk with a value that does not convert is parsed again as text, where the
+    is parsed by pyarrow's multi-threaded reader, its numbers typed and its categorical columns as text;
+    a chunk with a value that does not convert is parsed again as text, where the
     encoder names the value exactly."""
     import pyarrow as pa
     from pyarrow import csv
@@ -256,9 +262,9 @@ def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: 
     line = 1  # the number of the chunk's first line
     for chunk, pos in _chunks(path, chunk_bytes):
         if header and line == 1:  # the header line itself
-            first = chunk.find(b"\n")
+            first = bytes(chunk).find(b"\n")
             chunk, line = chunk[first + 1:], 2
-            if not chunk:
+            if not len(chunk):
                 continue
         bad: list = []
 
@@ -267,9 +273,10 @@ def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: 
             return "skip" if skip else "error"
 
         table = None
+        read = csv.ReadOptions(column_names=names, block_size=_BLOCK_BYTES)
         for typed in (True, False):
             try:
-                table = csv.read_csv(pa.py_buffer(chunk), read_options=csv.ReadOptions(column_names=names),
+                table = csv.read_csv(pa.py_buffer(chunk), read_options=read,
                                      parse_options=csv.ParseOptions(**parse, invalid_row_handler=on_invalid),
                                      convert_options=csv.ConvertOptions(include_columns=needed,
                                                                         column_types=_column_types(schema, typed),
@@ -285,14 +292,14 @@ def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: 
             fs.skipped += 1
             if len(summary.skipped_examples) < _MAX_EXAMPLES:
                 summary.skipped_examples.append(_field_count_message(path, row, chunk, line))
-        line += chunk.count(b"\n") + (not chunk.endswith(b"\n"))
+        line += table.num_rows + len(bad)  # a row per line (a cell holds no newline), the skipped ones too
         yield table, pos
 
 
 def _field_count_message(path: Path, row, chunk: bytes, first_line: int) -> str:
     """One line for a row of the wrong field count; its line found in `chunk` (pyarrow's threaded reader
     does not know it), which starts at line `first_line` of the file."""
-    lines = chunk.decode("utf-8", "replace").split("\n")
+    lines = bytes(chunk).decode("utf-8", "replace").split("\n")
     at = next((i for i, ln in enumerate(lines) if ln.rstrip("\r") == row.text), None)
     where = f"line {first_line + at}" if at is not None else "a line"
     text = row.text if len(row.text) <= 60 else row.text[:57] + "..."

@@ -84,12 +84,13 @@ class NpyWriter:
     """Appends rows to a .npy file whose row count is written when it is closed.
 
     The header has a fixed size (128 bytes), so it is written with a row count of 0 and
-    rewritten in place by :meth:`close`, which also fsyncs.  Memory use is one chunk.
+    rewritten in place by :meth:`write_header` or :meth:`close`, which also fsyncs.  Memory use is one chunk.
     """
 
     def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
         self.path, self.dtype, self.row_shape = path, np.dtype(dtype), tuple(row_shape)
         self.rows = 0
+        self._header_rows = -1  # the row count the header on file holds (-1: none yet)
         self._f = open(path, "wb")
         self._f.write(_npy_header(self.dtype, (0, *self.row_shape)))
 
@@ -101,10 +102,17 @@ class NpyWriter:
         start_writeback(self._f.fileno())  # the disk works while the next chunk parses
         self.rows += array.shape[0]
 
-    def close(self) -> None:
+    def write_header(self) -> None:
+        """Rewrites the header with the row count, flushed: the file is whole (:meth:`close` makes it durable)."""
         self._f.seek(0)
         self._f.write(_npy_header(self.dtype, (self.rows, *self.row_shape)))
         self._f.flush()
+        self._f.seek(0, os.SEEK_END)  # rows appended later go after the others
+        self._header_rows = self.rows
+
+    def close(self) -> None:
+        if self._header_rows != self.rows:
+            self.write_header()
         os.fsync(self._f.fileno())
         self._f.close()
 

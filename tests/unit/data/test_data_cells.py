@@ -94,3 +94,42 @@ def test_native_and_numpy_encoders_agree_with_nulls_and_numbers(tmp_path):
     assert native.cats[:, 0].tolist() == [2**32 if not u else hash_text(u) for u in users]
     items = table.column("item").to_pylist()
     assert native.cats[:, 1].tolist() == [2**32 + 1 if i is None else hash_text(i) for i in items]
+
+
+def _exact(cells: list[str]):
+    """A string array whose data buffer ends at its last cell's last byte (no padding after it)."""
+    data = "".join(cells).encode()
+    offsets = np.cumsum([0] + [len(c.encode()) for c in cells]).astype(np.int32)
+    return pa.Array.from_buffers(pa.string(), len(cells), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)])
+
+
+def test_cells_and_pieces_that_end_the_buffer():
+    """A short cell is read eight bytes at a time where eight bytes remain, byte by byte at the buffer's end:
+    every length from 0 to 12, as the last cell and as the last piece of a bag."""
+    for k in range(13):
+        for last in ("c" * k, "é" * (k // 2) + "z" * (k % 2)):
+            cells = ["ab", "0123456789", last]
+            assert hash_cells(_exact(cells), MISSING).tolist() == _want_single(cells)
+            cells = ["x|yy", "a|" + last, "|" + last]
+            bag = split_hash(_exact(cells), "|", None, MISSING)
+            assert [bag.values[bag.offsets[i]:bag.offsets[i + 1]].tolist() for i in range(3)] == \
+                _want_bags(cells, "|", None)
+
+
+@pytest.mark.parametrize("sep,max_length", [("|", None), ("|", 2), ("::", 1)])
+def test_columns_in_chunks_are_read_chunk_by_chunk(sep, max_length):
+    """A column in chunks (pyarrow's blocks: empty ones, slices, one cell) gives the ids of the whole column,
+    each chunk read where it lies."""
+    rng = random.Random(4)
+    cells = _cells(rng, 700)
+    whole = pa.array(cells, pa.string())
+    arr = pa.chunked_array([whole.slice(0, 0), whole.slice(0, 250), whole.slice(250, 1), pa.array([], pa.string()),
+                            pa.array(cells[251:], pa.string())])
+    out = np.full((700, 3), -1, np.int64)
+    assert hash_cells(arr, MISSING, out, 1).tolist() == _want_single(cells)
+    assert (out[:, [0, 2]] == -1).all()
+    bag = split_hash(arr, sep, max_length, MISSING)
+    assert [bag.values[bag.offsets[i]:bag.offsets[i + 1]].tolist() for i in range(700)] == \
+        _want_bags(cells, sep, max_length)
+    empty = split_hash(pa.chunked_array([], pa.string()), sep, max_length, MISSING)
+    assert empty.values.size == 0 and empty.offsets.tolist() == [0]

@@ -128,6 +128,48 @@ def test_reader_matches_a_plain_python_reader(tmp_path, schema, name, delimiter,
     assert _bags(got, 0) == bags["genres"] and _bags(got, 1) == bags["history"]
 
 
+@pytest.mark.parametrize("name", ["d.csv", "d.csv.gz"])
+@pytest.mark.parametrize("native", [None, False])
+def test_columns_parsed_in_blocks_match_the_plain_python_reader(tmp_path, schema, monkeypatch, name, native):
+    """pyarrow's blocks (small here) give each piece's columns in chunks, read chunk by chunk: the rows of the
+    plain-Python reader, with bags of empty items, sequences cut from the front, quoted and non-ASCII cells."""
+    import gzip
+
+    from hugeembed.data import _reader
+
+    monkeypatch.setattr(_reader, "_BLOCK_BYTES", 1500)
+    path = write_rows(tmp_path / "d.csv", 600, seed=6)
+    extra = ('1,"a ""q"", b",3,São Paulo,|Action||Drama|, 7  8 ,5,0.5,x\n'
+             '0,,,,||,1 2 3 4 5 6,,,x\n'
+             '1,ünï,1,"New York",Comedy|,   ,0,-0.25,x\n')
+    text = path.read_text() + extra
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    dense, cats, labels, bags = oracle(path)
+    got = TableReader(path, schema, chunk_bytes=8192, native=native).read_all()
+    np.testing.assert_array_equal(got.dense, dense)
+    np.testing.assert_array_equal(got.cats, cats)
+    np.testing.assert_array_equal(got.labels, labels)
+    assert _bags(got, 0) == bags["genres"] and _bags(got, 1) == bags["history"]
+    assert _bags(got, 1)[-2] == [hash_text(x) for x in "3456"] and _bags(got, 0)[-2] == [2**32 + 2]
+
+
+def test_bad_lines_in_later_pieces_are_named_by_their_line(tmp_path, schema):
+    """Line numbers count on over the pieces: a short line far into the file is named by its own line,
+    raised or skipped."""
+    path = write_rows(tmp_path / "d.csv", 400, seed=7)
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(250, "1,u,1,c,,,5\n")  # line 251
+    lines.insert(380, "0,u\n")           # line 381
+    path.write_text("".join(lines))
+    with pytest.raises(InputError, match=r"d.csv: line 251: expected 9 fields, got 7"):
+        list(TableReader(path, schema, chunk_bytes=2048))
+    reader = TableReader(path, schema, chunk_bytes=2048, on_error="skip")
+    assert len(reader.read_all()) == 400 and reader.summary.skipped == 2
+    assert [m.split(": expected")[0].split(": ")[-1] for m in reader.summary.skipped_examples] == ["line 251",
+                                                                                                   "line 381"]
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_text_chunks_are_whole_lines_that_ramp_up(tmp_path, monkeypatch, gz):
     """A text file's pieces join to the file, each ends a line, the first is small (the pipeline starts
@@ -141,7 +183,7 @@ def test_text_chunks_are_whole_lines_that_ramp_up(tmp_path, monkeypatch, gz):
     text = b"".join(b"x" * int(n) + b"\n" for n in rng.integers(0, 90, 3000))
     path = tmp_path / ("t.csv.gz" if gz else "t.csv")
     path.write_bytes(gzip.compress(text) if gz else text)
-    pieces = [p for p, _ in _reader._chunks(path, 16_000)]
+    pieces = [bytes(p) for p, _ in _reader._chunks(path, 16_000)]
     assert b"".join(pieces) == text and all(p.endswith(b"\n") for p in pieces)
     sizes = [len(p) for p in pieces]
     assert sizes[0] <= 1000 and max(sizes) <= 16_000 + 100  # + the line carried from the piece before
