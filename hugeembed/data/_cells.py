@@ -104,4 +104,5 @@ def split_hash(arr, separator: str, max_length: int | None, missing_id: int) -> 
     sep = np.frombuffer(separator.encode("utf-8"), np.uint8)
     written = _native.call("he_split_hash", [sep, bag_offsets, ids] + bufs,
                            [int(max_length or 0), int(missing_id)] + counts)
-    return Bag(ids[:written].copy(), bag_offsets)
+    ids.resize(written, refcheck=False)  # shrunk in place (realloc): no view of it outlives the call above
+    return Bag(ids, bag_offsets)

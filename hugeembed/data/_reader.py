@@ -272,20 +272,26 @@ def _text_batches(path: Path, schema: Schema, fmt: str, chunk_bytes: int, skip: 
             bad.append(row)
             return "skip" if skip else "error"
 
-        table = None
-        read = csv.ReadOptions(column_names=names, block_size=_BLOCK_BYTES)
-        for typed in (True, False):
+        table, typed = None, True
+        # two blocks or more per piece: pyarrow parses a piece's blocks side by side, so the first (1 MiB)
+        # and the last (small) pieces keep both cores busy too; a line longer than a block: one block
+        block = min(_BLOCK_BYTES, max(len(chunk) // 2, 1 << 16))
+        while table is None:
             try:
-                table = csv.read_csv(pa.py_buffer(chunk), read_options=read,
+                table = csv.read_csv(pa.py_buffer(chunk),
+                                     read_options=csv.ReadOptions(column_names=names, block_size=block),
                                      parse_options=csv.ParseOptions(**parse, invalid_row_handler=on_invalid),
                                      convert_options=csv.ConvertOptions(include_columns=needed,
                                                                         column_types=_column_types(schema, typed),
                                                                         strings_can_be_null=False))
-                break
             except pa.ArrowInvalid as e:
-                if bad and not skip:
+                if "straddl" in str(e) and block <= len(chunk):
+                    block = len(chunk) + 1
+                elif bad and not skip:
                     raise InputError(_field_count_message(path, bad[0], chunk, line)) from None
-                if not (typed and "conversion error" in str(e).lower()):
+                elif typed and "conversion error" in str(e).lower():
+                    typed = False
+                else:
                     raise InputError(f"{path}: {str(e).splitlines()[0]}") from None
                 bad.clear()
         for row in bad if skip else ():

@@ -154,6 +154,26 @@ def test_columns_parsed_in_blocks_match_the_plain_python_reader(tmp_path, schema
     assert _bags(got, 1)[-2] == [hash_text(x) for x in "3456"] and _bags(got, 0)[-2] == [2**32 + 2]
 
 
+def test_a_line_longer_than_a_block_is_read(tmp_path, schema, monkeypatch):
+    """A piece is parsed in blocks (here 4 KiB); a line longer than a few blocks (a long sequence), which
+    pyarrow refuses to parse across blocks, is read with the piece as one block."""
+    from pyarrow import csv
+
+    from hugeembed.data import _reader
+
+    monkeypatch.setattr(_reader, "_BLOCK_BYTES", 4096)
+    calls = []
+    monkeypatch.setattr(csv, "read_csv", lambda *a, _read=csv.read_csv, **k: calls.append(1) or _read(*a, **k))
+    path = write_rows(tmp_path / "d.csv", 50, seed=8)
+    with open(path, "a") as f:
+        f.write("1,u1,3,Paris,Drama," + " ".join(str(i) for i in range(10_000)) + ",5,0.5,x\n")  # ~50 KB
+    dense, cats, labels, bags = oracle(path)
+    got = read_table(path, schema)
+    assert len(calls) == 2  # refused in blocks, then read whole
+    np.testing.assert_array_equal(got.cats, cats)
+    assert _bags(got, 1) == bags["history"] and _bags(got, 1)[-1] == [hash_text(i) for i in range(9_996, 10_000)]
+
+
 def test_bad_lines_in_later_pieces_are_named_by_their_line(tmp_path, schema):
     """Line numbers count on over the pieces: a short line far into the file is named by its own line,
     raised or skipped."""
