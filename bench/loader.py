@@ -109,8 +109,8 @@ def schema_figures(workdir: Path, rows: int, repeats: int, steps: int) -> None:
     print(f"  pyarrow.csv.read_csv alone      {rows / a / 1e3:7.0f} k rows/s median   CPU {ac * 1e3:4.0f} ms")
     print(f"  hugeembed convert --schema      {rows / o / 1e3:7.0f} k rows/s median   CPU {oc * 1e3:4.0f} ms   "
           f"-> {a / o:.2f}x pyarrow's reader (target >= 0.5x); CPU time {ac / oc:.2f}x")
-    print(f"  per run (convert / read_csv, in run order): {' '.join(f'{x / y:.2f}' for x, y in zip(arrow, ours))}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    runs = " ".join(f"{x / y:.2f}" for x, y in zip(arrow, ours))
+    print(f"  per run (convert's speed / read_csv's, in run order): {runs}; load average {os.getloadavg()[0]:.1f}")
 
     held_out = workdir / "wide-eval.csv"  # both runs end with the same evaluation on a small file
     with open(path) as f, open(held_out, "w") as out:

@@ -2,7 +2,8 @@
 
 The ids are :func:`~hugeembed.data._hash.hash_text`'s (the tests hold both to it); an empty or null cell is
 the given missing id.  No dictionary, no copy of the text: hashing each cell's bytes where they lie costs
-less than finding the distinct values first.  Used by the Encoder where the native kernels are built; its
+less than finding the distinct values first.  A column may come in chunks (pyarrow's blocks): the kernels
+take the chunks as they are.  Used by the Encoder where the native kernels are built; its
 NumPy path (dictionary encoding + ``hash_utf8``) gives the same ids without them.
 """
 
