@@ -124,3 +124,17 @@ def test_bad_arguments(tsv, tmp_path):
     with pytest.raises(FileNotFoundError):
         convert(tsv / "missing.txt", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_npy_writer_header_rewritten_before_more_rows(tmp_path):
+    """The header can be written (the file whole, for its sha256) before close, and rows appended after it
+    still land at the end: np.load reads every row."""
+    from hugeembed.data._shards import NpyWriter
+
+    w = NpyWriter(tmp_path / "a.npy", np.int64, (3,))
+    w.append(np.arange(6, dtype=np.int64).reshape(2, 3))
+    w.write_header()
+    assert np.load(tmp_path / "a.npy").shape == (2, 3)
+    w.append(np.arange(6, 12, dtype=np.int64).reshape(2, 3))
+    w.close()
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.arange(12).reshape(4, 3))
