@@ -17,9 +17,10 @@ kernels to equal bucket for bucket:
                      in it) and the bucket it wants, stamped with ``atomic_max`` of (epoch, lowest
                      batch position) (want); then the winners write and the losers probe on (place).
                      A round's result never depends on the order the programs run in.
-* ``claim_finish_kernel``  one program: further rounds (W-bucket windows) over the records the
-                     rounds before left, on the device until none is left, so a find-or-insert
-                     reads nothing after its claims; exits at once when none is left (most calls).
+* ``claim_finish_kernel``  one program: rounds over the records listed (windows of 32, 64, then 128
+                     buckets: every round of a call with few new keys, its crowd ranks by comparing
+                     records pairwise; or 128-bucket rounds over what launched rounds left), on the
+                     device until none is left, so a find-or-insert reads nothing after its claims.
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
@@ -151,10 +152,11 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
 
 @triton.jit(do_not_specialize=["n", "step", "pid0"])
 def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, scal, step, ok_flag,
-                  out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
+                  out, word2, last, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
     """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
-    record's word 2 (code + count) into word2, new rows' (slot, key, table) at their rank; out[i]
-    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it).
+    record's words 2 (code + count) and 3 (`step`) into word2 and last (the claims' records), new rows'
+    (slot, key, table) at their rank; out[i] the row slot or -1.  Otherwise out[i] is what the probe
+    found (as the reference leaves it).
     scal: the group's (entries, row_hwm, free rows listed) before the call."""
     ok = tl.load(ok_flag) != 0
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -176,6 +178,7 @@ def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows,
     low = now - ((now >> 32) << 32)  # the code's low 32 bits, as unsigned
     w = (count << 32) | low
     tl.store(word2 + i, w, mask=live)
+    tl.store(last + i, tl.zeros([BLOCK], tl.int64) + step.to(tl.int64), mask=live)
     write = live & ok & ((f & _K_FOUND) != 0)
     p = tl.load(pos + i, mask=write, other=0)
     tl.store(buckets + p * 4 + 2, w, mask=write)
@@ -264,25 +267,32 @@ def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch,
     tl.atomic_add(left, -tl.sum(won.to(tl.int64), axis=0))
 
 
-@triton.jit(do_not_specialize=["nbuckets", "n", "max_rounds", "pid0"])
-def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, rec_tids, rec_word2, rec_last, left,
-                        todo, first, want, max_rounds, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
-    """A grid of one program: claim rounds of W-bucket windows (scan, want, place as above, each phase over
-    every record left before the next begins) until `left` is 0 or `max_rounds` ran; `left` then holds the
-    records not placed (0 unless the index has no empty bucket: an internal error the caller reports).
-    todo, first, want: int64 [n] scratch.  Its stamps (epoch FINISH_EPOCH) are cleared after each round."""
+@triton.jit(do_not_specialize=["nbuckets", "width0", "max_rounds", "pid0"])
+def claim_finish_kernel(buckets, nbuckets, listed, todo, active, start, claims, rec_keys, rec_tids, rec_word2, rec_last,
+                        left, cur, first, want, width0, max_rounds, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
+    """A grid of one program: claim rounds (scan, want, place as above, each phase over every record left
+    before the next begins) of windows of width0 buckets, then twice as wide up to W (the reference's
+    32, 64, 128, 128, ...), until `left` is 0 or `max_rounds` ran; `left` then holds the records not
+    placed (0 unless the index has no empty bucket: an internal error the caller reports).  The records
+    are todo[:listed[0]] (positions in batch order), those whose `active` is set; cur, first, want:
+    int64 [n] scratch.  Its stamps (epoch FINISH_EPOCH) are cleared after each round."""
     if pid0 + tl.program_id(0) == 0:
         nb = nbuckets.to(tl.int64)
+        n_listed = tl.load(listed)
         remaining = tl.load(left)
         rounds = tl.zeros((), tl.int64)
+        width = tl.zeros((), tl.int64) + width0.to(tl.int64)
+        lanes = tl.arange(0, W)[None, :]
         while (remaining > 0) & (rounds < max_rounds):
             # the records left, in batch order
             m = tl.zeros((), tl.int64)
             i = tl.zeros((), tl.int64)
-            while i < n:
+            while i < n_listed:
                 at = i + tl.arange(0, BLOCK)
-                a = ((at < n) & (tl.load(active + at, mask=at < n, other=0, cache_modifier=".cg") != 0)).to(tl.int64)
-                tl.store(todo + m + tl.cumsum(a, axis=0) - a, at, mask=a != 0)
+                j = tl.load(todo + at, mask=at < n_listed, other=0)
+                a = ((at < n_listed) & (tl.load(active + j, mask=at < n_listed, other=0, cache_modifier=".cg") != 0)
+                     ).to(tl.int64)
+                tl.store(cur + m + tl.cumsum(a, axis=0) - a, j, mask=a != 0)
                 m += tl.sum(a, axis=0)
                 i += BLOCK
             tl.debug_barrier()
@@ -291,11 +301,11 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
             while s0 < m:
                 s = s0 + tl.arange(0, BLOCK)
                 ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                j = tl.load(cur + s, mask=ms, other=0, cache_modifier=".cg")
                 p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
-                empty = _window_empty(buckets, nb, p, ms, W)
-                at = tl.min(tl.where(empty, tl.arange(0, W)[None, :], W), axis=1)
-                tl.store(first + s, tl.where(ms & (at < W), (p + at) % nb, -1), mask=ms)
+                empty = _window_empty(buckets, nb, p, ms, W) & (lanes < width)
+                at = tl.min(tl.where(empty, lanes, W), axis=1)
+                tl.store(first + s, tl.where(ms & (at < width), (p + at) % nb, -1), mask=ms)
                 s0 += BLOCK
             tl.debug_barrier()
             # its rank among the records with that first empty bucket (lower batch positions first), the bucket it
@@ -304,7 +314,7 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
             while s0 < m:
                 s = s0 + tl.arange(0, BLOCK)
                 ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                j = tl.load(cur + s, mask=ms, other=0, cache_modifier=".cg")
                 f = tl.load(first + s, mask=ms, other=-1, cache_modifier=".cg")
                 r = tl.zeros([BLOCK], tl.int64)
                 q0 = tl.zeros((), tl.int64)
@@ -312,15 +322,15 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
                     q = q0 + tl.arange(0, BLOCK)
                     mq = q < m
                     fq = tl.load(first + q, mask=mq, other=-1, cache_modifier=".cg")
-                    jq = tl.load(todo + q, mask=mq, other=0, cache_modifier=".cg")
+                    jq = tl.load(cur + q, mask=mq, other=0, cache_modifier=".cg")
                     same = mq[None, :] & (fq[None, :] == f[:, None]) & (jq[None, :] < j[:, None])
                     r += tl.sum(same.to(tl.int64), axis=1)
                     q0 += BLOCK
                 a = ms & (f >= 0)
                 p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
-                empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
+                empty = (_window_empty(buckets, nb, p, a, W) & (lanes < width)).to(tl.int32)
                 at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
-                ok = a & (at < W)
+                ok = a & (at < width)
                 bucket = (p + at) % nb
                 tl.atomic_max(claims + bucket, _K_FINISH | (_K_STAMP_LOW - j), mask=ok)
                 tl.store(want + s, tl.where(ok, bucket, -1), mask=ms)
@@ -332,7 +342,7 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
             while s0 < m:
                 s = s0 + tl.arange(0, BLOCK)
                 ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
+                j = tl.load(cur + s, mask=ms, other=0, cache_modifier=".cg")
                 p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
                 bucket = tl.load(want + s, mask=ms, other=-1, cache_modifier=".cg")
                 ok = ms & (bucket >= 0)
@@ -343,7 +353,7 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
                 tl.store(rec + 1, tl.load(rec_tids + j, mask=won, other=0).to(tl.int64), mask=won)
                 tl.store(rec + 2, tl.load(rec_word2 + j, mask=won, other=0), mask=won)
                 tl.store(rec + 3, tl.load(rec_last + j, mask=won, other=0), mask=won)
-                tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=ms & ~won)
+                tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + width) % nb), mask=ms & ~won)
                 tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
                 placed += tl.sum(won.to(tl.int64), axis=0)
                 s0 += BLOCK
@@ -358,6 +368,7 @@ def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, r
             tl.debug_barrier()
             remaining -= placed
             rounds += 1
+            width = tl.minimum(width * 2, W)
         tl.store(left, remaining)
 
 
@@ -373,7 +384,7 @@ _PROBE = _sig("buckets nbuckets keys tids n ntables hash_keys admit_ks tstride c
               {"nbuckets": _I64, "n": _I64, "ntables": _I64, "tstride": _I64, "pid0": _I64, "admit": "*u8",
                "flags": "*i32",
                **{k: _CONST for k in ("INSERT", "ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS", "BLOCK")}})
-_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step ok_flag out word2 "
+_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step ok_flag out word2 last "
                "made_slots made_keys keys made_tids pid0 BLOCK",
                {"n": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
                 "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
@@ -383,8 +394,8 @@ _SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
 _WANT = _sig("buckets nbuckets n start sorted_first order want claims epoch pid0 W BLOCK", _ROUND)
 _PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last left pid0 W "
               "BLOCK", _ROUND)
-_FINISH = _sig("buckets nbuckets n active start claims rec_keys rec_tids rec_word2 rec_last left todo first want "
-               "max_rounds pid0 W BLOCK", _ROUND)
+_FINISH = _sig("buckets nbuckets listed todo active start claims rec_keys rec_tids rec_word2 rec_last left cur first "
+               "want width0 max_rounds pid0 W BLOCK", {**_ROUND, "width0": _I64})
 
 # (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
 _FLAGS = ("ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS")
