@@ -59,6 +59,7 @@ class TritonIndex(TorchIndex):
         self._claims: torch.Tensor | None = None  # per bucket: the stamp of the last round that wanted it
         self._epoch = 0
         self._stuck: torch.Tensor | None = None  # the last call's records left unplaced (read by the next call)
+        self._init_args: tuple | None = None  # the row initialisation's per-table arrays, on the device
 
     # ------------------------------------------------------------------ launching
     def _launch(self, kernel, n: int, block: int, *args, **constexprs) -> None:
@@ -158,11 +159,40 @@ class TritonIndex(TorchIndex):
             g.tables[:, T_ROWS : T_PENDING + 1].copy_(torch.tensor(after[G_LEN:]).view(T, 2))
             m = got[3]
             made = (made_slots[:m], made_keys[:m], made_tids[:m])
+            if m and init is not None:
+                self._init_rows(init, made, dev)
         if o is not out:
             out.copy_(o)
         if h is not hits:
             hits.copy_(h)
         return rc, Need(got[:cut], T), made
+
+    # ------------------------------------------------------------------ new rows
+    def _init_rows(self, init: tuple, made: tuple, dev: torch.device) -> None:
+        """The made rows' weights and state by their tables' kinds (hugeembed/_triton/row_init.py; kind -1:
+        the group makes them): `init` is DynamicGroup._init_call's (rows, kinds, params, state templates,
+        width, dim, state width); its per-table arrays are the group's, copied to the device once."""
+        import triton
+
+        from .._triton import row_init
+
+        rows, kinds, params, state, width, dim, sw = init
+        if self._init_args is None or self._init_args[0] is not kinds or self._init_args[1] != dev:
+            self._init_args = (kinds, dev, bool((kinds[:, 0] >= 0).any()), host_to_device(kinds, torch.int64, dev),
+                               host_to_device(params, torch.float64, dev),
+                               host_to_device(state if state is not None else torch.zeros(1), torch.float32, dev),
+                               host_to_device(row_init.coefficients(), torch.float64, dev))
+        mine, kinds_d, params_d, state_d, coefs = self._init_args[2:]
+        if not mine:  # (every table's rows made by the group)
+            return
+        slots, keys, tids = made
+        m, block = slots.numel(), 16
+        grid = [0] if self._shuffle is None else torch.randperm(-(-m // block), generator=self._shuffle).tolist()
+        for pid0 in grid:
+            row_init.init_rows_kernel[(-(-m // block) if self._shuffle is None else 1,)](
+                pid0, rows, rows.stride(0), m, slots, keys, tids, kinds_d, params_d, state_d, coefs, dim, width - sw,
+                sw, HAS_STATE=sw > 0, BLOCK_R=block, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sw, 1)),
+                enable_fp_fusion=False)
 
     # ------------------------------------------------------------------ claims
     def _claim(self, g, keys, tids, word2, last, active, start, first, left, widths, first_known: bool = True) -> None:
