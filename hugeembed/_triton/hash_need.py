@@ -115,7 +115,8 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
     after the call (3), per table after it (rows, pending) (2T)), then EXTRAS (outcome, bad table
     entry, first bad count's position, value, table, keys to insert or promote, records left to
     place, stuck[0]: the call before's records left unplaced); tab_* a table field each (table t's at
-    t * tstride), scal the group's (entries, row_hwm, free rows listed); per_table [3T + 3] the probe's counts and checks.
+    t * tstride), scal the group's (entries, row_hwm, free rows listed); per_table [3T + 3] the probe's counts and
+    checks (zeroed when read: the next call's probe adds into it).
     rank[i]: the keys before i that get a row (written when some do); active[i]: key i is new and the
     outcome DONE, first[i]: its bucket in the first claim round (pos), -1 when not active (both
     written when some key is new); new_list[:values[0]]: the active keys' positions, in batch order (written
@@ -237,6 +238,13 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         tl.store(values + e + 5, todo)
         tl.store(values + e + 6, tl.where(ok, n_new, 0))
         tl.store(values + e + 7, tl.load(stuck))  # (the call then changes nothing: not ok)
+        # per_table zeroed for the next call's probe, once every read of it above is done
+        tl.debug_barrier()
+        j = tl.zeros((), tl.int64)
+        while j < 3 * T + 3:
+            tt = j + tl.arange(0, BLOCK)
+            tl.store(per_table + tt, tl.zeros([BLOCK], tl.int64), mask=tt < 3 * T + 3)
+            j += BLOCK
 
 
 _SIG = {name: "*i64" for name in ("tids", "keys", "counts", "pos", "per_table", "tab_rows", "tab_pending", "tab_limit",
@@ -246,7 +254,8 @@ _SIG = {"flags": "*i32", **_SIG, "tstride": "i64", "n": "i64", "T": "i64", "max_
         "SORTED": "constexpr", "BLOCK": "constexpr"}
 # (the kernel's parameters in order: a signature lists them so)
 _ORDER = ("flags tids keys counts pos per_table tab_rows tab_pending tab_limit tstride scal n T max_entries "
-          "rows_capacity sorted_keys order rank active first new_list ok_flag values stuck pid0 HAS_COUNTS SORTED BLOCK").split()
+          "rows_capacity sorted_keys order rank active first new_list ok_flag values stuck pid0 HAS_COUNTS SORTED "
+          "BLOCK").split()
 COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}]", need_kernel, {k: _SIG[k] for k in _ORDER},
                   {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024}) for c in (False, True) for s in (False, True)]
 # the same with every scalar an i32 (values below 2**31 arrive so)

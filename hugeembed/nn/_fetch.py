@@ -75,8 +75,9 @@ class FetchStage:
             hits = self._span_rules[span.group].hits and flight is not None
             got = self._fetch_group(span, column, prep.unique_keys[lo:hi], step, training,
                                     None if counts is None else counts[lo:hi], hits,
-                                    within=prep.id_bounds[span.first : span.last + 1] or None)
-            slots[lo:hi] = got[0]
+                                    within=prep.id_bounds[span.first : span.last + 1] or None, out=slots[lo:hi])
+            if got[0].data_ptr() != slots[lo:hi].data_ptr():  # (the group wrote the slots in place: no copy)
+                slots[lo:hi] = got[0]
             if flight is not None:
                 flight.pin(span.group, slots, lo, hi)
                 flight.shared[span.group] = got[1]
@@ -85,12 +86,13 @@ class FetchStage:
         return slots
 
     def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False,
-                     tail: tuple[int, ...] | None = None, within: tuple | None = None):
+                     tail: tuple[int, ...] | None = None, within: tuple | None = None, out=None):
         """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
         (tables with a shared row: ids without a row of their own get it); shared rows: per table of
         the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None.
         `tail`: the local tables whose shared row this fetch reads (default: every one of the group).
-        `within`: the prepare's proof for the keys (Prepared.id_bounds of the span's tables), or None."""
+        `within`: the prepare's proof for the keys (Prepared.id_bounds of the span's tables), or None.
+        `out`: where a training fetch without shared rows may write the slots (int64 [n])."""
         group = self.groups[span.group]
         rules = self._span_rules[span.group]
         n = keys.numel()
@@ -104,8 +106,8 @@ class FetchStage:
                 counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
         out_hits = torch.empty_like(keys) if hits else None
         within = None if tail else within  # (the shared rows' key is none the prepare checked)
-        got = group.fetch(column, keys, step, counts, hits=out_hits, within=within) if training else \
-            group.find(column, keys)
+        got = group.fetch(column, keys, step, counts, out=None if tail else out, hits=out_hits, within=within) \
+            if training else group.find(column, keys)
         shared = None
         if tail:
             shared = torch.full((len(span.tables),), -1, dtype=torch.int64, device=keys.device)

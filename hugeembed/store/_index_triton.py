@@ -60,6 +60,7 @@ class TritonIndex(TorchIndex):
         self._epoch = 0
         self._stuck: torch.Tensor | None = None  # the last call's records left unplaced (read by the next call)
         self._init_args: tuple | None = None  # the row initialisation's per-table arrays, on the device
+        self._per_table: torch.Tensor | None = None  # a find-or-insert's counts per table: zeros between calls
 
     # ------------------------------------------------------------------ launching
     def _launch(self, kernel, n: int, block: int, *args, **constexprs) -> None:
@@ -107,7 +108,11 @@ class TritonIndex(TorchIndex):
         i64 = dict(dtype=torch.int64, device=dev)
         codes, pos, n_after, sortkey = (torch.empty(n, **i64) for _ in range(4))
         flags = torch.empty(n, dtype=torch.int32, device=dev)
-        per_table = torch.zeros(3 * T + 3, **i64)  # per table: new rows, new pending, promoted; then the checks
+        # per table: new rows, new pending, promoted; then the checks: zeros, kept by need_kernel for the next call
+        # (taken while in use: a call that fails between the kernels leaves no buffer behind)
+        per_table, self._per_table = self._per_table, None
+        if per_table is None or per_table.numel() != 3 * T + 3 or per_table.device != dev:
+            per_table = torch.zeros(3 * T + 3, **i64)
         c = counts.contiguous() if counts is not None else keys
         a = admit.contiguous() if admit is not None else keys
         self._launch(k.probe_kernel, n, self._block, g.buckets, B, keys, tids, n, T, tab[T_HASH_KEY:],
@@ -127,6 +132,7 @@ class TritonIndex(TorchIndex):
             flags, tids, keys, c, pos, per_table, tab[T_ROWS:], tab[T_PENDING:], tab[T_ROW_LIMIT:], T_LEN,
             tab[T * T_LEN :], n, T, g.max_entries(), g.rows_capacity(), sorted_keys, order, rank, active, first,
             new_list, ok_flag, values, self._stuck, pid0=0, HAS_COUNTS=counts is not None, SORTED=ordered, BLOCK=1024)
+        self._per_table = per_table  # (zeroed by need_kernel)
         # commit (nothing but `out` when not DONE): slots in batch order, the found keys' words, the new records
         word2, last, made_slots, made_keys, made_tids = (torch.empty(n, **i64) for _ in range(5))
         self._launch(k.commit_kernel, n, self._block, g.buckets, tids, n, codes, pos, n_after, flags, rank,
