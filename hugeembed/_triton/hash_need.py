@@ -256,8 +256,11 @@ _SIG = {"flags": "*i32", **_SIG, "tstride": "i64", "n": "i64", "T": "i64", "max_
 _ORDER = ("flags tids keys counts pos per_table tab_rows tab_pending tab_limit tstride scal n T max_entries "
           "rows_capacity sorted_keys order rank active first new_list ok_flag values stuck pid0 HAS_COUNTS SORTED "
           "BLOCK").split()
-COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}]", need_kernel, {k: _SIG[k] for k in _ORDER},
-                  {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024}) for c in (False, True) for s in (False, True)]
+# (the sort key: int32 below 2^30 buckets, store/_index_triton.py)
+COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}, sort key {key}]", need_kernel,
+                  {k: _SIG[k] for k in _ORDER} | {"sorted_keys": f"*{key}"},
+                  {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024})
+                 for c in (False, True) for s in (False, True) for key in ("i32", "i64")]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == "i64" else v for k, v in sig.items()}, cx)
                   for name, fn, sig, cx in COMPILE_CASES]

@@ -1,6 +1,7 @@
 """The triton backend of a dynamic group's key index: CUDA groups when triton imports (and CPU
 tensors under triton's interpreter, for the tests).  The same calls as store/_index_torch.py's
-TorchIndex, equal to it bucket for bucket (the kernels: hugeembed/_triton/hash_index.py).
+TorchIndex, equal to it bucket for bucket (the kernels: hugeembed/_triton/hash_index.py, hash_need.py,
+hash_claim.py, row_init.py).
 
 A find-or-insert: probe (classify, count, the longest probe), the sort of the keys to insert or
 promote by home (every call of two keys or more: the duplicate and crowd checks read it), then one
@@ -33,6 +34,8 @@ _LAST_WIDTH = 128
 # New keys that one program places alone, every round (its crowd ranks cost O(keys^2) in that program: at
 # 1024 keys ~1M compares a round, less than the launches of three rounds); more take launched rounds first.
 _ONE_PROGRAM = 1024
+# the find-or-insert's sort key (2B at most) is int32 below this (tests lower it to run the int64 key)
+_SORT_KEY_32 = 2**31
 # the report's extras after need[] (hugeembed/_triton/hash_need.py): outcome, a table column entry naming no
 # table, the first count below 1 (its position, value, table), keys to insert or promote, records left to place,
 # the records the call before left unplaced
@@ -51,10 +54,10 @@ class TritonIndex(TorchIndex):
     name = "triton"
 
     def __init__(self, block: int = 128, claim_block: int = 32, shuffle: torch.Generator | None = None) -> None:
-        from .._triton import hash_index, hash_need  # triton is optional: imported when this backend is chosen
+        from .._triton import hash_claim, hash_index, hash_need  # triton is optional: imported when chosen
 
         assert hash_need.EXTRAS == _X_STUCK + 1
-        self._kernels, self._kernels_need = hash_index, hash_need
+        self._kernels, self._kernels_need, self._kernels_claim = hash_index, hash_need, hash_claim
         self._block, self._claim_block, self._shuffle = block, claim_block, shuffle
         self._claims: torch.Tensor | None = None  # per bucket: the stamp of the last round that wanted it
         self._epoch = 0
@@ -106,7 +109,9 @@ class TritonIndex(TorchIndex):
         h = hits if hits is None or hits.is_contiguous() else torch.empty_like(keys)
         tab = self._device_state(g, dev)
         i64 = dict(dtype=torch.int64, device=dev)
-        codes, pos, n_after, sortkey = (torch.empty(n, **i64) for _ in range(4))
+        codes, pos, n_after = (torch.empty(n, **i64) for _ in range(3))
+        # (home, B + home or 2B: int32 below 2^30 buckets, a sort of half the bits)
+        sortkey = torch.empty(n, dtype=torch.int32 if 2 * B < _SORT_KEY_32 else torch.int64, device=dev)
         flags = torch.empty(n, dtype=torch.int32, device=dev)
         # per table: new rows, new pending, promoted; then the checks: zeros, kept by need_kernel for the next call
         # (taken while in use: a call that fails between the kernels leaves no buffer behind)
@@ -127,7 +132,7 @@ class TritonIndex(TorchIndex):
         if self._stuck is None or self._stuck.device != dev:
             self._stuck = torch.zeros(1, **i64)
         ordered = n >= 2  # (the duplicate and crowd checks need two keys)
-        sorted_keys, order = torch.sort(sortkey, stable=True) if ordered else (sortkey, sortkey)
+        sorted_keys, order = torch.sort(sortkey, stable=True) if ordered else (sortkey, codes)
         self._kernels_need.need_kernel[(1,)](
             flags, tids, keys, c, pos, per_table, tab[T_ROWS:], tab[T_PENDING:], tab[T_ROW_LIMIT:], T_LEN,
             tab[T * T_LEN :], n, T, g.max_entries(), g.rows_capacity(), sorted_keys, order, rank, active, first,
@@ -197,15 +202,15 @@ class TritonIndex(TorchIndex):
         for pid0 in grid:
             row_init.init_rows_kernel[(-(-m // block) if self._shuffle is None else 1,)](
                 pid0, rows, rows.stride(0), m, slots, keys, tids, kinds_d, params_d, state_d, coefs, dim, width - sw,
-                sw, HAS_STATE=sw > 0, BLOCK_R=block, BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(max(sw, 1)),
-                enable_fp_fusion=False)
+                sw, HAS_STATE=sw > 0, BLOCK_R=block, BLOCK_D=triton.next_power_of_2(dim),
+                BLOCK_S=triton.next_power_of_2(max(sw, 1)), enable_fp_fusion=False)
 
     # ------------------------------------------------------------------ claims
     def _claim(self, g, keys, tids, word2, last, active, start, first, left, widths, first_known: bool = True) -> None:
         """Rounds of the reference's claim (store/_index_torch.py::claim) over the records whose
         `active` is set, from `start` on (both updated in place; `left` counts down the records placed).
         `first_known`: `first` holds each record's first empty bucket for the first round (a probe's)."""
-        k, n, B = self._kernels, keys.numel(), g.buckets.shape[0]
+        k, n, B = self._kernels_claim, keys.numel(), g.buckets.shape[0]
         claims = self._claims_for(g, len(widths))
         want = torch.empty_like(start)
         for r, width in enumerate(widths):
@@ -223,7 +228,7 @@ class TritonIndex(TorchIndex):
         """Per bucket the stamp of the last round that wanted it (zeros when made), room for `rounds` more epochs."""
         B = g.buckets.shape[0]
         if self._claims is None or self._claims.shape[0] != B or self._claims.device != g.buckets.device or \
-                self._epoch + rounds >= self._kernels.FINISH_EPOCH:  # (claim_finish_kernel's epoch stays above theirs)
+                self._epoch + rounds >= self._kernels_claim.FINISH_EPOCH:  # (the finish kernel's epoch stays above)
             self._claims = torch.zeros(B, dtype=torch.int64, device=g.buckets.device)
             self._epoch = 0
         return self._claims
@@ -236,9 +241,9 @@ class TritonIndex(TorchIndex):
         n, B = keys.numel(), g.buckets.shape[0]
         claims = self._claims_for(g, 0)
         scratch = torch.empty(3, n, dtype=torch.int64, device=keys.device)
-        self._kernels.claim_finish_kernel[(1,)](g.buckets, B, listed, todo, active, start, claims, keys, tids, word2,
-                                                last, left, scratch[0], scratch[1], scratch[2], width,
-                                                n * (B // _LAST_WIDTH + 4), pid0=0, W=_LAST_WIDTH, BLOCK=32)
+        self._kernels_claim.claim_finish_kernel[(1,)](g.buckets, B, listed, todo, active, start, claims, keys, tids,
+                                                      word2, last, left, scratch[0], scratch[1], scratch[2], width,
+                                                      n * (B // _LAST_WIDTH + 4), pid0=0, W=_LAST_WIDTH, BLOCK=32)
 
     def insert(self, g, keys, tids, codes, counts, lasts) -> None:
         n = keys.numel()

@@ -243,11 +243,14 @@ def test_a_crowd_longer_than_the_launched_rounds_is_placed_on_the_device_as_the_
     _fetch_both(a, b, *_batch([(2, 5, 1), (0, 7, 1)], device), 1)  # (its report: nothing left unplaced)
 
 
+@pytest.mark.parametrize("key32", [True, False], ids=["int32-sort-key", "int64-sort-key"])
 @on_device
-def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device):
+def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device, key32, monkeypatch):
     """The need kernel's checks from the sort by home: the smallest (table, key) given twice among new
     keys and among promotions (twins of other tables and keys around), and the new keys' own crowding
     (their longest probe alone in an empty index, with its table), need[] for need[]."""
+    if not key32:  # (int64 above 2^30 buckets)
+        monkeypatch.setattr(_index_triton, "_SORT_KEY_32", 0)
     a, b = _group("torch", device, buckets=256), _group("triton", device, buckets=256)
     crowd = _crowded(a, 9, t=1)  # nine new keys on two homes: a crowd longer than any probe
     rc, need = _fetch_both(a, b, *_batch([(0, 40, 1)] + [(1, k, 2) for k in crowd], device), 0)
