@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .._device import host_to_device
 from .._tensors import repeat_each
 from ._inflight import InFlight
 from ._placement import segment_column
@@ -100,10 +101,11 @@ class FetchStage:
         if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
             dev = keys.device
             keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
-            column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
+            # (host-made: copied from page-locked memory, never waited for)
+            column = torch.cat([column, host_to_device(tail, torch.int64, dev)])
             if counts is not None:
                 admit = [rules.tail_admit[rules.tail.index(i)] for i in tail]
-                counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
+                counts = torch.cat([counts, host_to_device(admit, torch.int64, dev)])
         out_hits = torch.empty_like(keys) if hits else None
         within = None if tail else within  # (the shared rows' key is none the prepare checked)
         got = group.fetch(column, keys, step, counts, out=None if tail else out, hits=out_hits, within=within) \
@@ -111,7 +113,7 @@ class FetchStage:
         shared = None
         if tail:
             shared = torch.full((len(span.tables),), -1, dtype=torch.int64, device=keys.device)
-            shared[torch.tensor(tail, dtype=torch.int64).to(keys.device, non_blocking=True)] = got[n:]
+            shared[host_to_device(tail, torch.int64, keys.device)] = got[n:]
             col = column[:n]
             got = torch.where((got[:n] < 0) & (col >= 0), shared[col.clamp(min=0)], got[:n])
         return got, shared, None if out_hits is None else out_hits[:n]
