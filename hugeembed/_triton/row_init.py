@@ -24,12 +24,11 @@ _GOLDEN, _STREAM = tl.constexpr(0x9E3779B97F4A7C15), tl.constexpr(0xD1B54A32D192
 _C_A, _C_B, _C_C, _C_D, _C_E, _C_F, _C_R = (tl.constexpr(8 * i) for i in range(7))
 
 
-def coefficients():
-    """The float64 constants the kernel loads (``coefs``), as a list."""
-    from ..store import _init
-
-    return [*_init._A, *_init._B, *_init._C, *_init._D, *_init._E, *_init._F, 0.180625, 1.6, 5.0, 1e-300, 0.425,
-            0.5, 2.0**-53]
+def coefficients(horner) -> list[float]:
+    """The float64 constants the kernel loads (``coefs``): `horner`, store/_init.py's (_A, _B, _C, _D, _E, _F)
+    (given by the caller: this package sits below store), then the expressions' other constants."""
+    assert len(horner) == 6 and all(len(c) == 8 for c in horner)
+    return [c for cs in horner for c in cs] + [0.180625, 1.6, 5.0, 1e-300, 0.425, 0.5, 2.0**-53]
 
 
 @triton.jit

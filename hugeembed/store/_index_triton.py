@@ -24,6 +24,7 @@ from ..errors import InputError, StoreError
 from ._index import G_ENTRIES, G_LEN, T_ADMIT_K, T_HASH_KEY, T_LEN, T_PENDING, T_ROW_LIMIT, T_ROWS, Need, Outcome, \
     need_length, pack
 from ._index_torch import TorchIndex, _check, _homes
+from ._init import _A, _B, _C, _D, _E, _F
 
 __all__ = ["TritonIndex"]
 
@@ -192,7 +193,7 @@ class TritonIndex(TorchIndex):
             self._init_args = (kinds, dev, bool((kinds[:, 0] >= 0).any()), host_to_device(kinds, torch.int64, dev),
                                host_to_device(params, torch.float64, dev),
                                host_to_device(state if state is not None else torch.zeros(1), torch.float32, dev),
-                               host_to_device(row_init.coefficients(), torch.float64, dev))
+                               host_to_device(row_init.coefficients((_A, _B, _C, _D, _E, _F)), torch.float64, dev))
         mine, kinds_d, params_d, state_d, coefs = self._init_args[2:]
         if not mine:  # (every table's rows made by the group)
             return
