@@ -11,15 +11,7 @@ kernels to equal bucket for bucket:
 * ``commit_kernel``  gated by a device flag (the call's outcome, hash_need.py's): row slots in batch
                      order (smallest free slot first), the found keys' counts and last steps, the
                      records of the new keys, the slots returned;
-* ``claim_*``        one round of placing new records as the reference does: each key's window of
-                     W buckets (scan: its first empty bucket), its crowd's rank (keys whose first
-                     empty bucket is one bucket: a stable sort of those buckets, then a binary search
-                     in it) and the bucket it wants, stamped with ``atomic_max`` of (epoch, lowest
-                     batch position) (want); then the winners write and the losers probe on (place).
-                     A round's result never depends on the order the programs run in.
-* ``claim_finish_kernel``  one program: further rounds (W-bucket windows) over the records the
-                     rounds before left, on the device until none is left, so a find-or-insert
-                     reads nothing after its claims; exits at once when none is left (most calls).
+* the claims of the new records' buckets: hash_claim.py.
 
 Every kernel takes its first program id (``pid0``) so a test can launch grids of one program in a
 shuffled order.  Scalars arrive as i32 or i64 (triton specializes by value): each is widened to
@@ -31,9 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["probe_kernel", "commit_kernel", "claim_scan_kernel", "claim_want_kernel",
-           "claim_place_kernel", "claim_finish_kernel", "FINISH_EPOCH", "FOUND", "NEW", "PROMOTE", "MADE",
-           "EMPTY_TABLE", "PENDING", "STAMP_BITS",
+__all__ = ["probe_kernel", "commit_kernel", "FOUND", "NEW", "PROMOTE", "MADE", "EMPTY_TABLE", "PENDING",
            "COMPILE_CASES"]
 
 # store/_index.py's constants (this package sits below store; tests/unit/triton checks they agree)
@@ -41,19 +31,11 @@ EMPTY_TABLE = -1
 PENDING = -2
 # flags per key of a find-or-insert
 FOUND, NEW, PROMOTE, MADE = 1, 2, 4, 8
-# a claim stamp: the round's epoch above, (2**STAMP_BITS - 1 - batch position) below: max = lowest position
-STAMP_BITS = 40
-# the epoch of claim_finish_kernel's stamps: above every epoch of the rounds launched one by one (their stamps never
-# reach it), cleared before the kernel ends
-FINISH_EPOCH = 2 ** (63 - STAMP_BITS) - 1
 _INT32_MAX = 2**31 - 1
 # the same values as the kernels see them (a kernel reads only constexpr globals)
 _K_EMPTY, _K_PENDING, _K_INT32_MAX = tl.constexpr(EMPTY_TABLE), tl.constexpr(PENDING), tl.constexpr(_INT32_MAX)
 _K_FOUND, _K_NEW = tl.constexpr(FOUND), tl.constexpr(NEW)
 _K_PROMOTE, _K_MADE = tl.constexpr(PROMOTE), tl.constexpr(MADE)
-_K_STAMP_BITS, _K_STAMP_LOW = tl.constexpr(STAMP_BITS), tl.constexpr((1 << STAMP_BITS) - 1)
-_K_I64_MAX = tl.constexpr(2**63 - 1)
-_K_FINISH = tl.constexpr(FINISH_EPOCH << STAMP_BITS)
 
 
 @triton.jit
@@ -78,7 +60,7 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
     """codes[i]: slot, PENDING or -1 (absent, skipped); hits[i]: count (find) or count after the
     call (INSERT).  hash_keys / admit_ks: a table field each, table t's at t * tstride.  INSERT also
     writes pos (the key's bucket or the first empty one on its path, -1 skipped), n_after, flags,
-    sortkey (new: home, promoted: B + home, else INT64_MAX: one sort orders them for the crowd and
+    sortkey (new: home, promoted: B + home, else 2B; int32 when 2B fits: one sort orders them for the crowd and
     duplicate checks), adds per table [T, 3] (new rows, new pending keys, promoted keys) and keeps
     in per_table[3T:3T + 3] (zeros before the call; integer atomics: exact in any order) the longest
     probe as (probes << 31) | (2^31 - 1 - position) (its max: the longest, first in batch order),
@@ -135,7 +117,7 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
         tl.store(pos + i, tl.where(on, p, -1), mask=live)
         tl.store(n_after + i, after, mask=live)
         tl.store(flags + i, f, mask=live)
-        tl.store(sortkey + i, tl.where(new, start, tl.where(promote, nb + start, _K_I64_MAX)), mask=live)
+        tl.store(sortkey + i, tl.where(new, start, tl.where(promote, nb + start, 2 * nb)), mask=live)
         if HAS_HITS:
             tl.store(hits + i, tl.where(hit | new, tl.minimum(after, _K_INT32_MAX), 0), mask=live)
         one = tl.full([BLOCK], 1, tl.int64)
@@ -151,10 +133,11 @@ def probe_kernel(buckets, nbuckets, keys, tids, n, ntables, hash_keys, admit_ks,
 
 @triton.jit(do_not_specialize=["n", "step", "pid0"])
 def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows, scal, step, ok_flag,
-                  out, word2, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
+                  out, word2, last, made_slots, made_keys, keys, made_tids, pid0, BLOCK: tl.constexpr):
     """When ok_flag[0] (the call's outcome is DONE): the found keys' words 2 and 3, each new
-    record's word 2 (code + count) into word2, new rows' (slot, key, table) at their rank; out[i]
-    the row slot or -1.  Otherwise out[i] is what the probe found (as the reference leaves it).
+    record's words 2 (code + count) and 3 (`step`) into word2 and last (the claims' records), new rows'
+    (slot, key, table) at their rank; out[i] the row slot or -1.  Otherwise out[i] is what the probe
+    found (as the reference leaves it).
     scal: the group's (entries, row_hwm, free rows listed) before the call."""
     ok = tl.load(ok_flag) != 0
     i = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -176,6 +159,7 @@ def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows,
     low = now - ((now >> 32) << 32)  # the code's low 32 bits, as unsigned
     w = (count << 32) | low
     tl.store(word2 + i, w, mask=live)
+    tl.store(last + i, tl.zeros([BLOCK], tl.int64) + step.to(tl.int64), mask=live)
     write = live & ok & ((f & _K_FOUND) != 0)
     p = tl.load(pos + i, mask=write, other=0)
     tl.store(buckets + p * 4 + 2, w, mask=write)
@@ -184,181 +168,6 @@ def commit_kernel(buckets, tids, n, codes, pos, n_after, flags, rank, free_rows,
     tl.store(made_slots + r, slot, mask=give)
     tl.store(made_keys + r, tl.load(keys + i, mask=give, other=0), mask=give)
     tl.store(made_tids + r, t.to(tl.int64), mask=give)
-
-
-@triton.jit
-def _window_empty(buckets, nb, p, active, W: tl.constexpr):
-    """[BLOCK, W]: whether bucket (p + w) % B is empty, for the active keys."""
-    win = (p[:, None] + tl.arange(0, W)[None, :]) % nb
-    table = tl.load(buckets + win * 4 + 1, mask=active[:, None], other=0)
-    return active[:, None] & (table == _K_EMPTY)
-
-
-@triton.jit(do_not_specialize=["nbuckets", "n", "pid0"])
-def claim_scan_kernel(buckets, nbuckets, n, active, start, first, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
-    """first[j]: the first empty bucket in key j's window [p, p + W), -1 when none or j is placed."""
-    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = j < n
-    a = live & (tl.load(active + j, mask=live, other=0) != 0)
-    p = tl.load(start + j, mask=a, other=0)
-    nb = nbuckets.to(tl.int64)
-    empty = _window_empty(buckets, nb, p, a, W)
-    at = tl.min(tl.where(empty, tl.arange(0, W)[None, :], W), axis=1)
-    tl.store(first + j, tl.where(a & (at < W), (p + at) % nb, -1), mask=live)
-
-
-@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
-def claim_want_kernel(buckets, nbuckets, n, start, sorted_first, order, want, claims, epoch, pid0,
-                      W: tl.constexpr, BLOCK: tl.constexpr):
-    """For key j = order[s] (`order` sorts the keys' first empty buckets stably, `sorted_first` is
-    that sort): its rank in its crowd (the keys before it in batch order with its first empty
-    bucket: its distance to where its value starts in the sort, a binary search), then want[j]
-    the (rank + 1)-th empty bucket of its window (-1 past the window or when it has none), stamped
-    with atomic_max so the lowest batch position wanting a bucket holds its claim."""
-    s = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = s < n
-    j = tl.load(order + s, mask=live, other=0)
-    f = tl.load(sorted_first + s, mask=live, other=-1)
-    a = live & (f >= 0)
-    lo = tl.zeros([BLOCK], tl.int64)
-    hi = tl.where(a, s, 0)
-    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
-        open_ = lo < hi
-        mid = (lo + hi) // 2
-        below = tl.load(sorted_first + mid, mask=open_, other=0) < f
-        lo = tl.where(open_ & below, mid + 1, lo)
-        hi = tl.where(open_ & ~below, mid, hi)
-    r = s - lo
-    p = tl.load(start + j, mask=a, other=0)
-    nb = nbuckets.to(tl.int64)
-    empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
-    at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
-    ok = a & (at < W)
-    bucket = (p + at) % nb
-    stamp = (epoch.to(tl.int64) << _K_STAMP_BITS) | (_K_STAMP_LOW - j)
-    tl.atomic_max(claims + bucket, stamp, mask=ok)
-    tl.store(want + j, tl.where(ok, bucket, -1), mask=live)
-
-
-@triton.jit(do_not_specialize=["nbuckets", "n", "epoch", "pid0"])
-def claim_place_kernel(buckets, nbuckets, n, active, start, want, claims, epoch, rec_keys, rec_tids, rec_word2,
-                       rec_last, left, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
-    """The winners write their records (and take themselves off `left`, the records still to
-    place); the others go on from the bucket after the one they wanted (or past their window)."""
-    j = (pid0 + tl.program_id(0)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = j < n
-    a = live & (tl.load(active + j, mask=live, other=0) != 0)
-    p = tl.load(start + j, mask=a, other=0)
-    bucket = tl.load(want + j, mask=a, other=-1)
-    ok = a & (bucket >= 0)
-    stamp = (epoch.to(tl.int64) << _K_STAMP_BITS) | (_K_STAMP_LOW - j)
-    won = ok & (tl.load(claims + bucket, mask=ok, other=0) == stamp)
-    rec = buckets + bucket * 4
-    tl.store(rec, tl.load(rec_keys + j, mask=won, other=0), mask=won)
-    tl.store(rec + 1, tl.load(rec_tids + j, mask=won, other=0).to(tl.int64), mask=won)
-    tl.store(rec + 2, tl.load(rec_word2 + j, mask=won, other=0), mask=won)
-    tl.store(rec + 3, tl.load(rec_last + j, mask=won, other=0), mask=won)
-    nb = nbuckets.to(tl.int64)
-    tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=a & ~won)
-    tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
-    tl.atomic_add(left, -tl.sum(won.to(tl.int64), axis=0))
-
-
-@triton.jit(do_not_specialize=["nbuckets", "n", "max_rounds", "pid0"])
-def claim_finish_kernel(buckets, nbuckets, n, active, start, claims, rec_keys, rec_tids, rec_word2, rec_last, left,
-                        todo, first, want, max_rounds, pid0, W: tl.constexpr, BLOCK: tl.constexpr):
-    """A grid of one program: claim rounds of W-bucket windows (scan, want, place as above, each phase over
-    every record left before the next begins) until `left` is 0 or `max_rounds` ran; `left` then holds the
-    records not placed (0 unless the index has no empty bucket: an internal error the caller reports).
-    todo, first, want: int64 [n] scratch.  Its stamps (epoch FINISH_EPOCH) are cleared after each round."""
-    if pid0 + tl.program_id(0) == 0:
-        nb = nbuckets.to(tl.int64)
-        remaining = tl.load(left)
-        rounds = tl.zeros((), tl.int64)
-        while (remaining > 0) & (rounds < max_rounds):
-            # the records left, in batch order
-            m = tl.zeros((), tl.int64)
-            i = tl.zeros((), tl.int64)
-            while i < n:
-                at = i + tl.arange(0, BLOCK)
-                a = ((at < n) & (tl.load(active + at, mask=at < n, other=0, cache_modifier=".cg") != 0)).to(tl.int64)
-                tl.store(todo + m + tl.cumsum(a, axis=0) - a, at, mask=a != 0)
-                m += tl.sum(a, axis=0)
-                i += BLOCK
-            tl.debug_barrier()
-            # each one's first empty bucket in its window
-            s0 = tl.zeros((), tl.int64)
-            while s0 < m:
-                s = s0 + tl.arange(0, BLOCK)
-                ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
-                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
-                empty = _window_empty(buckets, nb, p, ms, W)
-                at = tl.min(tl.where(empty, tl.arange(0, W)[None, :], W), axis=1)
-                tl.store(first + s, tl.where(ms & (at < W), (p + at) % nb, -1), mask=ms)
-                s0 += BLOCK
-            tl.debug_barrier()
-            # its rank among the records with that first empty bucket (lower batch positions first), the bucket it
-            # wants, claimed by the lowest position
-            s0 = tl.zeros((), tl.int64)
-            while s0 < m:
-                s = s0 + tl.arange(0, BLOCK)
-                ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
-                f = tl.load(first + s, mask=ms, other=-1, cache_modifier=".cg")
-                r = tl.zeros([BLOCK], tl.int64)
-                q0 = tl.zeros((), tl.int64)
-                while q0 < m:
-                    q = q0 + tl.arange(0, BLOCK)
-                    mq = q < m
-                    fq = tl.load(first + q, mask=mq, other=-1, cache_modifier=".cg")
-                    jq = tl.load(todo + q, mask=mq, other=0, cache_modifier=".cg")
-                    same = mq[None, :] & (fq[None, :] == f[:, None]) & (jq[None, :] < j[:, None])
-                    r += tl.sum(same.to(tl.int64), axis=1)
-                    q0 += BLOCK
-                a = ms & (f >= 0)
-                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
-                empty = _window_empty(buckets, nb, p, a, W).to(tl.int32)
-                at = tl.sum((tl.cumsum(empty, axis=1) <= r[:, None]).to(tl.int32), axis=1)
-                ok = a & (at < W)
-                bucket = (p + at) % nb
-                tl.atomic_max(claims + bucket, _K_FINISH | (_K_STAMP_LOW - j), mask=ok)
-                tl.store(want + s, tl.where(ok, bucket, -1), mask=ms)
-                s0 += BLOCK
-            tl.debug_barrier()
-            # the winners write their records, the others go on
-            placed = tl.zeros((), tl.int64)
-            s0 = tl.zeros((), tl.int64)
-            while s0 < m:
-                s = s0 + tl.arange(0, BLOCK)
-                ms = s < m
-                j = tl.load(todo + s, mask=ms, other=0, cache_modifier=".cg")
-                p = tl.load(start + j, mask=ms, other=0, cache_modifier=".cg")
-                bucket = tl.load(want + s, mask=ms, other=-1, cache_modifier=".cg")
-                ok = ms & (bucket >= 0)
-                won = ok & (tl.load(claims + bucket, mask=ok, other=0, cache_modifier=".cg") ==
-                            (_K_FINISH | (_K_STAMP_LOW - j)))
-                rec = buckets + bucket * 4
-                tl.store(rec, tl.load(rec_keys + j, mask=won, other=0), mask=won)
-                tl.store(rec + 1, tl.load(rec_tids + j, mask=won, other=0).to(tl.int64), mask=won)
-                tl.store(rec + 2, tl.load(rec_word2 + j, mask=won, other=0), mask=won)
-                tl.store(rec + 3, tl.load(rec_last + j, mask=won, other=0), mask=won)
-                tl.store(start + j, tl.where(ok, (bucket + 1) % nb, (p + W) % nb), mask=ms & ~won)
-                tl.store(active + j, tl.zeros([BLOCK], tl.int32), mask=won)
-                placed += tl.sum(won.to(tl.int64), axis=0)
-                s0 += BLOCK
-            tl.debug_barrier()
-            s0 = tl.zeros((), tl.int64)  # the round's stamps cleared: the rounds launched later stamp lower epochs
-            while s0 < m:
-                s = s0 + tl.arange(0, BLOCK)
-                ms = s < m
-                bucket = tl.load(want + s, mask=ms, other=-1, cache_modifier=".cg")
-                tl.store(claims + bucket, tl.zeros([BLOCK], tl.int64), mask=ms & (bucket >= 0))
-                s0 += BLOCK
-            tl.debug_barrier()
-            remaining -= placed
-            rounds += 1
-        tl.store(left, remaining)
 
 
 def _sig(names: str, types: dict[str, str]) -> dict[str, str]:
@@ -373,19 +182,10 @@ _PROBE = _sig("buckets nbuckets keys tids n ntables hash_keys admit_ks tstride c
               {"nbuckets": _I64, "n": _I64, "ntables": _I64, "tstride": _I64, "pid0": _I64, "admit": "*u8",
                "flags": "*i32",
                **{k: _CONST for k in ("INSERT", "ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS", "BLOCK")}})
-_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step ok_flag out word2 "
+_COMMIT = _sig("buckets tids n codes pos n_after flags rank free_rows scal step ok_flag out word2 last "
                "made_slots made_keys keys made_tids pid0 BLOCK",
                {"n": _I64, "step": _I64, "pid0": _I64, "flags": "*i32",
                 "free_rows": "*i32", "ok_flag": "*i32", "BLOCK": _CONST})
-_ROUND = {"nbuckets": _I64, "n": _I64, "epoch": _I64, "max_rounds": _I64, "pid0": _I64, "active": "*i32", "W": _CONST,
-          "BLOCK": _CONST}
-_SCAN = _sig("buckets nbuckets n active start first pid0 W BLOCK", _ROUND)
-_WANT = _sig("buckets nbuckets n start sorted_first order want claims epoch pid0 W BLOCK", _ROUND)
-_PLACE = _sig("buckets nbuckets n active start want claims epoch rec_keys rec_tids rec_word2 rec_last left pid0 W "
-              "BLOCK", _ROUND)
-_FINISH = _sig("buckets nbuckets n active start claims rec_keys rec_tids rec_word2 rec_last left todo first want "
-               "max_rounds pid0 W BLOCK", _ROUND)
-
 # (name, kernel, signature, constexprs): what `python -m hugeembed._triton.compile_check` builds for sm_90
 _FLAGS = ("ROWS_ONLY", "HAS_COUNTS", "HAS_ADMIT", "HAS_HITS")
 # every variant store/_index_triton.py launches: find (rows only or codes, with or without hits), find-or-insert
@@ -394,16 +194,10 @@ COMPILE_CASES = [(f"hash_index.probe (find{', rows' if rows else ''}{', hits' if
                   dict(zip(_FLAGS, (rows, False, False, hits)), INSERT=False, BLOCK=128))
                  for rows in (False, True) for hits in (False, True)]
 COMPILE_CASES += [(f"hash_index.probe (find_or_insert{', counts' if c else ''}{', admit' if a else ''}"
-                   f"{', hits' if h else ''})", probe_kernel, _PROBE,
+                   f"{', hits' if h else ''}, sort key {key})", probe_kernel, {**_PROBE, "sortkey": f"*{key}"},
                    dict(zip(_FLAGS, (False, c, a, h)), INSERT=True, BLOCK=128))
-                  for c in (False, True) for a in (False, True) for h in (False, True)]
+                  for c in (False, True) for a in (False, True) for h in (False, True) for key in ("i32", "i64")]
 COMPILE_CASES += [("hash_index.commit", commit_kernel, _COMMIT, {"BLOCK": 128})]
-# every window a claim round launches with (store/_index_triton.py: 32, 64, 128)
-COMPILE_CASES += [(f"hash_index.{name}[W={w}]", fn, sig, {"W": w, "BLOCK": 32}) for w in (32, 64, 128)
-                  for name, fn, sig in (("claim_scan", claim_scan_kernel, _SCAN),
-                                        ("claim_want", claim_want_kernel, _WANT),
-                                        ("claim_place", claim_place_kernel, _PLACE))]
-COMPILE_CASES += [("hash_index.claim_finish[W=128]", claim_finish_kernel, _FINISH, {"W": 128, "BLOCK": 32})]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == _I64 else v for k, v in sig.items()}, cx)
                   for name, fn, sig, cx in COMPILE_CASES]

@@ -108,16 +108,19 @@ def _duplicates(sorted_keys, order, keys, tids, todo, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n", "T", "tstride", "max_entries", "rows_capacity", "pid0"])
 def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending, tab_limit, tstride, scal, n, T,
-                max_entries, rows_capacity, sorted_keys, order, rank, active, first, ok_flag, values, stuck, pid0,
+                max_entries, rows_capacity, sorted_keys, order, rank, active, first, new_list, ok_flag, values, stuck,
+                pid0,
                 HAS_COUNTS: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr):
     """values = need[] (store/_index.py: head (8), per table (new rows, new pending) (2T), the group
     after the call (3), per table after it (rows, pending) (2T)), then EXTRAS (outcome, bad table
     entry, first bad count's position, value, table, keys to insert or promote, records left to
     place, stuck[0]: the call before's records left unplaced); tab_* a table field each (table t's at
-    t * tstride), scal the group's (entries, row_hwm, free rows listed); per_table [3T + 3] the probe's counts and checks.
+    t * tstride), scal the group's (entries, row_hwm, free rows listed); per_table [3T + 3] the probe's counts and
+    checks (zeroed when read: the next call's probe adds into it).
     rank[i]: the keys before i that get a row (written when some do); active[i]: key i is new and the
     outcome DONE, first[i]: its bucket in the first claim round (pos), -1 when not active (both
-    written when some key is new)."""
+    written when some key is new); new_list[:values[0]]: the active keys' positions, in batch order (written
+    when the outcome is DONE and some key is new: claim_finish_kernel's list)."""
     if pid0 + tl.program_id(0) == 0:  # (a grid of one program)
         # the probe's counts per table; the keys are walked only where some get a row (their ranks) or
         # are new (to place): a step whose keys are all known costs O(tables) here
@@ -182,6 +185,7 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         outcome = tl.where(dup != 0, _DUP, outcome)
         ok = (outcome == 0) & (bad_tid == 0) & (bad_at == n) & (tl.load(stuck) == 0)
         if n_new > 0:
+            listed = tl.zeros((), tl.int64)
             i = tl.zeros((), tl.int64)
             while i < n:
                 at = i + tl.arange(0, BLOCK)
@@ -189,6 +193,9 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
                 go = ((tl.load(flags + at, mask=m, other=0) & _K_NEW) != 0) & ok
                 tl.store(active + at, go.to(tl.int32), mask=m)
                 tl.store(first + at, tl.where(go, tl.load(pos + at, mask=m & go, other=-1), -1), mask=m)
+                g = go.to(tl.int64)
+                tl.store(new_list + listed + tl.cumsum(g, axis=0) - g, at, mask=go)
+                listed += tl.sum(g, axis=0)
                 i += BLOCK
         tl.store(ok_flag, ok.to(tl.int32))
         made = tl.where(ok, carry, 0)
@@ -231,18 +238,29 @@ def need_kernel(flags, tids, keys, counts, pos, per_table, tab_rows, tab_pending
         tl.store(values + e + 5, todo)
         tl.store(values + e + 6, tl.where(ok, n_new, 0))
         tl.store(values + e + 7, tl.load(stuck))  # (the call then changes nothing: not ok)
+        # per_table zeroed for the next call's probe, once every read of it above is done
+        tl.debug_barrier()
+        j = tl.zeros((), tl.int64)
+        while j < 3 * T + 3:
+            tt = j + tl.arange(0, BLOCK)
+            tl.store(per_table + tt, tl.zeros([BLOCK], tl.int64), mask=tt < 3 * T + 3)
+            j += BLOCK
 
 
 _SIG = {name: "*i64" for name in ("tids", "keys", "counts", "pos", "per_table", "tab_rows", "tab_pending", "tab_limit",
-                                  "scal", "sorted_keys", "order", "rank", "first", "values", "stuck")}
+                                  "scal", "sorted_keys", "order", "rank", "first", "new_list", "values", "stuck")}
 _SIG = {"flags": "*i32", **_SIG, "tstride": "i64", "n": "i64", "T": "i64", "max_entries": "i64",
         "rows_capacity": "i64", "active": "*i32", "ok_flag": "*i32", "pid0": "i32", "HAS_COUNTS": "constexpr",
         "SORTED": "constexpr", "BLOCK": "constexpr"}
 # (the kernel's parameters in order: a signature lists them so)
 _ORDER = ("flags tids keys counts pos per_table tab_rows tab_pending tab_limit tstride scal n T max_entries "
-          "rows_capacity sorted_keys order rank active first ok_flag values stuck pid0 HAS_COUNTS SORTED BLOCK").split()
-COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}]", need_kernel, {k: _SIG[k] for k in _ORDER},
-                  {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024}) for c in (False, True) for s in (False, True)]
+          "rows_capacity sorted_keys order rank active first new_list ok_flag values stuck pid0 HAS_COUNTS SORTED "
+          "BLOCK").split()
+# (the sort key: int32 below 2^30 buckets, store/_index_triton.py)
+COMPILE_CASES = [(f"hash_need.need[counts={int(c)}, sorted={int(s)}, sort key {key}]", need_kernel,
+                  {k: _SIG[k] for k in _ORDER} | {"sorted_keys": f"*{key}"},
+                  {"HAS_COUNTS": c, "SORTED": s, "BLOCK": 1024})
+                 for c in (False, True) for s in (False, True) for key in ("i32", "i64")]
 # the same with every scalar an i32 (values below 2**31 arrive so)
 COMPILE_CASES += [(f"{name} (i32 scalars)", fn, {k: "i32" if v == "i64" else v for k, v in sig.items()}, cx)
                   for name, fn, sig, cx in COMPILE_CASES]

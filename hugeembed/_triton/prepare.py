@@ -8,8 +8,9 @@ few launches, grids from the batch's shapes, and one read of the device by the c
     torch.cumsum   the bags' lengths -> the cleaned offsets
     _scatter_bags  the same pass again, each kept id written at its place in bag order (with its
                    weight, table and sort key); the programs past the bags pad the tail
-    torch.sort     by the key (table base + id: one sort), or by id then table (dynamic tables)
-    _run_heads     which sorted positions start a run of one (table, id)
+    torch.sort     by the key (table base + id: one sort), or by id then table (dynamic tables: two)
+    _run_heads     which sorted positions start a run of one (table, id) (dynamic tables: it also writes
+                   the order, the id sort's order gathered by the table sort's)
     torch.cumsum   -> each run's unique index
     _encode_runs   the unique keys, each entry's unique index, the counts per key and per table
 
@@ -175,16 +176,25 @@ def _scatter_bags(pid0, offsets, values, weights, src, feat_table, num_rows, pru
 
 
 @triton.jit
-def _run_heads(pid0, perm, ids, tabs, heads, M, T, DEDUP: tl.constexpr, BLOCK: tl.constexpr):
+def _run_heads(pid0, perm, by_id, by_table, ids, tabs, heads, M, T, DEDUP: tl.constexpr, TWO_SORTS: tl.constexpr,
+               BLOCK: tl.constexpr):
     """heads[i] = 1 where sorted position i starts a run of one (table, id) (DEDUP), or holds a counted
-    entry (every entry its own key)."""
+    entry (every entry its own key).  TWO_SORTS (dynamic tables): the order is by_id[by_table[i]] (a stable
+    sort by id, then of its tables), written into perm here (the gather of the second sort's order)."""
     at = (pid0 + tl.program_id(0)) * BLOCK + tl.arange(0, BLOCK)
     m = at < M
-    j = tl.load(perm + at, mask=m, other=0)
+    if TWO_SORTS:
+        j = tl.load(by_id + tl.load(by_table + at, mask=m, other=0), mask=m, other=0)
+        tl.store(perm + at, j, mask=m)
+    else:
+        j = tl.load(perm + at, mask=m, other=0)
     t = tl.load(tabs + j, mask=m, other=T)
     head = m & (t < T)
     if DEDUP:
-        jp = tl.load(perm + at - 1, mask=m & (at > 0), other=0)
+        if TWO_SORTS:
+            jp = tl.load(by_id + tl.load(by_table + at - 1, mask=m & (at > 0), other=0), mask=m & (at > 0), other=0)
+        else:
+            jp = tl.load(perm + at - 1, mask=m & (at > 0), other=0)
         tp = tl.load(tabs + jp, mask=m & (at > 0), other=T)
         v = tl.load(ids + j, mask=m, other=0)
         vp = tl.load(ids + jp, mask=m & (at > 0), other=0)
@@ -235,10 +245,11 @@ def _cases():
                "LINEAR": "constexpr", "BLOCK_B": "constexpr", "BLOCK": "constexpr"}
         out.append((f"prepare.scatter_bags[w={int(w)},linear={int(linear)},{key}]", _scatter_bags, sig,
                     {"HAS_W": w, "LINEAR": linear, "BLOCK_B": BAG_BLOCK, "BLOCK": 256}))
-    for dedup in (False, True):
-        out.append((f"prepare.run_heads[dedup={int(dedup)}]", _run_heads,
-                    {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "M": "i32",
-                     "T": "i32", "DEDUP": "constexpr", "BLOCK": "constexpr"}, {"DEDUP": dedup, "BLOCK": 256}))
+    for dedup, two in ((False, False), (True, False), (True, True)):
+        out.append((f"prepare.run_heads[dedup={int(dedup)},two_sorts={int(two)}]", _run_heads,
+                    {"pid0": "i32", "perm": "*i64", "by_id": "*i64", "by_table": "*i64", "ids": "*i64",
+                     "tabs": "*i32", "heads": "*i32", "M": "i32", "T": "i32", "DEDUP": "constexpr",
+                     "TWO_SORTS": "constexpr", "BLOCK": "constexpr"}, {"DEDUP": dedup, "TWO_SORTS": two, "BLOCK": 256}))
     out.append(("prepare.encode_runs", _encode_runs,
                 {"pid0": "i32", "perm": "*i64", "ids": "*i64", "tabs": "*i32", "heads": "*i32", "uid": "*i32",
                  "out_offsets": "*i64", "unique_keys": "*i64", "unique_tables": "*i32", "inverse": "*i64",

@@ -77,10 +77,17 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
                key_out=keys, report=report, B=B, F=F, FB=FB, N=N, M=M, T=T,
                sentinel=sentinel if sentinel is not None else 0, NBB=nbb, HAS_W=weights is not None, LINEAR=linear,
                BLOCK_B=k.BAG_BLOCK, BLOCK=_BLOCK)
-        perm = _sort(keys, ids, tabs, linear, deduplicate)
+        two_sorts = deduplicate and not linear
+        if two_sorts:  # (dynamic tables: any int64 id; by id, then a stable sort by table: _run_heads gathers)
+            by_id = torch.sort(ids, stable=True)[1]
+            by_table = torch.sort(tabs[by_id], stable=True)[1]
+            perm = torch.empty(M, dtype=torch.int64, device=dev)
+        else:
+            perm = by_id = by_table = _sort(keys, tabs, linear)
         heads = torch.empty(M, dtype=torch.int32, device=dev)
         grid = triton.cdiv(M, _BLOCK)
-        launch(k._run_heads, grid, perm, ids, tabs, heads, M, T, DEDUP=deduplicate, BLOCK=_BLOCK)
+        launch(k._run_heads, grid, perm, by_id, by_table, ids, tabs, heads, M, T, DEDUP=deduplicate,
+               TWO_SORTS=two_sorts, BLOCK=_BLOCK)
         uid = torch.cumsum(heads, 0, dtype=torch.int32)
         unique_keys = torch.empty(M, dtype=torch.int64, device=dev)
         unique_tables = torch.empty(M, dtype=torch.int32, device=dev)
@@ -105,14 +112,10 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
                     deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs)
 
 
-def _sort(keys, ids, tabs, linear: bool, deduplicate: bool) -> torch.Tensor:
-    """The entries' order by (table, id) (uncounted entries last; without dedup: by table only), stable."""
-    if linear:
-        return torch.sort(keys, stable=True)[1]
-    if not deduplicate:
-        return torch.sort(tabs, stable=True)[1]
-    by_id = torch.sort(ids, stable=True)[1]  # (dynamic tables: any int64 id; a second stable sort by table)
-    return by_id[torch.sort(tabs[by_id], stable=True)[1]]
+def _sort(keys, tabs, linear: bool) -> torch.Tensor:
+    """The entries' order by their linear key (table, id), or (without dedup) by table only, stable
+    (uncounted entries last)."""
+    return torch.sort(keys if linear else tabs, stable=True)[1]
 
 
 def _raise_errors(plan: LookupPlan, sf, host: list[int], N: int) -> None:

@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .._device import host_to_device
 from .._tensors import repeat_each
 from ._inflight import InFlight
 from ._placement import segment_column
@@ -75,8 +76,9 @@ class FetchStage:
             hits = self._span_rules[span.group].hits and flight is not None
             got = self._fetch_group(span, column, prep.unique_keys[lo:hi], step, training,
                                     None if counts is None else counts[lo:hi], hits,
-                                    within=prep.id_bounds[span.first : span.last + 1] or None)
-            slots[lo:hi] = got[0]
+                                    within=prep.id_bounds[span.first : span.last + 1] or None, out=slots[lo:hi])
+            if got[0].data_ptr() != slots[lo:hi].data_ptr():  # (the group wrote the slots in place: no copy)
+                slots[lo:hi] = got[0]
             if flight is not None:
                 flight.pin(span.group, slots, lo, hi)
                 flight.shared[span.group] = got[1]
@@ -85,12 +87,13 @@ class FetchStage:
         return slots
 
     def _fetch_group(self, span, column, keys, step: int, training: bool, counts=None, hits: bool = False,
-                     tail: tuple[int, ...] | None = None, within: tuple | None = None):
+                     tail: tuple[int, ...] | None = None, within: tuple | None = None, out=None):
         """(slots, shared rows, hit counts) of group span's keys: slots -1 where a row reads zeros
         (tables with a shared row: ids without a row of their own get it); shared rows: per table of
         the group its shared row's slot (-1: none); hit counts: each key's after the fetch, or None.
         `tail`: the local tables whose shared row this fetch reads (default: every one of the group).
-        `within`: the prepare's proof for the keys (Prepared.id_bounds of the span's tables), or None."""
+        `within`: the prepare's proof for the keys (Prepared.id_bounds of the span's tables), or None.
+        `out`: where a training fetch without shared rows may write the slots (int64 [n])."""
         group = self.groups[span.group]
         rules = self._span_rules[span.group]
         n = keys.numel()
@@ -98,18 +101,19 @@ class FetchStage:
         if tail:  # the shared rows' key goes into the same call (seen with every batch, admitted at once)
             dev = keys.device
             keys = torch.cat([keys, torch.full((len(tail),), SHARED_ROW_KEY, dtype=torch.int64, device=dev)])
-            column = torch.cat([column, torch.tensor(tail, dtype=torch.int64).to(dev, non_blocking=True)])
+            # (host-made: copied from page-locked memory, never waited for)
+            column = torch.cat([column, host_to_device(tail, torch.int64, dev)])
             if counts is not None:
                 admit = [rules.tail_admit[rules.tail.index(i)] for i in tail]
-                counts = torch.cat([counts, torch.tensor(admit, dtype=torch.int64).to(dev, non_blocking=True)])
+                counts = torch.cat([counts, host_to_device(admit, torch.int64, dev)])
         out_hits = torch.empty_like(keys) if hits else None
         within = None if tail else within  # (the shared rows' key is none the prepare checked)
-        got = group.fetch(column, keys, step, counts, hits=out_hits, within=within) if training else \
-            group.find(column, keys)
+        got = group.fetch(column, keys, step, counts, out=None if tail else out, hits=out_hits, within=within) \
+            if training else group.find(column, keys)
         shared = None
         if tail:
             shared = torch.full((len(span.tables),), -1, dtype=torch.int64, device=keys.device)
-            shared[torch.tensor(tail, dtype=torch.int64).to(keys.device, non_blocking=True)] = got[n:]
+            shared[host_to_device(tail, torch.int64, keys.device)] = got[n:]
             col = column[:n]
             got = torch.where((got[:n] < 0) & (col >= 0), shared[col.clamp(min=0)], got[:n])
         return got, shared, None if out_hits is None else out_hits[:n]

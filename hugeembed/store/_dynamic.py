@@ -154,7 +154,7 @@ class DynamicGroup(DynamicEdits, GroupBase):
 
     def _set_backend(self, backend: str) -> None:
         self._index = {"native": NativeIndex, "triton": TritonIndex, "torch": TorchIndex}[backend]()
-        self._kernel_init = self._kernel_init_args() if backend == "native" else None
+        self._kernel_init = self._kernel_init_args() if backend in ("native", "triton") else None
 
     def rows_capacity(self) -> int:
         return self.rows.shape[0]

@@ -25,6 +25,7 @@ from hugeembed.store import DynamicGroup, RowLayout, TableSettings, Uniform
 from hugeembed.store._dynamic import pick_backend
 from hugeembed.store._index import EMPTY_TABLE, PENDING, Outcome, home, need_length, new_buckets
 from hugeembed.store._index_torch import TorchIndex
+from hugeembed.store import _index_triton
 from hugeembed.store._index_triton import TritonIndex
 
 pytestmark = pytest.mark.triton
@@ -189,9 +190,12 @@ def _crowded(g: DynamicGroup, n: int, t: int = 0) -> list[int]:
     return keys[(h == 3) | (h == 4)][:n].tolist()
 
 
+@pytest.mark.parametrize("one_program", [1024, 0], ids=["claims-in-one-program", "launched-rounds"])
 @pytest.mark.parametrize("seed", [3])
 @on_device
-def test_results_do_not_depend_on_the_order_programs_run_in(device, seed):
+def test_results_do_not_depend_on_the_order_programs_run_in(device, seed, one_program, monkeypatch):
+    """Both ways to place new keys (one program, or launched rounds then that program) under shuffled programs."""
+    monkeypatch.setattr(_index_triton, "_ONE_PROGRAM", one_program)
     ref, one_grid = _group("torch", device, buckets=64), _group("triton", device, buckets=64)
     shuffled = _group("triton", device, buckets=64)
     shuffled._index = TritonIndex(block=4, claim_block=4, shuffle=torch.Generator().manual_seed(seed))
@@ -210,16 +214,20 @@ def test_results_do_not_depend_on_the_order_programs_run_in(device, seed):
         assert torch.equal(shuffled.codes(t, k), ref.codes(t, k))
 
 
+@pytest.mark.parametrize("one_program", [1024, 0], ids=["claims-in-one-program", "launched-rounds"])
 @on_device
 def test_a_crowd_longer_than_the_launched_rounds_is_placed_on_the_device_as_the_reference_places_it(device,
-                                                                                                     monkeypatch):
-    """What the three rounds leave, the one-program kernel places in further rounds (no read), bucket for
-    bucket as the reference; the next call's report says nothing was left unplaced."""
+                                                                                                     monkeypatch,
+                                                                                                     one_program):
+    """What the three rounds leave (or every new key, at most _ONE_PROGRAM of them), the one-program kernel
+    places in rounds on the device (no read), bucket for bucket as the reference; the next call's report
+    says nothing was left unplaced."""
+    monkeypatch.setattr(_index_triton, "_ONE_PROGRAM", one_program)
     a, b = _group("torch", device, buckets=640), _group("triton", device, buckets=640)
     left_before = []
     finish = TritonIndex._finish
     monkeypatch.setattr(TritonIndex, "_finish",
-                        lambda self, *args: left_before.append(int(args[-1][0])) or finish(self, *args))
+                        lambda self, *args: left_before.append(int(args[-2][0])) or finish(self, *args))
     reads, calls = [], []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _f=torch.Tensor.tolist: reads.append(t.shape) or _f(t))
     call = TritonIndex.find_or_insert
@@ -228,17 +236,21 @@ def test_a_crowd_longer_than_the_launched_rounds_is_placed_on_the_device_as_the_
     batch = _batch([(0, k, 1) for k in crowd[:4]] + [(1, k, 2) for k in crowd], device)
     reads.clear()
     _fetch_both(a, b, *batch, 0)  # (refused: the group grows, then the call again)
-    assert left_before and left_before[0] > 0  # the kernel had records to place
+    assert left_before  # the kernel had records to place: all 304, or what the launched rounds left
+    assert (0 < left_before[0] < 304) if one_program == 0 else (left_before[0] == 304)
     assert int(b.scalars[0]) == 304 and int(b._index._stuck[0]) == 0
     assert reads.count(torch.Size([need_length(3) + 8])) == len(calls) == 2  # each call's one read
     _fetch_both(a, b, *_batch([(2, 5, 1), (0, 7, 1)], device), 1)  # (its report: nothing left unplaced)
 
 
+@pytest.mark.parametrize("key32", [True, False], ids=["int32-sort-key", "int64-sort-key"])
 @on_device
-def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device):
+def test_duplicates_and_crowds_are_reported_as_the_reference_reports_them(device, key32, monkeypatch):
     """The need kernel's checks from the sort by home: the smallest (table, key) given twice among new
     keys and among promotions (twins of other tables and keys around), and the new keys' own crowding
     (their longest probe alone in an empty index, with its table), need[] for need[]."""
+    if not key32:  # (int64 above 2^30 buckets)
+        monkeypatch.setattr(_index_triton, "_SORT_KEY_32", 0)
     a, b = _group("torch", device, buckets=256), _group("triton", device, buckets=256)
     crowd = _crowded(a, 9, t=1)  # nine new keys on two homes: a crowd longer than any probe
     rc, need = _fetch_both(a, b, *_batch([(0, 40, 1)] + [(1, k, 2) for k in crowd], device), 0)

@@ -58,11 +58,13 @@ def test_a_dynamic_triton_step_launches_a_bounded_number_of_kernels(ops):
 
 @pytest.mark.slow
 def test_a_dynamic_triton_step_with_new_keys_reads_twice(ops):
-    """Issue 32 item 5 in a step that makes rows: three new keys per table (their rows freed before, so no table
-    grows): two reads (the prepare's report, the index's one read), whatever the tables, the claims launched
-    after the index's read and what they leave placed on the device; no blocking copy to the device."""
+    """Issue 32 items 4-5 in a step that makes rows: three new keys per table (their rows freed before, so no
+    table grows): at most 40 launches and two reads (the prepare's report, the index's one read), whatever the
+    tables; the new keys placed by one program after the index's read (a few keys: no launched claim round);
+    no blocking copy to the device."""
     few, many = (ops.counted_new_keys(n, new=3, samples=4, rows=6, warmup=4) for n in (2, 4))
     assert few.syncs() == many.syncs() == 2, dict(many.ops)
     assert many.ops.get("h2d", 0) == 0
-    assert few.launches() == many.launches()
-    assert many.kernels["claim_place_kernel"] == 3 and many.kernels["claim_finish_kernel"] == 1
+    assert few.launches() == many.launches() <= 40, (dict(many.kernels), dict(many.torch_launches()))
+    assert many.kernels["claim_finish_kernel"] == 1
+    assert not any(name.startswith("claim_") and name != "claim_finish_kernel" for name in many.kernels)

@@ -129,6 +129,21 @@ def test_programs_in_any_order_give_the_same_result(bag_block):
         assert_same(prepare_triton(plan, sf, shuffle=seed), want)
 
 
+def test_programs_in_any_order_give_the_same_result_on_dynamic_tables(bag_block, monkeypatch):
+    """Dynamic tables: two sorts, _run_heads gathering their order (its programs read neighbours' entries:
+    blocks of 4 entries, several programs)."""
+    from hugeembed.functional import _triton_prepare
+
+    monkeypatch.setattr(_triton_prepare, "_BLOCK", 4)
+    plan = LookupPlan([TableSpec("a", 4), TableSpec("b", 4)],
+                      [FeatureSpec("x", "a", combiner="sum"), FeatureSpec("y", "b"), FeatureSpec("z", "a")])
+    values = torch.tensor([2**40, -7, 2**40, 5, -7, 5, 0, 2**62, 5, -(2**63), 3])
+    sf = SparseFeatures(["x", "y", "z"], values, lengths=torch.tensor([3, 0, 2, 1, 2, 3])).to(DEV)
+    want = prepare_torch(plan, sf)
+    for seed in range(3):
+        assert_same(prepare_triton(plan, sf, shuffle=seed), want)
+
+
 def test_one_read_of_the_device_and_a_few_launches():
     """The stage's launches, counted by bench/ops.py's CountLaunches: 4 kernels, 2 scans, 1 sort, the
     report and the counts zeroed, the report read (10), whatever the tables."""
