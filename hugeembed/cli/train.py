@@ -24,7 +24,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order", "first_order_lr", "first_order_betas",
-           "first_order_eps", "first_order_admit_min_count", "first_order_lr_count_scale", "dropout", "choose_epochs",
+           "first_order_eps", "first_order_admit_min_count", "first_order_lr_count_scale", "dropout", "click_counts", "choose_epochs",
            "choose_holdout")
 
 # DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.02 with Adam settings of their own (when the
@@ -36,6 +36,8 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
 SCHEMA_FIRST_ORDER_LR = 0.02
 SCHEMA_FIRST_ORDER_BETAS = (0.9, 0.999)
 SCHEMA_FIRST_ORDER_EPS = 1e-8
+# ... and click counts (each feature's smoothed click log-odds from earlier rows, hugeembed/models/_counts.py):
+# measured in docs/quality.md, seventh round.
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -103,6 +105,10 @@ def add_parser(sub) -> None:
                    "--admit-min-count (1: every id its own bias at first sight; default: --admit-min-count)")
     p.add_argument("--first-order-lr-count-scale", type=int, metavar="N", help="the per-id biases' own "
                    "--lr-count-scale (a bias seen n < N times steps at n/N of its lr; default: --lr-count-scale)")
+    p.add_argument("--click-counts", action=argparse.BooleanOptionalAction, default=None,
+                   help="DLRM: add each feature's smoothed click log-odds, counted online from earlier rows only, to "
+                   "the logit with a learned weight per feature (default: on for data of a schema of its own in one "
+                   "process without --memory-budget, off otherwise: docs/quality.md)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
@@ -187,6 +193,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "betas" in cfg.sparse_optimizer_options() and \
                 not _given(args, given, ("first_order_betas", "first_order_eps")):  # an Adam rule: its settings
             cfg = cfg.replace(first_order_betas=SCHEMA_FIRST_ORDER_BETAS, first_order_eps=SCHEMA_FIRST_ORDER_EPS)
+    if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and cfg.memory_budget is None and \
+            (getattr(args, "nproc", None) or 1) == 1 and os.environ.get("WORLD_SIZE", "1") == "1":
+        cfg = cfg.replace(click_counts=True)  # the count tables are written in one process's memory
     return cfg
 
 
