@@ -33,6 +33,8 @@ COUNT_COLUMNS = 3  # per id: the smoothed log-odds (read by the model), clicks, 
 # rows of prior: an id seen n times with c clicks has the rate (c + prior ctr) / (n + prior), as
 # bench/_schema_refs.py's counting baseline
 DEFAULT_COUNT_PRIOR = 20.0
+# DLRM's weight of a feature's log-odds is 1 + COUNT_WEIGHT_SCALE * its parameter (zero at first)
+COUNT_WEIGHT_SCALE = 1.0
 
 
 def click_count_tables(features: Sequence[str]) -> list[TableConfig]:

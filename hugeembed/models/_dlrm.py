@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel, resolve_first_order
+from . import _counts
 from ._counts import COUNT_COLUMNS
 from ._layers import MLP, DotInteraction, check_dropout, check_sizes
 
@@ -84,7 +85,10 @@ class DLRM(RecModel):
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
                        final_activation=False, dropout=check_dropout(dropout, "DLRM"), device=device)
         if self.counts is not None:
-            self.count_weights = nn.Parameter(torch.ones(len(self.counts), device=device))
+            # the weight of feature f is 1 + COUNT_WEIGHT_SCALE * count_weights[f]: counting's own sum at first,
+            # moved COUNT_WEIGHT_SCALE times faster than a plain parameter by the dense optimizer (Adam's step
+            # does not depend on the gradient's scale)
+            self.count_weights = nn.Parameter(torch.zeros(len(self.counts), device=device))
             # rows and clicks counted in this pass (the prior's click rate): saved with the dense state
             self.register_buffer("count_rows", torch.zeros(2, dtype=torch.float64, device=device))
 
@@ -113,7 +117,7 @@ class DLRM(RecModel):
             logit = logit + self.on(self.first_order.concat(out), d).sum(dim=1)
         if self.counts is not None:  # column 0 of each count table: the ids' smoothed click log-odds
             s = self.on(self.counts.concat(out), d).unflatten(1, (len(self.counts), COUNT_COLUMNS))[:, :, 0]
-            logit = logit + (s * self.count_weights).sum(dim=1)
+            logit = logit + (s * (1.0 + _counts.COUNT_WEIGHT_SCALE * self.count_weights)).sum(dim=1)
         return logit
 
 
