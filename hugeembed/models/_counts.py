@@ -57,14 +57,16 @@ class ClickCountUpdater:
     """Keeps a model's click-count tables (``model.counts``) current through a training run.
 
     Args:
-        model: a model with click counts (for a model without them every method does nothing) (DLRM built with ``counts``): its collection must be one
-            process's, in memory (the rows are written through its stores).
+        model: a DLRM built with ``counts`` (for a model without them every method does nothing): its
+            collection must be one process's, in memory (the rows are written through its stores).
         prior: rows of prior (:func:`count_log_odds`).
 
-    The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts), :meth:`add` after every
-    training step (the batch's forward has read the counts of the rows before it) and :meth:`refresh`
-    at the run's end (every row's log-odds at the final click rate: what evaluation and a served
-    model read).
+    The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
+    :meth:`add` after every training step (the batch's forward has read the counts of the rows before it).
+    A row's log-odds take the click rate of the moment its id was last counted, and stay as they are
+    until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
+    end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
+    rows as training left them).
     """
 
     def __init__(self, model, prior: float = DEFAULT_COUNT_PRIOR) -> None:
@@ -141,16 +143,3 @@ class ClickCountUpdater:
                 n = old[:, 2] + hits.to(old.device)[keep]
                 s = count_log_odds(c, n, rows, positives, self.prior)
                 store.scatter(slots, torch.stack([s, c, n], 1).float())
-
-    def refresh(self) -> None:
-        """Every row's log-odds at the click rate of all the rows counted (the end of a run)."""
-        if not self.tables:
-            return
-        with torch.no_grad():
-            rows, positives = self._stats()
-            for name, _ in self.tables:
-                store = self.collection.store(name)
-                slots = store.export_index().slots
-                old = store.gather(slots).double()
-                s = count_log_odds(old[:, 1], old[:, 2], rows, positives, self.prior)
-                store.scatter(slots, torch.stack([s, old[:, 1], old[:, 2]], 1).float())

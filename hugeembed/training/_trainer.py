@@ -309,9 +309,8 @@ class Trainer(TrainerSnapshots):
         return [p for g in self.dense_optimizer.param_groups for p in g["params"]]
 
     def _apply_dense_average(self) -> None:
-        """The run's end: the dense parameters' mean over the decay; the click counts' log-odds at the final rate."""
+        """The end of the run: the dense parameters become their mean over the decay phase."""
         self.state.apply_dense_average(self._dense_params())
-        self.counts.refresh()
 
     def _record_loss(self) -> None:
         """Appends the mean loss since the last record to the history (and reports it)."""
