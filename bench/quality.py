@@ -98,6 +98,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "first_order_admit1": {"first_order": True, "first_order_admit_min_count": 1},
     "first_order_admit1_lcs20": {"first_order": True, "first_order_admit_min_count": 1,
                                  "first_order_lr_count_scale": 20},
+    # schema data: each feature's smoothed click log-odds counted from earlier rows, in DLRM's logit (seventh round)
+    "click_counts": {"click_counts": True},
 }
 
 

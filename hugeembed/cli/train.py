@@ -24,7 +24,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
            "sparse_eps", "average_dense", "first_order", "first_order_lr", "first_order_betas",
-           "first_order_eps", "first_order_admit_min_count", "first_order_lr_count_scale", "dropout", "choose_epochs",
+           "first_order_eps", "first_order_admit_min_count", "first_order_lr_count_scale", "dropout", "click_counts", "choose_epochs",
            "choose_holdout")
 
 # DLRM on data of a schema of its own: per-id biases (first_order) at lr 0.02 with Adam settings of their own (when the
@@ -103,6 +103,10 @@ def add_parser(sub) -> None:
                    "--admit-min-count (1: every id its own bias at first sight; default: --admit-min-count)")
     p.add_argument("--first-order-lr-count-scale", type=int, metavar="N", help="the per-id biases' own "
                    "--lr-count-scale (a bias seen n < N times steps at n/N of its lr; default: --lr-count-scale)")
+    p.add_argument("--click-counts", action=argparse.BooleanOptionalAction, default=None,
+                   help="DLRM: add each feature's smoothed click log-odds, counted online from earlier rows only, to "
+                   "the logit with a learned weight per feature; one process, tables in memory (default off: docs/quality.md, "
+                   "seventh round)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)

@@ -7,6 +7,7 @@ See docs/models.md.
 """
 
 from ._base import Fields, RecModel
+from ._counts import COUNT_PREFIX, DEFAULT_COUNT_PRIOR, ClickCountUpdater, click_count_tables, count_log_odds
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
 from ._dlrm import DLRM
@@ -52,4 +53,9 @@ __all__ = [
     "DEFAULT_INITIALIZER",
     "DEFAULT_ADMIT_MIN_COUNT",
     "make_model",
+    "COUNT_PREFIX",
+    "DEFAULT_COUNT_PRIOR",
+    "ClickCountUpdater",
+    "click_count_tables",
+    "count_log_odds",
 ]

@@ -8,9 +8,12 @@ import torch
 
 from torch import nn
 
+from ..errors import ConfigError
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel, resolve_first_order
+from . import _counts
+from ._counts import COUNT_COLUMNS
 from ._layers import MLP, DotInteraction, check_dropout, check_sizes
 
 __all__ = ["DLRM"]
@@ -44,6 +47,10 @@ class DLRM(RecModel):
             pooled weights are added to the logit: a per-id bias, as Wide&Deep's and DeepFM's
             first-order term, beside the interaction (which then reads the other tables).
         dropout: dropout probability after each hidden layer of the top MLP (0: none).
+        counts: names of click-count tables (:func:`~hugeembed.models.click_count_tables`): the first
+            column of each (an id's smoothed click log-odds, counted from earlier rows) is added to the
+            logit with a learned weight per table (1 at first); their rows are written by
+            :class:`~hugeembed.models.ClickCountUpdater`, the run's rows and clicks are ``count_rows``.
         device: where the dense layers live (default: the collection's device).
 
     Example::
@@ -57,13 +64,16 @@ class DLRM(RecModel):
     def __init__(self, collection: EmbeddingCollection, num_dense: int = 13, *,
                  bottom_mlp: Sequence[int] = (512, 256), top_mlp: Sequence[int] = (512, 512, 256),
                  self_interaction: bool = False, first_order: Sequence[str] = (), dropout: float = 0.0,
-                 device: torch.device | str | None = None) -> None:
+                 counts: Sequence[str] = (), device: torch.device | str | None = None) -> None:
         super().__init__(collection, num_dense, "DLRM")
         device = collection.device if device is None else device
         first_order = (first_order,) if isinstance(first_order, str) else tuple(first_order)
         wide, deep = resolve_first_order(collection, first_order, "DLRM") if first_order else \
             (set(), {t.name for t in collection.tables})
         self.first_order = Fields(collection, wide) if wide else None
+        counts = (counts,) if isinstance(counts, str) else tuple(counts)
+        self.counts = self._count_fields(collection, counts) if counts else None
+        deep = deep - set(counts)
         self.fields = Fields(collection, deep)
         dim = self.fields.common_dim("DLRM (the dot interaction)")
         self.embedding_dim = dim
@@ -74,6 +84,24 @@ class DLRM(RecModel):
         self.interaction = DotInteraction(len(self.fields), self_interaction=self_interaction, device=device)
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
                        final_activation=False, dropout=check_dropout(dropout, "DLRM"), device=device)
+        if self.counts is not None:
+            # the weight of feature f is 1 + COUNT_WEIGHT_SCALE * count_weights[f]: counting's own sum at first,
+            # moved COUNT_WEIGHT_SCALE times faster than a plain parameter by the dense optimizer (Adam's step
+            # does not depend on the gradient's scale)
+            self.count_weights = nn.Parameter(torch.zeros(len(self.counts), device=device))
+            # rows and clicks counted in this pass (the prior's click rate): saved with the dense state
+            self.register_buffer("count_rows", torch.zeros(2, dtype=torch.float64, device=device))
+
+    @staticmethod
+    def _count_fields(collection: EmbeddingCollection, counts: tuple[str, ...]) -> Fields:
+        dims = {t.name: t.dim for t in collection.tables}
+        unknown = sorted(set(counts) - set(dims))
+        if unknown:
+            raise ConfigError(f"DLRM: click-count tables {unknown} are not in the collection; tables: {list(dims)}")
+        wrong = {n: dims[n] for n in counts if dims[n] != COUNT_COLUMNS}
+        if wrong:
+            raise ConfigError(f"DLRM: click-count tables hold {COUNT_COLUMNS} columns per id, got dims {wrong}")
+        return Fields(collection, counts)
 
     def forward_pooled(self, dense: torch.Tensor, out: PooledEmbeddings) -> torch.Tensor:
         """Logits ``[B]`` (apply a sigmoid for probabilities).
@@ -87,6 +115,9 @@ class DLRM(RecModel):
         logit = self.top(self.interaction(d, e)).squeeze(1)
         if self.first_order is not None:
             logit = logit + self.on(self.first_order.concat(out), d).sum(dim=1)
+        if self.counts is not None:  # column 0 of each count table: the ids' smoothed click log-odds
+            s = self.on(self.counts.concat(out), d).unflatten(1, (len(self.counts), COUNT_COLUMNS))[:, :, 0]
+            logit = logit + (s * (1.0 + _counts.COUNT_WEIGHT_SCALE * self.count_weights)).sum(dim=1)
         return logit
 
 

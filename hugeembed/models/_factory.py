@@ -17,6 +17,7 @@ from ..types import Combiner
 from ._base import RecModel
 from ._dcn import DCNv2
 from ._deepfm import DeepFM
+from ._counts import COUNT_PREFIX, click_count_tables
 from ._dlrm import DLRM
 from ._tables import CRITEO_NUM_DENSE, CRITEO_SPARSE_FEATURES, FIRST_ORDER_PREFIX, Cardinalities, deepfm_tables, \
     embedding_tables, first_order_tables, schema_tables, wide_and_deep_tables, with_rare_id_options
@@ -40,7 +41,7 @@ DEFAULT_ADMIT_MIN_COUNT = 3
 
 # options each model takes beyond the common ones (anything else given is an error, not ignored)
 _OPTIONS = {
-    "dlrm": {"bottom_mlp", "top_mlp", "dropout", "first_order", "first_order_optimizer"},
+    "dlrm": {"bottom_mlp", "top_mlp", "dropout", "first_order", "first_order_optimizer", "click_counts"},
     "deepfm": {"deep", "dropout", "first_order_optimizer"},
     "widedeep": {"deep", "dropout", "first_order_optimizer"},
     "dcn": {"deep", "dropout", "num_cross", "low_rank", "num_experts", "structure"},
@@ -58,7 +59,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
                initializer: Initializer | str | None = DEFAULT_INITIALIZER,
                admit_min_count: int = DEFAULT_ADMIT_MIN_COUNT, lr_count_scale: int | None = None,
                first_order_admit_min_count: int | None = None, first_order_lr_count_scale: int | None = None,
-               backend: str = "auto", schema: Schema | None = None,
+               backend: str = "auto", schema: Schema | None = None, click_counts: bool | None = None,
                collection_factory: Callable[..., EmbeddingCollection] | None = None
                ) -> tuple[RecModel, list[nn.Parameter]]:
     """Builds a model and its embedding tables for Criteo-like data; returns ``(model, dense_parameters)``.
@@ -98,6 +99,9 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         first_order_admit_min_count, first_order_lr_count_scale: the dim-1 (per-id bias) tables' own
             admit_min_count / lr_count_scale; None: the other tables'.
         backend: the collection's lookup backend.
+        click_counts: DLRM: a frozen table ``count_<feature>`` per sparse feature whose ids' smoothed click
+            log-odds, counted from earlier rows, are added to the logit (hugeembed/models/_counts.py; a
+            training run keeps them with :class:`~hugeembed.models.ClickCountUpdater`).  None / False: none.
         schema: build the tables a data schema asks for (hugeembed.data.Schema): its sparse features,
             shared tables and combiners, and its dense columns (`features`, `num_dense` and
             `combiner` are then taken from it); dynamic tables only.
@@ -124,7 +128,7 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     given = {k for k, v in dict(bottom_mlp=bottom_mlp, top_mlp=top_mlp, deep=deep, dropout=dropout,
                                 num_cross=num_cross, low_rank=low_rank, num_experts=num_experts,
                                 structure=structure, first_order_optimizer=first_order_optimizer,
-                                first_order=first_order or None).items()
+                                first_order=first_order or None, click_counts=click_counts or None).items()
              if v is not None}
     foreign = sorted(given - _OPTIONS[name])
     if foreign:
@@ -165,6 +169,8 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
     tables = [with_rare_id_options(t, admit_min_count, lr_count_scale) if not _is_bias(t) else
               with_rare_id_options(t, _either(first_order_admit_min_count, admit_min_count),
                                    _either(first_order_lr_count_scale, lr_count_scale)) for t in tables]
+    if click_counts:  # every id its own row at first sight, unseen ids zeros: no rare-id options
+        tables += click_count_tables(list(dict.fromkeys(f for t in tables for f in t.features)))
     device = canonical_device(device)
     factory = EmbeddingCollection if collection_factory is None else collection_factory
     collection = factory(tables, optimizer=sparse_optimizer, device=device, seed=seed, backend=backend)
@@ -180,7 +186,8 @@ def make_model(name: str, *, embedding_dim: int, sparse_optimizer: SparseOptimiz
         model: RecModel
         if name == "dlrm":
             wide = [t.name for t in tables if first_order and t.name.startswith(FIRST_ORDER_PREFIX) and t.dim == 1]
-            model = DLRM(collection, num_dense, device=init_on, first_order=wide,
+            counts = [t.name for t in tables if click_counts and t.name.startswith(COUNT_PREFIX) and not t.trainable]
+            model = DLRM(collection, num_dense, device=init_on, first_order=wide, counts=counts,
                          **_given(bottom_mlp=bottom_mlp, top_mlp=top_mlp, dropout=dropout))
         elif name == "deepfm":
             model = DeepFM(collection, num_dense, device=init_on, **_given(deep=deep, dropout=dropout))

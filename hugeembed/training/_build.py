@@ -112,6 +112,7 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
                       first_order=cfg.first_order, first_order_optimizer=biases,
                       first_order_admit_min_count=cfg.first_order_admit_min_count,
                       first_order_lr_count_scale=cfg.first_order_lr_count_scale, dropout=cfg.dropout,
+                      click_counts=cfg.click_counts or None,
                       collection_factory=factory, schema=schema)
 
 

@@ -48,12 +48,16 @@ def check_settings(cfg) -> None:
         if not isinstance(cfg.checkpoint_dir, str) or not cfg.checkpoint_dir:
             raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                               f"got {cfg.checkpoint_dir!r}")
-    for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale"):
+    for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale", "click_counts"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{_key(name)} must be true or false, got {getattr(cfg, name)!r}")
     if cfg.first_order and cfg.model != "dlrm":
         raise ConfigError(f"first-order adds per-id biases to DLRM; model {cfg.model!r} has its own terms "
                           f"(deepfm and widedeep: first-order tables always)")
+    if cfg.click_counts and cfg.model != "dlrm":
+        raise ConfigError(f"click-counts adds counted click log-odds to DLRM; model {cfg.model!r} does not take them")
+    if cfg.click_counts and cfg.memory_budget is not None:
+        raise ConfigError("click-counts writes its count tables in memory: not with --memory-budget (tiered tables)")
     if cfg.first_order_lr is not None:
         if not (_real(cfg.first_order_lr) and cfg.first_order_lr > 0):
             raise ConfigError(f"first-order-lr must be a positive number, got {cfg.first_order_lr!r}")

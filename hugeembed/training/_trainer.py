@@ -23,6 +23,7 @@ from .. import _native
 from .. import checkpoint as ckpt
 from ..distributed import Comm
 from ..errors import ConfigError, InputError
+from ..models import ClickCountUpdater
 from ._build import build_model, make_dense_optimizer, resolve_device, seed_everything
 from ._config import EVAL_POINTS, TrainConfig
 from ._evaluate import evaluate
@@ -38,7 +39,6 @@ from ._servers import check_servers, run_source, workers_group
 __all__ = ["Trainer", "TrainState"]
 
 ProgressFn = Callable[[str, dict[str, Any]], None]
-
 
 
 class Trainer(TrainerSnapshots):
@@ -83,6 +83,7 @@ class Trainer(TrainerSnapshots):
             self.cfg = config = self._choose_epochs(config)
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
+        self.counts = ClickCountUpdater(self.model)  # a DLRM's click counts (click_counts), else does nothing
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
         staleness, dense_staleness = (config.staleness, config.dense_staleness) if world_size > 1 else (0, 0)
         dense_group = workers_group(world_size, config.servers) if world_size > 1 else None
@@ -94,8 +95,7 @@ class Trainer(TrainerSnapshots):
         self.stale = StaleRun(self.collection, self._dense_params(), staleness, dense_staleness, config.jitter_spec(),
                               config.seed, rank, config.dist_timeout, dense_group=dense_group,
                               dense=not self.is_server, stale_scale=config.stale_scale)
-        # the loop's own small collectives (loss reports): on the default group, never interleaving with the
-        # embedding exchanges, which run on another thread under staleness
+        # the loop's own small collectives (loss reports): on the default group, apart from the exchange thread
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
         self.source: DataSource
         if source is None and config.servers and world_size > 1:  # workers read their slices (or the queue's)
@@ -267,6 +267,7 @@ class Trainer(TrainerSnapshots):
             for group, lr in zip(opt.param_groups, base):
                 group["lr"] = lr * f
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        self.counts.before_step(st.step_in_epoch)
         batch = batch.to(self.device, non_blocking=True)
         try:
             logits = self.step_model(batch.dense, batch.sparse)
@@ -285,6 +286,7 @@ class Trainer(TrainerSnapshots):
         if not self.is_server:  # a server's dense layers see no data: they are never stepped
             self.stale.dense_step(st.step + 1, self.dense_optimizer)
         self.collection.optimizer.step()
+        self.counts.add(batch.sparse, batch.labels)  # after the batch's forward read the earlier rows' counts
         self.stale.straggle(time.thread_time() - cpu0)
         if self.cfg.average_dense and f < 1.0 and not self.is_server:
             self.state.add_to_dense_average(self._dense_params())

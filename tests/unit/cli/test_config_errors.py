@@ -27,7 +27,7 @@ BAD = {
     "data_queue": "0", "servers": "-1", "memory_budget": "1.5", "storage_dir": "5",
     "cache_policy": "'fifo'", "init": "'gaussian:0.1'", "admit_min_count": "0", "lr_count_scale": "1.5", "lr_decay": "1.5",
     "sparse_betas": "[0.9]", "sparse_eps": "0", "average_dense": "'on'", "schema": "5", "first_order": "1", "first_order_lr": "'fast'",
-    "first_order_betas": "[0.9]", "first_order_eps": "0", "dropout": "1.0",
+    "first_order_betas": "[0.9]", "first_order_eps": "0", "dropout": "1.0", "click_counts": "1",
     "first_order_admit_min_count": "0", "first_order_lr_count_scale": "1.5",
     "choose_epochs": "0", "choose_holdout": "1.5",
 }

@@ -1,0 +1,145 @@
+"""Counting inside the model: each id's clicks and hits, kept online, as a smoothed log-odds per feature.
+
+A counting baseline (each value's smoothed click rate on the training data, added as logits) is a strong
+model of click logs.  With click counts a DLRM adds the same statistic to its logit, one learned weight
+per feature, and its network learns the rest.  The counts are computed from earlier rows only (CatBoost's
+ordered target statistics): a training batch reads the counts of the rows before it, then adds its own
+labels, and every pass over the data starts from zero counts, so no row ever sees its own label.
+
+The counts live in frozen tables of the collection, ``count_<feature>``, one per sparse feature, of three
+columns per id: the smoothed log-odds the model reads, the clicks and the hits (so snapshots, resumes,
+exports and served models hold them as any table's rows; a served model reads the log-odds column, as
+evaluation does).  The run's rows and clicks counted so far (the prior's click rate) are a buffer of the
+model.  :class:`ClickCountUpdater` writes the rows after each training step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..features import SparseFeatures
+from ..nn import EmbeddingCollection, TableConfig
+from ..store import Zeros
+
+__all__ = ["COUNT_PREFIX", "COUNT_COLUMNS", "DEFAULT_COUNT_PRIOR", "click_count_tables", "count_log_odds",
+           "ClickCountUpdater"]
+
+COUNT_PREFIX = "count_"
+COUNT_COLUMNS = 3  # per id: the smoothed log-odds (read by the model), clicks, hits
+# rows of prior: an id seen n times with c clicks has the rate (c + prior ctr) / (n + prior), as
+# bench/_schema_refs.py's counting baseline
+DEFAULT_COUNT_PRIOR = 20.0
+# DLRM's weight of a feature's log-odds is 1 + COUNT_WEIGHT_SCALE * its parameter (zero at first)
+COUNT_WEIGHT_SCALE = 1.0
+
+
+def click_count_tables(features: Sequence[str]) -> list[TableConfig]:
+    """A frozen dynamic table ``count_<feature>`` per feature: every id a row at first sight (zeros), its
+    bag pooled by the mean (counting's), unseen ids reading zeros (no evidence: log-odds 0)."""
+    return [TableConfig(COUNT_PREFIX + f, COUNT_COLUMNS, features=(f,), combiner="mean", trainable=False,
+                        initializer=Zeros()) for f in features]
+
+
+def count_log_odds(clicks: torch.Tensor, hits: torch.Tensor, rows: float, positives: float,
+                   prior: float = DEFAULT_COUNT_PRIOR) -> torch.Tensor:
+    """``logit(r) - logit(ctr)``, ``r = (clicks + prior ctr) / (hits + prior)``, ``ctr`` the click rate of the
+    rows counted, smoothed by one click in two rows: 0 for an id without hits."""
+    p = (positives + 1.0) / (rows + 2.0)
+    r = (clicks.double() + prior * p) / (hits.double() + prior)
+    return torch.log(r) - torch.log1p(-r) - math.log(p / (1.0 - p))
+
+
+class ClickCountUpdater:
+    """Keeps a model's click-count tables (``model.counts``) current through a training run.
+
+    Args:
+        model: a DLRM built with ``counts`` (for a model without them every method does nothing): its
+            collection must be one process's, in memory (the rows are written through its stores).
+        prior: rows of prior (:func:`count_log_odds`).
+
+    The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
+    :meth:`add` after every training step (the batch's forward has read the counts of the rows before it).
+    A row's log-odds take the click rate of the moment its id was last counted, and stay as they are
+    until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
+    end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
+    rows as training left them).
+    """
+
+    def __init__(self, model, prior: float = DEFAULT_COUNT_PRIOR) -> None:
+        fields = getattr(model, "counts", None)
+        self.tables: list[tuple[str, str]] = []  # (count table, the feature it counts)
+        if fields is None:  # a model without click counts: every call does nothing
+            return
+        if not (isinstance(prior, (int, float)) and math.isfinite(prior) and prior > 0):
+            raise ConfigError(f"click counts: prior must be a positive number of rows, got {prior!r}")
+        collection: EmbeddingCollection = model.embeddings
+        if collection.has_tiered_tables or type(collection) is not EmbeddingCollection:
+            raise ConfigError("click counts need the tables in one process's memory: not with --memory-budget "
+                              "(tiered tables) or several processes (sharded tables)")
+        cfgs = {t.name: t for t in collection.tables}
+        self.tables = [(name, cfgs[name].features[0]) for name in dict.fromkeys(fields.tables)]
+        for name, _ in self.tables:
+            store = collection.store(name)
+            if store.width != COUNT_COLUMNS or store.dtype != torch.float32:
+                raise ConfigError(f"table {name!r}: click counts need float32 rows of {COUNT_COLUMNS} columns "
+                                  f"without optimizer state, got width {store.width}, {store.dtype}")
+        self.model, self.collection, self.prior = model, collection, float(prior)
+
+    def _stats(self) -> tuple[float, float]:
+        rows, positives = self.model.count_rows.tolist()
+        return rows, positives
+
+    def before_step(self, step_in_epoch: int) -> None:
+        """A pass's first step starts from zero counts (no evidence)."""
+        if step_in_epoch == 0:
+            self.start_pass()
+
+    def start_pass(self) -> None:
+        """Every count back to zero (a pass over the data starts from no evidence)."""
+        if not self.tables:
+            return
+        with torch.no_grad():
+            for name, _ in self.tables:
+                store = self.collection.store(name)
+                slots = store.export_index().slots
+                store.scatter(slots, torch.zeros(slots.numel(), COUNT_COLUMNS, device=store.device))
+            self.model.count_rows.zero_()
+
+    def add(self, sparse: SparseFeatures, labels: torch.Tensor) -> None:
+        """Counts a trained batch: each (sample, id) pair once, with the sample's label; then the
+        touched ids' log-odds at the new click rate."""
+        if not self.tables:
+            return
+        with torch.no_grad():
+            y = labels.detach().reshape(-1).double()
+            if y.numel() != sparse.batch_size:
+                raise ConfigError(f"click counts: {y.numel()} labels for a batch of {sparse.batch_size} samples")
+            self.model.count_rows += torch.stack([y.new_tensor(float(y.numel())), y.sum()]).to(self.model.count_rows)
+            rows, positives = self._stats()
+            bags = sparse.to_dict()
+            for name, feature in self.tables:
+                jf = bags[feature]
+                if jf.values.numel() == 0:
+                    continue
+                store = self.collection.store(name)
+                offsets = jf.offsets.long()
+                samples = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device),
+                                                  offsets[1:] - offsets[:-1])
+                # one hit per (sample, id): a bag holding an id twice counts it once
+                pairs = torch.unique(torch.stack([samples, jf.values.long()], 1), dim=0)
+                ids, inverse = torch.unique(pairs[:, 1], return_inverse=True)
+                yy = y.to(pairs.device)[pairs[:, 0]]
+                clicks = torch.zeros(ids.numel(), dtype=torch.float64, device=ids.device).index_add_(0, inverse, yy)
+                hits = torch.bincount(inverse, minlength=ids.numel()).double()
+                slots = store.find(ids.to(store.device))
+                keep = slots >= 0  # ids < 0 are dropped by the lookup; an evicted id has no row
+                slots = slots[keep]
+                old = store.gather(slots).double()
+                c = old[:, 1] + clicks.to(old.device)[keep]
+                n = old[:, 2] + hits.to(old.device)[keep]
+                s = count_log_odds(c, n, rows, positives, self.prior)
+                store.scatter(slots, torch.stack([s, c, n], 1).float())
