@@ -56,6 +56,7 @@ class Prepared:
     feature_starts: list[int] | None = None  # offsets[f * B] for f in 0..F, on the host (the torch path's)
     runs: object | None = None  # the triton prepare's sorted runs (_triton/dedup.Dedup over its entries, by unique
     #                             key; tables: each key's lookup table): the fused update reads them
+    bags: torch.Tensor | None = None  # int64 [N_kept]: each kept id's bag f * B + b (the torch prepare's)
     # the native prepare's unique_base then unique_count, int64 [2T] (the backward kernel's buffer)
     native_counts: torch.Tensor | None = None
     # what the prepare proved, per table: its unique keys in [0, n) (n: the table's num_rows; None: a dynamic
@@ -116,6 +117,12 @@ class LookupPlan:
         self.feature_index = {f.name: i for i, f in enumerate(self.features)}
         self.id_bounds = tuple(t.num_rows for t in self.tables)  # what a prepare proves of each table's ids
         self.feature_table = [self.table_index[f.table] for f in self.features]
+        # what the torch prepare must do at all (functional/_reference.py): prune negative ids, give
+        # empty pooled bags their default id, and what ids out of a static table's range do
+        self.prunes_negative = any(f.prune_negative for f in self.features)
+        self.fills_empty = any(f.default_id is not None and f.combiner is not Combiner.NONE for f in self.features)
+        self.range_policies = frozenset(f.out_of_range for f, t in zip(self.features, self.feature_table)
+                                        if self.tables[t].num_rows is not None)
         # dim groups, in order of first appearance
         groups: dict[int, tuple[list[int], list[int]]] = {}
         for i, f in enumerate(self.features):
