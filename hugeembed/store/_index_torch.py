@@ -2,9 +2,8 @@
 specification csrc/group_index.cpp implements, the tests' second implementation beside the
 DictStore oracle, and the fallback on devices without kernels.
 
-Written to be read, not tuned: probing looks at each key's first 4 buckets (most keys at the 0.6
-load factor are found there, or their empty bucket is), then advances the keys left over windows
-that double each round (32 to 128); each round reads the device once.  New records go into the first
+Written to be read, not tuned: probing advances every unresolved key over a window of buckets
+that doubles each round (32 to 128), and each round reads the device once.  New records go into the first
 empty bucket on their path; keys that want the same empty bucket are settled by a stable sort:
 the lowest batch position wins, the others move on (so the result never depends on scheduling).
 Row slots are handed out in batch order, smallest free slot first, exactly as the kernels do.
@@ -23,9 +22,10 @@ __all__ = ["TorchIndex"]
 
 # Each round looks at a window of buckets per key: 32 at first (at the 0.6 load factor the longest
 # probe among tens of thousands of keys is about that), doubling to 128, so a call takes one or two
-# rounds whatever the group's size.  A probe's first round looks at 4 buckets only: ~95% of the keys
-# end there, and a window of 32 for every key was most of a step's work (8x the bucket reads).
-_FIRST_WINDOW, _MAX_WINDOW, _HOME_WINDOW = 32, 128, 4
+# rounds whatever the group's size.  (A first round of 4 buckets reads 1/8 of the buckets, but ~5% of
+# the keys go on past it, so 16 keys often take one round and 200 keys two: the rounds, and the Python
+# a step runs, then grow with the batch; tests/bench/test_ops_per_step.py counts those lines.)
+_FIRST_WINDOW, _MAX_WINDOW = 32, 128
 
 
 def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
@@ -42,7 +42,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
     idx, p = torch.arange(n, device=dev), start
-    width = _HOME_WINDOW
+    width = _FIRST_WINDOW
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         # the window's (key, table) columns in one gather of whole records
@@ -57,7 +57,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
         codes[idx[d]] = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
         keep = (~done).nonzero().squeeze(1)
         idx, p = idx[keep], (p[keep] + width) % B
-        width = _FIRST_WINDOW if width == _HOME_WINDOW else min(2 * width, _MAX_WINDOW)
+        width = min(2 * width, _MAX_WINDOW)
     probes = (pos - start) % B + 1
     return codes, pos, probes
 
