@@ -1,10 +1,8 @@
 """The plain-PyTorch twin of the lookup stages: any device, any float dtype.
 
-Same contract as _native_stages.py (it runs on CUDA and for dtypes the kernels do
-not take), written with vectorised torch ops: the number of ops does not grow
-with the number of features (one segment reduction per dim group), only the
-per-table row gathers are a loop over tables.
-"""
+Same contract as _native_stages.py (it runs on CUDA and for dtypes the kernels do not take), in
+vectorised torch ops: their number does not grow with the features (one segment reduction per dim
+group); only the per-table row gathers are a loop over tables."""
 
 from __future__ import annotations
 
