@@ -88,14 +88,7 @@ void pool_feature(const PoolArgs& a, int64_t f, int64_t b0, int64_t b1, int64_t 
       }
     }
     float* __restrict o = out + b * ors + col;
-    if (c == kMean && wsum > 0.0f) {
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
-    } else if (c == kSqrtn && w2sum > 0.0f) {
-      const float sq = std::sqrt(w2sum);
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / sq;
-    } else {
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
-    }
+    write_combined(o, acc, D, c, wsum, w2sum);
   }
 }
 

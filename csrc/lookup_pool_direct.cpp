@@ -141,14 +141,7 @@ bool pool_direct_feature(const Plan& p, const int64_t* values, int64_t n_values,
       }
     }
     if (!w) wsum = w2sum = (float)kept;  // a sum of `kept` ones, exactly
-    if (c == kMean && wsum > 0.0f) {
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
-    } else if (c == kSqrtn && w2sum > 0.0f) {
-      const float sq = std::sqrt(w2sum);
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / sq;
-    } else {
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
-    }
+    write_combined(o, acc, D, c, wsum, w2sum);
   }
   return true;
 }

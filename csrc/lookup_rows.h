@@ -1,7 +1,7 @@
 // What the kernels that read table rows share (lookup_pool.cpp, lookup_pool_direct.cpp,
 // lookup_backward.cpp): TF's clip, the row addresses, prefetching, the split of a
-// pooling pass into work items, streaming stores, a bag's sum, and the dims the loops
-// know at compile time.
+// pooling pass into work items, streaming stores, a bag's sum and its combined output row,
+// and the dims the loops know at compile time.
 #pragma once
 
 #if defined(__AVX__)
@@ -138,6 +138,22 @@ inline void end_streams() {
 #if defined(__AVX__)
   _mm_sfence();
 #endif
+}
+
+// The general pooling loops' end of a bag (lookup_pool.cpp, lookup_pool_direct.cpp): the
+// weighted sum `acc` divided by the combiner's divisor (mean: the sum of the weights, sqrtn: the
+// square root of the sum of their squares) into the output row `o`; a divisor of 0 (an empty bag)
+// and sum write the sum itself.  Inlined, so a loop's compile-time D stays a constant here.
+__attribute__((always_inline)) inline void write_combined(float* __restrict o, const float* __restrict acc,
+                                                          int64_t D, int8_t c, float wsum, float w2sum) {
+  if (c == kMean && wsum > 0.0f) {
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / wsum;
+  } else if (c == kSqrtn && w2sum > 0.0f) {
+    const float sq = std::sqrt(w2sum);
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / sq;
+  } else {
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+  }
 }
 
 // How the fast pooling loops (no weights, no max_norm) sum a bag's rows: start(o) for the

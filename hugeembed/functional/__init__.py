@@ -7,7 +7,8 @@ gradients to a hook (or returns a sparse gradient).
 
 from ._lookup import FusedEmbeddingLookup, RowGradHook
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
-from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
+from ._plan import LookupPlan, Prepared
+from ._specs import FeatureSpec, TableSpec
 from ._reference import clip_rows
 from ._safe import embedding_lookup_unpooled, fused_embedding_lookup, safe_embedding_lookup_sparse
 

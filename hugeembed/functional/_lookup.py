@@ -17,7 +17,8 @@ from .. import _native, _triton
 from ..errors import ConfigError, InputError
 from ._native_stages import NativeScratch, batch_arrays, can_use_native, pool_direct, prepare_native
 from ._outputs import PooledEmbeddings
-from ._plan import FeatureSpec, LookupPlan, Prepared, TableSpec
+from ._plan import LookupPlan, Prepared
+from ._specs import FeatureSpec, TableSpec
 from ._reference import prepare_torch
 from ._triton_prepare import prepare_triton
 from ._triton_stages import forward_direct_triton, triton_runs_on

@@ -1,10 +1,8 @@
 """The plain-PyTorch twin of the lookup stages: any device, any float dtype.
 
-Same contract as _native_stages.py (it runs on CUDA and for dtypes the kernels do
-not take), written with vectorised torch ops: the number of ops does not grow
-with the number of features (one segment reduction per dim group), only the
-per-table row gathers are a loop over tables.
-"""
+Same contract as _native_stages.py (it runs on CUDA and for dtypes the kernels do not take), in
+vectorised torch ops: their number does not grow with the features (one segment reduction per dim
+group); only the per-table row gathers are a loop over tables."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ import torch
 from .._device import host_to_device
 from .._tensors import concat_ranges, kept_positions
 from ..errors import InputError
+from ..types import OutOfRange
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "gradient_rows_torch",
@@ -80,48 +79,54 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         w = weights[pos]
         bad_w = valid & ~torch.isfinite(w)
         keep = keep & (w > 0)
-    keep = keep & ~((v < 0) & a["prune_neg"][f_of].bool())
-    nr = a["num_rows"][t_of]
-    oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
-    pol = a["oor"][f_of]
-    err = oob & (pol == 0)
-    keep = keep & ~(oob & (pol == 1))
-    v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
+    # (each step below runs only where some feature of the plan asks for it: a plan constant)
+    if plan.prunes_negative:
+        keep = keep & ~((v < 0) & a["prune_neg"][f_of].bool())
+    err = torch.zeros_like(keep)
+    if plan.range_policies:  # static tables: ids in [0, num_rows), else the feature's out_of_range
+        nr = a["num_rows"][t_of]
+        oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
+        pol = a["oor"][f_of]
+        err = oob & (pol == 0)
+        if OutOfRange.PRUNE in plan.range_policies:
+            keep = keep & ~(oob & (pol == 1))
+        if OutOfRange.DEFAULT in plan.range_policies:
+            v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
     lengths = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.to(torch.int64))
-    # empty pooled bags with a default_id get that id, weight 1: one candidate entry per bag
-    bag_feature = torch.arange(FB, device=dev) // max(B, 1)
-    fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
-    lengths = lengths + fill.to(lengths.dtype)
+    if plan.fills_empty:  # empty pooled bags with a default_id get that id, weight 1: one candidate entry per bag
+        bag_feature = torch.arange(FB, device=dev) // max(B, 1)
+        fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
+        lengths = lengths + fill.to(lengths.dtype)
     out_offsets = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lengths, 0, out=out_offsets[1:])
-    # the ids and the candidates in bag order: a kept id goes after the kept ids before it and
-    # the filled bags before its own, a filled bag's id to its bag's start, the others past the
-    # end (n_keep on): a permutation, made without reading n_keep
-    keep_all = torch.cat([keep, fill])
-    kept_rank = torch.cumsum(keep.to(torch.int64), 0) - 1
-    fills_before = torch.cumsum(fill.to(torch.int64), 0) - fill.to(torch.int64)
-    dest = torch.where(keep_all, torch.cat([kept_rank + fills_before[bag], out_offsets[:-1]]),
-                       out_offsets[-1] + torch.cumsum((~keep_all).to(torch.int64), 0) - 1)
-    M = cap + FB
-    perm0 = torch.empty(M, dtype=torch.int64, device=dev).index_put_((dest,), torch.arange(M, device=dev))
-    vb = torch.cat([v, a["default_id"][bag_feature]])[perm0]
-    bagb = torch.cat([bag, torch.arange(FB, device=dev)])[perm0]
-    wb = None if w is None else torch.cat([w, torch.ones(FB, dtype=w.dtype, device=dev)])[perm0]
-    # dedup per table: sort by (table, id), unique runs (without dedup: by table only, every id
-    # its own entry); the entries past n_keep sort last, as a table T that is not counted
-    tb = torch.where(keep_all[perm0], a["table"][bagb // max(B, 1)], T)
-    if deduplicate:
-        o1 = torch.argsort(vb, stable=True)
-        perm = o1[torch.argsort(tb[o1], stable=True)]
-    else:
-        perm = torch.argsort(tb, stable=True)
-    vs, ts = vb[perm], tb[perm]
+    # the candidates: the ids (and the fills), each to its place in bag order: a kept id after the
+    # kept ids before it (and the filled bags before its own), a fill to its bag's start, the others
+    # past the end (n_keep on): a permutation, made without reading n_keep
+    cand_v, cand_bag, cand_t, cand_w, cand_keep = v, bag, t_of, w, keep
+    at = torch.cumsum(keep.to(torch.int64), 0) - 1
+    if plan.fills_empty:
+        fills_before = torch.cumsum(fill.to(torch.int64), 0) - fill.to(torch.int64)
+        at = torch.cat([at + fills_before[bag], out_offsets[:-1]])
+        cand_v = torch.cat([v, a["default_id"][bag_feature]])
+        cand_bag = torch.cat([bag, torch.arange(FB, device=dev)])
+        cand_t = torch.cat([t_of, a["table"][bag_feature]])
+        cand_w = None if w is None else torch.cat([w, torch.ones(FB, dtype=w.dtype, device=dev)])
+        cand_keep = torch.cat([keep, fill])
+    dest = torch.where(cand_keep, at, out_offsets[-1] + torch.cumsum((~cand_keep).to(torch.int64), 0) - 1)
+    M = cand_keep.numel()
+    in_bag_order = torch.empty(M, dtype=torch.int64, device=dev).index_put_((dest,), torch.arange(M, device=dev))
+    # dedup per table: sort by (table, id), unique runs (without dedup: by table only, in bag order,
+    # every id its own entry); the candidates not kept sort last, as a table T that is not counted
+    tb = torch.where(cand_keep, cand_t, T)
+    o1 = torch.argsort(cand_v, stable=True) if deduplicate else in_bag_order
+    perm = o1[torch.argsort(tb[o1], stable=True)]
+    vs, ts = cand_v[perm], tb[perm]
     new = torch.ones_like(vs, dtype=torch.bool)
     if vs.numel() > 1 and deduplicate:
         new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
-    inverse = torch.empty_like(uid_sorted)
-    inverse[perm] = uid_sorted
+    uid = torch.empty_like(uid_sorted)  # of each candidate
+    uid[perm] = uid_sorted
     per_table_t = torch.zeros(T + 1, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))[:T]
     edges = out_offsets[::B] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
     # the one read of the device: the checks, the ids kept, the keys per table, the features' extents
@@ -138,12 +143,13 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         raise InputError(plan.describe_id_error(1, int(bad_f[j]), int(bad_pos[j]), int(values[bad_pos[j]]), sf))
     n_keep, per_table, feature_starts = host[3], host[4 : 4 + T], host[4 + T :]
     n_unique = sum(per_table)
-    inverse = inverse[:n_keep]
+    kept = in_bag_order[:n_keep]  # the kept candidates, in bag order
+    inverse = uid[kept]
     unique_keys = vs[kept_positions(new & (ts < T), n_unique)]
     base = list(accumulate(per_table, initial=0))[:-1]  # the tables' keys end to end
-    return Prepared(B, out_offsets, inverse, None if wb is None else wb[:n_keep], unique_keys,
+    return Prepared(B, out_offsets, inverse, None if cand_w is None else cand_w[kept], unique_keys,
                     _count(inverse, n_unique), base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate, feature_starts=feature_starts)
+                    deduplicated=deduplicate, feature_starts=feature_starts, bags=cand_bag[kept])
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -236,6 +242,14 @@ def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
 def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     dev = prep.offsets.device
     B = prep.batch_size
+    if feats and prep.bags is not None and prep.feature_starts is not None and \
+            plan.memo(("consecutive", feats), lambda: feats == tuple(range(feats[0], feats[0] + len(feats)))):
+        # consecutive features (one dim's, usually every feature): their ids are one range, whose bags
+        # the prepare gives
+        lo, hi = prep.feature_starts[feats[0]], prep.feature_starts[feats[-1] + 1]
+        bag = prep.bags[lo:hi]
+        feature = torch.div(bag, max(B, 1), rounding_mode="floor")
+        return torch.arange(lo, hi, device=dev), feature - feats[0], bag - feature * B
     f = plan.on_device(feats, dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
@@ -245,7 +259,7 @@ def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
         starts, sizes = fs[k], fs[k + 1] - fs[k]  # (numpy: no Python per feature)
         pos, owner = concat_ranges(host_to_device(starts, torch.int64, dev), host_to_device(sizes, torch.int64, dev),
                              int(sizes.sum()))
-    bag = torch.searchsorted(prep.offsets, pos, right=True) - 1
+    bag = prep.bags[pos] if prep.bags is not None else torch.searchsorted(prep.offsets, pos, right=True) - 1
     sample = bag - f[owner] * B
     return pos, owner, sample
 

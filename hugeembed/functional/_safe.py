@@ -11,7 +11,7 @@ from ..errors import ConfigError, InputError
 from ..features import JaggedFeature, SparseFeatures
 from ._lookup import FusedEmbeddingLookup, RowGradHook
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
-from ._plan import FeatureSpec, TableSpec
+from ._specs import FeatureSpec, TableSpec
 
 __all__ = ["safe_embedding_lookup_sparse", "embedding_lookup_unpooled", "fused_embedding_lookup"]
 

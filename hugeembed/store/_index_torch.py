@@ -22,7 +22,9 @@ __all__ = ["TorchIndex"]
 
 # Each round looks at a window of buckets per key: 32 at first (at the 0.6 load factor the longest
 # probe among tens of thousands of keys is about that), doubling to 128, so a call takes one or two
-# rounds whatever the group's size.
+# rounds whatever the group's size.  (A first round of 4 buckets reads 1/8 of the buckets, but ~5% of
+# the keys go on past it, so 16 keys often take one round and 200 keys two: the rounds, and the Python
+# a step runs, then grow with the batch; tests/bench/test_ops_per_step.py counts those lines.)
 _FIRST_WINDOW, _MAX_WINDOW = 32, 128
 
 
@@ -39,7 +41,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
     pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
-    idx, p = torch.arange(n, device=dev), start.clone()
+    idx, p = torch.arange(n, device=dev), start
     width = _FIRST_WINDOW
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
@@ -195,18 +197,21 @@ class TorchIndex:
         new = ~found & drawn
         promote = found & (codes == PENDING) & (n_after >= admit_k)
         made_new = new & (c >= admit_k)
+        gets_row, waits = made_new | promote, new & ~made_new  # a row now; a key pending from now on
+        fresh = new.nonzero().squeeze(1)  # the new keys (their positions, used below)
         if sel.numel():
-            longest = int(probes.max())
+            j = int(probes.argmax())
+            longest = int(probes[j])
             if longest > need[7]:
-                need[7], need[6] = longest, int(t[probes.argmax()])
-            crowd, at = _crowding(g, k[new], t[new])
+                need[7], need[6] = longest, int(t[j])
+            crowd, at = _crowding(g, k[fresh], t[fresh])
             if crowd > need[7]:  # the new keys' own chains, placed alone: ids chosen to collide
                 need[7], need[6] = crowd, at
-        rows_t = torch.bincount(t[made_new | promote], minlength=T).tolist()
-        pend_t = torch.bincount(t[new & ~made_new], minlength=T).tolist()
-        promoted_t = torch.bincount(t[promote], minlength=T)
+        # per table: rows made, keys left pending, pending keys promoted (one pass, one read)
+        rows_t, pend_t, promoted_t = torch.zeros(3, T, dtype=torch.int64, device=dev).index_add_(
+            1, t, torch.stack([gets_row, waits, promote]).to(torch.int64)).tolist()
         need[NEED_HEAD::2], need[NEED_HEAD + 1 :: 2] = rows_t, pend_t  # table j's at NEED_HEAD + 2j, + 1
-        need[0], need[1], need[2] = int(new.sum()), sum(rows_t), sum(pend_t)
+        need[0], need[1], need[2] = fresh.numel(), sum(rows_t), sum(pend_t)
         if hits is not None:
             hits.zero_()
             hits[sel] = torch.where(found | new, n_after, 0).clamp(max=2**31 - 1)
@@ -230,18 +235,19 @@ class TorchIndex:
                 int(st[G_ROW_HWM]) + max(0, need[1] - int(st[G_NUM_FREE])) > g.rows_capacity():
             return Outcome.MUST_GROW, _state(g, need), ()
         # commit: counts and last steps of the keys found, slots in batch order, new records
-        gets_row = made_new | promote
-        slots = g.take_rows(int(gets_row.sum()))
+        slots = g.take_rows(need[1])
         code_now = codes.clone()
         code_now[gets_row] = slots
-        code_now[new & ~made_new] = PENDING
-        g.buckets[pos[found], 2] = pack(code_now[found], n_after[found])
-        g.buckets[pos[found], 3] = step
-        rec = torch.stack([k[new], t[new], pack(code_now[new], c[new]), torch.full_like(k[new], step)], 1)
-        claim(g.buckets, rec, pos[new])
-        st[G_ENTRIES] += int(new.sum())
+        code_now[waits] = PENDING
+        seen = found.nonzero().squeeze(1)
+        g.buckets[pos[seen], 2] = pack(code_now[seen], n_after[seen])
+        g.buckets[pos[seen], 3] = step
+        kf = k[fresh]
+        rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
+        claim(g.buckets, rec, pos[fresh])
+        st[G_ENTRIES] += fresh.numel()
         tab[:, T_ROWS] += torch.tensor(rows_t, dtype=torch.int64)
-        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - promoted_t.cpu()
+        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - torch.tensor(promoted_t, dtype=torch.int64)
         out[sel] = torch.where(code_now >= 0, code_now, -1)
         need[3] = slots.numel()
         return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row])

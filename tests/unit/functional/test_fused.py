@@ -309,3 +309,19 @@ def test_weights_for_a_batch_without_ids_are_the_default_ids_ones(backend):
     want = torch.zeros(10, 4)
     want[3] = 3.0
     torch.testing.assert_close(w.grad.to_dense(), want)
+
+
+def test_torch_prepare_gives_each_kept_id_its_bag():
+    # kept id j lies in the bag whose cleaned offsets span it; the pool reads the bags from the prepare
+    # (one dim's features consecutive or not: d4 reads features 0 and 2, d8 feature 1)
+    tables = [TableSpec("a", 4, num_rows=9), TableSpec("b", 8, num_rows=5)]
+    feats = [FeatureSpec("f1", "a", combiner="sum"), FeatureSpec("f2", "b", default_id=2),
+             FeatureSpec("f3", "a", source="f1", combiner="sqrtn", out_of_range="prune")]
+    W = [torch.randn(9, 4), torch.randn(5, 8)]
+    sf = make_batch({"f1": [[1, -1, 3], [], [8, 8]], "f2": [[4], [], [0, 0, 1]]})
+    ours, native = (FusedEmbeddingLookup(tables, feats, backend=b) for b in ("torch", "native"))
+    for dedup in (True, False):
+        prep = ours.prepare(sf, W, deduplicate=dedup)
+        offs = prep.offsets.tolist()
+        assert prep.bags.tolist() == [b for b in range(len(offs) - 1) for _ in range(offs[b + 1] - offs[b])]
+    torch.testing.assert_close(ours(W, sf).concat(), native(W, sf).concat())
