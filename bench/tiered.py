@@ -101,6 +101,14 @@ class RocksRowFile:
             raise StoreError(f"table '{self.table}': record {r} is not in {self.path}")
         out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(b"".join(vals), dtype=np.uint8)
 
+    def read_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        buf = torch.empty((records.numel(), *rows.shape[1:]), dtype=rows.dtype)
+        self.read(records, buf)
+        rows.index_copy_(0, slots, buf)
+
+    def write_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self.write(records, rows.index_select(0, slots))
+
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         from rocksdict import WriteBatch
 

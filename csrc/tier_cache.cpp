@@ -143,7 +143,8 @@ HE_KERNEL(he_tier_admit) {
 
 // Write-back, first half: the dirty rows among the cache `slots` (victims), gathered.
 //   bufs: slots int64 [m], owner int64 [C], dirty uint8 [C], rows bytes [C * row_bytes],
-//         out_slots int64 [m] (out), out_logical int64 [m] (out), out_rows bytes [m * row_bytes] (out)
+//         out_slots int64 [m] (out), out_logical int64 [m] (out), out_rows bytes [m * row_bytes] (out;
+//         empty: the rows are not gathered, the write-back writes them from their slots)
 //   ints: row_bytes
 // Returns d, the dirty ones: out_slots[:d] (in the order of `slots`), their logical rows and rows.
 HE_KERNEL(he_tier_dirty_rows) {
@@ -156,7 +157,7 @@ HE_KERNEL(he_tier_dirty_rows) {
   const char* rows = call.bytes<const char>(3, C * rb, "rows");
   int64_t* out_slots = call.buf<int64_t>(4, m, "out_slots");
   int64_t* out_logical = call.buf<int64_t>(5, m, "out_logical");
-  char* out_rows = call.bytes<char>(6, m * rb, "out_rows");
+  char* out_rows = call.numel(6) == 0 ? nullptr : call.bytes<char>(6, m * rb, "out_rows");
   for (int64_t j = 0; j < m; ++j)
     if (slots[j] < 0 || slots[j] >= C) {
       call.detail({j, slots[j], C});
@@ -169,7 +170,7 @@ HE_KERNEL(he_tier_dirty_rows) {
     if (!dirty[s]) continue;
     out_slots[d] = s;
     out_logical[d] = owner[s];
-    std::memcpy(out_rows + d * rb, rows + s * rb, (size_t)rb);
+    if (out_rows) std::memcpy(out_rows + d * rb, rows + s * rb, (size_t)rb);
     ++d;
   }
   return d;

@@ -19,6 +19,7 @@ from .. import _native
 from ..errors import CapacityError, StoreError
 from ._common import init_rows
 from ._evict import EVICTION_POLICIES, choose_victims, policy_columns
+from ._tier_file import outer_threads
 from ._tier_space import MOVED
 
 __all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for", "new_map",
@@ -42,7 +43,8 @@ def one_thread(method):
     """Runs `method` with one intra-op thread.  The tier's torch ops are small (a batch's ids, a few
     segments): split over OpenMP workers, each op ends at a barrier where the caller spins until every
     worker ran, and on a busy machine a worker waits for a core -- with 2 threads a d64 step took ~10x
-    the in-memory one.  The setting is this thread's (libgomp's per-thread ICV) and is restored."""
+    the in-memory one.  The setting is this thread's (libgomp's per-thread ICV) and is restored; the
+    tier's file copies (store/_tier_file.py: caller_threads) still use the threads outside."""
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
@@ -51,7 +53,8 @@ def one_thread(method):
             return method(*args, **kwargs)
         torch.set_num_threads(1)
         try:
-            return method(*args, **kwargs)
+            with outer_threads(n):
+                return method(*args, **kwargs)
         finally:
             torch.set_num_threads(n)
 
@@ -138,27 +141,26 @@ class TierCache:
         """Writes the dirty rows among cache `slots` to the tier as one run of fresh records (after moving
         the rows of the segments the space cleans to make room); they stay resident.  A failed read or
         write changes no row: records are committed after their write, and a move keeps values."""
-        if self.native_loops:
+        if self.native_loops:  # the dirty ones listed; their rows are written from their slots
             m = slots.numel()
             out = torch.empty((2, m), dtype=torch.int64)
-            rows = self.layout.empty(m)
             nd = self._native_call("he_tier_dirty_rows", [slots, self._owner, self._dirty.view(torch.uint8),
                                                           self._rows.view(torch.uint8), out[0], out[1],
-                                                          rows.view(torch.uint8)], [self.layout.row_bytes])
-            d, logical, rows = out[0, :nd], out[1, :nd], rows[:nd]
+                                                          torch.empty(0, dtype=torch.uint8)], [self.layout.row_bytes])
+            d, logical = out[0, :nd], out[1, :nd]
         else:
             d = slots[self._dirty[slots]]
-            logical, rows = self._owner[d], self._rows.index_select(0, d)
+            logical = self._owner[d]
         if d.numel() == 0:
             return
-        self._append(logical, rows)
+        self._append(logical, slots=d)
         self._dirty[d] = False
         self.stats["rows_written"] += d.numel()
 
-    def _append(self, logical: torch.Tensor, rows: torch.Tensor) -> None:
-        """Writes `rows` as the rows of `logical` to fresh records, first moving the rows of the segments
-        the space cleans to make room (their values do not change).  Records are committed after their
-        write: a failure leaves every row readable where it was."""
+    def _append(self, logical: torch.Tensor, rows: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+        """Writes `rows` (or the cached rows at `slots`) as the rows of `logical` to fresh records, first
+        moving the rows of the segments the space cleans to make room (their values do not change).
+        Records are committed after their write: a failure leaves every row readable where it was."""
         move = self._space.to_clean(logical.numel())
         if move.numel():
             moved = self._read_segments_rows(move)
@@ -168,7 +170,10 @@ class TierCache:
             self._mark_stale(move)
             self.stats["rows_relocated"] += move.numel()
         plan = self._space.plan(logical)
-        self.file.write(plan.records, rows)
+        if rows is None:
+            self.file.write_rows(plan.records, self._rows, slots)
+        else:
+            self.file.write(plan.records, rows)
         self._space.commit(plan, logical)
         self._mark_stale(logical)
 

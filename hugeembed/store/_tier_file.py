@@ -35,11 +35,34 @@ from .. import _native
 from .._durable import fsync_write, open_no_follow
 from ..errors import ConfigError, StoreError
 
-__all__ = ["RowFile", "TableDir", "IO_THREADS"]
+__all__ = ["RowFile", "TableDir", "IO_THREADS", "caller_threads", "outer_threads"]
 
-# Reads in flight per batch of misses: an SSD serves ~0.1 ms reads in parallel, so the
-# queue depth, not the cores, bounds the miss rate (page-cache hits need only a couple).
+# Reads in flight per batch of misses that wait for the device: an SSD serves ~0.1 ms reads in
+# parallel, so the queue depth, not the cores, bounds the miss rate.  What the page cache holds is
+# copied by the caller's own intra-op threads (caller_threads()), no more.
 IO_THREADS = 16
+
+_outer = threading.local()
+
+
+def caller_threads() -> int:
+    """The intra-op threads of the caller: torch.get_num_threads(), or inside the tier's one-thread
+    sections (store/_tier_cache.py: one_thread) the count outside them."""
+    return getattr(_outer, "threads", 0) or _native.nthreads()
+
+
+class outer_threads:
+    """Within it, caller_threads() on this thread is `n` (one_thread sets it around a tier call)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self):
+        self.prev = getattr(_outer, "threads", 0)
+        _outer.threads = self.n
+
+    def __exit__(self, *exc):
+        _outer.threads = self.prev
 _FORMAT = 1
 
 
@@ -52,8 +75,9 @@ class RowFile:
     """Fixed-size records in one file: record r at byte ``r * record_bytes``.
 
     Reads and writes move whole rows between the file and contiguous CPU tensors whose
-    rows are records; the native kernels issue them from many threads, the plain twin
-    (no kernels built) one ``os.preadv`` / ``os.pwritev`` per record.
+    rows are records; the native kernels (csrc/tier_io.cpp) copy what the page cache holds on
+    the caller's threads and issue the rest from `io_threads` threads, the plain twin (no
+    kernels built) one ``os.preadv`` / ``os.pwritev`` per record.
     """
 
     def __init__(self, path: Path, record_bytes: int, table: str, io_threads: int = IO_THREADS) -> None:
@@ -72,7 +96,8 @@ class RowFile:
         if not _native.available():
             return False
         try:
-            _native.call(kernel, [records, rows.view(torch.uint8)], [self.fd, self.record_bytes, self.io_threads])
+            _native.call(kernel, [records, rows.view(torch.uint8)],
+                         [self.fd, self.record_bytes, self.io_threads, caller_threads()])
         except _native.KernelError as e:
             if e.status != _native.Status.IO_ERROR:
                 raise
@@ -109,11 +134,31 @@ class RowFile:
             return
         try:
             _native.call("he_tier_read_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
-                         [self.fd, self.record_bytes, self.io_threads])
+                         [self.fd, self.record_bytes, self.io_threads, caller_threads()])
         except _native.KernelError as e:
             if e.status != _native.Status.IO_ERROR:
                 raise
             raise _io_error(self.table, f"reading {records.numel()} rows", e.detail[0], self.path) from None
+
+    def write_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """``record records[i] = rows[slots[i]]`` (rows: contiguous [C, W] CPU rows, a cache): written
+        straight from the cache slots (he_tier_write_rows), no staging copy; raises as ``write``."""
+        if records.numel() == 0:
+            return
+        if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
+                or slots.numel() != records.numel() or rows[0].numel() * rows.element_size() != self.record_bytes:
+            raise StoreError(f"table '{self.table}': tier writes need contiguous CPU rows of {self.record_bytes} "
+                             f"bytes and a slot per record (internal error)")
+        if not _native.available():
+            self.write(records, rows.index_select(0, slots))
+            return
+        try:
+            _native.call("he_tier_write_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
+                         [self.fd, self.record_bytes, self.io_threads, caller_threads()])
+        except _native.KernelError as e:
+            if e.status != _native.Status.IO_ERROR:
+                raise
+            raise _io_error(self.table, f"writing {records.numel()} rows", e.detail[0], self.path) from None
 
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""

@@ -35,6 +35,46 @@ def test_rows_round_trip(rowfile):
     assert torch.equal(out, rows.flip(0))
 
 
+def test_rows_written_from_cache_slots_read_back_into_cache_slots(rowfile):
+    cache = torch.arange(9 * 3, dtype=torch.float32).view(9, 3)
+    records = torch.tensor([4, 5, 6, 0, 9])  # runs of adjacent records: one pwritev2 each
+    slots = torch.tensor([8, 1, 3, 0, 5])
+    rowfile.write_rows(records, cache, slots)
+    back = torch.zeros(5, 3)
+    rowfile.read(records, back)
+    assert torch.equal(back, cache[slots])
+    other = torch.full((7, 3), -1.0)
+    rowfile.read_rows(records.flip(0), other, torch.tensor([6, 2, 4, 0, 1]))
+    assert torch.equal(other[torch.tensor([6, 2, 4, 0, 1])], cache[slots.flip(0)])
+    assert other[torch.tensor([3, 5])].eq(-1.0).all()
+
+
+def test_a_failing_write_from_cache_slots_is_a_store_error(rowfile):
+    ro = os.open(rowfile.path, os.O_RDONLY)
+    try:
+        good, rowfile.fd = rowfile.fd, ro
+        with pytest.raises(StoreError, match=r"table 't': writing .*rows\.bin failed: \[EBADF\]"):
+            rowfile.write_rows(torch.tensor([0, 1]), torch.ones(4, 3), torch.tensor([3, 0]))
+    finally:
+        rowfile.fd = good
+        os.close(ro)
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_a_write_from_a_slot_outside_the_cache_writes_nothing(tmp_path):
+    f = RowFile(tmp_path / "rows.bin", 8, "t")
+    try:
+        f.write(torch.tensor([0, 1]), torch.full((2, 2), 5.0))
+        with pytest.raises(_native.KernelError, match=r"slots\[1\] = 4 is not a row of the cache \(4\)"):
+            _native.call("he_tier_write_rows", [torch.tensor([0, 1]), torch.zeros(4, 2).view(torch.uint8),
+                                                torch.tensor([0, 4])], [f.fd, 8, 4])
+        back = torch.zeros(2, 2)
+        f.read(torch.tensor([0, 1]), back)
+        assert back.eq(5.0).all()
+    finally:
+        f.close()
+
+
 def test_reading_a_record_never_written_is_a_store_error(rowfile):
     rowfile.write(torch.tensor([0, 1]), torch.ones(2, 3))
     out = torch.zeros(3, 3)
@@ -82,5 +122,82 @@ def test_a_kernel_io_error_says_which_record_and_errno(tmp_path):
         with pytest.raises(_native.KernelError) as e:
             _native.call("he_tier_read", [torch.tensor([3]), out.view(torch.uint8)], [f.fd, 8, 4])
         assert e.value.status == _native.Status.IO_ERROR and e.value.detail[:3] == (errno.EIO, 0, 3)
+    finally:
+        f.close()
+
+
+def _drop_page_cache(f: RowFile) -> None:
+    """Pushes the file's pages out of the page cache: a read then waits for the device, so
+    he_tier_read's RWF_NOWAIT pass hands it to the I/O threads."""
+    os.fsync(f.fd)
+    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_reads_that_wait_for_the_device_go_through_the_io_threads_concurrently(tmp_path):
+    import threading
+    f = RowFile(tmp_path / "rows.bin", 4 * 3, "t", io_threads=4)
+    try:
+        n = 5000
+        rows = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+        f.write(torch.arange(n), rows)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        outs, errors = {}, []
+
+        def reader(k):  # two callers at once share the one pool (the prefetch thread and a fetch)
+            try:
+                for _ in range(3):
+                    _drop_page_cache(f)
+                    out = torch.zeros(n, 3)
+                    f.read(perm, out)
+                    cache = torch.zeros(n + 7, 3)
+                    f.read_rows(perm, cache, perm.flip(0) + 7)
+                    outs[k] = (out, cache)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        ts = [threading.Thread(target=reader, args=(k,)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors
+        for out, cache in outs.values():
+            assert torch.equal(out, rows[perm])
+            assert torch.equal(cache[perm.flip(0) + 7], rows[perm])
+    finally:
+        f.close()
+
+
+@pytest.mark.skipif(not _native.available() or not hasattr(os, "fork"), reason="needs the native kernels and fork")
+def test_a_forked_child_reads_through_its_own_io_threads(tmp_path):
+    f = RowFile(tmp_path / "rows.bin", 8, "t", io_threads=4)
+    try:
+        n = 2000
+        rows = torch.arange(n * 2, dtype=torch.float32).view(n, 2)
+        f.write(torch.arange(n), rows)
+        _drop_page_cache(f)
+        out = torch.zeros(n, 2)
+        f.read(torch.arange(n).flip(0), out)  # the parent's pool threads exist now
+        assert torch.equal(out, rows.flip(0))
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's threads are not here; it must not wait for them
+            code = 1
+            try:
+                _drop_page_cache(f)
+                got = torch.zeros(n, 2)
+                f.read(torch.arange(n).flip(0), got)
+                code = 0 if torch.equal(got, rows.flip(0)) else 2
+            finally:
+                os._exit(code)
+        import time
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:  # hung (waiting for threads that are not there): fail, not hang
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's read did not finish")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         f.close()

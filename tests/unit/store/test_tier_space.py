@@ -83,8 +83,9 @@ def test_every_row_reads_its_last_write_and_the_file_stays_bounded(ops, seg):
 @pytest.mark.slow
 def test_a_steady_stream_of_write_backs_cleans_instead_of_growing(seg):
     """Rows written back over and over (a cache's traffic): cleaning moves rows, the file stops growing
-    (within 2x the live rows even with segments this small next to the writes: at real sizes a
-    segment is ~4 k rows and the bound is ~1.25x), and every row still reads its last value."""
+    (within the bound, 1/8 past it and a few segments, even with segments this small next to the
+    writes: at real sizes a segment is ~4 k rows and the bound is ~1.5x), and every row still reads
+    its last value."""
     space = RecordSpace(1, "t", segment_bytes=seg)
     space.grow(ROWS)
     file, rows, moved = {}, {}, 0
@@ -97,5 +98,7 @@ def test_a_steady_stream_of_write_backs_cleans_instead_of_growing(seg):
         check(space, file, rows)
         sizes.append(space.records)
     assert moved > 0
-    assert sizes[-1] <= 2 * ROWS
+    # the bound, 1/8 past it, open segments and the room kept ahead (4 write-backs of <= 30 rows and
+    # one more): 18 k records were written in all
+    assert sizes[-1] <= (1 + SLACK) * 1.125 * ROWS + 4 * space.S + 5 * 30
     assert sizes[-1] - sizes[299] <= 2 * seg  # steady state: at most a segment or two more in 300 writes

@@ -279,10 +279,11 @@ def test_a_full_disk_during_training_is_a_clear_error_and_loses_no_row(tmp_path,
         step(mem, f), step(tier, f)
     store = tier.store("s")
 
-    def full(records, rows):
+    def full(records, *rows):  # write (rows) and write_rows (cache, slots) alike
         raise _io_error("s", f"writing {records.numel()} rows", errno.ENOSPC, store.file.path)
 
     monkeypatch.setattr(store.file, "write", full)
+    monkeypatch.setattr(store.file, "write_rows", full)
     k = 2
     with pytest.raises(StoreError, match=r"table 's'.*ENOSPC"):
         while k < len(fs):
@@ -468,16 +469,17 @@ def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch
         sp = tier.store(t)._space
         assert sp.records <= 2 * max(sp.n_live, 1) + 8 * sp.S
     store = tier.store("d")
-    real_write, calls = store.file.write, []
+    real_write, real_write_rows, calls = store.file.write, store.file.write_rows, []
 
-    def second_fails(records, rows):  # the move succeeds, the write of the evicted rows fails
+    def second_fails(records, *rows):  # the move succeeds, the write of the evicted rows fails
         calls.append(records.numel())
         if len(calls) > 1:
             raise _io_error("d", f"writing {records.numel()} rows", errno.ENOSPC, store.file.path)
-        real_write(records, rows)
+        (real_write if len(rows) == 1 else real_write_rows)(records, *rows)
 
     k, failed = 30, False
-    monkeypatch.setattr(store.file, "write", second_fails)
+    monkeypatch.setattr(store.file, "write", second_fails)  # the moves
+    monkeypatch.setattr(store.file, "write_rows", second_fails)  # the evicted rows, from their slots
     try:
         while k < len(fs):
             calls.clear()
@@ -489,6 +491,7 @@ def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch
         failed = True
     assert failed, "no write-back moved rows in the last steps: the case did not run"
     monkeypatch.setattr(store.file, "write", real_write)
+    monkeypatch.setattr(store.file, "write_rows", real_write_rows)
     assert tier.step == mem.step == k
     for f in fs[k:]:
         step(mem, f), step(tier, f)
