@@ -39,16 +39,18 @@ from hugeembed.serving import _lookup_ops, pooled_lookup, quantize  # noqa: E402
 from hugeembed.serving._quant import row_width, storage_dtype  # noqa: E402
 from hugeembed.serving._index import group_tables, index_probes, serving_index  # noqa: E402
 from hugeembed.serving._runtime import MAX_PROBE  # noqa: E402
+from hugeembed.store import _alloc  # noqa: E402
 
 
 def lookup_bench(rows: list[int], dim: int, batch: int, runs: int, two_pass: bool = False) -> list[list[str]]:
     """The serving op on Criteo-26 tables against TorchRec's QuantEmbeddingBagCollection (static tables,
     the id is the row), all timed together (interleaved runs, medians).  Ours: dynamic tables (keys
     ``7 i + 3``, found through the private salted index loaded tables read, or through the artifact's
-    own index) and static tables (the id is the row, as QEBC).  `two_pass`: also dynamic tables as before
-    he_serve_pool (the id -> row kernel, then torch's quantized embedding_bag op: what static-only groups still
-    take).  CPU: the process's CPU time a call (every thread),
-    median: what the load of a shared machine inflates much less than the wall time."""
+    own index) and static tables (the id is the row, as QEBC).  `two_pass`: also both as before he_serve_pool
+    (the id -> row kernel, then torch's quantized embedding_bag op).  Rows, ours and QEBC's, on 2 MiB pages (as an
+    artifact's mapped files are here, and the private index the kernels build) unless `_alloc.HUGE_PAGES` is off
+    (--small-pages).  CPU: the process's CPU time a call (every thread), median: what the load of a shared
+    machine inflates much less than the wall time."""
     batches = criteo_batches(rows, batch, 1, n_batches=4)
     T = len(rows)
     keys = torch.cat([torch.arange(n, dtype=torch.int64) * 7 + 3 for n in rows])  # sorted, not the identity
@@ -89,6 +91,7 @@ def lookup_bench(rows: list[int], dim: int, batch: int, runs: int, two_pass: boo
         fns[f"ours {dtype}, static"] = ours(dtype, static_values, s_index, s_meta)
         if two_pass:
             fns[f"ours {dtype}, dynamic (private index), two passes"] = ours(dtype, dyn_values, private, meta, False)
+            fns[f"ours {dtype}, static, two passes"] = ours(dtype, static_values, s_index, s_meta, False)
     qebc = _qebc(rows, dim, batches, offsets, stored)
     fns.update(qebc)
     cpu: dict[str, list[float]] = {name: [] for name in fns}
@@ -119,8 +122,8 @@ def _cpu_timed(fn, into: list[float]):
 
 def _random_rows(n: int, dim: int, dtype: str, chunk: int = 1 << 20) -> torch.Tensor:
     """`n` stored rows of `dtype` quantized from uniform(-0.05, 0.05) weights a chunk at a time (the last row
-    zero: the zero row), never holding the float32 weights of more than one chunk."""
-    out = torch.empty(n, row_width(dtype, dim), dtype=storage_dtype(dtype))
+    zero: the zero row), never holding the float32 weights of more than one chunk; on 2 MiB pages (_alloc)."""
+    out = _alloc.empty((n, row_width(dtype, dim)), storage_dtype(dtype))
     g = torch.Generator().manual_seed(0)
     for s in range(0, n, chunk):
         w = torch.empty(min(chunk, n - s), dim).uniform_(-0.05, 0.05, generator=g)
@@ -151,7 +154,8 @@ def qebc_holding(rows: list[int], dim: int, stored: torch.Tensor, dtype: str):
     (the tables one after the other, `dtype` int8 or int4), copied into FBGEMM's layout table by table: no
     float EmbeddingBagCollection first, which at full size would hold 8.6 GB of float32 weights per dtype.
     FBGEMM keeps a float16 scale and bias before each row's bytes; ours are after them, float32 for int8
-    (rounded to float16 here: int8 rows differ from ours by that rounding) and float16 for int4 (the same)."""
+    (rounded to float16 here: int8 rows differ from ours by that rounding) and float16 for int4 (the same).
+    Its weights then move to 2 MiB pages, as ours are (_alloc; measured: QEBC itself gains little from them)."""
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
 
@@ -171,6 +175,8 @@ def qebc_holding(rows: list[int], dim: int, stored: torch.Tensor, dtype: str):
             sb.copy_(ours[:, width:].view(torch.float32))
         else:
             sb.copy_(ours[:, width: width + 4].view(torch.float16))
+    if tbe.weights_host.numel():  # its CPU forward reads weights_host
+        tbe.weights_host = _alloc.empty(tuple(tbe.weights_host.shape), torch.uint8).copy_(tbe.weights_host)
     return qebc
 
 
@@ -507,7 +513,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--no-load", action="store_true", help="skip exporting and loading the large artifact")
     p.add_argument("--no-lookup", action="store_true")
-    p.add_argument("--two-pass", action="store_true", help="lookup: also dynamic tables as before he_serve_pool (A/B in one run)")
+    p.add_argument("--two-pass", action="store_true", help="lookup: also the two passes before he_serve_pool (A/B in one run)")
+    p.add_argument("--small-pages", action="store_true", help="lookup: rows (ours and QEBC's) on 4 KiB pages (the private index asks for 2 MiB ones either way)")
     p.add_argument("--artifact", type=Path, help="latency: serve this int8 DLRM d64 export (else one is trained)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024], help="latency: request sizes")
     p.add_argument("--requests", type=int, help="latency: requests per size (default 100 --quick, else 400)")
@@ -516,9 +523,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     tune_malloc()  # for every implementation alike: they share this process (and `hugeembed serve` does it too)
     rows = criteo_rows(scale=0.05 if args.quick else 1.0)
+    _alloc.HUGE_PAGES = not args.small_pages
     if not args.no_lookup:
         print(f"# lookup: Criteo-26, {sum(rows) / 1e6:.1f} M rows, d{args.dim}, batch {args.batch}, P1, "
-              f"{args.threads} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), Zipf ids; interleaved runs, medians (range: the slowest and fastest run); "
+              f"{args.threads} threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}), rows on "
+              f"{'4 KiB' if args.small_pages else '2 MiB'} pages, Zipf ids; interleaved runs, medians (range: the slowest and fastest run); "
               f"vs QEBC: QEBC's time / ours, same dtype; CPU: the process's CPU time a call (every thread), median")
         print_table(["impl", "ids/s", "range", "vs QEBC", "CPU ns/id", "CPU vs QEBC", "bytes/row"],
                     lookup_bench(rows, args.dim, args.batch, 3 if args.quick else 5, args.two_pass))

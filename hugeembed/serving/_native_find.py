@@ -12,7 +12,7 @@ import torch
 from .. import _native
 from ._index import is_serving_index, serving_index
 
-__all__ = ["native_find", "native_bags", "native_pool", "pool_with_dynamic_tables", "native_index"]
+__all__ = ["native_find", "native_bags", "native_pool", "native_index"]
 
 
 def native_index(keys: torch.Tensor, index: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,10 @@ def native_pool(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor,
                 batch_size: int, dim: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(pooled sums ``[B, F, D]`` float32, kept ids per bag ``[B, F]``) of one int8 / int4 dim group: native_bags
     and torch's quantized embedding_bag op over its rows in one kernel (he_serve_pool, the same floats), or None
-    when the kernels cannot run here or refuse the arguments."""
+    when the kernels cannot run here or refuse the arguments.
+
+    Every int8 / int4 group, static tables too: at full size (bench/serve.py --two-pass, rows on 2 MiB pages) the
+    one kernel took less CPU than the two passes for static ids as well, each row fetched as its id is read."""
     if dtype not in ("int8", "int4") or rows.dtype != torch.uint8 or rows.dim() != 2 or \
             rows.device.type != "cpu" or not rows.is_contiguous():
         return None
@@ -95,17 +98,6 @@ def native_pool(values: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor,
             raise
         return None
     return out, bufs[9].view(B, F)
-
-
-def pool_with_dynamic_tables(values, offsets, rows, keys, index, meta, feature_pos, feature_table, batch_size, dim,
-                             dtype):
-    """native_pool for a group with a dynamic table, else None (the id -> row kernel, then torch's quantized op).
-    Measured (bench/serve.py --two-pass, Criteo-26 full size, 2 threads, load 8-12): one kernel costs 5-11% less
-    CPU than the two passes for dynamic ids (a row is prefetched as its probe ends) and 29-37% more for static ones
-    (FBGEMM's row loop is the faster one when no probe hides its misses)."""
-    if not bool((meta[:, 2] >= 0).any()):  # KEY_BASE: -1 for a static table
-        return None
-    return native_pool(values, offsets, rows, keys, index, meta, feature_pos, feature_table, batch_size, dim, dtype)
 
 
 def _bags_buffers(values, offsets, keys, index, meta, feature_pos, feature_table, batch_size, n_rows):

@@ -5,6 +5,8 @@ made a table 800x slower).  Probes (slots read) are counted by the kernel, not t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,24 @@ def test_a_key_twice_in_a_table_is_refused():
     meta = torch.tensor([[0, 2, 0, 2, 1]], dtype=torch.int64)
     with pytest.raises(_runtime.ArtifactError, match="key 5 twice"):
         serving_index(keys, meta)
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() or
+                    "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages here")
+def test_the_index_asks_for_huge_pages():
+    """The slots are read at random: the build advises 2 MiB pages before writing them (MADV_HUGEPAGE: the
+    mapping holding them carries the 'hg' flag)."""
+    keys, meta = _meta([list(range(0, 300_000, 3))])  # 2^18 slots: 4 MiB
+    index = serving_index(keys, meta)
+    start = index.data_ptr() + 8 * _index.HEADER
+    middle = start + 16 * (1 << int(index[1])) // 2
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = lo <= middle < hi
+        elif inside and line.startswith("VmFlags:"):
+            assert "hg" in line.split()[1:]
+            return
+    raise AssertionError("the index's mapping is not in /proc/self/smaps")

@@ -89,9 +89,10 @@ def test_the_pool_kernel_sums_fma_of_the_stored_bytes(dtype, D):
     slots = torch.full((2,), -1, dtype=torch.int32)
     pooled, _ = native_pool(values, offsets, rows, torch.zeros(0, dtype=torch.int64), slots, meta, [0], [0], 4, D,
                             dtype)
-    # a group of static tables only takes the two passes (the id -> row kernel, then torch's quantized op)
-    assert _lookup_ops.pool_accelerator(values, offsets, rows, torch.zeros(0, dtype=torch.int64), slots, meta, [0],
-                                        [0], 4, D, dtype) is None
+    # a group of static tables takes the one kernel too
+    hooked, _ = _lookup_ops.pool_accelerator(values, offsets, rows, torch.zeros(0, dtype=torch.int64), slots, meta,
+                                             [0], [0], 4, D, dtype)
+    assert torch.equal(hooked.view(torch.int32), pooled.view(torch.int32))
     raw = rows.numpy()
 
     def row(r):
@@ -109,6 +110,53 @@ def test_the_pool_kernel_sums_fma_of_the_stored_bytes(dtype, D):
             q, s, b = row(i if i >= 0 else 9)  # a dropped id reads the zero row
             acc = [_fma32(s, q[k], np.float32(acc[k] + b)) for k in range(D)]
         assert np.array_equal(np.array(acc, dtype=np.float32).view(np.uint32), pooled[j, 0].numpy().view(np.uint32))
+
+
+@native
+@pytest.mark.parametrize("dtype,D", [("int8", 1), ("int8", 9), ("int8", 64), ("int8", 72), ("int4", 2),
+                                     ("int4", 30), ("int4", 34), ("int4", 64), ("int4", 98)])
+def test_a_group_of_static_tables_pools_the_torch_paths_floats(dtype, D, monkeypatch):
+    """Static tables only (the id is the row; past the table: the zero row): the one kernel, bit for bit the
+    torch path's floats, with empty bags, dropped ids and ids past a table, mean and sqrtn too; int4 widths
+    that are not a multiple of 32 values, int8 dims not a multiple of 8."""
+    g = torch.Generator().manual_seed(D + (1000 if dtype == "int4" else 0))
+    sizes, B = [11, 5, 23], 70
+    rows = quantize(torch.cat([torch.randn(sum(sizes), D, generator=g) * 3, torch.zeros(1, D)]), dtype)
+    meta = _runtime.table_meta([-1] * 3, sizes, [0] * 3, sizes, torch.zeros(0, dtype=torch.int64), [0] * 3)
+    lengths = torch.randint(0, 4, (3 * B,), generator=g)  # a quarter of the bags empty
+    lengths[:5] = 0
+    values = torch.randint(-3, 26, (int(lengths.sum()),), generator=g)  # dropped ids, ids past tables 0 and 1
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    slots = torch.full((2,), -1, dtype=torch.int32)
+    nokeys = torch.zeros(0, dtype=torch.int64)
+    args = (values, offsets, rows, nokeys, slots, meta, [1, 2, 0], [0, 2, 1], [0, 1, 2], B, D, dtype)
+    got = pooled_lookup(*args)
+    want = _torch_path(monkeypatch, *args)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    pooled, kept = native_pool(*args[:8], B, D, dtype)
+    assert kept.tolist() == [[sum(1 for i in values[offsets[p * B + b]:offsets[p * B + b + 1]].tolist() if i >= 0)
+                              for p in (1, 2, 0)] for b in range(B)]
+    assert torch.equal(pooled[:, 0].view(torch.int32), want[:, 0].view(torch.int32))  # feature 0 sums
+
+
+@native
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_large_output_streamed_past_the_cache_holds_the_same_floats(dtype, monkeypatch):
+    """d64 outputs from 4 MiB on are written with non-temporal stores (serve_pool.h kStreamBytes): 8200 x 2 bags
+    (4.2 MB), static and dynamic tables, bit for bit the torch path's floats."""
+    g = torch.Generator().manual_seed(7)
+    B, D, sizes = 8200, 64, [300, 200]
+    keys = torch.arange(200, dtype=torch.int64) * 5 + 1
+    rows = quantize(torch.cat([torch.randn(sum(sizes), D, generator=g), torch.zeros(1, D)]), dtype)
+    group = {"table_keys": [-1, 0], "table_rows": [300, 0], "table_shared": [0, 0]}
+    rows, keys, slots, meta = _index.group_tables(group, sizes, rows, keys)
+    lookup = _runtime.Tables([rows], [keys], [slots], [meta]).lookup_index[0]
+    values = torch.cat([torch.randint(-1, 310, (B,), generator=g), torch.randint(0, 200, (B,), generator=g) * 5 + 1])
+    offsets = torch.arange(2 * B + 1, dtype=torch.int64)
+    tail = ([0, 1], [0, 1], [0, 0], B, D, dtype)
+    got = pooled_lookup(values, offsets, rows, keys, lookup, meta, *tail)
+    want = _torch_path(monkeypatch, values, offsets, rows, keys, slots, meta, *tail)
+    assert got.numel() * 4 >= 4 << 20 and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @native
@@ -137,13 +185,14 @@ def test_the_pool_kernel_refuses_rows_that_cannot_hold_the_values(monkeypatch):
 @native
 @pytest.mark.slow
 def test_the_portable_build_pools_the_same_floats():
-    """The SSE2 build (scalar fma) and the AVX2 one (vector fma) give the same bits."""
+    """The SSE2 build (scalar fma) and the AVX2 one (vector fma; d64: sums in registers, int4 32 values a load,
+    and at 5500 x 3 bags the output streamed past the cache) give the same bits."""
     script = ("import sys, torch; sys.path.insert(0, %r); from test_lookup_pool import _case; "
               "from hugeembed.serving._native_find import native_pool\n"
-              "for dtype, D in (('int8', 70), ('int4', 66)):\n"
-              "    v, o, (r, k, s, m) = _case(dtype, D, 70, seed=3)\n"
-              "    out, _ = native_pool(v, o, r, k, s, m, [2, 0, 1], [0, 1, 2], 70, D, dtype)\n"
+              "for dtype, D, B in (('int8', 70, 70), ('int4', 66, 70), ('int8', 64, 5500), ('int4', 64, 5500)):\n"
+              "    v, o, (r, k, s, m) = _case(dtype, D, B, seed=3)\n"
+              "    out, _ = native_pool(v, o, r, k, s, m, [2, 0, 1], [0, 1, 2], B, D, dtype)\n"
               "    sys.stdout.buffer.write(out.numpy().tobytes())\n") % os.path.dirname(__file__)
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, check=True,
                            env={**os.environ, "HUGEEMBED_KERNELS": build}).stdout for build in ("portable", "avx2")]
-    assert len(runs[0]) == 4 * 70 * 3 * (70 + 66) and runs[0] == runs[1]
+    assert len(runs[0]) == 4 * 3 * (70 * (70 + 66) + 5500 * 128) and runs[0] == runs[1]
