@@ -233,6 +233,48 @@ int64_t tier_io(const he::Call& call, const char* verb, F&& io) {
   return 0;
 }
 
+// Records [0, n) moved to or from their cache slots (the *_rows kernels below): one iovec per row, a
+// run of adjacent records one sys(fd, iov, count, offset, flags) call.  Every slot is checked before
+// any I/O.  bufs: records int64 [n], rows bytes [C * record_bytes], slots int64 [n]; ints: fd,
+// record_bytes, io_threads, cpu_threads (optional).
+template <class Row, class Sys>
+int64_t tier_io_slots(const he::Call& call, const char* verb, Sys&& sys) {
+  call.expect(3, -1, 0);
+  const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
+  const int64_t cpu_threads = call.nints() > 3 ? call.i(3) : 1;
+  const int64_t n = call.numel(0);
+  if (fd < 0 || fd > INT32_MAX || record_bytes < 1 || io_threads < 1 || cpu_threads < 1)
+    call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld", (long long)fd, (long long)record_bytes,
+              (long long)io_threads);
+  const int64_t C = call.numel(1) / record_bytes;
+  const int64_t* records = call.buf<const int64_t>(0, n, "records");
+  Row* rows = call.bytes<Row>(1, C * record_bytes, "rows");
+  const int64_t* slots = call.buf<const int64_t>(2, n, "slots");
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= C) {
+      call.detail({i, slots[i], C});
+      call.fail(HE_BAD_VALUE, "slots[%lld] = %lld is not a row of the cache (%lld)", (long long)i,
+                (long long)slots[i], (long long)C);
+    }
+  int64_t where = -1;
+  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
+  const int64_t e = for_runs(records, n, max_run, cpu_threads, io_threads, &where,
+                             [&](int64_t a, int64_t b, int flags) -> int64_t {
+    struct iovec iov[kMaxRun];
+    int k = 0;
+    for (int64_t i = a; i < b; ++i) iov[k++] = {(void*)(rows + slots[i] * record_bytes), (size_t)record_bytes};
+    return move_run(iov, k, records[a] * record_bytes, flags, [&](struct iovec* v, int c, off_t off, int f) {
+      return sys((int)fd, v, c, off, f);
+    });
+  });
+  if (e != 0) {
+    call.detail({e, where, where >= 0 ? records[where] : -1});
+    call.fail(HE_IO_ERROR, "%s record %lld: %s", verb, (long long)(where >= 0 ? records[where] : -1),
+              std::strerror((int)e));
+  }
+  return 0;
+}
+
 }  // namespace
 
 // out[i] = record records[i] of the file, for i in [0, n).
@@ -270,40 +312,9 @@ HE_KERNEL(he_tier_write) {
 // io_threads, cpu_threads (optional).  Returns 0; fails with HE_IO_ERROR (see above), HE_BAD_VALUE for a slot outside the
 // rows (detail = (index, slot, C)), before any read.
 HE_KERNEL(he_tier_read_rows) {
-  call.expect(3, -1, 0);
-  const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
-  const int64_t cpu_threads = call.nints() > 3 ? call.i(3) : 1;
-  const int64_t n = call.numel(0);
-  if (fd < 0 || fd > INT32_MAX || record_bytes < 1 || io_threads < 1 || cpu_threads < 1)
-    call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld", (long long)fd, (long long)record_bytes,
-              (long long)io_threads);
-  const int64_t C = call.numel(1) / record_bytes;
-  const int64_t* records = call.buf<const int64_t>(0, n, "records");
-  char* rows = call.bytes<char>(1, C * record_bytes, "rows");
-  const int64_t* slots = call.buf<const int64_t>(2, n, "slots");
-  for (int64_t i = 0; i < n; ++i)
-    if (slots[i] < 0 || slots[i] >= C) {
-      call.detail({i, slots[i], C});
-      call.fail(HE_BAD_VALUE, "slots[%lld] = %lld is not a row of the cache (%lld)", (long long)i,
-                (long long)slots[i], (long long)C);
-    }
-  int64_t where = -1;
-  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
-  const int64_t e = for_runs(records, n, max_run, cpu_threads, io_threads, &where,
-                             [&](int64_t a, int64_t b, int flags) -> int64_t {
-    struct iovec iov[kMaxRun];
-    int k = 0;
-    for (int64_t i = a; i < b; ++i) iov[k++] = {rows + slots[i] * record_bytes, (size_t)record_bytes};
-    return move_run(iov, k, records[a] * record_bytes, flags, [fd](struct iovec* v, int c, off_t off, int f) {
-      return preadv2((int)fd, v, c, off, f);
-    });
+  return tier_io_slots<char>(call, "reading", [](int fd, struct iovec* v, int c, off_t off, int f) {
+    return preadv2(fd, v, c, off, f);
   });
-  if (e != 0) {
-    call.detail({e, where, where >= 0 ? records[where] : -1});
-    call.fail(HE_IO_ERROR, "reading record %lld: %s", (long long)(where >= 0 ? records[where] : -1),
-              std::strerror((int)e));
-  }
-  return 0;
 }
 
 // Record records[i] of the file = row slots[i] of `rows` (a cache: C rows of record_bytes), for i in
@@ -313,38 +324,7 @@ HE_KERNEL(he_tier_read_rows) {
 // io_threads, cpu_threads (optional).  Returns 0; fails with HE_IO_ERROR (see above), HE_BAD_VALUE
 // for a slot outside the rows (detail = (index, slot, C)), before any write.
 HE_KERNEL(he_tier_write_rows) {
-  call.expect(3, -1, 0);
-  const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
-  const int64_t cpu_threads = call.nints() > 3 ? call.i(3) : 1;
-  const int64_t n = call.numel(0);
-  if (fd < 0 || fd > INT32_MAX || record_bytes < 1 || io_threads < 1 || cpu_threads < 1)
-    call.fail(HE_BAD_CALL, "fd %lld, record_bytes %lld, io_threads %lld", (long long)fd, (long long)record_bytes,
-              (long long)io_threads);
-  const int64_t C = call.numel(1) / record_bytes;
-  const int64_t* records = call.buf<const int64_t>(0, n, "records");
-  const char* rows = call.bytes<const char>(1, C * record_bytes, "rows");
-  const int64_t* slots = call.buf<const int64_t>(2, n, "slots");
-  for (int64_t i = 0; i < n; ++i)
-    if (slots[i] < 0 || slots[i] >= C) {
-      call.detail({i, slots[i], C});
-      call.fail(HE_BAD_VALUE, "slots[%lld] = %lld is not a row of the cache (%lld)", (long long)i,
-                (long long)slots[i], (long long)C);
-    }
-  int64_t where = -1;
-  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
-  const int64_t e = for_runs(records, n, max_run, cpu_threads, io_threads, &where,
-                             [&](int64_t a, int64_t b, int flags) -> int64_t {
-    struct iovec iov[kMaxRun];
-    int k = 0;
-    for (int64_t i = a; i < b; ++i) iov[k++] = {(void*)(rows + slots[i] * record_bytes), (size_t)record_bytes};
-    return move_run(iov, k, records[a] * record_bytes, flags, [fd](struct iovec* v, int c, off_t off, int f) {
-      return pwritev2((int)fd, v, c, off, f);
-    });
+  return tier_io_slots<const char>(call, "writing", [](int fd, struct iovec* v, int c, off_t off, int f) {
+    return pwritev2(fd, v, c, off, f);
   });
-  if (e != 0) {
-    call.detail({e, where, where >= 0 ? records[where] : -1});
-    call.fail(HE_IO_ERROR, "writing record %lld: %s", (long long)(where >= 0 ? records[where] : -1),
-              std::strerror((int)e));
-  }
-  return 0;
 }
