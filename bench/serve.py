@@ -271,7 +271,8 @@ def _cpu_s(pid: int) -> float:
 
 def _clients(port: int, body: bytes, clients: int, per_client: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep-alive clients (one connection each) posting `body` in turn: (latency ms, the server's parse, queue,
-    model ms and the model call's CPU ms from its Server-Timing header) of every request."""
+    model ms, the model call's CPU ms and the event loop thread's CPU ms from its Server-Timing header) of every
+    request."""
     import http.client
 
     lat, server = [], []
@@ -287,7 +288,8 @@ def _clients(port: int, body: bytes, clients: int, per_client: int) -> tuple[np.
             if r.status != 200:
                 raise SystemExit(f"latency bench: the server answered {r.status}")
             parts = dict(p.strip().split(";dur=") for p in r.getheader("server-timing").split(","))
-            server.append([float(parts[k]) for k in ("parse", "queue", "model", "model-cpu")])
+            # app-cpu: the event loop thread's CPU (servers before it lack it: nan)
+            server.append([float(parts.get(k, "nan")) for k in ("parse", "queue", "model", "model-cpu", "app-cpu")])
         c.close()
 
     ts = [threading.Thread(target=client) for _ in range(clients)]
@@ -376,7 +378,7 @@ def latency_bench(n_requests: int, threads: int, work: Path, art: Path | None = 
             cpu = cpu_s * 1000 / len(lat)
             return [label, str(n), str(clients), f"{np.percentile(lat, 50):.2f}", f"{np.percentile(lat, 99):.2f}",
                     f"{split[0]:.2f}", f"{split[1]:.2f}", f"{split[2]:.2f}", f"{rest:.2f}",
-                    f"{cpu:.2f}", f"{split[3]:.2f}", extra]
+                    f"{cpu:.2f}", f"{split[3]:.2f}", f"{split[4]:.2f}", extra]
 
         def timed(n, clients, per):
             cpu0 = _cpu_s(proc.pid)
@@ -388,7 +390,11 @@ def latency_bench(n_requests: int, threads: int, work: Path, art: Path | None = 
             for clients in (1, 8):
                 per = max(5, (n_requests if n < 1024 else n_requests // 4) // clients)
                 _clients(port, bodies[n], clients, 3)  # warm-up
-                out.append(row("", n, clients, *timed(n, clients, per)))
+                lat, server, cpu_s = timed(n, clients, per)
+                out.append(row("", n, clients, lat, server, cpu_s))
+                if clients == 1:  # its slowest 1%: did they cost more CPU (model CPU, app CPU) or wait?
+                    slow = lat >= np.percentile(lat, 99)
+                    out.append(row(f"slowest {slow.sum()}", n, clients, lat[slow], server[slow], float("nan")))
         if not big or 64 not in bodies:
             return out
         per = max(5, n_requests // 8)
@@ -548,14 +554,17 @@ def main(argv=None) -> int:
               f"parse, queue, model: the server's medians from Server-Timing; HTTP+JSON: the median rest; big-body "
               f"load: while one client posts 8 MiB bodies in a loop, with the slowest /healthz; server CPU: the server "
               f"process's CPU ms per request, every thread; model CPU: the median model call's CPU ms, on its "
-              f"thread (a call serves every request batched into it); the rest of server CPU is HTTP, parsing, JSON, "
-              f"asyncio and the hand-offs between threads)")
+              f"thread (a call serves every request batched into it); app CPU: the median request's CPU ms on the event "
+              f"loop's thread, from its arrival in the app to its answer (with several clients, theirs too); the rest "
+              f"of server CPU is uvicorn's HTTP and the hand-offs between threads; 'slowest k': the medians of the "
+              f"one-client requests at or above the p99 (their model CPU and app CPU against the row above: did "
+              f"they cost more or wait?))")
         with tempfile.TemporaryDirectory() as d:
             before = os.getloadavg()
             table = latency_bench(args.requests or (100 if args.quick else 400), args.threads, Path(d), args.artifact,
                                   tuple(args.rows), not args.no_big)
             print_table(["", "rows", "clients", "p50", "p99", "parse", "queue", "model", "HTTP+JSON", "server CPU",
-                         "model CPU", "slowest /healthz"], table)
+                         "model CPU", "app CPU", "slowest /healthz"], table)
         # wall times wait for the CPUs the machine's other work holds; the server's CPU per request does much less
         print(f"# load average (1 min) {before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
               f"CPUs (above {os.cpu_count()}, the wall p50/p99 include waits for a CPU; 'server CPU' much less so)")
