@@ -30,8 +30,8 @@ not read, smallest first:
   * ``"lfu"``: (accesses since the key got its row, last access, key); accesses are the
     id's occurrences in training batches (an eval read counts none).
 "Last access" is the number of the fetch call that last read the row.  When full, a
-fetch evicts what it needs plus 1/64 of the cache (so victims are chosen once per
-C/64 misses, not every call).
+fetch evicts what it needs plus 1/16 of the cache (so victims are chosen once per
+C/16 misses, not every call).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_unique_ids_beyond_the_budget_are_refused_naming_the_table(tmp_path):
 
 class CacheModel:
     """The documented policy in plain Python: on a miss with the cache full, evict the
-    needed rows plus capacity // 64 among unpinned rows the call does not read, smallest by
+    needed rows plus capacity // 16 among unpinned rows the call does not read, smallest by
     (last access, accesses, key) for LRU, (accesses, last access, key) for LFU (the dynamic store's
     orders, store/_evict.py)."""
 
@@ -167,7 +167,7 @@ class CacheModel:
         free = self.cap - len(self.resident)
         if len(need) > free:
             cand = [k for k in self.resident if k not in keys]
-            take = min(len(cand), len(need) - free + self.cap // 64)
+            take = min(len(cand), len(need) - free + self.cap // 16)
             if self.policy == "lru":
                 order = sorted(cand, key=lambda k: (self.resident[k], self.freq.get(k, 0), k))
             else:
