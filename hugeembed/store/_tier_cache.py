@@ -36,6 +36,7 @@ SLOT_METADATA_BYTES = 37
 # for 24 k victims), so at C/64 it ran every step of bench/tiered.py case 1 (~12 k misses a step);
 # at C/16 once per ~4 steps, for ~0.4 % more misses (the cache holds ~2 % fewer rows on average).
 _EVICT_SLACK = 16
+_CLEAN_SEGMENTS = 8  # segments (~1 MiB each) a cleaning reads into one buffer at a time
 
 
 def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
@@ -203,12 +204,7 @@ class TierCache:
         move = self._space.to_clean(logical.numel())
         if move.numel():
             self._moves += 1  # records of rows a fetch planned may change (FetchPlan)
-            moved = self._read_segments_rows(move)
-            plan = self._space.plan(move, MOVED)
-            self.file.write(plan.records, moved)
-            self._space.commit(plan, move)
-            self._mark_stale(move)
-            self.stats["rows_relocated"] += move.numel()
+            self._move_rows(move)
         plan = self._space.plan(logical)
         if rows is None:
             self.file.write_rows(plan.records, self._rows, slots)
@@ -217,16 +213,31 @@ class TierCache:
         self._space.commit(plan, logical)
         self._mark_stale(logical)
 
-    def _read_segments_rows(self, logical: torch.Tensor) -> torch.Tensor:
-        """The rows of `logical` (on disk, a cleaning's moves: most records of a few segments), read as
-        whole segments (a few large sequential reads instead of one per run of live records)."""
+    def _move_rows(self, move: torch.Tensor) -> None:
+        """Moves the rows `move` (a cleaning's: the live rows of a few segments, segment by segment) to
+        fresh records, _CLEAN_SEGMENTS segments at a time: each part read as whole segments (a few large
+        sequential reads instead of one per run of live records), its live rows written, committed.  The
+        buffers stay ~8 MiB however much a write-back cleans (the room kept for 4 write-backs of C/16
+        rows: up to ~60 MiB of segments in bench/tiered.py case 1)."""
         S = self._space.S
-        rec = self._space.records_of(logical)
-        segs, where = torch.unique(rec // S, return_inverse=True)
-        whole = (segs.unsqueeze(1) * S + torch.arange(S)).reshape(-1)
-        buf = self.layout.empty(whole.numel())
-        self.file.read(whole, buf)
-        return buf.index_select(0, where * S + rec % S)
+        rec = self._space.records_of(move)
+        per_seg = torch.unique_consecutive(rec // S, return_counts=True)[1]
+        ends = per_seg.cumsum(0)[_CLEAN_SEGMENTS - 1 :: _CLEAN_SEGMENTS].tolist()
+        if not ends or ends[-1] != move.numel():
+            ends.append(move.numel())
+        a = 0
+        for b in ends:
+            part, r = move[a:b], rec[a:b]
+            got, where = torch.unique(r // S, return_inverse=True)
+            whole = (got.unsqueeze(1) * S + torch.arange(S)).reshape(-1)
+            buf = self.layout.empty(whole.numel())
+            self.file.read(whole, buf)
+            plan = self._space.plan(part, MOVED)
+            self.file.write(plan.records, buf.index_select(0, where * S + r % S))
+            self._space.commit(plan, part)
+            self._mark_stale(part)
+            self.stats["rows_relocated"] += part.numel()
+            a = b
 
     def _release_slots(self, slots: torch.Tensor) -> None:
         """Cache slots back to the free stack (their rows are on disk or not needed)."""

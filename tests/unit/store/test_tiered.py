@@ -448,14 +448,18 @@ def test_a_table_dirs_finalizer_run_while_its_lock_is_held_does_not_deadlock(tmp
     assert not (tmp_path / "t" / "tier.json").exists()  # released: the directory is left empty
 
 
-@pytest.mark.parametrize("rule", ["rowwise", "adam"])
-def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch, rule):
+@pytest.mark.parametrize("rule, chunk", [("rowwise", None), ("adam", None), ("rowwise", 1)])
+def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch, rule, chunk):
     """Segments of 16 records: the write-backs soon have to clean (move live rows out of the emptiest
-    segments); training equals the in-memory table, a snapshot too, and a write that fails while
-    cleaning changes nothing."""
+    segments; `chunk`: segments moved per part, 1: a cleaning is many parts, and the failing write
+    below may be one of them); training equals the in-memory table, a snapshot too, and a write that
+    fails while cleaning changes nothing."""
+    import hugeembed.store._tier_cache as cache_mod
     import hugeembed.store._tier_space as space_mod
 
     monkeypatch.setattr(space_mod, "_SEGMENT_BYTES", 1)  # the minimum: 16 records a segment
+    if chunk is not None:
+        monkeypatch.setattr(cache_mod, "_CLEAN_SEGMENTS", chunk)
     mem = EmbeddingCollection(tables(None, 0, None), optimizer=RULES[rule](), seed=3)
     tier = EmbeddingCollection(tables(tmp_path, 18, RULES[rule]()), optimizer=RULES[rule](), seed=3)
     g = torch.Generator().manual_seed(5)
