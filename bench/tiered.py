@@ -392,7 +392,7 @@ def case2(args, root: Path) -> None:
     round_robin([mem], args.runs, args.iters)
     m = summarize(mem.res[False], args.batch, rb)
     del mem
-    # The median run can miss the big evictions (every ~C/64 misses: one in several runs here); the
+    # The median run can miss the big evictions (every ~C/16 misses: one in several runs here); the
     # mean over every timed step is what training gets, and the ratio is taken on it.
     ratio_med = s["steps_per_s"] / m["steps_per_s"]
     ratio = m["mean_step_s"] / s["mean_step_s"]
@@ -510,7 +510,7 @@ def main(argv=None) -> int:
     p.add_argument("--scale-warmup", type=int, default=1500,
                    help="steps before timing: the 6 GiB cache fills after ~900 (12 M distinct rows seen)")
     p.add_argument("--scale-iters", type=int, default=40,
-                   help="steps per timed run (several evictions of C/64 rows each per run)")
+                   help="steps per timed run (several evictions of C/16 rows each per run)")
     p.add_argument("--scale-prefill", action="store_true", help="write every row to the tier first")
     p.add_argument("--scale-dynamic", action="store_true",
                    help="a dynamic (hash) table instead of a static one: its key index grows with the ids seen")

@@ -22,8 +22,8 @@ from ._evict import EVICTION_POLICIES, choose_victims, policy_columns
 from ._tier_file import outer_threads
 from ._tier_space import MOVED
 
-__all__ = ["TierCache", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for", "new_map",
-           "one_thread"]
+__all__ = ["TierCache", "FetchPlan", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "MAP_WIDTH", "cache_rows_for",
+           "new_map", "one_thread"]
 
 CACHE_POLICIES = EVICTION_POLICIES  # the cache's victims are chosen as the dynamic store's (store/_evict.py)
 MAP_WIDTH = 3  # per logical row: cache slot (-1: not resident), accesses while not resident, record (-1: none)
@@ -31,7 +31,12 @@ MAP_WIDTH = 3  # per logical row: cache slot (-1: not resident), accesses while 
 # stack (int64 each), the row's accesses (int32: the LFU order, read without touching the
 # per-logical-row map), dirty (bool).
 SLOT_METADATA_BYTES = 37
-_EVICT_SLACK = 64
+# A full cache frees what a call needs plus C/16 rows: the victim choice costs a pass over the
+# whole cache however few it takes (he_choose_victims, C = 678 k at d64: about the same for 3 k as
+# for 24 k victims), so at C/64 it ran every step of bench/tiered.py case 1 (~12 k misses a step);
+# at C/16 once per ~4 steps, for ~0.4 % more misses (the cache holds ~2 % fewer rows on average).
+_EVICT_SLACK = 16
+_CLEAN_SEGMENTS = 8  # segments (~1 MiB each) a cleaning reads into one buffer at a time
 
 
 def cache_rows_for(memory_budget: int, row_bytes: int) -> int:
@@ -81,32 +86,47 @@ def _first_seen(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u[order], rank[inv]
 
 
+class FetchPlan:
+    """Where a fetch's rows are (he_tier_plan over its logical slots), made once when the fetch makes
+    room and carried to the reads and the bring-in.  It stays true while no slot is freed (the
+    store's ``_drops``: victims are never rows of the call); records the cleaner moved since are
+    looked up again (``_moves``).  cs: each id's cache slot (-1: no row; -2 - j: the j-th missing
+    row), mpos: each missing row's first position, rec: its record (-1: a new row)."""
+
+    __slots__ = ("logical", "cs", "mpos", "rec", "drops", "moves")
+
+    def __init__(self, logical, cs, mpos, rec, drops: int, moves: int) -> None:
+        self.logical, self.cs, self.mpos, self.rec, self.drops, self.moves = logical, cs, mpos, rec, drops, moves
+
+
 class TierCache:
     """Mixin of TieredStore: the cache slots and the moves between them and the tier (state set by
     TieredStore.__init__)."""
 
     # ------------------------------------------------------------ the cache
-    def _make_room_for(self, logical: torch.Tensor) -> None:
-        """Frees cache slots for every row of `logical` (-1: a key that may get a new row) not resident,
-        evicting (and writing back) rows this call does not read; changes no row's value."""
+    def _make_room_for(self, logical: torch.Tensor, new_rows: bool = True) -> FetchPlan | None:
+        """Frees cache slots for every row of `logical` (-1: a key that may get a new row, when
+        `new_rows`) not resident, evicting (and writing back) rows this call does not read; changes
+        no row's value.  Returns the fetch's plan (native loops; None for the torch twins)."""
         self._fit_map()
         if self.native_loops:
-            cs = torch.empty_like(logical)
-            scratch = torch.empty((2, logical.numel()), dtype=torch.int64)
-            missing = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
-            mine = cs[cs >= 0]
+            plan = self._plan(logical)
+            missing, exclude = plan.mpos.numel(), plan.cs  # entries < 0 (not resident) are ignored
+            mine = int((plan.cs >= 0).sum())
         else:
+            plan = None
             known = logical[logical >= 0]
             cs = self._where[known].to(torch.int64)
             missing = int(torch.unique(known[cs < 0]).numel())
-            mine = cs[cs >= 0]
-        need = missing + int((logical < 0).sum())
+            exclude = cs[cs >= 0]
+            mine = exclude.numel()
+        need = missing + (int((logical < 0).sum()) if new_rows else 0)
         if need <= self._nfree:
-            return
+            return plan
         short = need - self._nfree
         want = short + self.capacity_rows // _EVICT_SLACK
         pinned = self._pins.slots()
-        exclude = mine if pinned is None else torch.cat([mine, pinned.to(torch.int64)])
+        exclude = exclude if pinned is None else torch.cat([exclude, pinned.to(torch.int64)])
         cols = policy_columns(self.cache_policy, self._slot_freq, self._tick, self._keys)
         try:
             n, victims = choose_victims(cols, want, self._owner, exclude, short)
@@ -117,12 +137,32 @@ class TierCache:
             used = int((self._owner >= 0).sum())
             raise CapacityError(
                 f"table '{self.name}': the memory budget holds {self.capacity_rows} rows; this call needs {need} "
-                f"more resident beside its {mine.numel()}, and only {n} can leave the cache "
-                f"({used - n - mine.numel()} are pinned by batches whose backward has not "
+                f"more resident beside its {mine}, and only {n} can leave the cache "
+                f"({used - n - mine} are pinned by batches whose backward has not "
                 f"run): raise memory_budget")
         self._write_back(victims)
         self._release_slots(victims)
         self._cache_epoch += 1
+        return plan
+
+    def _plan(self, logical: torch.Tensor) -> FetchPlan:
+        """he_tier_plan over `logical` (changes nothing)."""
+        n = logical.numel()
+        cs = torch.empty_like(logical)
+        scratch = torch.empty((2, n), dtype=torch.int64)
+        m = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
+        return FetchPlan(logical, cs, scratch[0, :m], scratch[1, :m], self._drops, self._moves)
+
+    def _plan_for(self, logical: torch.Tensor, plan: FetchPlan | None) -> FetchPlan:
+        """`plan` if it still holds for `logical` (the same slots, none freed since; the records of
+        its missing rows looked up again if the cleaner moved rows), else a new one."""
+        if plan is None or plan.drops != self._drops or not (
+                plan.logical is logical or (plan.logical.shape == logical.shape and torch.equal(plan.logical, logical))):
+            return self._plan(logical)
+        if plan.moves != self._moves:
+            plan.rec = self._space.records_of(logical[plan.mpos])
+            plan.moves = self._moves
+        return plan
 
     def _native_call(self, kernel: str, bufs: list, ints=()) -> int:
         try:
@@ -163,12 +203,8 @@ class TierCache:
         Records are committed after their write: a failure leaves every row readable where it was."""
         move = self._space.to_clean(logical.numel())
         if move.numel():
-            moved = self._read_segments_rows(move)
-            plan = self._space.plan(move, MOVED)
-            self.file.write(plan.records, moved)
-            self._space.commit(plan, move)
-            self._mark_stale(move)
-            self.stats["rows_relocated"] += move.numel()
+            self._moves += 1  # records of rows a fetch planned may change (FetchPlan)
+            self._move_rows(move)
         plan = self._space.plan(logical)
         if rows is None:
             self.file.write_rows(plan.records, self._rows, slots)
@@ -177,16 +213,31 @@ class TierCache:
         self._space.commit(plan, logical)
         self._mark_stale(logical)
 
-    def _read_segments_rows(self, logical: torch.Tensor) -> torch.Tensor:
-        """The rows of `logical` (on disk, a cleaning's moves: most records of a few segments), read as
-        whole segments (a few large sequential reads instead of one per run of live records)."""
+    def _move_rows(self, move: torch.Tensor) -> None:
+        """Moves the rows `move` (a cleaning's: the live rows of a few segments, segment by segment) to
+        fresh records, _CLEAN_SEGMENTS segments at a time: each part read as whole segments (a few large
+        sequential reads instead of one per run of live records), its live rows written, committed.  The
+        buffers stay ~8 MiB however much a write-back cleans (the room kept for 4 write-backs of C/16
+        rows: up to ~60 MiB of segments in bench/tiered.py case 1)."""
         S = self._space.S
-        rec = self._space.records_of(logical)
-        segs, where = torch.unique(rec // S, return_inverse=True)
-        whole = (segs.unsqueeze(1) * S + torch.arange(S)).reshape(-1)
-        buf = self.layout.empty(whole.numel())
-        self.file.read(whole, buf)
-        return buf.index_select(0, where * S + rec % S)
+        rec = self._space.records_of(move)
+        per_seg = torch.unique_consecutive(rec // S, return_counts=True)[1]
+        ends = per_seg.cumsum(0)[_CLEAN_SEGMENTS - 1 :: _CLEAN_SEGMENTS].tolist()
+        if not ends or ends[-1] != move.numel():
+            ends.append(move.numel())
+        a = 0
+        for b in ends:
+            part, r = move[a:b], rec[a:b]
+            got, where = torch.unique(r // S, return_inverse=True)
+            whole = (got.unsqueeze(1) * S + torch.arange(S)).reshape(-1)
+            buf = self.layout.empty(whole.numel())
+            self.file.read(whole, buf)
+            plan = self._space.plan(part, MOVED)
+            self.file.write(plan.records, buf.index_select(0, where * S + r % S))
+            self._space.commit(plan, part)
+            self._mark_stale(part)
+            self.stats["rows_relocated"] += part.numel()
+            a = b
 
     def _release_slots(self, slots: torch.Tensor) -> None:
         """Cache slots back to the free stack (their rows are on disk or not needed)."""
@@ -214,11 +265,12 @@ class TierCache:
         return out
 
     def _bring_in(self, logical: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor | None,
-                  training: bool) -> torch.Tensor:
+                  training: bool, plan: FetchPlan | None = None) -> torch.Tensor:
         """Cache slots of `logical` (rows read in or created where missing); -1 where logical is -1.
-        Training, each id counts (`counts`: its occurrences) and its row becomes dirty."""
+        Training, each id counts (`counts`: its occurrences) and its row becomes dirty.  `plan`: the
+        fetch's, if made already (used while it holds)."""
         if self.native_loops:
-            return self._bring_in_native(logical, keys, counts, training)
+            return self._bring_in_native(logical, keys, counts, training, plan)
         valid = logical >= 0
         out = torch.full_like(logical, -1)
         lv, kv = logical[valid], keys[valid]
@@ -253,15 +305,15 @@ class TierCache:
         return out
 
     def _bring_in_native(self, logical: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor | None,
-                         training: bool) -> torch.Tensor:
+                         training: bool, plan: FetchPlan | None) -> torch.Tensor:
         """_bring_in as two native loops around the reads: he_tier_plan finds the missing rows (changing
-        nothing), they are read into fresh slots, he_tier_admit records them and stamps every id."""
+        nothing; the fetch's plan where it holds), they are read into fresh slots, he_tier_admit records
+        them and stamps every id."""
         n = logical.numel()
-        cs = torch.empty_like(logical)
-        scratch = torch.empty((2, n), dtype=torch.int64)
-        m = self._native_call("he_tier_plan", [self._map, logical, cs, scratch[0], scratch[1]])
-        mpos, rec = scratch[0, :m], scratch[1, :m]
-        slots = self._fill_missing(logical[mpos], keys[mpos], rec) if m else mpos
+        plan = self._plan_for(logical, plan)
+        cs, mpos, rec = plan.cs, plan.mpos, plan.rec
+        m = mpos.numel()
+        slots = self._fill_missing(logical[mpos], keys[mpos], rec, plan) if m else mpos
         out = torch.empty(3 + m + n, dtype=torch.int64)
         self._clock += 1
         live = self._space.live
@@ -275,57 +327,70 @@ class TierCache:
             self._space.dropped(released, sorted(out[3 : 3 + emptied].tolist()))  # as torch.unique
         return cs
 
-    def _read_before_counting(self, known: torch.Tensor) -> None:
+    def _read_before_counting(self, known: torch.Tensor, plan: FetchPlan | None = None) -> None:
         """Reads the rows of `known` (logical slots the key index holds; -1: none) that are on disk and
         not resident into fresh cache slots, before the key index counts the call: a read that fails
         then leaves every key, count and row as it was.  The bring-in after the index call takes them
-        (``_fill_missing``); nothing else changes."""
+        (``_fill_missing``); nothing else changes.  `plan`: the fetch's, if made already."""
         self._fit_map()
         if self.native_loops:
-            cs = torch.empty_like(known)
-            scratch = torch.empty((2, known.numel()), dtype=torch.int64)
-            m = self._native_call("he_tier_plan", [self._map, known, cs, scratch[0], scratch[1]])
-            lg, rec = known[scratch[0, :m]], scratch[1, :m]
+            plan = self._plan_for(known, plan)
+            j = (plan.rec >= 0).nonzero().squeeze(1)  # the missing rows on disk, by their number
+            lg = known[plan.mpos[j]]
+            order = lg.argsort()  # slots taken in the order of the logical rows, as the twin does
+            lg, j = lg[order], j[order]
+            rec = plan.rec[j]
         else:
             lg = torch.unique(known[known >= 0])
             lg = lg[self._where[lg] < 0]
             rec = self._space.records_of(lg)
-        on_disk = rec >= 0
-        lg, rec = lg[on_disk], rec[on_disk]
+            on_disk = rec >= 0
+            lg, rec = lg[on_disk], rec[on_disk]
         if lg.numel() == 0:
             return
-        order = lg.argsort()
-        lg, rec = lg[order], rec[order]
         slots = self._take_slots(lg.numel())
         self._fill_slots(lg, lg, rec, slots)  # all on disk: read, keys not needed
         self._pre_read = (lg, slots)
+        if plan is not None:  # the bring-in of the same plan places them by number
+            self._pre_plan = (plan, j)
 
     def _give_back_pre_read(self) -> None:
         """The rows _read_before_counting read are not taken (the index call failed): slots freed."""
-        pre, self._pre_read = self._pre_read, None
+        pre, self._pre_read, self._pre_plan = self._pre_read, None, None
         if pre is not None:
             n = pre[1].numel()
             self._free[self._nfree : self._nfree + n] = pre[1].flip(0)
             self._nfree += n
 
-    def _fill_missing(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
-        """Cache slots holding the rows of `logical` (missing, distinct): those read before the index
-        call, the others taken now and read or created (``_fill_slots``)."""
+    def _fill_missing(self, logical: torch.Tensor, keys: torch.Tensor, rec: torch.Tensor,
+                      plan: FetchPlan | None = None) -> torch.Tensor:
+        """Cache slots holding the rows of `logical` (missing, distinct; `plan`'s missing rows in its
+        order, if given): those read before the index call, the others taken now and read or created
+        (``_fill_slots``)."""
         pre, self._pre_read = self._pre_read, None
+        pre_plan, self._pre_plan = self._pre_plan, None
         if pre is None:
             slots = self._take_slots(logical.numel())
             self._fill_slots(logical, keys, rec, slots)
             return slots
         pre_l, pre_s = pre
-        pos = torch.searchsorted(pre_l, logical).clamp_(max=pre_l.numel() - 1)
-        got = pre_l[pos] == logical
-        if int(got.sum()) != pre_l.numel():  # every row read ahead is one of the call's missing rows
-            self._pre_read = pre
-            self._give_back_pre_read()
-            raise StoreError(f"table '{self.name}': rows read before the key index call are not among the "
-                             f"missing ones (internal error)")
-        slots = torch.empty_like(logical)
-        slots[got] = pre_s[pos[got]]
+        if plan is not None and pre_plan is not None and pre_plan[0] is plan:  # read by number
+            got = torch.zeros(logical.numel(), dtype=torch.bool)
+            got[pre_plan[1]] = True
+            slots = torch.empty_like(logical)
+            slots[pre_plan[1]] = pre_s
+        else:
+            order = pre_l.argsort()
+            pre_l, pre_s = pre_l[order], pre_s[order]
+            pos = torch.searchsorted(pre_l, logical).clamp_(max=pre_l.numel() - 1)
+            got = pre_l[pos] == logical
+            if int(got.sum()) != pre_l.numel():  # every row read ahead is one of the call's missing rows
+                self._pre_read = pre
+                self._give_back_pre_read()
+                raise StoreError(f"table '{self.name}': rows read before the key index call are not among the "
+                                 f"missing ones (internal error)")
+            slots = torch.empty_like(logical)
+            slots[got] = pre_s[pos[got]]
         rest = ~got
         if bool(rest.any()):
             try:
@@ -342,11 +407,14 @@ class TierCache:
         """The rows of `logical` into cache `slots` (taken): read where on disk (`rec` >= 0), else new.
         On a failure the slots go back to the free stack and nothing else changed."""
         read = rec >= 0
+        n_read = int(read.sum())
         try:
-            if bool(read.any()):
+            if n_read == rec.numel():  # (a fetch's pre-read: all on disk, no masks)
+                self._read_rows(logical, slots, rec)
+            elif n_read:
                 self._read_rows(logical[read], slots[read], rec[read])
-            fresh = ~read
-            if bool(fresh.any()):
+            if n_read < rec.numel():
+                fresh = ~read
                 init_rows(self._rows, slots[fresh], keys[fresh], self.layout, self.initializer, self.init_state,
                           self.seed)
         except BaseException:
@@ -357,19 +425,22 @@ class TierCache:
 
     def _read_rows(self, logical: torch.Tensor, slots: torch.Tensor, rec: torch.Tensor) -> None:
         """Rows of `logical` (on disk at records `rec`) into cache `slots`: from the prefetched ones where
-        staged, else the file."""
-        got = self._take_staged(logical, slots)
-        rest = ~got
-        if bool(rest.any()):
-            lg, sl, rec = logical[rest], slots[rest], rec[rest]
-            order = rec.argsort()
-            self.file.read_rows(rec[order], self._rows, sl[order])
-            self.stats["rows_read"] += lg.numel()
+        staged, else the file (in file order)."""
+        if self._staged:
+            rest = ~self._take_staged(logical, slots)
+            if not bool(rest.any()):
+                return
+            logical, slots, rec = logical[rest], slots[rest], rec[rest]
+        order = rec.argsort()
+        self.file.read_rows(rec[order], self._rows, slots[order])
+        self.stats["rows_read"] += logical.numel()
 
     def _drop_logical(self, freed: torch.Tensor) -> None:
         """The key index freed these logical slots (keys evicted or replaced): their rows are gone."""
         self._fit_map()
+        self._drops += 1  # a plan made before holds no more (FetchPlan)
         if self._pre_read is not None:  # a row read ahead of the index call whose key left: not taken
+            self._pre_plan = None
             pl, ps = self._pre_read
             gone = torch.isin(pl, freed)
             if bool(gone.any()):

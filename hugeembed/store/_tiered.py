@@ -30,8 +30,8 @@ not read, smallest first:
   * ``"lfu"``: (accesses since the key got its row, last access, key); accesses are the
     id's occurrences in training batches (an eval read counts none).
 "Last access" is the number of the fetch call that last read the row.  When full, a
-fetch evicts what it needs plus 1/64 of the cache (so victims are chosen once per
-C/64 misses, not every call).
+fetch evicts what it needs plus 1/16 of the cache (so victims are chosen once per
+C/16 misses, not every call).
 """
 
 from __future__ import annotations
@@ -122,8 +122,12 @@ class TieredStore(TierTransfer, TierCache, TierPrefetch, LayoutViews, Pinnable):
         self._pool: ThreadPoolExecutor | None = None
         # reads started by prefetch, oldest first, at most 2: (future, logical, rows, stale logical slots)
         self._staged: list[tuple[Future, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
-        self._reserved: torch.Tensor | None = None  # keys the cache made room for (reserve)
-        self._pre_read: tuple[torch.Tensor, torch.Tensor] | None = None  # (logical sorted, cache slots)
+        # what reserve made room for: (keys, their logical slots, the plan, _drops, write_stamp then)
+        self._reserved: tuple | None = None
+        self._pre_read: tuple[torch.Tensor, torch.Tensor] | None = None  # (logical, cache slots)
+        self._pre_plan = None  # (the FetchPlan the pre-read came from, the numbers of its rows there)
+        self._drops = 0  # key index frees of logical slots (a FetchPlan made before holds no more)
+        self._moves = 0  # cleanings (records of rows moved)
         index.on_free = self._drop_logical
         index.row_norms = self._logical_norms
 
@@ -179,17 +183,20 @@ class TieredStore(TierTransfer, TierCache, TierPrefetch, LayoutViews, Pinnable):
         if keys.numel() == 0:
             return keys.clone()
         reserved, self._reserved = self._reserved, None
-        known = self.index.find(keys)
-        if reserved is None or not (reserved.shape == keys.shape and torch.equal(reserved, keys)):
-            self._make_room_for(known)
-        self._read_before_counting(known)  # a read that fails changes nothing: the index has not counted
+        if reserved is not None and reserved[3:] == (self._drops, getattr(self, "write_stamp", 0)) \
+                and reserved[0].shape == keys.shape and torch.equal(reserved[0], keys):
+            known, plan = reserved[1], reserved[2]  # nothing changed since: room made, plan made
+        else:
+            known = self.index.find(keys)
+            plan = self._make_room_for(known)
+        self._read_before_counting(known, plan)  # a read that fails changes nothing: the index has not counted
         try:
             logical = self.index.find_or_insert(keys, step, counts=counts)
         except BaseException:
             self._give_back_pre_read()
             raise
         self._fit_map()
-        return self._bring_in(logical, keys, counts, training=True)
+        return self._bring_in(logical, keys, counts, training=True, plan=plan)
 
     @one_thread
     def reserve(self, keys: torch.Tensor) -> None:
@@ -200,8 +207,9 @@ class TieredStore(TierTransfer, TierCache, TierPrefetch, LayoutViews, Pinnable):
         keys = as_keys(self.name, keys, self.device)
         self._reserved = None
         if keys.numel():
-            self._make_room_for(self.index.find(keys))
-        self._reserved = keys
+            known = self.index.find(keys)
+            plan = self._make_room_for(known)
+            self._reserved = (keys, known, plan, self._drops, getattr(self, "write_stamp", 0))
 
     def hit_counts(self, keys: torch.Tensor) -> torch.Tensor:
         """Hits of `keys` so far (the key index keeps them); changes nothing."""
@@ -213,8 +221,8 @@ class TieredStore(TierTransfer, TierCache, TierPrefetch, LayoutViews, Pinnable):
         if keys.numel() == 0:
             return keys.clone()
         logical = self.index.find(keys)
-        self._make_room_for(logical[logical >= 0])  # a key without a row reads zeros: no slot
-        return self._bring_in(logical, keys, None, training=False)
+        plan = self._make_room_for(logical, new_rows=False)  # a key without a row reads zeros: no slot
+        return self._bring_in(logical, keys, None, training=False, plan=plan)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self._rows, as_slots(self.name, slots, self.capacity_rows, self.device))

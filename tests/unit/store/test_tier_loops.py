@@ -168,3 +168,38 @@ def test_the_kernels_refuse_a_logical_row_outside_the_map(tmp_path):
         assert e.value.status == _native.Status.BAD_VALUE and e.value.detail[:2] == (1, s._map.shape[0])
     finally:
         s.close()
+
+
+def test_a_fetch_plans_once_and_plans_again_when_a_slot_was_freed(tmp_path):
+    """reserve + find_or_insert of keys the table holds run he_tier_plan once (the plan is carried
+    through the reads and the bring-in; new keys get logical slots in the index call, so their fetch
+    plans again for the bring-in); a key removed between reserve and the fetch frees a slot: the fetch plans afresh, and
+    the native store still equals its torch twin."""
+    nat, tw = make(tmp_path, "n", 12, "lfu", True), make(tmp_path, "t", 12, "lfu", False)
+    kernels: list[str] = []
+    real = nat._native_call
+    nat._native_call = lambda k, *a: (kernels.append(k), real(k, *a))[1]
+    try:
+        for step, (keys, plans) in enumerate([(range(0, 10), 2), (range(10, 20), 2), (range(0, 10), 1)], start=1):
+            k = torch.tensor(list(keys))
+            kernels.clear()
+            got = []
+            for s in (nat, tw):
+                s.reserve(k)
+                got.append(s.find_or_insert(k, step))
+            assert kernels.count("he_tier_plan") == plans, kernels
+            assert torch.equal(got[0], got[1])
+            assert_same(state(nat), state(tw))
+        assert nat.stats["rows_read"] > 0  # the last fetch read rows written back
+        k = torch.tensor([3, 12, 4])
+        kernels.clear()
+        for s in (nat, tw):
+            s.reserve(k)
+            s.remove(torch.tensor([5]))  # between reserve and the fetch: the plan no longer holds
+        got = [s.find_or_insert(k, 9) for s in (nat, tw)]
+        assert kernels.count("he_tier_plan") == 2, kernels  # reserve's, and the fetch's own
+        assert torch.equal(got[0], got[1])
+        assert_same(state(nat), state(tw))
+    finally:
+        nat.close()
+        tw.close()

@@ -152,7 +152,7 @@ def test_unique_ids_beyond_the_budget_are_refused_naming_the_table(tmp_path):
 
 class CacheModel:
     """The documented policy in plain Python: on a miss with the cache full, evict the
-    needed rows plus capacity // 64 among unpinned rows the call does not read, smallest by
+    needed rows plus capacity // 16 among unpinned rows the call does not read, smallest by
     (last access, accesses, key) for LRU, (accesses, last access, key) for LFU (the dynamic store's
     orders, store/_evict.py)."""
 
@@ -167,7 +167,7 @@ class CacheModel:
         free = self.cap - len(self.resident)
         if len(need) > free:
             cand = [k for k in self.resident if k not in keys]
-            take = min(len(cand), len(need) - free + self.cap // 64)
+            take = min(len(cand), len(need) - free + self.cap // 16)
             if self.policy == "lru":
                 order = sorted(cand, key=lambda k: (self.resident[k], self.freq.get(k, 0), k))
             else:
@@ -448,14 +448,18 @@ def test_a_table_dirs_finalizer_run_while_its_lock_is_held_does_not_deadlock(tmp
     assert not (tmp_path / "t" / "tier.json").exists()  # released: the directory is left empty
 
 
-@pytest.mark.parametrize("rule", ["rowwise", "adam"])
-def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch, rule):
+@pytest.mark.parametrize("rule, chunk", [("rowwise", None), ("adam", None), ("rowwise", 1)])
+def test_cleaning_the_tier_file_keeps_training_bit_for_bit(tmp_path, monkeypatch, rule, chunk):
     """Segments of 16 records: the write-backs soon have to clean (move live rows out of the emptiest
-    segments); training equals the in-memory table, a snapshot too, and a write that fails while
-    cleaning changes nothing."""
+    segments; `chunk`: segments moved per part, 1: a cleaning is many parts, and the failing write
+    below may be one of them); training equals the in-memory table, a snapshot too, and a write that
+    fails while cleaning changes nothing."""
+    import hugeembed.store._tier_cache as cache_mod
     import hugeembed.store._tier_space as space_mod
 
     monkeypatch.setattr(space_mod, "_SEGMENT_BYTES", 1)  # the minimum: 16 records a segment
+    if chunk is not None:
+        monkeypatch.setattr(cache_mod, "_CLEAN_SEGMENTS", chunk)
     mem = EmbeddingCollection(tables(None, 0, None), optimizer=RULES[rule](), seed=3)
     tier = EmbeddingCollection(tables(tmp_path, 18, RULES[rule]()), optimizer=RULES[rule](), seed=3)
     g = torch.Generator().manual_seed(5)
