@@ -51,6 +51,7 @@ from .. import _native
 from ._tier_cache import (CACHE_POLICIES, SLOT_METADATA_BYTES, TierCache, cache_rows_for, new_map,
                           one_thread)
 from ._tier_prefetch import TierPrefetch
+from ._tier_read import TierReads
 from ._tier_rows import TierTransfer
 from ._tier_space import RecordSpace
 
@@ -61,7 +62,7 @@ __all__ = ["TieredStore", "CACHE_POLICIES", "SLOT_METADATA_BYTES", "cache_rows_f
 _MAP_BYTES = 8
 
 
-class TieredStore(TierTransfer, TierCache, TierPrefetch, LayoutViews, Pinnable):
+class TieredStore(TierTransfer, TierCache, TierReads, TierPrefetch, LayoutViews, Pinnable):
     """A table whose rows live in a file under `storage_dir`, at most `memory_budget` bytes of them in memory.
 
     Args:
