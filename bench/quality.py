@@ -100,6 +100,8 @@ VARIANTS: dict[str, dict[str, object]] = {
                                  "first_order_lr_count_scale": 20},
     # schema data: each feature's smoothed click log-odds counted from earlier rows, in DLRM's logit (seventh round)
     "click_counts": {"click_counts": True},
+    # schema data: the defaults before the eighth round (the per-id biases alone, no click counts)
+    "no_click_counts": {"click_counts": False},
 }
 
 

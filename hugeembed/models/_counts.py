@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..features import SparseFeatures
 from ..nn import EmbeddingCollection, TableConfig
 from ..store import Zeros
+from ._count_fit import count_fit_step
 
 __all__ = ["COUNT_PREFIX", "COUNT_COLUMNS", "DEFAULT_COUNT_PRIOR", "click_count_tables", "count_log_odds",
            "ClickCountUpdater"]
@@ -33,8 +34,6 @@ COUNT_COLUMNS = 3  # per id: the smoothed log-odds (read by the model), clicks, 
 # rows of prior: an id seen n times with c clicks has the rate (c + prior ctr) / (n + prior), as
 # bench/_schema_refs.py's counting baseline
 DEFAULT_COUNT_PRIOR = 20.0
-# DLRM's weight of a feature's log-odds is 1 + COUNT_WEIGHT_SCALE * its parameter (zero at first)
-COUNT_WEIGHT_SCALE = 1.0
 
 
 def click_count_tables(features: Sequence[str]) -> list[TableConfig]:
@@ -62,7 +61,8 @@ class ClickCountUpdater:
         prior: rows of prior (:func:`count_log_odds`).
 
     The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
-    :meth:`add` after every training step (the batch's forward has read the counts of the rows before it).
+    :meth:`add` after every training step (the batch's forward has read the counts of the rows before it):
+    with the step's logits, it first fits the model's count weights on the batch (_count_fit.py).
     A row's log-odds take the click rate of the moment its id was last counted, and stay as they are
     until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
     end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
@@ -109,15 +109,21 @@ class ClickCountUpdater:
                 store.scatter(slots, torch.zeros(slots.numel(), COUNT_COLUMNS, device=store.device))
             self.model.count_rows.zero_()
 
-    def add(self, sparse: SparseFeatures, labels: torch.Tensor) -> None:
+    def add(self, sparse: SparseFeatures, labels: torch.Tensor, logits: torch.Tensor | None = None,
+            lr_factor: float = 1.0) -> None:
         """Counts a trained batch: each (sample, id) pair once, with the sample's label; then the
-        touched ids' log-odds at the new click rate."""
+        touched ids' log-odds at the new click rate.  With the batch's `logits` (its training forward's), a
+        Newton step on the model's count weights first (`lr_factor`: the run's learning-rate factor)."""
         if not self.tables:
             return
         with torch.no_grad():
             y = labels.detach().reshape(-1).double()
             if y.numel() != sparse.batch_size:
                 raise ConfigError(f"click counts: {y.numel()} labels for a batch of {sparse.batch_size} samples")
+            inputs = self.model.count_inputs
+            if logits is not None and inputs is not None and inputs.shape[0] == y.numel():
+                count_fit_step(self.model.count_fit, self.model.count_hessian, inputs, logits, y, lr_factor)
+            self.model.count_inputs = None
             self.model.count_rows += torch.stack([y.new_tensor(float(y.numel())), y.sum()]).to(self.model.count_rows)
             rows, positives = self._stats()
             bags = sparse.to_dict()

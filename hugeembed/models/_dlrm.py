@@ -12,7 +12,6 @@ from ..errors import ConfigError
 from ..functional import PooledEmbeddings
 from ..nn import EmbeddingCollection
 from ._base import Fields, RecModel, resolve_first_order
-from . import _counts
 from ._counts import COUNT_COLUMNS
 from ._layers import MLP, DotInteraction, check_dropout, check_sizes
 
@@ -49,8 +48,10 @@ class DLRM(RecModel):
         dropout: dropout probability after each hidden layer of the top MLP (0: none).
         counts: names of click-count tables (:func:`~hugeembed.models.click_count_tables`): the first
             column of each (an id's smoothed click log-odds, counted from earlier rows) is added to the
-            logit with a learned weight per table (1 at first); their rows are written by
-            :class:`~hugeembed.models.ClickCountUpdater`, the run's rows and clicks are ``count_rows``.
+            logit with a weight per table (1 at first) and an intercept (0 at first), ``count_fit``, which
+            :class:`~hugeembed.models.ClickCountUpdater` fits by Newton's method on each training batch
+            (hugeembed/models/_count_fit.py); it writes their rows too; the run's rows and clicks are
+            ``count_rows``.
         device: where the dense layers live (default: the collection's device).
 
     Example::
@@ -85,10 +86,13 @@ class DLRM(RecModel):
         self.top = MLP(self.interaction.output_dim(dim), (*check_sizes(top_mlp, "DLRM top_mlp"), 1),
                        final_activation=False, dropout=check_dropout(dropout, "DLRM"), device=device)
         if self.counts is not None:
-            # the weight of feature f is 1 + COUNT_WEIGHT_SCALE * count_weights[f]: counting's own sum at first,
-            # moved COUNT_WEIGHT_SCALE times faster than a plain parameter by the dense optimizer (Adam's step
-            # does not depend on the gradient's scale)
-            self.count_weights = nn.Parameter(torch.zeros(len(self.counts), device=device))
+            # [intercept, one weight per feature]: counting's own sum at first; fitted by Newton's method on
+            # each training batch (not by the dense optimizer: _count_fit.py), with its running Hessian
+            self.register_buffer("count_fit", torch.cat([torch.zeros(1), torch.ones(len(self.counts))]).to(device))
+            self.register_buffer("count_hessian", torch.zeros(len(self.counts) + 1, len(self.counts) + 1,
+                                                              dtype=torch.float64, device=device))
+            # the count log-odds the last training forward read ([B, F]): the fit's inputs
+            self.count_inputs: torch.Tensor | None = None
             # rows and clicks counted in this pass (the prior's click rate): saved with the dense state
             self.register_buffer("count_rows", torch.zeros(2, dtype=torch.float64, device=device))
 
@@ -117,7 +121,10 @@ class DLRM(RecModel):
             logit = logit + self.on(self.first_order.concat(out), d).sum(dim=1)
         if self.counts is not None:  # column 0 of each count table: the ids' smoothed click log-odds
             s = self.on(self.counts.concat(out), d).unflatten(1, (len(self.counts), COUNT_COLUMNS))[:, :, 0]
-            logit = logit + (s * (1.0 + _counts.COUNT_WEIGHT_SCALE * self.count_weights)).sum(dim=1)
+            if self.training:
+                self.count_inputs = s.detach()
+            fit = self.count_fit.to(s)
+            logit = logit + s @ fit[1:] + fit[0]
         return logit
 
 

@@ -64,9 +64,10 @@ class TrainConfig:
         dropout: dropout after each hidden layer of the model's MLP (DLRM: its top MLP); None: the model's
             default (DLRM: none).
         click_counts: DLRM: each sparse feature's smoothed click log-odds, counted online from earlier rows
-            only (every pass starts from zero counts), added to the logit with a learned weight per feature
-            (hugeembed/models/_counts.py); one process, tables in memory.  Off: measured in docs/quality.md
-            (seventh round: +0.0045 to +0.0054 AUC on three schema sets, -0.017 on the NYC flights).
+            only (every pass starts from zero counts), added to the logit with a weight per feature and an
+            intercept fitted by Newton's method on each batch (hugeembed/models/_counts.py, _count_fit.py); one
+            process, tables in memory.  Off here; `hugeembed train` turns it on for data of a schema of its own
+            in one process without a memory budget: measured in docs/quality.md (eighth round).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
             this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         first_order_betas, first_order_eps: the per-id biases' own Adam betas and eps (Adam optimizers

@@ -80,11 +80,11 @@ class TrainerSnapshots:
         record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
         saved = record.config
         changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
-                               "lr_count_scale", "average_dense")
+                               "lr_count_scale", "average_dense", "click_counts")
                    if getattr(saved, k) != getattr(self.cfg, k)]
         msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r}"
-                + (f": give --{'' if saved.average_dense else 'no-'}average-dense as saved)" if k == "average_dense"
-                   else ")") for k in changed]
+                + (f": give --{'' if getattr(saved, k) else 'no-'}{k.replace('_', '-')} as saved)"
+                   if k in ("average_dense", "click_counts") else ")") for k in changed]
         # Adam's betas / eps as the runs resolve them (a snapshot of older code: torch's)
         theirs, mine = ({k: v for k, v in c.sparse_optimizer_options().items() if k != "lr"} for c in (saved, self.cfg))
         if "sparse_optimizer" not in changed and theirs != mine:

@@ -286,7 +286,8 @@ class Trainer(TrainerSnapshots):
         if not self.is_server:  # a server's dense layers see no data: they are never stepped
             self.stale.dense_step(st.step + 1, self.dense_optimizer)
         self.collection.optimizer.step()
-        self.counts.add(batch.sparse, batch.labels)  # after the batch's forward read the earlier rows' counts
+        # after the batch's forward read the earlier rows' counts; the count weights fitted on the batch first
+        self.counts.add(batch.sparse, batch.labels, logits.detach(), f)
         self.stale.straggle(time.thread_time() - cpu0)
         if self.cfg.average_dense and f < 1.0 and not self.is_server:
             self.state.add_to_dense_average(self._dense_params())

@@ -47,8 +47,11 @@ def test_train_eval_inspect_export_read_the_schema_from_the_run(files, capsys):
     summary = json.loads((files / "sum.json").read_text())
     assert summary["steps"] == 12 and 0.0 < summary["auc"] < 1.0
     tables = {"user_id", "movie_id", "genres", "city"}  # history reads movie_id
-    # schema data: DLRM with a per-id bias table beside each table by default (hugeembed.cli.train)
-    assert set(summary["table_rows_per_table"]) == tables | {f"wide_{t}" for t in tables}
+    # schema data: DLRM with a per-id bias table beside each table and a click-count table per feature by default
+    # (hugeembed.cli.train)
+    features = {"user_id", "movie_id", "genres", "history", "city"}
+    want = tables | {f"wide_{t}" for t in tables} | {f"count_{f}" for f in features}
+    assert set(summary["table_rows_per_table"]) == want
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--data", str(files / "test.csv"), "--predictions",
                  str(files / "p.txt"), "--summary-json", str(files / "eval.json")]) == 0

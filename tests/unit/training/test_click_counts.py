@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from hugeembed import SparseFeatures
 from hugeembed.errors import ConfigError
 from hugeembed.models import ClickCountUpdater, make_model
-from hugeembed.models._counts import COUNT_WEIGHT_SCALE
 from hugeembed.optim import Adam
 
 PRIOR = 20.0
@@ -107,27 +106,85 @@ def test_each_batch_reads_the_counts_of_earlier_rows_only_and_each_pass_starts_f
     assert got[0, 1] == 0
 
 
-def test_the_logit_adds_the_count_log_odds_with_a_learned_weight_per_feature_one_at_first():
+def test_the_logit_adds_the_count_log_odds_with_a_weight_per_feature_one_at_first_and_an_intercept():
     model = _model()
-    model.eval()
     dense, bags, labels = _batches(1)[0]
     sparse = SparseFeatures.from_lists(bags)
     counts = ClickCountUpdater(model)
     model.train()
     model.lookup(dense, sparse)
-    counts.add(sparse, labels)
+    counts.add(sparse, labels)  # no logits: counted, the weights not fitted
+    assert model.count_fit.tolist() == [0.0, 1.0, 1.0]
     model.eval()
     with torch.no_grad():
         out = model.lookup(dense, sparse)
         with_counts = model.forward_pooled(dense, out)
-        model.count_weights.copy_(torch.tensor([0.5, -2.0]))
+        model.count_fit.copy_(torch.tensor([0.25, 0.5, -2.0]))
         reweighted = model.forward_pooled(dense, out)
     s = _read(model, out)
     assert float(s.abs().sum()) > 0
-    # weights 1 + COUNT_WEIGHT_SCALE * parameter: 1 at first
-    step = torch.tensor([0.5, -2.0]) * COUNT_WEIGHT_SCALE
-    torch.testing.assert_close(reweighted - with_counts, (s * step).sum(1), rtol=1e-5, atol=1e-6)
-    assert any(p is model.count_weights for p in model.dense_parameters())
+    torch.testing.assert_close(reweighted - with_counts, 0.25 + (s * torch.tensor([-0.5, -3.0])).sum(1),
+                               rtol=1e-5, atol=1e-6)
+    assert not any(p is model.count_fit for p in model.dense_parameters())  # fitted apart, not by Adam
+
+
+def _newton_oracle(fit, hessian, s, z, y, factor, step, decay, ridge):
+    """One damped Newton step on [b, w] written out in plain Python (lists, a Gaussian elimination)."""
+    n, k = len(y), len(fit)
+    x = [[1.0] + list(row) for row in s]
+    p = [1.0 / (1.0 + math.exp(-v)) for v in z]
+    g = [sum(x[i][a] * (p[i] - y[i]) for i in range(n)) / n for a in range(k)]
+    h = [[sum(x[i][a] * x[i][c] * p[i] * (1 - p[i]) for i in range(n)) / n for c in range(k)] for a in range(k)]
+    if all(v == 0 for row in hessian for v in row):
+        hessian = h
+    else:
+        hessian = [[decay * hessian[a][c] + (1 - decay) * h[a][c] for c in range(k)] for a in range(k)]
+    m = [[hessian[a][c] + (ridge if a == c else 0.0) for c in range(k)] + [g[a]] for a in range(k)]
+    for a in range(k):  # Gauss-Jordan with partial pivoting
+        piv = max(range(a, k), key=lambda r: abs(m[r][a]))
+        m[a], m[piv] = m[piv], m[a]
+        for r in range(k):
+            if r != a:
+                f = m[r][a] / m[a][a]
+                m[r] = [u - f * v for u, v in zip(m[r], m[a])]
+    delta = [m[a][k] / m[a][a] for a in range(k)]
+    return [f - step * factor * d for f, d in zip(fit, delta)], hessian
+
+
+def test_the_count_weights_take_a_damped_newton_step_on_each_batch_against_a_plain_python_oracle():
+    from hugeembed.models._count_fit import count_fit_step
+
+    g = torch.Generator().manual_seed(3)
+    fit = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    hessian = torch.zeros(4, 4, dtype=torch.float64)
+    want_fit, want_h = fit.tolist(), hessian.tolist()
+    for t, factor in enumerate((1.0, 1.0, 0.5)):  # the first batch sets the running Hessian, later ones average
+        s = torch.randn(32, 3, generator=g)
+        y = (torch.rand(32, generator=g) < 0.3).float()
+        z = torch.randn(32, generator=g) + s @ fit[1:] + fit[0]
+        count_fit_step(fit, hessian, s, z, y, factor, step=0.5, decay=0.8, ridge=1e-3)
+        want_fit, want_h = _newton_oracle(want_fit, want_h, s.tolist(), z.tolist(), y.tolist(), factor, 0.5, 0.8, 1e-3)
+        torch.testing.assert_close(hessian, torch.tensor(want_h, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(fit, torch.tensor(want_fit), rtol=1e-5, atol=1e-6)
+    before = fit.clone()
+    count_fit_step(fit, hessian, s, z, y, 0.0)  # the end of the decay: no step
+    assert torch.equal(fit, before)
+
+
+def test_the_newton_fit_learns_how_much_repeated_evidence_adds():
+    """Two copies of one feature's log-odds and one of pure noise: counting's sum counts the evidence twice;
+    the fitted weights share it (w1 + w2 near the true 1) and drop the noise (w3 near 0)."""
+    from hugeembed.models._count_fit import count_fit_step
+
+    g = torch.Generator().manual_seed(5)
+    fit = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    hessian = torch.zeros(4, 4, dtype=torch.float64)
+    for _ in range(300):
+        a = torch.randn(2048, generator=g)
+        s = torch.stack([a, a + 0.1 * torch.randn(2048, generator=g), torch.randn(2048, generator=g)], 1)
+        y = (torch.rand(2048, generator=g) < torch.sigmoid(a - 1.0)).float()
+        count_fit_step(fit, hessian, s, s @ fit[1:] + fit[0], y)
+    assert abs(float(fit[1] + fit[2]) - 1.0) < 0.1 and abs(float(fit[3])) < 0.05 and abs(float(fit[0]) + 1.0) < 0.1
 
 
 def test_bad_uses_are_refused():
@@ -145,12 +202,26 @@ def test_bad_uses_are_refused():
         ClickCountUpdater(_model(), prior=0)
 
 
-def test_click_counts_are_off_by_default_and_the_flag_turns_them_on():
+def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memory_and_off_elsewhere(monkeypatch):
     from tests.unit.training.test_first_order_lr import _cli_config
 
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
     data = ["--schema", "s.toml", "--data", "train.csv", "--epochs", "1"]
-    assert not _cli_config(*data).click_counts  # an option: they lose on the NYC flights (docs/quality.md)
-    assert _cli_config(*data, "--click-counts").click_counts
+    assert _cli_config(*data).click_counts  # the default on data of a schema of its own (docs/quality.md, 8th round)
+    assert not _cli_config(*data, "--no-click-counts").click_counts
+    assert not _cli_config(*data, "--model", "deepfm").click_counts  # DLRM's only
+    # what the counts do not support keeps the per-id biases alone: tiered tables, several processes
+    assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
+    assert not _cli_config(*data, "--nproc", "2").click_counts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert not _cli_config(*data).click_counts  # a process of a torchrun / --nproc run
+    monkeypatch.delenv("WORLD_SIZE")
+    # Criteo's runs are unchanged: off unless asked
     assert not _cli_config("--data", "day_0.tsv", "--epochs", "1").click_counts
     assert _cli_config("--data", "day_0.tsv", "--epochs", "1", "--click-counts").click_counts
 
@@ -179,7 +250,7 @@ def test_a_run_its_snapshot_and_its_served_model_read_the_same_counts(tmp_path):
     batch = Batch.from_block(read_table(tmp_path / "test.csv", model.schema), model.schema)
     with torch.no_grad():
         want = torch.sigmoid(model(batch.dense, batch.sparse))
-        model.count_weights.fill_(-1.0 / COUNT_WEIGHT_SCALE)  # weights 0: the model without its counts
+        model.count_fit.zero_()  # weights and intercept 0: the model without its counts
         without = torch.sigmoid(model(batch.dense, batch.sparse))
     got = served.predict(batch.dense, batch.sparse)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -205,3 +276,9 @@ def test_a_resumed_run_equals_the_straight_one_across_a_pass(tmp_path):
     Trainer(cfg(6, checkpoint_dir=str(tmp_path / "run"))).fit()
     cut = Trainer(cfg(10, checkpoint_dir=str(tmp_path / "run"), resume=True)).fit()
     assert (cut["auc"], cut["logloss"]) == (whole["auc"], whole["logloss"])
+    # a run saved with click counts resumed without them (or the other way) is another run: one line, named
+    from hugeembed.errors import CheckpointError
+
+    plain = cfg(12, checkpoint_dir=str(tmp_path / "run"), resume=True).replace(click_counts=False)
+    with pytest.raises(CheckpointError, match=r"click_counts \(True vs False: give --click-counts as saved\)"):
+        Trainer(plain).fit()
