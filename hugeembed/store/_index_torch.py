@@ -41,8 +41,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     bucket or the first empty one on its path; probes the buckets looked at."""
     n, dev = keys.numel(), keys.device
     B = g.buckets.shape[0]
-    codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
     idx, p = torch.arange(n, device=dev), start
     width, rounds = _FIRST_WINDOW, 0
@@ -52,15 +51,13 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
         rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
         bkeys, btabs = rec[..., 0], rec[..., 1]
         stop = ((bkeys == keys[idx, None]) & (btabs == tids[idx, None])) | (btabs == EMPTY_TABLE)
-        done = stop.any(1)
-        q = win.gather(1, stop.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
-        d = done.nonzero().squeeze(1)  # a read of the device per round
-        pos[idx[d]] = q[d]
-        got = g.buckets[q[d]]
-        codes[idx[d]] = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
-        keep = (~done).nonzero().squeeze(1)
+        stops, first = stop.to(torch.uint8).max(1, keepdim=True)  # (max: whether any, and the first, in one pass)
+        pos[idx] = win.gather(1, first).squeeze(1)  # (a key not done yet: written again by a later round)
+        keep = (stops.squeeze(1) == 0).nonzero().squeeze(1)  # a read of the device per round
         idx, p = idx[keep], (p[keep] + width) % B
         width, rounds = _SECOND_WINDOW if rounds == 0 else min(2 * width, _MAX_WINDOW), rounds + 1
+    got = g.buckets[pos]
+    codes = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
     probes = (pos - start) % B + 1
     return codes, pos, probes
 
@@ -149,7 +146,7 @@ def place_all(buckets: torch.Tensor, records: torch.Tensor, homes: torch.Tensor)
 
 def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
     """The kernel's checks: a table column naming a table of the group (else our bug), counts >= 1."""
-    if tids.numel() and (bool((tids < -1).any()) or bool((tids >= g.tables.shape[0]).any())):
+    if tids.numel() and bool(((tids < -1) | (tids >= g.tables.shape[0])).any()):
         raise StoreError("group index: a table column entry names no table of the group (internal error)")
     if counts is not None:
         bad = ((counts < 1) & (tids >= 0)).nonzero()
