@@ -2,8 +2,9 @@
 specification csrc/group_index.cpp implements, the tests' second implementation beside the
 DictStore oracle, and the fallback on devices without kernels.
 
-Written to be read, not tuned: probing advances every unresolved key over a window of buckets
-that doubles each round (32 to 128), and each round reads the device once.  New records go into the first
+Written to be read, not tuned: probing looks at each key's first 8 buckets, then advances the keys
+left over windows that double each round (32 to 128); every call runs the first two rounds (the second
+often over no key), and each round reads the device once.  New records go into the first
 empty bucket on their path; keys that want the same empty bucket are settled by a stable sort:
 the lowest batch position wins, the others move on (so the result never depends on scheduling).
 Row slots are handed out in batch order, smallest free slot first, exactly as the kernels do.
@@ -20,12 +21,14 @@ from ._index import (EMPTY_TABLE, G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, P
 
 __all__ = ["TorchIndex"]
 
-# Each round looks at a window of buckets per key: 32 at first (at the 0.6 load factor the longest
-# probe among tens of thousands of keys is about that), doubling to 128, so a call takes one or two
-# rounds whatever the group's size.  (A first round of 4 buckets reads 1/8 of the buckets, but ~5% of
-# the keys go on past it, so 16 keys often take one round and 200 keys two: the rounds, and the Python
-# a step runs, then grow with the batch; tests/bench/test_ops_per_step.py counts those lines.)
-_FIRST_WINDOW, _MAX_WINDOW = 32, 128
+# Each round looks at a window of buckets per key: 8 at first (at the 0.6 load factor a key probes
+# ~1.5 buckets on average; ~0.5% go past 8), then 32 (the longest probe among tens of thousands of
+# keys is about 8 + 32), doubling to 128.  A window of 32 for every key was most of a dynamic step's
+# work (4x the bucket reads and compares).  Every call runs the first two rounds, the second over the
+# keys left (often none): whether some key goes past 8 then changes neither the ops nor the Python a
+# step runs (16 keys would often take one round and 200 keys two; tests/bench/test_ops_per_step.py
+# counts those lines).
+_FIRST_WINDOW, _SECOND_WINDOW, _MAX_WINDOW, _ROUNDS = 8, 32, 128, 2
 
 
 def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
@@ -38,26 +41,23 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     bucket or the first empty one on its path; probes the buckets looked at."""
     n, dev = keys.numel(), keys.device
     B = g.buckets.shape[0]
-    codes = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    pos = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
     idx, p = torch.arange(n, device=dev), start
-    width = _FIRST_WINDOW
-    while idx.numel():
+    width, rounds = _FIRST_WINDOW, 0
+    while idx.numel() or rounds < _ROUNDS:
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         # the window's (key, table) columns in one gather of whole records
         rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
         bkeys, btabs = rec[..., 0], rec[..., 1]
         stop = ((bkeys == keys[idx, None]) & (btabs == tids[idx, None])) | (btabs == EMPTY_TABLE)
-        done = stop.any(1)
-        q = win.gather(1, stop.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
-        d = done.nonzero().squeeze(1)  # a read of the device per round
-        pos[idx[d]] = q[d]
-        got = g.buckets[q[d]]
-        codes[idx[d]] = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
-        keep = (~done).nonzero().squeeze(1)
+        stops, first = stop.to(torch.uint8).max(1, keepdim=True)  # (max: whether any, and the first, in one pass)
+        pos[idx] = win.gather(1, first).squeeze(1)  # (a key not done yet: written again by a later round)
+        keep = (stops.squeeze(1) == 0).nonzero().squeeze(1)  # a read of the device per round
         idx, p = idx[keep], (p[keep] + width) % B
-        width = min(2 * width, _MAX_WINDOW)
+        width, rounds = _SECOND_WINDOW if rounds == 0 else min(2 * width, _MAX_WINDOW), rounds + 1
+    got = g.buckets[pos]
+    codes = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
     probes = (pos - start) % B + 1
     return codes, pos, probes
 
@@ -85,7 +85,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> 
     B, dev = buckets.shape[0], records.device
     idx, p = torch.arange(records.shape[0], device=dev), start.clone()
     btabs = buckets[:, 1]
-    width = _FIRST_WINDOW
+    width = _SECOND_WINDOW  # (new keys, few in a steady step: one window of 32, as before)
     while idx.numel():
         win = (p[:, None] + torch.arange(width, device=dev)) % B
         empty = btabs[win] == EMPTY_TABLE
@@ -146,7 +146,7 @@ def place_all(buckets: torch.Tensor, records: torch.Tensor, homes: torch.Tensor)
 
 def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
     """The kernel's checks: a table column naming a table of the group (else our bug), counts >= 1."""
-    if tids.numel() and (bool((tids < -1).any()) or bool((tids >= g.tables.shape[0]).any())):
+    if tids.numel() and bool(((tids < -1) | (tids >= g.tables.shape[0])).any()):
         raise StoreError("group index: a table column entry names no table of the group (internal error)")
     if counts is not None:
         bad = ((counts < 1) & (tids >= 0)).nonzero()
