@@ -19,7 +19,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
-           "stale_scale", "stale_compensation", "sync_tail",
+           "stale_scale", "stale_compensation",
            "jitter", "data_queue", "servers", "memory_budget",
            "storage_dir",
            "cache_policy", "init", "admit_min_count", "lr_count_scale", "lr_decay", "sparse_betas",
@@ -160,8 +160,6 @@ def add_parser(sub) -> None:
                    "the dense lr (default on; --no-stale-scale: plain steps)")
     d.add_argument("--stale-compensation", type=float, metavar="LAMBDA", help="under staleness: delay-compensated "
                    "row gradients g + LAMBDA*g*g*(w_now - w_read) (DC-ASGD; default 0: off)")
-    d.add_argument("--sync-tail", type=float, metavar="FRACTION", help="under staleness: run the last FRACTION of the "
-                   "steps synchronously (default 0: stale to the end)")
     d.add_argument("--jitter", metavar="P:F", help="simulated stragglers: with probability P a step sleeps F-1 times "
                    "its compute (benchmarks; default off)")
     d.add_argument("--data-queue", type=int, nargs="?", const=65536, metavar="ROWS", help="ranks take the next "

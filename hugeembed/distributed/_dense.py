@@ -47,11 +47,6 @@ class DelayedDenseGrads:
     def pending(self) -> int:
         return len(self._queue)
 
-    @property
-    def oldest_step(self) -> int | None:
-        """The step of the oldest gradients not yet applied (None: none pending)."""
-        return self._queue[0][0] if self._queue else None
-
     def push(self, step: int) -> None:
         """Starts the all-reduce of the gradients now in ``.grad`` (step `step`); a missing one counts as 0."""
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)

@@ -125,9 +125,6 @@ class TrainConfig:
             1 / (1 + D) of the dense lr (docs/distributed.md); False: plain steps.
         stale_compensation: under staleness, lambda of the delay-compensated row gradients
             ``g + lambda * g * g * (w_now - w_read)`` (DC-ASGD; docs/distributed.md); 0: off.
-        sync_tail: under staleness, the last fraction of the run's expected steps runs synchronously
-            (each batch reads every earlier update, the dense gradients applied at their own step):
-            the stale noise leaves the model during the lr decay (docs/distributed.md); 0: stale to the end.
         jitter: ``"P:F"``: with probability P a step sleeps F-1 times its compute (simulated
             stragglers, for benchmarks); None: off.
         data_queue: ROWS: ranks take chunks of at most ROWS rows of the epoch from a shared queue as
@@ -213,7 +210,6 @@ class TrainConfig:
     dense_staleness: int = 0
     stale_scale: bool = True
     stale_compensation: float = 0.0
-    sync_tail: float = 0.0
     jitter: str | None = None
     data_queue: int | None = None
     servers: int = 0

@@ -146,8 +146,6 @@ def check_settings(cfg) -> None:
     positive("dense_staleness", allow_zero=True)
     if not (_real(cfg.stale_compensation) and 0.0 <= cfg.stale_compensation < float("inf")):
         raise ConfigError(f"stale-compensation must be a number >= 0 (lambda), got {cfg.stale_compensation!r}")
-    if isinstance(cfg.sync_tail, bool) or not (isinstance(cfg.sync_tail, (int, float)) and 0.0 <= cfg.sync_tail <= 1.0):
-        raise ConfigError(f"sync-tail must be a fraction of the run in [0, 1], got {cfg.sync_tail!r}")
     positive("data_queue", allow_none=True)
     positive("servers", allow_zero=True)
     cfg.jitter_spec()

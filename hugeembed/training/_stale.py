@@ -48,7 +48,6 @@ class StaleRun:
         self.dense_lr_scale = 1.0 / (1 + dense_staleness) if stale_scale else 1.0
         self.dense = DelayedDenseGrads(dense_params, dense_staleness, process_group=dense_group, timeout=timeout) \
             if (staleness or dense_staleness) and dense else None
-        self.sync_from: int | None = None  # 0-based steps from here on synchronous (the trainer's sync_tail)
         self.jitter = jitter
         self._rng = random.Random(f"jitter:{seed}:{rank}")
 
@@ -86,16 +85,11 @@ class StaleRun:
             optimizer.step()
             return
         self.dense.push(step)
-        if self.sync_from is not None and step > self.sync_from:  # the synchronous tail: every pending step now
-            while self.dense.pending:
-                stale = self.dense.oldest_step < step
-                self.dense.pop(force=True)
-                self._step_dense(optimizer, scaled=stale)  # this step's own gradients are not stale
-        elif self.dense.pop():
+        if self.dense.pop():
             self._step_dense(optimizer)
 
-    def _step_dense(self, optimizer, scaled: bool = True) -> None:
-        if self.dense_lr_scale == 1.0 or not scaled:
+    def _step_dense(self, optimizer) -> None:
+        if self.dense_lr_scale == 1.0:
             optimizer.step()
             return
         lrs = [g["lr"] for g in optimizer.param_groups]  # (the trainer sets them again before each step)

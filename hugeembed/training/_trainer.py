@@ -114,9 +114,6 @@ class Trainer(TrainerSnapshots):
         expected = total if total is not None else None if self.source.estimated_steps_per_epoch is None else \
             self.source.estimated_steps_per_epoch * config.epochs
         self._expected_steps = expected
-        # sync_tail: 0-based steps from here on run synchronously (None: stale to the end)
-        self.stale.sync_from = expected - round(expected * config.sync_tail) \
-            if (staleness or dense_staleness) and config.sync_tail > 0 and expected else None
         self._eval_every = config.eval_every if config.eval_every is not None else \
             100 if expected is None else max(1, expected // EVAL_POINTS)
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in (self.dense_optimizer, self.collection.optimizer)]
@@ -249,9 +246,7 @@ class Trainer(TrainerSnapshots):
     def _drains_after(self, step: int) -> bool:
         """Whether an evaluation, a snapshot or the run's end follows training step `step` (1-based)."""
         cfg, total = self.cfg, self.total_steps()
-        sync_from = self.stale.sync_from  # the synchronous tail: nothing handed over ahead
         return bool((self._eval_every and step % self._eval_every == 0)
-                    or (sync_from is not None and step >= sync_from)
                     or (cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                     or (total is not None and step >= total))
 

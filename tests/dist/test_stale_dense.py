@@ -38,25 +38,3 @@ def test_step_t_is_applied_at_t_plus_d_at_the_scaled_rate(one_rank, scaled):
         assert opt.param_groups[0]["lr"] == lr  # the optimizer's own rate is left as it was
     run.drain(opt)
     torch.testing.assert_close(w.detach(), -rate * sum(coefs, torch.zeros(5, dtype=torch.float64)))
-
-
-def test_the_synchronous_tail_applies_the_pending_steps_then_each_step_at_its_own(one_rank):
-    # sync_from 3: steps 1-3 delayed by D = 2 at lr / 3; at step 4 the pending steps 2, 3 (stale: lr / 3)
-    # and step 4 itself (not stale: the full lr); from then on each step at its own, at the full lr
-    d, lr, steps, sync_from = 2, 0.3, 7, 3
-    coefs = [torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
-    w = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
-    opt = torch.optim.SGD([w], lr=lr)
-    run = StaleRun(None, [w], 0, d, None, seed=0, rank=0, timeout=10.0)
-    run.sync_from = sync_from
-    for t in range(steps):
-        opt.zero_grad(set_to_none=True)
-        (w * coefs[t]).sum().backward()
-        run.dense_step(t + 1, opt)
-        if t < sync_from:
-            applied = [(c, lr / (1 + d)) for c in coefs[: max(0, t + 1 - d)]]
-        else:
-            applied = [(c, lr / (1 + d)) for c in coefs[:sync_from]] + [(c, lr) for c in coefs[sync_from : t + 1]]
-        want = -sum((rate * c for c, rate in applied), torch.zeros(5, dtype=torch.float64))
-        torch.testing.assert_close(w.detach(), want, msg=lambda m: f"after step {t + 1}: {m}")
-        assert run.dense.pending == (min(t + 1, d) if t < sync_from else 0)

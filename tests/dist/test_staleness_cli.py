@@ -36,18 +36,3 @@ def test_a_staleness_run_resumed_from_its_snapshot_equals_the_uninterrupted_run(
     assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]
     assert resumed["table_rows"] == whole["table_rows"]
     assert resumed["history"]["loss"][-1] == whole["history"]["loss"][-1]
-
-
-def test_a_synchronous_tail_runs_the_end_of_the_run_as_the_synchronous_run_does(tmp_path):
-    (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
-    sync = _train(tmp_path, "sync", "--staleness", "0", "--dense-staleness", "0")
-    stale = _train(tmp_path, "stale")
-    whole_tail = _train(tmp_path, "whole_tail", "--sync-tail", "1")
-    half_tail = _train(tmp_path, "half_tail", "--sync-tail", "0.5")
-    # the whole run as the tail: every batch reads every earlier update, every dense step at its own step
-    assert (whole_tail["auc"], whole_tail["logloss"]) == (sync["auc"], sync["logloss"])
-    assert whole_tail["history"]["loss"] == sync["history"]["loss"] and whole_tail["table_rows"] == sync["table_rows"]
-    # half: the stale run's first 6 steps, then steps of its own
-    cut = [i for i, s in enumerate(stale["history"]["step"]) if s <= 6]
-    assert [half_tail["history"]["loss"][i] for i in cut] == [stale["history"]["loss"][i] for i in cut]
-    assert half_tail["history"]["loss"][-1] not in (stale["history"]["loss"][-1], sync["history"]["loss"][-1])

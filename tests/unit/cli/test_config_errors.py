@@ -23,7 +23,7 @@ BAD = {
     "seed": "1.5", "capacity": "0", "synthetic_rows": "[]", "synthetic_max_cardinality": "1e3",
     "device": "'cuda:abc'", "threads": "'2'", "prefetch": "-1", "log_every": "0", "sharding": "5",
     "memory_per_rank": "1.5", "dist_timeout": "'soon'", "staleness": "-1", "dense_staleness": "1.5",
-    "stale_scale": "'on'", "stale_compensation": "-1.0", "sync_tail": "1.5", "jitter": "'0.2'",
+    "stale_scale": "'on'", "stale_compensation": "-1.0", "jitter": "'0.2'",
     "data_queue": "0", "servers": "-1", "memory_budget": "1.5", "storage_dir": "5",
     "cache_policy": "'fifo'", "init": "'gaussian:0.1'", "admit_min_count": "0", "lr_count_scale": "1.5", "lr_decay": "1.5",
     "sparse_betas": "[0.9]", "sparse_eps": "0", "average_dense": "'on'", "schema": "5", "first_order": "1", "first_order_lr": "'fast'",
