@@ -9,6 +9,10 @@ stay free).  samples/s counts the training steps and the pipeline's drains, not 
     python bench/staleness.py --nproc 4 --cases 0,0:0.2:3 4,4:0.2:3 --runs 3
     python bench/staleness.py --cases 4,4:0.2:3 4,4,plain:0.2:3    # staleness-aware steps vs plain
     python bench/staleness.py --cases 0,0 4,1,dc=1e6 --steps 1500   # delay-compensated row gradients
+    python bench/staleness.py --seeds 0 1 2 --cases 4,1 4,0 0,4 --steps 1500 --cache runs.json
+        # quality over seeds: AUC and log loss against the same seed's synchronous run, mean and spread
+        # (a run is deterministic: once per seed; --cache keeps finished runs across invocations)
+    python bench/staleness.py --seeds 0 1 --cases 4,1,lr-decay=0.5 --steps 1500   # any train flag: FLAG=VALUE
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (
                 cmd += ["--stale-compensation", opt.partition("=")[2]]
             else:  # FLAG=VALUE: any `hugeembed train` flag
                 flag, _, value = opt.partition("=")
-                cmd += [f"--{flag}", *value.split("/")]
+                cmd += [f"--{flag}", *(value.split("/") if value else ())]  # FLAG= : a switch
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -49,7 +53,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=["0,0:0.2:3", "4,0:0.2:3", "4,2:0.2:3", "4,4:0.2:3", "0,0", "1,0"],
                    help="K,D or K,D:P:F (table staleness, dense staleness, jitter), then options after K,D: "
-                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA)")
+                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA), "
+                   "FLAG=VALUE (--FLAG VALUE, values split at '/'; FLAG=: the switch --FLAG)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=256, help="per process")
@@ -92,7 +97,7 @@ def quality(cases, args) -> None:
     """Each case once per seed, without jitter (it changes the timing only); deltas against the
     synchronous run with the same seed and the same options (those that act at K = 0)."""
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
-    stale_only = ("plain", "dc=", "sync-tail=")  # options that change nothing at K = D = 0
+    stale_only = ("plain", "dc=", "stale-", "no-stale-", "dense-stale")  # options that change nothing at K = D = 0
     sync_only = lambda opts: tuple(o for o in opts if not o.startswith(stale_only))  # noqa: E731
 
     def result(k, d, options, seed):
