@@ -9,6 +9,10 @@ stay free).  samples/s counts the training steps and the pipeline's drains, not 
     python bench/staleness.py --nproc 4 --cases 0,0:0.2:3 4,4:0.2:3 --runs 3
     python bench/staleness.py --cases 4,4:0.2:3 4,4,plain:0.2:3    # staleness-aware steps vs plain
     python bench/staleness.py --cases 0,0 4,1,dc=1e6 --steps 1500   # delay-compensated row gradients
+    python bench/staleness.py --seeds 0 1 2 --cases 4,1 4,0 0,4 --steps 1500 --cache runs.json
+        # quality over seeds: AUC and log loss against the same seed's synchronous run, mean and spread
+        # (a run is deterministic: once per seed; --cache keeps finished runs across invocations)
+    python bench/staleness.py --seeds 0 1 --cases 4,1,lr-decay=0.5 --steps 1500   # any train flag: FLAG=VALUE
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 
-def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = ()) -> dict:
+def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (), seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "summary.json"
         cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", str(nproc), "--batch-size", str(args.batch_size),
@@ -31,11 +35,15 @@ def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (
                str(out), "--dist-timeout", "120"]
         if jitter:
             cmd += ["--jitter", jitter]
+        cmd += ["--seed", str(seed)]
         for opt in options:
             if opt == "plain":
                 cmd.append("--no-stale-scale")
-            else:  # dc=LAMBDA
+            elif opt.startswith("dc="):
                 cmd += ["--stale-compensation", opt.partition("=")[2]]
+            else:  # FLAG=VALUE: any `hugeembed train` flag
+                flag, _, value = opt.partition("=")
+                cmd += [f"--{flag}", *(value.split("/") if value else ())]  # FLAG= : a switch
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -45,20 +53,29 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=["0,0:0.2:3", "4,0:0.2:3", "4,2:0.2:3", "4,4:0.2:3", "0,0", "1,0"],
                    help="K,D or K,D:P:F (table staleness, dense staleness, jitter), then options after K,D: "
-                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA)")
+                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA), "
+                   "FLAG=VALUE (--FLAG VALUE, values split at '/'; FLAG=: the switch --FLAG)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=256, help="per process")
     p.add_argument("--rows", type=int, default=200_000, help="synthetic rows")
     p.add_argument("--eval-rows", type=int, default=8000)
+    p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                   help="quality over seeds instead: each case once per seed (runs are deterministic), AUC and log "
+                   "loss against the synchronous run of the same seed and options; mean and spread over the seeds")
+    p.add_argument("--cache", type=Path, help="with --seeds: a JSON file of finished runs, read and extended "
+                   "(a deterministic run is not repeated)")
     args = p.parse_args()
     cases = []
     for c in args.cases:
         kd, _, jitter = c.partition(":")
         k, d, *rest = kd.split(",") if "," in kd else (kd, "0")
-        if any(o != "plain" and not o.startswith("dc=") for o in rest):
-            p.error(f"case {c!r}: K,D[,plain][,dc=LAMBDA][:P:F]")
+        if any(o != "plain" and "=" not in o for o in rest):
+            p.error(f"case {c!r}: K,D[,plain][,dc=LAMBDA][,FLAG=VALUE][:P:F]")
         cases.append((c, int(k), int(d or 0), jitter or None, tuple(rest)))
+    if args.seeds:
+        quality(cases, args)
+        return
     got: dict[str, list[dict]] = {c[0]: [] for c in cases}
     for _ in range(args.runs):  # interleaved: each round runs every case once
         for name, k, d, jitter, options in cases:
@@ -75,6 +92,39 @@ def main() -> None:
         ll = statistics.median(r["logloss"] for r in got[name])
         print(f"{name:16s} {rate:10.0f} {rate / ref if ref else float('nan'):7.2f} {auc:8.4f} {ll:9.4f}")
 
+
+def quality(cases, args) -> None:
+    """Each case once per seed, without jitter (it changes the timing only); deltas against the
+    synchronous run with the same seed and the same options (those that act at K = 0)."""
+    cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
+    stale_only = ("plain", "dc=", "stale-", "no-stale-", "dense-stale")  # options that change nothing at K = D = 0
+    sync_only = lambda opts: tuple(o for o in opts if not o.startswith(stale_only))  # noqa: E731
+
+    def result(k, d, options, seed):
+        key = json.dumps([args.nproc, args.steps, args.batch_size, args.rows, args.eval_rows, k, d, list(options), seed])
+        if key not in cache:
+            r = run(args.nproc, k, d, None, args, options, seed)
+            cache[key] = {"auc": r["auc"], "logloss": r["logloss"]}
+            if args.cache:
+                args.cache.write_text(json.dumps(cache, indent=0))
+            print(f"  ran K={k} D={d} {','.join(options) or '-'} seed {seed}: AUC {r['auc']:.4f} log loss "
+                  f"{r['logloss']:.4f}", flush=True)
+        return cache[key]
+
+    rows = []
+    for seed in args.seeds:
+        for name, k, d, _, options in cases:
+            ref, got = result(0, 0, sync_only(options), seed), result(k, d, options, seed)
+            rows.append((name, seed, got, got["auc"] - ref["auc"], got["logloss"] / ref["logloss"] - 1))
+    print(f"# {args.nproc} gloo ranks, {args.steps} steps of {args.batch_size} per rank, seeds {args.seeds}; "
+          "deltas against the synchronous run of the same seed and options")
+    print(f"{'case (K,D,opts)':28s} {'dAUC per seed':>30s} {'mean':>8s} {'spread':>7s} {'dLL% per seed':>24s} {'mean':>6s}")
+    for name, *_ in cases:
+        mine = [r for r in rows if r[0] == name]
+        da, dl = [r[3] for r in mine], [100 * r[4] for r in mine]
+        spread = statistics.stdev(da) if len(da) > 1 else float("nan")
+        print(f"{name.partition(':')[0]:28s} {' '.join(f'{x:+.4f}' for x in da):>30s} {statistics.mean(da):+8.4f} "
+              f"{spread:7.4f} {' '.join(f'{x:+.2f}' for x in dl):>24s} {statistics.mean(dl):+6.2f}")
 
 if __name__ == "__main__":
     main()
