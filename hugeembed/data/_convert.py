@@ -159,6 +159,7 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@_old_objects_frozen()  # from the start: opening the files imports pyarrow's modules, which can set off a pass
 def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, schema: Schema | None = None,
             rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, on_error: str = "raise", overwrite: bool = False,
             progress: Callable[[ConvertProgress], None] | None = None, chunk_bytes: int = 8 << 20,
@@ -208,12 +209,11 @@ def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, schema:
             schema = fit_stats(reader.paths, schema)
             reader = TableReader(reader.paths, schema, on_error=on_error, chunk_bytes=chunk_bytes, native=native)
         summary = reader.summary
-        with _old_objects_frozen():
-            for block in reader:
-                writer.append(block)
-                summary = reader.summary
-                if progress is not None:
-                    progress(ConvertProgress(summary.bytes_read, summary.bytes_total, summary.rows, summary.skipped))
+        for block in reader:
+            writer.append(block)
+            summary = reader.summary
+            if progress is not None:
+                progress(ConvertProgress(summary.bytes_read, summary.bytes_total, summary.rows, summary.skipped))
         summary = reader.summary
         if summary.rows == 0:  # an empty set of shards would only fail later, when training finds no batch
             names = ", ".join(str(f.path) for f in summary.files)
