@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError
 from ._criteo import PathLike, ReadSummary
-from .._durable import fsync_dir, process_alive, sha256_file
+from .._durable import fsync_dir, process_alive
 from ._reader import TableReader, fit_stats
 from ._schema import Schema, criteo_schema
 from ._shards import FORMAT, FORMAT_VERSION, SCHEMA_FORMAT, SCHEMA_FORMAT_VERSION, NpyWriter, schema_dict, shard_arrays
@@ -106,7 +106,7 @@ class _ShardWriter:
 
         def seal(writer: NpyWriter) -> dict:  # fsync and sha256 release the GIL: the files seal side by side
             writer.write_header()
-            digest = sha256_file(writer.path)  # while the disk finishes the writeback that fsync waits for
+            digest = writer.sha256()  # while the disk finishes the writeback that fsync waits for
             writer.close()
             return {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": digest}
 
