@@ -63,8 +63,8 @@ class NativeScratch:
 
 
 class _PlanBuffers:
-    """A plan's constant arrays as the kernels take them (csrc/lookup_call.cpp, "The exported
-    kernels"), built once per plan: each call then hands over two packed buffers, not ten
+    """A plan's constant arrays as the kernels take them (csrc/lookup_args.h's head), built once
+    per plan: each call then hands over two packed buffers, not ten
     tensors, and builds no per-group arrays (a call's cost grows with its buffers)."""
 
     __slots__ = ("i64", "i8", "max_norm", "groups", "where", "grad_order", "dim_of", "dims", "dim_list")

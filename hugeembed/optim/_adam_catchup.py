@@ -28,7 +28,7 @@ AdamW decay) is then applied in closed form: m *= b1^rem, v *= b2^rem, w *= c^re
 A row with m == 0 (e.g. never touched) stops at once.  With b1 = 0.9, b2 = 0.999 the
 replay typically stops after ~100-200 steps, however long the gap.
 
-The native kernel (csrc/optim.cpp, adam_catch_up) runs the identical loop.
+The native kernel (csrc/optim_adam.cpp, adam_catch_up) runs the identical loop.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ __all__ = ["run"]
 def run(kernel: str, storage: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor | None, dim: int,
         ints: tuple = (), reals: tuple = ()) -> None:
     """Calls `kernel` on rows `slots` of `storage` [rows, width] with the rule's own integer and
-    real arguments (csrc/optim.cpp lists them per kernel).
+    real arguments (csrc/optim.cpp and csrc/optim_adam.cpp list them per kernel).
 
     `grad` may be None only for a kernel call that reads no gradient (Adam's catch-up).
     """
