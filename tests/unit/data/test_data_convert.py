@@ -156,8 +156,7 @@ def test_the_gc_freeze_is_undone_and_leaves_another_freeze_alone(tsv, tmp_path):
     assert gc.get_freeze_count() == 0
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         convert(tsv / "c.txt", tmp_path / "c")
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() > 0  # still frozen (a frozen object that dies leaves the count: no ==)
     finally:
         gc.unfreeze()
