@@ -2,6 +2,7 @@
 
     python bench/loader.py [--rows 500000] [--batch 8192] [--repeats 5] [--dir /tmp/hugeembed_bench]
     python bench/loader.py --only-schema [--schema-rows 200000]
+    python bench/loader.py --convert-only [--sets wide,lowcard,longbags,wide60,wide.gz,lowcard.tsv]
 
 Schema data (a 20-column CSV: label, 8 numbers, 9 string ids, 2 bags; bench/_schema_sets.py):
 ``convert`` against ``pyarrow.csv.read_csv`` alone on the same file (target >= 0.5x), and
@@ -78,6 +79,151 @@ def pyarrow_csv(path: Path) -> int | None:
     return table.num_rows
 
 
+def _write_csv(path: Path, header: list[str], columns: list[list[str]], delimiter: str = ",") -> None:
+    """Rows of text cells; quoted where a cell needs it (csv module), gzip for a .gz path."""
+    import csv as pycsv
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", newline="") as f:
+        w = pycsv.writer(f, delimiter=delimiter, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(zip(*columns))
+
+
+def _zipf_ids(rng, n: int, size: int):
+    import numpy as np
+
+    return np.minimum((np.exp(rng.random(size) * math.log(n + 1)) - 1).astype(np.int64), n - 1)
+
+
+def lowcard_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 1) -> tuple[Path, str]:
+    """20 columns as public click logs hold them: label, 4 numbers, 15 text columns of 3-300 distinct values,
+    some long (user agents, category paths, country names), a few cells empty or quoted (a comma inside)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
+    schema = [f'format = "{"tsv" if ".tsv" in suffix else "csv"}"', "[label]", 'column = "label"']
+    for k in range(4):
+        header.append(f"n{k}")
+        cols.append(rng.integers(0, 100, rows).astype(str).tolist())
+        schema += [f"[dense.n{k}]", 'transform = "log1p"']
+    stems = ["Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 Chrome/{}", "Electronics > Phones > {}",
+             "United States of {}", "ios", "android {}", "web", "{}", "Books, Comics & {}"]
+    for k in range(15):
+        card = (3, 10, 30, 100, 300)[k % 5]
+        stem = stems[k % len(stems)]
+        words = np.array([stem.format(i) if "{}" in stem else f"{stem}{i}" for i in range(card)] + [""])
+        pick = _zipf_ids(rng, card, rows)
+        pick[rng.random(rows) < 0.02] = card  # a few empty cells
+        header.append(f"s{k}")
+        cols.append(words[pick].tolist())
+        schema += [f"[sparse.s{k}]"]
+    path = workdir / f"lowcard-{rows}-s{seed}{suffix}"
+    if not path.exists():
+        _write_csv(path, header, cols, "\t" if ".tsv" in suffix else ",")
+    return path, "\n".join(schema) + "\n"
+
+
+def longbags_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 2) -> tuple[Path, str]:
+    """Sequences: label, 4 numbers, 3 ids, 3 long multi-valued cells (0-200 items, the last 50 kept)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
+    schema = ['format = "csv"', "[label]", 'column = "label"']
+    for k in range(4):
+        header.append(f"n{k}")
+        cols.append(np.round(rng.lognormal(1, 1.5, rows), 2).astype(str).tolist())
+        schema += [f"[dense.n{k}]", 'transform = "log1p"']
+    for k in range(3):
+        header.append(f"c{k}")
+        cols.append([f"id{x}" for x in _zipf_ids(rng, 10 ** (3 + k), rows)])
+        schema += [f"[sparse.c{k}]"]
+    for k in range(3):
+        lens = rng.integers(0, 200 if k == 0 else 60, rows)
+        vals = _zipf_ids(rng, 100_000, int(lens.sum()))
+        offs = np.concatenate([[0], np.cumsum(lens)])
+        header.append(f"h{k}")
+        cols.append([" ".join(f"i{x}" for x in vals[offs[i]:offs[i + 1]]) for i in range(rows)])
+        schema += [f"[sparse.h{k}]", 'separator = " "', "max_length = 50"]
+    path = workdir / f"longbags-{rows}-s{seed}{suffix}"
+    if not path.exists():
+        _write_csv(path, header, cols)
+    return path, "\n".join(schema) + "\n"
+
+
+def wide60_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 3) -> tuple[Path, str]:
+    """A wide file: label, 20 numbers, 39 text ids of 10 - 1 M distinct values."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
+    schema = ['format = "csv"', "[label]", 'column = "label"']
+    for k in range(20):
+        header.append(f"n{k}")
+        cols.append(rng.integers(0, 1000, rows).astype(str).tolist())
+        schema += [f"[dense.n{k}]", 'transform = "log1p"' if k % 2 else 'transform = "none"']
+    for k in range(39):
+        header.append(f"c{k}")
+        cols.append([f"{x:x}" for x in _zipf_ids(rng, 10 ** (1 + k % 6), rows)])
+        schema += [f"[sparse.c{k}]"]
+    path = workdir / f"wide60-{rows}-s{seed}{suffix}"
+    if not path.exists():
+        _write_csv(path, header, cols)
+    return path, "\n".join(schema) + "\n"
+
+
+def _named_set(workdir: Path, name: str, rows: int) -> tuple[Path, str]:
+    """A set by name: wide (the bench's 20 columns), lowcard, longbags, wide60; a suffix .gz or .tsv (lowcard)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _schema_sets import wide_set
+
+    base, _, ext = name.partition(".")
+    if base == "wide":
+        path, text = wide_set(workdir, rows)
+        if ext == "gz":
+            import gzip
+
+            gz = path.with_suffix(".csv.gz")
+            if not gz.exists():
+                with open(path, "rb") as f, gzip.open(gz, "wb", compresslevel=6) as out:
+                    shutil.copyfileobj(f, out)
+            path = gz
+        return path, text
+    make = {"lowcard": lowcard_set, "longbags": longbags_set, "wide60": wide60_set}[base]
+    return make(workdir, rows, {"": ".csv", "gz": ".csv.gz", "tsv": ".tsv"}[ext])
+
+
+def convert_figures(workdir: Path, names: list[str], rows: int, repeats: int) -> None:
+    """convert against pyarrow.csv.read_csv alone on each set, interleaved, medians (no training)."""
+    from pyarrow import csv
+
+    from hugeembed.data import load_schema
+
+    for name in names:
+        path, text = _named_set(workdir, name, rows)
+        toml = workdir / f"{name}.toml"
+        toml.write_text(text)
+        schema = load_schema(toml)
+        shards = workdir / f"{name}-shards"
+        opts = csv.ParseOptions(delimiter="\t") if ".tsv" in path.name else None
+        arrow, ours = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            csv.read_csv(path, parse_options=opts)
+            arrow.append(time.perf_counter() - t)
+            shutil.rmtree(shards, ignore_errors=True)
+            t = time.perf_counter()
+            convert(path, shards, schema=schema)
+            ours.append(time.perf_counter() - t)
+        a, o = statistics.median(arrow), statistics.median(ours)
+        runs = " ".join(f"{x / y:.2f}" for x, y in zip(arrow, ours))
+        print(f"  {name:12s} {path.stat().st_size / 1e6:5.0f} MB  read_csv {a * 1e3:6.0f} ms  convert {o * 1e3:6.0f} ms"
+              f"  -> {a / o:.2f}x  (per run {runs}; load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def schema_figures(workdir: Path, rows: int, repeats: int, steps: int) -> None:
     """Convert vs pyarrow.csv.read_csv, and training from the CSV vs from its shards (interleaved, medians)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -145,9 +291,15 @@ def main() -> None:
     ap.add_argument("--schema-rows", type=int, default=200_000, help="rows of the 20-column CSV")
     ap.add_argument("--schema-steps", type=int, default=60, help="training steps of each schema-data run")
     ap.add_argument("--only-schema", action="store_true", help="only the schema-data figures")
+    ap.add_argument("--convert-only", action="store_true", help="only convert vs read_csv, on --sets")
+    ap.add_argument("--sets", default="wide,lowcard,longbags,wide60,wide.gz,lowcard.tsv",
+                    help="files for --convert-only: wide, lowcard, longbags, wide60 (+ .gz; lowcard also .tsv)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.convert_only:
+        convert_figures(args.dir, args.sets.split(","), args.schema_rows, args.repeats)
+        return
     if args.only_schema:
         schema_figures(args.dir, args.schema_rows, args.repeats, args.schema_steps)
         return

@@ -3,8 +3,10 @@
 // The id of a value is the documented stable hash of its UTF-8 text (hugeembed/data/_hash.py's
 // hash_text, the plain-Python definition the tests hold these kernels to): FNV-1a 64 over the
 // bytes, MurmurHash3's finaliser (mix64), then bit 62 set and bit 63 clear.  An empty or null cell
-// is the feature's missing id.  Every cell is hashed where it lies: hashing the bytes once costs
-// less than finding the distinct values first (a dictionary encoding hashes every cell too).
+// is the feature's missing id.  A value is hashed where it lies, and each distinct one once per call
+// (Memo): the documented hash goes a byte at a time, ~4 cycles a byte, while finding a value seen
+// before costs one 8-byte load and compare for a short value, a word-at-a-time hash and a memcmp
+// for a long one.  A column whose values rarely repeat turns the memo off (one tile of trying).
 #include "common.h"
 
 namespace {
@@ -43,6 +45,94 @@ inline int64_t hash_id(const uint8_t* p, int64_t n, const uint8_t* end) {
   if (n <= 8 && end - p >= 8) return finish(fnv_short(p, n));
   return finish(fnv(kFnvOffset, p, n));
 }
+
+// The first min(n, 8) bytes of [p, p + n) as a little-endian word, the rest zero (the bytes up to `end`
+// may be read: one load when 8 are there).
+inline uint64_t head_word(const uint8_t* p, int64_t n, const uint8_t* end) {
+  uint64_t w = 0;
+  if (end - p >= 8) {
+    std::memcpy(&w, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return n >= 8 ? w : w & ((1ULL << (8 * n)) - 1);
+  }
+  for (int64_t k = 0; k < n && k < 8; ++k) w |= (uint64_t)p[k] << (8 * k);
+  return w;
+}
+
+// The ids of the distinct values met in one call (a bounded open-addressing table): a value seen before
+// is found, not hashed again.  Keys are the exact bytes (the head word and the length, then memcmp
+// for longer values), so an id found is the one hash_id gives, bit for bit.  Lookups cost little
+// but miss on values that rarely repeat: check() turns the memo off when fewer than half of a
+// stretch of lookups hit, and a full table takes no new values.
+class Memo {
+ public:
+  Memo() = default;
+  explicit Memo(bool on) : on_(on) {
+    if (on_) slots_.assign(kSlots, Slot{});
+  }
+  bool on() const { return on_; }
+
+  int64_t id(const uint8_t* p, int64_t n, const uint8_t* end) {
+    const uint64_t w = head_word(p, n, end);
+    uint64_t key = (w ^ (uint64_t)n) * 0x9e3779b97f4a7c15ULL;
+    if (n > 8) {  // a word at a time over the rest: a fraction of the byte-serial hash's cost
+      int64_t k = 8;
+      for (; k + 8 <= n; k += 8) {
+        uint64_t v;
+        std::memcpy(&v, p + k, 8);
+        key = ((key ^ (key >> 29)) ^ v) * 0xbf58476d1ce4e5b9ULL;
+      }
+      if (k < n) {  // the last bytes: the 8 that end the value (n > 8, so they are inside it)
+        uint64_t v;
+        std::memcpy(&v, p + n - 8, 8);
+        key = ((key ^ (key >> 29)) ^ v) * 0xbf58476d1ce4e5b9ULL;
+      }
+    }
+    ++lookups_;
+    for (uint64_t at = key >> (64 - kBits);; at = (at + 1) & (kSlots - 1)) {
+      Slot& s = slots_[at];
+      if (s.len < 0) {  // not seen: hashed, and kept while there is room
+        const int64_t id = hash_id(p, n, end);
+        if (size_ < kCapacity) {
+          s = Slot{w, n, p, id};
+          ++size_;
+        }
+        return id;
+      }
+      if (s.len == n && s.word == w && (n <= 8 || std::memcmp(s.at + 8, p + 8, (size_t)(n - 8)) == 0)) {
+        ++hits_;
+        return s.id;
+      }
+    }
+  }
+
+  // Called now and then: off when the values seen since the last call mostly missed.
+  void check() {
+    if (lookups_ >= 512) {
+      if (2 * hits_ < lookups_) {
+        on_ = false;
+        slots_.clear();
+        slots_.shrink_to_fit();
+      }
+      lookups_ = hits_ = 0;
+    }
+  }
+
+ private:
+  struct Slot {
+    uint64_t word = 0;
+    int64_t len = -1;  // -1: empty
+    const uint8_t* at = nullptr;
+    int64_t id = 0;
+  };
+  static constexpr int kBits = 12;
+  static constexpr int64_t kSlots = 1 << kBits, kCapacity = kSlots / 2;  // 128 KiB: stays in L2
+  bool on_ = false;
+  std::vector<Slot> slots_;
+  int64_t size_ = 0, lookups_ = 0, hits_ = 0;
+};
 
 // The cells of one string array: offsets (int32: string, int64: large_string) into bytes, checked
 // to stay inside the bytes and never go backwards before anything is read through them.  Buffers
@@ -139,6 +229,8 @@ inline void split(const uint8_t* p, const uint8_t* end, const uint8_t* sep, int6
 //   ints: n, stride, columns, then per column: j_c (< stride), missing_c (the id of an empty or null
 //         cell), parts_c; then per column, per part: n_p (a column's parts hold n cells in all)
 // Returns the number of cells that held a value.
+constexpr int64_t kMemoMinCells = 4096;  // fewer cells (a serving request): hashed directly, no table to fill
+
 HE_KERNEL(he_hash_columns) {
   const int64_t n = call.i(0), stride = call.i(1), ncols = call.i(2);
   if (n < 0 || stride < 1 || ncols < 0 || ncols > stride)
@@ -148,12 +240,14 @@ HE_KERNEL(he_hash_columns) {
     std::vector<Cells> parts;
     size_t part = 0;  // the cursor: cell `at` of part `part`
     int64_t at = 0;
+    Memo memo;
   };
   std::vector<Column> cols((size_t)ncols);
   int64_t next_int = 3 + 3 * ncols, next_buf = 1;
   for (int64_t c = 0; c < ncols; ++c) {
     Column& col = cols[(size_t)c];
     col.j = call.i(3 + 3 * c);
+    col.memo = Memo(n >= kMemoMinCells);
     col.missing = call.i(4 + 3 * c);
     const int64_t parts = call.i(5 + 3 * c);
     if (col.j < 0 || col.j >= stride || parts < 0)
@@ -184,16 +278,27 @@ HE_KERNEL(he_hash_columns) {
         const Cells& cells = col.parts[col.part];
         const int64_t take = std::min(r1 - r, cells.n - col.at);
         int64_t* out = ids + r * stride + col.j;
-        for (int64_t i = col.at; i < col.at + take; ++i, out += stride) {
-          const int64_t b = cells.begin(i);
-          const bool here = cells.present(i);
-          const int64_t id = hash_id(cells.data + b, cells.begin(i + 1) - b, cells.end);
-          *out = here ? id : col.missing;
-          present += here;
+        if (col.memo.on()) {
+          for (int64_t i = col.at; i < col.at + take; ++i, out += stride) {
+            const int64_t b = cells.begin(i);
+            const bool here = cells.present(i);
+            const int64_t id = col.memo.id(cells.data + b, cells.begin(i + 1) - b, cells.end);
+            *out = here ? id : col.missing;
+            present += here;
+          }
+        } else {
+          for (int64_t i = col.at; i < col.at + take; ++i, out += stride) {
+            const int64_t b = cells.begin(i);
+            const bool here = cells.present(i);
+            const int64_t id = hash_id(cells.data + b, cells.begin(i + 1) - b, cells.end);
+            *out = here ? id : col.missing;
+            present += here;
+          }
         }
         col.at += take;
         r += take;
       }
+      col.memo.check();
     }
   }
   return present;
@@ -217,8 +322,9 @@ HE_KERNEL(he_split_hash) {
   int64_t* bag_offsets = call.buf<int64_t>(1, n + 1, "bag_offsets");
   const int64_t cap = call.numel(2);
   int64_t* ids = call.opt<int64_t>(2, cap, "ids");
-  int64_t at = 0, row = 0;
+  int64_t at = 0, row = 0, checked = 0;
   bag_offsets[0] = 0;
+  Memo memo(cap >= kMemoMinCells);
   for (int64_t p = 0; p < call.nints() - 2; ++p) {
     const Cells cells(call, 3 + 3 * p, call.i(2 + p));
     for (int64_t i = 0; i < cells.n; ++i) {
@@ -228,9 +334,18 @@ HE_KERNEL(he_split_hash) {
         call.fail(HE_BAD_CALL, "ids holds %lld, too few at cell %lld", (long long)cap, (long long)(row + i));
       }
       const int64_t start = at;
-      if (cells.present(i))
-        split(cells.data + b, cells.data + b + len, sep, sep_len,
-              [&](const uint8_t* q, int64_t k) { ids[at++] = hash_id(q, k, cells.end); });
+      if (cells.present(i)) {
+        if (memo.on())
+          split(cells.data + b, cells.data + b + len, sep, sep_len,
+                [&](const uint8_t* q, int64_t k) { ids[at++] = memo.id(q, k, cells.end); });
+        else
+          split(cells.data + b, cells.data + b + len, sep, sep_len,
+                [&](const uint8_t* q, int64_t k) { ids[at++] = hash_id(q, k, cells.end); });
+        if (at - checked >= 1024) {
+          memo.check();
+          checked = at;
+        }
+      }
       if (max_length > 0 && at - start > max_length) {  // a sequence keeps its latest values
         std::memmove(ids + start, ids + at - max_length, (size_t)max_length * sizeof(int64_t));
         at = start + max_length;

@@ -1,8 +1,9 @@
 """Text cells -> hashed ids in one native pass over an Arrow string array's own buffers (csrc/encode.cpp).
 
 The ids are :func:`~hugeembed.data._hash.hash_text`'s (the tests hold both to it); an empty or null cell is
-the given missing id.  No dictionary, no copy of the text: hashing each cell's bytes where they lie costs
-less than finding the distinct values first.  A column may come in chunks (pyarrow's blocks): the kernels
+the given missing id.  No copy of the text: the kernels read each cell's bytes where they lie, and hash each
+distinct value once per call (a small table of the values met, off for a column whose values rarely repeat).
+A column may come in chunks (pyarrow's blocks): the kernels
 take the chunks as they are.  Used by the Encoder where the native kernels are built; its
 NumPy path (dictionary encoding + ``hash_utf8``) gives the same ids without them.
 """

@@ -9,7 +9,9 @@ starting over from the first line: conversion never resumes a half-written outpu
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import os
 import secrets
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError
 from ._criteo import PathLike, ReadSummary
-from .._durable import fsync_dir, process_alive, sha256_file
+from .._durable import fsync_dir, process_alive
 from ._reader import TableReader, fit_stats
 from ._schema import Schema, criteo_schema
 from ._shards import FORMAT, FORMAT_VERSION, SCHEMA_FORMAT, SCHEMA_FORMAT_VERSION, NpyWriter, schema_dict, shard_arrays
@@ -104,7 +106,7 @@ class _ShardWriter:
 
         def seal(writer: NpyWriter) -> dict:  # fsync and sha256 release the GIL: the files seal side by side
             writer.write_header()
-            digest = sha256_file(writer.path)  # while the disk finishes the writeback that fsync waits for
+            digest = writer.sha256()  # while the disk finishes the writeback that fsync waits for
             writer.close()
             return {"file": writer.path.name, "bytes": writer.path.stat().st_size, "sha256": digest}
 
@@ -127,6 +129,25 @@ class _ShardWriter:
             writer.abort()
 
 
+@contextlib.contextmanager
+def _old_objects_frozen():
+    """The objects alive before the conversion kept out of the garbage collector's passes while it runs.
+
+    Those passes visit every tracked object: with torch imported, a full one over its heap costs ~0.3 s, and
+    the chunks' pyarrow and NumPy wrappers trigger one every few conversions.  Freezing changes what is
+    scanned, never what is freed: the objects a conversion makes are still collected (cycles too), and the
+    frozen ones go back to the oldest generation after it.  Left alone when someone else froze objects
+    (gc.unfreeze would undo their freeze too)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _remove_stale(out: Path) -> None:
     """Removes temporary directories of conversions to `out` whose process is gone."""
     for tmp in out.parent.glob(f".{out.name}.tmp-*"):
@@ -138,6 +159,7 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@_old_objects_frozen()  # from the start: opening the files imports pyarrow's modules, which can set off a pass
 def convert(inputs: PathLike | Sequence[PathLike], out_dir: PathLike, *, schema: Schema | None = None,
             rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, on_error: str = "raise", overwrite: bool = False,
             progress: Callable[[ConvertProgress], None] | None = None, chunk_bytes: int = 8 << 20,

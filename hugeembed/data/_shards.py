@@ -21,7 +21,9 @@ reading it; the loader reads only the rows it needs.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +111,17 @@ class NpyWriter:
         self._f.flush()
         self._f.seek(0, os.SEEK_END)  # rows appended later go after the others
         self._header_rows = self.rows
+
+    def sha256(self) -> str:
+        """Hex sha256 of the file as written (call :meth:`write_header` first), hashed through a read-only
+        map of its pages: no copy of the file into the process, as reading it back would make."""
+        self._f.flush()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as pages:  # the header makes the file non-empty
+                return hashlib.sha256(pages).hexdigest()
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self._header_rows != self.rows:

@@ -133,3 +133,43 @@ def test_columns_in_chunks_are_read_chunk_by_chunk(sep, max_length):
         _want_bags(cells, sep, max_length)
     empty = split_hash(pa.chunked_array([], pa.string()), sep, max_length, MISSING)
     assert empty.values.size == 0 and empty.offsets.tolist() == [0]
+
+
+# values that share their first 8 bytes or their length, short and long, unicode: the memo of distinct
+# values (used from 4096 cells on) must tell them apart by their bytes
+MEMO_WORDS = ["abcdefgh", "abcdefghi", "abcdefghj", "abcdefgh" + "é", "abcdefg", "abcdefgH", "a" * 16, "a" * 17,
+              "a" * 15 + "b", "ünïcødé ünïcødé", "Mozilla/5.0 (X11; Linux x86_64) Chrome/120.0", "196", "x", ""]
+
+
+def _memo_cells(rng: random.Random, n: int) -> list[str | None]:
+    """Mostly repeated values, then a stretch of distinct ones (the memo turns itself off), then repeats."""
+    third = n // 3
+    repeated = [None if rng.random() < 0.03 else rng.choice(MEMO_WORDS) for _ in range(2 * third)]
+    distinct = [f"u{i}-{rng.random()}"[: rng.randint(1, 24)] for i in range(n - 2 * third)]
+    return repeated[:third] + distinct + repeated[third:]
+
+
+@pytest.mark.parametrize("string_type", ["string", "large_string"])
+def test_repeated_values_are_hashed_as_hash_text(string_type):
+    rng = random.Random(5)
+    cells = _memo_cells(rng, 15_000)
+    arr = pa.array(cells, getattr(pa, string_type)())
+    want = _want_single(cells)
+    assert hash_cells(arr, MISSING).tolist() == want
+    chunked = pa.chunked_array([arr.slice(0, 4100), arr.slice(4100, 7), arr.slice(4107)])
+    assert hash_cells(chunked, MISSING).tolist() == want
+    tail = pa.array(["q" * 5000] + ["abcdefgh", "abcdefg", "abcdefgh"] * 2000, getattr(pa, string_type)())
+    assert hash_cells(tail, MISSING).tolist() == _want_single(tail.to_pylist())  # values that end the buffer
+    alike = [f"abcdefgh{i:08d}" for i in range(1000)] * 5  # one head word and length: told apart by the rest
+    assert hash_cells(pa.array(alike, getattr(pa, string_type)()), MISSING).tolist() == _want_single(alike)
+
+
+@pytest.mark.parametrize("max_length", [None, 3])
+def test_repeated_pieces_of_bags_are_hashed_as_hash_text(max_length):
+    rng = random.Random(6)
+    pieces = _memo_cells(rng, 30_000)
+    cells = ["|".join(p or "" for p in pieces[i:i + rng.randint(0, 6)]) for i in range(0, 30_000, 4)]
+    cells[7] = None
+    bag = split_hash(pa.array(cells), "|", max_length, MISSING)
+    got = [bag.values[bag.offsets[i]:bag.offsets[i + 1]].tolist() for i in range(len(cells))]
+    assert got == _want_bags(cells, "|", max_length)

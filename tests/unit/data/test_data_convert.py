@@ -138,3 +138,25 @@ def test_npy_writer_header_rewritten_before_more_rows(tmp_path):
     w.append(np.arange(6, 12, dtype=np.int64).reshape(2, 3))
     w.close()
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.arange(12).reshape(4, 3))
+
+
+def test_the_gc_freeze_is_undone_and_leaves_another_freeze_alone(tsv, tmp_path):
+    """convert freezes the objects alive before it (fewer GC passes over them) and unfreezes them after,
+    also when it fails; a freeze someone else made is left as it was."""
+    import gc
+
+    seen = []
+    convert(tsv / "c.txt", tmp_path / "a", progress=lambda p: seen.append(gc.get_freeze_count()))
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    def stop(progress):
+        raise InputError("stop")
+
+    with pytest.raises(InputError, match="stop"):
+        convert(tsv / "c.txt", tmp_path / "b", progress=stop)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        convert(tsv / "c.txt", tmp_path / "c")
+        assert gc.get_freeze_count() > 0  # still frozen (a frozen object that dies leaves the count: no ==)
+    finally:
+        gc.unfreeze()
