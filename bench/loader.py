@@ -97,18 +97,34 @@ def _zipf_ids(rng, n: int, size: int):
     return np.minimum((np.exp(rng.random(size) * math.log(n + 1)) - 1).astype(np.int64), n - 1)
 
 
+class _GeneratedFile:
+    """A generated file's cells, header and schema lines, built column by column after a 0/1 label."""
+
+    def __init__(self, rng, rows: int, fmt: str = "csv") -> None:
+        self.cols, self.header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
+        self.schema = [f'format = "{fmt}"', "[label]", 'column = "label"']
+
+    def add(self, kind: str, name: str, cells: list[str], *options: str) -> None:
+        self.header.append(name)
+        self.cols.append(cells)
+        self.schema += [f"[{kind}.{name}]", *options]
+
+    def written(self, path: Path, delimiter: str = ",") -> tuple[Path, str]:
+        if not path.exists():
+            _write_csv(path, self.header, self.cols, delimiter)
+        return path, "\n".join(self.schema) + "\n"
+
+
 def lowcard_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 1) -> tuple[Path, str]:
     """20 columns as public click logs hold them: label, 4 numbers, 15 text columns of 3-300 distinct values,
     some long (user agents, category paths, country names), a few cells empty or quoted (a comma inside)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
-    schema = [f'format = "{"tsv" if ".tsv" in suffix else "csv"}"', "[label]", 'column = "label"']
+    tsv = ".tsv" in suffix
+    f = _GeneratedFile(rng, rows, "tsv" if tsv else "csv")
     for k in range(4):
-        header.append(f"n{k}")
-        cols.append(rng.integers(0, 100, rows).astype(str).tolist())
-        schema += [f"[dense.n{k}]", 'transform = "log1p"']
+        f.add("dense", f"n{k}", rng.integers(0, 100, rows).astype(str).tolist(), 'transform = "log1p"')
     stems = ["Mozilla/5.0 (Windows NT 10.0; Win64; x64) AppleWebKit/537.36 Chrome/{}", "Electronics > Phones > {}",
              "United States of {}", "ios", "android {}", "web", "{}", "Books, Comics & {}"]
     for k in range(15):
@@ -117,13 +133,8 @@ def lowcard_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 1) -
         words = np.array([stem.format(i) if "{}" in stem else f"{stem}{i}" for i in range(card)] + [""])
         pick = _zipf_ids(rng, card, rows)
         pick[rng.random(rows) < 0.02] = card  # a few empty cells
-        header.append(f"s{k}")
-        cols.append(words[pick].tolist())
-        schema += [f"[sparse.s{k}]"]
-    path = workdir / f"lowcard-{rows}-s{seed}{suffix}"
-    if not path.exists():
-        _write_csv(path, header, cols, "\t" if ".tsv" in suffix else ",")
-    return path, "\n".join(schema) + "\n"
+        f.add("sparse", f"s{k}", words[pick].tolist())
+    return f.written(workdir / f"lowcard-{rows}-s{seed}{suffix}", "\t" if tsv else ",")
 
 
 def longbags_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 2) -> tuple[Path, str]:
@@ -131,27 +142,18 @@ def longbags_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 2) 
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
-    schema = ['format = "csv"', "[label]", 'column = "label"']
+    f = _GeneratedFile(rng, rows)
     for k in range(4):
-        header.append(f"n{k}")
-        cols.append(np.round(rng.lognormal(1, 1.5, rows), 2).astype(str).tolist())
-        schema += [f"[dense.n{k}]", 'transform = "log1p"']
+        f.add("dense", f"n{k}", np.round(rng.lognormal(1, 1.5, rows), 2).astype(str).tolist(), 'transform = "log1p"')
     for k in range(3):
-        header.append(f"c{k}")
-        cols.append([f"id{x}" for x in _zipf_ids(rng, 10 ** (3 + k), rows)])
-        schema += [f"[sparse.c{k}]"]
+        f.add("sparse", f"c{k}", [f"id{x}" for x in _zipf_ids(rng, 10 ** (3 + k), rows)])
     for k in range(3):
         lens = rng.integers(0, 200 if k == 0 else 60, rows)
         vals = _zipf_ids(rng, 100_000, int(lens.sum()))
         offs = np.concatenate([[0], np.cumsum(lens)])
-        header.append(f"h{k}")
-        cols.append([" ".join(f"i{x}" for x in vals[offs[i]:offs[i + 1]]) for i in range(rows)])
-        schema += [f"[sparse.h{k}]", 'separator = " "', "max_length = 50"]
-    path = workdir / f"longbags-{rows}-s{seed}{suffix}"
-    if not path.exists():
-        _write_csv(path, header, cols)
-    return path, "\n".join(schema) + "\n"
+        f.add("sparse", f"h{k}", [" ".join(f"i{x}" for x in vals[offs[i]:offs[i + 1]]) for i in range(rows)],
+              'separator = " "', "max_length = 50")
+    return f.written(workdir / f"longbags-{rows}-s{seed}{suffix}")
 
 
 def wide60_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 3) -> tuple[Path, str]:
@@ -159,20 +161,13 @@ def wide60_set(workdir: Path, rows: int, suffix: str = ".csv", seed: int = 3) ->
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    cols, header = [rng.integers(0, 2, rows).astype(str).tolist()], ["label"]
-    schema = ['format = "csv"', "[label]", 'column = "label"']
+    f = _GeneratedFile(rng, rows)
     for k in range(20):
-        header.append(f"n{k}")
-        cols.append(rng.integers(0, 1000, rows).astype(str).tolist())
-        schema += [f"[dense.n{k}]", 'transform = "log1p"' if k % 2 else 'transform = "none"']
+        f.add("dense", f"n{k}", rng.integers(0, 1000, rows).astype(str).tolist(),
+              'transform = "log1p"' if k % 2 else 'transform = "none"')
     for k in range(39):
-        header.append(f"c{k}")
-        cols.append([f"{x:x}" for x in _zipf_ids(rng, 10 ** (1 + k % 6), rows)])
-        schema += [f"[sparse.c{k}]"]
-    path = workdir / f"wide60-{rows}-s{seed}{suffix}"
-    if not path.exists():
-        _write_csv(path, header, cols)
-    return path, "\n".join(schema) + "\n"
+        f.add("sparse", f"c{k}", [f"{x:x}" for x in _zipf_ids(rng, 10 ** (1 + k % 6), rows)])
+    return f.written(workdir / f"wide60-{rows}-s{seed}{suffix}")
 
 
 def _named_set(workdir: Path, name: str, rows: int) -> tuple[Path, str]:
