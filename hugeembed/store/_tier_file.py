@@ -121,44 +121,43 @@ class RowFile:
     def read_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """``rows[slots[i]] = record records[i]`` (rows: contiguous [C, W] CPU rows, a cache; slots
         distinct): a read straight into its cache slots (he_tier_read_rows), no buffer between."""
-        if records.numel() == 0:
-            return
-        if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
-                or slots.numel() != records.numel() or rows[0].numel() * rows.element_size() != self.record_bytes:
-            raise StoreError(f"table '{self.table}': tier reads need contiguous CPU rows of {self.record_bytes} "
-                             f"bytes and a slot per record (internal error)")
-        if not _native.available():
-            buf = torch.empty((records.numel(), *rows.shape[1:]), dtype=rows.dtype)
-            self.read(records, buf)
-            rows.index_copy_(0, slots, buf)
-            return
-        try:
-            _native.call("he_tier_read_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
-                         [self.fd, self.record_bytes, self.io_threads, caller_threads()])
-        except _native.KernelError as e:
-            if e.status != _native.Status.IO_ERROR:
-                raise
-            raise _io_error(self.table, f"reading {records.numel()} rows", e.detail[0], self.path) from None
+        if self._slots_checked(records, rows, slots, "reads"):
+            if not _native.available():
+                buf = torch.empty((records.numel(), *rows.shape[1:]), dtype=rows.dtype)
+                self.read(records, buf)
+                rows.index_copy_(0, slots, buf)
+            else:
+                self._slots_call("he_tier_read_rows", records, rows, slots, "reading")
 
     def write_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """``record records[i] = rows[slots[i]]`` (rows: contiguous [C, W] CPU rows, a cache): written
         straight from the cache slots (he_tier_write_rows), no staging copy; raises as ``write``."""
+        if self._slots_checked(records, rows, slots, "writes"):
+            if not _native.available():
+                self.write(records, rows.index_select(0, slots))
+            else:
+                self._slots_call("he_tier_write_rows", records, rows, slots, "writing")
+
+    def _slots_checked(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, what: str) -> bool:
+        """Whether there are records to move between the file and cache `slots` of `rows` (checked)."""
         if records.numel() == 0:
-            return
+            return False
         if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
                 or slots.numel() != records.numel() or rows[0].numel() * rows.element_size() != self.record_bytes:
-            raise StoreError(f"table '{self.table}': tier writes need contiguous CPU rows of {self.record_bytes} "
+            raise StoreError(f"table '{self.table}': tier {what} need contiguous CPU rows of {self.record_bytes} "
                              f"bytes and a slot per record (internal error)")
-        if not _native.available():
-            self.write(records, rows.index_select(0, slots))
-            return
+        return True
+
+    def _slots_call(self, kernel: str, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                    doing: str) -> None:
+        """he_tier_read_rows / he_tier_write_rows; an I/O error raised as StoreError naming the file."""
         try:
-            _native.call("he_tier_write_rows", [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
+            _native.call(kernel, [records.contiguous(), rows.view(torch.uint8), slots.contiguous()],
                          [self.fd, self.record_bytes, self.io_threads, caller_threads()])
         except _native.KernelError as e:
             if e.status != _native.Status.IO_ERROR:
                 raise
-            raise _io_error(self.table, f"writing {records.numel()} rows", e.detail[0], self.path) from None
+            raise _io_error(self.table, f"{doing} {records.numel()} rows", e.detail[0], self.path) from None
 
     def write(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         """``record records[i] = rows[i]``; raises StoreError (the disk full, ...) naming the file."""
