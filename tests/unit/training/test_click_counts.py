@@ -226,21 +226,29 @@ def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memor
     assert _cli_config("--data", "day_0.tsv", "--epochs", "1", "--click-counts").click_counts
 
 
+def _schema_run_config(tmp_path, train_rows: int, **kw):
+    """A schema set's files under tmp_path (train_rows training rows, 80 held out) and a click-count run's
+    config over them, batch 64, dim 4, one thread, no periodic evals."""
+    from hugeembed.training import TrainConfig
+    from tests.unit.data.schema_oracle import SCHEMA, write_rows
+
+    (tmp_path / "s.toml").write_text(SCHEMA)
+    write_rows(tmp_path / "train.csv", train_rows, seed=1)
+    write_rows(tmp_path / "test.csv", 80, seed=2)
+    return TrainConfig(schema=str(tmp_path / "s.toml"), data=(str(tmp_path / "train.csv"),), batch_size=64,
+                       embedding_dim=4, eval_data=(str(tmp_path / "test.csv"),), eval_every=0, threads=1,
+                       click_counts=True, **kw)
+
+
 @pytest.mark.slow
 def test_a_run_its_snapshot_and_its_served_model_read_the_same_counts(tmp_path):
     pytest.importorskip("pyarrow")
     from hugeembed import checkpoint as ckpt
     from hugeembed.data import Batch, read_table
     from hugeembed.serving import ServingModel, export
-    from hugeembed.training import TrainConfig, Trainer, evaluate_snapshot, load_snapshot_model
-    from tests.unit.data.schema_oracle import SCHEMA, write_rows
+    from hugeembed.training import Trainer, evaluate_snapshot, load_snapshot_model
 
-    (tmp_path / "s.toml").write_text(SCHEMA)
-    write_rows(tmp_path / "train.csv", 600, seed=1)
-    write_rows(tmp_path / "test.csv", 80, seed=2)
-    cfg = TrainConfig(schema=str(tmp_path / "s.toml"), data=(str(tmp_path / "train.csv"),), steps=None, epochs=2,
-                      batch_size=64, embedding_dim=4, eval_data=(str(tmp_path / "test.csv"),),
-                      checkpoint_dir=str(tmp_path / "run"), eval_every=0, threads=1, click_counts=True)
+    cfg = _schema_run_config(tmp_path, 600, steps=None, epochs=2, checkpoint_dir=str(tmp_path / "run"))
     summary = Trainer(cfg).fit()
     model, _, _ = load_snapshot_model(ckpt.latest(tmp_path / "run"), device="cpu")
     assert summary["epochs"] == 2 and float(model.count_rows[0]) == summary["samples"] / 2  # the last pass's rows
@@ -260,17 +268,12 @@ def test_a_run_its_snapshot_and_its_served_model_read_the_same_counts(tmp_path):
 @pytest.mark.slow
 def test_a_resumed_run_equals_the_straight_one_across_a_pass(tmp_path):
     pytest.importorskip("pyarrow")
-    from hugeembed.training import TrainConfig, Trainer
-    from tests.unit.data.schema_oracle import SCHEMA, write_rows
+    from hugeembed.training import Trainer
 
-    (tmp_path / "s.toml").write_text(SCHEMA)
-    write_rows(tmp_path / "train.csv", 300, seed=1)
-    write_rows(tmp_path / "test.csv", 80, seed=2)
+    base = _schema_run_config(tmp_path, 300, lr_decay=0.0)
 
     def cfg(steps, **kw):  # 4 batches a pass: the cut at step 6 is inside the second pass
-        return TrainConfig(schema=str(tmp_path / "s.toml"), data=(str(tmp_path / "train.csv"),), steps=steps,
-                           batch_size=64, embedding_dim=4, eval_data=(str(tmp_path / "test.csv"),), eval_every=0,
-                           threads=1, lr_decay=0.0, click_counts=True, **kw)
+        return base.replace(steps=steps, **kw)
 
     whole = Trainer(cfg(10)).fit()
     Trainer(cfg(6, checkpoint_dir=str(tmp_path / "run"))).fit()
