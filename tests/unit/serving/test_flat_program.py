@@ -66,3 +66,39 @@ def test_the_lookup_ops_function_is_the_op(artifacts, heldout):
 class _Batch:
     def __init__(self, dense, sparse) -> None:
         self.dense, self.sparse = dense, sparse
+
+
+class _EveryMappedOp(torch.nn.Module):
+    """Every op _direct_calls rewrites, and a linear read twice (its relu must not overwrite it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 8)
+        self.register_buffer("pick", torch.tensor([0, 2, 5, 7]))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))  # fresh, read once: in place
+        g = self.b(h)
+        shared = torch.relu(g) + g  # g read twice: relu out of place
+        m = torch.bmm(shared.view(-1, 2, 4), shared.reshape(-1, 2, 4).permute(0, 2, 1).transpose(1, 2).permute(0, 2, 1))
+        c = torch.cat([m.flatten(1), torch.addmm(g, h, self.b.weight.t())], 1)
+        s = torch.index_select(c, 1, self.pick).unsqueeze(2).squeeze(2) * 0.5
+        return torch.sigmoid(s.sum(1) + torch.mm(h, self.b.weight.t()).sum(1))
+
+
+def test_direct_calls_keep_every_kernel_and_never_overwrite_a_shared_result():
+    from hugeembed.serving import _flat_program
+
+    x = torch.randn(5, 6)
+    program = torch.export.export(_EveryMappedOp().eval(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("rows")}}
+                                  ).module()
+    run = _flat_program.flat_program(program)
+    code = run.__closure__[0].cell_contents.__self__.code
+    assert "torch.ops.aten" not in code.replace("torch.ops.aten._assert", "")  # every node rewritten
+    assert code.count("relu_(") == 1 and code.count("torch.relu(") == 1
+    with torch.no_grad():
+        for rows in (1, 5):
+            got = run(x[:rows])
+            assert torch.equal(got, program(x[:rows]))
+            assert torch.equal(got, _EveryMappedOp().eval()(x[:rows]))
