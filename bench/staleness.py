@@ -88,7 +88,8 @@ def main() -> None:
         for name, k, d, jitter, options in cases:
             got[name].append(run(args.nproc, k, d, jitter, args, options))
     print(f"# {args.nproc} gloo ranks, {args.steps} steps of {args.batch_size} per rank, medians of {args.runs} runs")
-    print(f"{'case (K,D[:P:F])':16s} {'samples/s':>10s} {'vs K=0':>7s} {'AUC':>8s} {'log loss':>9s}")
+    print(f"{'case (K,D[:P:F])':16s} {'samples/s':>10s} {'vs K=0':>7s} {'AUC':>8s} {'log loss':>9s}   rank 0's ms per "
+          "step: training, of it slept (jitter), waited for rows, for dense grads")
     base = {}
     for name, k, d, jitter, _ in cases:
         rate = statistics.median(r["samples_per_s"] for r in got[name])
@@ -97,7 +98,10 @@ def main() -> None:
         ref = base.get(jitter)
         auc = statistics.median(r["auc"] for r in got[name])
         ll = statistics.median(r["logloss"] for r in got[name])
-        print(f"{name:16s} {rate:10.0f} {rate / ref if ref else float('nan'):7.2f} {auc:8.4f} {ll:9.4f}")
+        ms = [statistics.median(1e3 * r.get(key, float("nan")) / r["steps"] for r in got[name])
+              for key in ("train_seconds", "jitter_sleep_s", "wait_rows_s", "wait_dense_s")]
+        print(f"{name:16s} {rate:10.0f} {rate / ref if ref else float('nan'):7.2f} {auc:8.4f} {ll:9.4f}   "
+              + " ".join(f"{x:6.1f}" for x in ms))
 
 
 def quality(cases, args) -> None:

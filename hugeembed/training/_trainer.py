@@ -386,6 +386,7 @@ class Trainer(TrainerSnapshots):
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
+        out.update(self.stale.waits() if self.world_size > 1 else {})
         if self.epoch_choice is not None:
             out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
         tiers = self._tier_stats()
