@@ -49,6 +49,7 @@ def test_same_seed_same_run_different_seed_different_run():
     assert sc["history"]["loss"] != sa["history"]["loss"]
 
 
+@pytest.mark.slow
 def test_init_seed_changes_the_model_not_the_data():
     """--init-seed: another init on the same samples (the noise floor of a comparison); equal to seed: the
     seed's run bit for bit."""
