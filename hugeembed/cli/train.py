@@ -17,7 +17,7 @@ from ._output import Progress, check_output_paths, human_bytes, plot_history, pr
 _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size", "steps", "epochs", "sparse_optimizer",
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
-           "keep_checkpoints", "resume", "overwrite", "seed", "capacity", "device", "threads", "eval_fraction",
+           "keep_checkpoints", "resume", "overwrite", "seed", "init_seed", "capacity", "device", "threads", "eval_fraction",
            "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
            "stale_scale", "stale_compensation",
            "jitter", "data_queue", "servers", "memory_budget",
@@ -133,6 +133,9 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", default=None, help="delete the snapshots in --checkpoint-dir "
                    "(another run's) before starting afresh there")
     p.add_argument("--seed", type=int)
+    p.add_argument("--init-seed", type=int, metavar="SEED", help="seed the tables, the dense init and torch's RNG "
+                   "with SEED instead of --seed, the data staying --seed's (another trajectory on the same samples: "
+                   "a comparison's noise floor)")
     p.add_argument("--capacity", type=int, help="most rows per embedding table (default unbounded)")
     p.add_argument("--synthetic-rows", type=int, help="rows per epoch of the synthetic data")
     t = p.add_argument_group("tables larger than memory", "every table's rows on disk under --storage-dir, at most "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ class DelayedDenseGrads:
         self.world_size = dist.get_world_size(process_group)
         self.timeout = as_timeout(timeout)
         self._queue: collections.deque = collections.deque()  # (step, flat buffer, work)
+        self.waited = 0.0  # seconds pop() blocked on an all-reduce not done yet
 
     @property
     def pending(self) -> int:
@@ -62,6 +64,7 @@ class DelayedDenseGrads:
             return False
         step, flat, work = self._queue.popleft()
         if work is not None:
+            t0 = time.perf_counter()
             try:
                 work.wait(timeout=self.timeout)
             except (RuntimeError, ValueError, OSError) as e:
@@ -69,6 +72,8 @@ class DelayedDenseGrads:
                                     f"{self.timeout.total_seconds():g} s): a peer process died or hung; resume "
                                     f"from the last snapshot with --resume. Cause: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}." + describe_failure()) from e
+            finally:
+                self.waited += time.perf_counter() - t0
         start = 0
         for p in self.params:
             n = p.numel()

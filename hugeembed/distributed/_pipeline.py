@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
@@ -110,6 +111,7 @@ class StalePipeline:
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
+        self.waited = 0.0  # seconds the training forwards blocked on their rows (the fetch not done yet)
 
     def enqueue(self, features) -> None:
         """Hands the next training batch over (it runs after the grads of every step before it minus K)."""
@@ -131,7 +133,11 @@ class StalePipeline:
             raise ShardingError(f"step {step}: the forward's batch is not the one handed over for step {head.step} "
                                 f"(collection.enqueue): forwards must take the enqueued batches, in order")
         self.ahead.popleft()
-        return self._result(head.future)
+        t0 = time.perf_counter()
+        try:
+            return self._result(head.future)
+        finally:
+            self.waited += time.perf_counter() - t0
 
     def _fetch(self, features, step: int):
         for record in (self.rows, self.compensation):
@@ -218,6 +224,11 @@ class PipelinedExchanges:
         """Waits until every exchange handed over has run (a no-op without staleness)."""
         if self._pipeline is not None:
             self._pipeline.drain()
+
+    @property
+    def fetch_wait_seconds(self) -> float:
+        """Seconds this rank's training forwards waited for rows fetched ahead (0.0 without staleness)."""
+        return 0.0 if self._pipeline is None else self._pipeline.waited
 
     @property
     def batches_ahead(self) -> int:

@@ -88,7 +88,7 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
 
 
 def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, schema=None, collection_factory=None):
-    """The run's model and its dense parameters (tables and dense weights seeded by cfg.seed).
+    """The run's model and its dense parameters (tables and dense weights seeded by cfg.model_seed).
 
     `schema`: the run's data schema (hugeembed.data.Schema; None or Criteo's: the Criteo tables).
     With ``world_size > 1`` the tables are a ShardedEmbeddingCollection over the default
@@ -107,7 +107,7 @@ def build_model(cfg: TrainConfig, device: torch.device, world_size: int = 1, sch
     else:
         factory = sharded_factory(cfg, world_size) if world_size > 1 else None
     return make_model(cfg.model, embedding_dim=cfg.embedding_dim, sparse_optimizer=rule, device=device,
-                      seed=cfg.seed, capacity=cfg.capacity, initializer=cfg.init,
+                      seed=cfg.model_seed, capacity=cfg.capacity, initializer=cfg.init,
                       admit_min_count=admit_min_count(cfg), lr_count_scale=cfg.lr_count_scale,
                       first_order=cfg.first_order, first_order_optimizer=biases,
                       first_order_admit_min_count=cfg.first_order_admit_min_count,

@@ -107,6 +107,9 @@ class TrainConfig:
         overwrite: a run without `resume` first deletes every snapshot (and LATEST) in
             `checkpoint_dir`, then starts afresh there.
         seed: seeds data order, tables, dense init and everything random.
+        init_seed: seeds the tables, the dense init and torch's RNG instead of `seed`, the data
+            (synthetic rows, file order) staying `seed`'s: another trajectory on the same samples, to
+            measure a comparison's noise floor (None: `seed`).
         capacity: most rows per dynamic table (None: unbounded).
         device: ``auto | cpu | cuda``.
         threads: torch/kernel threads (None: torch's default).
@@ -197,6 +200,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     seed: int = 0
+    init_seed: int | None = None
     capacity: int | None = None
     synthetic_rows: int = 1 << 22
     synthetic_max_cardinality: int | None = 1_000_000
@@ -263,6 +267,11 @@ class TrainConfig:
         own = [_key(n) for n in ("first_order_betas", "first_order_eps") if getattr(self, n) is not None]
         if own and not self.first_order:
             raise ConfigError(f"{' and '.join(own)}: the per-id biases' Adam settings need first-order")
+
+    @property
+    def model_seed(self) -> int:
+        """The seed of the tables, the dense init and torch's RNG: init_seed, or seed."""
+        return self.seed if self.init_seed is None else self.init_seed
 
     def jitter_spec(self) -> tuple[float, float] | None:
         """(P, F) of ``jitter`` "P:F" (0 <= P <= 1, F >= 1), or None."""
@@ -336,6 +345,8 @@ class TrainConfig:
         # what a run does to its directory when it starts, not a setting of the run: a resume never
         # overwrites, and snapshots stay readable by a hugeembed that does not know the key
         del d["overwrite"]
+        if self.init_seed is None:  # likewise: a run without it writes what older code reads
+            del d["init_seed"]
         d["data"], d["eval_data"], d["sharding"] = list(self.data), list(self.eval_data), list(self.sharding)
         for name in ("sparse_betas", "first_order_betas"):
             if getattr(self, name) is not None:

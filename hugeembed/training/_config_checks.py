@@ -65,8 +65,10 @@ def check_settings(cfg) -> None:
             raise ConfigError("first-order-lr is the per-id biases' learning rate: it needs first-order")
     if cfg.dropout is not None and not (_real(cfg.dropout) and 0.0 <= cfg.dropout < 1.0):
         raise ConfigError(f"dropout must be a probability in [0, 1), got {cfg.dropout!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 1 << 63:
-        raise ConfigError(f"seed must be a non-negative integer, got {cfg.seed!r}")
+    for name in ("seed", "init_seed"):
+        v = getattr(cfg, name)
+        if (v is not None or name == "seed") and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63):
+            raise ConfigError(f"{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
 
     def positive(name: str, allow_none: bool = False, allow_zero: bool = False) -> None:
         v = getattr(cfg, name)

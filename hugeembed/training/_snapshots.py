@@ -79,7 +79,7 @@ class TrainerSnapshots:
         snap = ckpt.latest(root)
         record = RunRecord.from_dict(ckpt.read_extra(snap), str(snap))  # compare runs before reading any table
         saved = record.config
-        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init", "admit_min_count",
+        changed = [k for k in ("model", "embedding_dim", "sparse_optimizer", "seed", "init_seed", "init", "admit_min_count",
                                "lr_count_scale", "average_dense", "click_counts")
                    if getattr(saved, k) != getattr(self.cfg, k)]
         msgs = [f"{k} ({getattr(saved, k)!r} vs {getattr(self.cfg, k)!r}"

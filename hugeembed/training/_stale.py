@@ -50,6 +50,7 @@ class StaleRun:
             if (staleness or dense_staleness) and dense else None
         self.jitter = jitter
         self._rng = random.Random(f"jitter:{seed}:{rank}")
+        self.slept = 0.0  # seconds of simulated straggling
 
     def batches(self, batches: Iterable, done: int, device, drains_after: Callable[[int], bool]) -> Iterator:
         """`batches` (steps done+1, done+2, ...), each handed over to the collection K steps ahead of
@@ -112,4 +113,17 @@ class StaleRun:
             return
         p, f = self.jitter
         if self._rng.random() < p:
+            t0 = time.perf_counter()
             time.sleep((f - 1.0) * compute_seconds)
+            self.slept += time.perf_counter() - t0
+
+    def waits(self) -> dict[str, float]:
+        """Where this rank's training time went besides compute: seconds its forwards waited for rows
+        fetched ahead, its dense steps for an all-reduce, and it slept (--jitter).  Synchronous runs
+        wait inside DDP and the exchanges: only the sleep is counted."""
+        out = {"jitter_sleep_s": self.slept}
+        if self.staleness:
+            out["wait_rows_s"] = self.collection.fetch_wait_seconds
+        if self.dense is not None:
+            out["wait_dense_s"] = self.dense.waited
+        return out

@@ -70,7 +70,7 @@ class Trainer(TrainerSnapshots):
         if config.threads:
             torch.set_num_threads(config.threads)
         _native.tune_malloc()
-        seed_everything(config.seed)
+        seed_everything(config.model_seed)
         check_servers(config.servers, world_size)
         # --servers M: the last M ranks hold the tables' shards and train on empty batches (_servers.py)
         self.workers = world_size - config.servers
@@ -126,7 +126,7 @@ class Trainer(TrainerSnapshots):
             raise ConfigError("choose-epochs runs its trial in one process: give --epochs with several processes")
         self.epoch_choice = choose_epochs(config, self.schema)
         self.progress("note", {"message": self.epoch_choice.message()})
-        seed_everything(config.seed)  # the run starts as one given these passes would
+        seed_everything(config.model_seed)  # the run starts as one given these passes would
         return config.replace(epochs=self.epoch_choice.epochs)
 
     def _saved_schema(self):
@@ -386,6 +386,7 @@ class Trainer(TrainerSnapshots):
             "data": self.source.description,
         }
         out.update(st.last_eval or {})
+        out.update(self.stale.waits() if self.world_size > 1 else {})
         if self.epoch_choice is not None:
             out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
         tiers = self._tier_stats()

@@ -36,3 +36,5 @@ def test_a_staleness_run_resumed_from_its_snapshot_equals_the_uninterrupted_run(
     assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]
     assert resumed["table_rows"] == whole["table_rows"]
     assert resumed["history"]["loss"][-1] == whole["history"]["loss"][-1]
+    # where the time went: no jitter, no sleep; the waits are part of the training time
+    assert whole["jitter_sleep_s"] == 0.0 and 0.0 <= whole["wait_rows_s"] + whole["wait_dense_s"] <= whole["train_seconds"]

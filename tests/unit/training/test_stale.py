@@ -66,3 +66,21 @@ def test_jitter_sleeps_with_probability_p_the_same_draws_in_every_run(monkeypatc
     assert 80 <= len(a) <= 160  # 400 x 0.3 = 120 expected
     assert all(s == pytest.approx(0.02) for s in a)  # (F - 1) x the step's compute
     assert draws(1, 0) == a and StaleRun(_Recorder(), [], 0, 0, None, 1, 0, 60.0).straggle(5.0) is None
+
+
+def test_waits_count_the_jitter_sleeps_and_the_row_waits_under_staleness(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("hugeembed.training._stale.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("hugeembed.training._stale.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    run = StaleRun(_Recorder(), [], 0, 0, (0.5, 4.0), 3, 0, 60.0)
+    want = 0.0
+    for i in range(50):
+        before = clock[0]
+        run.straggle(0.01 * (i + 1))
+        want += clock[0] - before  # the oracle: what the fake clock moved
+    assert want > 0 and run.waits() == {"jitter_sleep_s": pytest.approx(want)}  # synchronous: only the sleep
+    coll = _Recorder()
+    coll.fetch_wait_seconds = 1.25
+    stale = StaleRun(coll, [], 0, 0, None, 0, 0, 60.0)
+    stale.staleness = 2
+    assert stale.waits() == {"jitter_sleep_s": 0.0, "wait_rows_s": 1.25}
