@@ -195,18 +195,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "betas" in cfg.sparse_optimizer_options() and \
                 not _given(args, given, ("first_order_betas", "first_order_eps")):  # an Adam rule: its settings
             cfg = cfg.replace(first_order_betas=SCHEMA_FIRST_ORDER_BETAS, first_order_eps=SCHEMA_FIRST_ORDER_EPS)
-    if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and _one_process_in_memory(args, cfg):
+    # click counts need the tables in memory and synchronous steps (any number of processes)
+    if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and cfg.memory_budget is None \
+            and not cfg.staleness:
         cfg = cfg.replace(click_counts=True)
     return cfg
-
-
-def _one_process_in_memory(args: argparse.Namespace, cfg: TrainConfig) -> bool:
-    """Whether the run is one process with its tables in memory (what click counts need)."""
-    from ..distributed import DistEnv
-
-    env = DistEnv.from_environ(os.environ)
-    one = getattr(args, "nproc", None) is None and (env is None or env.world_size == 1)
-    return one and cfg.memory_budget is None
 
 
 def _given(args: argparse.Namespace, given: dict[str, Any], keys: tuple[str, ...]) -> bool:

@@ -196,13 +196,15 @@ def test_bad_uses_are_refused():
         TrainConfig(model="dcn", click_counts=True)
     with pytest.raises(ConfigError, match="not with --memory-budget"):
         TrainConfig(click_counts=True, memory_budget=1 << 20, storage_dir="/tmp/x")
+    with pytest.raises(ConfigError, match="not with --staleness 2"):
+        TrainConfig(click_counts=True, staleness=2)
     with pytest.raises(ConfigError, match="click-counts must be true or false"):
         TrainConfig(click_counts="yes")
     with pytest.raises(ConfigError, match="prior must be a positive number"):
         ClickCountUpdater(_model(), prior=0)
 
 
-def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memory_and_off_elsewhere(monkeypatch):
+def test_click_counts_are_on_for_schema_data_with_tables_in_memory_and_synchronous_steps(monkeypatch):
     from tests.unit.training.test_first_order_lr import _cli_config
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -211,16 +213,18 @@ def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memor
     assert _cli_config(*data).click_counts  # the default on data of a schema of its own (docs/quality.md, 8th round)
     assert not _cli_config(*data, "--no-click-counts").click_counts
     assert not _cli_config(*data, "--model", "deepfm").click_counts  # DLRM's only
-    # what the counts do not support keeps the per-id biases alone: tiered tables, several processes
-    assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
-    assert not _cli_config(*data, "--nproc", "2").click_counts
+    # several processes count as one does (tests/dist/test_click_counts_dist.py)
+    assert _cli_config(*data, "--nproc", "2").click_counts
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert not _cli_config(*data).click_counts  # a process of a torchrun / --nproc run
+    assert _cli_config(*data).click_counts  # a process of a torchrun / --nproc run
     monkeypatch.delenv("WORLD_SIZE")
+    # what the counts do not support keeps the per-id biases alone: tiered tables, asynchronous steps
+    assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
+    assert not _cli_config(*data, "--nproc", "2", "--staleness", "2").click_counts
     # Criteo's runs are unchanged: off unless asked
     assert not _cli_config("--data", "day_0.tsv", "--epochs", "1").click_counts
     assert _cli_config("--data", "day_0.tsv", "--epochs", "1", "--click-counts").click_counts
