@@ -135,7 +135,7 @@ class ClickCountUpdater:
                 inputs, logits = inputs.double(), logits.detach().double().reshape(-1)
             if self.comm is not None:  # the global batch on every rank, in rank order
                 entries, y, fit_in = gather_batch(self.comm, entries, y, (inputs, logits) if fit else None,
-                                                  len(self.tables))
+                                                  self.model.count_fit.numel() - 1)
                 fit = fit_in is not None
                 if fit:
                     inputs, logits = fit_in
