@@ -21,6 +21,7 @@ from .._device import host_to_device
 from ..errors import ConfigError
 from ..features import SparseFeatures
 from ..store import DynamicTable
+from ..store._common import gather_rows, scatter_rows
 from ..types import ShardKind
 
 __all__ = ["batch_entries", "count_pairs", "gather_batch", "CountWriter"]
@@ -151,7 +152,11 @@ class CountWriter:
             slots = self.collection.groups[g].find(tids, keys)
             keep = slots >= 0  # ids < 0 are dropped by the lookup; an evicted id has no row (or another rank has)
             slots = slots[keep]
-            old = view.gather(slots).double()
+            # the rows of ids this step's training forward fetched: their last step is this step, so a snapshot
+            # delta holds them; written without a direct-write stamp (store.scatter's), which would force the
+            # next snapshot to be full
+            rows = view.storage()
+            old = gather_rows(rows, slots).double()
             c = old[:, 1] + c[keep]
             n = old[:, 2] + n[keep]
-            view.scatter(slots, torch.stack([log_odds(c, n), c, n], 1).float())
+            scatter_rows(name, rows, slots, torch.stack([log_odds(c, n), c, n], 1).float())

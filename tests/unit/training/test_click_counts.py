@@ -289,3 +289,29 @@ def test_a_resumed_run_equals_the_straight_one_across_a_pass(tmp_path):
     plain = cfg(12, checkpoint_dir=str(tmp_path / "run"), resume=True).replace(click_counts=False)
     with pytest.raises(CheckpointError, match=r"click_counts \(True vs False: give --click-counts as saved\)"):
         Trainer(plain).fit()
+
+
+@pytest.mark.slow
+def test_snapshot_deltas_hold_the_counted_rows_and_a_pass_start_writes_a_full_one(tmp_path):
+    """The rows a step counts are rows its forward fetched (their last step is the step's): a delta holds them.
+    A pass's start zeroes every row, seen or not: the snapshot after it is full."""
+    pytest.importorskip("pyarrow")
+    import json
+
+    from hugeembed import checkpoint as ckpt
+    from hugeembed.training import Trainer, load_snapshot_model
+
+    # 300 rows, batch 64: 4 batches a pass (the short fifth dropped); step 5 starts the second pass
+    cfg = _schema_run_config(tmp_path, 300, steps=6, checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1,
+                             full_checkpoint_every=10)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    kinds = [json.loads((s / "manifest.json").read_text())["kind"] for s in sorted((tmp_path / "run").glob("step-*"))]
+    assert kinds == ["full", "delta", "delta", "delta", "full", "delta"]
+    model, _, _ = load_snapshot_model(ckpt.latest(tmp_path / "run"), device="cpu")
+    for name in trainer.model.counts.tables:
+        want, got = trainer.collection.store(name).export(), model.embeddings.store(name).export()
+        order_w, order_g = want.keys.argsort(), got.keys.argsort()
+        assert torch.equal(got.keys[order_g], want.keys[order_w])
+        assert torch.equal(got.rows[order_g], want.rows[order_w]), name
+    assert torch.equal(model.count_rows, trainer.model.count_rows)
