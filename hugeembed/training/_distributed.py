@@ -20,8 +20,6 @@ from ..distributed._liveness import describe_failure
 from ..errors import ShardingError
 from ..features import SparseFeatures
 from ..metrics import MetricSet
-from ..models import COUNT_PREFIX
-from ..types import ShardKind
 from ._config import TrainConfig
 
 __all__ = ["sharded_factory", "run_plan", "ids_per_step", "merged_tier_stats", "tiered_run", "wrap_ddp",
@@ -41,18 +39,9 @@ def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
     """The run's sharding plan: proposed from the tables, the memory per rank and the data's ids per
     bag (:func:`ids_per_step`), with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
-
-    def propose(overrides):
-        return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                            ids_per_step=ids_per_step(cfg, world_size, tables), overrides=overrides,
-                            servers=cfg.servers)
-
-    plan = propose(overrides)
-    # click counts update whole rows: a count table the planner split by columns goes row-wise on its ranks
-    whole = {t.name: "row_wise@" + ",".join(map(str, plan[t.name].ranks)) for t in tables
-             if t.name.startswith(COUNT_PREFIX) and not t.trainable and t.name not in overrides
-             and plan[t.name].kind is ShardKind.COLUMN_WISE}
-    return propose({**overrides, **whole}) if whole else plan
+    return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
+                        ids_per_step=ids_per_step(cfg, world_size, tables), overrides=overrides,
+                        servers=cfg.servers)
 
 
 def ids_per_step(cfg: TrainConfig, world_size: int, tables) -> dict[str, float] | None:
