@@ -36,9 +36,9 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
 SCHEMA_FIRST_ORDER_LR = 0.02
 SCHEMA_FIRST_ORDER_BETAS = (0.9, 0.999)
 SCHEMA_FIRST_ORDER_EPS = 1e-8
-# DLRM on data of a schema of its own, one process with its tables in memory: click counts (each feature's smoothed
-# click log-odds counted from earlier rows, weighted by Newton's method), measured in docs/quality.md (eighth round).
-# Not with --memory-budget or several processes, which the counts do not support: those runs keep the biases alone.
+# DLRM on data of a schema of its own, tables in memory: click counts (each feature's smoothed click log-odds counted
+# from earlier rows, weighted by Newton's method), measured in docs/quality.md (eighth round); one process or several
+# alike.  Not with --memory-budget or --staleness K > 0, which the counts do not support: those keep the biases alone.
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -108,9 +108,9 @@ def add_parser(sub) -> None:
                    "--lr-count-scale (a bias seen n < N times steps at n/N of its lr; default: --lr-count-scale)")
     p.add_argument("--click-counts", action=argparse.BooleanOptionalAction, default=None,
                    help="DLRM: add each feature's smoothed click log-odds, counted online from earlier rows only, to "
-                   "the logit with a weight per feature fitted by Newton's method; one process, tables in memory "
-                   "(default: on for data of a schema of its own in one process without --memory-budget, else off; "
-                   "docs/quality.md, eighth round)")
+                   "the logit with a weight per feature fitted by Newton's method; tables in memory, synchronous steps "
+                   "(default: on for data of a schema of its own without --memory-budget or --staleness, with any "
+                   "number of processes, else off; docs/quality.md, eighth round)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
@@ -198,18 +198,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "betas" in cfg.sparse_optimizer_options() and \
                 not _given(args, given, ("first_order_betas", "first_order_eps")):  # an Adam rule: its settings
             cfg = cfg.replace(first_order_betas=SCHEMA_FIRST_ORDER_BETAS, first_order_eps=SCHEMA_FIRST_ORDER_EPS)
-    if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and _one_process_in_memory(args, cfg):
+    # click counts need the tables in memory and synchronous steps (any number of processes)
+    if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and cfg.memory_budget is None \
+            and not cfg.staleness:
         cfg = cfg.replace(click_counts=True)
     return cfg
-
-
-def _one_process_in_memory(args: argparse.Namespace, cfg: TrainConfig) -> bool:
-    """Whether the run is one process with its tables in memory (what click counts need)."""
-    from ..distributed import DistEnv
-
-    env = DistEnv.from_environ(os.environ)
-    one = getattr(args, "nproc", None) is None and (env is None or env.world_size == 1)
-    return one and cfg.memory_budget is None
 
 
 def _given(args: argparse.Namespace, given: dict[str, Any], keys: tuple[str, ...]) -> bool:

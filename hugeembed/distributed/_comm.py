@@ -166,6 +166,15 @@ class Comm:
         self._run(stage, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def all_gather(self, stage: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (of one shape and dtype on every rank), in rank order, on this comm's device."""
+        send = tensor.to(self.device).contiguous()
+        if self.world_size == 1:
+            return [send]
+        out = [torch.empty_like(send) for _ in range(self.world_size)]
+        self._run(stage, lambda: dist.all_gather(out, send, group=self.group, async_op=True))
+        return out
+
     def all_reduce_max(self, stage: str, value: int) -> int:
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         if self.world_size > 1:

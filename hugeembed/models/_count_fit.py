@@ -54,11 +54,9 @@ def count_fit_step(fit: torch.Tensor, hessian: torch.Tensor, counts: torch.Tenso
         grad = x.T @ (p - y) / b
         h = (x * (p * (1.0 - p)).unsqueeze(1)).T @ x / b
         h = h.to(hessian)
-        if bool((hessian == 0).all()):
-            hessian.copy_(h)
-        else:
-            hessian.mul_(decay).add_(h, alpha=1.0 - decay)
+        # the first batch's Hessian, else the running mean; chosen on the device (no read back per step)
+        hessian.copy_(torch.where((hessian == 0).all(), h, hessian.mul(decay).add_(h, alpha=1.0 - decay)))
         eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
         delta = torch.linalg.solve(hessian + ridge * eye, grad.to(hessian))
-        if bool(torch.isfinite(delta).all()):
-            fit.sub_((step * lr_factor * delta).to(fit))
+        delta = torch.where(torch.isfinite(delta).all(), delta, 0.0)  # a singular solve leaves the fit as it is
+        fit.sub_((step * lr_factor * delta).to(fit))

@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..features import SparseFeatures
 from ..nn import EmbeddingCollection, TableConfig
 from ..store import Zeros
+from ._count_batch import CountWriter, batch_entries, count_pairs, gather_batch
 from ._count_fit import count_fit_step
 
 __all__ = ["COUNT_PREFIX", "COUNT_COLUMNS", "DEFAULT_COUNT_PRIOR", "click_count_tables", "count_log_odds",
@@ -57,8 +58,10 @@ class ClickCountUpdater:
 
     Args:
         model: a DLRM built with ``counts`` (for a model without them every method does nothing): its
-            collection must be one process's, in memory (the rows are written through its stores).
+            collection in one process's memory, or sharded over processes (then give `comm`).
         prior: rows of prior (:func:`count_log_odds`).
+        comm: sharded tables: a :class:`~hugeembed.distributed.Comm` over every rank of the run (the trainer's
+            loop group), through which each rank's (id, label) pairs and fit inputs reach every rank.
 
     The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
     :meth:`add` after every training step (the batch's forward has read the counts of the rows before it):
@@ -67,9 +70,14 @@ class ClickCountUpdater:
     until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
     end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
     rows as training left them).
+
+    One pass over all count tables per step: the batch's (table, sample, id) triples sorted once, one find,
+    gather and scatter per table group (_count_batch.py).  Sharded: every rank gathers the global batch's
+    triples, labels and fit inputs (rank order: the one process's sample order), fits the same weights, and
+    writes the rows it holds, so N ranks keep the counts one process keeps on the global batches.
     """
 
-    def __init__(self, model, prior: float = DEFAULT_COUNT_PRIOR) -> None:
+    def __init__(self, model, prior: float = DEFAULT_COUNT_PRIOR, comm=None) -> None:
         fields = getattr(model, "counts", None)
         self.tables: list[tuple[str, str]] = []  # (count table, the feature it counts)
         if fields is None:  # a model without click counts: every call does nothing
@@ -77,17 +85,19 @@ class ClickCountUpdater:
         if not (isinstance(prior, (int, float)) and math.isfinite(prior) and prior > 0):
             raise ConfigError(f"click counts: prior must be a positive number of rows, got {prior!r}")
         collection: EmbeddingCollection = model.embeddings
-        if collection.has_tiered_tables or type(collection) is not EmbeddingCollection:
-            raise ConfigError("click counts need the tables in one process's memory: not with --memory-budget "
-                              "(tiered tables) or several processes (sharded tables)")
+        if collection.has_tiered_tables:
+            raise ConfigError("click counts need the tables in memory: not with --memory-budget (tiered tables)")
+        sharded = type(collection) is not EmbeddingCollection
+        if sharded and comm is None:
+            raise ConfigError("click counts of sharded tables: give the ClickCountUpdater a comm over every rank")
         cfgs = {t.name: t for t in collection.tables}
         self.tables = [(name, cfgs[name].features[0]) for name in dict.fromkeys(fields.tables)]
-        for name, _ in self.tables:
-            store = collection.store(name)
-            if store.width != COUNT_COLUMNS or store.dtype != torch.float32:
-                raise ConfigError(f"table {name!r}: click counts need float32 rows of {COUNT_COLUMNS} columns "
-                                  f"without optimizer state, got width {store.width}, {store.dtype}")
+        features = [f for _, f in self.tables]
+        if len(set(features)) != len(features):
+            raise ConfigError(f"click counts: one count table per feature, got tables {self.tables}")
         self.model, self.collection, self.prior = model, collection, float(prior)
+        self.comm = comm if sharded else None
+        self.writer = CountWriter(collection, [name for name, _ in self.tables], COUNT_COLUMNS)
 
     def _stats(self) -> tuple[float, float]:
         rows, positives = self.model.count_rows.tolist()
@@ -103,17 +113,15 @@ class ClickCountUpdater:
         if not self.tables:
             return
         with torch.no_grad():
-            for name, _ in self.tables:
-                store = self.collection.store(name)
-                slots = store.export_index().slots
-                store.scatter(slots, torch.zeros(slots.numel(), COUNT_COLUMNS, device=store.device))
+            self.writer.zero()
             self.model.count_rows.zero_()
 
     def add(self, sparse: SparseFeatures, labels: torch.Tensor, logits: torch.Tensor | None = None,
             lr_factor: float = 1.0) -> None:
         """Counts a trained batch: each (sample, id) pair once, with the sample's label; then the
         touched ids' log-odds at the new click rate.  With the batch's `logits` (its training forward's), a
-        Newton step on the model's count weights first (`lr_factor`: the run's learning-rate factor)."""
+        Newton step on the model's count weights first (`lr_factor`: the run's learning-rate factor).
+        Sharded: a collective (every rank calls it with its local batch)."""
         if not self.tables:
             return
         with torch.no_grad():
@@ -121,31 +129,23 @@ class ClickCountUpdater:
             if y.numel() != sparse.batch_size:
                 raise ConfigError(f"click counts: {y.numel()} labels for a batch of {sparse.batch_size} samples")
             inputs = self.model.count_inputs
-            if logits is not None and inputs is not None and inputs.shape[0] == y.numel():
+            fit = logits is not None and inputs is not None and inputs.shape[0] == y.numel()
+            entries = batch_entries(sparse, [f for _, f in self.tables])
+            if fit:
+                inputs, logits = inputs.double(), logits.detach().double().reshape(-1)
+            if self.comm is not None:  # the global batch on every rank, in rank order
+                entries, y, fit_in = gather_batch(self.comm, entries, y, (inputs, logits) if fit else None,
+                                                  self.model.count_fit.numel() - 1)
+                fit = fit_in is not None
+                if fit:
+                    inputs, logits = fit_in
+            if fit:
                 count_fit_step(self.model.count_fit, self.model.count_hessian, inputs, logits, y, lr_factor)
             self.model.count_inputs = None
             self.model.count_rows += torch.stack([y.new_tensor(float(y.numel())), y.sum()]).to(self.model.count_rows)
             rows, positives = self._stats()
-            bags = sparse.to_dict()
-            for name, feature in self.tables:
-                jf = bags[feature]
-                if jf.values.numel() == 0:
-                    continue
-                store = self.collection.store(name)
-                offsets = jf.offsets.long()
-                samples = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device),
-                                                  offsets[1:] - offsets[:-1])
-                # one hit per (sample, id): a bag holding an id twice counts it once
-                pairs = torch.unique(torch.stack([samples, jf.values.long()], 1), dim=0)
-                ids, inverse = torch.unique(pairs[:, 1], return_inverse=True)
-                yy = y.to(pairs.device)[pairs[:, 0]]
-                clicks = torch.zeros(ids.numel(), dtype=torch.float64, device=ids.device).index_add_(0, inverse, yy)
-                hits = torch.bincount(inverse, minlength=ids.numel()).double()
-                slots = store.find(ids.to(store.device))
-                keep = slots >= 0  # ids < 0 are dropped by the lookup; an evicted id has no row
-                slots = slots[keep]
-                old = store.gather(slots).double()
-                c = old[:, 1] + clicks.to(old.device)[keep]
-                n = old[:, 2] + hits.to(old.device)[keep]
-                s = count_log_odds(c, n, rows, positives, self.prior)
-                store.scatter(slots, torch.stack([s, c, n], 1).float())
+            if entries[0].numel() == 0:
+                return
+            ids_t, ids_v, clicks, hits = count_pairs(*entries, y)
+            self.writer.add(ids_t, ids_v, clicks, hits,
+                            lambda c, n: count_log_odds(c, n, rows, positives, self.prior))

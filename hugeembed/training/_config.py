@@ -65,9 +65,10 @@ class TrainConfig:
             default (DLRM: none).
         click_counts: DLRM: each sparse feature's smoothed click log-odds, counted online from earlier rows
             only (every pass starts from zero counts), added to the logit with a weight per feature and an
-            intercept fitted by Newton's method on each batch (hugeembed/models/_counts.py, _count_fit.py); one
-            process, tables in memory.  Off here; `hugeembed train` turns it on for data of a schema of its own
-            in one process without a memory budget: measured in docs/quality.md (eighth round).
+            intercept fitted by Newton's method on each batch (hugeembed/models/_counts.py, _count_fit.py);
+            tables in memory, synchronous steps (one process, or sharded: the same counts, docs/distributed.md).
+            Off here; `hugeembed train` turns it on for data of a schema of its own without a memory budget or
+            staleness: measured in docs/quality.md (eighth round).
         first_order_lr: the per-id biases' learning rate (their tables' rule is `sparse_optimizer` with
             this lr, scheduled as `sparse_lr` is); None: `sparse_lr`.  Needs `first_order`.
         first_order_betas, first_order_eps: the per-id biases' own Adam betas and eps (Adam optimizers

@@ -58,6 +58,9 @@ def check_settings(cfg) -> None:
         raise ConfigError(f"click-counts adds counted click log-odds to DLRM; model {cfg.model!r} does not take them")
     if cfg.click_counts and cfg.memory_budget is not None:
         raise ConfigError("click-counts writes its count tables in memory: not with --memory-budget (tiered tables)")
+    if cfg.click_counts and cfg.staleness:  # the exchange thread reads rows while a step writes its counts
+        raise ConfigError(f"click-counts writes its count tables after each step: not with --staleness "
+                          f"{cfg.staleness} (only the synchronous --staleness 0)")
     if cfg.first_order_lr is not None:
         if not (_real(cfg.first_order_lr) and cfg.first_order_lr > 0):
             raise ConfigError(f"first-order-lr must be a positive number, got {cfg.first_order_lr!r}")

@@ -83,7 +83,6 @@ class Trainer(TrainerSnapshots):
             self.cfg = config = self._choose_epochs(config)
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
-        self.counts = ClickCountUpdater(self.model)  # a DLRM's click counts (click_counts), else does nothing
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
         staleness, dense_staleness = (config.staleness, config.dense_staleness) if world_size > 1 else (0, 0)
         dense_group = workers_group(world_size, config.servers) if world_size > 1 else None
@@ -97,6 +96,9 @@ class Trainer(TrainerSnapshots):
                               dense=not self.is_server, stale_scale=config.stale_scale)
         # the loop's own small collectives (loss reports): on the default group, apart from the exchange thread
         self._loop_comm = Comm(dist.group.WORLD, config.dist_timeout) if world_size > 1 else None
+        # a DLRM's click counts (click_counts), else does nothing; sharded: each rank's pairs reach every rank
+        # over the loop's group (the default one: DDP's all-reduce is done by the time a step counts)
+        self.counts = ClickCountUpdater(self.model, comm=self._loop_comm)
         self.source: DataSource
         if source is None and config.servers and world_size > 1:  # workers read their slices (or the queue's)
             self.source = run_source(config, rank, world_size, self.schema,

@@ -196,13 +196,15 @@ def test_bad_uses_are_refused():
         TrainConfig(model="dcn", click_counts=True)
     with pytest.raises(ConfigError, match="not with --memory-budget"):
         TrainConfig(click_counts=True, memory_budget=1 << 20, storage_dir="/tmp/x")
+    with pytest.raises(ConfigError, match="not with --staleness 2"):
+        TrainConfig(click_counts=True, staleness=2)
     with pytest.raises(ConfigError, match="click-counts must be true or false"):
         TrainConfig(click_counts="yes")
     with pytest.raises(ConfigError, match="prior must be a positive number"):
         ClickCountUpdater(_model(), prior=0)
 
 
-def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memory_and_off_elsewhere(monkeypatch):
+def test_click_counts_are_on_for_schema_data_with_tables_in_memory_and_synchronous_steps(monkeypatch):
     from tests.unit.training.test_first_order_lr import _cli_config
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -211,16 +213,18 @@ def test_click_counts_are_on_for_schema_data_in_one_process_with_tables_in_memor
     assert _cli_config(*data).click_counts  # the default on data of a schema of its own (docs/quality.md, 8th round)
     assert not _cli_config(*data, "--no-click-counts").click_counts
     assert not _cli_config(*data, "--model", "deepfm").click_counts  # DLRM's only
-    # what the counts do not support keeps the per-id biases alone: tiered tables, several processes
-    assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
-    assert not _cli_config(*data, "--nproc", "2").click_counts
+    # several processes count as one does (tests/dist/test_click_counts_dist.py)
+    assert _cli_config(*data, "--nproc", "2").click_counts
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert not _cli_config(*data).click_counts  # a process of a torchrun / --nproc run
+    assert _cli_config(*data).click_counts  # a process of a torchrun / --nproc run
     monkeypatch.delenv("WORLD_SIZE")
+    # what the counts do not support keeps the per-id biases alone: tiered tables, asynchronous steps
+    assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
+    assert not _cli_config(*data, "--nproc", "2", "--staleness", "2").click_counts
     # Criteo's runs are unchanged: off unless asked
     assert not _cli_config("--data", "day_0.tsv", "--epochs", "1").click_counts
     assert _cli_config("--data", "day_0.tsv", "--epochs", "1", "--click-counts").click_counts
@@ -285,3 +289,29 @@ def test_a_resumed_run_equals_the_straight_one_across_a_pass(tmp_path):
     plain = cfg(12, checkpoint_dir=str(tmp_path / "run"), resume=True).replace(click_counts=False)
     with pytest.raises(CheckpointError, match=r"click_counts \(True vs False: give --click-counts as saved\)"):
         Trainer(plain).fit()
+
+
+@pytest.mark.slow
+def test_snapshot_deltas_hold_the_counted_rows_and_a_pass_start_writes_a_full_one(tmp_path):
+    """The rows a step counts are rows its forward fetched (their last step is the step's): a delta holds them.
+    A pass's start zeroes every row, seen or not: the snapshot after it is full."""
+    pytest.importorskip("pyarrow")
+    import json
+
+    from hugeembed import checkpoint as ckpt
+    from hugeembed.training import Trainer, load_snapshot_model
+
+    # 300 rows, batch 64: 4 batches a pass (the short fifth dropped); step 5 starts the second pass
+    cfg = _schema_run_config(tmp_path, 300, steps=6, checkpoint_dir=str(tmp_path / "run"), checkpoint_every=1,
+                             full_checkpoint_every=10)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    kinds = [json.loads((s / "manifest.json").read_text())["kind"] for s in sorted((tmp_path / "run").glob("step-*"))]
+    assert kinds == ["full", "delta", "delta", "delta", "full", "delta"]
+    model, _, _ = load_snapshot_model(ckpt.latest(tmp_path / "run"), device="cpu")
+    for name in trainer.model.counts.tables:
+        want, got = trainer.collection.store(name).export(), model.embeddings.store(name).export()
+        order_w, order_g = want.keys.argsort(), got.keys.argsort()
+        assert torch.equal(got.keys[order_g], want.keys[order_w])
+        assert torch.equal(got.rows[order_g], want.rows[order_w]), name
+    assert torch.equal(model.count_rows, trainer.model.count_rows)
