@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..features import SparseFeatures
 from ..nn import EmbeddingCollection, TableConfig
 from ..store import Zeros
-from ._count_fit import count_fit_step
+from ._count_fit import LogitHistogram, calibration_shift, count_fit_step
 
 __all__ = ["COUNT_PREFIX", "COUNT_COLUMNS", "DEFAULT_COUNT_PRIOR", "click_count_tables", "count_log_odds",
            "ClickCountUpdater"]
@@ -63,6 +63,7 @@ class ClickCountUpdater:
     The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
     :meth:`add` after every training step (the batch's forward has read the counts of the rows before it):
     with the step's logits, it first fits the model's count weights on the batch (_count_fit.py).
+    At the run's end the trainer calls :meth:`calibrate` with the training rows.
     A row's log-odds take the click rate of the moment its id was last counted, and stay as they are
     until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
     end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
@@ -149,3 +150,29 @@ class ClickCountUpdater:
                 n = old[:, 2] + hits.to(old.device)[keep]
                 s = count_log_odds(c, n, rows, positives, self.prior)
                 store.scatter(slots, torch.stack([s, c, n], 1).float())
+
+    def calibrate(self, batches, device: torch.device) -> float | None:
+        """The run's end: the logit out of training shifted (``count_shift``) so that the model's mean
+        prediction on `batches` (the training rows) is their click rate (_count_fit.calibration_shift); eval
+        mode: no id is inserted or counted.  Returns the shift (None for a model without click counts)."""
+        if not self.tables:
+            return None
+        self.clear_calibration()  # the logits without a shift
+        hist = LogitHistogram()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    batch = batch.to(device, non_blocking=True)
+                    hist.add(self.model(batch.dense, batch.sparse), batch.labels)
+        finally:
+            self.model.train(was_training)
+        shift = calibration_shift(hist)
+        self.model.count_shift.fill_(shift)
+        return shift
+
+    def clear_calibration(self) -> None:
+        """Training (again): no shift until the run's end (a resumed run evaluates as the straight one)."""
+        if self.tables:
+            self.model.count_shift.zero_()
