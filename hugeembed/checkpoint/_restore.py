@@ -207,6 +207,11 @@ def _load_dense(model: torch.nn.Module, collection, state: dict[str, torch.Tenso
     prefixes = [f"{n}." for n, m in model.named_modules() if m is collection]
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not any(k.startswith(p) for p in prefixes)]
+    # buffers newer than some snapshots (a model's `optional_buffers`): absent, they are zero (what they were then)
+    optional = set(getattr(model, "optional_buffers", ()))
+    for k in [k for k in missing if k in optional]:
+        model.get_buffer(k).zero_()
+        missing.remove(k)
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{snap}: dense model does not match: missing {missing}, "
                               f"unexpected {list(result.unexpected_keys)}")

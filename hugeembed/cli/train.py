@@ -38,7 +38,8 @@ SCHEMA_FIRST_ORDER_BETAS = (0.9, 0.999)
 SCHEMA_FIRST_ORDER_EPS = 1e-8
 # DLRM on data of a schema of its own, tables in memory: click counts (each feature's smoothed click log-odds counted
 # from earlier rows, weighted by Newton's method), measured in docs/quality.md (eighth round); one process or several
-# alike.  Not with --memory-budget or --staleness K > 0, which the counts do not support: those keep the biases alone.
+# alike.  Not with --memory-budget, --staleness K > 0 or --data-queue, which the counts do not support: those keep
+# the biases alone.
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -109,8 +110,8 @@ def add_parser(sub) -> None:
     p.add_argument("--click-counts", action=argparse.BooleanOptionalAction, default=None,
                    help="DLRM: add each feature's smoothed click log-odds, counted online from earlier rows only, to "
                    "the logit with a weight per feature fitted by Newton's method; tables in memory, synchronous steps "
-                   "(default: on for data of a schema of its own without --memory-budget or --staleness, with any "
-                   "number of processes, else off; docs/quality.md, eighth round)")
+                   "(default: on for data of a schema of its own without --memory-budget, --staleness or --data-queue, "
+                   "with any number of processes, else off; docs/quality.md, eighth round)")
     p.add_argument("--dropout", type=float, metavar="P", help="dropout after each hidden layer of the model's MLP "
                    "(DLRM: its top MLP; default: the model's own, none for DLRM)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS)
@@ -198,9 +199,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "betas" in cfg.sparse_optimizer_options() and \
                 not _given(args, given, ("first_order_betas", "first_order_eps")):  # an Adam rule: its settings
             cfg = cfg.replace(first_order_betas=SCHEMA_FIRST_ORDER_BETAS, first_order_eps=SCHEMA_FIRST_ORDER_EPS)
-    # click counts need the tables in memory and synchronous steps (any number of processes)
+    # click counts need the tables in memory, synchronous steps and fixed slices of the data (any number of processes)
     if cfg.model == "dlrm" and not _given(args, given, ("click_counts",)) and cfg.memory_budget is None \
-            and not cfg.staleness:
+            and not cfg.staleness and cfg.data_queue is None:
         cfg = cfg.replace(click_counts=True)
     return cfg
 

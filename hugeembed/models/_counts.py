@@ -25,7 +25,7 @@ from ..features import SparseFeatures
 from ..nn import EmbeddingCollection, TableConfig
 from ..store import Zeros
 from ._count_batch import CountWriter, batch_entries, count_pairs, gather_batch
-from ._count_fit import count_fit_step
+from ._count_fit import LogitHistogram, calibration_shift, count_fit_step
 
 __all__ = ["COUNT_PREFIX", "COUNT_COLUMNS", "DEFAULT_COUNT_PRIOR", "click_count_tables", "count_log_odds",
            "ClickCountUpdater"]
@@ -66,6 +66,7 @@ class ClickCountUpdater:
     The trainer calls :meth:`before_step` before each step (a pass's first starts from zero counts) and
     :meth:`add` after every training step (the batch's forward has read the counts of the rows before it):
     with the step's logits, it first fits the model's count weights on the batch (_count_fit.py).
+    At the run's end the trainer calls :meth:`calibrate` with the training rows.
     A row's log-odds take the click rate of the moment its id was last counted, and stay as they are
     until it is counted again (no rewrite at the run's end: a resumed run, which may go on past the
     end of the run it continues, equals the uninterrupted one; evaluation and a served model read the
@@ -149,3 +150,34 @@ class ClickCountUpdater:
             ids_t, ids_v, clicks, hits = count_pairs(*entries, y)
             self.writer.add(ids_t, ids_v, clicks, hits,
                             lambda c, n: count_log_odds(c, n, rows, positives, self.prior))
+
+    def calibrate(self, batches, device: torch.device) -> float | None:
+        """The run's end: the logit out of training shifted (``count_shift``) so that the model's mean
+        prediction on `batches` (the training rows) is their click rate (_count_fit.calibration_shift); eval
+        mode: no id is inserted or counted.  Sharded: a collective (each rank scores its slice, every rank the same
+        number of batches: training/_distributed.aligned); the rows of all ranks set the shift.  Returns the shift (None for a model without click counts)."""
+        if not self.tables:
+            return None
+        self.clear_calibration()  # the logits without a shift
+        hist = LogitHistogram()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    batch = batch.to(device, non_blocking=True)
+                    hist.add(self.model(batch.dense, batch.sparse), batch.labels)
+        finally:
+            self.model.train(was_training)
+        if self.comm is not None:  # every rank's slice: the bins' counts summed over ranks (exact: whole numbers)
+            mine = torch.cat([hist.counts, torch.tensor([hist.rows, hist.positives], dtype=torch.float64)])
+            total = torch.stack(self.comm.all_gather("click counts (calibration)", mine.to(device))).sum(0).cpu()
+            hist.counts, hist.rows, hist.positives = total[:-2], float(total[-2]), float(total[-1])
+        shift = calibration_shift(hist)
+        self.model.count_shift.fill_(shift)
+        return shift
+
+    def clear_calibration(self) -> None:
+        """Training (again): no shift until the run's end (a resumed run evaluates as the straight one)."""
+        if self.tables:
+            self.model.count_shift.zero_()

@@ -95,6 +95,11 @@ class DLRM(RecModel):
             self.count_inputs: torch.Tensor | None = None
             # rows and clicks counted in this pass (the prior's click rate): saved with the dense state
             self.register_buffer("count_rows", torch.zeros(2, dtype=torch.float64, device=device))
+            # the run's end: a shift of the logit out of training (evaluation, export, serving) that makes the final
+            # model's mean prediction on its training rows their click rate (ClickCountUpdater.calibrate); kept
+            # apart from count_fit so that a run resumed past the end trains as the straight run
+            self.register_buffer("count_shift", torch.zeros(1, device=device))
+            self.optional_buffers = ("count_shift",)  # snapshots and artifacts before it load with 0 (no shift)
 
     @staticmethod
     def _count_fields(collection: EmbeddingCollection, counts: tuple[str, ...]) -> Fields:
@@ -125,6 +130,8 @@ class DLRM(RecModel):
                 self.count_inputs = s.detach()
             fit = self.count_fit.to(s)
             logit = logit + s @ fit[1:] + fit[0]
+            if not self.training:
+                logit = logit + self.count_shift.to(s)
         return logit
 
 

@@ -61,6 +61,9 @@ def check_settings(cfg) -> None:
     if cfg.click_counts and cfg.staleness:  # the exchange thread reads rows while a step writes its counts
         raise ConfigError(f"click-counts writes its count tables after each step: not with --staleness "
                           f"{cfg.staleness} (only the synchronous --staleness 0)")
+    if cfg.click_counts and cfg.data_queue is not None:  # the end-of-run calibration reads the training rows again
+        raise ConfigError("click-counts calibrates the model on its training rows at the run's end, which "
+                          "--data-queue hands out once: not with --data-queue")
     if cfg.first_order_lr is not None:
         if not (_real(cfg.first_order_lr) and cfg.first_order_lr > 0):
             raise ConfigError(f"first-order-lr must be a positive number, got {cfg.first_order_lr!r}")

@@ -83,6 +83,7 @@ class Trainer(TrainerSnapshots):
             self.cfg = config = self._choose_epochs(config)
         self.model, dense_params = build_model(config, self.device, world_size, self.schema)
         self.collection = self.model.embeddings
+        self.count_calibration: float | None = None  # the intercept's shift at the run's end (counts.calibrate)
         # the module a step calls: DDP all-reduces the dense gradients; the tables exchange their own
         staleness, dense_staleness = (config.staleness, config.dense_staleness) if world_size > 1 else (0, 0)
         dense_group = workers_group(world_size, config.servers) if world_size > 1 else None
@@ -186,6 +187,7 @@ class Trainer(TrainerSnapshots):
         self.progress("start", {"total_steps": total, "data": self.source.description, "resumed_at": st.step,
                                 "device": str(self.device), "model": cfg.model, "world_size": self.world_size})
         self.model.train()
+        self.counts.clear_calibration()
         done = total is not None and st.step >= total
         while not done:
             any_batch = False
@@ -217,6 +219,12 @@ class Trainer(TrainerSnapshots):
         """The end of a run: the averaged dense layers, the last evaluation and snapshot, the summary."""
         self._drain()  # the last steps' dense gradients first
         self._apply_dense_average()
+        # click counts: the final model's mean prediction on the training rows made their click rate (_count_fit.py)
+        rows = self.source.train_batches(0)
+        if self.world_size > 1:  # every rank scores its slice (ranks with fewer batches look up empty ones)
+            rows = aligned(rows, self.collection, empty_batch(self.collection.feature_names(), self.model.num_dense,
+                                                              self.device))
+        self.count_calibration = self.counts.calibrate(rows, self.device)
         self.evaluate()
         if self.cfg.checkpoint_dir:
             self.save()
@@ -389,6 +397,8 @@ class Trainer(TrainerSnapshots):
         }
         out.update(st.last_eval or {})
         out.update(self.stale.waits() if self.world_size > 1 else {})
+        if self.count_calibration is not None:
+            out["count_calibration"] = self.count_calibration
         if self.epoch_choice is not None:
             out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
         tiers = self._tier_stats()

@@ -187,6 +187,69 @@ def test_the_newton_fit_learns_how_much_repeated_evidence_adds():
     assert abs(float(fit[1] + fit[2]) - 1.0) < 0.1 and abs(float(fit[3])) < 0.05 and abs(float(fit[0]) + 1.0) < 0.1
 
 
+def _shift_oracle(logits, positives):
+    """Plain Python: the d with sum(sigmoid(l + d)) = positives, by bisection on exact logits."""
+    lo, hi = -64.0, 64.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if sum(1 / (1 + math.exp(-(x + mid))) for x in logits) > positives:
+            hi = mid
+        else:
+            lo = mid
+    return (lo + hi) / 2
+
+
+def test_the_calibration_shift_makes_the_mean_prediction_the_click_rate_against_a_plain_python_oracle():
+    from hugeembed.models._count_fit import LogitHistogram, calibration_shift
+
+    g = torch.Generator().manual_seed(7)
+    w = 64 / 4096  # a bin: logits on bin centres are counted exactly
+    for mean, std, rate in ((-1.9, 0.7, 0.18), (0.3, 2.0, 0.52), (-4.0, 1.0, 0.01)):
+        on_centres = (torch.round((torch.randn(3000, generator=g) * std + mean) / w - 0.5) + 0.5) * w
+        y = (torch.rand(3000, generator=g) < rate).float()
+        hist = LogitHistogram()
+        for a in range(0, 3000, 1000):  # added batch by batch
+            hist.add(on_centres[a:a + 1000], y[a:a + 1000])
+        d = calibration_shift(hist)
+        assert d == pytest.approx(_shift_oracle(on_centres.double().tolist(), float(y.sum())), abs=1e-7)
+        assert float(torch.sigmoid(on_centres.double() + d).mean()) == pytest.approx(float(y.double().mean()), abs=1e-9)
+        anywhere = torch.randn(3000, generator=g) * std + mean  # off the centres: within half a bin
+        hist = LogitHistogram()
+        hist.add(anywhere, y)
+        assert calibration_shift(hist) == pytest.approx(_shift_oracle(anywhere.double().tolist(), float(y.sum())),
+                                                        abs=w / 2)
+    assert calibration_shift(LogitHistogram()) == 0.0  # no rows: no shift
+    hist = LogitHistogram()
+    hist.add(torch.zeros(4), torch.zeros(4))  # no click: half a click, not an infinite shift
+    assert calibration_shift(hist) == pytest.approx(_shift_oracle([0.0] * 4, 0.5), abs=w / 2)
+
+
+@pytest.mark.slow
+def test_the_run_ends_with_its_mean_prediction_on_its_training_rows_at_their_click_rate(tmp_path):
+    pytest.importorskip("pyarrow")
+    from hugeembed.data import Batch, read_table
+    from hugeembed.training import Trainer
+
+    tr = Trainer(_schema_run_config(tmp_path, 640, epochs=2))  # 10 whole batches: every row trained
+    summary = tr.fit()
+    model = tr.model
+    schema = tr.source.schema
+    batch = Batch.from_block(read_table(tmp_path / "train.csv", schema), schema)
+    assert batch.batch_size == 640
+
+    model.eval()  # evaluation, export and serving read the shift
+
+    def mean_prediction():
+        with torch.no_grad():
+            return float(torch.sigmoid(model(batch.dense, batch.sparse)).double().mean())
+
+    assert float(model.count_shift) == pytest.approx(summary["count_calibration"]) and summary["count_calibration"] != 0
+    assert mean_prediction() == pytest.approx(float(batch.labels.double().mean()), abs=2e-3)  # bins of 1/64
+    model.train()  # training reads no shift (a run resumed past the end trains as the straight run)
+    trained = mean_prediction()
+    assert abs(trained - float(batch.labels.double().mean())) > 1e-4
+
+
 def test_bad_uses_are_refused():
     from hugeembed.training import TrainConfig
 
