@@ -34,6 +34,7 @@ import torch
 from .. import _native
 from .._durable import fsync_write, open_no_follow
 from ..errors import ConfigError, StoreError
+from ._tier_map import FileMap
 
 __all__ = ["RowFile", "TableDir", "IO_THREADS", "caller_threads", "outer_threads"]
 
@@ -84,6 +85,7 @@ class RowFile:
         self.path, self.record_bytes, self.table, self.io_threads = path, int(record_bytes), table, io_threads
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._closer = weakref.finalize(self, _close_fd, self.fd, path)
+        self._map = FileMap(self.fd, self.record_bytes)  # read_rows' page-cache hits (store/_tier_map.py)
 
     def _check(self, records: torch.Tensor, rows: torch.Tensor) -> None:
         if rows.device.type != "cpu" or not rows.is_contiguous() or records.dtype != torch.int64 \
@@ -120,8 +122,9 @@ class RowFile:
 
     def read_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """``rows[slots[i]] = record records[i]`` (rows: contiguous [C, W] CPU rows, a cache; slots
-        distinct): a read straight into its cache slots (he_tier_read_rows), no buffer between."""
-        if self._slots_checked(records, rows, slots, "reads"):
+        distinct): through the file's mapping while it holds them (store/_tier_map.py), else a read
+        straight into its cache slots (he_tier_read_rows), no buffer between."""
+        if self._slots_checked(records, rows, slots, "reads") and not self._map.read_rows(records, rows, slots):
             if not _native.available():
                 buf = torch.empty((records.numel(), *rows.shape[1:]), dtype=rows.dtype)
                 self.read(records, buf)
@@ -183,6 +186,7 @@ class RowFile:
             return 0
 
     def close(self) -> None:
+        self._map.close()
         self._closer()
 
 

@@ -201,3 +201,68 @@ def test_a_forked_child_reads_through_its_own_io_threads(tmp_path):
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         f.close()
+
+
+def _pread_only(monkeypatch, f: RowFile) -> None:
+    monkeypatch.setattr(f._map, "read_rows", lambda *a: False)
+
+
+def test_reads_through_the_mapping_follow_the_file_as_it_grows(tmp_path, monkeypatch):
+    """read_rows maps the file (store/_tier_map.py) and reads what was written, rewritten and appended
+    since it was mapped, as preadv does (the oracle: the rows written, held in a plain tensor)."""
+    f = RowFile(tmp_path / "rows.bin", 4 * 3, "t")
+    try:
+        g = torch.Generator().manual_seed(3)
+        truth = torch.randn(40, 3, generator=g)
+        f.write(torch.arange(20), truth[:20])
+        cache = torch.zeros(25, 3)
+        slots = torch.randperm(25, generator=g)[:10]
+        f.read_rows(torch.arange(0, 20, 2), cache, slots)
+        assert f._map._n == 20  # read through the mapping
+        assert torch.equal(cache[slots], truth[0:20:2])
+        truth[5] = 7.0
+        f.write(torch.tensor([5]), truth[5:6])  # a rewrite shows through the mapping (one page cache)
+        f.write(torch.arange(20, 40), truth[20:])  # appended: past the mapping, mapped again
+        recs = torch.tensor([5, 39, 21, 0])
+        f.read_rows(recs, cache, torch.tensor([1, 2, 3, 4]))
+        assert f._map._n == 40
+        assert torch.equal(cache[1:5], truth[recs])
+        _pread_only(monkeypatch, f)
+        other = torch.zeros(25, 3)
+        f.read_rows(recs, other, torch.tensor([1, 2, 3, 4]))
+        assert torch.equal(other, torch.zeros(25, 3).index_copy_(0, torch.tensor([1, 2, 3, 4]), truth[recs]))
+    finally:
+        f.close()
+
+
+def test_a_file_over_the_limit_or_a_record_past_its_end_is_read_without_the_mapping(tmp_path):
+    f = RowFile(tmp_path / "rows.bin", 8, "t")
+    try:
+        rows = torch.arange(12, dtype=torch.float32).view(6, 2)
+        f.write(torch.arange(6), rows)
+        f._map.limit = 5 * 8  # six records are over it: preadv reads them
+        cache = torch.zeros(6, 2)
+        f.read_rows(torch.tensor([5, 0]), cache, torch.tensor([0, 1]))
+        assert f._map._n == 0 and torch.equal(cache[:2], rows[[5, 0]])
+        f._map.limit = 1 << 30
+        before = cache.clone()
+        with pytest.raises(StoreError, match=r"table 't': reading .*rows\.bin failed: \[EIO\]"):
+            f.read_rows(torch.tensor([9]), cache, torch.tensor([3]))  # never written: past the end
+        assert torch.equal(cache, before)
+        f.read_rows(torch.tensor([2]), cache, torch.tensor([3]))
+        assert f._map._n == 6 and torch.equal(cache[3], rows[2])
+    finally:
+        f.close()
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_a_read_into_a_slot_outside_the_cache_reads_nothing(tmp_path):
+    f = RowFile(tmp_path / "rows.bin", 8, "t")
+    try:
+        f.write(torch.arange(3), torch.full((3, 2), 5.0))
+        cache = torch.zeros(4, 2)
+        with pytest.raises(_native.KernelError, match=r"slots\[1\] = 4 is not a row of the cache \(4\)"):
+            f.read_rows(torch.tensor([0, 1]), cache, torch.tensor([0, 4]))
+        assert cache.eq(0.0).all()
+    finally:
+        f.close()
