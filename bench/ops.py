@@ -47,6 +47,8 @@ if not torch.cuda.is_available():  # the triton step's launches, counted on the 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _callgrind import Regions, run_counted  # noqa: E402
+from _callgrind import available as callgrind_available  # noqa: E402
 from _common import print_table  # noqa: E402
 
 from hugeembed.features import SparseFeatures  # noqa: E402
@@ -350,6 +352,41 @@ def _python_per_table(backend: str, dynamic: bool, few: int, many: int, samples:
     return per * 1e6
 
 
+def counted_per_table(backend: str, dynamic: bool, regions, few: int = 2, many: int = 26, samples: int = 8,
+                      steps: int = 10, warmup: int = 60, rounds: int = 2) -> None:
+    """The counted child's side of instructions_per_table: `steps` steady steps at `few` and at `many`
+    tables, `rounds` times each, as regions labelled backend.kind.tables.round."""
+    torch.set_num_threads(1)
+    ecs = {n: collection(n, dynamic, backend, 16, 1000, None, "cpu") for n in (few, many)}
+    sfs = {n: [batch(n, samples, 1000, s) for s in range(warmup)] for n in (few, many)}
+    for n, ec in ecs.items():  # warm up: tables grown, buffers sized
+        for sf in sfs[n]:
+            ec(sf).stacked().sum().backward()
+    for r in range(rounds):
+        for n in (few, many):
+            regions.start()
+            for sf in sfs[n][:steps]:
+                ecs[n](sf).stacked().sum().backward()
+            regions.stop(f"{backend}.{'dynamic' if dynamic else 'static'}.{n}.{r}")
+
+
+def instructions_per_table(cases: list[tuple[str, bool]], few: int = 2, many: int = 26,
+                           steps: int = 10) -> dict[tuple[str, bool], tuple[float, float]]:
+    """Instructions each table adds to a steady-state step at batch 8 (python_per_table's figure counted,
+    not timed: the same steps run the same instructions whatever the load): (instructions(many) -
+    instructions(few)) / (many - few) / steps, counted by callgrind in one child process, each case
+    twice.  Returns (per table, the two rounds' spread of it) by (backend, dynamic)."""
+    cases_arg = [f"{b}:{'dynamic' if d else 'static'}" for b, d in cases]
+    counts = run_counted([sys.executable, __file__, "--callgrind-child", *cases_arg, "--tables", str(few), str(many)])
+    out = {}
+    for backend, dynamic in cases:
+        kind = "dynamic" if dynamic else "static"
+        per = [(counts[f"{backend}.{kind}.{many}.{r}"] - counts[f"{backend}.{kind}.{few}.{r}"]) / (many - few) / steps
+               for r in range(2)]
+        out[backend, dynamic] = (statistics.mean(per), abs(per[0] - per[1]))
+    return out
+
+
 def python_lines_per_table(backend: str, dynamic: bool, few: int = 2, many: int = 26, samples: int = 8,
                           steps: int = 3, warmup: int = 60) -> float:
     """Python lines each table adds to a steady-state step at a tiny batch: (lines(many) - lines(few)) /
@@ -427,7 +464,17 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--time-samples", type=int, nargs="+", default=[256, 8192],
                     help="on cuda: batch sizes of the timed steps")
+    ap.add_argument("--instructions", action="store_true",
+                    help="on cpu: also count the instructions each table adds to a step (valgrind's callgrind, "
+                         "a figure load does not move; minutes)")
+    ap.add_argument("--callgrind-child", nargs="+", metavar="BACKEND:KIND", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.callgrind_child:  # run by instructions_per_table under callgrind
+        regions = Regions()
+        for case in args.callgrind_child:
+            backend, kind = case.split(":")
+            counted_per_table(backend, kind == "dynamic", regions, *args.tables)
+        return
     gpu = args.device != "cpu"
     backends = args.backends or (["torch", "triton"] if gpu else ["native", "torch"])
     header = ["backend", "tables"] + [f"{n} tables" for n in args.tables] + [
@@ -493,12 +540,18 @@ def main(argv=None) -> None:
           f"1,000 ids, d16, {args.device}")
     print_table(header, out)
     if not gpu:
+        cases = [(b, d) for b in backends for d in (False, True)]
+        counted = instructions_per_table(cases) if args.instructions and callgrind_available() else {}
         out = [[b, "dynamic" if d else "static", f"{python_per_table(b, d):.1f} us",
-                f"{python_lines_per_table(b, d):.1f}"] for b in backends for d in (False, True)]
+                f"{python_lines_per_table(b, d):.1f}"] + (
+                    [f"{counted[b, d][0] / 1e3:,.1f} k (+- {counted[b, d][1] / 1e3:,.1f} k)"] if counted else [])
+               for b, d in cases]
         print("\nPython per table per step: (step at batch 8 over 26 tables - over 2 tables) / 24, CPU time of the "
               "calling thread, one intra-op thread, medians of 7 interleaved runs of 60 steps; lines: Python lines run "
-              "(a line tracer)")
-        print_table(["backend", "tables", "us per table", "lines per table"], out)
+              "(a line tracer)" + ("; instructions: counted by callgrind over 10 steps, twice (load does not move "
+                                   "them)" if counted else ""))
+        print_table(["backend", "tables", "us per table", "lines per table"] + (
+            ["instructions per table"] if counted else []), out)
     if gpu:
         out = []
         for samples in args.time_samples:

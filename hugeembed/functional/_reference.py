@@ -36,7 +36,7 @@ def _padded_ranges(starts: torch.Tensor, sizes: torch.Tensor, cap: int):
     if sizes.numel() == 0:
         return at, at, at < 0, total
     owner = torch.searchsorted(cum, at, right=True).clamp_(max=sizes.numel() - 1)
-    return at - (cum - sizes)[owner] + starts[owner], owner, at < total, total
+    return at - (cum - sizes).index_select(0, owner) + starts.index_select(0, owner), owner, at < total, total
 
 
 def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
@@ -69,14 +69,14 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     pos, bag, valid, total = _padded_ranges(offsets[:-1][bag_src], in_lengths[bag_src].clamp(min=0), cap)
     bad_bags = bad_bags | (total > cap)
     pos = pos.clamp(0, max(N - 1, 0))  # in range even for bad offsets (the batch then raises)
-    v = values[pos]
+    v = values.index_select(0, pos)
     f_of = torch.div(bag, B, rounding_mode="floor") if B else bag
     t_of = a["table"][f_of]
     keep = valid
     w = None
     bad_w = torch.zeros((), dtype=torch.bool, device=dev)
     if weights is not None:
-        w = weights[pos]
+        w = weights.index_select(0, pos)
         bad_w = valid & ~torch.isfinite(w)
         keep = keep & (w > 0)
     # (each step below runs only where some feature of the plan asks for it: a plan constant)
@@ -114,19 +114,18 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         cand_keep = torch.cat([keep, fill])
     dest = torch.where(cand_keep, at, out_offsets[-1] + torch.cumsum((~cand_keep).to(torch.int64), 0) - 1)
     M = cand_keep.numel()
-    in_bag_order = torch.empty(M, dtype=torch.int64, device=dev).index_put_((dest,), torch.arange(M, device=dev))
+    in_bag_order = torch.empty(M, dtype=torch.int64, device=dev).index_copy_(0, dest, torch.arange(M, device=dev))
     # dedup per table: sort by (table, id), unique runs (without dedup: by table only, in bag order,
     # every id its own entry); the candidates not kept sort last, as a table T that is not counted
     tb = torch.where(cand_keep, cand_t, T)
     o1 = torch.argsort(cand_v, stable=True) if deduplicate else in_bag_order
-    perm = o1[torch.argsort(tb[o1], stable=True)]
-    vs, ts = cand_v[perm], tb[perm]
+    perm = o1.index_select(0, torch.argsort(tb.index_select(0, o1), stable=True))
+    vs, ts = cand_v.index_select(0, perm), tb.index_select(0, perm)
     new = torch.ones_like(vs, dtype=torch.bool)
     if vs.numel() > 1 and deduplicate:
         new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
-    uid = torch.empty_like(uid_sorted)  # of each candidate
-    uid[perm] = uid_sorted
+    uid = torch.empty_like(uid_sorted).index_copy_(0, perm, uid_sorted)  # of each candidate
     per_table_t = torch.zeros(T + 1, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))[:T]
     edges = out_offsets[::B] if B else torch.zeros(F + 1, dtype=torch.int64, device=dev)
     # the one read of the device: the checks, the ids kept, the keys per table, the features' extents
@@ -144,12 +143,13 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     n_keep, per_table, feature_starts = host[3], host[4 : 4 + T], host[4 + T :]
     n_unique = sum(per_table)
     kept = in_bag_order[:n_keep]  # the kept candidates, in bag order
-    inverse = uid[kept]
+    inverse = uid.index_select(0, kept)
     unique_keys = vs[kept_positions(new & (ts < T), n_unique)]
     base = list(accumulate(per_table, initial=0))[:-1]  # the tables' keys end to end
-    return Prepared(B, out_offsets, inverse, None if cand_w is None else cand_w[kept], unique_keys,
+    return Prepared(B, out_offsets, inverse, None if cand_w is None else cand_w.index_select(0, kept), unique_keys,
                     _count(inverse, n_unique), base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate, feature_starts=feature_starts, bags=cand_bag[kept])
+                    deduplicated=deduplicate, feature_starts=feature_starts,
+                    bags=cand_bag.index_select(0, kept))
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -193,7 +193,7 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
     storage (FusedEmbeddingLookup's row_groups); each run's rows are one gather over the span of its
     tables' unique keys (a gap between tables holds slot -1: zeros).  None: every table alone."""
     dev = prep.offsets.device
-    emb = torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
+    emb = None  # (made only when the spans do not cover the whole capacity in one gather)
     spans = runs[dim] if runs is not None else [(t, t) for t, spec in enumerate(plan.tables) if spec.dim == dim]
     base, count = prep.unique_base, prep.unique_count
     for t0, t1 in spans:
@@ -207,10 +207,11 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
                 at = slice(base[t] - lo, base[t] - lo + count[t])
                 rows[at] = clip_rows(rows[at], mn)
         if lo == 0 and hi == prep.capacity:
-            emb = rows
-        else:
-            emb[lo:hi] = rows
-    return emb
+            return rows
+        if emb is None:
+            emb = torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
+        emb[lo:hi] = rows
+    return emb if emb is not None else torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
 
 
 def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> torch.Tensor:
@@ -265,8 +266,9 @@ def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
 
 
 def _bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, pos, owner, sample, dtype):
-    """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags), each id's
-    weight and its output bag."""
+    """Per output bag (b*F_g + k): the combiner's divisor (1 for sum, 0 for empty bags; None when every
+    one is 1: a group of sums), each id's weight (None: the batch has none, every weight 1) and its
+    output bag."""
     return _derived(prep, ("denominators", plan, group, dtype),
                     lambda: _make_bag_denominators(plan, prep, group, pos, owner, sample, dtype))
 
@@ -275,9 +277,11 @@ def _make_bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, po
     dev = prep.offsets.device
     nbag = prep.batch_size * len(group.pooled)
     out_bag = sample * len(group.pooled) + owner
-    w = prep.weights[pos].to(dtype) if prep.weights is not None else torch.ones(pos.numel(), dtype=dtype, device=dev)
+    w = prep.weights[pos].to(dtype) if prep.weights is not None else None
     if group in plan.summed_groups:  # every divisor 1: the ones the passes below would give
-        return torch.ones(nbag, dtype=dtype, device=dev), w, out_bag
+        return None, w, out_bag
+    if w is None:
+        w = torch.ones(pos.numel(), dtype=dtype, device=dev)
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
     comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)]
@@ -286,11 +290,13 @@ def _make_bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, po
     return torch.where(wsum > 0, denom, torch.ones_like(denom)), w, out_bag
 
 
-def _combine(rows: torch.Tensor, w: torch.Tensor, out_bag: torch.Tensor, denom: torch.Tensor,
+def _combine(rows: torch.Tensor, w: torch.Tensor | None, out_bag: torch.Tensor, denom: torch.Tensor | None,
              n_bags: int) -> torch.Tensor:
-    """[n_bags, D]: each bag's weighted sum of its rows divided by its combiner's denominator."""
+    """[n_bags, D]: each bag's weighted sum of its rows divided by its combiner's denominator (a weight
+    or a divisor of None: 1, no pass)."""
     out = torch.zeros(n_bags, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    return out.index_add_(0, out_bag, rows * w.unsqueeze(1)) / denom.unsqueeze(1)
+    out.index_add_(0, out_bag, rows if w is None else rows * w.unsqueeze(1))
+    return out if denom is None else out / denom.unsqueeze(1)
 
 
 def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
@@ -302,7 +308,7 @@ def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGrou
     emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs)
     pos, owner, sample = _group_ids(plan, prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
-    return _combine(emb[prep.inverse[pos].long()], w, out_bag, denom, B * n).view(B, n, D)
+    return _combine(emb.index_select(0, prep.inverse[pos]), w, out_bag, denom, B * n).view(B, n, D)
 
 
 def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
@@ -312,7 +318,7 @@ def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: Dim
         return torch.zeros(0, group.dim, dtype=dtype, device=dev)
     emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, runs)
     pos, _, _ = _group_ids(plan, prep, group.unpooled)
-    rows = emb[prep.inverse[pos].long()]
+    rows = emb.index_select(0, prep.inverse[pos])
     if prep.weights is not None:
         rows = rows * prep.weights[pos].to(dtype).unsqueeze(1)
     return rows
@@ -349,15 +355,16 @@ def gradient_rows_torch(plan: LookupPlan, prep: Prepared, pooled_grads, unpooled
         if group.pooled and prep.batch_size:
             pos, owner, sample = _group_ids(plan, prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
-            coef = w / denom[out_bag]
-            go = pooled_grads[g].reshape(-1, D)[out_bag]
-            acc.index_add_(0, prep.inverse[pos].long(), go * coef.unsqueeze(1))
+            go = pooled_grads[g].reshape(-1, D).index_select(0, out_bag)
+            if denom is not None:
+                w = (torch.ones_like(denom[out_bag]) if w is None else w) / denom[out_bag]
+            acc.index_add_(0, prep.inverse[pos], go if w is None else go * w.unsqueeze(1))
         if group.unpooled:
             pos, _, _ = _group_ids(plan, prep, group.unpooled)
             go = unpooled_grads[g]
             if prep.weights is not None:
                 go = go * prep.weights[pos].to(dtype).unsqueeze(1)
-            acc.index_add_(0, prep.inverse[pos].long(), go)
+            acc.index_add_(0, prep.inverse[pos], go)
         grads_by_dim[D] = acc if D not in grads_by_dim else grads_by_dim[D] + acc
     return grads_by_dim
 
@@ -382,12 +389,12 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs)
             pos, owner, sample = _group_ids(plan, prep, group.pooled)
             denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
-            e = emb[prep.inverse[pos].long()]
+            e = emb.index_select(0, prep.inverse[pos])
             go = go_all.reshape(-1, D)[out_bag]
             out = _combine(e, w, out_bag, denom, go_all.reshape(-1, D).shape[0])  # the forward's bag outputs
             ge = (go * e).sum(1)
             gout = (go * out[out_bag]).sum(1)
-            d = denom[out_bag]
+            d = denom[out_bag] if denom is not None else torch.ones_like(w)
             comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)][owner]
             grad = torch.where(comb == _MEAN, (ge - gout) / d,
                                torch.where(comb == _SQRTN, ge / d - gout * w / (d * d), ge))
@@ -396,5 +403,5 @@ def weights_backward_torch(plan: LookupPlan, prep: Prepared, storages, slots, po
             go = unpooled_grads[g]
             emb = _unique_rows(plan, prep, storages, slots, D, go.dtype, runs)
             pos, _, _ = _group_ids(plan, prep, group.unpooled)
-            gw[pos] = (go * emb[prep.inverse[pos].long()]).sum(1).to(gw.dtype)
+            gw[pos] = (go * emb.index_select(0, prep.inverse[pos])).sum(1).to(gw.dtype)
     return gw

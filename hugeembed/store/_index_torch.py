@@ -50,13 +50,14 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
         # the window's (key, table) columns in one gather of whole records
         rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
         bkeys, btabs = rec[..., 0], rec[..., 1]
-        stop = ((bkeys == keys[idx, None]) & (btabs == tids[idx, None])) | (btabs == EMPTY_TABLE)
+        stop = ((bkeys == keys.index_select(0, idx)[:, None]) & (btabs == tids.index_select(0, idx)[:, None])) | \
+            (btabs == EMPTY_TABLE)
         stops, first = stop.to(torch.uint8).max(1, keepdim=True)  # (max: whether any, and the first, in one pass)
         pos[idx] = win.gather(1, first).squeeze(1)  # (a key not done yet: written again by a later round)
         keep = (stops.squeeze(1) == 0).nonzero().squeeze(1)  # a read of the device per round
         idx, p = idx[keep], (p[keep] + width) % B
         width, rounds = _SECOND_WINDOW if rounds == 0 else min(2 * width, _MAX_WINDOW), rounds + 1
-    got = g.buckets[pos]
+    got = g.buckets.index_select(0, pos)  # (x[i] of a 2-D tensor costs ~8x index_select a row)
     codes = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
     probes = (pos - start) % B + 1
     return codes, pos, probes
@@ -185,12 +186,12 @@ class TorchIndex:
         need[6] = -1
         out.fill_(-1)
         sel = (tids >= 0).nonzero().squeeze(1)
-        k, t = keys[sel], tids[sel]
-        c = counts[sel] if counts is not None else torch.ones_like(k)
+        k, t = keys.index_select(0, sel), tids.index_select(0, sel)
+        c = counts.index_select(0, sel) if counts is not None else torch.ones_like(k)
         codes, pos, probes = probe(g, k, t)
         out[sel] = codes.clamp(min=-1)  # what the kernel leaves in `out` on a refusal: the rows found
         found = codes != -1
-        w = torch.where(found, g.buckets[pos.clamp(min=0), 2], 0)
+        w = torch.where(found, g.buckets[:, 2].index_select(0, pos.clamp(min=0)), 0)
         n_after = count_of(w) + c
         admit_k = g.tables[:, T_ADMIT_K].to(dev)[t]
         drawn = torch.ones_like(found) if admit is None else admit[sel].bool()
@@ -240,8 +241,9 @@ class TorchIndex:
         code_now[gets_row] = slots
         code_now[waits] = PENDING
         seen = found.nonzero().squeeze(1)
-        g.buckets[pos[seen], 2] = pack(code_now[seen], n_after[seen])
-        g.buckets[pos[seen], 3] = step
+        at = pos.index_select(0, seen)
+        g.buckets[:, 2].index_copy_(0, at, pack(code_now.index_select(0, seen), n_after.index_select(0, seen)))
+        g.buckets[:, 3].index_fill_(0, at, step)
         kf = k[fresh]
         rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
         claim(g.buckets, rec, pos[fresh])
