@@ -261,6 +261,8 @@ def test_bad_uses_are_refused():
         TrainConfig(click_counts=True, memory_budget=1 << 20, storage_dir="/tmp/x")
     with pytest.raises(ConfigError, match="not with --staleness 2"):
         TrainConfig(click_counts=True, staleness=2)
+    with pytest.raises(ConfigError, match="not with --data-queue"):
+        TrainConfig(click_counts=True, data_queue=1000)
     with pytest.raises(ConfigError, match="click-counts must be true or false"):
         TrainConfig(click_counts="yes")
     with pytest.raises(ConfigError, match="prior must be a positive number"):
@@ -288,6 +290,7 @@ def test_click_counts_are_on_for_schema_data_with_tables_in_memory_and_synchrono
     # what the counts do not support keeps the per-id biases alone: tiered tables, asynchronous steps
     assert not _cli_config(*data, "--memory-budget", "1MiB", "--storage-dir", "/tmp/x").click_counts
     assert not _cli_config(*data, "--nproc", "2", "--staleness", "2").click_counts
+    assert not _cli_config(*data, "--nproc", "2", "--data-queue", "1000").click_counts  # hands rows out once
     # Criteo's runs are unchanged: off unless asked
     assert not _cli_config("--data", "day_0.tsv", "--epochs", "1").click_counts
     assert _cli_config("--data", "day_0.tsv", "--epochs", "1", "--click-counts").click_counts
@@ -378,3 +381,19 @@ def test_snapshot_deltas_hold_the_counted_rows_and_a_pass_start_writes_a_full_on
         assert torch.equal(got.keys[order_g], want.keys[order_w])
         assert torch.equal(got.rows[order_g], want.rows[order_w]), name
     assert torch.equal(model.count_rows, trainer.model.count_rows)
+
+
+def test_a_snapshot_saved_before_count_shift_existed_loads_with_no_shift_and_other_gaps_still_fail():
+    from pathlib import Path
+
+    from hugeembed.checkpoint._restore import _load_dense
+    from hugeembed.errors import CheckpointError
+
+    saved, model = _model(), _model()
+    model.count_shift.fill_(0.7)  # what a model held before the load
+    dense = {k: v for k, v in saved.state_dict().items() if not k.startswith("embeddings.") and k != "count_shift"}
+    _load_dense(model, model.embeddings, dense, Path("step-1"))
+    assert float(model.count_shift) == 0.0 and torch.equal(model.count_fit, saved.count_fit)
+    del dense["count_fit"]
+    with pytest.raises(CheckpointError, match=r"step-1: dense model does not match: missing \['count_fit'\]"):
+        _load_dense(model, model.embeddings, dense, Path("step-1"))
