@@ -28,10 +28,10 @@ from ._build import build_model, make_dense_optimizer, resolve_device, seed_ever
 from ._config import EVAL_POINTS, TrainConfig
 from ._evaluate import evaluate
 from ._record import RunRecord, TrainState
-from ._distributed import (aligned, as_sharding_error, check_process_group, empty_batch, merge_metrics,
-                           merged_tier_stats, run_info, wrap_ddp)
+from ._distributed import as_sharding_error, check_process_group, empty_batch, merge_metrics, wrap_ddp
 from ._sources import DataSource, make_source, run_schema
 from ._snapshots import TrainerSnapshots
+from ._report import TrainerReport
 from ._stale import StaleRun
 from ._queue import queue_source
 from ._servers import check_servers, run_source, workers_group
@@ -41,7 +41,7 @@ __all__ = ["Trainer", "TrainState"]
 ProgressFn = Callable[[str, dict[str, Any]], None]
 
 
-class Trainer(TrainerSnapshots):
+class Trainer(TrainerSnapshots, TrainerReport):
     """Trains a model as a TrainConfig says.
 
     Args:
@@ -221,10 +221,8 @@ class Trainer(TrainerSnapshots):
         self._apply_dense_average()
         # click counts: the final model's mean prediction on the training rows made their click rate (_count_fit.py)
         rows = self.source.train_batches(0)
-        if self.world_size > 1:  # every rank scores its slice (ranks with fewer batches look up empty ones)
-            rows = aligned(rows, self.collection, empty_batch(self.collection.feature_names(), self.model.num_dense,
-                                                              self.device))
-        self.count_calibration = self.counts.calibrate(rows, self.device)
+        self.count_calibration = self.counts.calibrate(self._aligned(rows) if self.world_size > 1 else rows,
+                                                       self.device)
         self.evaluate()
         if self.cfg.checkpoint_dir:
             self.save()
@@ -340,17 +338,6 @@ class Trainer(TrainerSnapshots):
                                    "auc": None if st.last_eval is None else st.last_eval["auc"],
                                    "cache_hit_rate": None if tiers is None else tiers["cache_hit_rate"]})
 
-    def _tier_stats(self) -> dict | None:
-        """The tiers' figures of every rank (collective with several processes)."""
-        if self.world_size == 1:
-            return self.collection.tier_stats()
-        if self.collection.has_tiered_tables:
-            self.collection.drain()  # its collective and the counters it reads: with the exchange thread idle
-        return merged_tier_stats(self.collection)
-
-    def samples_per_s(self) -> float:
-        return self.state.samples / self.state.train_seconds if self.state.train_seconds else 0.0
-
     # -- evaluation ----------------------------------------------------------------
 
     @torch.no_grad()
@@ -358,8 +345,7 @@ class Trainer(TrainerSnapshots):
         """Metrics over the whole held-out set (no id is inserted or counted)."""
         self._drain()
         if self.world_size > 1:  # every rank scores its slice; the accumulators are merged exactly
-            empty = empty_batch(self.collection.feature_names(), self.model.num_dense, self.device)
-            metrics = evaluate(self.model, aligned(self.source.eval_batches(), self.collection, empty), self.device,
+            metrics = evaluate(self.model, self._aligned(self.source.eval_batches()), self.device,
                                merge=lambda ms: merge_metrics(self.collection, ms))
         else:
             metrics = evaluate(self.model, self.source.eval_batches(), self.device)
@@ -374,39 +360,3 @@ class Trainer(TrainerSnapshots):
         st.history["copc"].append(metrics["copc"])
         self.progress("eval", {"step": st.step, **metrics})
         return metrics
-
-    # -- reporting -------------------------------------------------------------------
-
-    def summary(self) -> dict[str, Any]:
-        st = self.state
-        if self.world_size > 1:
-            info = run_info(self.collection)
-            rows, table_bytes = info["rows"], info["bytes"]
-        else:
-            rows = self.collection.num_rows()
-            table_bytes = sum(self.collection.memory_bytes().values())
-        dense_bytes = sum(p.numel() * p.element_size() for p in self.model.dense_parameters())
-        out: dict[str, Any] = {
-            "model": self.cfg.model, "steps": st.step, "epochs": st.epoch, "samples": st.samples,
-            "samples_per_s": self.samples_per_s(), "train_seconds": st.train_seconds,
-            "final_train_loss": st.history["loss"][-1] if st.history["loss"] else float("nan"),
-            "table_rows": sum(rows.values()), "table_rows_per_table": rows, "table_bytes": table_bytes,
-            "dense_bytes": dense_bytes, "device": str(self.device), "world_size": self.world_size,
-            "servers": self.cfg.servers if self.world_size > 1 else 0,
-            "data": self.source.description,
-        }
-        out.update(st.last_eval or {})
-        out.update(self.stale.waits() if self.world_size > 1 else {})
-        if self.count_calibration is not None:
-            out["count_calibration"] = self.count_calibration
-        if self.epoch_choice is not None:
-            out["chosen_epochs"], out["tail_auc"] = self.epoch_choice.epochs, list(self.epoch_choice.tail_auc)
-        tiers = self._tier_stats()
-        if tiers is not None:
-            out.update({k: tiers[k] for k in ("cache_hit_rate", "table_bytes_resident", "table_bytes_stored")})
-            out["tiers"] = tiers["tables"]
-        bayes = self.source.bayes()
-        if bayes is not None:
-            out["bayes_auc"], out["bayes_logloss"] = bayes.auc, bayes.logloss
-        out["history"] = st.history
-        return out
