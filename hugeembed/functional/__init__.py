@@ -9,7 +9,7 @@ from ._lookup import FusedEmbeddingLookup, RowGradHook
 from ._outputs import JaggedEmbeddings, PooledEmbeddings
 from ._plan import LookupPlan, Prepared
 from ._specs import FeatureSpec, TableSpec
-from ._reference import clip_rows
+from ._clip import clip_rows
 from ._safe import embedding_lookup_unpooled, fused_embedding_lookup, safe_embedding_lookup_sparse
 
 __all__ = [

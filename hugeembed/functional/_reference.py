@@ -6,7 +6,6 @@ group); only the per-table row gathers are a loop over tables."""
 
 from __future__ import annotations
 
-import functools
 from itertools import accumulate
 
 import numpy as np
@@ -16,10 +15,11 @@ from .._device import host_to_device
 from .._tensors import concat_ranges, kept_positions
 from ..errors import InputError
 from ..types import OutOfRange
+from ._clip import clip_rows, clip_rows_backward
 from ._plan import DimGroup, LookupPlan, Prepared, raise_offsets_error
 
 __all__ = ["prepare_torch", "pool_torch", "unpooled_torch", "backward_torch", "gradient_rows_torch",
-           "weights_backward_torch", "clip_rows", "clip_rows_backward"]
+           "weights_backward_torch"]
 
 _SUM, _MEAN, _SQRTN, _NONE = 0, 1, 2, 3
 
@@ -156,34 +156,6 @@ def _count(index: torch.Tensor, n: int) -> torch.Tensor:
     """int64 [n]: occurrences of each value in [0, n) in `index` (bincount would read the
     device for its output size)."""
     return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
-
-
-def clip_rows(rows: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """TF's clip_by_norm per row: ``rows * c / max(||row||, c)``."""
-    if not max_norm:
-        return rows
-    norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
-    c = _rounded(float(max_norm), rows.dtype)  # a Python scalar: a tensor of it would be a copy to the device
-    return (rows * c) / norm.clamp(min=c)
-
-
-@functools.lru_cache(maxsize=None)
-def _rounded(x: float, dtype: torch.dtype) -> float:
-    """`x` rounded to `dtype` (what a tensor of it would hold), as a Python float: computed once
-    per pair, so a step makes no op for it."""
-    return torch.tensor(x, dtype=dtype).item()
-
-
-def clip_rows_backward(rows: torch.Tensor, grad: torch.Tensor, max_norm: float | None) -> torch.Tensor:
-    """Transpose Jacobian of clip_rows at `rows` applied to `grad` (row-wise)."""
-    if not max_norm:
-        return grad
-    norm = torch.sqrt((rows * rows).sum(dim=1, keepdim=True))
-    clipped = (norm >= max_norm) & (norm > 0)
-    safe = torch.where(clipped, norm, torch.ones_like(norm))
-    xg = (rows * grad).sum(dim=1, keepdim=True)
-    projected = (max_norm / safe) * (grad - rows * (xg / (safe * safe)))
-    return torch.where(clipped, projected, grad)
 
 
 def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, runs=None) -> torch.Tensor:
