@@ -45,11 +45,22 @@ def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (
                 cmd.append("--no-stale-scale")
             elif opt.startswith("dc="):
                 cmd += ["--stale-compensation", opt.partition("=")[2]]
+            elif opt.startswith("dp<="):  # replicate the tables of the features with at most N distinct ids
+                cmd += [a for name in small_features(int(opt[4:])) for a in ("--shard", f"{name}=data_parallel")]
             else:  # FLAG=VALUE: any `hugeembed train` flag
                 flag, _, value = opt.partition("=")
                 cmd += [f"--{flag}", *(value.split("/") if value else ())]  # FLAG= : a switch
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
+
+
+def small_features(at_most: int) -> list[str]:
+    """The synthetic Criteo features with at most `at_most` distinct ids (Criteo Kaggle's counts): the hot
+    tables every batch updates (the planner replicates tables below 1 MiB, but it cannot size the
+    synthetic data's dynamic tables, so they are row-wise unless placed)."""
+    from hugeembed.data._synthetic_config import CRITEO_KAGGLE_CARDINALITIES
+
+    return [f"C{j + 1}" for j, n in enumerate(CRITEO_KAGGLE_CARDINALITIES) if n <= at_most]
 
 
 def jitter_bound(world: int, slack: int, p: float, f: float, steps: int = 20_000, seed: int = 0) -> float:
@@ -73,7 +84,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="+", default=["0,0:0.2:3", "4,0:0.2:3", "4,2:0.2:3", "4,4:0.2:3", "0,0", "1,0"],
                    help="K,D or K,D:P:F (table staleness, dense staleness, jitter), then options after K,D: "
-                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA), "
+                   "plain (--no-stale-scale: the unscaled steps), dc=LAMBDA (--stale-compensation LAMBDA), dp<=N (the "
+                   "tables of features with at most N distinct ids data-parallel: --shard C=data_parallel), "
                    "FLAG=VALUE (--FLAG VALUE, values split at '/'; FLAG=: the switch --FLAG)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
@@ -95,7 +107,7 @@ def main() -> None:
         kd, _, jitter = c.partition(":")
         k, d, *rest = kd.split(",") if "," in kd else (kd, "0")
         if any(o != "plain" and "=" not in o for o in rest):
-            p.error(f"case {c!r}: K,D[,plain][,dc=LAMBDA][,FLAG=VALUE][:P:F]")
+            p.error(f"case {c!r}: K,D[,plain][,dc=LAMBDA][,dp<=N][,FLAG=VALUE][:P:F]")
         cases.append((c, int(k), int(d or 0), jitter or None, tuple(rest)))
     if args.seeds:
         quality(cases, args)
