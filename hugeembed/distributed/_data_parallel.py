@@ -88,6 +88,11 @@ class ReplicatedGroup(OwnedRowsGroup):
         return 0
 
     def output_dist(self, st, readers) -> None:
+        if not st.replicas_late:  # else the pipeline reads them after the updates this batch may see
+            self.read_replica(st)
+
+    def read_replica(self, st) -> None:
+        """The batch's rows from this rank's replica as it is now (copied under staleness)."""
         own = st.own.get(self)
         overlay = own[5] if own is not None else {}
         for t, lt in zip(self.ts, self.lts):

@@ -13,6 +13,12 @@ rank waits for its peers only when it needs the rows of a batch or has K exchang
 rank stalled for a few steps is caught up with instead of gating every step.  K = 0 is the
 synchronous order (fetch(t), grads(t), fetch(t+1), ...).
 
+Data-parallel (replicated) tables may be read less stale: with ``replicated_staleness=R < K``
+a batch's fetch still registers its keys (admission, slots) K steps ahead, but the replica's
+rows are copied on the thread right after ``grads(b-R-1)`` -- ``read(b)`` -- so batch b reads
+the replicas with the updates of batches up to b-R-1 exactly (the trainer passes the dense
+delay D: replicas, hot rows every batch updates, follow the dense part's schedule).
+
 ``drain()`` waits until every exchange handed over has run (snapshots, evaluation and the end
 of training need a state no exchange is changing).
 """
@@ -85,12 +91,14 @@ class ExchangeThread:
 
 
 class PendingFetch:
-    """A training batch handed over ahead of its forward: its step, the batch and the fetch's Future."""
+    """A training batch handed over ahead of its forward: its step, the batch and the fetch's Future;
+    `late`: its replicas are read after a later step's grads (`read`: that read's Future once handed over)."""
 
-    __slots__ = ("step", "features", "future")
+    __slots__ = ("step", "features", "future", "late", "read")
 
-    def __init__(self, step: int, features, future: Future) -> None:
+    def __init__(self, step: int, features, future: Future, late: bool = False) -> None:
         self.step, self.features, self.future = step, features, future
+        self.late, self.read = late, None
 
 
 class StalePipeline:
@@ -102,22 +110,33 @@ class StalePipeline:
         staleness: K >= 0.
         row_scale: K >= 1: each row's step scaled by 1 / (1 + its updates in flight) (_stale_rows.py).
         compensation: lambda of the delay-compensated row gradients (_stale_comp.py); 0: off.
+        replicated_staleness: R in [0, K]: data-parallel tables read after grads(b-R-1) (None: K).
     """
 
-    def __init__(self, coll, staleness: int, row_scale: bool = True, compensation: float = 0.0) -> None:
+    def __init__(self, coll, staleness: int, row_scale: bool = True, compensation: float = 0.0,
+                 replicated_staleness: int | None = None) -> None:
         self.coll, self.staleness = coll, staleness
-        self.rows = RowStaleness(staleness) if staleness and row_scale else None
+        self.replicated = staleness if replicated_staleness is None else replicated_staleness
+        self.rows = RowStaleness(staleness, coll._replicated_tables()) if staleness and row_scale else None
         self.compensation = DelayCompensation(staleness, compensation) if staleness and compensation else None
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
+        self.late: dict[int, PendingFetch] = {}  # step s -> the fetch whose replica read follows grads(s)
+        self.grads_through: int | None = None  # the last step whose grads were handed over
         self.waited = 0.0  # seconds the training forwards blocked on their rows (the fetch not done yet)
 
     def enqueue(self, features) -> None:
         """Hands the next training batch over (it runs after the grads of every step before it minus K)."""
         step = self.coll.step + len(self.ahead) + 1  # (the collection's step: training forwards taken, or loaded)
-        fut = self.thread.submit(lambda: self._fetch(features, step))
-        self.ahead.append(PendingFetch(step, features, fut))
+        done = self.coll.step if self.grads_through is None else self.grads_through
+        # replicas read at the fetch hold the updates of every step up to `done`: later when that is too fresh
+        late = self.replicated < self.staleness and step - self.replicated - 1 > done and self.coll._has_replicas
+        fut = self.thread.submit(lambda: self._fetch(features, step, late))
+        pending = PendingFetch(step, features, fut, late)
+        self.ahead.append(pending)
+        if late:
+            self.late[step - self.replicated - 1] = pending
 
     def take(self, features, step: int):
         """The StepState of the training forward of `step` (its fetch handed over before)."""
@@ -133,17 +152,32 @@ class StalePipeline:
             raise ShardingError(f"step {step}: the forward's batch is not the one handed over for step {head.step} "
                                 f"(collection.enqueue): forwards must take the enqueued batches, in order")
         self.ahead.popleft()
+        if head.late and head.read is None:  # no backward handed the read over (a step without grads): now
+            self._submit_read(self.late.pop(head.step - self.replicated - 1))
         t0 = time.perf_counter()
         try:
-            return self._result(head.future)
+            st = self._result(head.future)
+            if head.read is not None:
+                self._result(head.read)
+            return st
         finally:
             self.waited += time.perf_counter() - t0
 
-    def _fetch(self, features, step: int):
+    def _fetch(self, features, step: int, late: bool):
         for record in (self.rows, self.compensation):
             if record is not None:
                 record.fetched(step)
-        return self.coll._fetch_step(features, step)
+        return self.coll._fetch_step(features, step, replicas_late=late)
+
+    def _submit_read(self, pending: PendingFetch) -> None:
+        fetch = pending.future
+
+        def read() -> None:
+            if self.rows is not None:
+                self.rows.read_replicas(pending.step)
+            self.coll._read_replicas(fetch.result())
+
+        pending.read = self.thread.submit(read)
 
     def _grads(self, st) -> None:
         self.coll._grad_exchange(st)
@@ -153,6 +187,9 @@ class StalePipeline:
 
     def submit_grads(self, st) -> None:
         self.grads.append(self.thread.submit(lambda: self._grads(st)))
+        self.grads_through = st.step
+        if st.step in self.late:  # the replicas of batch step + R + 1 are read right after this step's update
+            self._submit_read(self.late.pop(st.step))
         while self.grads and self.grads[0].done():
             self._result(self.grads.popleft())
 
@@ -162,6 +199,8 @@ class StalePipeline:
             self._result(self.grads.popleft())
         for p in self.ahead:
             self._result(p.future)
+            if p.read is not None:
+                self._result(p.read)
 
     @staticmethod
     def _result(fut: Future):

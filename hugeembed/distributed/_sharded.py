@@ -76,6 +76,9 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
             batches that updated it since its fetch (distributed/_stale_rows.py); False: the plain step.
         stale_compensation: with K >= 1, lambda of the delay-compensated row gradients
             g + lambda * g * g * (w_now - w_read) (DC-ASGD, distributed/_stale_comp.py); 0: off.
+        replicated_staleness: R in [0, K] (None: K): data-parallel tables' rows read for batch t hold
+            the updates of batches up to t-R-1 exactly (their keys still registered K steps ahead);
+            the trainer passes its dense delay D (replicas are the small, hot tables).
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -100,7 +103,8 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
                  seed: int = 0, backend: str = "auto", timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
                  gradient_reduction: str = "mean", memory_budget_per_rank: int | None = None,
                  storage_owner: str | None = None, staleness: int | None = None, servers: int = 0,
-                 stale_row_scale: bool = True, stale_compensation: float = 0.0) -> None:
+                 stale_row_scale: bool = True, stale_compensation: float = 0.0,
+                 replicated_staleness: int | None = None) -> None:
         tables = list(tables)
         device = canonical_device(device)
         if gradient_reduction not in ("mean", "sum"):
@@ -133,8 +137,20 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
             if isinstance(stale_compensation, bool) or not isinstance(stale_compensation, (int, float)) \
                     or not 0 <= stale_compensation < float("inf"):
                 raise ConfigError(f"stale_compensation must be a number >= 0 (lambda), got {stale_compensation!r}")
+            if replicated_staleness is not None and (isinstance(replicated_staleness, bool) or not isinstance(
+                    replicated_staleness, int) or not 0 <= replicated_staleness <= staleness):
+                raise ConfigError(f"replicated_staleness must be an int in [0, staleness={staleness}] (steps), got "
+                                  f"{replicated_staleness!r}")
+            if stale_compensation and replicated_staleness is not None and replicated_staleness < staleness \
+                    and self._has_replicas:
+                raise NotImplementedError("stale_compensation with replicated_staleness < staleness: the delay "
+                                          "compensation measures a row's drift from its fetch, not from a later read "
+                                          "of the data-parallel tables")
             self._pipeline = StalePipeline(self, staleness, row_scale=stale_row_scale,
-                                           compensation=float(stale_compensation))
+                                           compensation=float(stale_compensation),
+                                           replicated_staleness=replicated_staleness)
+        elif replicated_staleness is not None:
+            raise ConfigError("replicated_staleness needs staleness=K (a pipelined collection)")
 
     # -- construction -----------------------------------------------------------------
 

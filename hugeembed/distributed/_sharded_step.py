@@ -12,6 +12,7 @@ import torch
 from ..errors import ShardingError
 from ..features import SparseFeatures
 from ..functional import JaggedEmbeddings, PooledEmbeddings
+from ._data_parallel import ReplicatedGroup
 from ._step import MAGIC, ExchangeBackward, StepState
 from ._wire import DTYPE_CODE, Packer, readers
 
@@ -39,14 +40,17 @@ class ShardedStep:
             self._pipeline.drain()  # an eval forward's collectives run here, with the thread idle
         return self._pool(self._fetch_step(features, step, training))
 
-    def _fetch_step(self, features: SparseFeatures, step: int, training: bool = True) -> StepState:
-        """input_dist -> compute -> output_dist of one batch (on the exchange thread under staleness)."""
+    def _fetch_step(self, features: SparseFeatures, step: int, training: bool = True,
+                    replicas_late: bool = False) -> StepState:
+        """input_dist -> compute -> output_dist of one batch (on the exchange thread under staleness);
+        `replicas_late`: the replicated rows are copied later, by :meth:`_read_replicas`."""
         if features.batch_size and self.is_server:
             raise ShardingError(f"rank {self.rank} of {self.world_size} is a server (servers={self.servers}): it "
                                 f"reads no data, so its batches are empty; got {features.batch_size} samples")
         scale = 1.0 / self.workers if self.gradient_reduction == "mean" else 1.0
         st = StepState(training, step, self.rank, self.world_size, features.batch_size, scale)
         st.stale_reads = training and self._pipeline is not None and self._pipeline.staleness > 0
+        st.replicas_late = st.stale_reads and replicas_late
         self.comm.step = step
         self.comm.stats.new_step()
         self.input_dist(st, features)
@@ -116,6 +120,20 @@ class ShardedStep:
         for rd in rds:
             if rd is not None:
                 rd.finish()
+
+    @property
+    def _has_replicas(self) -> bool:
+        return any(isinstance(route, ReplicatedGroup) for route in self._routes)
+
+    def _replicated_tables(self) -> frozenset[int]:
+        """Indices of the data-parallel tables."""
+        return frozenset(t for route in self._routes if isinstance(route, ReplicatedGroup) for t in route.ts)
+
+    def _read_replicas(self, st: StepState) -> None:
+        """The replicated rows of a fetched batch whose read was left for later (``replicas_late``), as now."""
+        for route in self._routes:
+            if isinstance(route, ReplicatedGroup):
+                route.read_replica(st)
 
     def _pool(self, st: StepState) -> PooledEmbeddings:
         """Local pooling from the received rows / replicas, then the outputs in the unsharded layout."""

@@ -35,22 +35,30 @@ class RowStaleness:
     """An owner's record of the steps it applied since each pending fetch (one per collection).
 
     The exchange thread calls ``fetched(step)`` when it reads the rows of a training step,
+    ``read_replicas(step)`` when it copies the step's replicated rows later than its fetch
+    (``replicated_staleness``: the tables in `replicated` count from there),
     ``applying(step, t, keys)`` for the keys of table t it is about to update (the scale), and
     ``applied(step)`` once the step's updates are all in."""
 
-    def __init__(self, staleness: int) -> None:
+    def __init__(self, staleness: int, replicated: frozenset[int] = frozenset()) -> None:
         self.staleness = staleness
+        self.replicated = replicated
         self._done = 0  # steps applied so far
         self._history: collections.deque = collections.deque(maxlen=staleness + 1)  # (index, {t: keys})
         self._current: dict[int, torch.Tensor] = {}
         self._marks: dict[int, int] = {}  # step -> steps applied when its rows were read
+        self._replica_marks: dict[int, int] = {}  # step -> the same for its replicas read late
 
     def fetched(self, step: int) -> None:
         self._marks[step] = self._done
 
+    def read_replicas(self, step: int) -> None:
+        self._replica_marks[step] = self._done
+
     def counts(self, step: int, t: int, keys: torch.Tensor) -> torch.Tensor:
         """n per key of table t in step `step`'s update (0 for a step not fetched through here)."""
-        mark = self._marks.get(step, self._done)
+        marks = self._replica_marks if t in self.replicated and step in self._replica_marks else self._marks
+        mark = marks.get(step, self._done)
         since = [keys_of[t] for i, keys_of in self._history if i >= mark and t in keys_of]
         return staleness_counts(keys, since)
 
@@ -63,6 +71,7 @@ class RowStaleness:
 
     def applied(self, step: int) -> None:
         self._marks.pop(step, None)
+        self._replica_marks.pop(step, None)
         self._history.append((self._done, self._current))
         self._current = {}
         self._done += 1

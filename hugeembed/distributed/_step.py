@@ -48,6 +48,7 @@ class StepState:
         self.outputs: list = []
         self.flight = None  # InFlight of the owner rows this rank fetched for a training step
         self.stale_reads = False  # rows are read K >= 1 steps ahead: replicas are copied at the fetch
+        self.replicas_late = False  # ... or later (replicated_staleness < K): _read_replicas copies them
 
 
 class ExchangeBackward(torch.autograd.Function):

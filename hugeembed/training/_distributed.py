@@ -72,7 +72,10 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
                                           storage_owner=owner, staleness=cfg.staleness or None, servers=cfg.servers,
                                           stale_row_scale=cfg.stale_scale,
-                                          stale_compensation=float(cfg.stale_compensation), **kw)
+                                          stale_compensation=float(cfg.stale_compensation),
+                                          # replicas (the small, hot tables) follow the dense part's delay
+                                          replicated_staleness=min(cfg.staleness, cfg.dense_staleness)
+                                          if cfg.staleness else None, **kw)
 
     return build
 

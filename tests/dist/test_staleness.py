@@ -25,12 +25,14 @@ pytestmark = pytest.mark.dist
 STEPS = 6
 LAMBDA = 2.0
 NAMES = ("a", "b", "c")
+REPLICATED = ((2, 0), (3, 1))  # (K, R): "b", the data-parallel table, read R steps stale, the others K
 
 
 @pytest.fixture(scope="module")
 def runs():
     return run_ranks(2, "tests.dist.workers_stale:main", {"steps": STEPS, "stale": (0, 2, 3),
-                                                          "compensated": ((2, LAMBDA), (0, LAMBDA))})
+                                                          "compensated": ((2, LAMBDA), (0, LAMBDA)),
+                                                          "replicated": REPLICATED})
 
 
 def _same(a, b) -> bool:
@@ -59,8 +61,11 @@ def test_a_given_staleness_is_reproducible_bit_for_bit_and_differs_from_synchron
         assert not _same(first["outputs"], sync["outputs"])  # later batches read older rows
 
 
-def _oracle(steps: int, k: int, lam: float | None = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Outputs and final rows of the linear run; lam None: staleness-aware steps, else DC-ASGD alone."""
+def _oracle(steps: int, k: int, lam: float | None = None,
+            r: int | None = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs and final rows of the linear run; lam None: staleness-aware steps, else DC-ASGD alone;
+    r: the data-parallel table "b" read r steps stale (its in-flight batches j-r .. j-1), the others k."""
+    delay = {n: k if r is None or n != "b" else r for n in NAMES}
     ref = EmbeddingCollection(linear_tables())
     rows = {n: s.export().rows[:, :4].double() for n, s in zip(NAMES, (s for _, s in ref.stores()))}
     keys = {n: s.export().keys for n, s in zip(NAMES, (s for _, s in ref.stores()))}
@@ -84,16 +89,16 @@ def _oracle(steps: int, k: int, lam: float | None = None) -> tuple[list[torch.Te
                 d = -0.5 * g
                 # the batches in flight between batch j's fetch and its update (j-K .. j-1) that hold
                 # the same key: the row's step is scaled by 1 / (1 + their number)
-                n_in_flight = sum(idx in touched[s][n] for s in range(max(0, j - k), j))
+                n_in_flight = sum(idx in touched[s][n] for s in range(max(0, j - delay[n]), j))
                 new[n][idx] += d / (1 + n_in_flight)
         w = new
         states.append(w)
     outs = []
     for j in range(steps):
-        sf, seen = linear_batch(j, 0, 1), states[max(0, j - k)]  # after batches 0 .. j-k-1
+        sf = linear_batch(j, 0, 1)
         out = torch.zeros(8, 12, dtype=torch.float64)
         for f, n in enumerate(NAMES):
-            feat = sf.feature(n)
+            seen, feat = states[max(0, j - delay[n])], sf.feature(n)  # after batches 0 .. j-k-1
             for i in range(8):
                 for idx in feat.values[feat.offsets[i] : feat.offsets[i + 1]].tolist():
                     out[i, 4 * f : 4 * f + 4] += seen[n][idx]
@@ -111,6 +116,27 @@ def test_batch_j_reads_the_updates_of_batches_up_to_j_minus_k_minus_1_exactly(ru
     for n in NAMES:
         rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
         torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)  # every update applied once, after drain
+
+
+@pytest.mark.parametrize("k,r", REPLICATED)
+def test_a_data_parallel_table_read_r_steps_stale_while_the_others_read_k(runs, k, r):
+    want, final = _oracle(STEPS, k, r=r)
+    first = tuple(x["linear"][("R", k, r)][0] for x in runs)
+    second = tuple(x["linear"][("R", k, r)][1] for x in runs)
+    assert _same(first, second)  # a given (K, R) reproducible bit for bit
+    for j in range(STEPS):
+        got = torch.cat([first[0]["outputs"][j], first[1]["outputs"][j]]).double()
+        torch.testing.assert_close(got, want[j], rtol=1e-5, atol=1e-6, msg=lambda m: f"K={k} R={r} batch {j}: {m}")
+    merged = merge_shards([x["tables"] for x in first], replicated={"b"})
+    for n in NAMES:
+        rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
+        torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)
+    if r == 0:  # the replica's loss term is its own: it follows the synchronous run bit for bit, step by step
+        for x, sync in zip(first, (x["linear"][0] for x in runs)):
+            for j in range(STEPS):
+                assert torch.equal(x["outputs"][j][:, 4:8], sync["outputs"][j][:, 4:8]), j
+            # while the row-wise and table-wise tables' reads are K steps stale
+            assert not all(torch.equal(x["outputs"][j], sync["outputs"][j]) for j in range(STEPS))
 
 
 @pytest.mark.parametrize("k", [2, 0])

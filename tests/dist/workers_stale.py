@@ -53,7 +53,7 @@ def train_linear(ec, steps: int, rank: int, world: int, ahead: int) -> list[torc
 
 
 def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2, 3),
-         compensated: tuple = ()) -> dict:
+         compensated: tuple = (), replicated: tuple = ()) -> dict:
     group = new_embedding_group("cpu", 30.0)
 
     def build(ts, plan, k, **kw):
@@ -71,6 +71,11 @@ def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2,
         ec = build(linear_tables(), LINEAR_PLAN, k)
         outs = train_linear(ec, steps, rank, world, k)
         out["linear"][k] = {"outputs": outs, "tables": export_all(ec)}
+    for k, r in replicated:  # the data-parallel table read R < K steps stale, twice (reproducible)
+        for _ in range(2):
+            ec = build(linear_tables(), LINEAR_PLAN, k, replicated_staleness=r)
+            outs = train_linear(ec, steps, rank, world, k)
+            out["linear"].setdefault(("R", k, r), []).append({"outputs": outs, "tables": export_all(ec)})
     for k, lam in compensated:  # delay-compensated row gradients alone (no 1 / (1 + n) scale)
         ec = build(linear_tables(), LINEAR_PLAN, k, stale_row_scale=False, stale_compensation=lam)
         outs = train_linear(ec, steps, rank, world, k)
