@@ -15,22 +15,26 @@ from .test_train_cli import PER_PROCESS, toml
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def _train(tmp_path, name: str, *flags: str) -> dict:
+def _train(tmp_path, name: str, *flags: str, kd: tuple[int, int] = (2, 2)) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
-           "--staleness", "2", "--dense-staleness", "2", "--summary-json", str(out), "--quiet", *flags]
+           "--staleness", str(kd[0]), "--dense-staleness", str(kd[1]), "--summary-json", str(out), "--quiet", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
 
 
-def test_a_staleness_run_resumed_from_its_snapshot_equals_the_uninterrupted_run(tmp_path):
+# (3, 1): the data-parallel tables read 1 step stale (the dense delay), the others 3
+@pytest.mark.parametrize("kd, shard", [((2, 2), ()), ((3, 1), ("--shard", "C6=data_parallel", "--shard",
+                                                               "C9=data_parallel"))])
+def test_a_staleness_run_resumed_from_its_snapshot_equals_the_uninterrupted_run(tmp_path, kd, shard):
     (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
-    whole = _train(tmp_path, "whole", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "6")
-    _train(tmp_path, "first", "--checkpoint-dir", str(tmp_path / "b"), "--steps", "6")
+    whole = _train(tmp_path, "whole", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "6", *shard,
+                   kd=kd)
+    _train(tmp_path, "first", "--checkpoint-dir", str(tmp_path / "b"), "--steps", "6", *shard, kd=kd)
     resumed = _train(tmp_path, "resumed", "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", "6",
-                     "--resume")
+                     "--resume", *shard, kd=kd)
     assert whole["steps"] == resumed["steps"] == 12
     # bit for bit: the same figures to the last digit, the same rows admitted
     assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]
