@@ -15,6 +15,8 @@ stay free).  samples/s counts the training steps and the pipeline's drains, not 
     python bench/staleness.py --seeds 0 1 --cases 4,1,lr-decay=0.5 --steps 1500   # any train flag: FLAG=VALUE
     python bench/staleness.py --seeds 0 --init-seeds 0 1 2 3 --cases 4,1 --eval-rows 64000 --steps 1500
         # the noise floor: the same data, other inits (--init-seed); per case its paired deltas' mean and se
+    python bench/staleness.py --seeds 0 --init-seeds 0 1 3 --cases "4,1,dp<=6000" --eval-rows 64000 --steps 1500
+        # the 16 tables of at most 6000 ids data-parallel (read min(K, D) steps stale; docs/distributed.md)
 """
 
 from __future__ import annotations

@@ -160,9 +160,11 @@ def add_parser(sub) -> None:
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")
     d.add_argument("--staleness", type=int, metavar="K", help="run the table exchanges K steps ahead: a rank stalled "
                    "for a few steps no longer stalls everyone at the tables; batch t reads the updates of batches up "
-                   "to t-K-1, exactly (default 0: synchronous; the dense gradients: --dense-staleness)")
+                   "to t-K-1, exactly (default 0: synchronous; the dense gradients and the data-parallel tables: "
+                   "--dense-staleness)")
     d.add_argument("--dense-staleness", type=int, metavar="D", help="all-reduce the dense gradients in the background "
-                   "and apply those of step t at step t+D (default 0: at their own step, as DDP does)")
+                   "and apply those of step t at step t+D (default 0: at their own step, as DDP does); with --staleness K, the "
+                   "data-parallel tables' rows read min(K, D) steps stale too")
     d.add_argument("--stale-scale", action=argparse.BooleanOptionalAction, default=None, help="under staleness: "
                    "each row's step scaled by 1/(1+n), n its updates in flight, and delayed dense steps at 1/(1+D) of "
                    "the dense lr (default on; --no-stale-scale: plain steps)")

@@ -124,7 +124,9 @@ class TrainConfig:
             reads the rows holding the updates of batches up to t-K-1 exactly; docs/distributed.md);
             0: synchronous.
         dense_staleness: distributed runs: D >= 1 all-reduces the dense gradients in the background
-            and applies those of step t at step t+D (instead of DDP); 0: at their own step.
+            and applies those of step t at step t+D (instead of DDP); 0: at their own step.  With
+            staleness K the data-parallel (small, hot) tables' rows are read min(K, D) steps stale
+            (without stale_compensation).
         stale_scale: under staleness, staleness-aware steps: each row's step scaled by 1 / (1 + the
             batches in flight that updated it since its fetch), a delayed dense step (D >= 1) at
             1 / (1 + D) of the dense lr (docs/distributed.md); False: plain steps.
