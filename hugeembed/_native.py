@@ -20,7 +20,6 @@ import functools
 import importlib.machinery
 import os
 import threading
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -236,20 +235,18 @@ def call(name: str, bufs=(), ints=(), reals=()) -> int:
     else:
         fr.busy = True
         try:
-            # Each distinct buffer's entry made once (the tables of a group give one tensor per
-            # table): the per-buffer passes are C-level (map, zip, dict), no Python per table.
-            types, ids = _TYPES, list(map(id, bufs))
-            first = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # id -> its first position
-            entry_of = {}
-            for k in sorted(first.values()):
-                b = bufs[k]
+            # One plain pass over the buffers: the kernels take each row storage once (of_table
+            # says which a table reads), so no caller repeats a buffer per table, and a dict of
+            # distinct buffers cost 2x this loop for the optimizer's 3 (bench/ab_lookup.py).
+            fb, types, j = fr.bufs, _TYPES, 0
+            for k, b in enumerate(bufs):
                 # the common case inline (~0.3 us a buffer)
                 if type(b) is torch.Tensor and b.is_cpu and b.is_contiguous() and b.dtype in types:
                     n = b.numel()
-                    entry_of[ids[k]] = (b.data_ptr() if n else 0, n, types[b.dtype])
+                    fb[j], fb[j + 1], fb[j + 2] = b.data_ptr() if n else 0, n, types[b.dtype]
                 else:
-                    entry_of[ids[k]] = _entry(name, k, b)
-            fr.bufs[: 3 * len(bufs)] = list(chain.from_iterable(map(entry_of.__getitem__, ids)))
+                    fb[j], fb[j + 1], fb[j + 2] = _entry(name, k, b)
+                j += 3
             c = fr.record
             fr.ints[: len(ints)] = ints
             fr.reals[: len(reals)] = reals
