@@ -208,9 +208,11 @@ class TorchIndex:
             crowd, at = _crowding(g, k[fresh], t[fresh])
             if crowd > need[7]:  # the new keys' own chains, placed alone: ids chosen to collide
                 need[7], need[6] = crowd, at
-        # per table: rows made, keys left pending, pending keys promoted (one pass, one read)
-        rows_t, pend_t, promoted_t = torch.zeros(3, T, dtype=torch.int64, device=dev).index_add_(
-            1, t, torch.stack([gets_row, waits, promote]).to(torch.int64)).tolist()
+        # per table: rows made, keys left pending, pending keys promoted (one pass, one read; kept as a host
+        # tensor too, for the tables' counters below: no tensor made from Python ints per table)
+        per_t = torch.zeros(3, T, dtype=torch.int64, device=dev).index_add_(
+            1, t, torch.stack([gets_row, waits, promote]).to(torch.int64)).cpu()
+        rows_t, pend_t, _ = per_t.tolist()
         need[NEED_HEAD::2], need[NEED_HEAD + 1 :: 2] = rows_t, pend_t  # table j's at NEED_HEAD + 2j, + 1
         need[0], need[1], need[2] = fresh.numel(), sum(rows_t), sum(pend_t)
         if hits is not None:
@@ -227,7 +229,7 @@ class TorchIndex:
                 need[4], need[5] = int(dup[1]), int(dup[0])
                 return Outcome.DUPLICATE_KEY, _state(g, need), ()
         tab = g.tables
-        if bool((tab[:, T_ROWS] + torch.tensor(rows_t) > tab[:, T_ROW_LIMIT]).any()):
+        if bool((tab[:, T_ROWS] + per_t[0] > tab[:, T_ROW_LIMIT]).any()):
             return Outcome.OVER_LIMIT, _state(g, need), ()
         if need[7] > PROBE_LIMIT:
             return Outcome.LONG_PROBE, _state(g, need), ()
@@ -248,8 +250,8 @@ class TorchIndex:
         rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
         claim(g.buckets, rec, pos[fresh])
         st[G_ENTRIES] += fresh.numel()
-        tab[:, T_ROWS] += torch.tensor(rows_t, dtype=torch.int64)
-        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - torch.tensor(promoted_t, dtype=torch.int64)
+        tab[:, T_ROWS] += per_t[0]
+        tab[:, T_PENDING] += per_t[1] - per_t[2]
         out[sel] = torch.where(code_now >= 0, code_now, -1)
         need[3] = slots.numel()
         return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row])
