@@ -35,13 +35,13 @@ class LookupRun:
     """State of one lookup between forward and backward."""
 
     def __init__(self, owner: "FusedEmbeddingLookup", prep: Prepared, storages, slots, params, hook,
-                 unsure: list[int]) -> None:
+                 unsure: list[int], runs_hold: bool = False) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
         # the tables whose ids may have no row (slot -1): the backward looks for those in them only
         self.params, self.hook, self.runs, self.unsure = params, hook, owner._runs, unsure
         self.native = prep.native and _storages_native_ok(storages)
         self.triton = not self.native and owner.triton_pools(prep.offsets.device)
-        self.dtypes = owner.output_dtypes(storages)
+        self.dtypes = owner.output_dtypes(storages, runs_hold)
         # a training lookup over tables that give every id a row, laid end to end: no slot is -1
         self.every_row = prep.packed and not unsure and hook is not None
         self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
