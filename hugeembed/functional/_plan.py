@@ -211,6 +211,9 @@ class LookupPlan:
         """(each table's first key, the sentinel key past every key) for one sort of linear keys ``base[t] + id``
         when every table is static (its ids, range-checked, in [0, num_rows)); (zeros, None) when a table is
         dynamic (any int64 id: a sort by id, then by table)."""
+        return self.memo(("linear keys", canonical_device(device)), lambda: self._linear_keys(device))
+
+    def _linear_keys(self, device) -> tuple[torch.Tensor, int | None]:
         rows = [t.num_rows for t in self.tables]
         if any(r is None for r in rows) or sum(rows) >= 2**62:
             return self.on_device((0,) * len(rows), device), None
