@@ -88,6 +88,11 @@ class FusedEmbeddingLookup:
         self._storage_runs = None if self._runs is None else [
             (a, b, D, max(-1 if t.num_rows is None else t.num_rows for t in self.plan.tables[a : b + 1]))
             for D, runs in self._runs.items() for a, b in runs]
+        # per dim group, the first table of each storage run its tables lie in: where those runs hold (each
+        # run's tables read one tensor, as _check_storages finds), the group's dtypes are theirs
+        first_of = {t: a for a, b, _, _ in self._storage_runs or () for t in range(a, b + 1)}
+        self._group_run_firsts = None if self._runs is None else [sorted({first_of[t] for t in ts})
+                                                                  for ts in self._group_tables]
         if complete is not None and len(complete) != self.plan.num_tables:
             raise ConfigError(f"complete has {len(complete)} entries for {self.plan.num_tables} tables")
         self._complete = [False] * self.plan.num_tables if complete is None else [bool(c) for c in complete]
@@ -177,8 +182,9 @@ class FusedEmbeddingLookup:
         prep.id_bounds = self.plan.id_bounds  # (every prepare checks each static id against its table's rows)
         return prep
 
-    def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> None:
-        """Each table: a float tensor of the plan's shape on the batch's `device` (O(tables), no sync)."""
+    def _check_storages(self, storages: Sequence[torch.Tensor], device: torch.device) -> bool:
+        """Each table: a float tensor of the plan's shape on the batch's `device` (O(tables), no sync).
+        True when the tables of each storage run read one tensor (the row groups hold)."""
         if len(storages) != self.plan.num_tables:
             raise ConfigError(f"lookup of tables {[t.name for t in self.plan.tables]} needs {self.plan.num_tables} "
                               f"tables, got {len(storages)}")
@@ -190,7 +196,7 @@ class FusedEmbeddingLookup:
                 if ids[a : b + 1].count(ids[a]) != b + 1 - a or not _rows_fit(s, dim, rows, device):
                     break  # (the per-table pass below names the table at fault)
             else:
-                return
+                return True
         # per table: one read of the shape (s.size(i) costs twice as much); consecutive tables of one
         # tensor checked once for their dim and rows
         last, shape = _UNSET, ()
@@ -210,6 +216,7 @@ class FusedEmbeddingLookup:
             if s.device != device:
                 raise InputError(f"table {spec.name!r} is on {s.device} but the batch is on {device}: "
                                  "move one of them (batch.to(device))")
+        return False
 
     def pooled_from_groups(self, groups: Sequence[torch.Tensor]) -> PooledEmbeddings:
         """The output of this lookup from blocks pooled elsewhere: one ``[B, F_g, D_g]`` per dim group of
@@ -261,10 +268,12 @@ class FusedEmbeddingLookup:
         dtypes = self.output_dtypes(storages)
         return PooledEmbeddings(self.plan.pooled_names(), [o.to(dt) for o, dt in zip(outs, dtypes)], self._where, {})
 
-    def output_dtypes(self, storages: Sequence[torch.Tensor]) -> list[torch.dtype]:
-        """Per dim group, the dtype of its outputs: its tables' row dtypes promoted."""
+    def output_dtypes(self, storages: Sequence[torch.Tensor], runs_hold: bool = False) -> list[torch.dtype]:
+        """Per dim group, the dtype of its outputs: its tables' row dtypes promoted.  `runs_hold`: each storage
+        run's tables read one tensor (_check_storages said so): one read per run, not per table."""
         out = []
-        for ts in self._group_tables:
+        for ts in (self._group_run_firsts if runs_hold and self._group_run_firsts is not None else
+                   self._group_tables):
             read = list(map(storages.__getitem__, ts))  # (the distinct tensors below: no Python per table)
             dts = {s.dtype for s in dict(zip(map(id, read), read)).values()}
             dt = dts.pop() if dts else torch.float32
@@ -294,7 +303,7 @@ class FusedEmbeddingLookup:
             runs: with a hook, no autograd graph: the lookup's state is appended here and its
                 ``backward(grads, False)`` later runs the hook (a custom op's backward, nn/_ops.py).
         """
-        self._check_storages(storages, prep.offsets.device)
+        runs_hold = self._check_storages(storages, prep.offsets.device)
         if row_grad_hook is None and params:
             if len(params) != self.plan.num_tables:
                 raise ConfigError("without a row_grad_hook, params must be the table weights, one per table")
@@ -312,7 +321,7 @@ class FusedEmbeddingLookup:
         # static tables read through static_slots(): the slots are the ids prepare range-checked,
         # so none is -1 (the backward's check would be a pass over every slot for nothing)
         unsure = self._unsure_by_ids if slots is prep.unique_keys else self._unsure
-        run = LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, unsure)
+        run = LookupRun(self, prep, list(storages), slots, list(params), row_grad_hook, unsure, runs_hold)
         run.weights_grad = weights_grad  # (known here: a Function's forward runs with grad disabled)
         if runs is not None and row_grad_hook is not None and not weights_grad:
             runs.append(run)

@@ -35,13 +35,15 @@ class LookupRun:
     """State of one lookup between forward and backward."""
 
     def __init__(self, owner: "FusedEmbeddingLookup", prep: Prepared, storages, slots, params, hook,
-                 unsure: list[int]) -> None:
+                 unsure: list[int], runs_hold: bool = False) -> None:
         self.owner, self.prep, self.storages, self.slots = owner, prep, storages, slots
         # the tables whose ids may have no row (slot -1): the backward looks for those in them only
         self.params, self.hook, self.runs, self.unsure = params, hook, owner._runs, unsure
         self.native = prep.native and _storages_native_ok(storages)
         self.triton = not self.native and owner.triton_pools(prep.offsets.device)
-        self.dtypes = owner.output_dtypes(storages)
+        self.dtypes = owner.output_dtypes(storages, runs_hold)
+        # a training lookup over tables that give every id a row, laid end to end: no slot is -1
+        self.every_row = prep.packed and not unsure and hook is not None
         self.read = None  # (rows, slots into them) as the forward read them, when the backward reads rows
         self.weights_grad = False  # the per-id weights get a gradient (set by lookup)
 
@@ -54,11 +56,11 @@ class LookupRun:
                 o = (pool_native(plan, prep, self.storages, self.slots, group) if self.native
                      else pool_triton(plan, prep, self.storages, self.slots, group) if self.triton else None)
                 if o is None:  # (what the triton kernel does not take)
-                    o = pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs)
+                    o = pool_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs, self.every_row)
                 outs.append(o.to(self.dtypes[g]))
             if group.unpooled:
                 o = (unpooled_native(plan, prep, self.storages, self.slots, group) if self.native
-                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs))
+                     else unpooled_torch(plan, prep, self.storages, self.slots, group, cdt, self.runs, self.every_row))
                 outs.append(o.to(self.dtypes[g]))
         self._keep_rows_read()
         return outs
@@ -110,8 +112,9 @@ class LookupRun:
             # (the triton kernels sum each row in batch order, with no [ids, D] product and no float atomics)
             rows = (gradient_rows_triton(plan, prep, pooled) if self.triton and sums_on_triton(prep, pooled, unpooled)
                     else gradient_rows_torch(plan, prep, pooled, unpooled))
-            if len(plan.tables_by_dim) == 1 and not plan.clipped and prep.capacity == sum(prep.unique_count) and \
-                    prep.unique_base == list(accumulate(prep.unique_count[:-1], initial=0)):
+            if len(plan.tables_by_dim) == 1 and not plan.clipped and (prep.packed or (
+                    prep.capacity == sum(prep.unique_count) and
+                    prep.unique_base == list(accumulate(prep.unique_count[:-1], initial=0)))):
                 # one dim, nothing clipped, tables end to end from 0: the dim's gradient rows are the block
                 blocks, row0, table_grads = rows, prep.unique_base, None
             else:

@@ -9,6 +9,7 @@ Python work beyond dispatching one kernel per stage (and one pool per dim group)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import NoReturn, Sequence
 
 import torch
@@ -65,6 +66,11 @@ class Prepared:
     # what the torch stages derive from the batch alone, made once for the forward and its backward
     # (functional/_reference.py: a group's id positions and bag divisors)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+    # the tables' unique keys lie end to end from 0 (no gaps: every slot belongs to a table), as the torch and
+    # triton prepares lay them out; False: unknown (the native prepare leaves gaps)
+    packed: bool = False
+    # int64 [capacity]: each unique key's table (the torch prepare's), or None
+    unique_tables: torch.Tensor | None = None
 
     def keys_of(self, t: int) -> torch.Tensor:
         b = self.unique_base[t]
@@ -201,6 +207,18 @@ class LookupPlan:
             got = self._memo[key] = make()
         return got
 
+    def linear_keys(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int | None]:
+        """(each table's first key, the sentinel key past every key) for one sort of linear keys ``base[t] + id``
+        when every table is static (its ids, range-checked, in [0, num_rows)); (zeros, None) when a table is
+        dynamic (any int64 id: a sort by id, then by table)."""
+        return self.memo(("linear keys", canonical_device(device)), lambda: self._linear_keys(device))
+
+    def _linear_keys(self, device) -> tuple[torch.Tensor, int | None]:
+        rows = [t.num_rows for t in self.tables]
+        if any(r is None for r in rows) or sum(rows) >= 2**62:
+            return self.on_device((0,) * len(rows), device), None
+        return self.on_device(tuple(accumulate(rows[:-1], initial=0)), device), sum(rows)
+
     def on_device(self, values: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 `values` (a constant of the plan: a dim group's features, a batch layout's
         source positions) on `device`, made once: no copy to the device per batch."""
@@ -225,6 +243,11 @@ class LookupPlan:
         """For each plan feature, the position of its input feature in a batch with `keys` (on
         `device`)."""
         return self.on_device(self._source(keys)[0], device)
+
+    def reads_in_order(self, keys: tuple[str, ...]) -> bool:
+        """Whether plan feature f reads input feature f of a batch with `keys`, for every f (the usual
+        layout: the batch's bags of the plan's features are its first bags, in order)."""
+        return self.memo(("in order", keys), lambda: self._source(keys)[0] == tuple(range(self.num_features)))
 
     def source_reads(self, keys: tuple[str, ...]) -> int:
         """The most plan features that read one input feature of a batch with `keys` (usually 1):

@@ -57,7 +57,6 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         raise InputError(f"SparseFeatures {list(sf.keys())}: ids must be int64, got {values.dtype}")
     offsets = sf.offsets().to(torch.int64)
     weights = sf.weights_or_none()
-    src = plan.source_indices(sf.keys(), dev)
     N, FB = values.numel(), F * B
     # valid offsets put every id in one bag of its feature: the plan reads at most this many
     cap = N * plan.source_reads(sf.keys()) if FB else 0
@@ -65,13 +64,18 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     # every bag in [0, len(values)], none decreasing, and the ends exactly 0 and len(values)
     bad_bags = (in_lengths < 0) | (offsets[1:] > N) | (offsets[:-1] < 0)
     bad_bags = bad_bags.any() | (offsets[0] != 0) | (offsets[-1] != N)
-    bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
-    pos, bag, valid, total = _padded_ranges(offsets[:-1][bag_src], in_lengths[bag_src].clamp(min=0), cap)
+    if plan.reads_in_order(sf.keys()):
+        starts, sizes = offsets[:FB], in_lengths[:FB]  # each plan feature reads the input at its place
+    else:
+        src = plan.source_indices(sf.keys(), dev)
+        bag_src = (src[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
+        starts, sizes = offsets[:-1].index_select(0, bag_src), in_lengths.index_select(0, bag_src)
+    pos, bag, valid, total = _padded_ranges(starts, sizes.clamp(min=0), cap)
     bad_bags = bad_bags | (total > cap)
     pos = pos.clamp(0, max(N - 1, 0))  # in range even for bad offsets (the batch then raises)
     v = values.index_select(0, pos)
     f_of = torch.div(bag, B, rounding_mode="floor") if B else bag
-    t_of = a["table"][f_of]
+    t_of = a["table"].index_select(0, f_of)
     keep = valid
     w = None
     bad_w = torch.zeros((), dtype=torch.bool, device=dev)
@@ -81,21 +85,22 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
         keep = keep & (w > 0)
     # (each step below runs only where some feature of the plan asks for it: a plan constant)
     if plan.prunes_negative:
-        keep = keep & ~((v < 0) & a["prune_neg"][f_of].bool())
+        keep = keep & ~((v < 0) & a["prune_neg"].index_select(0, f_of).bool())
     err = torch.zeros_like(keep)
     if plan.range_policies:  # static tables: ids in [0, num_rows), else the feature's out_of_range
-        nr = a["num_rows"][t_of]
+        nr = a["num_rows"].index_select(0, t_of)
         oob = keep & (nr >= 0) & ((v < 0) | (v >= nr))
-        pol = a["oor"][f_of]
+        pol = a["oor"].index_select(0, f_of)
         err = oob & (pol == 0)
         if OutOfRange.PRUNE in plan.range_policies:
             keep = keep & ~(oob & (pol == 1))
         if OutOfRange.DEFAULT in plan.range_policies:
-            v = torch.where(oob & (pol == 2), a["default_id"][f_of], v)
+            v = torch.where(oob & (pol == 2), a["default_id"].index_select(0, f_of), v)
     lengths = torch.zeros(FB, dtype=torch.int64, device=dev).index_add_(0, bag, keep.to(torch.int64))
     if plan.fills_empty:  # empty pooled bags with a default_id get that id, weight 1: one candidate entry per bag
         bag_feature = torch.arange(FB, device=dev) // max(B, 1)
-        fill = (lengths == 0) & a["has_default"][bag_feature].bool() & (a["combiner"][bag_feature] != _NONE)
+        fill = (lengths == 0) & a["has_default"].index_select(0, bag_feature).bool() & \
+            (a["combiner"].index_select(0, bag_feature) != _NONE)
         lengths = lengths + fill.to(lengths.dtype)
     out_offsets = torch.zeros(FB + 1, dtype=torch.int64, device=dev)
     torch.cumsum(lengths, 0, out=out_offsets[1:])
@@ -106,10 +111,10 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     at = torch.cumsum(keep.to(torch.int64), 0) - 1
     if plan.fills_empty:
         fills_before = torch.cumsum(fill.to(torch.int64), 0) - fill.to(torch.int64)
-        at = torch.cat([at + fills_before[bag], out_offsets[:-1]])
-        cand_v = torch.cat([v, a["default_id"][bag_feature]])
+        at = torch.cat([at + fills_before.index_select(0, bag), out_offsets[:-1]])
+        cand_v = torch.cat([v, a["default_id"].index_select(0, bag_feature)])
         cand_bag = torch.cat([bag, torch.arange(FB, device=dev)])
-        cand_t = torch.cat([t_of, a["table"][bag_feature]])
+        cand_t = torch.cat([t_of, a["table"].index_select(0, bag_feature)])
         cand_w = None if w is None else torch.cat([w, torch.ones(FB, dtype=w.dtype, device=dev)])
         cand_keep = torch.cat([keep, fill])
     dest = torch.where(cand_keep, at, out_offsets[-1] + torch.cumsum((~cand_keep).to(torch.int64), 0) - 1)
@@ -118,12 +123,17 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     # dedup per table: sort by (table, id), unique runs (without dedup: by table only, in bag order,
     # every id its own entry); the candidates not kept sort last, as a table T that is not counted
     tb = torch.where(cand_keep, cand_t, T)
-    o1 = torch.argsort(cand_v, stable=True) if deduplicate else in_bag_order
-    perm = o1.index_select(0, torch.argsort(tb.index_select(0, o1), stable=True))
+    table_base, sentinel = plan.linear_keys(dev)
+    ks = None
+    if deduplicate and sentinel is not None:  # every table static: one sort of the keys base[t] + id
+        ks, perm = torch.sort(torch.where(cand_keep, table_base.index_select(0, cand_t) + cand_v, sentinel))
+    else:  # by id, then stably by table (equal ids in any order: they become one key)
+        o1 = torch.argsort(cand_v) if deduplicate else in_bag_order
+        perm = o1.index_select(0, torch.argsort(tb.index_select(0, o1), stable=True))
     vs, ts = cand_v.index_select(0, perm), tb.index_select(0, perm)
     new = torch.ones_like(vs, dtype=torch.bool)
     if vs.numel() > 1 and deduplicate:
-        new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1])
+        new[1:] = (vs[1:] != vs[:-1]) | (ts[1:] != ts[:-1]) if ks is None else ks[1:] != ks[:-1]
     uid_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
     uid = torch.empty_like(uid_sorted).index_copy_(0, perm, uid_sorted)  # of each candidate
     per_table_t = torch.zeros(T + 1, dtype=torch.int64, device=dev).index_add_(0, ts, new.to(torch.int64))[:T]
@@ -144,12 +154,13 @@ def prepare_torch(plan: LookupPlan, sf, deduplicate: bool = True) -> Prepared:
     n_unique = sum(per_table)
     kept = in_bag_order[:n_keep]  # the kept candidates, in bag order
     inverse = uid.index_select(0, kept)
-    unique_keys = vs[kept_positions(new & (ts < T), n_unique)]
+    firsts = kept_positions(new & (ts < T), n_unique)  # each unique key's first candidate, in sorted order
     base = list(accumulate(per_table, initial=0))[:-1]  # the tables' keys end to end
-    return Prepared(B, out_offsets, inverse, None if cand_w is None else cand_w.index_select(0, kept), unique_keys,
+    return Prepared(B, out_offsets, inverse, None if cand_w is None else cand_w.index_select(0, kept),
+                    vs.index_select(0, firsts),
                     _count(inverse, n_unique), base, per_table, n_unique, native=False,
                     deduplicated=deduplicate, feature_starts=feature_starts,
-                    bags=cand_bag.index_select(0, kept))
+                    bags=cand_bag.index_select(0, kept), packed=True, unique_tables=ts.index_select(0, firsts))
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -158,8 +169,10 @@ def _count(index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
-def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, runs=None) -> torch.Tensor:
-    """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped.
+def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dtype, runs=None,
+                 every_row: bool = False) -> torch.Tensor:
+    """[capacity, D] rows of every unique key of the tables of this dim (zeros for slot -1), clipped;
+    `every_row`: no slot is -1 (a training lookup whose every id got a row): nothing to zero.
 
     `runs`: ``runs[D]`` lists the runs ``(first, last)`` of consecutive tables of dim D that read one
     storage (FusedEmbeddingLookup's row_groups); each run's rows are one gather over the span of its
@@ -172,7 +185,7 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
         lo, hi = base[t0], base[t1] + count[t1]
         if hi <= lo:
             continue
-        rows = _rows_at(storages[t0], slots[lo:hi], dim, dtype)
+        rows = _rows_at(storages[t0], slots[lo:hi], dim, dtype, every_row)
         for t in plan.clipped:  # (the tables with max_norm)
             mn = plan.tables[t].max_norm
             if t0 <= t <= t1 and count[t]:
@@ -186,7 +199,7 @@ def _unique_rows(plan: LookupPlan, prep: Prepared, storages, slots, dim: int, dt
     return emb if emb is not None else torch.zeros(prep.capacity, dim, dtype=dtype, device=dev)
 
 
-def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype, every_row: bool = False) -> torch.Tensor:
     """``storage[slots, :dim]`` as `dtype`, zero rows where the slot is -1 (an unknown id).
 
     A dynamic table with no rows yet (evaluated before any training) has an empty storage,
@@ -194,6 +207,8 @@ def _rows_at(storage: torch.Tensor, slots: torch.Tensor, dim: int, dtype) -> tor
     """
     if storage.size(0) == 0:
         return torch.zeros(slots.numel(), dim, dtype=dtype, device=slots.device)
+    if every_row:
+        return storage.index_select(0, slots)[:, :dim].to(dtype)
     rows = storage.index_select(0, slots.clamp(min=0))[:, :dim].to(dtype)
     return rows * (slots >= 0).unsqueeze(1).to(dtype)
 
@@ -208,7 +223,8 @@ def _derived(prep: Prepared, key, make):
 
 
 def _group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
-    """Positions of the kept ids of `feats`, the feature slot k of each, and its sample."""
+    """Positions of the kept ids of `feats` (a slice when they are one range, else an index tensor: either
+    indexes a kept-id array with ``x[pos]``), the feature slot k of each, and its sample."""
     return _derived(prep, ("ids", plan, feats), lambda: _make_group_ids(plan, prep, feats))
 
 
@@ -217,12 +233,12 @@ def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
     B = prep.batch_size
     if feats and prep.bags is not None and prep.feature_starts is not None and \
             plan.memo(("consecutive", feats), lambda: feats == tuple(range(feats[0], feats[0] + len(feats)))):
-        # consecutive features (one dim's, usually every feature): their ids are one range, whose bags
-        # the prepare gives
+        # consecutive features (one dim's, usually every feature): their
+        # ids are one range, whose bags the prepare gives: `pos` is a slice (a view, no gather)
         lo, hi = prep.feature_starts[feats[0]], prep.feature_starts[feats[-1] + 1]
         bag = prep.bags[lo:hi]
         feature = torch.div(bag, max(B, 1), rounding_mode="floor")
-        return torch.arange(lo, hi, device=dev), feature - feats[0], bag - feature * B
+        return slice(lo, hi), feature - feats[0], bag - feature * B
     f = plan.on_device(feats, dev)
     if prep.feature_starts is None:
         starts, ends = prep.offsets[f * B], prep.offsets[(f + 1) * B]
@@ -232,8 +248,9 @@ def _make_group_ids(plan: LookupPlan, prep: Prepared, feats: tuple[int, ...]):
         starts, sizes = fs[k], fs[k + 1] - fs[k]  # (numpy: no Python per feature)
         pos, owner = concat_ranges(host_to_device(starts, torch.int64, dev), host_to_device(sizes, torch.int64, dev),
                              int(sizes.sum()))
-    bag = prep.bags[pos] if prep.bags is not None else torch.searchsorted(prep.offsets, pos, right=True) - 1
-    sample = bag - f[owner] * B
+    bag = prep.bags.index_select(0, pos) if prep.bags is not None else \
+        torch.searchsorted(prep.offsets, pos, right=True) - 1
+    sample = bag - f.index_select(0, owner) * B
     return pos, owner, sample
 
 
@@ -253,7 +270,7 @@ def _make_bag_denominators(plan: LookupPlan, prep: Prepared, group: DimGroup, po
     if group in plan.summed_groups:  # every divisor 1: the ones the passes below would give
         return None, w, out_bag
     if w is None:
-        w = torch.ones(pos.numel(), dtype=dtype, device=dev)
+        w = torch.ones(out_bag.numel(), dtype=dtype, device=dev)
     wsum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w)
     w2sum = torch.zeros(nbag, dtype=dtype, device=dev).index_add_(0, out_bag, w * w)
     comb = plan.arrays(dev)["combiner"][plan.on_device(group.pooled, dev)]
@@ -272,23 +289,23 @@ def _combine(rows: torch.Tensor, w: torch.Tensor | None, out_bag: torch.Tensor, 
 
 
 def pool_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
-               runs=None) -> torch.Tensor:
+               runs=None, every_row: bool = False) -> torch.Tensor:
     B, D, n = prep.batch_size, group.dim, len(group.pooled)
     dev = prep.offsets.device
     if n == 0 or B == 0:
         return torch.zeros(B, n, D, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs)
+    emb = _unique_rows(plan, prep, storages, slots, D, dtype, runs, every_row)
     pos, owner, sample = _group_ids(plan, prep, group.pooled)
     denom, w, out_bag = _bag_denominators(plan, prep, group, pos, owner, sample, dtype)
     return _combine(emb.index_select(0, prep.inverse[pos]), w, out_bag, denom, B * n).view(B, n, D)
 
 
 def unpooled_torch(plan: LookupPlan, prep: Prepared, storages, slots, group: DimGroup, dtype,
-                   runs=None) -> torch.Tensor:
+                   runs=None, every_row: bool = False) -> torch.Tensor:
     dev = prep.offsets.device
     if not group.unpooled:
         return torch.zeros(0, group.dim, dtype=dtype, device=dev)
-    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, runs)
+    emb = _unique_rows(plan, prep, storages, slots, group.dim, dtype, runs, every_row)
     pos, _, _ = _group_ids(plan, prep, group.unpooled)
     rows = emb.index_select(0, prep.inverse[pos])
     if prep.weights is not None:

@@ -21,16 +21,6 @@ __all__ = ["prepare_triton"]
 _BLOCK = 256
 
 
-def _table_base(plan: LookupPlan, device: torch.device) -> tuple[torch.Tensor, int | None]:
-    """(each table's first key, the sentinel key past every key) for one sort of linear keys
-    ``base[t] + id`` when every table is static; (zeros, None) when a table is dynamic (two sorts)."""
-    rows = [t.num_rows for t in plan.tables]
-    if any(r is None for r in rows):
-        return plan.on_device((0,) * len(rows), device), None
-    base = tuple(accumulate(rows[:-1], initial=0))
-    return plan.on_device(base, device), sum(rows)
-
-
 def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int | None = None) -> Prepared | None:
     """Clean + dedup of `sf` on the kernels, or None when they do not take it (see the module docstring).
 
@@ -53,7 +43,7 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
     src = plan.source_indices(sf.keys(), dev)
     N, FB, n_in = values.numel(), F * B, offsets.numel() - 1
     M = N * plan.source_reads(sf.keys()) + FB  # every kept id and one default id per bag, at most
-    table_base, sentinel = _table_base(plan, dev)
+    table_base, sentinel = plan.linear_keys(dev)
     linear = sentinel is not None and deduplicate
     key_dtype = torch.int32 if linear and sentinel < 2**31 - 1 else torch.int64
     feats = dict(src=src, feat_table=a["table"], num_rows=a["num_rows"], prune_neg=a["prune_neg"], oor=a["oor"],
@@ -101,15 +91,12 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
     _raise_errors(plan, sf, host, N)
     n_keep, per_table = host[3], host[k.REPORT_HEAD : k.REPORT_HEAD + T]
     n_unique = sum(per_table)
-    base, acc = [], 0
-    for n in per_table:
-        base.append(acc)
-        acc += n
+    base = list(accumulate(per_table, initial=0))[:-1]  # the tables' keys end to end
     # the runs as the update kernels read them (rows: the lookup's slots, given by the backward)
     runs = Dedup(perm, unique_keys, unique_tables, seg_start, inverse, counts) if deduplicate else None
     return Prepared(B, out_offsets, inverse[:n_keep], None if w_out is None else w_out[:n_keep],
                     unique_keys[:n_unique], unique_counts[:n_unique], base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs)
+                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs, packed=True)
 
 
 def _sort(keys, tabs, linear: bool) -> torch.Tensor:

@@ -16,7 +16,6 @@ from ..errors import InputError
 from ..functional import PooledEmbeddings
 from ..store import EXPORT_FIELDS, RowStore, StoreExport, TieredGroup, TieredStore
 from ..store._layout import LayoutViews
-from ._placement import segment_column
 from ._rare import SHARED_ROW_KEY
 
 __all__ = ["TableEdges"]
@@ -178,8 +177,7 @@ class TableEdges:
             group = self.groups[span.group]
             s = slots[lo:hi]
             known = s >= 0
-            col = segment_column(prep.unique_base[span.first : span.last + 1],
-                                 prep.unique_count[span.first : span.last + 1], lo, hi, s.device)[known]
+            col = self._span_column(prep, span, lo, hi)[known]
             copy = _RowsCopy(group.layout, group.storage().index_select(0, s[known]))
             keys = prep.unique_keys[lo:hi][known]
             seeds = torch.tensor([self._settings[t].seed for t in span.tables], device=s.device)[col]

@@ -56,6 +56,15 @@ class FetchStage:
         """The positions of a span's tables' unique keys in the batch's arrays: [lo, hi)."""
         return prep.unique_base[span.first], prep.unique_base[span.last] + prep.unique_count[span.last]
 
+    def _span_column(self, prep, span, lo: int, hi: int) -> torch.Tensor:
+        """The table column of a span's part [lo, hi) of the batch's unique keys: the group's local table
+        of each key, -1 in the gaps between tables."""
+        if prep.unique_tables is not None:  # each key's table, from the prepare (no gaps): no pass per table
+            column = prep.unique_tables[lo:hi]
+            return column - span.first if span.first else column
+        return segment_column(prep.unique_base[span.first : span.last + 1],
+                              prep.unique_count[span.first : span.last + 1], lo, hi, prep.unique_keys.device)
+
     def _fetch(self, prep, training: bool, step: int, flight: InFlight | None) -> torch.Tensor:
         """Row slots of every unique id of a prepared batch (-1 where a row reads zeros): one call
         per group, its keys a span of the batch's arrays with a table column beside them."""
@@ -66,9 +75,7 @@ class FetchStage:
         for span in self.placement.spans:
             lo, hi = self._span(prep, span)
             if hi > lo:
-                column = segment_column(prep.unique_base[span.first : span.last + 1],
-                                        prep.unique_count[span.first : span.last + 1], lo, hi, dev)
-                work.append((span, lo, hi, column))
+                work.append((span, lo, hi, self._span_column(prep, span, lo, hi)))
         if training:  # disk writes first: a full disk fails before any table changed
             for span, lo, hi, column in work:
                 self.groups[span.group].reserve(column, prep.unique_keys[lo:hi])

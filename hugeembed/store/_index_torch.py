@@ -2,7 +2,7 @@
 specification csrc/group_index.cpp implements, the tests' second implementation beside the
 DictStore oracle, and the fallback on devices without kernels.
 
-Written to be read, not tuned: probing looks at each key's first 8 buckets, then advances the keys
+Written to be read, not tuned: probing looks at each key's first 4 buckets, then advances the keys
 left over windows that double each round (32 to 128); every call runs the first two rounds (the second
 often over no key), and each round reads the device once.  New records go into the first
 empty bucket on their path; keys that want the same empty bucket are settled by a stable sort:
@@ -21,14 +21,20 @@ from ._index import (EMPTY_TABLE, G_ENTRIES, G_NUM_FREE, G_ROW_HWM, NEED_HEAD, P
 
 __all__ = ["TorchIndex"]
 
-# Each round looks at a window of buckets per key: 8 at first (at the 0.6 load factor a key probes
-# ~1.5 buckets on average; ~0.5% go past 8), then 32 (the longest probe among tens of thousands of
-# keys is about 8 + 32), doubling to 128.  A window of 32 for every key was most of a dynamic step's
-# work (4x the bucket reads and compares).  Every call runs the first two rounds, the second over the
-# keys left (often none): whether some key goes past 8 then changes neither the ops nor the Python a
-# step runs (16 keys would often take one round and 200 keys two; tests/bench/test_ops_per_step.py
-# counts those lines).
-_FIRST_WINDOW, _SECOND_WINDOW, _MAX_WINDOW, _ROUNDS = 8, 32, 128, 2
+# Each round looks at a window of buckets per key: 4 at first, then 32 (the longest probe among tens of
+# thousands of keys is about 8 + 32), doubling to 128.  At a 0.55 load (bench/ops.py's dynamic step, 26
+# tables) 89% of the probes stop within 4 buckets, 98% within 8: a first window of 4 does ~25% less
+# bucket reading and comparing than one of 8 (the keys past it pay 32 more), and one of 32 for every key
+# was most of a dynamic step's work.  Every call runs the first two rounds, the second over the keys
+# left (often none): whether some key goes past the first window then changes neither the ops nor the
+# Python a step runs (tests/bench/test_ops_per_step.py counts those lines).
+_FIRST_WINDOW, _SECOND_WINDOW, _MAX_WINDOW, _ROUNDS = 4, 32, 128, 2
+
+
+def _wrapped(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``x % n`` for x in [0, n + width): one subtraction where it passes the end (an integer remainder
+    costs ~4x a compare and a subtraction per element)."""
+    return x - n * (x >= n) if width <= n else x % n
 
 
 def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
@@ -46,7 +52,7 @@ def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torc
     idx, p = torch.arange(n, device=dev), start
     width, rounds = _FIRST_WINDOW, 0
     while idx.numel() or rounds < _ROUNDS:
-        win = (p[:, None] + torch.arange(width, device=dev)) % B
+        win = _wrapped(p[:, None] + torch.arange(width, device=dev), B, width)
         # the window's (key, table) columns in one gather of whole records
         rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
         bkeys, btabs = rec[..., 0], rec[..., 1]
@@ -88,7 +94,7 @@ def claim(buckets: torch.Tensor, records: torch.Tensor, start: torch.Tensor) -> 
     btabs = buckets[:, 1]
     width = _SECOND_WINDOW  # (new keys, few in a steady step: one window of 32, as before)
     while idx.numel():
-        win = (p[:, None] + torch.arange(width, device=dev)) % B
+        win = _wrapped(p[:, None] + torch.arange(width, device=dev), B, width)
         empty = btabs[win] == EMPTY_TABLE
         has = empty.any(1)
         first = win.gather(1, empty.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1)
@@ -208,9 +214,11 @@ class TorchIndex:
             crowd, at = _crowding(g, k[fresh], t[fresh])
             if crowd > need[7]:  # the new keys' own chains, placed alone: ids chosen to collide
                 need[7], need[6] = crowd, at
-        # per table: rows made, keys left pending, pending keys promoted (one pass, one read)
-        rows_t, pend_t, promoted_t = torch.zeros(3, T, dtype=torch.int64, device=dev).index_add_(
-            1, t, torch.stack([gets_row, waits, promote]).to(torch.int64)).tolist()
+        # per table: rows made, keys left pending, pending keys promoted (one pass, one read; kept as a host
+        # tensor too, for the tables' counters below: no tensor made from Python ints per table)
+        per_t = torch.zeros(3, T, dtype=torch.int64, device=dev).index_add_(
+            1, t, torch.stack([gets_row, waits, promote]).to(torch.int64)).cpu()
+        rows_t, pend_t, _ = per_t.tolist()
         need[NEED_HEAD::2], need[NEED_HEAD + 1 :: 2] = rows_t, pend_t  # table j's at NEED_HEAD + 2j, + 1
         need[0], need[1], need[2] = fresh.numel(), sum(rows_t), sum(pend_t)
         if hits is not None:
@@ -227,7 +235,7 @@ class TorchIndex:
                 need[4], need[5] = int(dup[1]), int(dup[0])
                 return Outcome.DUPLICATE_KEY, _state(g, need), ()
         tab = g.tables
-        if bool((tab[:, T_ROWS] + torch.tensor(rows_t) > tab[:, T_ROW_LIMIT]).any()):
+        if bool((tab[:, T_ROWS] + per_t[0] > tab[:, T_ROW_LIMIT]).any()):
             return Outcome.OVER_LIMIT, _state(g, need), ()
         if need[7] > PROBE_LIMIT:
             return Outcome.LONG_PROBE, _state(g, need), ()
@@ -248,8 +256,8 @@ class TorchIndex:
         rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
         claim(g.buckets, rec, pos[fresh])
         st[G_ENTRIES] += fresh.numel()
-        tab[:, T_ROWS] += torch.tensor(rows_t, dtype=torch.int64)
-        tab[:, T_PENDING] += torch.tensor(pend_t, dtype=torch.int64) - torch.tensor(promoted_t, dtype=torch.int64)
+        tab[:, T_ROWS] += per_t[0]
+        tab[:, T_PENDING] += per_t[1] - per_t[2]
         out[sel] = torch.where(code_now >= 0, code_now, -1)
         need[3] = slots.numel()
         return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row])
