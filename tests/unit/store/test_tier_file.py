@@ -49,6 +49,24 @@ def test_rows_written_from_cache_slots_read_back_into_cache_slots(rowfile):
     assert other[torch.tensor([3, 5])].eq(-1.0).all()
 
 
+def test_runs_longer_than_a_staged_write_land_row_for_row(tmp_path):
+    """he_tier_write_rows gathers a run into a buffer of 256 KiB and writes it whole: with rows of 40 KiB
+    a piece is 6 rows, so runs of 200 and 100 records are 34 and 17 pieces; every record must hold its
+    own slot's row."""
+    f = RowFile(tmp_path / "rows.bin", 40 << 10, "t")
+    try:
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(400, 10 << 10, generator=g)
+        slots = torch.randperm(400, generator=g)[:300]
+        records = torch.cat([torch.arange(5, 205), torch.arange(300, 400)])  # two runs, one a piece long
+        f.write_rows(records, cache, slots)
+        back = torch.zeros(300, 10 << 10)
+        f.read(records, back)
+        assert torch.equal(back, cache[slots])
+    finally:
+        f.close()
+
+
 def test_a_failing_write_from_cache_slots_is_a_store_error(rowfile):
     ro = os.open(rowfile.path, os.O_RDONLY)
     try:
