@@ -284,3 +284,24 @@ def test_a_read_into_a_slot_outside_the_cache_reads_nothing(tmp_path):
         assert cache.eq(0.0).all()
     finally:
         f.close()
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_he_copy_rows_copies_row_for_row_and_refuses_a_bad_index_copying_nothing():
+    """The mapping's reads (store/_tier_map.py) copy rows with he_copy_rows: oracle, torch indexing."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(300, 65, generator=g)
+    dst = torch.zeros(200, 65)
+    si, di = torch.randint(0, 300, (150,), generator=g), torch.randperm(200, generator=g)[:150]
+    want = dst.clone()
+    want[di] = src[si]
+    _native.call("he_copy_rows", [src.view(torch.uint8), si, dst.view(torch.uint8), di], [65 * 4])
+    assert torch.equal(dst, want)
+    for which, bad, msg in [("src", 300, r"src_idx\[149\] = 300 is not a row \(300 rows\)"),
+                            ("dst", -1, r"dst_idx\[149\] = -1 is not a row \(200 rows\)")]:
+        si2, di2 = si.clone(), di.clone()
+        (si2 if which == "src" else di2)[-1] = bad
+        before = dst.clone()
+        with pytest.raises(_native.KernelError, match=msg):
+            _native.call("he_copy_rows", [src.view(torch.uint8), si2, dst.view(torch.uint8), di2], [65 * 4])
+        assert torch.equal(dst, before)
