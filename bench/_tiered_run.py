@@ -98,7 +98,7 @@ PHASES = [
     (1, "fetch: store.find_or_insert"),
     (2, "make room: key index find"),
     (2, "make room: victims + write-back"),
-    (3, "write-back: file.write_rows"),
+    (3, "write-back + cleaning: file.write_rows"),
     (3, "cleaning: file.read"),
     (3, "cleaning: file.write"),
     (2, "read misses before counting"),
@@ -124,7 +124,8 @@ def instrument(ec: EmbeddingCollection, clock: Clock) -> None:
         clock.wrap(ec._slots_lookup, "lookup", "pool (fused lookup)")
         clock.wrap(store, "_make_room_for", "make room: victims + write-back")
         clock.wrap(store.index, "find", "make room: key index find")
-        clock.wrap(store.file, "write_rows", "write-back: file.write_rows", count=lambda rec, rows, slots: rec.numel())
+        clock.wrap(store.file, "write_rows", "write-back + cleaning: file.write_rows",  # the cleaner's moves too
+                   count=lambda rec, rows, slots: rec.numel())
         clock.wrap(store.file, "write", "cleaning: file.write", count=lambda rec, rows: rec.numel())
         clock.wrap(store.index, "find_or_insert", "key index find_or_insert")
         clock.wrap(store, "_read_before_counting", "read misses before counting")

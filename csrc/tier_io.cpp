@@ -237,7 +237,10 @@ int64_t tier_io(const he::Call& call, const char* verb, F&& io) {
 // run of adjacent records one sys(fd, iov, count, offset, flags) call.  Every slot is checked before
 // any I/O.  bufs: records int64 [n], rows bytes [C * record_bytes], slots int64 [n]; ints: fd,
 // record_bytes, io_threads, cpu_threads (optional).
-template <class Row, class Sys>
+// run_bytes > 0: sys(fd, iov, count, off, flags) moves the whole run itself (returning as move_run
+// does), and a run is at most run_bytes; else sys is one preadv2 / pwritev2 and a run at most
+// IOV_MAX rows.
+template <class Row, int64_t run_bytes = 0, class Sys>
 int64_t tier_io_slots(const he::Call& call, const char* verb, Sys&& sys) {
   call.expect(3, -1, 0);
   const int64_t fd = call.i(0), record_bytes = call.i(1), io_threads = call.i(2);
@@ -257,13 +260,16 @@ int64_t tier_io_slots(const he::Call& call, const char* verb, Sys&& sys) {
                 (long long)slots[i], (long long)C);
     }
   int64_t where = -1;
-  const int64_t max_run = std::min<int64_t>(kMaxRun, IOV_MAX);
+  const int64_t max_run = run_bytes > 0 ? std::max<int64_t>(1, run_bytes / record_bytes) : std::min<int64_t>(kMaxRun, IOV_MAX);
   const int64_t e = for_runs(records, n, max_run, cpu_threads, io_threads, &where,
                              [&](int64_t a, int64_t b, int flags) -> int64_t {
-    struct iovec iov[kMaxRun];
+    thread_local std::vector<struct iovec> t_iov;
+    std::vector<struct iovec>& iov = t_iov;
+    if ((int64_t)iov.size() < b - a) iov.resize(b - a);
     int k = 0;
     for (int64_t i = a; i < b; ++i) iov[k++] = {(void*)(rows + slots[i] * record_bytes), (size_t)record_bytes};
-    return move_run(iov, k, records[a] * record_bytes, flags, [&](struct iovec* v, int c, off_t off, int f) {
+    if constexpr (run_bytes > 0) return sys((int)fd, iov.data(), k, (off_t)(records[a] * record_bytes), flags);
+    else return move_run(iov.data(), k, records[a] * record_bytes, flags, [&](struct iovec* v, int c, off_t off, int f) {
       return sys((int)fd, v, c, off, f);
     });
   });
@@ -318,13 +324,33 @@ HE_KERNEL(he_tier_read_rows) {
 }
 
 // Record records[i] of the file = row slots[i] of `rows` (a cache: C rows of record_bytes), for i in
-// [0, n): the write-back goes out straight from its cache slots, no staging copy.  A run of adjacent
-// records is one pwritev2, one iovec per row.
+// [0, n).  A run of adjacent records (up to kStageBytes) is gathered from its cache slots into a
+// buffer of the thread (the next rows prefetched: the victims are scattered over the cache) and
+// written with one pwritev2 of one iovec.  One iovec per row, as the reads do, cost the kernel
+// ~0.35 us a row (54 k rows of 260 B: ~20 ms of system time, against ~2.5 ms for the same bytes
+// in one piece, 2026-11-28, this VM's Xeon).
 // bufs: records int64 [n], rows bytes [C * record_bytes], slots int64 [n]; ints: fd, record_bytes,
 // io_threads, cpu_threads (optional).  Returns 0; fails with HE_IO_ERROR (see above), HE_BAD_VALUE
 // for a slot outside the rows (detail = (index, slot, C)), before any write.
 HE_KERNEL(he_tier_write_rows) {
-  return tier_io_slots<const char>(call, "writing", [](int fd, struct iovec* v, int c, off_t off, int f) {
-    return pwritev2(fd, v, c, off, f);
+  constexpr int64_t kStageBytes = 256 << 10, kAhead = 8;
+  return tier_io_slots<const char, kStageBytes>(call, "writing", [](int fd, struct iovec* v, int c, off_t off,
+                                                                    int f) -> int64_t {
+    thread_local std::vector<char> t_stage;
+    std::vector<char>& stage = t_stage;
+    size_t bytes = 0;
+    for (int i = 0; i < c; ++i) bytes += v[i].iov_len;
+    if (stage.size() < bytes) stage.resize(bytes);
+    char* out = stage.data();
+    for (int i = 0; i < c; ++i) {
+      if (i + kAhead < c) {
+        const char* p = (const char*)v[i + kAhead].iov_base;
+        for (size_t b = 0; b < v[i + kAhead].iov_len; b += 64) __builtin_prefetch(p + b);
+      }
+      std::memcpy(out, v[i].iov_base, v[i].iov_len);
+      out += v[i].iov_len;
+    }
+    struct iovec one = {stage.data(), bytes};
+    return move_run(&one, 1, off, f, [fd](struct iovec* w, int k, off_t o, int fl) { return pwritev2(fd, w, k, o, fl); });
   });
 }

@@ -233,7 +233,7 @@ class TierCache:
             buf = self.layout.empty(whole.numel())
             self.file.read(whole, buf)
             plan = self._space.plan(part, MOVED)
-            self.file.write(plan.records, buf.index_select(0, where * S + r % S))
+            self.file.write_rows(plan.records, buf, where * S + r % S)  # gathered from the segments read
             self._space.commit(plan, part)
             self._mark_stale(part)
             self.stats["rows_relocated"] += part.numel()

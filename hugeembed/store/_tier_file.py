@@ -134,7 +134,8 @@ class RowFile:
 
     def write_rows(self, records: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """``record records[i] = rows[slots[i]]`` (rows: contiguous [C, W] CPU rows, a cache): written
-        straight from the cache slots (he_tier_write_rows), no staging copy; raises as ``write``."""
+        from the cache slots (he_tier_write_rows: each run gathered into a buffer of at most 256 KiB per writing
+        thread, then one pwritev2); raises as ``write``."""
         if self._slots_checked(records, rows, slots, "writes"):
             if not _native.available():
                 self.write(records, rows.index_select(0, slots))

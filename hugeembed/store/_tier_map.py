@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .. import _native
+
 __all__ = ["FileMap", "MAP_LIMIT"]
 
 MAP_LIMIT = 4 << 30  # bytes of file read through the mapping (see above)
@@ -47,7 +49,11 @@ class FileMap:
         with self._lock:
             if hi >= self._n and not self._remap(hi):
                 return False
-            cache.index_copy_(0, slots, self._rows.index_select(0, records))
+            if _native.available():  # one memcpy a row, prefetched (torch's two index ops: ~4x the time)
+                _native.call("he_copy_rows", [self._rows, records.contiguous(), cache, slots.contiguous()],
+                             [self.record_bytes])
+            else:
+                cache.index_copy_(0, slots, self._rows.index_select(0, records))
         return True
 
     def _remap(self, hi: int) -> bool:

@@ -49,6 +49,24 @@ def test_rows_written_from_cache_slots_read_back_into_cache_slots(rowfile):
     assert other[torch.tensor([3, 5])].eq(-1.0).all()
 
 
+def test_runs_longer_than_a_staged_write_land_row_for_row(tmp_path):
+    """he_tier_write_rows gathers a run into a buffer of 256 KiB and writes it whole: with rows of 40 KiB
+    a piece is 6 rows, so runs of 200 and 100 records are 34 and 17 pieces; every record must hold its
+    own slot's row."""
+    f = RowFile(tmp_path / "rows.bin", 40 << 10, "t")
+    try:
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(400, 10 << 10, generator=g)
+        slots = torch.randperm(400, generator=g)[:300]
+        records = torch.cat([torch.arange(5, 205), torch.arange(300, 400)])  # two runs, one a piece long
+        f.write_rows(records, cache, slots)
+        back = torch.zeros(300, 10 << 10)
+        f.read(records, back)
+        assert torch.equal(back, cache[slots])
+    finally:
+        f.close()
+
+
 def test_a_failing_write_from_cache_slots_is_a_store_error(rowfile):
     ro = os.open(rowfile.path, os.O_RDONLY)
     try:
@@ -266,3 +284,24 @@ def test_a_read_into_a_slot_outside_the_cache_reads_nothing(tmp_path):
         assert cache.eq(0.0).all()
     finally:
         f.close()
+
+
+@pytest.mark.skipif(not _native.available(), reason="needs the native kernels")
+def test_he_copy_rows_copies_row_for_row_and_refuses_a_bad_index_copying_nothing():
+    """The mapping's reads (store/_tier_map.py) copy rows with he_copy_rows: oracle, torch indexing."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(300, 65, generator=g)
+    dst = torch.zeros(200, 65)
+    si, di = torch.randint(0, 300, (150,), generator=g), torch.randperm(200, generator=g)[:150]
+    want = dst.clone()
+    want[di] = src[si]
+    _native.call("he_copy_rows", [src.view(torch.uint8), si, dst.view(torch.uint8), di], [65 * 4])
+    assert torch.equal(dst, want)
+    for which, bad, msg in [("src", 300, r"src_idx\[149\] = 300 is not a row \(300 rows\)"),
+                            ("dst", -1, r"dst_idx\[149\] = -1 is not a row \(200 rows\)")]:
+        si2, di2 = si.clone(), di.clone()
+        (si2 if which == "src" else di2)[-1] = bad
+        before = dst.clone()
+        with pytest.raises(_native.KernelError, match=msg):
+            _native.call("he_copy_rows", [src.view(torch.uint8), si2, dst.view(torch.uint8), di2], [65 * 4])
+        assert torch.equal(dst, before)
