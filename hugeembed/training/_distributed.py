@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..data import Batch
-from ..distributed import ShardedEmbeddingCollection, propose_plan
+from ..distributed import ShardedEmbeddingCollection, estimate_table, propose_plan
+from ..distributed._plan import DATA_PARALLEL_BELOW
 from ..distributed._liveness import describe_failure
 from ..errors import ShardingError
 from ..features import SparseFeatures
@@ -37,10 +38,16 @@ def check_process_group(rank: int, world_size: int) -> None:
 
 def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
     """The run's sharding plan: proposed from the tables, the memory per rank, the data's ids per
-    bag (:func:`ids_per_step`) and distinct ids (:func:`expected_rows`), with --shard overrides."""
+    bag (:func:`ids_per_step`) and the sizes its distinct ids show small (:func:`expected_rows`),
+    with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
+    hints = expected_rows(cfg, tables) or {}
+    # only the hints that make a table replicated: a sized larger one would go table-wise, slower than
+    # row-wise (where an unsized one goes) at one id a bag (docs/distributed.md, "Measured")
+    small = {t.name: hints[t.name] for t in tables if t.name in hints and
+             estimate_table(t, optimizer, expected_rows=hints).bytes <= DATA_PARALLEL_BELOW}
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        expected_rows=expected_rows(cfg, tables), ids_per_step=ids_per_step(cfg, world_size, tables),
+                        expected_rows=small, ids_per_step=ids_per_step(cfg, world_size, tables),
                         overrides=overrides, servers=cfg.servers)
 
 

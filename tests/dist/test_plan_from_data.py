@@ -39,6 +39,8 @@ def test_synthetic_data_replicates_its_small_features():
     tiny = {name for name, c in cards.items() if c <= 30}  # a few KiB each
     assert tiny == {"C6", "C9", "C14", "C17", "C20", "C22", "C23"} and tiny <= _replicated(plan)
     assert _replicated(plan) <= {name for name, c in cards.items() if c <= 10_000}  # 1 MiB: < 10k rows of dim 16
+    # the others row-wise as without sizes (sized, the planner would put mid-size ones table-wise)
+    assert {p.kind for name, p in plan.placements.items() if name not in _replicated(plan)} == {ShardKind.ROW_WISE}
 
 
 def _csv(tmp_path, rows: int = 4000):
@@ -58,6 +60,7 @@ def test_converted_shards_replicate_their_small_features_text_gives_no_hint(tmp_
     hint = expected_rows(TrainConfig(data=str(tmp_path / "shards"), **common), tables)
     if capacity is None:  # 4000 users (~1.2 MiB at dim 64 with Adam's state) stay sharded, 5 countries replicated
         assert abs(hint["user"] - 4000) <= 200 and hint["country"] == 5 and _replicated(plan) == {"country"}
+        assert plan["user"].kind is ShardKind.ROW_WISE
     else:  # at most the capacity's rows: both small
         assert hint == {"user": 3, "country": 3} and _replicated(plan) == {"user", "country"}
     text_plan, _ = _plan(TrainConfig(data=str(tmp_path / "d.csv"), **common))
