@@ -41,7 +41,7 @@ def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
     bag (:func:`ids_per_step`) and the sizes its distinct ids show small (:func:`expected_rows`),
     with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
-    hints = expected_rows(cfg, tables) or {}
+    hints = (expected_rows(cfg, tables) if cfg.size_from_data else None) or {}
     # only the hints that make a table replicated: a sized larger one would go table-wise, slower than
     # row-wise (where an unsized one goes) at one id a bag (docs/distributed.md, "Measured")
     small = {t.name: hints[t.name] for t in tables if t.name in hints and
