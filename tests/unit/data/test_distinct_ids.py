@@ -118,3 +118,12 @@ def test_an_estimate_of_no_such_feature_or_not_a_mapping_is_refused(converted):
     _rewrite(converted, lambda m: m.__setitem__("distinct_ids", [1, 2]))
     with pytest.raises(InputError, match=r"distinct_ids must be a mapping of sparse feature -> distinct ids"):
         ShardSet(converted)
+
+
+def test_the_numpy_hash_gives_the_native_kernels_registers(monkeypatch):
+    from hugeembed import _native
+
+    ids = _ids(20_000, "random", seed=5)
+    native = hll_registers(ids)
+    monkeypatch.setattr(_native, "available", lambda: False)
+    assert np.array_equal(hll_registers(ids), native)
