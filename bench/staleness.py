@@ -58,8 +58,8 @@ def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (
 
 def small_features(at_most: int) -> list[str]:
     """The synthetic Criteo features with at most `at_most` distinct ids (Criteo Kaggle's counts): the hot
-    tables every batch updates (the planner replicates tables below 1 MiB, but it cannot size the
-    synthetic data's dynamic tables, so they are row-wise unless placed)."""
+    tables every batch updates (the trainer's plan replicates those below 1 MiB, sized by the synthetic
+    cardinalities: 14 at the defaults, not C11 and C18 with Adam's state; this places them explicitly)."""
     from hugeembed.data._synthetic_config import CRITEO_KAGGLE_CARDINALITIES
 
     return [f"C{j + 1}" for j, n in enumerate(CRITEO_KAGGLE_CARDINALITIES) if n <= at_most]

@@ -18,7 +18,7 @@ _FIELDS = ("model", "data", "schema", "eval_data", "embedding_dim", "batch_size"
            "sparse_lr", "dense_optimizer", "dense_lr", "eval_every", "eval_rows", "checkpoint_dir",
            "checkpoint_every", "full_checkpoint_every",
            "keep_checkpoints", "resume", "overwrite", "seed", "init_seed", "capacity", "device", "threads", "eval_fraction",
-           "synthetic_rows", "sharding", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
+           "synthetic_rows", "sharding", "size_from_data", "memory_per_rank", "dist_timeout", "staleness", "dense_staleness",
            "stale_scale", "stale_compensation",
            "jitter", "data_queue", "servers", "memory_budget",
            "storage_dir",
@@ -155,6 +155,10 @@ def add_parser(sub) -> None:
     d.add_argument("--shard", dest="sharding", action="append", metavar="TABLE=KIND",
                    help="place a table: row_wise, column_wise, data_parallel or table_wise@RANK (repeatable; the "
                         "rest is planned)")
+    d.add_argument("--no-size-from-data", dest="size_from_data", action="store_const", const=False,
+                   help="leave the dynamic tables unsized for the planner (row-wise unless placed) instead of "
+                        "sizing them from the synthetic cardinalities or the shards' distinct ids (replicating "
+                        "the small ones)")
     d.add_argument("--memory-per-rank", type=parse_bytes, metavar="BYTES", help="table bytes each process may hold")
     d.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a dead or hung peer before the run stops (default 300)")

@@ -3,7 +3,7 @@
 Layout written by :func:`hugeembed.data.convert`::
 
     out/
-      manifest.json                 format, version, schema, row counts, checksums, sources
+      manifest.json                 format, version, schema, row counts, checksums, sources, distinct ids
       part-00000.dense.npy          float32 [n0, n_dense]   (transformed as the schema says)
       part-00000.cats.npy           int64   [n0, n_single]  (single-valued features; missing -> 2**32 + j)
       part-00000.labels.npy         uint8   [n0]
@@ -211,6 +211,13 @@ class ShardSet:
         bags = iter(values)
         return {s.name: next(bags) / max(self.rows, 1) if s.is_bag else 1.0 for s in self.schema.sparse}
 
+    def distinct_ids(self) -> dict[str, int] | None:
+        """Estimated distinct ids of each sparse feature over every row, from the manifest (``convert``
+        writes a HyperLogLog estimate, ~1.6% relative error: data/_distinct.py); None for a manifest
+        written before it.  The distributed planner's rows hint for dynamic tables."""
+        distinct = self.manifest.get("distinct_ids")
+        return None if distinct is None else dict(distinct)
+
     def arrays(self, shard: int) -> dict[str, np.ndarray]:
         """The memory-mapped arrays of shard number `shard` (checked against the manifest)."""
         got = self._open.get(shard)
@@ -353,5 +360,12 @@ def _validate_manifest(m, where: Path) -> Schema:
             need("bytes" not in rec or count(rec["bytes"]), f"{at}.bytes", "a non-negative integer", rec.get("bytes"))
             if name.endswith(".values"):
                 need(count(rec.get("rows")), f"{at}.rows", "a non-negative integer", rec.get("rows"))
+    distinct = m.get("distinct_ids")  # optional: manifests written before it have none
+    if distinct is not None:
+        need(isinstance(distinct, dict), "distinct_ids", "a mapping of sparse feature -> distinct ids", distinct)
+        names = [s.name for s in schema.sparse]
+        for name, v in distinct.items():
+            need(name in names, "distinct_ids", f"keyed by the schema's sparse features {names}", name)
+            need(count(v), f"distinct_ids.{name}", "a non-negative integer", v)
     return schema
 

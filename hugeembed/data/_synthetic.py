@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ._batch import Batch
 from ._block import CriteoBlock, rebatch
 from ._schema import CAT_NAMES, MISSING_IDS, N_CAT, N_DENSE
-from ._synthetic_config import CRITEO_KAGGLE_CARDINALITIES, SyntheticConfig
+from ._synthetic_config import SyntheticConfig
 
 __all__ = ["SyntheticCriteo", "BayesMetrics", "RawRows"]
 
@@ -109,8 +109,7 @@ class SyntheticCriteo:
 
     def __init__(self, config: SyntheticConfig | None = None) -> None:
         self.config = cfg = config or SyntheticConfig()
-        cap = cfg.max_cardinality or max(CRITEO_KAGGLE_CARDINALITIES)
-        self.cardinalities: tuple[int, ...] = tuple(min(c, cap) for c in CRITEO_KAGGLE_CARDINALITIES)
+        self.cardinalities: tuple[int, ...] = cfg.cardinalities()
         setup = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED]))
         self._mult = (setup.integers(1 << 20, 1 << 31, N_CAT) * 2 + 1).astype(np.uint64)  # odd: bijective mod 2^32
         self._add = setup.integers(0, 1 << 32, N_CAT).astype(np.uint64)

@@ -45,6 +45,12 @@ class SyntheticConfig:
     interaction_scale: float = 0.5
     dense_scale: float = 0.2
 
+    def cardinalities(self) -> tuple[int, ...]:
+        """Distinct ids (Zipf ranks) of C1..C26: the Kaggle counts capped by `max_cardinality` (a feature's
+        missing id comes on top)."""
+        cap = self.max_cardinality or max(CRITEO_KAGGLE_CARDINALITIES)
+        return tuple(min(c, cap) for c in CRITEO_KAGGLE_CARDINALITIES)
+
     def __post_init__(self) -> None:
         if self.max_cardinality is not None and self.max_cardinality < 1:
             raise ConfigError(f"max_cardinality must be >= 1, got {self.max_cardinality}")

@@ -27,7 +27,9 @@ from ..types import ShardKind
 from ._column_wise import column_wise_fits
 from ._estimate import estimate_table, fmt_bytes, fmt_num, text_table
 
-__all__ = ["TablePlacement", "ShardingPlan", "propose_plan"]
+__all__ = ["TablePlacement", "ShardingPlan", "propose_plan", "DATA_PARALLEL_BELOW"]
+
+DATA_PARALLEL_BELOW = 1 << 20  # bytes: propose_plan replicates a table of known size up to this
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class ShardingPlan:
 def propose_plan(tables: Sequence[TableConfig], world_size: int, memory_budget_per_rank: int | None = None, *,
                  optimizer: SparseOptimizer | None = None, expected_rows: Mapping[str, int] | None = None,
                  ids_per_step: Mapping[str, int] | None = None, batch_size: int = 1024,
-                 data_parallel_below: int = 1 << 20, row_wise_above: int | None = None,
+                 data_parallel_below: int = DATA_PARALLEL_BELOW, row_wise_above: int | None = None,
                  overrides: Mapping[str, TablePlacement | ShardKind | str] | None = None,
                  servers: int = 0) -> ShardingPlan:
     """Proposes a plan balancing estimated memory and lookup cost over `world_size` ranks.

@@ -116,6 +116,9 @@ class TrainConfig:
         threads: torch/kernel threads (None: torch's default).
         sharding: distributed runs: per-table placements overriding the proposed plan, as
             ``"TABLE=KIND"`` (``row_wise``, ``column_wise``, ``data_parallel``) or ``"TABLE=table_wise@RANK"``.
+        size_from_data: distributed runs: give the planner the rows of the dynamic tables the data
+            shows small (the synthetic cardinalities, converted shards' distinct_ids), which it
+            replicates; False: they stay unsized (row-wise unless placed), as before 2026-11-28.
         memory_per_rank: distributed runs: bytes of tables each rank may hold (the planner
             refuses a plan that does not fit); None: no limit.
         dist_timeout: distributed runs: seconds any collective may wait before a peer counts
@@ -212,6 +215,7 @@ class TrainConfig:
     prefetch: int = 2
     log_every: int = 10
     sharding: tuple[str, ...] = ()
+    size_from_data: bool = True
     memory_per_rank: int | None = None
     dist_timeout: float = 300.0
     staleness: int = 0

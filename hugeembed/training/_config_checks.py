@@ -48,7 +48,8 @@ def check_settings(cfg) -> None:
         if not isinstance(cfg.checkpoint_dir, str) or not cfg.checkpoint_dir:
             raise ConfigError(f"checkpoint-dir must be a directory path (a non-empty string), "
                               f"got {cfg.checkpoint_dir!r}")
-    for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale", "click_counts"):
+    for name in ("resume", "overwrite", "average_dense", "first_order", "stale_scale", "click_counts",
+                 "size_from_data"):
         if not isinstance(getattr(cfg, name), bool):
             raise ConfigError(f"{_key(name)} must be true or false, got {getattr(cfg, name)!r}")
     if cfg.first_order and cfg.model != "dlrm":

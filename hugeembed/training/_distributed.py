@@ -15,14 +15,15 @@ import torch
 import torch.distributed as dist
 
 from ..data import Batch
-from ..distributed import ShardedEmbeddingCollection, propose_plan
+from ..distributed import ShardedEmbeddingCollection, estimate_table, propose_plan
+from ..distributed._plan import DATA_PARALLEL_BELOW
 from ..distributed._liveness import describe_failure
 from ..errors import ShardingError
 from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "ids_per_step", "merged_tier_stats", "tiered_run", "wrap_ddp",
+__all__ = ["sharded_factory", "run_plan", "ids_per_step", "expected_rows", "merged_tier_stats", "tiered_run", "wrap_ddp",
            "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
 
 
@@ -36,12 +37,29 @@ def check_process_group(rank: int, world_size: int) -> None:
 
 
 def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
-    """The run's sharding plan: proposed from the tables, the memory per rank and the data's ids per
-    bag (:func:`ids_per_step`), with --shard overrides."""
+    """The run's sharding plan: proposed from the tables, the memory per rank, the data's ids per
+    bag (:func:`ids_per_step`) and the sizes its distinct ids show small (:func:`expected_rows`),
+    with --shard overrides."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
+    hints = (expected_rows(cfg, tables) if cfg.size_from_data else None) or {}
+    # only the hints that make a table replicated: a sized larger one would go table-wise, slower than
+    # row-wise (where an unsized one goes) at one id a bag (docs/distributed.md, "Measured")
+    small = {t.name: hints[t.name] for t in tables if t.name in hints and
+             estimate_table(t, optimizer, expected_rows=hints).bytes <= DATA_PARALLEL_BELOW}
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        ids_per_step=ids_per_step(cfg, world_size, tables), overrides=overrides,
-                        servers=cfg.servers)
+                        expected_rows=small, ids_per_step=ids_per_step(cfg, world_size, tables),
+                        overrides=overrides, servers=cfg.servers)
+
+
+def _shard_set(cfg: TrainConfig):
+    """The run's converted shards (one directory or its manifest.json), else None (text files, synthetic)."""
+    from pathlib import Path
+
+    from ..data import ShardSet
+
+    if len(cfg.data) != 1 or not (Path(cfg.data[0]).is_dir() or Path(cfg.data[0]).name == "manifest.json"):
+        return None
+    return ShardSet(cfg.data[0], verify="none")
 
 
 def ids_per_step(cfg: TrainConfig, world_size: int, tables) -> dict[str, float] | None:
@@ -49,15 +67,39 @@ def ids_per_step(cfg: TrainConfig, world_size: int, tables) -> dict[str, float] 
     feature (``ShardSet.ids_per_bag``: exact over the whole data, from the shard manifest, the same on
     every rank) times the planner's bags per step.  None for text files and synthetic data (one id per
     bag: the text's bags are unknown before reading it all, and ranks must agree on the plan)."""
-    from pathlib import Path
-
-    from ..data import ShardSet
-
-    if len(cfg.data) != 1 or not (Path(cfg.data[0]).is_dir() or Path(cfg.data[0]).name == "manifest.json"):
+    shards = _shard_set(cfg)
+    if shards is None:
         return None
-    per_bag = ShardSet(cfg.data[0], verify="none").ids_per_bag()
+    per_bag = shards.ids_per_bag()
     bags = cfg.batch_size * world_size  # per feature, as propose_plan counts them
     return {t.name: bags * sum(per_bag.get(f, 1.0) for f in t.features) for t in tables}
+
+
+def expected_rows(cfg: TrainConfig, tables) -> dict[str, int] | None:
+    """Rows hint of each table read only by features whose distinct ids the data tells, for the planner
+    (which replicates a dynamic table it knows to be small): the sum over the table's features (an
+    upper bound when several share it) of the synthetic generator's capped cardinality + 1 (the missing
+    id), or of converted shards' estimates (``ShardSet.distinct_ids``, from the manifest); at most the
+    table's capacity.  The same on every rank (the config; the manifest file).  None for text files
+    (unknown before reading them all) and for shards converted before manifests held the estimate."""
+    if not cfg.data:
+        from ..data import SyntheticConfig
+        from ..data._schema import CAT_NAMES
+
+        cards = SyntheticConfig(max_cardinality=cfg.synthetic_max_cardinality).cardinalities()
+        distinct: dict[str, int] | None = {name: c + 1 for name, c in zip(CAT_NAMES, cards)}
+    else:
+        shards = _shard_set(cfg)
+        distinct = None if shards is None else shards.distinct_ids()
+    if distinct is None:
+        return None
+    hints = {}
+    for t in tables:
+        if all(f in distinct for f in t.features):
+            rows = sum(distinct[f] for f in t.features)
+            # a table keeps at most its capacity's rows (the planner takes the hint over the capacity)
+            hints[t.name] = rows if t.capacity is None else min(rows, t.capacity)
+    return hints
 
 
 def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):

@@ -58,7 +58,8 @@ def test_cli_plans_column_wise_from_the_shards_ids_per_bag_and_serves_its_deltas
     per_bag = ShardSet(tmp_path / "shards").ids_per_bag()
     assert per_bag["user"] == 1.0 and 7.5 < per_bag["tags"] < 8.5, per_bag  # 6..10 tags a row
     ck = tmp_path / "ck"
-    # tables of 64 columns and 4096 rows each: too big to replicate or to keep whole on one rank; no --shard
+    # tables of 64 columns and up to 4096 rows: tags' ~3000 ids too big to replicate or to keep whole on one
+    # rank; user's ~1000 (the manifest's distinct_ids) replicated; no --shard
     _cli("train", "--nproc", 2, "--data", tmp_path / "shards", "--embedding-dim", 64, "--capacity", 4096,
          "--steps", 3, "--batch-size", 32, "--checkpoint-dir", ck, "--checkpoint-every", 1,
          "--full-checkpoint-every", 3, "--quiet", "--threads", 1, cwd=tmp_path)
@@ -67,7 +68,7 @@ def test_cli_plans_column_wise_from_the_shards_ids_per_bag_and_serves_its_deltas
     assert [m["kind"] for m in manifests] == ["full", "delta", "delta"]
     plan = manifests[-1]["plan"]["tables"]
     assert plan["tags"] == {"kind": "column_wise", "ranks": [0, 1]}  # ~8 ids a bag: pooled blocks travel
-    assert plan["user"]["kind"] == "row_wise"  # one id a bag: its rows travel
+    assert plan["user"]["kind"] == "data_parallel"  # < 1 MiB by its distinct ids
     tags = next(t for t in manifests[1]["tables"] if t["name"] == "tags")
     assert [s["columns"]["lo"] for s in tags["shards"]] == [0, 32]  # each rank wrote its block of the delta
     # an artifact of the first snapshot plus the deltas to the newest serves what a full export of it does

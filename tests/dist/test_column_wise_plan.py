@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hugeembed import ConfigError
@@ -87,6 +89,10 @@ def test_a_run_on_converted_shards_plans_with_their_ids_per_bag(tmp_path):
     lines = ["y,user,tags"] + [f"{i % 2},{i},{'|'.join(str(i * 7 + j) for j in range(i % 9))}" for i in range(90)]
     (tmp_path / "d.csv").write_text("\n".join(lines) + "\n")
     convert(tmp_path / "d.csv", tmp_path / "shards", schema=load_schema(tmp_path / "s.toml"))
+    # a manifest from before distinct_ids (its 91 users would be replicated): plans by ids per bag as before
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert set(manifest.pop("distinct_ids")) == {"user", "tags"}
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps(manifest))
     tags = sum(max(i % 9, 1) for i in range(90)) / 90  # the oracle: ids over rows (an empty cell: its missing id)
     from hugeembed.data import ShardSet
     assert ShardSet(tmp_path / "shards").ids_per_bag() == {"user": 1.0, "tags": pytest.approx(tags)}

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 # 2 workers x 32 rows: the global batch of 64 in every run; constant rates (a resumed 6 + 6 steps is a 12-step run)
 RUN = dict(model="dlrm", embedding_dim=4, batch_size=32, steps=8, eval_every=4, eval_rows=256,
            synthetic_max_cardinality=3000, log_every=4, threads=1, sparse_optimizer="adagrad", lr_decay=0.0,
-           dist_timeout=60.0)
+           dist_timeout=60.0, size_from_data=False)  # sized, 3000 ids of dim 4 would all be replicated
 
 
 def fit(rank: int, world: int, workdir: str, cfg: dict) -> dict:

@@ -21,7 +21,9 @@ PER_PROCESS = dict(model="dlrm", embedding_dim=4, batch_size=64, steps=12, eval_
                    # the default admission (a shared row for ids seen fewer than 3 times) in both runs; constant
                    # rates, so the 12-step run resumed to 16 steps stands for a 16-step run (lr_decay follows the
                    # run's length)
-                   lr_decay=0.0)
+                   lr_decay=0.0,
+                   # unsized tables (row-wise unless placed): sized, 5000 ids of dim 4 would all be replicated
+                   size_from_data=False)
 
 
 def toml(d: dict) -> str:

@@ -19,7 +19,7 @@ BAD = {
     "steps": "true", "epochs": "1.5", "sparse_optimizer": "5", "sparse_lr": "'fast'", "dense_optimizer": "[1]",
     "dense_lr": "-1.0", "eval_every": "-1", "eval_rows": "0", "eval_fraction": "true",
     "checkpoint_dir": "5", "checkpoint_every": "1.5", "full_checkpoint_every": "0", "keep_checkpoints": "'3'",
-    "resume": "'yes'", "overwrite": "1",
+    "resume": "'yes'", "overwrite": "1", "size_from_data": "'no'",
     "seed": "1.5", "init_seed": "-1", "capacity": "0", "synthetic_rows": "[]", "synthetic_max_cardinality": "1e3",
     "device": "'cuda:abc'", "threads": "'2'", "prefetch": "-1", "log_every": "0", "sharding": "5",
     "memory_per_rank": "1.5", "dist_timeout": "'soon'", "staleness": "-1", "dense_staleness": "1.5",
