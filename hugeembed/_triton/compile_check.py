@@ -7,7 +7,18 @@ any fails.
 
 from __future__ import annotations
 
+import inspect
 import sys
+
+# Names the launcher's generated binder (triton/runtime/jit.py, create_function_from_signature) uses for
+# its own locals and globals: a kernel parameter so named is shadowed, and the launch fails on a GPU only
+# ("failed to specialize argument of type: dict" for `params`), never under the interpreter.
+LAUNCHER_NAMES = frozenset({"params", "specialization", "options", "specialize_impl", "backend"})
+
+
+def launcher_clashes(fn) -> list[str]:
+    """The parameters of the jitted `fn` that the launcher's binder would shadow."""
+    return sorted(set(inspect.signature(getattr(fn, "fn", fn)).parameters) & LAUNCHER_NAMES)
 
 
 def compile_all(arch: int = 90) -> int:
@@ -24,6 +35,8 @@ def compile_all(arch: int = 90) -> int:
         return 1
     for name, fn, signature, constexprs, *options in cases:  # (options: the launch's, e.g. num_warps)
         try:
+            if clash := launcher_clashes(fn):
+                raise ValueError(f"parameters {clash} clash with the launcher's own names: rename them")
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
             k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options[0] if options else None)
             print(f"ok    {name:40s} sm_{arch} cubin {len(k.asm['cubin'])} B, {k.metadata.num_warps} warps, "

@@ -4,7 +4,7 @@ initialises them inside its own kernel (csrc/store_init.cpp).
 
 Per table, as DynamicGroup._kernel_init_args gives them: kinds int64 [T, 2] (store/_init.py's
 ``_native_spec`` kind: 0 constant, 1 uniform, 2 normal, 3 truncated normal, -1 made by the group; the
-seed), params float64 [T, 6] (the spec's), state float32 [T, S] (each table's state template).  The
+seed), spec float64 [T, 6] (the spec's), state float32 [T, S] (each table's state template).  The
 values are store/_init.py's torch expressions in the same double operations and order (fp fusion off, so
 no multiply-add is contracted): equal to the torch path's rows but for the last bit of a double log.
 """
@@ -59,7 +59,7 @@ def _inverse_normal_cdf(p, coefs):
 
 
 @triton.jit(do_not_specialize=["m", "row_stride", "dim", "state_at", "state_width", "pid0"])
-def init_rows_kernel(pid0, rows, row_stride, m, slots, keys, tids, kinds, params, state, coefs, dim, state_at,
+def init_rows_kernel(pid0, rows, row_stride, m, slots, keys, tids, kinds, spec, state, coefs, dim, state_at,
                      state_width, HAS_STATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_S: tl.constexpr):
     """Rows slots[:m] (of keys[:m], tables tids[:m]) of float32 `rows` [R, row_stride]: weights in columns
@@ -76,12 +76,12 @@ def init_rows_kernel(pid0, rows, row_stride, m, slots, keys, tids, kinds, params
     cols = tl.arange(0, BLOCK_D)
     bits = (mix64(base[:, None] + cols[None, :].to(tl.uint64) * _STREAM) >> 11).to(tl.float64)
     unit = tl.load(coefs + _C_R + 6)
-    p0 = tl.load(params + t * 6, mask=live, other=0.0)[:, None]
-    p1 = tl.load(params + t * 6 + 1, mask=live, other=0.0)[:, None]
-    p2 = tl.load(params + t * 6 + 2, mask=live, other=0.0)[:, None]
-    p3 = tl.load(params + t * 6 + 3, mask=live, other=0.0)[:, None]
-    p4 = tl.load(params + t * 6 + 4, mask=live, other=0.0)[:, None]
-    p5 = tl.load(params + t * 6 + 5, mask=live, other=0.0)[:, None]
+    p0 = tl.load(spec + t * 6, mask=live, other=0.0)[:, None]
+    p1 = tl.load(spec + t * 6 + 1, mask=live, other=0.0)[:, None]
+    p2 = tl.load(spec + t * 6 + 2, mask=live, other=0.0)[:, None]
+    p3 = tl.load(spec + t * 6 + 3, mask=live, other=0.0)[:, None]
+    p4 = tl.load(spec + t * 6 + 4, mask=live, other=0.0)[:, None]
+    p5 = tl.load(spec + t * 6 + 5, mask=live, other=0.0)[:, None]
     k = kind[:, None]
     uniform = p0 + (p1 - p0) * (bits * unit)
     u = (bits + tl.load(coefs + _C_R + 5)) * unit  # in (0, 1): store/_init.py::_open_unit
@@ -98,7 +98,7 @@ def init_rows_kernel(pid0, rows, row_stride, m, slots, keys, tids, kinds, params
 
 
 _SIG = {"pid0": "i32", "rows": "*fp32", "row_stride": "i64", "m": "i64", "slots": "*i64", "keys": "*i64",
-        "tids": "*i64", "kinds": "*i64", "params": "*fp64", "state": "*fp32", "coefs": "*fp64", "dim": "i32",
+        "tids": "*i64", "kinds": "*i64", "spec": "*fp64", "state": "*fp32", "coefs": "*fp64", "dim": "i32",
         "state_at": "i32", "state_width": "i32", "HAS_STATE": "constexpr", "BLOCK_R": "constexpr",
         "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"}
 # fp fusion off: store/_init.py's torch expressions round each multiply and add apart

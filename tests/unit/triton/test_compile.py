@@ -28,3 +28,19 @@ def test_every_kernel_case_compiles_for_sm90_one_ok_line_each():
     # "ok    NAME  sm_90 cubin ...": names may hold spaces ("hash_index.probe (find)")
     names = [line[len("ok"):].rsplit(" sm_", 1)[0].strip() for line in lines if line.startswith("ok ")]
     assert sorted(names) == sorted(cases), run.stdout
+
+
+def test_no_kernel_parameter_is_shadowed_by_the_launchers_binder():
+    # init_rows_kernel's `params` launched under the interpreter and failed every launch on an H200
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from hugeembed._triton.compile_check import launcher_clashes
+
+    jitted = (JITFunction, InterpretedFunction)  # (TRITON_INTERPRET=1 gives the latter)
+    kernels = [o for m in _triton.kernel_modules() for o in vars(m).values() if isinstance(o, jitted)]
+    assert len(kernels) > 10
+    assert {k.fn.__name__: launcher_clashes(k) for k in kernels if launcher_clashes(k)} == {}
+    def probe(params, x):  # the check itself sees the clash
+        pass
+    assert launcher_clashes(probe) == ["params"]
