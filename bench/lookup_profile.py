@@ -7,6 +7,10 @@ Python functions with the most own time per step: the host's share when the devi
 
     python bench/lookup_profile.py --device cuda --dim 16 --pooling 1
     python bench/lookup_profile.py --impls coll ebag --modes train
+    py-spy record -f raw -o coll.txt -- python bench/lookup_profile.py --device cuda --impls coll --modes train --spin 5
+
+--spin S runs the steps for S seconds with no profiler instead (after the warm-up), for a sampling
+profiler outside the process: where the host's time goes when it, not the device, bounds the step.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ def _wall(step, device, n: int) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _spin(step, seconds: float) -> float:
+    """Steps back to back for `seconds` (synchronized once at the end): the mean time of a step."""
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        step(n)
+        n += 1
+    sync()
+    return (time.perf_counter() - t0) / n
 
 
 def _kernels(step, device, n: int, top: int) -> str:
@@ -89,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["fwd", "train"], choices=["fwd", "train"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--spin", type=float, default=0.0, help="run steps for this many seconds, no profiler")
     args = p.parse_args(argv)
     rows = criteo_rows(scale=args.row_scale)
     batches = [[ids.to(args.device) for ids in b] for b in criteo_batches(rows, args.batch, args.pooling, 4)]
@@ -100,6 +116,9 @@ def main(argv=None) -> int:
             step = _step_of(impl, tables, batches, args.batch, args.pooling, mode == "train")
             for i in range(5):  # warm-up: compiles, caches, the allocator
                 step(i)
+            if args.spin:
+                print(f"## {impl} {mode}: {_spin(step, args.spin) * 1e3:.3f} ms a step, unsynchronized")
+                continue
             wall = _wall(step, args.device, 3 * args.steps)
             print(f"\n## {impl} {mode}: {wall * 1e3:.3f} ms a step ({args.batch / wall / 1e3:.0f} k samples/s)")
             print(_kernels(step, args.device, args.steps, args.top))
