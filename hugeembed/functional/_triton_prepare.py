@@ -96,7 +96,9 @@ def prepare_triton(plan: LookupPlan, sf, deduplicate: bool = True, shuffle: int 
     runs = Dedup(perm, unique_keys, unique_tables, seg_start, inverse, counts) if deduplicate else None
     return Prepared(B, out_offsets, inverse[:n_keep], None if w_out is None else w_out[:n_keep],
                     unique_keys[:n_unique], unique_counts[:n_unique], base, per_table, n_unique, native=False,
-                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs, packed=True)
+                    deduplicated=deduplicate, feature_starts=host[k.REPORT_HEAD + T :], runs=runs, packed=True,
+                    unique_tables=unique_tables[:n_unique].to(torch.int64))  # (the fetch's table column: no host
+    #                                                                        -made column copied in each step)
 
 
 def _sort(keys, tabs, linear: bool) -> torch.Tensor:
