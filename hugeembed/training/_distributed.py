@@ -149,9 +149,9 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
                                           stale_row_scale=cfg.stale_scale,
                                           stale_compensation=float(cfg.stale_compensation),
                                           # replicas (the small, hot tables) follow the dense part's delay
-                                          # (with DC-ASGD: K, its drift counts from the fetch)
+                                          # (with DC-ASGD their drift counts from that read)
                                           replicated_staleness=min(cfg.staleness, cfg.dense_staleness)
-                                          if cfg.staleness and not cfg.stale_compensation else None, **kw)
+                                          if cfg.staleness else None, **kw)
 
     return build
 
