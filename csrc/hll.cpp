@@ -40,7 +40,8 @@ HE_KERNEL(he_hll_update) {
     for (int64_t c0 = 0; c0 < columns; c0 += kBuf) {  // more columns than kBuf: a row in pieces
       const int64_t width = std::min(kBuf, columns - c0), height = std::min(tile, rows - r0);
       for (int64_t r = 0; r < height; ++r)
-        for (int64_t c = 0; c < width; ++c) hashes[r * width + c] = he::mix64((uint64_t)in[r * columns + c0 + c] ^ salt);
+        for (int64_t c = 0; c < width; ++c)
+          hashes[r * width + c] = he::mix64((uint64_t)in[r * columns + c0 + c] ^ salt);
       for (int64_t c = 0; c < width; ++c) {
         uint8_t* col = reg + ((c0 + c) << bits);
         for (int64_t k = c; k < height * width; k += width) update(col, hashes[k], shift);

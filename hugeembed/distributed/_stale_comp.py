@@ -32,8 +32,9 @@ class DelayCompensation(ReadMarks):
 
     The exchange thread calls ``fetched(step)`` when it reads the rows of a training step (and
     ``read_replicas(step)`` when it copies the step's replicated rows later: the tables in `replicated`
-    drift from there, ``replicated_staleness``); the update stage ``compensate(step, t, slots, grad)`` before table t's update of `step` and ``record(t, slots,
-    change)`` after it; ``applied(step)`` once the step's updates are all in.
+    drift from there, ``replicated_staleness``); the update stage ``compensate(step, t, slots, grad)``
+    before table t's update of `step` and ``record(t, slots, change)`` after it; ``applied(step)`` once
+    the step's updates are all in.
 
     Args:
         staleness: K >= 1.

@@ -24,8 +24,8 @@ from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "fit_replicas", "ids_per_step", "expected_rows", "merged_tier_stats", "tiered_run", "wrap_ddp",
-           "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
+__all__ = ["sharded_factory", "run_plan", "fit_replicas", "ids_per_step", "expected_rows", "merged_tier_stats",
+           "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
 
 
 def check_process_group(rank: int, world_size: int) -> None:

@@ -97,7 +97,8 @@ def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dic
     if sum(floor.values()) > budget:
         raise BudgetError(f"{where}memory-budget {budget} B cannot hold two batches of rows of every table "
                           f"(needs {sum(floor.values())} B: "
-                          + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size", floor)
+                          + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size",
+                          floor)
     share = dict(floor)
     left = budget - sum(share.values())
     open_ = [t.name for t in tables if cap[t.name] is None or share[t.name] < cap[t.name]]

@@ -175,3 +175,13 @@ def test_native_registers_of_a_strided_block_and_many_ids():
     wide = np.random.default_rng(3).integers(-(2**40), 2**40, size=(100_000, 5))
     block = wide[:, 1:4]
     assert np.array_equal(hll_registers(block, 3, native=True), hll_registers(block, 3, native=False))
+
+
+def test_native_registers_of_rows_wider_than_its_tile():
+    """More columns than the kernel's tile of 4096 hashes: a row is hashed in pieces."""
+    from hugeembed import _native
+
+    if not _native.available():
+        pytest.skip("native kernels not built")
+    ids = np.random.default_rng(4).integers(-(2**62), 2**62, size=(3, 4100))
+    assert np.array_equal(hll_registers(ids, 4100, native=True), hll_registers(ids, 4100, native=False))
