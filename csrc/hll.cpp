@@ -1,6 +1,7 @@
 // HyperLogLog register update of convert's distinct-id count (hugeembed/data/_distinct.py, whose
 // NumPy path is the fallback and the tests' oracle): one pass of hash, leading-zero count and max
-// into the registers, where the NumPy path makes ~8 id-sized temporaries (24 ns an id).
+// into the registers, where the NumPy path makes ~8 id-sized temporaries (24 ns an id).  The max is
+// branchless: a register's first ids raise it often, at random.
 #include <algorithm>
 
 #include "common.h"
@@ -30,23 +31,10 @@ HE_KERNEL(he_hll_update) {
   const int64_t* ids = call.buf<const int64_t>(0, n, "ids");
   uint8_t* reg = call.bytes<uint8_t>(1, columns << bits, "registers");
   const int shift = 64 - (int)bits;
-  // Rows in tiles: hash a tile (a vectorisable loop), then update one column's registers at a time,
-  // so the registers being updated stay in L1 (26 columns' 4 KiB each would not); max without a branch.
-  constexpr int64_t kBuf = 4096;  // hashes of a tile of rows: 32 KiB
-  uint64_t hashes[kBuf];
-  const int64_t rows = n / columns, tile = std::max<int64_t>(1, kBuf / columns);
-  for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-    const int64_t* in = ids + r0 * columns;
-    for (int64_t c0 = 0; c0 < columns; c0 += kBuf) {  // more columns than kBuf: a row in pieces
-      const int64_t width = std::min(kBuf, columns - c0), height = std::min(tile, rows - r0);
-      for (int64_t r = 0; r < height; ++r)
-        for (int64_t c = 0; c < width; ++c)
-          hashes[r * width + c] = he::mix64((uint64_t)in[r * columns + c0 + c] ^ salt);
-      for (int64_t c = 0; c < width; ++c) {
-        uint8_t* col = reg + ((c0 + c) << bits);
-        for (int64_t k = c; k < height * width; k += width) update(col, hashes[k], shift);
-      }
-    }
-  }
+  // Row by row: hashing a tile of rows first, then updating each column's registers in turn
+  // (L1-resident) was slower (standalone, 1.7 M ids x 26 columns, load 2: 3.6 ns an id against 2.6).
+  for (int64_t r = 0; r < n / columns; ++r)
+    for (int64_t c = 0; c < columns; ++c)
+      update(reg + (c << bits), he::mix64((uint64_t)ids[r * columns + c] ^ salt), shift);
   return 0;
 }

@@ -177,8 +177,8 @@ def test_native_registers_of_a_strided_block_and_many_ids():
     assert np.array_equal(hll_registers(block, 3, native=True), hll_registers(block, 3, native=False))
 
 
-def test_native_registers_of_rows_wider_than_its_tile():
-    """More columns than the kernel's tile of 4096 hashes: a row is hashed in pieces."""
+def test_native_registers_of_wide_rows():
+    """4100 columns (registers 4100 x 4096 bytes): every column's registers apart."""
     from hugeembed import _native
 
     if not _native.available():
