@@ -118,7 +118,8 @@ class StalePipeline:
         self.coll, self.staleness = coll, staleness
         self.replicated = staleness if replicated_staleness is None else replicated_staleness
         self.rows = RowStaleness(staleness, coll._replicated_tables()) if staleness and row_scale else None
-        self.compensation = DelayCompensation(staleness, compensation) if staleness and compensation else None
+        self.compensation = DelayCompensation(staleness, compensation, coll._replicated_tables()) \
+            if staleness and compensation else None
         self.thread = ExchangeThread(f"hugeembed-exchange-rank{coll.rank}")
         self.ahead: collections.deque[PendingFetch] = collections.deque()
         self.grads: collections.deque[Future] = collections.deque()
@@ -173,8 +174,9 @@ class StalePipeline:
         fetch = pending.future
 
         def read() -> None:
-            if self.rows is not None:
-                self.rows.read_replicas(pending.step)
+            for record in (self.rows, self.compensation):
+                if record is not None:
+                    record.read_replicas(pending.step)
             self.coll._read_replicas(fetch.result())
 
         pending.read = self.thread.submit(read)

@@ -78,7 +78,8 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
             g + lambda * g * g * (w_now - w_read) (DC-ASGD, distributed/_stale_comp.py); 0: off.
         replicated_staleness: R in [0, K] (None: K): data-parallel tables' rows read for batch t hold
             the updates of batches up to t-R-1 exactly (their keys still registered K steps ahead);
-            the trainer passes its dense delay D (replicas are the small, hot tables).
+            the trainer passes its dense delay D (replicas are the small, hot tables).  With
+            ``stale_compensation``, a replicated row's drift counts from that later read.
 
     Disk-tiered tables (``TableConfig.storage_dir``) shard like the others: every rank holding
     rows of one keeps them under ``<storage_dir>/rank<r>/<table>/`` with its own cache of
@@ -141,11 +142,6 @@ class ShardedEmbeddingCollection(ShardedStep, PipelinedExchanges, EmbeddingColle
                     replicated_staleness, int) or not 0 <= replicated_staleness <= staleness):
                 raise ConfigError(f"replicated_staleness must be an int in [0, staleness={staleness}] (steps), got "
                                   f"{replicated_staleness!r}")
-            if stale_compensation and replicated_staleness is not None and replicated_staleness < staleness \
-                    and self._has_replicas:
-                raise NotImplementedError("stale_compensation with replicated_staleness < staleness: the delay "
-                                          "compensation measures a row's drift from its fetch, not from a later read "
-                                          "of the data-parallel tables")
             self._pipeline = StalePipeline(self, staleness, row_scale=stale_row_scale,
                                            compensation=float(stale_compensation),
                                            replicated_staleness=replicated_staleness)

@@ -22,35 +22,36 @@ import collections
 
 import torch
 
+from ._stale_rows import ReadMarks
+
 __all__ = ["DelayCompensation", "compensable"]
 
 
-class DelayCompensation:
+class DelayCompensation(ReadMarks):
     """An owner's record of the weight changes it applied since each pending fetch (one per collection).
 
-    The exchange thread calls ``fetched(step)`` when it reads the rows of a training step; the update
-    stage ``compensate(step, t, slots, grad)`` before table t's update of `step` and ``record(t, slots,
-    change)`` after it; ``applied(step)`` once the step's updates are all in.
+    The exchange thread calls ``fetched(step)`` when it reads the rows of a training step (and
+    ``read_replicas(step)`` when it copies the step's replicated rows later: the tables in `replicated`
+    drift from there, ``replicated_staleness``); the update stage ``compensate(step, t, slots, grad)``
+    before table t's update of `step` and ``record(t, slots, change)`` after it; ``applied(step)`` once
+    the step's updates are all in.
 
     Args:
         staleness: K >= 1.
         strength: lambda > 0.
+        replicated: the data-parallel tables (indices), whose rows may be read after the fetch.
     """
 
-    def __init__(self, staleness: int, strength: float) -> None:
+    def __init__(self, staleness: int, strength: float, replicated: frozenset[int] = frozenset()) -> None:
+        super().__init__(replicated)
         self.staleness, self.strength = staleness, float(strength)
-        self._done = 0  # steps applied so far
         self._history: collections.deque = collections.deque(maxlen=staleness + 1)  # (index, {t: (slots, change)})
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._marks: dict[int, int] = {}  # step -> steps applied when its rows were read
-
-    def fetched(self, step: int) -> None:
-        self._marks[step] = self._done
 
     def drift(self, step: int, t: int, slots: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         """w_now - w_read of table t's rows at `slots` (one per entry) for `step`'s update: the changes
         the steps applied since its fetch made (zeros for a step not fetched through here)."""
-        mark = self._marks.get(step, self._done)
+        mark = self.mark(step, t)
         out = torch.zeros(slots.numel(), dim, dtype=dtype, device=slots.device)
         for i, changes in self._history:
             if i < mark or t not in changes:
@@ -79,10 +80,9 @@ class DelayCompensation:
         self._current[t] = (slots, change)
 
     def applied(self, step: int) -> None:
-        self._marks.pop(step, None)
-        self._history.append((self._done, self._current))
+        self._history.append((self.done, self._current))
         self._current = {}
-        self._done += 1
+        super().applied(step)
 
 
 def compensable(coll, t: int) -> bool:

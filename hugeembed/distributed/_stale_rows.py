@@ -19,7 +19,7 @@ import collections
 
 import torch
 
-__all__ = ["RowStaleness", "staleness_counts", "scale_row_steps", "scalable"]
+__all__ = ["ReadMarks", "RowStaleness", "staleness_counts", "scale_row_steps", "scalable"]
 
 
 def staleness_counts(keys: torch.Tensor, since: list[torch.Tensor]) -> torch.Tensor:
@@ -31,7 +31,37 @@ def staleness_counts(keys: torch.Tensor, since: list[torch.Tensor]) -> torch.Ten
     return n
 
 
-class RowStaleness:
+class ReadMarks:
+    """Per pending training step, how many steps had been applied when its rows were read: at its fetch,
+    or, for the tables in `replicated` of a step whose replicas are read later (``replicated_staleness``),
+    at that read.  The exchange thread calls ``fetched(step)``, ``read_replicas(step)`` and
+    ``applied(step)`` (once the step's updates are all in); RowStaleness and DelayCompensation count
+    from :meth:`mark`."""
+
+    def __init__(self, replicated: frozenset[int] = frozenset()) -> None:
+        self.replicated = replicated
+        self.done = 0  # steps applied so far
+        self._marks: dict[int, int] = {}  # step -> steps applied when its rows were read
+        self._replica_marks: dict[int, int] = {}  # step -> the same for its replicas read late
+
+    def fetched(self, step: int) -> None:
+        self._marks[step] = self.done
+
+    def read_replicas(self, step: int) -> None:
+        self._replica_marks[step] = self.done
+
+    def mark(self, step: int, t: int) -> int:
+        """Steps applied when table t's rows of `step` were read (all so far for a step not read here)."""
+        marks = self._replica_marks if t in self.replicated and step in self._replica_marks else self._marks
+        return marks.get(step, self.done)
+
+    def applied(self, step: int) -> None:
+        self._marks.pop(step, None)
+        self._replica_marks.pop(step, None)
+        self.done += 1
+
+
+class RowStaleness(ReadMarks):
     """An owner's record of the steps it applied since each pending fetch (one per collection).
 
     The exchange thread calls ``fetched(step)`` when it reads the rows of a training step,
@@ -41,24 +71,14 @@ class RowStaleness:
     ``applied(step)`` once the step's updates are all in."""
 
     def __init__(self, staleness: int, replicated: frozenset[int] = frozenset()) -> None:
+        super().__init__(replicated)
         self.staleness = staleness
-        self.replicated = replicated
-        self._done = 0  # steps applied so far
         self._history: collections.deque = collections.deque(maxlen=staleness + 1)  # (index, {t: keys})
         self._current: dict[int, torch.Tensor] = {}
-        self._marks: dict[int, int] = {}  # step -> steps applied when its rows were read
-        self._replica_marks: dict[int, int] = {}  # step -> the same for its replicas read late
-
-    def fetched(self, step: int) -> None:
-        self._marks[step] = self._done
-
-    def read_replicas(self, step: int) -> None:
-        self._replica_marks[step] = self._done
 
     def counts(self, step: int, t: int, keys: torch.Tensor) -> torch.Tensor:
         """n per key of table t in step `step`'s update (0 for a step not fetched through here)."""
-        marks = self._replica_marks if t in self.replicated and step in self._replica_marks else self._marks
-        mark = marks.get(step, self._done)
+        mark = self.mark(step, t)
         since = [keys_of[t] for i, keys_of in self._history if i >= mark and t in keys_of]
         return staleness_counts(keys, since)
 
@@ -70,11 +90,9 @@ class RowStaleness:
         return 1.0 / (1.0 + n.to(torch.float64))
 
     def applied(self, step: int) -> None:
-        self._marks.pop(step, None)
-        self._replica_marks.pop(step, None)
-        self._history.append((self._done, self._current))
+        self._history.append((self.done, self._current))
         self._current = {}
-        self._done += 1
+        super().applied(step)
 
 
 def scale_row_steps(coll, t: int, slots: torch.Tensor, scale: torch.Tensor, shared_slot: int, update) -> None:

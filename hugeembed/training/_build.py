@@ -59,6 +59,8 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
 
     owner = os.path.abspath(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
 
+    first: list = []  # the batches read once (fit_replicas may try several plans)
+
     def tier(tables, optimizer, plan=None):
         # a look at the first global batches that leaves every random state as it was: a tiered
         # run's numbers equal the in-memory run's (the same batches on every rank: the split agrees)
@@ -66,7 +68,9 @@ def _tiered_factory(cfg: TrainConfig, world_size: int = 1, schema=None):
         try:
             readers = world_size - cfg.servers if world_size > 1 else 1  # --servers read no data
             whole = cfg.replace(batch_size=cfg.batch_size * readers, servers=0) if world_size > 1 else cfg
-            batches = list(islice(make_source(whole, schema=schema).train_batches(0), 4))
+            if not first:
+                first.append(list(islice(make_source(whole, schema=schema).train_batches(0), 4)))
+            batches = first[0]
         finally:
             torch.set_rng_state(states[0])
             np.random.set_state(states[1])

@@ -129,7 +129,7 @@ class TrainConfig:
         dense_staleness: distributed runs: D >= 1 all-reduces the dense gradients in the background
             and applies those of step t at step t+D (instead of DDP); 0: at their own step.  With
             staleness K the data-parallel (small, hot) tables' rows are read min(K, D) steps stale
-            (without stale_compensation).
+            (with stale_compensation too: their drift counts from that read).
         stale_scale: under staleness, staleness-aware steps: each row's step scaled by 1 / (1 + the
             batches in flight that updated it since its fetch), a delayed dense step (D >= 1) at
             1 / (1 + D) of the dense lr (docs/distributed.md); False: plain steps.

@@ -19,12 +19,13 @@ from ..distributed import ShardedEmbeddingCollection, estimate_table, propose_pl
 from ..distributed._plan import DATA_PARALLEL_BELOW
 from ..distributed._liveness import describe_failure
 from ..errors import ShardingError
+from ..types import ShardKind
 from ..features import SparseFeatures
 from ..metrics import MetricSet
 from ._config import TrainConfig
 
-__all__ = ["sharded_factory", "run_plan", "ids_per_step", "expected_rows", "merged_tier_stats", "tiered_run", "wrap_ddp",
-           "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
+__all__ = ["sharded_factory", "run_plan", "fit_replicas", "ids_per_step", "expected_rows", "merged_tier_stats",
+           "tiered_run", "wrap_ddp", "merge_metrics", "aligned", "empty_batch", "as_sharding_error", "check_process_group", "run_info"]
 
 
 def check_process_group(rank: int, world_size: int) -> None:
@@ -36,19 +37,50 @@ def check_process_group(rank: int, world_size: int) -> None:
                             f"was told rank {rank} of {world_size}")
 
 
-def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer):
+def run_plan(cfg: TrainConfig, world_size: int, tables, optimizer, unsized=()):
     """The run's sharding plan: proposed from the tables, the memory per rank, the data's ids per
     bag (:func:`ids_per_step`) and the sizes its distinct ids show small (:func:`expected_rows`),
-    with --shard overrides."""
+    with --shard overrides.  `unsized`: tables whose size from the data is not passed (sharded as
+    without it: :func:`fit_replicas`)."""
     overrides = dict(item.split("=", 1) for item in cfg.sharding)
-    hints = (expected_rows(cfg, tables) if cfg.size_from_data else None) or {}
-    # only the hints that make a table replicated: a sized larger one would go table-wise, slower than
-    # row-wise (where an unsized one goes) at one id a bag (docs/distributed.md, "Measured")
-    small = {t.name: hints[t.name] for t in tables if t.name in hints and
-             estimate_table(t, optimizer, expected_rows=hints).bytes <= DATA_PARALLEL_BELOW}
     return propose_plan(tables, world_size, cfg.memory_per_rank, optimizer=optimizer, batch_size=cfg.batch_size,
-                        expected_rows=small, ids_per_step=ids_per_step(cfg, world_size, tables),
-                        overrides=overrides, servers=cfg.servers)
+                        expected_rows=_replica_hints(cfg, tables, optimizer, unsized),
+                        ids_per_step=ids_per_step(cfg, world_size, tables), overrides=overrides, servers=cfg.servers)
+
+
+def _replica_hints(cfg: TrainConfig, tables, optimizer, unsized=()) -> dict[str, int]:
+    """The rows hints the planner gets: only those that make a table replicated (a sized larger one would
+    go table-wise, slower than row-wise, where an unsized one goes, at one id a bag: docs/distributed.md,
+    "Measured"), less `unsized`'s."""
+    hints = (expected_rows(cfg, tables) if cfg.size_from_data else None) or {}
+    return {t.name: hints[t.name] for t in tables if t.name in hints and t.name not in unsized and
+            estimate_table(t, optimizer, expected_rows=hints).bytes <= DATA_PARALLEL_BELOW}
+
+
+def fit_replicas(cfg: TrainConfig, world_size: int, tables, optimizer, tiers):
+    """(plan, tiers(tables, plan, optimizer)) of a run with tables on disk: a replica needs its cache on
+    every rank, so where the budget cannot hold two batches' rows of every table a rank holds
+    (BudgetError), the replicated table sized from the data with the largest such floor is sharded as
+    without the size instead, one at a time, until the caches fit; the run fails only where the plan
+    without them would (the error then names the tables it sharded).  The same on every rank."""
+    from ._tiers import BudgetError
+
+    overrides = {item.split("=", 1)[0] for item in cfg.sharding}
+    unsized: list[str] = []
+    while True:
+        plan = run_plan(cfg, world_size, tables, optimizer, unsized)
+        try:
+            return plan, tiers(tables, plan, optimizer)
+        except BudgetError as e:
+            sized = _replica_hints(cfg, tables, optimizer, unsized)
+            movable = sorted((-e.floors[n], n) for n in sized if n in e.floors and n not in overrides
+                             and plan[n].kind is ShardKind.DATA_PARALLEL)
+            if not movable:
+                if unsized:
+                    raise BudgetError(f"{e} (already sharding the tables {', '.join(unsized)} instead of "
+                                      "replicating them on every rank)", e.floors) from None
+                raise
+            unsized.append(movable[0][1])
 
 
 def _shard_set(cfg: TrainConfig):
@@ -107,18 +139,19 @@ def sharded_factory(cfg: TrainConfig, world_size: int, tiers=None):
     (tables, plan, optimizer) -> (tables, storage owner) puts them on disk (training/_tiers.py)."""
 
     def build(tables, *, optimizer, **kw) -> ShardedEmbeddingCollection:
-        plan = run_plan(cfg, world_size, tables, optimizer)
         owner = None
-        if tiers is not None:
-            tables, owner = tiers(tables, plan, optimizer)
+        if tiers is None:
+            plan = run_plan(cfg, world_size, tables, optimizer)
+        else:
+            plan, (tables, owner) = fit_replicas(cfg, world_size, tables, optimizer, tiers)
         return ShardedEmbeddingCollection(tables, optimizer=optimizer, plan=plan, timeout=cfg.dist_timeout,
                                           storage_owner=owner, staleness=cfg.staleness or None, servers=cfg.servers,
                                           stale_row_scale=cfg.stale_scale,
                                           stale_compensation=float(cfg.stale_compensation),
                                           # replicas (the small, hot tables) follow the dense part's delay
-                                          # (with DC-ASGD: K, its drift counts from the fetch)
+                                          # (with DC-ASGD their drift counts from that read)
                                           replicated_staleness=min(cfg.staleness, cfg.dense_staleness)
-                                          if cfg.staleness and not cfg.stale_compensation else None, **kw)
+                                          if cfg.staleness else None, **kw)
 
     return build
 

@@ -19,7 +19,18 @@ from ..errors import ConfigError
 from ..nn import TableConfig
 from ..store import SLOT_METADATA_BYTES
 
-__all__ = ["batch_traffic", "shard_traffic", "split_memory_budget", "split_memory_budget_per_rank", "tiered_tables"]
+__all__ = ["batch_traffic", "shard_traffic", "split_memory_budget", "split_memory_budget_per_rank", "tiered_tables",
+           "BudgetError"]
+
+
+class BudgetError(ConfigError):
+    """The budget cannot hold two batches' rows of every table a rank holds: `floors` (table -> the
+    least bytes it needs) of the rank that fails (the trainer shards a replicated table it sized from
+    the data instead, training/_distributed.py::fit_replicas)."""
+
+    def __init__(self, message: str, floors: dict[str, int]):
+        super().__init__(message)
+        self.floors = floors
 
 
 def batch_traffic(tables: Sequence[TableConfig], batches: Iterable) -> dict[str, float]:
@@ -84,9 +95,10 @@ def split_memory_budget(tables: Sequence[TableConfig], budget: int, traffic: dic
     floor = split_floors(tables, traffic, row_bytes, held) if floors is None else {t.name: floors[t.name]
                                                                                    for t in tables}
     if sum(floor.values()) > budget:
-        raise ConfigError(f"{where}memory-budget {budget} B cannot hold two batches of rows of every table "
+        raise BudgetError(f"{where}memory-budget {budget} B cannot hold two batches of rows of every table "
                           f"(needs {sum(floor.values())} B: "
-                          + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size")
+                          + ", ".join(f"{n} {b} B" for n, b in floor.items()) + "); raise it or lower batch-size",
+                          floor)
     share = dict(floor)
     left = budget - sum(share.values())
     open_ = [t.name for t in tables if cap[t.name] is None or share[t.name] < cap[t.name]]

@@ -37,8 +37,8 @@ def test_bad_values_are_refused_naming_the_range(one_rank):
             _build(staleness=2, replicated_staleness=bad)
     with pytest.raises(ConfigError, match="replicated_staleness needs staleness=K"):
         _build(replicated_staleness=0)
-    with pytest.raises(NotImplementedError, match="stale_compensation with replicated_staleness < staleness"):
-        _build(staleness=2, replicated_staleness=1, stale_compensation=1.0)
+    # with the delay compensation too (a replica's drift counts from its late read: test_staleness.py)
+    _build(staleness=2, replicated_staleness=1, stale_compensation=1.0)
     _build(plan=("row_wise", "row_wise"), staleness=2, replicated_staleness=1, stale_compensation=1.0)  # no replica
 
 
@@ -57,3 +57,17 @@ def test_a_training_forward_without_backward_reads_the_replica_as_it_is(one_rank
     ec.enqueue(batches[4])
     assert torch.equal(ec(batches[3]).concat()[:, :4], ref(batches[3]).concat()[:, :4])
     ec.drain()
+
+
+@pytest.mark.parametrize("k,d,lam,want", [(3, 1, 0.0, 1), (3, 1, 50.0, 1), (2, 4, 50.0, 2), (0, 1, 50.0, None)])
+def test_the_trainer_reads_replicas_min_k_d_stale_with_the_delay_compensation_too(monkeypatch, k, d, lam, want):
+    """--staleness K --dense-staleness D [--stale-compensation L]: the collection gets R = min(K, D) (None: K = 0)."""
+    from hugeembed.training import TrainConfig
+    from hugeembed.training import _distributed
+
+    got = {}
+    monkeypatch.setattr(_distributed, "ShardedEmbeddingCollection", lambda tables, **kw: got.update(kw))
+    cfg = TrainConfig(staleness=k, dense_staleness=d, stale_compensation=lam, size_from_data=False)
+    ts = [TableConfig(n, 4, num_rows=10, combiner="sum") for n in ("a", "b")]
+    _distributed.sharded_factory(cfg, 2)(ts, optimizer=SGD(lr=0.1))
+    assert got["replicated_staleness"] == want and got["stale_compensation"] == lam

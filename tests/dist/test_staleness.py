@@ -26,12 +26,13 @@ STEPS = 6
 LAMBDA = 2.0
 NAMES = ("a", "b", "c")
 REPLICATED = ((2, 0), (3, 1))  # (K, R): "b", the data-parallel table, read R steps stale, the others K
+COMPENSATED_R = ((2, LAMBDA, 0), (3, LAMBDA, 1), (2, LAMBDA, 2))  # (K, lambda, R): DC-ASGD with "b" read R stale
 
 
 @pytest.fixture(scope="module")
 def runs():
     return run_ranks(2, "tests.dist.workers_stale:main", {"steps": STEPS, "stale": (0, 2, 3),
-                                                          "compensated": ((2, LAMBDA), (0, LAMBDA)),
+                                                          "compensated": ((2, LAMBDA), (0, LAMBDA), *COMPENSATED_R),
                                                           "replicated": REPLICATED})
 
 
@@ -82,8 +83,8 @@ def _oracle(steps: int, k: int, lam: float | None = None,
                 for idx in feat.values[feat.offsets[i] : feat.offsets[i + 1]].tolist():
                     grad[idx] = grad.get(idx, 0) + c[i, 4 * f : 4 * f + 4] / 8  # the global batch's mean
             for idx, g in grad.items():
-                if lam is not None:  # the row read for batch j (after 0 .. j-k-1) vs the row now (after 0 .. j-1)
-                    drift = w[n][idx] - states[max(0, j - k)][n][idx]
+                if lam is not None:  # the row read for batch j (after 0 .. j-delay-1) vs the row now (after 0 .. j-1)
+                    drift = w[n][idx] - states[max(0, j - delay[n])][n][idx]
                     new[n][idx] -= 0.5 * (g + lam * g * g * drift)  # SGD lr 0.5 on the compensated gradient
                     continue
                 d = -0.5 * g
@@ -153,6 +154,28 @@ def test_delay_compensated_rows_step_on_the_gradient_corrected_to_the_current_ro
         torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)
         # K = 2: the compensation moved rows (the oracle without it differs); K = 0: nothing is in flight
         assert (k > 0) == (not torch.allclose(final[n], plain[n], rtol=1e-5, atol=1e-6)), n
+
+
+@pytest.mark.parametrize("k,lam,r", COMPENSATED_R)
+def test_delay_compensation_of_a_data_parallel_table_read_r_steps_stale_drifts_from_that_read(runs, k, lam, r):
+    """DC-ASGD with the replica "b" read R < K steps stale: its drift is the row now minus the row its late
+    read saw (the others' from their fetch, K stale); R = K: the run without replicated_staleness, bit for bit."""
+    want, final = _oracle(STEPS, k, lam=lam, r=r)
+    for j in range(STEPS):
+        got = torch.cat([runs[0]["linear"][(k, lam, r)]["outputs"][j],
+                         runs[1]["linear"][(k, lam, r)]["outputs"][j]]).double()
+        torch.testing.assert_close(got, want[j], rtol=1e-5, atol=1e-6, msg=lambda m: f"K={k} R={r} batch {j}: {m}")
+    merged = merge_shards([x["linear"][(k, lam, r)]["tables"] for x in runs], replicated={"b"})
+    for n in NAMES:
+        rows = torch.zeros(20, 4, dtype=torch.float64).index_copy(0, merged[n]["keys"], merged[n]["rows"][:, :4].double())
+        torch.testing.assert_close(rows, final[n], rtol=1e-5, atol=1e-6)
+    if r < k:  # drifting from the fetch instead would differ (row gradients of the linear loss ignore the reads:
+        # the final rows differ by the drift alone)
+        from_fetch = _oracle(STEPS, k, lam=lam)[1]["b"]
+        assert not torch.allclose(final["b"], from_fetch, rtol=1e-5, atol=1e-6)
+    else:
+        for x in runs:
+            assert _same(x["linear"][(k, lam, r)], x["linear"][(k, lam)])
 
 
 @pytest.mark.slow

@@ -25,9 +25,12 @@ def _train(tmp_path, name: str, *flags: str, kd: tuple[int, int] = (2, 2)) -> di
     return json.loads(out.read_text())
 
 
-# (3, 1): the data-parallel tables read 1 step stale (the dense delay), the others 3
-@pytest.mark.parametrize("kd, shard", [((2, 2), ()), ((3, 1), ("--shard", "C6=data_parallel", "--shard",
-                                                               "C9=data_parallel"))])
+# (3, 1): the data-parallel tables read 1 step stale (the dense delay), the others 3; with DC-ASGD too
+_REPLICAS = ("--shard", "C6=data_parallel", "--shard", "C9=data_parallel")
+
+
+@pytest.mark.parametrize("kd, shard", [((2, 2), ()), ((3, 1), _REPLICAS),
+                                       ((3, 1), (*_REPLICAS, "--stale-compensation", "50"))])
 def test_a_staleness_run_resumed_from_its_snapshot_equals_the_uninterrupted_run(tmp_path, kd, shard):
     (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
     whole = _train(tmp_path, "whole", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "6", *shard,

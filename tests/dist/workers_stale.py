@@ -76,10 +76,12 @@ def main(rank: int, world: int, workdir: str, steps: int = 6, stale: tuple = (2,
             ec = build(linear_tables(), LINEAR_PLAN, k, replicated_staleness=r)
             outs = train_linear(ec, steps, rank, world, k)
             out["linear"].setdefault(("R", k, r), []).append({"outputs": outs, "tables": export_all(ec)})
-    for k, lam in compensated:  # delay-compensated row gradients alone (no 1 / (1 + n) scale)
-        ec = build(linear_tables(), LINEAR_PLAN, k, stale_row_scale=False, stale_compensation=lam)
+    for item in compensated:  # delay-compensated row gradients alone (no 1 / (1 + n) scale): (K, lambda[, R])
+        k, lam, r = (*item, None)[:3]
+        ec = build(linear_tables(), LINEAR_PLAN, k, stale_row_scale=False, stale_compensation=lam,
+                   replicated_staleness=r)
         outs = train_linear(ec, steps, rank, world, k)
-        out["linear"][(k, lam)] = {"outputs": outs, "tables": export_all(ec)}
+        out["linear"][tuple(item)] = {"outputs": outs, "tables": export_all(ec)}
     return out
 
 

@@ -127,3 +127,61 @@ def test_the_numpy_hash_gives_the_native_kernels_registers(monkeypatch):
     native = hll_registers(ids)
     monkeypatch.setattr(_native, "available", lambda: False)
     assert np.array_equal(hll_registers(ids), native)
+
+
+def _oracle_registers(ids: np.ndarray, columns: int) -> np.ndarray:
+    """The registers by the definition, id by id in Python ints: splitmix64's finaliser of id ^ salt, the
+    top 12 bits pick the register, the low 32 bits' leading zeros + 1 (33 for 0) are its candidate."""
+    m = (1 << 64) - 1
+    out = np.zeros((columns, 4096), np.uint8)
+    for row in ids.reshape(-1, columns).tolist():
+        for c, v in enumerate(row):
+            x = (v & m) ^ 0x3C6EF372FE94F82B
+            x ^= x >> 33
+            x = (x * 0xFF51AFD7ED558CCD) & m
+            x ^= x >> 33
+            x = (x * 0xC4CEB9FE1A85EC53) & m
+            x ^= x >> 33
+            rank = 33 - (x & 0xFFFFFFFF).bit_length()
+            out[c, x >> 52] = max(out[c, x >> 52], rank)
+    return out
+
+
+_ID = st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-5, 5), st.integers(0, 1 << 20))
+
+
+@settings(max_examples=60, deadline=None)
+@given(columns=st.integers(1, 4), data=st.data())
+def test_native_registers_equal_numpy_and_the_definition_bit_for_bit(columns, data):
+    from hugeembed import _native
+
+    if not _native.available():
+        pytest.skip("native kernels not built")
+    rows = data.draw(st.lists(st.lists(_ID, min_size=columns, max_size=columns), max_size=40))
+    dups = data.draw(st.integers(0, 3))  # whole rows repeated: duplicates must not move a register
+    ids = np.array(rows * (1 + dups), np.int64).reshape(-1, columns)
+    native = hll_registers(ids, columns, native=True)
+    assert native.shape == (columns, 4096) and native.dtype == np.uint8
+    assert np.array_equal(native, hll_registers(ids, columns, native=False))
+    assert np.array_equal(native, _oracle_registers(ids, columns))
+
+
+def test_native_registers_of_a_strided_block_and_many_ids():
+    """A column slice (not contiguous) and 10^5 ids x 3 columns: the kernel equals the NumPy path."""
+    from hugeembed import _native
+
+    if not _native.available():
+        pytest.skip("native kernels not built")
+    wide = np.random.default_rng(3).integers(-(2**40), 2**40, size=(100_000, 5))
+    block = wide[:, 1:4]
+    assert np.array_equal(hll_registers(block, 3, native=True), hll_registers(block, 3, native=False))
+
+
+def test_native_registers_of_wide_rows():
+    """4100 columns (registers 4100 x 4096 bytes): every column's registers apart."""
+    from hugeembed import _native
+
+    if not _native.available():
+        pytest.skip("native kernels not built")
+    ids = np.random.default_rng(4).integers(-(2**62), 2**62, size=(3, 4100))
+    assert np.array_equal(hll_registers(ids, 4100, native=True), hll_registers(ids, 4100, native=False))
