@@ -210,7 +210,7 @@ class TorchIndex:
         found = codes != -1
         w = torch.where(found, g.buckets[:, 2].index_select(0, pos.clamp(min=0)), 0)
         n_after = count_of(w) + c
-        admit_k = g.tables[:, T_ADMIT_K].to(dev)[t]
+        admit_k = g.tables[:, T_ADMIT_K].to(dev).index_select(0, t)
         drawn = torch.ones_like(found) if admit is None else admit[sel].bool()
         new = ~found & drawn
         promote = found & (codes == PENDING) & (n_after >= admit_k)
