@@ -48,6 +48,8 @@ def row_starts(plan: LookupPlan, prep: Prepared) -> tuple[list[int], dict[int, i
 def compact_slots(plan: LookupPlan, prep: Prepared, slots: torch.Tensor, row0: list[int]) -> dict[int, torch.Tensor]:
     """Per dim, `slots` (laid out like ``prep.unique_keys``) of its tables end to end: one gather
     per dim (the native prepare leaves room between tables), sizes known on the host."""
+    if prep.packed and len(plan.tables_by_dim) == 1:  # every table, end to end from 0 (torch, triton): a view
+        return {plan.tables[0].dim: slots[: sum(prep.unique_count)]}
     out = {}
     dev = slots.device
     for D, ts in plan.tables_by_dim.items():

@@ -38,30 +38,34 @@ def _wrapped(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
 
 
 def _homes(g, keys: torch.Tensor, tids: torch.Tensor, nbuckets: int | None = None) -> torch.Tensor:
-    hk = g.tables[:, T_HASH_KEY].to(keys.device)[tids]
+    hk = g.tables[:, T_HASH_KEY].to(keys.device).index_select(0, tids)
     return home(keys, hk, g.buckets.shape[0] if nbuckets is None else nbuckets)
 
 
 def probe(g, keys: torch.Tensor, tids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, pos, probes) of (table, key) pairs (tids >= 0): code -1 when absent; pos the key's
     bucket or the first empty one on its path; probes the buckets looked at."""
-    n, dev = keys.numel(), keys.device
+    dev = keys.device
     B = g.buckets.shape[0]
-    pos = torch.empty(n, dtype=torch.int64, device=dev)
     start = _homes(g, keys, tids)
-    idx, p = torch.arange(n, device=dev), start
+    idx, p = None, start  # idx: the keys left (None: all of them, the first round: no gathers)
     width, rounds = _FIRST_WINDOW, 0
-    while idx.numel() or rounds < _ROUNDS:
+    while idx is None or idx.numel() or rounds < _ROUNDS:
         win = _wrapped(p[:, None] + torch.arange(width, device=dev), B, width)
         # the window's (key, table) columns in one gather of whole records
         rec = g.buckets.index_select(0, win.reshape(-1)).view(*win.shape, g.buckets.shape[1])
         bkeys, btabs = rec[..., 0], rec[..., 1]
-        stop = ((bkeys == keys.index_select(0, idx)[:, None]) & (btabs == tids.index_select(0, idx)[:, None])) | \
-            (btabs == EMPTY_TABLE)
+        k, t = (keys, tids) if idx is None else (keys.index_select(0, idx), tids.index_select(0, idx))
+        stop = ((bkeys == k[:, None]) & (btabs == t[:, None])) | (btabs == EMPTY_TABLE)
         stops, first = stop.to(torch.uint8).max(1, keepdim=True)  # (max: whether any, and the first, in one pass)
-        pos[idx] = win.gather(1, first).squeeze(1)  # (a key not done yet: written again by a later round)
+        at = win.gather(1, first).squeeze(1)  # (a key not done yet: written again by a later round)
+        if idx is None:
+            pos = at
+        else:
+            pos.index_copy_(0, idx, at)
         keep = (stops.squeeze(1) == 0).nonzero().squeeze(1)  # a read of the device per round
-        idx, p = idx[keep], (p[keep] + width) % B
+        idx = keep if idx is None else idx.index_select(0, keep)
+        p = _wrapped(p.index_select(0, keep) + width, B, width)
         width, rounds = _SECOND_WINDOW if rounds == 0 else min(2 * width, _MAX_WINDOW), rounds + 1
     got = g.buckets.index_select(0, pos)  # (x[i] of a 2-D tensor costs ~8x index_select a row)
     codes = torch.where(got[:, 1] != EMPTY_TABLE, code_of(got[:, 2]), -1)
@@ -151,6 +155,13 @@ def place_all(buckets: torch.Tensor, records: torch.Tensor, homes: torch.Tensor)
         wrapped, rest = torch.cat([wrapped, rest[rest.numel() - over:]]), rest[: rest.numel() - over]
 
 
+def _true_at(mask: torch.Tensor) -> torch.Tensor | slice:
+    """The positions where `mask` holds: a slice of all when it holds everywhere (x[at] is then a
+    view, not a gather: the collection's fetch skips no key, and a steady step finds them all)."""
+    at = mask.nonzero().squeeze(1)  # (its size: a read of the device, as any nonzero)
+    return slice(None) if at.numel() == mask.numel() else at
+
+
 def _check(g, tids: torch.Tensor, counts: torch.Tensor | None) -> None:
     """The kernel's checks: a table column naming a table of the group (else our bug), counts >= 1."""
     if tids.numel() and bool(((tids < -1) | (tids >= g.tables.shape[0])).any()):
@@ -173,8 +184,8 @@ class TorchIndex:
         _check(g, tids, None)
         codes = torch.full_like(keys, -1)
         counts = torch.zeros_like(keys) if hits else None
-        sel = (tids >= 0).nonzero().squeeze(1)
-        if sel.numel():
+        sel = _true_at(tids >= 0)
+        if keys[sel].numel():
             c, pos, _ = probe(g, keys[sel], tids[sel])
             codes[sel] = c
             if hits:
@@ -191,22 +202,22 @@ class TorchIndex:
         need = [0] * NEED_HEAD + [0] * (2 * T)
         need[6] = -1
         out.fill_(-1)
-        sel = (tids >= 0).nonzero().squeeze(1)
-        k, t = keys.index_select(0, sel), tids.index_select(0, sel)
-        c = counts.index_select(0, sel) if counts is not None else torch.ones_like(k)
+        sel = _true_at(tids >= 0)
+        k, t = keys[sel], tids[sel]
+        c = counts[sel] if counts is not None else torch.ones_like(k)
         codes, pos, probes = probe(g, k, t)
         out[sel] = codes.clamp(min=-1)  # what the kernel leaves in `out` on a refusal: the rows found
         found = codes != -1
         w = torch.where(found, g.buckets[:, 2].index_select(0, pos.clamp(min=0)), 0)
         n_after = count_of(w) + c
-        admit_k = g.tables[:, T_ADMIT_K].to(dev)[t]
+        admit_k = g.tables[:, T_ADMIT_K].to(dev).index_select(0, t)
         drawn = torch.ones_like(found) if admit is None else admit[sel].bool()
         new = ~found & drawn
         promote = found & (codes == PENDING) & (n_after >= admit_k)
         made_new = new & (c >= admit_k)
         gets_row, waits = made_new | promote, new & ~made_new  # a row now; a key pending from now on
         fresh = new.nonzero().squeeze(1)  # the new keys (their positions, used below)
-        if sel.numel():
+        if k.numel():
             j = int(probes.argmax())
             longest = int(probes[j])
             if longest > need[7]:
@@ -224,7 +235,9 @@ class TorchIndex:
         if hits is not None:
             hits.zero_()
             hits[sel] = torch.where(found | new, n_after, 0).clamp(max=2**31 - 1)
-        pairs = torch.stack([t[new | promote], k[new | promote]], 1)
+        # the keys that get a record or a row (none in a step whose every key is known: no work below)
+        changes = bool(fresh.numel() or need[1])
+        pairs = torch.stack([t[new | promote], k[new | promote]], 1) if changes else k[:0]
         if pairs.shape[0] > 1:
             # sorted by (table, key): by key, then stably by table (torch.unique(dim=0) costs ~1 us a row)
             by_key = pairs[torch.argsort(pairs[:, 1], stable=True)]
@@ -245,22 +258,25 @@ class TorchIndex:
             return Outcome.MUST_GROW, _state(g, need), ()
         # commit: counts and last steps of the keys found, slots in batch order, new records
         slots = g.take_rows(need[1])
-        code_now = codes.clone()
-        code_now[gets_row] = slots
-        code_now[waits] = PENDING
-        seen = found.nonzero().squeeze(1)
-        at = pos.index_select(0, seen)
-        g.buckets[:, 2].index_copy_(0, at, pack(code_now.index_select(0, seen), n_after.index_select(0, seen)))
+        code_now = codes
+        if changes:
+            code_now = codes.clone()
+            code_now[gets_row] = slots
+            code_now[waits] = PENDING
+        seen = _true_at(found)
+        at = pos[seen]
+        g.buckets[:, 2].index_copy_(0, at, pack(code_now[seen], n_after[seen]))
         g.buckets[:, 3].index_fill_(0, at, step)
-        kf = k[fresh]
-        rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
-        claim(g.buckets, rec, pos[fresh])
+        if fresh.numel():
+            kf = k[fresh]
+            rec = torch.stack([kf, t[fresh], pack(code_now[fresh], c[fresh]), torch.full_like(kf, step)], 1)
+            claim(g.buckets, rec, pos[fresh])
         st[G_ENTRIES] += fresh.numel()
         tab[:, T_ROWS] += per_t[0]
         tab[:, T_PENDING] += per_t[1] - per_t[2]
         out[sel] = torch.where(code_now >= 0, code_now, -1)
         need[3] = slots.numel()
-        return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row])
+        return Outcome.DONE, _state(g, need), (slots, k[gets_row], t[gets_row]) if changes else (slots, k[:0], t[:0])
 
     def insert(self, g, keys, tids, codes, counts, lasts) -> None:
         rec = torch.stack([keys, tids, pack(codes.to(torch.int64), counts), lasts], 1)
