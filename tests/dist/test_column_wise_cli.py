@@ -5,17 +5,14 @@ served artifact's deltas from them."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hugeembed.data import Loader, ShardSet
 
-from ._harness import ROOT
+from tests.unit.cli.clihelp import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a training run of 2 processes
 
@@ -41,9 +38,7 @@ def _csv(path, rows: int = 1200) -> None:
 
 
 def _cli(*args, cwd) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "hugeembed", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=cwd)
+    done = run_cli(*args, timeout=300, cwd=cwd)  # the launcher and its ranks forked from the tests' zygote
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from hugeembed import checkpoint as ckpt
 from hugeembed.data import SyntheticConfig, convert, write_criteo_tsv
 
-from ._harness import ROOT
+from tests.unit.cli.clihelp import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # whole training runs of several processes
 
 
 def _train(tmp_path, nproc: int, name: str, *flags: str) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", str(nproc), "--data", str(tmp_path / "shards"),
+    cmd = ["train", "--nproc", str(nproc), "--data", str(tmp_path / "shards"),
            "--eval-data", str(tmp_path / "eval.tsv"), "--data-queue", "300", "--epochs", "2", "--embedding-dim", "4",
            "--threads", "1", "--lr-decay", "0", "--eval-every", "0", "--dist-timeout", "60", "--summary-json", str(out),
            "--quiet", "--checkpoint-dir", str(tmp_path / "ck"), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          cwd=tmp_path)
+    done = run_cli(*cmd, timeout=300, cwd=tmp_path)  # the launcher and its ranks forked from the tests' zygote
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from hugeembed.training import TrainConfig, Trainer
+from tests.unit.cli.clihelp import run_cli
 
-from ._harness import ROOT
 from .test_train_cli import PER_PROCESS, toml
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # two training runs of several processes
@@ -19,11 +16,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]  # two training runs of severa
 
 def _train(tmp_path, nproc: int, batch: int, name: str, *flags: str) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", str(nproc), "--config", str(tmp_path / "run.toml"),
+    cmd = ["train", "--nproc", str(nproc), "--config", str(tmp_path / "run.toml"),
            "--batch-size", str(batch), "--checkpoint-dir", str(tmp_path / "ck"), "--summary-json", str(out), "--quiet",
            *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          cwd=tmp_path)
+    done = run_cli(*cmd, timeout=300, cwd=tmp_path)  # the launcher and its ranks forked from the tests' zygote
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
 

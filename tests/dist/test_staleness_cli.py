@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from ._harness import ROOT
+from tests.unit.cli.clihelp import run_cli
+
 from .test_train_cli import PER_PROCESS, toml
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -17,10 +15,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 def _train(tmp_path, name: str, *flags: str, kd: tuple[int, int] = (2, 2)) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
+    cmd = ["train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
            "--staleness", str(kd[0]), "--dense-staleness", str(kd[1]), "--summary-json", str(out), "--quiet", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          cwd=tmp_path)
+    done = run_cli(*cmd, timeout=240, cwd=tmp_path)  # the launcher and its ranks forked from the tests' zygote
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
 

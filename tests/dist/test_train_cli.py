@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from hugeembed import checkpoint as ckpt
 from hugeembed.training import TrainConfig, Trainer
-
-from ._harness import ROOT
+from tests.unit.cli.clihelp import run_cli
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # whole training runs of several processes: CI, not the inner loop
 
@@ -33,11 +29,9 @@ def toml(d: dict) -> str:
 def test_nproc_2_matches_one_process_then_one_process_resumes_its_snapshot(tmp_path):
     (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
-           "--checkpoint-dir", str(ck), "--checkpoint-every", "6", "--summary-json", str(tmp_path / "s.json"),
+    cmd = ["train", "--nproc", "2", "--config", str(tmp_path / "run.toml"), "--checkpoint-dir", str(ck), "--checkpoint-every", "6", "--summary-json", str(tmp_path / "s.json"),
            "--quiet", "--shard", "C1=data_parallel", "--shard", "C2=table_wise@1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    done = run_cli(*cmd, timeout=240, cwd=tmp_path)  # the launcher and its ranks forked from the tests' zygote
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("processes") == 1  # rank 0 prints the summary, once
     assert "processes                       2" in done.stdout
@@ -68,13 +62,12 @@ def test_nproc_2_with_tables_on_disk_equals_nproc_2_in_memory(tmp_path):
     """--memory-budget with 2 processes: each rank keeps its shards under <storage-dir>/rank<r>/ within
     the budget; the run's numbers equal the in-memory 2-process run's bit for bit."""
     (tmp_path / "run.toml").write_text(toml(PER_PROCESS))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def run(name: str, *extra: str) -> dict:
-        cmd = [sys.executable, "-m", "hugeembed", "train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
+        cmd = ["train", "--nproc", "2", "--config", str(tmp_path / "run.toml"),
                "--checkpoint-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), "--quiet",
                "--shard", "C1=data_parallel", "--shard", "C2=table_wise@1", *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+        done = run_cli(*cmd, timeout=240, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         return json.loads((tmp_path / f"{name}.json").read_text())
 

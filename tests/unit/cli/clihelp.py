@@ -1,7 +1,8 @@
 """run_cli: runs the real ``hugeembed`` command in a process of its own (this tree's package on PYTHONPATH).
 
 A process is forked from the tests' zygote (tests/_zygote.py): the command runs as ``python -m hugeembed``
-does (its own process, its exit status, its stdout and stderr) without ~3.5 s of start-up per call.
+does (its own process, its exit status, its stdout and stderr) without ~3.5 s of start-up per call; so do
+the ranks of a ``train --nproc N`` (the launcher's own code starts them, each forked from the zygote).
 ``HUGEEMBED_TEST_CLI_SUBPROCESS=1`` (or arguments beyond ``cwd``) runs a fresh interpreter instead.
 """
 
@@ -13,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests._zygote import ROOT, Child, enter_child
+from tests._zygote import ROOT, Child, address, run_command
 from tests._zygote import child_env as _env
 
 
@@ -28,7 +29,7 @@ def run_cli(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
 def _forked(argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="hugeembed-cli-") as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        p = Child(_command, (argv, None if cwd is None else str(cwd), out, err, _env()))
+        p = Child(run_command, (argv, None if cwd is None else str(cwd), out, err, _env(), address()))
         try:
             p.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -37,38 +38,6 @@ def _forked(argv: list[str], cwd, timeout: float) -> subprocess.CompletedProcess
             raise subprocess.TimeoutExpired(["hugeembed", *argv], timeout) from None
         read = lambda path: Path(path).read_text(errors="replace") if os.path.exists(path) else ""  # noqa: E731
         return subprocess.CompletedProcess(["hugeembed", *argv], p.returncode, read(out), read(err))
-
-
-def _command(argv: list[str], cwd: str | None, out: str, err: str, env: dict[str, str]) -> None:
-    """In the forked process: ``python -m hugeembed ARGV`` with stdout / stderr into the files."""
-    import traceback
-
-    enter_child(env, out, err)
-    code = 1
-    try:
-        if cwd is not None:
-            os.chdir(cwd)
-        sys.argv = [os.path.join(str(ROOT), "hugeembed", "__main__.py"), *argv]
-        from hugeembed.cli import main
-
-        code = main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        import atexit
-
-        try:  # as an interpreter's exit: atexit handlers and weakref finalizers (tiers remove their files)
-            atexit._run_exitfuncs()
-        except BaseException:
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from clihelp import ROOT, assert_one_line_error, run_cli
+from clihelp import assert_one_line_error, run_cli
+from tests._zygote import Child, child_env, run_command
 
 # Holds two batches of rows of every table but not the tables: rows of the default optimizer (Adam,
 # per-row: weights + 2 D moments + a counter, 196 B at D = 16) need about 1 MiB for two batches here
 BUDGET = "1100KiB"
-BASE = ("train", "--steps", "24", "--batch-size", "128", "--eval-every", "8", "--eval-rows", "2048", "--quiet",
+# One tiered run of 24 steps (fewer write no row to disk), snapshots every 8, is shared by the two slow tests
+# below: the in-memory run's twin, and the reference of the run killed after its snapshot of step 16 (not a run
+# of 40 steps killed at 20 of its own); a tiered step costs ~0.5-1 s here, an in-memory one ~30 ms
+STEPS, EVERY = 24, 8
+TIERED = ("--memory-budget", BUDGET, "--checkpoint-every", str(EVERY))
+BASE = ("train", "--steps", str(STEPS), "--batch-size", "128", "--eval-every", "8", "--eval-rows", "2048", "--quiet",
         "--synthetic-rows", "8192", "--seed", "3")
 
 
@@ -28,45 +32,47 @@ def summary(tmp_path, name, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    """(directory, summary) of the tiered run: checkpoints in <d>/ck, rows in <d>/rows."""
+    d = tmp_path_factory.mktemp("tier")
+    return d, summary(d, "tier", *TIERED, "--storage-dir", d / "rows", "--checkpoint-dir", d / "ck")
+
+
 @pytest.mark.slow  # two whole CLI training runs
-def test_a_tiered_run_equals_the_in_memory_run_and_reports_its_cache(tmp_path):
-    mem = summary(tmp_path, "mem")
-    tier = summary(tmp_path, "tier", "--memory-budget", BUDGET, "--storage-dir", tmp_path / "rows",
-                   "--checkpoint-dir", tmp_path / "ck")
+def test_a_tiered_run_equals_the_in_memory_run_and_reports_its_cache(tmp_path, tier):
+    d, tier = tier
+    # the same snapshots as the tiered run: only where the rows live differs
+    mem = summary(tmp_path, "mem", "--checkpoint-every", str(EVERY), "--checkpoint-dir", tmp_path / "ck")
     for k in ("auc", "logloss", "copc", "final_train_loss", "history", "table_rows"):
         assert tier[k] == mem[k], k
     assert 0.0 < tier["cache_hit_rate"] < 1.0
     assert tier["table_bytes_stored"] > 0 and tier["table_bytes_resident"] > 0
     assert set(tier["tiers"]) == set(mem["table_rows_per_table"])
     assert "cache_hit_rate" not in mem
-    shown = run_cli("inspect", tmp_path / "ck")
+    shown = run_cli("inspect", d / "ck")
     assert shown.returncode == 0 and "tiered table" in shown.stdout and "hit rate" in shown.stdout, shown.stderr
     # a clean exit leaves no rows behind
-    assert not list((tmp_path / "rows").glob("*/rows-*.bin")) and not list((tmp_path / "rows").glob("*/tier.json"))
+    assert not list((d / "rows").glob("*/rows-*.bin")) and not list((d / "rows").glob("*/tier.json"))
 
 
 @pytest.mark.slow
-def test_kill_9_mid_training_then_resume_continues_exactly(tmp_path):
-    args = [*BASE[:2], "40", *BASE[3:], "--memory-budget", BUDGET, "--checkpoint-every", "10"]
-    ref = run_cli(*args, "--checkpoint-dir", tmp_path / "ck_ref", "--storage-dir", tmp_path / "rows_ref",
-                  "--summary-json", tmp_path / "ref.json", timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    env_cmd = [sys.executable, "-m", "hugeembed", *map(str, args), "--checkpoint-dir", str(tmp_path / "ck"),
-               "--storage-dir", str(tmp_path / "rows")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(env_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_kill_9_mid_training_then_resume_continues_exactly(tmp_path, tier):
+    args = [*TIERED, "--checkpoint-dir", str(tmp_path / "ck"), "--storage-dir", str(tmp_path / "rows")]
+    # a process of its own, forked from the tests' zygote (tests/_zygote.py): SIGKILLed as any process is
+    proc = Child(run_command, ([*map(str, BASE), *args], None, os.devnull, None, child_env(), None))
     try:
         deadline = time.time() + 200
-        while time.time() < deadline and not list((tmp_path / "ck").glob("step-000000020")):
+        while time.time() < deadline and not list((tmp_path / "ck").glob(f"step-{STEPS - EVERY:09d}")):
             time.sleep(0.05)
     finally:  # (also when the test is cut short: no run left behind for a later test to trip over)
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
         proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
     assert list((tmp_path / "rows").glob("*/tier.json")), "the killed run left its tier behind"
-    res = run_cli(*args, "--checkpoint-dir", tmp_path / "ck", "--storage-dir", tmp_path / "rows", "--resume",
-                  "--summary-json", tmp_path / "res.json", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    a, b = json.loads((tmp_path / "ref.json").read_text()), json.loads((tmp_path / "res.json").read_text())
+    b = summary(tmp_path, "res", *args, "--resume")
+    a = tier[1]
+    assert b["steps"] == a["steps"] == STEPS
     for k in ("auc", "logloss", "copc", "table_rows"):
         assert a[k] == b[k], k
 
