@@ -58,8 +58,8 @@ def run(nproc: int, k: int, d: int, jitter: str | None, args, options: tuple = (
 
 def small_features(at_most: int) -> list[str]:
     """The synthetic Criteo features with at most `at_most` distinct ids (Criteo Kaggle's counts): the hot
-    tables every batch updates (the trainer's plan replicates those below 1 MiB, sized by the synthetic
-    cardinalities: 14 at the defaults, not C11 and C18 with Adam's state; this places them explicitly)."""
+    tables every batch updates (the trainer's plan replicates those of at most 2 MiB, sized by the synthetic
+    cardinalities: these 16 at the defaults, dim 16 and Adam; this places them explicitly at any dim)."""
     from hugeembed.data._synthetic_config import CRITEO_KAGGLE_CARDINALITIES
 
     return [f"C{j + 1}" for j, n in enumerate(CRITEO_KAGGLE_CARDINALITIES) if n <= at_most]

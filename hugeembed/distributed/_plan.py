@@ -29,7 +29,8 @@ from ._estimate import estimate_table, fmt_bytes, fmt_num, text_table
 
 __all__ = ["TablePlacement", "ShardingPlan", "propose_plan", "DATA_PARALLEL_BELOW"]
 
-DATA_PARALLEL_BELOW = 1 << 20  # bytes: propose_plan replicates a table of known size up to this
+DATA_PARALLEL_BELOW = 2 << 20  # bytes: propose_plan replicates a table of known size up to this (2 MiB: the
+# hot ~5.7 k-id Criteo tables at dim 16 with Adam, 1.35 MiB, read K stale cost -0.0009 AUC, +0.24% log loss at K = 4)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def test_planner_small_replicated_big_row_wise_rest_balanced():
     opt = Adagrad(lr=0.1)
     tables = [static("tiny", 50, 4)] + [static(f"m{i}", 10_000 * (i + 1), 16) for i in range(6)] + \
              [static("huge", 200_000, 16), TableConfig("open", 16)]
-    plan = propose_plan(tables, 4, 64 * MiB, optimizer=opt)
+    plan = propose_plan(tables, 4, 64 * MiB, optimizer=opt, data_parallel_below=MiB)  # (m0: 1.3 MiB)
     assert plan["tiny"].kind is ShardKind.DATA_PARALLEL
     assert plan["huge"].kind is ShardKind.ROW_WISE and plan["huge"].ranks == (0, 1, 2, 3)
     assert plan["open"].kind is ShardKind.ROW_WISE  # dynamic, size unknown: spread it

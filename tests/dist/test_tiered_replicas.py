@@ -57,7 +57,7 @@ def test_replicas_that_do_not_fit_the_budget_are_sharded_largest_floor_first():
     tables, opt = _tables_and_optimizer(CFG)
     sized = run_plan(CFG, 2, tables, opt)
     unsized = run_plan(CFG.replace(size_from_data=False), 2, tables, opt)
-    assert len(_replicated(sized)) == 14 and _replicated(unsized) == set()
+    assert len(_replicated(sized)) == 16 and _replicated(unsized) == set()
     roomy = _split(CFG, 10 << 20)
     assert fit_replicas(CFG, 2, tables, opt, roomy)[0] == sized  # fits: the default plan as it is
     tight = _split(CFG, 400_000)
