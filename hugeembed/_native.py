@@ -32,7 +32,7 @@ F64 = ctypes.c_double
 
 _DISABLE_ENV = "HUGEEMBED_DISABLE_NATIVE"
 # Must equal he_abi_version() in csrc/abi.cpp.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 _KERNELS_ENV = "HUGEEMBED_KERNELS"  # "portable" or "avx2" forces a build; default: the best this CPU runs

@@ -11,9 +11,11 @@ import inspect
 import sys
 
 # Names the launcher's generated binder (triton/runtime/jit.py, create_function_from_signature) uses for
-# its own locals and globals: a kernel parameter so named is shadowed, and the launch fails on a GPU only
-# ("failed to specialize argument of type: dict" for `params`), never under the interpreter.
-LAUNCHER_NAMES = frozenset({"params", "specialization", "options", "specialize_impl", "backend"})
+# its own locals and globals, and JITFunction.run's keywords: a kernel parameter so
+# named is shadowed, and the launch fails on a GPU only ("failed to specialize argument of type: dict" for
+# `params`), never under the interpreter.
+LAUNCHER_NAMES = frozenset({"params", "specialization", "options", "specialize_impl", "backend", "JITCallable",
+                            "grid", "warmup"})
 
 
 def launcher_clashes(fn) -> list[str]:

@@ -69,7 +69,7 @@ class Prepared:
     # the tables' unique keys lie end to end from 0 (no gaps: every slot belongs to a table), as the torch and
     # triton prepares lay them out; False: unknown (the native prepare leaves gaps)
     packed: bool = False
-    # int64 [capacity]: each unique key's table (the torch prepare's), or None
+    # int64 [n_unique]: each unique key's table (the torch and triton prepares': packed, no gaps), or None
     unique_tables: torch.Tensor | None = None
 
     def keys_of(self, t: int) -> torch.Tensor:

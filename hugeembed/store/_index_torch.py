@@ -185,8 +185,9 @@ class TorchIndex:
         codes = torch.full_like(keys, -1)
         counts = torch.zeros_like(keys) if hits else None
         sel = _true_at(tids >= 0)
-        if keys[sel].numel():
-            c, pos, _ = probe(g, keys[sel], tids[sel])
+        k = keys[sel]
+        if k.numel():
+            c, pos, _ = probe(g, k, tids[sel])
             codes[sel] = c
             if hits:
                 counts[sel] = torch.where(c != -1, count_of(g.buckets[pos, 2]), 0)

@@ -38,7 +38,7 @@ def test_synthetic_data_replicates_its_small_features():
     assert expected_rows(cfg, tables) == {name: c + 1 for name, c in cards.items()}  # + the missing id
     tiny = {name for name, c in cards.items() if c <= 30}  # a few KiB each
     assert tiny == {"C6", "C9", "C14", "C17", "C20", "C22", "C23"} and tiny <= _replicated(plan)
-    assert _replicated(plan) <= {name for name, c in cards.items() if c <= 10_000}  # 1 MiB: < 10k rows of dim 16
+    assert _replicated(plan) <= {name for name, c in cards.items() if c <= 10_000}  # 2 MiB: < 10k rows of dim 16 with Adam
     assert _replicated(_plan(cfg.replace(size_from_data=False))[0]) == set()  # --no-size-from-data: as before
     # the others row-wise as without sizes (sized, the planner would put mid-size ones table-wise)
     assert {p.kind for name, p in plan.placements.items() if name not in _replicated(plan)} == {ShardKind.ROW_WISE}

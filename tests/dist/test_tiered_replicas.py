@@ -85,7 +85,7 @@ def test_a_budget_nothing_fits_names_the_tables_it_sharded_and_overrides_stay_re
         fit_replicas(CFG, 2, tables, opt, _split(CFG, 250_000))
     with pytest.raises(BudgetError):  # as the plan without sizes does
         fit_replicas(CFG.replace(size_from_data=False), 2, tables, opt, _split(CFG, 250_000))
-    pinned = CFG.replace(sharding=("C13=data_parallel",))  # the largest replica floor: the first one sharded
+    pinned = CFG.replace(sharding=("C13=data_parallel",))  # sharded at 450 kB without the pin (after C11, C18)
     plan, _ = fit_replicas(pinned, 2, tables, opt, _split(CFG, 450_000))
     assert plan["C13"].kind is ShardKind.DATA_PARALLEL
 

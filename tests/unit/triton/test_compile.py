@@ -44,3 +44,6 @@ def test_no_kernel_parameter_is_shadowed_by_the_launchers_binder():
     def probe(params, x):  # the check itself sees the clash
         pass
     assert launcher_clashes(probe) == ["params"]
+    def probe_run(grid, y, warmup):  # run()'s keywords too
+        pass
+    assert launcher_clashes(probe_run) == ["grid", "warmup"]

@@ -24,7 +24,7 @@ from ._batches import DEV
 pytestmark = pytest.mark.triton
 
 FIELDS = ("batch_size", "offsets", "inverse", "weights", "unique_keys", "unique_counts", "unique_base", "unique_count",
-          "capacity", "deduplicated", "feature_starts")
+          "capacity", "deduplicated", "feature_starts", "unique_tables", "packed")
 
 
 def assert_same(got, want) -> None:
