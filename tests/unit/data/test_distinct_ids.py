@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from hugeembed import _native
 from hugeembed.data import ShardSet, SyntheticConfig, convert, load_schema, write_criteo_tsv
 from hugeembed.data._distinct import hll_estimate, hll_registers
 from hugeembed.errors import InputError
@@ -150,16 +151,14 @@ def _oracle_registers(ids: np.ndarray, columns: int) -> np.ndarray:
     return out
 
 
+needs_native = pytest.mark.skipif(not _native.available(), reason="native kernels not built")
 _ID = st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-5, 5), st.integers(0, 1 << 20))
 
 
+@needs_native
 @settings(max_examples=60, deadline=None)
 @given(columns=st.integers(1, 4), data=st.data())
 def test_native_registers_equal_numpy_and_the_definition_bit_for_bit(columns, data):
-    from hugeembed import _native
-
-    if not _native.available():
-        pytest.skip("native kernels not built")
     rows = data.draw(st.lists(st.lists(_ID, min_size=columns, max_size=columns), max_size=40))
     dups = data.draw(st.integers(0, 3))  # whole rows repeated: duplicates must not move a register
     ids = np.array(rows * (1 + dups), np.int64).reshape(-1, columns)
@@ -169,22 +168,16 @@ def test_native_registers_equal_numpy_and_the_definition_bit_for_bit(columns, da
     assert np.array_equal(native, _oracle_registers(ids, columns))
 
 
+@needs_native
 def test_native_registers_of_a_strided_block_and_many_ids():
     """A column slice (not contiguous) and 10^5 ids x 3 columns: the kernel equals the NumPy path."""
-    from hugeembed import _native
-
-    if not _native.available():
-        pytest.skip("native kernels not built")
     wide = np.random.default_rng(3).integers(-(2**40), 2**40, size=(100_000, 5))
     block = wide[:, 1:4]
     assert np.array_equal(hll_registers(block, 3, native=True), hll_registers(block, 3, native=False))
 
 
+@needs_native
 def test_native_registers_of_wide_rows():
     """4100 columns (registers 4100 x 4096 bytes): every column's registers apart."""
-    from hugeembed import _native
-
-    if not _native.available():
-        pytest.skip("native kernels not built")
     ids = np.random.default_rng(4).integers(-(2**62), 2**62, size=(3, 4100))
     assert np.array_equal(hll_registers(ids, 4100, native=True), hll_registers(ids, 4100, native=False))
